@@ -1,0 +1,80 @@
+#include "loom/spec.h"
+
+#include <google/protobuf/util/json_util.h>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+namespace loom {
+namespace {
+
+template <typename Message>
+Result<Message> parseJson(const std::string& json, const std::string& origin) {
+  Message message;
+  google::protobuf::util::JsonParseOptions options;
+  options.ignore_unknown_fields = false;
+  const auto status = google::protobuf::util::JsonStringToMessage(json, &message, options);
+  if (!status.ok()) return makeError(origin + ": " + std::string(status.message()));
+  return message;
+}
+
+}  // namespace
+
+Result<KernelSpec> parseSpecJson(const std::string& json, const std::string& origin) {
+  return parseJson<KernelSpec>(json, origin);
+}
+
+Result<Schedule> parseScheduleJson(const std::string& json, const std::string& origin) {
+  return parseJson<Schedule>(json, origin);
+}
+
+Result<std::string> readTextFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return makeError(path + ": cannot open file");
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+Status validateSpec(const KernelSpec& spec) {
+  auto fail = [](const std::string& message) { return Status(makeError(message)); };
+  if (spec.heads() < 1) return fail("heads (" + std::to_string(spec.heads()) + ") must be at least 1");
+  if (spec.kv_heads() < 1) return fail("kv_heads (" + std::to_string(spec.kv_heads()) + ") must be at least 1");
+  if (spec.heads() % spec.kv_heads() != 0)
+    return fail("kv_heads (" + std::to_string(spec.kv_heads()) + ") must divide heads (" +
+                std::to_string(spec.heads()) + ")");
+  if (spec.pseudo_heads() < 1)
+    return fail("pseudo_heads (" + std::to_string(spec.pseudo_heads()) + ") must be at least 1");
+  if (spec.head_dim() < 1) return fail("head_dim (" + std::to_string(spec.head_dim()) + ") must be at least 1");
+  if (spec.dtype() == v1::dtype_unspecified) return fail("dtype is missing (float32, float16 or bfloat16)");
+  if (spec.mask() == v1::mask_unspecified) return fail("mask is missing (flat_causal, token_causal or none)");
+  if (spec.collapse() == v1::collapse_unspecified) return fail("collapse is missing (per_head or global)");
+  if (spec.window() < 0) return fail("window (" + std::to_string(spec.window()) + ") must not be negative");
+  if (!std::isfinite(spec.rope_theta()) || spec.rope_theta() < 0)
+    return fail("rope_theta must be 0 (no rotary embedding) or positive");
+  if (spec.rope_theta() > 0 && spec.head_dim() % 2 != 0)
+    return fail("head_dim (" + std::to_string(spec.head_dim()) + ") must be even when rope_theta > 0");
+  if (spec.has_scale() && (!std::isfinite(spec.scale()) || spec.scale() <= 0))
+    return fail("scale must be positive and finite");
+  return Status::success();
+}
+
+std::string toJson(const google::protobuf::Message& message) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.preserve_proto_field_names = true;
+  options.add_whitespace = true;
+  std::string json;
+  (void)google::protobuf::util::MessageToJsonString(message, &json, options);
+  return json;
+}
+
+double effectiveScale(const KernelSpec& spec) {
+  return spec.has_scale() ? spec.scale() : 1.0 / std::sqrt(double(spec.head_dim()));
+}
+
+std::string maskName(v1::MaskMode mask) { return v1::MaskMode_Name(mask); }
+std::string collapseName(v1::CollapseMode collapse) { return v1::CollapseMode_Name(collapse); }
+std::string dtypeName(v1::DType dtype) { return v1::DType_Name(dtype); }
+
+}  // namespace loom

@@ -1,0 +1,171 @@
+#include "io/case.h"
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+namespace loom {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr double kFloat32Tolerance = 1e-5;
+constexpr double kFloat16Tolerance = 2e-3;
+constexpr double kBfloat16Tolerance = 1e-2;
+
+struct ExpectedShape {
+  const char* name;
+  std::vector<int64_t> shape;
+};
+
+Status checkArray(const std::string& path, const NpyArray& array, const std::vector<int64_t>& want,
+                  bool isActivation, v1::DType dtype) {
+  if (array.shape != want)
+    return makeError(path + ": shape " + shapeString(array.shape) + " does not match the spec, want " +
+                     shapeString(want));
+  if (isActivation && array.type != storageTypeOf(dtype))
+    return makeError(path + ": stored type does not match spec dtype " + dtypeName(dtype));
+  if (!isActivation && array.type != NpyType::float32 && array.type != NpyType::float64)
+    return makeError(path + ": weights must be float32 or float64");
+  const std::vector<double> values = npyToDouble(array, dtype == v1::bfloat16);
+  for (size_t i = 0; i < values.size(); ++i)
+    if (!std::isfinite(values[i]))
+      return makeError(path + ": element " + std::to_string(i) + " is " + (std::isnan(values[i]) ? "NaN" : "Inf"));
+  return Status::success();
+}
+
+}  // namespace
+
+NpyType storageTypeOf(v1::DType dtype) {
+  switch (dtype) {
+    case v1::float16: return NpyType::float16;
+    case v1::bfloat16: return NpyType::uint16;
+    default: return NpyType::float32;
+  }
+}
+
+double toleranceFor(v1::DType dtype) {
+  switch (dtype) {
+    case v1::float16: return kFloat16Tolerance;
+    case v1::bfloat16: return kBfloat16Tolerance;
+    default: return kFloat32Tolerance;
+  }
+}
+
+Result<IhaCase> loadCase(const std::string& dir) {
+  if (!fs::is_directory(dir)) return makeError(dir + ": not a case folder");
+  const std::string specPath = (fs::path(dir) / "spec.json").string();
+  auto specText = readTextFile(specPath);
+  if (!specText) return specText.error();
+  auto spec = parseSpecJson(*specText, specPath);
+  if (!spec) return spec.error();
+  if (Status valid = validateSpec(*spec); !valid) return makeError(specPath + ": " + valid.error().message);
+
+  IhaCase c;
+  c.spec = *spec;
+  std::vector<NpyArray> arrays;
+  for (const char* name : kCaseInputs) {
+    auto array = readNpy((fs::path(dir) / (std::string(name) + ".npy")).string());
+    if (!array) return array.error();
+    arrays.push_back(std::move(*array));
+  }
+  const NpyArray& q = arrays[0];
+  if (q.shape.size() != 4) return makeError((fs::path(dir) / "q.npy").string() + ": want 4 dimensions [B, N, H, d], got " + shapeString(q.shape));
+  c.batch = q.shape[0];
+  c.tokens = q.shape[1];
+  const int64_t B = c.batch, N = c.tokens, H = spec->heads(), G = spec->kv_heads(), P = spec->pseudo_heads(),
+                d = spec->head_dim();
+  const std::vector<int64_t> collapseShape =
+      spec->collapse() == v1::per_head ? std::vector<int64_t>{H, P} : std::vector<int64_t>{H, H * P};
+  const std::vector<std::vector<int64_t>> want = {{B, N, H, d}, {B, N, G, d}, {B, N, G, d}, {H, H, P},
+                                                  {G, G, P},    {G, G, P},    collapseShape};
+  std::vector<std::vector<double>*> targets = {&c.inputs.q,       &c.inputs.k,       &c.inputs.v,       &c.inputs.alpha_q,
+                                               &c.inputs.alpha_k, &c.inputs.alpha_v, &c.inputs.collapse};
+  for (size_t i = 0; i < arrays.size(); ++i) {
+    const std::string path = (fs::path(dir) / (std::string(kCaseInputs[i]) + ".npy")).string();
+    if (Status ok = checkArray(path, arrays[i], want[i], i < 3, spec->dtype()); !ok) return ok.error();
+    *targets[i] = npyToDouble(arrays[i], spec->dtype() == v1::bfloat16);
+  }
+  c.inputs.batch = B;
+  c.inputs.tokens = N;
+
+  const fs::path expectedPath = fs::path(dir) / "expected.npy";
+  if (fs::exists(expectedPath)) {
+    auto expected = readNpy(expectedPath.string());
+    if (!expected) return expected.error();
+    if (expected->shape != want[0])
+      return makeError(expectedPath.string() + ": shape " + shapeString(expected->shape) + " does not match q, want " +
+                       shapeString(want[0]));
+    c.expected = npyToDouble(*expected, false);
+  }
+  return c;
+}
+
+Status writeCase(const std::string& dir, const IhaCase& c) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return makeError(dir + ": cannot create folder: " + ec.message());
+  {
+    std::ofstream spec(fs::path(dir) / "spec.json");
+    spec << toJson(c.spec);
+    if (!spec) return makeError(dir + "/spec.json: write failed");
+  }
+  const int64_t B = c.batch, N = c.tokens, H = c.spec.heads(), G = c.spec.kv_heads(), P = c.spec.pseudo_heads(),
+                d = c.spec.head_dim();
+  const std::vector<int64_t> collapseShape =
+      c.spec.collapse() == v1::per_head ? std::vector<int64_t>{H, P} : std::vector<int64_t>{H, H * P};
+  const std::vector<std::vector<int64_t>> shapes = {{B, N, H, d}, {B, N, G, d}, {B, N, G, d}, {H, H, P},
+                                                    {G, G, P},    {G, G, P},    collapseShape};
+  const std::vector<const std::vector<double>*> sources = {&c.inputs.q,       &c.inputs.k,       &c.inputs.v,
+                                                           &c.inputs.alpha_q, &c.inputs.alpha_k, &c.inputs.alpha_v,
+                                                           &c.inputs.collapse};
+  for (size_t i = 0; i < sources.size(); ++i) {
+    const NpyType type = i < 3 ? storageTypeOf(c.spec.dtype()) : NpyType::float32;
+    const std::string path = (fs::path(dir) / (std::string(kCaseInputs[i]) + ".npy")).string();
+    if (Status ok = writeNpy(path, npyFromDouble(*sources[i], shapes[i], type)); !ok) return ok;
+  }
+  if (c.expected)
+    return writeNpy((fs::path(dir) / "expected.npy").string(), npyFromDouble(*c.expected, shapes[0], NpyType::float64));
+  return Status::success();
+}
+
+IhaCase drawCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  const NpyType activation = storageTypeOf(spec.dtype());
+  // Round through the stored type so the case holds exactly what is on disk.
+  auto draw = [&](int64_t count, double sigma, NpyType type) {
+    std::vector<double> values(static_cast<size_t>(count));
+    for (double& value : values) value = sigma * normal(rng);
+    return npyToDouble(npyFromDouble(values, {count}, type), true);
+  };
+  const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
+  IhaCase c;
+  c.spec = spec;
+  c.batch = batch;
+  c.tokens = tokens;
+  c.inputs.batch = batch;
+  c.inputs.tokens = tokens;
+  c.inputs.q = draw(batch * tokens * H * d, 1.0, activation);
+  c.inputs.k = draw(batch * tokens * G * d, 1.0, activation);
+  c.inputs.v = draw(batch * tokens * G * d, 1.0, activation);
+  c.inputs.alpha_q = draw(H * H * P, 1.0 / std::sqrt(double(H)), NpyType::float32);
+  c.inputs.alpha_k = draw(G * G * P, 1.0 / std::sqrt(double(G)), NpyType::float32);
+  c.inputs.alpha_v = draw(G * G * P, 1.0 / std::sqrt(double(G)), NpyType::float32);
+  const int64_t fan = spec.collapse() == v1::per_head ? P : H * P;
+  c.inputs.collapse = draw(H * fan, 1.0 / std::sqrt(double(fan)), NpyType::float32);
+  return c;
+}
+
+double relativeError(const std::vector<double>& out, const std::vector<double>& ref) {
+  double diff = 0, norm = 0;
+  for (size_t i = 0; i < out.size() && i < ref.size(); ++i) {
+    if (!std::isfinite(out[i])) return std::nan("");
+    diff += (out[i] - ref[i]) * (out[i] - ref[i]);
+    norm += ref[i] * ref[i];
+  }
+  if (out.size() != ref.size()) return std::nan("");
+  return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-300);
+}
+
+}  // namespace loom

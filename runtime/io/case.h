@@ -1,0 +1,50 @@
+// A test case on disk (docs/IHA.md, "Test cases on disk"): spec.json plus the
+// input arrays and, optionally, expected.npy in float64.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "io/npy.h"
+#include "loom/result.h"
+#include "loom/spec.h"
+#include "reference/iha_reference.h"
+
+namespace loom {
+
+struct IhaCase {
+  KernelSpec spec;
+  int64_t batch = 0;
+  int64_t tokens = 0;
+  // Inputs widened to double (q, k, v hold exactly the stored fp16 / bf16 values).
+  reference::IhaInputs inputs;
+  std::optional<std::vector<double>> expected;  // [B, N, H, d]
+};
+
+// The names of a case's input arrays, in the order they are read.
+inline constexpr const char* kCaseInputs[] = {"q", "k", "v", "alpha_q", "alpha_k", "alpha_v", "collapse"};
+
+// Loads and checks a case folder: every shape against the spec, q/k/v stored
+// in the spec's dtype, no NaN or Inf. Errors name the file or field.
+Result<IhaCase> loadCase(const std::string& dir);
+
+// Writes spec.json, the inputs (q/k/v in the spec's dtype, weights float32)
+// and, when the case has one, expected.npy (float64).
+Status writeCase(const std::string& dir, const IhaCase& c);
+
+// Draws a case the way the shared vectors are drawn: q, k, v ~ N(0, 1)
+// rounded to the spec's dtype; mixing and collapse weights ~ N(0, 1/H') in
+// float32. The same seed gives the same case.
+IhaCase drawCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed);
+
+// ||out - ref|| / ||ref||; NaN when any element of `out` is not finite.
+double relativeError(const std::vector<double>& out, const std::vector<double>& ref);
+
+// The contract's tolerance for a path whose inputs are `dtype`.
+double toleranceFor(v1::DType dtype);
+
+NpyType storageTypeOf(v1::DType dtype);
+
+}  // namespace loom

@@ -1,0 +1,123 @@
+#include "reference/iha_reference.h"
+
+#include <cmath>
+#include <limits>
+
+namespace loom::reference {
+namespace {
+
+double scaleOf(const v1::KernelSpec& spec) {
+  return spec.has_scale() ? spec.scale() : 1.0 / std::sqrt(double(spec.head_dim()));
+}
+
+// Half-split rotary embedding of one row at virtual position `position`.
+void rotate(std::vector<double>& row, int64_t position, double theta) {
+  const int64_t d = int64_t(row.size());
+  for (int64_t j = 0; j < d / 2; ++j) {
+    const double angle = double(position) * std::pow(theta, -2.0 * double(j) / double(d));
+    const double x0 = row[j], x1 = row[j + d / 2];
+    row[j] = x0 * std::cos(angle) - x1 * std::sin(angle);
+    row[j + d / 2] = x0 * std::sin(angle) + x1 * std::cos(angle);
+  }
+}
+
+// rows[head][virtual row][d]: step 1 (mix) and step 2 (interleave) for one
+// batch entry of q (heads = H) or k / v (heads = G).
+using Rows = std::vector<std::vector<std::vector<double>>>;
+
+Rows mixAndInterleave(const std::vector<double>& x, const std::vector<double>& alpha, int64_t b, int64_t tokens,
+                      int64_t heads, int64_t pseudo, int64_t d) {
+  Rows rows(heads, std::vector<std::vector<double>>(tokens * pseudo, std::vector<double>(d, 0.0)));
+  for (int64_t n = 0; n < tokens; ++n)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t p = 0; p < pseudo; ++p)
+        for (int64_t m = 0; m < heads; ++m) {
+          const double weight = alpha[(m * heads + h) * pseudo + p];
+          const double* source = &x[((b * tokens + n) * heads + m) * d];
+          for (int64_t c = 0; c < d; ++c) rows[h][n * pseudo + p][c] += weight * source[c];
+        }
+  return rows;
+}
+
+}  // namespace
+
+bool allowed(const v1::KernelSpec& spec, int64_t i, int64_t j) {
+  const int64_t P = spec.pseudo_heads();
+  const int64_t W = spec.window();
+  const int64_t ti = i / P, tj = j / P;
+  switch (spec.mask()) {
+    case v1::flat_causal: return j <= i && (W == 0 || i - j < W * P);
+    case v1::token_causal: return tj <= ti && (W == 0 || ti - tj < W);
+    case v1::none: return W == 0 || std::llabs(ti - tj) < W;
+    default: return false;
+  }
+}
+
+IhaOutputs ihaForward(const v1::KernelSpec& spec, const IhaInputs& in) {
+  const int64_t B = in.batch, N = in.tokens;
+  const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
+  const int64_t L = N * P;
+  const double scale = scaleOf(spec);
+
+  IhaOutputs result;
+  result.out.assign(size_t(B * N * H * d), 0.0);
+  result.lse.assign(size_t(B * H * L), 0.0);
+
+  for (int64_t b = 0; b < B; ++b) {
+    Rows qRows = mixAndInterleave(in.q, in.alpha_q, b, N, H, P, d);
+    Rows kRows = mixAndInterleave(in.k, in.alpha_k, b, N, G, P, d);
+    Rows vRows = mixAndInterleave(in.v, in.alpha_v, b, N, G, P, d);
+    if (spec.rope_theta() > 0) {
+      for (auto& head : qRows)
+        for (int64_t i = 0; i < L; ++i) rotate(head[i], i, spec.rope_theta());
+      for (auto& head : kRows)
+        for (int64_t i = 0; i < L; ++i) rotate(head[i], i, spec.rope_theta());
+    }
+
+    // Step 4: softmax attention of every virtual row, per query head.
+    Rows pseudoOut(H, std::vector<std::vector<double>>(L, std::vector<double>(d, 0.0)));
+    std::vector<double> scores(L);
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t g = h / (H / G);
+      for (int64_t i = 0; i < L; ++i) {
+        double rowMax = -std::numeric_limits<double>::infinity();
+        for (int64_t j = 0; j < L; ++j) {
+          if (!allowed(spec, i, j)) continue;
+          double dot = 0;
+          for (int64_t c = 0; c < d; ++c) dot += qRows[h][i][c] * kRows[g][j][c];
+          scores[j] = scale * dot;
+          rowMax = std::max(rowMax, scores[j]);
+        }
+        double sum = 0;
+        for (int64_t j = 0; j < L; ++j)
+          if (allowed(spec, i, j)) sum += std::exp(scores[j] - rowMax);
+        for (int64_t j = 0; j < L; ++j) {
+          if (!allowed(spec, i, j)) continue;
+          const double weight = std::exp(scores[j] - rowMax) / sum;
+          for (int64_t c = 0; c < d; ++c) pseudoOut[h][i][c] += weight * vRows[g][j][c];
+        }
+        result.lse[(b * H + h) * L + i] = rowMax + std::log(sum);
+      }
+    }
+
+    // Step 5: fold the P pseudo outputs back into H heads.
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t h = 0; h < H; ++h) {
+        double* target = &result.out[((b * N + n) * H + h) * d];
+        for (int64_t source = 0; source < H; ++source)
+          for (int64_t p = 0; p < P; ++p) {
+            double weight;
+            if (spec.collapse() == v1::per_head) {
+              if (source != h) continue;
+              weight = in.collapse[h * P + p];
+            } else {
+              weight = in.collapse[h * H * P + source * P + p];
+            }
+            for (int64_t c = 0; c < d; ++c) target[c] += weight * pseudoOut[source][n * P + p][c];
+          }
+      }
+  }
+  return result;
+}
+
+}  // namespace loom::reference

@@ -1,0 +1,181 @@
+// `loom run` and `loom draw` as a user calls them: exit codes and messages.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "io/case.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::runLoom;
+using testing::TempDir;
+
+class CliRun : public ::testing::Test {
+ protected:
+  // A fresh random case, valid until a test breaks one part of it.
+  void SetUp() override {
+    std::mt19937_64 rng(testing::testSeed());
+    spec_ = testing::randomSpec(rng);
+    spec_.set_rope_theta(10000.0);
+    IhaCase c = drawCase(spec_, 1, 5, rng());
+    c.expected = reference::ihaForward(c.spec, c.inputs).out;
+    ASSERT_TRUE(writeCase(caseDir(), c));
+  }
+
+  std::string caseDir() const { return dir_ / "case"; }
+  testing::CommandResult run() const {
+    return runLoom("run --case " + caseDir() + " --backend reference --out " + (dir_ / "out.npy"));
+  }
+  void writeSpec(const std::string& json) const { std::ofstream(caseDir() + "/spec.json") << json; }
+  void expectBadInput(const std::string& fragment) const {
+    const auto result = run();
+    EXPECT_EQ(result.exitCode, 2) << result.output;
+    EXPECT_NE(result.output.find(fragment), std::string::npos) << result.output;
+    EXPECT_EQ(std::count(result.output.begin(), result.output.end(), '\n'), 1) << "one line: " << result.output;
+  }
+
+  TempDir dir_;
+  KernelSpec spec_;
+};
+
+TEST_F(CliRun, PassesAndWritesTheOutput) {
+  const auto result = run();
+  EXPECT_EQ(result.exitCode, 0) << result.output;
+  EXPECT_NE(result.output.find("ok"), std::string::npos);
+  auto out = readNpy(dir_ / "out.npy");
+  ASSERT_TRUE(out) << out.error().message;
+  EXPECT_EQ(out->type, NpyType::float32);
+  EXPECT_EQ(out->shape, (std::vector<int64_t>{1, 5, spec_.heads(), spec_.head_dim()}));
+}
+
+TEST_F(CliRun, OutDtypeChoosesTheFileType) {
+  const auto result = runLoom("run --case " + caseDir() + " --out " + (dir_ / "o16.npy") + " --out-dtype bfloat16");
+  EXPECT_EQ(result.exitCode, 0) << result.output;
+  auto out = readNpy(dir_ / "o16.npy");
+  ASSERT_TRUE(out);
+  EXPECT_EQ(out->type, NpyType::uint16);
+}
+
+TEST_F(CliRun, WrongExpectedFailsTheCheck) {
+  auto c = loadCase(caseDir());
+  ASSERT_TRUE(c);
+  std::vector<double> wrong = *c->expected;
+  wrong[wrong.size() / 2] += 1.0;
+  ASSERT_TRUE(writeNpy(caseDir() + "/expected.npy",
+                       npyFromDouble(wrong, {1, 5, spec_.heads(), spec_.head_dim()}, NpyType::float64)));
+  const auto result = run();
+  EXPECT_EQ(result.exitCode, 1) << result.output;
+  EXPECT_NE(result.output.find("FAILED"), std::string::npos);
+}
+
+TEST_F(CliRun, MissingFile) {
+  fs::remove(caseDir() + "/v.npy");
+  expectBadInput("v.npy: cannot open file");
+}
+
+TEST_F(CliRun, MalformedNpy) {
+  std::ofstream(caseDir() + "/alpha_k.npy") << "\x93NUMPY garbage";
+  expectBadInput("alpha_k.npy: malformed .npy");
+}
+
+TEST_F(CliRun, ShapesThatDisagree) {
+  ASSERT_TRUE(writeNpy(caseDir() + "/k.npy",
+                       npyFromDouble(std::vector<double>(2 * 5 * spec_.kv_heads() * spec_.head_dim(), 0.5),
+                                     {2, 5, spec_.kv_heads(), spec_.head_dim()}, NpyType::float32)));
+  expectBadInput("k.npy: shape [2, 5,");
+}
+
+TEST_F(CliRun, KvHeadsNotDividingHeads) {
+  writeSpec(R"({"heads": 4, "kv_heads": 3, "pseudo_heads": 2, "head_dim": 8, "mask": "flat_causal",
+                "window": 0, "collapse": "per_head", "rope_theta": 0, "dtype": "float32"})");
+  expectBadInput("kv_heads (3) must divide heads (4)");
+}
+
+TEST_F(CliRun, OddHeadDimWithRope) {
+  writeSpec(R"({"heads": 2, "kv_heads": 2, "pseudo_heads": 2, "head_dim": 7, "mask": "flat_causal",
+                "window": 0, "collapse": "per_head", "rope_theta": 10000, "dtype": "float32"})");
+  expectBadInput("head_dim (7) must be even when rope_theta > 0");
+}
+
+TEST_F(CliRun, NanInInputs) {
+  auto q = readNpy(caseDir() + "/q.npy");
+  ASSERT_TRUE(q);
+  std::vector<double> values = npyToDouble(*q);
+  values[3] = std::nan("");
+  ASSERT_TRUE(writeNpy(caseDir() + "/q.npy", npyFromDouble(values, q->shape, q->type)));
+  expectBadInput("q.npy: element 3 is NaN");
+}
+
+TEST_F(CliRun, InfInInputs) {
+  auto v = readNpy(caseDir() + "/v.npy");
+  ASSERT_TRUE(v);
+  std::vector<double> values = npyToDouble(*v);
+  values[0] = -INFINITY;
+  ASSERT_TRUE(writeNpy(caseDir() + "/v.npy", npyFromDouble(values, v->shape, v->type)));
+  expectBadInput("v.npy: element 0 is Inf");
+}
+
+TEST_F(CliRun, UnknownMaskName) {
+  writeSpec(R"({"heads": 2, "kv_heads": 2, "pseudo_heads": 2, "head_dim": 8, "mask": "causal",
+                "window": 0, "collapse": "per_head", "rope_theta": 0, "dtype": "float32"})");
+  expectBadInput("mask");
+}
+
+TEST_F(CliRun, UnknownCollapseName) {
+  writeSpec(R"({"heads": 2, "kv_heads": 2, "pseudo_heads": 2, "head_dim": 8, "mask": "none",
+                "window": 0, "collapse": "sum", "rope_theta": 0, "dtype": "float32"})");
+  expectBadInput("collapse");
+}
+
+TEST_F(CliRun, NegativeWindow) {
+  writeSpec(R"({"heads": 2, "kv_heads": 2, "pseudo_heads": 2, "head_dim": 8, "mask": "none",
+                "window": -1, "collapse": "per_head", "rope_theta": 0, "dtype": "float32"})");
+  expectBadInput("window (-1) must not be negative");
+}
+
+TEST_F(CliRun, MissingCaseFolder) {
+  const auto result = runLoom("run --case " + (dir_ / "nowhere"));
+  EXPECT_EQ(result.exitCode, 2);
+  EXPECT_NE(result.output.find("not a case folder"), std::string::npos) << result.output;
+}
+
+TEST(Cli, UnknownBackendAndHelp) {
+  const auto bad = runLoom("run --case x --backend quantum");
+  EXPECT_EQ(bad.exitCode, 2) << bad.output;
+  EXPECT_NE(bad.output.find("quantum"), std::string::npos) << bad.output;
+  const auto help = runLoom("run --help");
+  EXPECT_EQ(help.exitCode, 0);
+  EXPECT_NE(help.output.find("--backend"), std::string::npos);
+}
+
+TEST(Cli, EverySharedCasePasses) {
+  TempDir dir;
+  for (const std::string& name : testing::sharedCaseNames()) {
+    const auto result = runLoom("run --case " + testing::casesDir() + "/" + name + " --out " + (dir / "out.npy"));
+    EXPECT_EQ(result.exitCode, 0) << name << ": " << result.output;
+  }
+}
+
+// New cases drawn with other seeds and shapes, through the CLI end to end.
+TEST(Cli, DrawnCasesPass) {
+  TempDir dir;
+  std::mt19937_64 rng(testing::testSeed());
+  for (int trial = 0; trial < 3; ++trial) {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_dtype(trial == 1 ? v1::float16 : trial == 2 ? v1::bfloat16 : v1::float32);
+    std::ofstream(dir / "spec.json") << toJson(spec);
+    const std::string caseDir = dir / ("drawn" + std::to_string(trial));
+    const auto drawn = runLoom("draw --spec " + (dir / "spec.json") + " --out " + caseDir + " --tokens " +
+                               std::to_string(3 + rng() % 6) + " --seed " + std::to_string(rng()));
+    ASSERT_EQ(drawn.exitCode, 0) << drawn.output;
+    const auto result = runLoom("run --case " + caseDir + " --out " + (dir / "out.npy"));
+    EXPECT_EQ(result.exitCode, 0) << spec.ShortDebugString() << ": " << result.output;
+  }
+}
+
+}  // namespace
+}  // namespace loom

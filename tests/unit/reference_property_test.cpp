@@ -1,0 +1,188 @@
+// The identities of docs/IHA.md, checked on randomly drawn shapes and seeds.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+
+#include "io/case.h"
+#include "reference/iha_reference.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+constexpr int kTrials = 12;
+constexpr double kTolerance = 1e-12;
+
+double maxAbsDiff(const std::vector<double>& a, const std::vector<double>& b) {
+  double worst = 0;
+  for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, std::abs(a[i] - b[i]));
+  return worst;
+}
+
+// Textbook multi-head attention, written independently of the reference.
+std::vector<double> plainAttention(const std::vector<double>& q, const std::vector<double>& k,
+                                   const std::vector<double>& v, int64_t B, int64_t N, int64_t H, int64_t G,
+                                   int64_t d, double scale, bool causal) {
+  std::vector<double> out(size_t(B * N * H * d), 0.0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t g = h * G / H;
+      for (int64_t i = 0; i < N; ++i) {
+        const int64_t last = causal ? i : N - 1;
+        std::vector<double> s(size_t(last + 1));
+        for (int64_t j = 0; j <= last; ++j) {
+          double dot = 0;
+          for (int64_t c = 0; c < d; ++c) dot += q[((b * N + i) * H + h) * d + c] * k[((b * N + j) * G + g) * d + c];
+          s[j] = scale * dot;
+        }
+        const double top = *std::max_element(s.begin(), s.end());
+        double sum = 0;
+        for (double& x : s) sum += (x = std::exp(x - top));
+        for (int64_t j = 0; j <= last; ++j)
+          for (int64_t c = 0; c < d; ++c)
+            out[((b * N + i) * H + h) * d + c] += s[j] / sum * v[((b * N + j) * G + g) * d + c];
+      }
+    }
+  return out;
+}
+
+void setIdentity(std::vector<double>& alpha, int64_t heads) {
+  std::fill(alpha.begin(), alpha.end(), 0.0);
+  for (int64_t h = 0; h < heads; ++h) alpha[h * heads + h] = 1.0;  // [m, h, p] with P = 1
+}
+
+TEST(ReferenceProperty, OnePseudoHeadWithIdentityMixingIsMultiHeadAttention) {
+  std::mt19937_64 rng(testing::testSeed());
+  for (int trial = 0; trial < kTrials; ++trial) {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_pseudo_heads(1);
+    spec.set_window(0);
+    spec.set_rope_theta(0);
+    spec.set_collapse(v1::per_head);
+    const int64_t B = 1 + rng() % 2, N = 1 + rng() % 9;
+    IhaCase c = drawCase(spec, B, N, rng());
+    setIdentity(c.inputs.alpha_q, spec.heads());
+    setIdentity(c.inputs.alpha_k, spec.kv_heads());
+    setIdentity(c.inputs.alpha_v, spec.kv_heads());
+    std::fill(c.inputs.collapse.begin(), c.inputs.collapse.end(), 1.0);
+    const auto iha = reference::ihaForward(spec, c.inputs).out;
+    const auto mha = plainAttention(c.inputs.q, c.inputs.k, c.inputs.v, B, N, spec.heads(), spec.kv_heads(),
+                                    spec.head_dim(), effectiveScale(spec), spec.mask() != v1::none);
+    EXPECT_LT(maxAbsDiff(iha, mha), kTolerance) << spec.ShortDebugString();
+  }
+}
+
+TEST(ReferenceProperty, PerHeadEqualsBlockDiagonalGlobal) {
+  std::mt19937_64 rng(testing::testSeed() + 1);
+  for (int trial = 0; trial < kTrials; ++trial) {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_collapse(v1::per_head);
+    const int64_t N = 1 + rng() % 8;
+    IhaCase c = drawCase(spec, 1, N, rng());
+    const auto perHead = reference::ihaForward(spec, c.inputs).out;
+
+    const int64_t H = spec.heads(), P = spec.pseudo_heads();
+    KernelSpec globalSpec = spec;
+    globalSpec.set_collapse(v1::global);
+    reference::IhaInputs globalInputs = c.inputs;
+    globalInputs.collapse.assign(size_t(H * H * P), 0.0);
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t p = 0; p < P; ++p) globalInputs.collapse[h * H * P + h * P + p] = c.inputs.collapse[h * P + p];
+    const auto global = reference::ihaForward(globalSpec, globalInputs).out;
+    EXPECT_LT(maxAbsDiff(perHead, global), kTolerance) << spec.ShortDebugString();
+  }
+}
+
+TEST(ReferenceProperty, CausalModesNeverLookAhead) {
+  std::mt19937_64 rng(testing::testSeed() + 2);
+  for (int trial = 0; trial < kTrials; ++trial) {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_mask(trial % 2 ? v1::flat_causal : v1::token_causal);
+    const int64_t N = 2 + rng() % 8;
+    IhaCase c = drawCase(spec, 1, N, rng());
+    const auto before = reference::ihaForward(spec, c.inputs);
+    const int64_t changed = 1 + int64_t(rng() % (N - 1));  // token whose inputs change
+    const int64_t H = spec.heads(), G = spec.kv_heads(), d = spec.head_dim();
+    for (int64_t x = 0; x < H * d; ++x) c.inputs.q[changed * H * d + x] += 1.0;
+    for (int64_t x = 0; x < G * d; ++x) {
+      c.inputs.k[changed * G * d + x] -= 0.7;
+      c.inputs.v[changed * G * d + x] += 2.0;
+    }
+    const auto after = reference::ihaForward(spec, c.inputs);
+    const int64_t earlier = changed * H * d;  // elements of tokens < changed
+    for (int64_t x = 0; x < earlier; ++x) ASSERT_NEAR(before.out[x], after.out[x], kTolerance) << spec.ShortDebugString();
+    // ... and the change is visible at the changed token itself.
+    EXPECT_GT(maxAbsDiff(std::vector<double>(before.out.begin() + earlier, before.out.end()),
+                         std::vector<double>(after.out.begin() + earlier, after.out.end())),
+              1e-6);
+  }
+}
+
+// Query heads are permuted group by group (sigma over kv heads, tau inside a
+// group) so that every query head keeps its kv head.
+TEST(ReferenceProperty, PermutingHeadsPermutesTheOutput) {
+  std::mt19937_64 rng(testing::testSeed() + 3);
+  for (int trial = 0; trial < kTrials; ++trial) {
+    const KernelSpec spec = testing::randomSpec(rng);
+    const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
+    const int64_t groupSize = H / G, N = 1 + rng() % 6;
+    IhaCase c = drawCase(spec, 1, N, rng());
+    std::vector<int64_t> sigma(G), tau(groupSize), pi(H);
+    std::iota(sigma.begin(), sigma.end(), 0);
+    std::iota(tau.begin(), tau.end(), 0);
+    std::shuffle(sigma.begin(), sigma.end(), rng);
+    std::shuffle(tau.begin(), tau.end(), rng);
+    for (int64_t h = 0; h < H; ++h) pi[h] = sigma[h / groupSize] * groupSize + tau[h % groupSize];
+
+    reference::IhaInputs permuted = c.inputs;
+    for (int64_t n = 0; n < N; ++n) {
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t x = 0; x < d; ++x) permuted.q[(n * H + h) * d + x] = c.inputs.q[(n * H + pi[h]) * d + x];
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t x = 0; x < d; ++x) {
+          permuted.k[(n * G + g) * d + x] = c.inputs.k[(n * G + sigma[g]) * d + x];
+          permuted.v[(n * G + g) * d + x] = c.inputs.v[(n * G + sigma[g]) * d + x];
+        }
+    }
+    for (int64_t m = 0; m < H; ++m)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t p = 0; p < P; ++p)
+          permuted.alpha_q[(m * H + h) * P + p] = c.inputs.alpha_q[(pi[m] * H + pi[h]) * P + p];
+    for (int64_t m = 0; m < G; ++m)
+      for (int64_t g = 0; g < G; ++g)
+        for (int64_t p = 0; p < P; ++p) {
+          permuted.alpha_k[(m * G + g) * P + p] = c.inputs.alpha_k[(sigma[m] * G + sigma[g]) * P + p];
+          permuted.alpha_v[(m * G + g) * P + p] = c.inputs.alpha_v[(sigma[m] * G + sigma[g]) * P + p];
+        }
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t p = 0; p < P; ++p) {
+        if (spec.collapse() == v1::per_head) {
+          permuted.collapse[h * P + p] = c.inputs.collapse[pi[h] * P + p];
+        } else {
+          for (int64_t s = 0; s < H; ++s)
+            permuted.collapse[h * H * P + s * P + p] = c.inputs.collapse[pi[h] * H * P + pi[s] * P + p];
+        }
+      }
+
+    const auto base = reference::ihaForward(spec, c.inputs);
+    const auto moved = reference::ihaForward(spec, permuted);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t x = 0; x < d; ++x)
+          ASSERT_NEAR(moved.out[(n * H + h) * d + x], base.out[(n * H + pi[h]) * d + x], kTolerance)
+              << spec.ShortDebugString();
+  }
+}
+
+TEST(ReferenceProperty, EveryRowAttendsToItself) {
+  std::mt19937_64 rng(testing::testSeed() + 4);
+  for (int trial = 0; trial < 50; ++trial) {
+    const KernelSpec spec = testing::randomSpec(rng);
+    const int64_t L = (1 + rng() % 10) * spec.pseudo_heads();
+    for (int64_t i = 0; i < L; ++i) ASSERT_TRUE(reference::allowed(spec, i, i)) << spec.ShortDebugString();
+  }
+}
+
+}  // namespace
+}  // namespace loom

@@ -1,0 +1,101 @@
+// Helpers shared by loom's tests: the case folders in tests/data, random
+// specs, and running the loom binary.
+#pragma once
+
+#include <algorithm>
+#include <array>
+#include <cstdlib>
+#include <unistd.h>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <string>
+#include <sys/wait.h>
+#include <vector>
+
+#include "io/case.h"
+
+namespace loom::testing {
+
+inline std::string dataDir() { return LOOM_TEST_DATA; }
+inline std::string casesDir() { return dataDir() + "/cases"; }
+
+inline std::vector<std::string> sharedCaseNames() {
+  std::vector<std::string> names;
+  for (const auto& entry : std::filesystem::directory_iterator(casesDir()))
+    if (entry.is_directory()) names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+// A fresh seed per process run, printed so a failure can be replayed with
+// LOOM_TEST_SEED=<seed>.
+inline uint64_t testSeed() {
+  static const uint64_t seed = [] {
+    if (const char* fixed = std::getenv("LOOM_TEST_SEED")) return uint64_t(std::stoull(fixed));
+    return uint64_t(std::random_device{}()) << 32 | std::random_device{}();
+  }();
+  static bool printed = false;
+  if (!printed) {
+    std::printf("[ seed     ] LOOM_TEST_SEED=%llu\n", (unsigned long long)seed);
+    printed = true;
+  }
+  return seed;
+}
+
+// A random valid spec: small enough for the float64 reference.
+inline KernelSpec randomSpec(std::mt19937_64& rng) {
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  KernelSpec spec;
+  const int G = pick(1, 3);
+  spec.set_kv_heads(G);
+  spec.set_heads(G * pick(1, 3));
+  spec.set_pseudo_heads(pick(1, 4));
+  spec.set_head_dim(2 * pick(1, 12));
+  spec.set_dtype(v1::float32);
+  spec.set_mask(static_cast<v1::MaskMode>(pick(1, 3)));
+  spec.set_window(pick(0, 1) ? 0 : pick(1, 6));
+  spec.set_collapse(static_cast<v1::CollapseMode>(pick(1, 2)));
+  spec.set_rope_theta(pick(0, 1) ? 0.0 : 10000.0);
+  if (pick(0, 3) == 0) spec.set_scale(0.05 + 0.3 * std::uniform_real_distribution<double>()(rng));
+  return spec;
+}
+
+struct CommandResult {
+  int exitCode = -1;
+  std::string output;  // stdout and stderr together
+};
+
+inline CommandResult runCommand(const std::string& command) {
+  const std::string log = std::filesystem::temp_directory_path() / ("loom-cmd-" + std::to_string(::getpid()) + ".log");
+  const int status = std::system((command + " > " + log + " 2>&1").c_str());
+  CommandResult result;
+  result.exitCode = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream in(log);
+  std::stringstream text;
+  text << in.rdbuf();
+  result.output = text.str();
+  std::filesystem::remove(log);
+  return result;
+}
+
+inline CommandResult runLoom(const std::string& args) { return runCommand(std::string(LOOM_BINARY) + " " + args); }
+
+// A scratch folder removed at the end of the test.
+class TempDir {
+ public:
+  TempDir() {
+    std::string pattern = (std::filesystem::temp_directory_path() / "loom-test-XXXXXX").string();
+    path_ = ::mkdtemp(pattern.data());
+  }
+  ~TempDir() { std::filesystem::remove_all(path_); }
+  const std::string& path() const { return path_; }
+  std::string operator/(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+}  // namespace loom::testing

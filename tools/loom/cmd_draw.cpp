@@ -1,0 +1,53 @@
+// loom draw: write a new random case folder for a spec, with expected.npy
+// computed by the float64 reference.
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "commands.h"
+#include "io/case.h"
+#include "reference/iha_reference.h"
+
+namespace loom::cli {
+namespace {
+
+struct DrawOptions {
+  std::string specPath;
+  std::string outDir;
+  int64_t batch = 1;
+  int64_t tokens = 16;
+  uint64_t seed = 1;
+};
+
+int draw(const DrawOptions& options) {
+  auto text = readTextFile(options.specPath);
+  if (!text) return badInput(text.error().message);
+  auto spec = parseSpecJson(*text, options.specPath);
+  if (!spec) return badInput(spec.error().message);
+  if (Status valid = validateSpec(*spec); !valid) return badInput(options.specPath + ": " + valid.error().message);
+  if (options.batch < 1 || options.tokens < 1) return badInput("--batch and --tokens must be at least 1");
+
+  IhaCase c = drawCase(*spec, options.batch, options.tokens, options.seed);
+  c.expected = reference::ihaForward(c.spec, c.inputs).out;
+  if (Status written = writeCase(options.outDir, c); !written) return badInput(written.error().message);
+  std::printf("wrote case %s (B=%lld, N=%lld, seed %llu)\n", options.outDir.c_str(), (long long)options.batch,
+              (long long)options.tokens, (unsigned long long)options.seed);
+  return kExitOk;
+}
+
+}  // namespace
+
+void addDrawCommand(CLI::App& app, std::function<int()>* action) {
+  auto options = std::make_shared<DrawOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "draw", "Draw a random case folder for a spec: inputs ~ N(0,1) in the spec's dtype, weights in float32,\n"
+              "expected.npy from the float64 reference.");
+  cmd->add_option("--spec", options->specPath, "KernelSpec JSON file")->required();
+  cmd->add_option("--out", options->outDir, "case folder to write")->required();
+  cmd->add_option("--batch", options->batch, "B")->capture_default_str();
+  cmd->add_option("--tokens", options->tokens, "N")->capture_default_str();
+  cmd->add_option("--seed", options->seed, "random seed")->capture_default_str();
+  cmd->callback([options, action] { *action = [options] { return draw(*options); }; });
+}
+
+}  // namespace loom::cli

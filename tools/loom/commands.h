@@ -1,0 +1,22 @@
+// The loom command line: one function per subcommand, registered on a CLI11
+// app. Each returns the process exit code (0 ok, 1 check failed, 2 bad input).
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <functional>
+
+namespace loom::cli {
+
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitCheckFailed = 1;
+inline constexpr int kExitBadInput = 2;
+
+// Adds the subcommand to `app`; when it is chosen, `*action` runs it.
+void addRunCommand(CLI::App& app, std::function<int()>* action);
+void addDrawCommand(CLI::App& app, std::function<int()>* action);
+
+// Prints "loom: <message>" on stderr and returns kExitBadInput.
+int badInput(const std::string& message);
+
+}  // namespace loom::cli

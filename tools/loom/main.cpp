@@ -1,0 +1,21 @@
+#include <cstdio>
+#include <functional>
+
+#include "commands.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "loom: generates, compiles, autotunes and serves GPU kernels for Interleaved Head Attention.\n"
+      "Specs and schedules are JSON (the KernelSpec / Schedule messages of proto/loom/v1/loom.proto)."};
+  app.require_subcommand(1);
+  std::function<int()> action;
+  loom::cli::addRunCommand(app, &action);
+  loom::cli::addDrawCommand(app, &action);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int code = app.exit(e);
+    return code == 0 ? 0 : loom::cli::kExitBadInput;
+  }
+  return action ? action() : loom::cli::kExitBadInput;
+}
