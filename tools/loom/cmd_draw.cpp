@@ -20,11 +20,8 @@ struct DrawOptions {
 };
 
 int draw(const DrawOptions& options) {
-  auto text = readTextFile(options.specPath);
-  if (!text) return badInput(text.error().message);
-  auto spec = parseSpecJson(*text, options.specPath);
+  auto spec = readSpecFile(options.specPath);
   if (!spec) return badInput(spec.error().message);
-  if (Status valid = validateSpec(*spec); !valid) return badInput(options.specPath + ": " + valid.error().message);
   if (options.batch < 1 || options.tokens < 1) return badInput("--batch and --tokens must be at least 1");
 
   IhaCase c = drawCase(*spec, options.batch, options.tokens, options.seed);

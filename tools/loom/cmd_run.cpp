@@ -6,6 +6,7 @@
 #include <string>
 
 #include "commands.h"
+#include "cpu/cpu_backend.h"
 #include "io/case.h"
 #include "reference/iha_reference.h"
 
@@ -17,7 +18,27 @@ struct RunOptions {
   std::string backend = "reference";
   std::string out = "out.npy";
   std::string outDtype = "float32";
+  std::string schedulePath;
+  std::string cacheDir;
+  int threads = 0;
 };
+
+// The generated program, compiled for the host and run CTA by CTA.
+Result<std::vector<double>> runOnCpu(const RunOptions& options, const IhaCase& c) {
+  auto schedule = readScheduleFile(options.schedulePath);
+  if (!schedule) return schedule.error();
+  auto target = parseTarget("cpu");
+  auto plan = generateKernel(c.spec, *schedule, *target);
+  if (!plan) return plan.error();
+  auto outputs = cpu::runPlan(*plan, c, {options.cacheDir, options.threads});
+  if (!outputs) return outputs.error();
+  const cpu::CpuRunStats& stats = outputs->stats;
+  std::printf("cpu: schedule %s; %s; %lld key blocks visited, %lld masked\n", plan->schedule.ShortDebugString().c_str(),
+              stats.compiled ? ("compiled in " + std::to_string(stats.compileSeconds).substr(0, 4) + " s").c_str()
+                             : "from the cache",
+              (long long)stats.keyBlocks, (long long)stats.maskedBlocks);
+  return std::move(outputs->out);
+}
 
 const std::map<std::string, NpyType> kOutTypes = {
     {"float32", NpyType::float32}, {"float64", NpyType::float64},
@@ -31,6 +52,14 @@ int run(const RunOptions& options) {
   std::vector<double> out;
   if (options.backend == "reference") {
     out = reference::ihaForward(c.spec, c.inputs).out;
+  } else if (options.backend == "cpu") {
+    auto result = runOnCpu(options, c);
+    if (!result) {
+      const Error& error = result.error();
+      if (!error.log.empty()) std::fprintf(stderr, "%s\n", error.log.c_str());
+      return badInput(error.message);
+    }
+    out = std::move(*result);
   } else {
     return badInput("backend '" + options.backend + "' is not available in this build");
   }
@@ -59,6 +88,22 @@ int badInput(const std::string& message) {
   return kExitBadInput;
 }
 
+Result<KernelSpec> readSpecFile(const std::string& path) {
+  auto text = readTextFile(path);
+  if (!text) return text.error();
+  auto spec = parseSpecJson(*text, path);
+  if (!spec) return spec.error();
+  if (Status valid = validateSpec(*spec); !valid) return makeError(path + ": " + valid.error().message);
+  return spec;
+}
+
+Result<Schedule> readScheduleFile(const std::string& path) {
+  if (path.empty()) return Schedule();
+  auto text = readTextFile(path);
+  if (!text) return text.error();
+  return parseScheduleJson(*text, path);
+}
+
 void addRunCommand(CLI::App& app, std::function<int()>* action) {
   auto options = std::make_shared<RunOptions>();
   CLI::App* cmd = app.add_subcommand(
@@ -67,13 +112,17 @@ void addRunCommand(CLI::App& app, std::function<int()>* action) {
       "When the folder has expected.npy, print the relative error; exit 1 if it is over the dtype's\n"
       "tolerance (float32 1e-5, float16 2e-3, bfloat16 1e-2). Bad input exits 2.");
   cmd->add_option("--case", options->caseDir, "case folder")->required();
-  cmd->add_option("--backend", options->backend, "reference: the float64 oracle")
-      ->check(CLI::IsMember({"reference"}))
+  cmd->add_option("--backend", options->backend,
+                  "reference: the float64 oracle; cpu: the generated program on the host tile API")
+      ->check(CLI::IsMember({"reference", "cpu"}))
       ->capture_default_str();
   cmd->add_option("--out", options->out, "output .npy file")->capture_default_str();
   cmd->add_option("--out-dtype", options->outDtype, "element type of the output file")
       ->check(CLI::IsMember({"float32", "float64", "float16", "bfloat16"}))
       ->capture_default_str();
+  cmd->add_option("--schedule", options->schedulePath, "Schedule JSON for generated backends (unset fields: defaults)");
+  cmd->add_option("--cache-dir", options->cacheDir, "where compiled programs are kept (default $LOOM_CACHE_DIR or ~/.cache/loom)");
+  cmd->add_option("--threads", options->threads, "CPU threads running CTAs (0: all)")->capture_default_str();
   cmd->callback([options, action] { *action = [options] { return run(*options); }; });
 }
 

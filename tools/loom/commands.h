@@ -5,6 +5,10 @@
 #include <CLI/CLI.hpp>
 
 #include <functional>
+#include <string>
+
+#include "loom/result.h"
+#include "loom/spec.h"
 
 namespace loom::cli {
 
@@ -15,8 +19,14 @@ inline constexpr int kExitBadInput = 2;
 // Adds the subcommand to `app`; when it is chosen, `*action` runs it.
 void addRunCommand(CLI::App& app, std::function<int()>* action);
 void addDrawCommand(CLI::App& app, std::function<int()>* action);
+void addGenCommand(CLI::App& app, std::function<int()>* action);
 
 // Prints "loom: <message>" on stderr and returns kExitBadInput.
 int badInput(const std::string& message);
+
+// A validated KernelSpec from a JSON file.
+Result<KernelSpec> readSpecFile(const std::string& path);
+// A Schedule from a JSON file; an empty path gives the all-default schedule.
+Result<Schedule> readScheduleFile(const std::string& path);
 
 }  // namespace loom::cli

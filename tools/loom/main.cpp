@@ -11,6 +11,7 @@ int main(int argc, char** argv) {
   std::function<int()> action;
   loom::cli::addRunCommand(app, &action);
   loom::cli::addDrawCommand(app, &action);
+  loom::cli::addGenCommand(app, &action);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

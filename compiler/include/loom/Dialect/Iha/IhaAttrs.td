@@ -1,0 +1,87 @@
+//===- IhaAttrs.td - iha enums and attributes ----------------*- tablegen -*-===//
+#ifndef LOOM_IHA_ATTRS
+#define LOOM_IHA_ATTRS
+
+include "loom/Dialect/Iha/IhaDialect.td"
+include "mlir/IR/AttrTypeBase.td"
+include "mlir/IR/EnumAttr.td"
+
+def Iha_ElementType : I32EnumAttr<"ElementType", "element type of q, k, v and out", [
+    I32EnumAttrCase<"f32", 1>, I32EnumAttrCase<"f16", 2>, I32EnumAttrCase<"bf16", 3>]> {
+  let cppNamespace = "::loom::iha";
+}
+def Iha_MaskMode : I32EnumAttr<"MaskMode", "which virtual rows may attend to which", [
+    I32EnumAttrCase<"flat_causal", 1>, I32EnumAttrCase<"token_causal", 2>, I32EnumAttrCase<"none", 3>]> {
+  let cppNamespace = "::loom::iha";
+}
+def Iha_CollapseMode : I32EnumAttr<"CollapseMode", "how pseudo outputs fold back to heads", [
+    I32EnumAttrCase<"per_head", 1>, I32EnumAttrCase<"global", 2>]> {
+  let cppNamespace = "::loom::iha";
+}
+def Iha_Role : I32EnumAttr<"Role", "which projection a mixing op works on", [
+    I32EnumAttrCase<"query", 1>, I32EnumAttrCase<"key", 2>, I32EnumAttrCase<"value", 3>]> {
+  let cppNamespace = "::loom::iha";
+  let genSpecializedAttr = 0;
+}
+def Iha_MixStrategy : I32EnumAttr<"MixStrategy", "where mixing happens", [
+    I32EnumAttrCase<"fused", 1>, I32EnumAttrCase<"materialized", 2>]> {
+  let cppNamespace = "::loom::iha";
+}
+def Iha_CollapseStrategy : I32EnumAttr<"CollapseStrategy", "where the collapse happens", [
+    I32EnumAttrCase<"epilogue", 1>, I32EnumAttrCase<"separate", 2>]> {
+  let cppNamespace = "::loom::iha";
+}
+def Iha_RoleAttr : EnumAttr<Iha_Dialect, Iha_Role, "role">;
+
+// A double-precision float written as a plain float literal.
+def Iha_DoubleParameter : APFloatParameter<"a double"> {
+  let parser = [{ [&]() -> ::mlir::FailureOr<::llvm::APFloat> {
+    double value;
+    if ($_parser.parseFloat(value)) return ::mlir::failure();
+    return ::llvm::APFloat(value);
+  }() }];
+  let printer = [{ $_printer.printFloat($_self) }];
+}
+
+def Iha_SpecAttr : AttrDef<Iha_Dialect, "Spec"> {
+  let mnemonic = "spec";
+  let summary = "the IHA function: a KernelSpec";
+  let description = [{
+    Everything that fixes the math of one IHA computation (docs/IHA.md);
+    batch and sequence length stay run-time sizes.
+
+    Example:
+    ```mlir
+    #iha.spec<heads = 4, kv_heads = 2, pseudo_heads = 4, head_dim = 64,
+              dtype = f16, mask = flat_causal, window = 0, collapse = per_head,
+              rope_theta = 1.0e+04, scale = 1.250000e-01>
+    ```
+  }];
+  let parameters = (ins "int64_t":$heads, "int64_t":$kv_heads, "int64_t":$pseudo_heads,
+                        "int64_t":$head_dim, "ElementType":$dtype, "MaskMode":$mask,
+                        "int64_t":$window, "CollapseMode":$collapse,
+                        Iha_DoubleParameter:$rope_theta, Iha_DoubleParameter:$scale);
+  let assemblyFormat = "`<` struct(params) `>`";
+  let genVerifyDecl = 1;
+}
+
+def Iha_ScheduleAttr : AttrDef<Iha_Dialect, "Schedule"> {
+  let mnemonic = "schedule";
+  let summary = "how the IHA function is computed: a Schedule";
+  let description = [{
+    Query blocks of `block_m` virtual rows (whole tokens), key blocks of
+    `block_n` rows, `warps` warps per CTA, a K/V pipeline `stages` deep, and
+    where mixing and collapse happen.
+
+    Example:
+    ```mlir
+    #iha.schedule<block_m = 64, block_n = 64, warps = 4, stages = 2,
+                  mix = fused, collapse = epilogue>
+    ```
+  }];
+  let parameters = (ins "int64_t":$block_m, "int64_t":$block_n, "int64_t":$warps,
+                        "int64_t":$stages, "MixStrategy":$mix, "CollapseStrategy":$collapse);
+  let assemblyFormat = "`<` struct(params) `>`";
+}
+
+#endif // LOOM_IHA_ATTRS

@@ -1,0 +1,262 @@
+//===- IhaOps.td - iha operations ----------------------------*- tablegen -*-===//
+//
+// Three levels, each produced by a pass (docs/compiler.md):
+//   spec level     iha.kernel holding iha.mix / iha.attend / iha.collapse
+//   launch level   iha.launch regions holding block-level ops (iha.load_q,
+//                  iha.kv_stream, iha.kv_loop, iha.store_*), after
+//                  iha-apply-schedule, refined by the analysis and fusion passes
+//   EmitC          calls into the tile API, after iha-lower-to-emitc
+//
+//===----------------------------------------------------------------------===//
+#ifndef LOOM_IHA_OPS
+#define LOOM_IHA_OPS
+
+include "loom/Dialect/Iha/IhaAttrs.td"
+include "mlir/IR/SymbolInterfaces.td"
+include "mlir/IR/RegionKindInterface.td"
+include "mlir/Interfaces/SideEffectInterfaces.td"
+
+//===----------------------------------------------------------------------===//
+// Spec level
+//===----------------------------------------------------------------------===//
+
+def Iha_KernelOp : Iha_Op<"kernel", [IsolatedFromAbove, Symbol, SingleBlock, NoTerminator,
+                                     NoRegionArguments, SymbolTable]> {
+  let summary = "one IHA computation: its spec, its schedule, and its program";
+  let description = [{
+    The root of a loom program. `spec` fixes the function; `schedule`, once
+    iha-apply-schedule has run, fixes how it is computed. The body holds
+    spec-level ops before scheduling and `iha.launch` ops after.
+
+    Example:
+    ```mlir
+    iha.kernel @iha spec(#iha.spec<heads = 2, kv_heads = 2, pseudo_heads = 2,
+        head_dim = 8, dtype = f32, mask = flat_causal, window = 0,
+        collapse = per_head, rope_theta = 0.0, scale = 0.35355339059327373>) {
+      iha.mix query
+      iha.mix key
+      iha.mix value
+      iha.attend
+      iha.collapse
+    }
+    ```
+  }];
+  let arguments = (ins SymbolNameAttr:$sym_name, Iha_SpecAttr:$spec,
+                       OptionalAttr<Iha_ScheduleAttr>:$schedule);
+  let regions = (region SizedRegion<1>:$body);
+  let assemblyFormat = [{
+    $sym_name `spec` `(` $spec `)` (`schedule` `(` $schedule^ `)`)? attr-dict-with-keyword $body
+  }];
+  let hasVerifier = 1;
+  let extraClassDeclaration = [{
+    ::mlir::Block &getBlock() { return getBody().front(); }
+  }];
+}
+
+def Iha_MixOp : Iha_Op<"mix", [HasParent<"KernelOp">]> {
+  let summary = "mix heads into pseudo-heads and interleave them (steps 1-3)";
+  let description = [{
+    For every token n and pseudo index p, row n*P + p of head h becomes
+    sum_m alpha[m, h, p] * x[n, m]: the interleaved virtual sequence of the
+    role's projection. Query and key rows are then rotated at their virtual
+    positions when the spec has rope_theta > 0.
+
+    Example: `iha.mix key`
+  }];
+  let arguments = (ins Iha_RoleAttr:$role);
+  let assemblyFormat = "$role attr-dict";
+}
+
+def Iha_AttendOp : Iha_Op<"attend", [HasParent<"KernelOp">]> {
+  let summary = "softmax attention over the interleaved sequence (step 4)";
+  let description = [{
+    Each virtual row attends to the rows its mask allows (spec.mask and
+    spec.window), with query head h reading kv head h / (H / G).
+
+    Example: `iha.attend`
+  }];
+  let assemblyFormat = "attr-dict";
+}
+
+def Iha_CollapseOp : Iha_Op<"collapse", [HasParent<"KernelOp">]> {
+  let summary = "fold pseudo outputs back into heads (step 5)";
+  let description = [{
+    per_head: out[n, h] = sum_p collapse[h, p] * o_h[n*P + p];
+    global:   out[n, h] = sum_{h', p} collapse[h, h'*P + p] * o_h'[n*P + p].
+
+    Example: `iha.collapse`
+  }];
+  let assemblyFormat = "attr-dict";
+}
+
+//===----------------------------------------------------------------------===//
+// Launch level
+//===----------------------------------------------------------------------===//
+
+def Iha_LaunchOp : Iha_Op<"launch", [HasParent<"KernelOp">, Symbol, SingleBlock, NoTerminator,
+                                     IsolatedFromAbove]> {
+  let summary = "one kernel entry point: a grid of CTAs running the body";
+  let description = [{
+    The grid is (ceil(N * rows_per_token / rows_per_cta), grid_y, B). The body
+    is what one CTA of `threads` threads does; its arguments are the CTA's
+    coordinates (x block, y index, batch) as i64.
+
+    Example:
+    ```mlir
+    iha.launch @iha_collapse {rows_per_cta = 16, rows_per_token = 1, grid_y = 1, threads = 128} {
+    ^bb0(%x: i64, %y: i64, %batch: i64):
+      ...
+    }
+    ```
+  }];
+  let arguments = (ins SymbolNameAttr:$sym_name, I64Attr:$rows_per_token, I64Attr:$rows_per_cta,
+                       I64Attr:$grid_y, I64Attr:$threads);
+  let regions = (region SizedRegion<1>:$body);
+  let assemblyFormat = "$sym_name attr-dict-with-keyword $body";
+  let hasVerifier = 1;
+  let extraClassDeclaration = [{
+    ::mlir::Block &getBlock() { return getBody().front(); }
+    ::mlir::Value getBlockX() { return getBlock().getArgument(0); }
+    ::mlir::Value getBlockY() { return getBlock().getArgument(1); }
+    ::mlir::Value getBatch() { return getBlock().getArgument(2); }
+  }];
+}
+
+class Iha_BlockOp<string mnemonic, list<Trait> traits = []> : Iha_Op<mnemonic, traits>;
+
+def Iha_SeqLenOp : Iha_BlockOp<"seq_len", [Pure]> {
+  let summary = "the virtual sequence length L = N * P at run time";
+  let description = [{ Example: `%L = iha.seq_len : i64` }];
+  let results = (outs I64:$result);
+  let assemblyFormat = "attr-dict `:` type($result)";
+}
+
+def Iha_PremixOp : Iha_BlockOp<"premix"> {
+  let summary = "materialise mixed (and rotated) rows of one role for a block of tokens";
+  let description = [{
+    Writes rows n*P + p for the CTA's tokens [token0, token0 + rows_per_cta)
+    into the role's workspace (q_mixed [B, H, L, d], k_mixed / v_mixed
+    [B, G, L, d]).
+
+    Example: `iha.premix query tokens %t0 batch %b`
+  }];
+  let arguments = (ins Iha_RoleAttr:$role, I64:$token0, I64:$batch);
+  let assemblyFormat = "$role `tokens` $token0 `batch` $batch attr-dict";
+}
+
+def Iha_CollapseRowsOp : Iha_BlockOp<"collapse_rows"> {
+  let summary = "collapse pseudo outputs of a block of tokens into out (separate launch)";
+  let description = [{ Example: `iha.collapse_rows tokens %t0 batch %b` }];
+  let arguments = (ins I64:$token0, I64:$batch);
+  let assemblyFormat = "`tokens` $token0 `batch` $batch attr-dict";
+}
+
+def Iha_LoadQOp : Iha_BlockOp<"load_q"> {
+  let summary = "load the CTA's query block and reset its softmax state";
+  let description = [{
+    Rows [row0, row0 + block_m) of query head `head`: read from q_mixed, or,
+    with `mixed`, mixed from q and alpha_q (and rotated) on the fly. The
+    running max, denominator and output accumulator start empty.
+
+    Example: `iha.load_q rows %r0 head %h batch %b {mixed}`
+  }];
+  let arguments = (ins I64:$row0, I64:$head, I64:$batch, UnitAttr:$mixed);
+  let assemblyFormat = "`rows` $row0 `head` $head `batch` $batch attr-dict";
+}
+
+def Iha_KvStreamOp : Iha_BlockOp<"kv_stream"> {
+  let summary = "start streaming key blocks [lower, upper) through the K/V pipeline";
+  let description = [{
+    The pipeline prologue: issues the loads of the first `stages - 1` key
+    blocks of the range. The `iha.kv_loop`s that follow consume the range in
+    order, each step issuing the load `stages - 1` blocks ahead.
+
+    Example: `iha.kv_stream %lo to %hi head %h batch %b {mixed}`
+  }];
+  let arguments = (ins I64:$lower, I64:$upper, I64:$head, I64:$batch, UnitAttr:$mixed);
+  let assemblyFormat = "$lower `to` $upper `head` $head `batch` $batch attr-dict";
+}
+
+def Iha_KvLoopOp : Iha_BlockOp<"kv_loop"> {
+  let summary = "online-softmax steps over key blocks [lower, upper)";
+  let description = [{
+    For each key block: wait for its K/V tile, S = scale * Q K^T, apply the
+    element-wise mask if `masked`, update the running max and denominator,
+    rescale the accumulator and add P V. Only a loop marked `masked` applies
+    a mask; iha-analyze-mask proves the others need none.
+
+    Example: `iha.kv_loop %lo to %hi rows %r0 head %h batch %b {masked}`
+  }];
+  let arguments = (ins I64:$lower, I64:$upper, I64:$row0, I64:$head, I64:$batch,
+                       UnitAttr:$masked, UnitAttr:$mixed);
+  let assemblyFormat = "$lower `to` $upper `rows` $row0 `head` $head `batch` $batch attr-dict";
+}
+
+def Iha_StoreRowsOp : Iha_BlockOp<"store_rows"> {
+  let summary = "normalise and write the block's pseudo outputs (and lse)";
+  let description = [{
+    o / l into o_pseudo [B, H, L, d] for a separate collapse; lse when asked.
+
+    Example: `iha.store_rows rows %r0 head %h batch %b`
+  }];
+  let arguments = (ins I64:$row0, I64:$head, I64:$batch);
+  let assemblyFormat = "`rows` $row0 `head` $head `batch` $batch attr-dict";
+}
+
+def Iha_StoreCollapsedOp : Iha_BlockOp<"store_collapsed"> {
+  let summary = "normalise, collapse per head in the epilogue and write out";
+  let description = [{
+    The block holds whole tokens, so out[n, h] = sum_p collapse[h, p] *
+    o[n*P + p] needs nothing from other CTAs.
+
+    Example: `iha.store_collapsed rows %r0 head %h batch %b`
+  }];
+  let arguments = (ins I64:$row0, I64:$head, I64:$batch);
+  let assemblyFormat = "`rows` $row0 `head` $head `batch` $batch attr-dict";
+}
+
+def Iha_ForEachHeadOp : Iha_BlockOp<"for_each_head", [SingleBlock, NoTerminator]> {
+  let summary = "run the body once per query head inside one CTA";
+  let description = [{
+    Used by a fused global collapse: one CTA computes every head of its
+    query block so the mixture over heads stays on chip. The block
+    argument is the head index.
+
+    Example:
+    ```mlir
+    iha.for_each_head {
+    ^bb0(%h: i64):
+      ...
+    }
+    ```
+  }];
+  let regions = (region SizedRegion<1>:$body);
+  let assemblyFormat = "attr-dict-with-keyword $body";
+  let hasVerifier = 1;
+}
+
+def Iha_OutInitOp : Iha_BlockOp<"out_init"> {
+  let summary = "zero the CTA's output tile for a fused global collapse";
+  let description = [{ Example: `iha.out_init` }];
+  let assemblyFormat = "attr-dict";
+}
+
+def Iha_AccumulateCollapsedOp : Iha_BlockOp<"accumulate_collapsed"> {
+  let summary = "normalise one head's block and add its share to every output head";
+  let description = [{
+    out[n, h] += sum_p collapse[h, head*P + p] * o_head[n*P + p] for all h.
+
+    Example: `iha.accumulate_collapsed rows %r0 head %h batch %b`
+  }];
+  let arguments = (ins I64:$row0, I64:$head, I64:$batch);
+  let assemblyFormat = "`rows` $row0 `head` $head `batch` $batch attr-dict";
+}
+
+def Iha_StoreOutOp : Iha_BlockOp<"store_out"> {
+  let summary = "write the CTA's output tile (all heads of its tokens)";
+  let description = [{ Example: `iha.store_out rows %r0 batch %b` }];
+  let arguments = (ins I64:$row0, I64:$batch);
+  let assemblyFormat = "`rows` $row0 `batch` $batch attr-dict";
+}
+
+#endif // LOOM_IHA_OPS

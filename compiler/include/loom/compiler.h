@@ -1,0 +1,56 @@
+// The compiler's front door: a KernelSpec + Schedule + Target in, a kernel
+// plan out (C++ source through the iha pipeline and EmitC, plus how to
+// launch each entry point). The CLI, the runtime and the service call this.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "loom/result.h"
+#include "loom/spec.h"
+
+namespace loom {
+
+// One entry point. Its grid is (ceil(N * rows_per_token / rows_per_cta),
+// grid_y, B) with `threads` threads per CTA.
+struct LaunchPlan {
+  std::string name;
+  int64_t rowsPerToken = 1;
+  int64_t rowsPerCta = 1;
+  int64_t gridY = 1;
+  int64_t threads = 32;
+};
+
+// Float workspaces a plan needs between launches (see loom/tile/common.h).
+enum class Workspace { q_mixed, k_mixed, v_mixed, o_pseudo };
+
+struct KernelPlan {
+  KernelSpec spec;
+  Schedule schedule;  // complete: every field set
+  v1::Target target;
+  std::string source;
+  std::string sourceHash;
+  std::vector<LaunchPlan> launches;  // in launch order
+  std::vector<Workspace> workspaces;
+};
+
+struct GenerateOptions {
+  // When set, the IR after every pass is appended here (--print-ir-after-all).
+  std::string* irLog = nullptr;
+};
+
+// The tile implementation a target's source includes.
+std::string tileHeaderFor(const v1::Target& target);
+
+// Generates the program. Invalid spec or schedule combinations fail with the
+// compiler's diagnostic, which names the field.
+Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
+                                  const GenerateOptions& options = {});
+
+// Parses "cpu", "sm_80", "sm_90a", ... into a Target.
+Result<v1::Target> parseTarget(const std::string& name);
+
+std::string workspaceName(Workspace workspace);
+
+}  // namespace loom

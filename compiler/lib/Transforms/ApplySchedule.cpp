@@ -1,0 +1,115 @@
+// iha-apply-schedule: fix the schedule, then turn the spec-level steps into
+// three launches (pre-mix, attention over query blocks, collapse) in their
+// most general form: everything materialised, every key block visited with
+// a mask. iha-analyze-mask, iha-fuse-mixing and iha-fuse-collapse narrow it.
+#include "PassDetail.h"
+#include "loom/Dialect/Iha/Schedule.h"
+
+namespace loom::iha {
+
+#define GEN_PASS_DEF_IHAAPPLYSCHEDULE
+#include "loom/Dialect/Iha/Passes.h.inc"
+
+namespace {
+
+using mlir::Value;
+
+std::optional<ScheduleFields> fieldsFromOptions(int64_t blockM, int64_t blockN, int64_t warps, int64_t stages,
+                                                llvm::StringRef mix, llvm::StringRef collapse,
+                                                std::string* error) {
+  ScheduleFields fields{blockM, blockN, warps, stages, std::nullopt, std::nullopt};
+  if (!mix.empty()) {
+    fields.mix = symbolizeMixStrategy(mix);
+    if (!fields.mix) {
+      *error = "mix option '" + mix.str() + "' is not fused or materialized";
+      return std::nullopt;
+    }
+  }
+  if (!collapse.empty()) {
+    fields.collapse = symbolizeCollapseStrategy(collapse);
+    if (!fields.collapse) {
+      *error = "collapse option '" + collapse.str() + "' is not epilogue or separate";
+      return std::nullopt;
+    }
+  }
+  return fields;
+}
+
+// A launch with an empty body taking the CTA's (x, y, batch) coordinates.
+LaunchOp createLaunch(mlir::OpBuilder& builder, mlir::Location loc, llvm::StringRef name, int64_t rowsPerToken,
+                      int64_t rowsPerCta, int64_t gridY, int64_t threads) {
+  auto launch = builder.create<LaunchOp>(loc, name, rowsPerToken, rowsPerCta, gridY, threads);
+  mlir::Block* body = new mlir::Block();
+  launch.getBody().push_back(body);
+  for (int i = 0; i < 3; ++i) body->addArgument(builder.getI64Type(), loc);
+  return launch;
+}
+
+struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
+  using IhaApplyScheduleBase::IhaApplyScheduleBase;
+
+  void runOnOperation() override {
+    auto result = getOperation().walk([&](KernelOp kernel) {
+      if (kernel.getBlock().getOps<AttendOp>().empty()) return mlir::WalkResult::advance();  // scheduled
+      if (mlir::failed(schedule(kernel))) return mlir::WalkResult::interrupt();
+      return mlir::WalkResult::advance();
+    });
+    if (result.wasInterrupted()) signalPassFailure();
+  }
+
+  mlir::LogicalResult schedule(KernelOp kernel) {
+    const SpecAttr spec = kernel.getSpec();
+    ScheduleAttr chosen = kernel.getScheduleAttr();
+    if (!chosen) {
+      std::string error;
+      auto fields = fieldsFromOptions(blockM, blockN, warps, stages, mix, collapse, &error);
+      if (!fields) return kernel.emitError() << error;
+      chosen = completeSchedule(spec, *fields);
+    }
+    if (auto why = checkSchedule(spec, chosen)) return kernel.emitError() << *why;
+    kernel.setScheduleAttr(chosen);
+
+    for (mlir::Operation& op : llvm::make_early_inc_range(kernel.getBlock())) op.erase();
+    mlir::OpBuilder builder = mlir::OpBuilder::atBlockEnd(&kernel.getBlock());
+    const mlir::Location loc = kernel.getLoc();
+    const int64_t P = spec.getPseudoHeads();
+    const int64_t threads = chosen.getWarps() * kThreadsPerWarp;
+    const int64_t tokensPerCta = chosen.getBlockM() / P;
+
+    // Token-parallel launches: each CTA handles `tokensPerCta` tokens.
+    auto tokenLaunch = [&](llvm::StringRef name, auto fillBody) {
+      LaunchOp launch = createLaunch(builder, loc, name, 1, tokensPerCta, 1, threads);
+      mlir::OpBuilder body = mlir::OpBuilder::atBlockEnd(&launch.getBlock());
+      IndexMath math(body, loc);
+      fillBody(body, math.mul(launch.getBlockX(), math.c(tokensPerCta)), launch.getBatch());
+    };
+    tokenLaunch(kPremixLaunch, [&](mlir::OpBuilder& body, Value token0, Value batch) {
+      for (Role role : {Role::query, Role::key, Role::value})
+        body.create<PremixOp>(loc, RoleAttr::get(kernel.getContext(), role), token0, batch);
+    });
+
+    // The attention: one CTA per (query block, head, batch).
+    LaunchOp attention = createLaunch(builder, loc, kAttentionLaunch, P, chosen.getBlockM(), spec.getHeads(), threads);
+    {
+      mlir::OpBuilder body = mlir::OpBuilder::atBlockEnd(&attention.getBlock());
+      IndexMath math(body, loc);
+      Value row0 = math.mul(attention.getBlockX(), math.c(chosen.getBlockM()));
+      Value seqLen = body.create<SeqLenOp>(loc, body.getI64Type());
+      Value zero = math.c(0);
+      Value keyBlocks = math.ceilDiv(seqLen, math.c(chosen.getBlockN()));
+      Value head = attention.getBlockY(), batch = attention.getBatch();
+      body.create<LoadQOp>(loc, row0, head, batch, /*mixed=*/false);
+      body.create<KvStreamOp>(loc, zero, keyBlocks, head, batch, /*mixed=*/false);
+      body.create<KvLoopOp>(loc, zero, keyBlocks, row0, head, batch, /*masked=*/true, /*mixed=*/false);
+      body.create<StoreRowsOp>(loc, row0, head, batch);
+    }
+
+    tokenLaunch(kCollapseLaunch, [&](mlir::OpBuilder& body, Value token0, Value batch) {
+      body.create<CollapseRowsOp>(loc, token0, batch);
+    });
+    return mlir::success();
+  }
+};
+
+}  // namespace
+}  // namespace loom::iha

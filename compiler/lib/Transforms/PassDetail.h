@@ -1,0 +1,42 @@
+// Private to the iha passes: the generated pass bases and small helpers.
+#pragma once
+
+#include "loom/Dialect/Iha/IhaOps.h"
+#include "loom/Dialect/Iha/Passes.h"
+#include "mlir/Dialect/Arith/IR/Arith.h"
+#include "mlir/IR/Builders.h"
+
+namespace loom::iha {
+
+
+// Launch names the passes agree on.
+inline constexpr llvm::StringLiteral kPremixLaunch = "iha_premix";
+inline constexpr llvm::StringLiteral kAttentionLaunch = "iha_attention";
+inline constexpr llvm::StringLiteral kCollapseLaunch = "iha_collapse";
+
+inline LaunchOp findLaunch(KernelOp kernel, llvm::StringRef name) {
+  for (auto launch : kernel.getBlock().getOps<LaunchOp>())
+    if (launch.getSymName() == name) return launch;
+  return {};
+}
+
+// i64 arithmetic for index computations; canonicalisation folds constants.
+class IndexMath {
+ public:
+  IndexMath(mlir::OpBuilder& builder, mlir::Location loc) : b_(builder), loc_(loc) {}
+  mlir::Value c(int64_t value) { return b_.create<mlir::arith::ConstantIntOp>(loc_, value, 64); }
+  mlir::Value add(mlir::Value x, mlir::Value y) { return b_.create<mlir::arith::AddIOp>(loc_, x, y); }
+  mlir::Value sub(mlir::Value x, mlir::Value y) { return b_.create<mlir::arith::SubIOp>(loc_, x, y); }
+  mlir::Value mul(mlir::Value x, mlir::Value y) { return b_.create<mlir::arith::MulIOp>(loc_, x, y); }
+  mlir::Value floorDiv(mlir::Value x, mlir::Value y) { return b_.create<mlir::arith::FloorDivSIOp>(loc_, x, y); }
+  mlir::Value ceilDiv(mlir::Value x, mlir::Value y) { return b_.create<mlir::arith::CeilDivSIOp>(loc_, x, y); }
+  mlir::Value max(mlir::Value x, mlir::Value y) { return b_.create<mlir::arith::MaxSIOp>(loc_, x, y); }
+  mlir::Value min(mlir::Value x, mlir::Value y) { return b_.create<mlir::arith::MinSIOp>(loc_, x, y); }
+  mlir::Value clamp(mlir::Value x, mlir::Value lo, mlir::Value hi) { return min(max(x, lo), hi); }
+
+ private:
+  mlir::OpBuilder& b_;
+  mlir::Location loc_;
+};
+
+}  // namespace loom::iha

@@ -1,0 +1,44 @@
+// The CPU backend: compiles a kernel plan's source against the host tile API
+// with the system C++ compiler into a shared object (cached by content
+// hash, so a second run compiles nothing), loads it, and runs each launch's
+// grid CTA by CTA on a few threads.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "io/case.h"
+#include "loom/compiler.h"
+#include "loom/result.h"
+
+namespace loom::cpu {
+
+struct CpuOptions {
+  std::string cacheDir;  // empty: defaultCacheDir()
+  int threads = 0;       // 0: one per hardware thread
+};
+
+// What one run did, counted by the host tile API.
+struct CpuRunStats {
+  int64_t keyBlocks = 0;     // key blocks multiplied, over all CTAs
+  int64_t maskedBlocks = 0;  // of those, blocks masked element-wise
+  int64_t attentionCtas = 0;
+  bool compiled = false;     // false: the shared object came from the cache
+  double compileSeconds = 0;
+};
+
+struct CpuOutputs {
+  std::vector<double> out;  // [B, N, H, d], read back from the spec's dtype
+  std::vector<double> lse;  // [B, H, N*P]
+  CpuRunStats stats;
+};
+
+// $LOOM_CACHE_DIR, else $XDG_CACHE_HOME/loom, else ~/.cache/loom.
+std::string defaultCacheDir();
+
+// Compiles (or finds in the cache) and runs `plan` on the case's inputs.
+Result<CpuOutputs> runPlan(const KernelPlan& plan, const IhaCase& c, const CpuOptions& options = {});
+
+}  // namespace loom::cpu

@@ -1,0 +1,15 @@
+#include "loom/hash.h"
+#include "tile/embedded.h"
+
+namespace loom::tile {
+
+const std::string& embeddedHeadersHash() {
+  static const std::string hash = [] {
+    ContentHash h;
+    for (const EmbeddedFile& file : embeddedHeaders()) h.add(file.path).add(file.text);
+    return h.hex();
+  }();
+  return hash;
+}
+
+}  // namespace loom::tile

@@ -1,0 +1,77 @@
+// The tile API's shared part: what a generated IHA program and the runtime
+// that launches it agree on. Compiles as host C++ and under NVRTC, so it
+// includes no host header when NVRTC compiles it.
+//
+// A program names only loom:: calls; which implementation it gets depends on
+// the header it includes: loom/tile/host.h (plain loops, one CTA at a time)
+// or, for CUDA targets, the device implementation.
+#pragma once
+
+#ifdef __CUDACC_RTC__
+typedef long long int64_t;
+typedef int int32_t;
+#define LOOM_HOST_DEVICE __host__ __device__
+#else
+#include <cstdint>
+#define LOOM_HOST_DEVICE
+#endif
+
+namespace loom {
+
+enum class DType { f32, f16, bf16 };
+enum class Mask { flat_causal, token_causal, none };
+enum class Collapse { per_head, global };
+enum class Role { query, key, value };
+
+// Everything a launch reads and writes. q, k, v and out hold the spec's
+// dtype; strides are in elements for (batch, token, head), the head
+// dimension is contiguous. Workspaces (float) exist only when the kernel
+// plan lists them: q_mixed [B, H, L, d], k_mixed and v_mixed [B, G, L, d],
+// o_pseudo [B, H, L, d]. lse [B, H, L] is written when not null.
+struct IhaArgs {
+  const void* q;
+  const void* k;
+  const void* v;
+  const float* alpha_q;
+  const float* alpha_k;
+  const float* alpha_v;
+  const float* collapse;
+  void* out;
+  float* lse;
+  float* q_mixed;
+  float* k_mixed;
+  float* v_mixed;
+  float* o_pseudo;
+  int64_t batch;
+  int64_t tokens;
+  int64_t q_stride[3];
+  int64_t k_stride[3];
+  int64_t v_stride[3];
+  int64_t out_stride[3];
+};
+
+// Integer helpers for block-range arithmetic (divisor > 0).
+LOOM_HOST_DEVICE constexpr int64_t floordiv(int64_t a, int64_t b) {
+  return a >= 0 ? a / b : -((-a + b - 1) / b);
+}
+LOOM_HOST_DEVICE constexpr int64_t ceildiv(int64_t a, int64_t b) { return -floordiv(-a, b); }
+LOOM_HOST_DEVICE constexpr int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }
+LOOM_HOST_DEVICE constexpr int64_t max(int64_t a, int64_t b) { return a > b ? a : b; }
+
+// L = N * P, the virtual sequence length.
+template <class C>
+LOOM_HOST_DEVICE constexpr int64_t seq_len(const IhaArgs& args) {
+  return args.tokens * C::pseudo_heads;
+}
+
+// docs/IHA.md step 4: may virtual row i attend to virtual row j?
+template <class C>
+LOOM_HOST_DEVICE constexpr bool allowed(int64_t i, int64_t j) {
+  const int64_t P = C::pseudo_heads, W = C::window;
+  const int64_t ti = i / P, tj = j / P;
+  if (C::mask == Mask::flat_causal) return j <= i && (W == 0 || i - j < W * P);
+  if (C::mask == Mask::token_causal) return tj <= ti && (W == 0 || ti - tj < W);
+  return W == 0 || (ti > tj ? ti - tj : tj - ti) < W;
+}
+
+}  // namespace loom

@@ -1,0 +1,434 @@
+// The host implementation of the tile API: each op does, with plain loops
+// over one CTA's tiles, what the CUDA implementation's warps do together.
+// A launcher (runtime/cpu) sets the CTA coordinates and calls a generated
+// entry point once per CTA; CTAs may run on several threads.
+//
+// It is an emulation, not a model: the program's control flow (block
+// ranges, masked and interior loops, the K/V pipeline's produce / wait /
+// release order, fusion) is exactly the GPU's, and the pipeline checks that
+// every block is produced before it is consumed.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "loom/tile/common.h"
+
+#define LOOM_KERNEL extern "C" __attribute__((visibility("default")))
+
+namespace loom {
+namespace host {
+
+struct Coordinates {
+  int64_t x = 0, y = 0, z = 0;
+};
+inline thread_local Coordinates cta;
+
+// Counts of what the program did, read by tests through loom_host_stats.
+struct Stats {
+  std::atomic<int64_t> key_blocks{0};     // key blocks multiplied (mma_qk)
+  std::atomic<int64_t> masked_blocks{0};  // key blocks masked element-wise
+  std::atomic<int64_t> ctas{0};
+};
+inline Stats stats;
+
+inline float toFloat(float x) { return x; }
+inline float halfBitsToFloat(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
+  if (exponent == 0x1f) bits = sign | 0x7f800000u | (mantissa << 13);
+  else if (exponent == 0 && mantissa == 0) bits = sign;
+  else if (exponent == 0) {
+    int shift = 0;
+    while ((mantissa & 0x400u) == 0) { mantissa <<= 1; ++shift; }
+    bits = sign | uint32_t(113 - shift) << 23 | (mantissa & 0x3ffu) << 13;
+  } else bits = sign | (exponent + 112) << 23 | mantissa << 13;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline uint16_t floatToHalfBits(float f) {
+  // Through the compiler's IEEE half (round to nearest even).
+  _Float16 h = static_cast<_Float16>(f);
+  uint16_t bits;
+  std::memcpy(&bits, &h, 2);
+  return bits;
+}
+inline float bf16BitsToFloat(uint16_t b) {
+  const uint32_t bits = uint32_t(b) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+inline uint16_t floatToBf16Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+template <class C>
+float loadElement(const void* base, int64_t index) {
+  if constexpr (C::dtype == DType::f32) return static_cast<const float*>(base)[index];
+  else if constexpr (C::dtype == DType::f16) return halfBitsToFloat(static_cast<const uint16_t*>(base)[index]);
+  else return bf16BitsToFloat(static_cast<const uint16_t*>(base)[index]);
+}
+
+template <class C>
+void storeElement(void* base, int64_t index, float value) {
+  if constexpr (C::dtype == DType::f32) static_cast<float*>(base)[index] = value;
+  else if constexpr (C::dtype == DType::f16) static_cast<uint16_t*>(base)[index] = floatToHalfBits(value);
+  else static_cast<uint16_t*>(base)[index] = floatToBf16Bits(value);
+}
+
+[[noreturn]] inline void fail(const char* what) {
+  std::fprintf(stderr, "loom host tile API: %s\n", what);
+  std::abort();
+}
+
+// Half-split rotary embedding at virtual position `position`; angles in
+// double so long sequences keep their phase.
+template <class C>
+void rotate(float* row, int64_t position) {
+  constexpr int half = C::head_dim / 2;
+  for (int j = 0; j < half; ++j) {
+    const double angle = double(position) * std::pow(double(C::rope_theta), -2.0 * j / C::head_dim);
+    const double c = std::cos(angle), s = std::sin(angle);
+    const float x0 = row[j], x1 = row[j + half];
+    row[j] = float(x0 * c - x1 * s);
+    row[j + half] = float(x0 * s + x1 * c);
+  }
+}
+
+// Steps 1-3 for one virtual row: row n*P + p of head `h` of the role.
+template <class C, Role R>
+void mixedRow(const IhaArgs& a, int64_t b, int64_t n, int64_t h, int64_t p, float* out) {
+  constexpr int heads = R == Role::query ? C::heads : C::kv_heads;
+  const void* x = R == Role::query ? a.q : R == Role::key ? a.k : a.v;
+  const float* alpha = R == Role::query ? a.alpha_q : R == Role::key ? a.alpha_k : a.alpha_v;
+  const int64_t* stride = R == Role::query ? a.q_stride : R == Role::key ? a.k_stride : a.v_stride;
+  for (int c = 0; c < C::head_dim; ++c) out[c] = 0.0f;
+  for (int m = 0; m < heads; ++m) {
+    const float weight = alpha[(m * heads + h) * C::pseudo_heads + p];
+    const int64_t base = b * stride[0] + n * stride[1] + m * stride[2];
+    for (int c = 0; c < C::head_dim; ++c) out[c] += weight * loadElement<C>(x, base + c);
+  }
+  if (C::rope_theta > 0 && R != Role::value) rotate<C>(out, n * C::pseudo_heads + p);
+}
+
+// Row `i` of a role: mixed on the fly, or read from its workspace.
+template <class C, Role R, bool Mixed>
+void virtualRow(const IhaArgs& a, int64_t b, int64_t h, int64_t i, float* out) {
+  if (i >= seq_len<C>(a)) {
+    for (int c = 0; c < C::head_dim; ++c) out[c] = 0.0f;  // past the end: zeros
+    return;
+  }
+  if constexpr (Mixed) {
+    mixedRow<C, R>(a, b, i / C::pseudo_heads, h, i % C::pseudo_heads, out);
+  } else {
+    constexpr int heads = R == Role::query ? C::heads : C::kv_heads;
+    const float* ws = R == Role::query ? a.q_mixed : R == Role::key ? a.k_mixed : a.v_mixed;
+    std::memcpy(out, ws + ((b * heads + h) * seq_len<C>(a) + i) * C::head_dim, sizeof(float) * C::head_dim);
+  }
+}
+
+}  // namespace host
+
+inline int64_t block_x() { return host::cta.x; }
+inline int64_t block_y() { return host::cta.y; }
+inline int64_t block_z() { return host::cta.z; }
+
+//===----------------------------------------------------------------------===//
+// Tiles. On the GPU a QTile and the K/V pipeline live in shared memory, the
+// score, softmax and accumulator tiles in registers spread over the warps.
+//===----------------------------------------------------------------------===//
+
+template <class C>
+struct QTile {
+  std::vector<float> x = std::vector<float>(size_t(C::block_m) * C::head_dim);
+  float* row(int r) { return &x[size_t(r) * C::head_dim]; }
+};
+
+template <class C>
+struct KvPipeline {
+  std::vector<float> k = std::vector<float>(size_t(C::stages) * C::block_n * C::head_dim);
+  std::vector<float> v = std::vector<float>(size_t(C::stages) * C::block_n * C::head_dim);
+  int64_t holds[C::stages];  // key block in each stage, -1 when free
+  float* key(int64_t block, int r) { return &k[(size_t(block % C::stages) * C::block_n + r) * C::head_dim]; }
+  float* value(int64_t block, int r) { return &v[(size_t(block % C::stages) * C::block_n + r) * C::head_dim]; }
+};
+
+template <class C>
+struct ScoreTile {
+  std::vector<float> s = std::vector<float>(size_t(C::block_m) * C::block_n);
+  float& at(int r, int c) { return s[size_t(r) * C::block_n + c]; }
+};
+
+template <class C>
+struct SoftmaxState {
+  float m[C::block_m];  // running row max of scaled scores
+  float l[C::block_m];  // running softmax denominator
+};
+
+template <class C>
+struct AccTile {
+  std::vector<float> o = std::vector<float>(size_t(C::block_m) * C::head_dim);
+  float* row(int r) { return &o[size_t(r) * C::head_dim]; }
+};
+
+// A fused global collapse's output: every head of the block's tokens.
+template <class C>
+struct OutTile {
+  std::vector<float> o = std::vector<float>(size_t(C::block_m / C::pseudo_heads) * C::heads * C::head_dim);
+  float* at(int token, int head) { return &o[(size_t(token) * C::heads + head) * C::head_dim]; }
+};
+
+//===----------------------------------------------------------------------===//
+// Pre-mix and collapse launches (token-parallel)
+//===----------------------------------------------------------------------===//
+
+template <class C, Role R>
+void premix(const IhaArgs& a, int64_t token0, int64_t b) {
+  constexpr int heads = R == Role::query ? C::heads : C::kv_heads;
+  float* ws = R == Role::query ? a.q_mixed : R == Role::key ? a.k_mixed : a.v_mixed;
+  const int64_t L = seq_len<C>(a);
+  for (int64_t n = token0; n < token0 + C::block_m / C::pseudo_heads && n < a.tokens; ++n)
+    for (int h = 0; h < heads; ++h)
+      for (int p = 0; p < C::pseudo_heads; ++p)
+        host::mixedRow<C, R>(a, b, n, h, p, ws + ((b * heads + h) * L + n * C::pseudo_heads + p) * C::head_dim);
+}
+
+template <class C>
+void collapse_rows(const IhaArgs& a, int64_t token0, int64_t b) {
+  const int64_t L = seq_len<C>(a);
+  constexpr int P = C::pseudo_heads, D = C::head_dim;
+  for (int64_t n = token0; n < token0 + C::block_m / P && n < a.tokens; ++n)
+    for (int h = 0; h < C::heads; ++h) {
+      float sum[D] = {};
+      for (int source = 0; source < C::heads; ++source) {
+        if (C::collapse == Collapse::per_head && source != h) continue;
+        for (int p = 0; p < P; ++p) {
+          const float w = C::collapse == Collapse::per_head ? a.collapse[h * P + p]
+                                                            : a.collapse[(h * C::heads + source) * P + p];
+          const float* o = a.o_pseudo + ((b * C::heads + source) * L + n * P + p) * D;
+          for (int c = 0; c < D; ++c) sum[c] += w * o[c];
+        }
+      }
+      const int64_t base = b * a.out_stride[0] + n * a.out_stride[1] + h * a.out_stride[2];
+      for (int c = 0; c < D; ++c) host::storeElement<C>(a.out, base + c, sum[c]);
+    }
+}
+
+//===----------------------------------------------------------------------===//
+// The attention launch
+//===----------------------------------------------------------------------===//
+
+template <class C, bool Mixed>
+void load_q(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
+  host::stats.ctas++;
+  for (int r = 0; r < C::block_m; ++r) host::virtualRow<C, Role::query, Mixed>(a, b, head, row0 + r, q.row(r));
+}
+
+template <class C>
+void softmax_init(SoftmaxState<C>& state, AccTile<C>& acc) {
+  for (int r = 0; r < C::block_m; ++r) {
+    state.m[r] = -std::numeric_limits<float>::infinity();
+    state.l[r] = 0.0f;
+  }
+  std::fill(acc.o.begin(), acc.o.end(), 0.0f);
+}
+
+// The async copy of key block `block` into its stage (cp.async / TMA on the GPU).
+template <class C, bool Mixed>
+void kv_load(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
+  const int slot = int(block % C::stages);
+  if (pipe.holds[slot] != -1) host::fail("K/V stage overwritten before it was released");
+  for (int r = 0; r < C::block_n; ++r) {
+    host::virtualRow<C, Role::key, Mixed>(a, b, g, block * C::block_n + r, pipe.key(block, r));
+    host::virtualRow<C, Role::value, Mixed>(a, b, g, block * C::block_n + r, pipe.value(block, r));
+  }
+  pipe.holds[slot] = block;
+}
+
+// Pipeline prologue: the first stages - 1 blocks of [lower, upper).
+template <class C, bool Mixed>
+void kv_begin(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64_t b, int64_t lower, int64_t upper) {
+  for (int s = 0; s < C::stages; ++s) pipe.holds[s] = -1;
+  for (int64_t block = lower; block < lower + C::stages - 1 && block < upper; ++block)
+    kv_load<C, Mixed>(pipe, a, g, b, block);
+}
+
+template <class C, bool Mixed>
+void kv_produce(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64_t b, int64_t block, int64_t upper) {
+  if (block < upper) kv_load<C, Mixed>(pipe, a, g, b, block);
+}
+
+template <class C, bool Mixed>
+void kv_wait(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
+  if (C::stages == 1) kv_load<C, Mixed>(pipe, a, g, b, block);  // no prefetch: load now
+  if (pipe.holds[block % C::stages] != block) host::fail("K/V block consumed before it was produced");
+}
+
+template <class C>
+void kv_release(KvPipeline<C>& pipe, int64_t block) {
+  pipe.holds[block % C::stages] = -1;
+}
+
+// S = scale * Q K^T for one key block.
+template <class C>
+void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_t block) {
+  host::stats.key_blocks++;
+  for (int r = 0; r < C::block_m; ++r)
+    for (int c = 0; c < C::block_n; ++c) {
+      const float* qr = q.row(r);
+      const float* kr = pipe.key(block, c);
+      float dot = 0.0f;
+      for (int d = 0; d < C::head_dim; ++d) dot += qr[d] * kr[d];
+      s.at(r, c) = dot * C::scale;
+    }
+}
+
+// Disallowed pairs and columns past the end get -inf.
+template <class C>
+void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int64_t block) {
+  host::stats.masked_blocks++;
+  const int64_t L = seq_len<C>(a);
+  for (int r = 0; r < C::block_m; ++r)
+    for (int c = 0; c < C::block_n; ++c) {
+      const int64_t j = block * C::block_n + c;
+      if (j >= L || !allowed<C>(row0 + r, j)) s.at(r, c) = -std::numeric_limits<float>::infinity();
+    }
+}
+
+// Online softmax: new row max, rescale the accumulator and denominator by
+// exp(old max - new max), turn scores into probabilities in place.
+template <class C>
+void softmax_update(SoftmaxState<C>& state, ScoreTile<C>& s, AccTile<C>& acc) {
+  for (int r = 0; r < C::block_m; ++r) {
+    float rowMax = state.m[r];
+    for (int c = 0; c < C::block_n; ++c) rowMax = std::max(rowMax, s.at(r, c));
+    if (rowMax == -std::numeric_limits<float>::infinity()) {  // nothing allowed yet
+      for (int c = 0; c < C::block_n; ++c) s.at(r, c) = 0.0f;
+      continue;
+    }
+    const float correction = std::exp(state.m[r] - rowMax);
+    float sum = 0.0f;
+    for (int c = 0; c < C::block_n; ++c) sum += (s.at(r, c) = std::exp(s.at(r, c) - rowMax));
+    state.l[r] = state.l[r] * correction + sum;
+    state.m[r] = rowMax;
+    float* o = acc.row(r);
+    for (int d = 0; d < C::head_dim; ++d) o[d] *= correction;
+  }
+}
+
+// acc += P V for one key block.
+template <class C>
+void mma_pv(AccTile<C>& acc, ScoreTile<C>& s, KvPipeline<C>& pipe, int64_t block) {
+  for (int r = 0; r < C::block_m; ++r) {
+    float* o = acc.row(r);
+    for (int c = 0; c < C::block_n; ++c) {
+      const float p = s.at(r, c);
+      if (p == 0.0f) continue;
+      const float* vr = pipe.value(block, c);
+      for (int d = 0; d < C::head_dim; ++d) o[d] += p * vr[d];
+    }
+  }
+}
+
+template <class C>
+void normalize(SoftmaxState<C>& state, AccTile<C>& acc) {
+  for (int r = 0; r < C::block_m; ++r) {
+    if (state.l[r] == 0.0f) continue;
+    const float inverse = 1.0f / state.l[r];
+    float* o = acc.row(r);
+    for (int d = 0; d < C::head_dim; ++d) o[d] *= inverse;
+  }
+}
+
+namespace host {
+template <class C>
+void storeLse(SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
+  if (!a.lse) return;
+  const int64_t L = seq_len<C>(a);
+  for (int r = 0; r < C::block_m && row0 + r < L; ++r)
+    a.lse[(b * C::heads + head) * L + row0 + r] = state.m[r] + std::log(state.l[r]);
+}
+}  // namespace host
+
+template <class C>
+void store_rows(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
+  const int64_t L = seq_len<C>(a);
+  for (int r = 0; r < C::block_m && row0 + r < L; ++r)
+    std::memcpy(a.o_pseudo + ((b * C::heads + head) * L + row0 + r) * C::head_dim, acc.row(r),
+                sizeof(float) * C::head_dim);
+  host::storeLse<C>(state, a, row0, head, b);
+}
+
+// per_head collapse in the epilogue: the block holds whole tokens.
+template <class C>
+void store_collapsed(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head,
+                     int64_t b) {
+  constexpr int P = C::pseudo_heads;
+  for (int t = 0; t < C::block_m / P; ++t) {
+    const int64_t n = row0 / P + t;
+    if (n >= a.tokens) break;
+    const int64_t base = b * a.out_stride[0] + n * a.out_stride[1] + head * a.out_stride[2];
+    for (int d = 0; d < C::head_dim; ++d) {
+      float sum = 0.0f;
+      for (int p = 0; p < P; ++p) sum += a.collapse[head * P + p] * acc.row(t * P + p)[d];
+      host::storeElement<C>(a.out, base + d, sum);
+    }
+  }
+  host::storeLse<C>(state, a, row0, head, b);
+}
+
+template <class C>
+void out_init(OutTile<C>& out) {
+  std::fill(out.o.begin(), out.o.end(), 0.0f);
+}
+
+// Global collapse, fused: this head's share of every output head.
+template <class C>
+void accumulate_collapsed(OutTile<C>& out, AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0,
+                          int64_t head, int64_t b) {
+  constexpr int P = C::pseudo_heads;
+  for (int t = 0; t < C::block_m / P; ++t)
+    for (int h = 0; h < C::heads; ++h) {
+      float* target = out.at(t, h);
+      for (int p = 0; p < P; ++p) {
+        const float w = a.collapse[(h * C::heads + head) * P + p];
+        const float* o = acc.row(t * P + p);
+        for (int d = 0; d < C::head_dim; ++d) target[d] += w * o[d];
+      }
+    }
+  host::storeLse<C>(state, a, row0, head, b);
+}
+
+template <class C>
+void store_out(OutTile<C>& out, const IhaArgs& a, int64_t row0, int64_t b) {
+  constexpr int P = C::pseudo_heads;
+  for (int t = 0; t < C::block_m / P; ++t) {
+    const int64_t n = row0 / P + t;
+    if (n >= a.tokens) break;
+    for (int h = 0; h < C::heads; ++h) {
+      const int64_t base = b * a.out_stride[0] + n * a.out_stride[1] + h * a.out_stride[2];
+      for (int d = 0; d < C::head_dim; ++d) host::storeElement<C>(a.out, base + d, out.at(t, h)[d]);
+    }
+  }
+}
+
+}  // namespace loom
+
+// Entry points the CPU launcher looks up next to the kernels.
+LOOM_KERNEL void loom_host_set_block(int64_t x, int64_t y, int64_t z) { loom::host::cta = {x, y, z}; }
+LOOM_KERNEL void loom_host_stats(int64_t* keyBlocks, int64_t* maskedBlocks, int64_t* ctas) {
+  *keyBlocks = loom::host::stats.key_blocks.exchange(0);
+  *maskedBlocks = loom::host::stats.masked_blocks.exchange(0);
+  *ctas = loom::host::stats.ctas.exchange(0);
+}
