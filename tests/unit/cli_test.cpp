@@ -177,5 +177,63 @@ TEST(Cli, DrawnCasesPass) {
   }
 }
 
+std::string cpuFlags() { return std::string(" --backend cpu --cache-dir ") + LOOM_TEST_CACHE; }
+
+// The generated program on the host, with the default schedule and another
+// one from a file, for every shared case.
+TEST(Cli, EverySharedCasePassesOnCpu) {
+  TempDir dir;
+  std::ofstream(dir / "schedule.json") << R"({"block_n": 16, "stages": 3, "mix": "mix_materialized"})";
+  for (const std::string& name : testing::sharedCaseNames()) {
+    for (const std::string& schedule : {std::string(), " --schedule " + (dir / "schedule.json")}) {
+      const auto result =
+          runLoom("run --case " + testing::casesDir() + "/" + name + cpuFlags() + schedule + " --out " + (dir / "o.npy"));
+      EXPECT_EQ(result.exitCode, 0) << name << schedule << ": " << result.output;
+      EXPECT_NE(result.output.find("key blocks visited"), std::string::npos) << result.output;
+    }
+  }
+}
+
+TEST(Cli, DrawnCasesPassOnCpu) {
+  TempDir dir;
+  std::mt19937_64 rng(testing::testSeed() + 11);
+  for (int trial = 0; trial < 3; ++trial) {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_head_dim(8 * (1 + int(rng() % 3)));
+    std::ofstream(dir / "spec.json") << toJson(spec);
+    const std::string caseDir = dir / ("drawn" + std::to_string(trial));
+    ASSERT_EQ(runLoom("draw --spec " + (dir / "spec.json") + " --out " + caseDir + " --batch 2 --tokens " +
+                      std::to_string(5 + rng() % 30) + " --seed " + std::to_string(rng()))
+                  .exitCode,
+              0);
+    const auto result = runLoom("run --case " + caseDir + cpuFlags() + " --out " + (dir / "o.npy"));
+    EXPECT_EQ(result.exitCode, 0) << spec.ShortDebugString() << ": " << result.output;
+  }
+}
+
+TEST(Cli, BadScheduleNamesTheField) {
+  TempDir dir;
+  std::ofstream(dir / "schedule.json") << R"({"block_m": 20})";
+  const auto result = runLoom("run --case " + testing::casesDir() + "/h8p8-d64-fp16" + cpuFlags() + " --schedule " +
+                              (dir / "schedule.json"));
+  EXPECT_EQ(result.exitCode, 2) << result.output;
+  EXPECT_NE(result.output.find("schedule.block_m (20) must be a multiple of pseudo_heads (8)"), std::string::npos)
+      << result.output;
+}
+
+TEST(Cli, GenPrintsDeterministicSource) {
+  TempDir dir;
+  std::ofstream(dir / "spec.json") << R"({"heads": 2, "kv_heads": 2, "pseudo_heads": 2, "head_dim": 16,
+      "mask": "token_causal", "window": 3, "collapse": "per_head", "rope_theta": 0, "dtype": "float32"})";
+  const auto first = runLoom("gen --spec " + (dir / "spec.json") + " --target sm_80");
+  const auto second = runLoom("gen --spec " + (dir / "spec.json") + " --target sm_80");
+  EXPECT_EQ(first.exitCode, 0) << first.output;
+  EXPECT_EQ(first.output, second.output);
+  EXPECT_NE(first.output.find("LOOM_KERNEL void iha_attention"), std::string::npos);
+  const auto bad = runLoom("gen --spec " + (dir / "spec.json") + " --target gpu");
+  EXPECT_EQ(bad.exitCode, 2);
+  EXPECT_NE(bad.output.find("target 'gpu'"), std::string::npos) << bad.output;
+}
+
 }  // namespace
 }  // namespace loom

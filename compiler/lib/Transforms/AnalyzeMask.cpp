@@ -73,11 +73,17 @@ BlockRanges computeRanges(IndexMath& m, SpecAttr spec, int64_t blockM, int64_t b
       }
       break;
   }
-  r.hi = m.min(r.hi, allBlocks);
-  r.lo = m.min(r.lo, r.hi);
-  r.ihi = m.min(r.ihi, fullBlocks);
-  r.ilo = m.clamp(r.ilo, r.lo, r.hi);
-  r.ihi = m.clamp(r.ihi, r.ilo, r.hi);
+  // Clamp into lo <= ilo <= ihi <= hi <= ceil(L/bn), ihi <= floor(L/bn).
+  // Without a window lo = ilo = 0 and the lower clamps are no-ops.
+  if (!(spec.getMask() == MaskMode::none && W == 0)) r.hi = m.min(r.hi, allBlocks);
+  if (spec.getMask() != MaskMode::none || W > 0) r.ihi = m.min(r.ihi, fullBlocks);
+  if (W > 0) {
+    r.lo = m.min(r.lo, r.hi);
+    r.ilo = m.clamp(r.ilo, r.lo, r.hi);
+    r.ihi = m.clamp(r.ihi, r.ilo, r.hi);
+  } else if (spec.getMask() != MaskMode::none) {
+    r.ihi = m.min(r.ihi, r.hi);
+  }
   return r;
 }
 

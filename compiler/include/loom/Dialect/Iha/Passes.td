@@ -29,6 +29,7 @@ def IhaApplySchedule : Pass<"iha-apply-schedule", "::mlir::ModuleOp"> {
     Option<"mix", "mix", "std::string", "\"\"", "fused | materialized (empty: default)">,
     Option<"collapse", "collapse", "std::string", "\"\"", "epilogue | separate (empty: default)">
   ];
+  let dependentDialects = ["::mlir::arith::ArithDialect"];
 }
 
 def IhaAnalyzeMask : Pass<"iha-analyze-mask", "::mlir::ModuleOp"> {
@@ -60,6 +61,7 @@ def IhaFuseCollapse : Pass<"iha-fuse-collapse", "::mlir::ModuleOp"> {
     the store becomes `iha.store_collapsed`. global: one CTA runs every head
     of its query block (`iha.for_each_head`) and accumulates the output tile.
   }];
+  let dependentDialects = ["::mlir::arith::ArithDialect"];
 }
 
 def IhaLowerToEmitC : Pass<"iha-lower-to-emitc", "::mlir::ModuleOp"> {

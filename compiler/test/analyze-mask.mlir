@@ -1,0 +1,35 @@
+// RUN: loom-opt %s --iha-build-kernel --iha-apply-schedule --iha-analyze-mask --canonicalize --cse | FileCheck %s
+
+// flat_causal with a window: the stream covers [lo, hi) and three loops split
+// it into masked / interior (no mask) / masked.
+// CHECK-LABEL: iha.kernel @flat_window
+// CHECK:         iha.launch @iha_attention
+// CHECK:           %[[ROW0:[0-9a-z_]+]] = arith.muli %arg0
+// CHECK:           %[[L:[0-9a-z_]+]] = iha.seq_len
+// CHECK:           arith.minsi
+// CHECK:           iha.kv_stream %[[LO:[0-9a-z_]+]] to %[[HI:[0-9a-z_]+]] head
+// CHECK-NEXT:      iha.kv_loop %[[LO]] to %[[ILO:[0-9a-z_]+]] rows %[[ROW0]] head %arg1 batch %arg2 {masked}
+// CHECK-NEXT:      iha.kv_loop %[[ILO]] to %[[IHI:[0-9a-z_]+]] rows %[[ROW0]] head %arg1 batch %arg2{{$}}
+// CHECK-NEXT:      iha.kv_loop %[[IHI]] to %[[HI]] rows %[[ROW0]] head %arg1 batch %arg2 {masked}
+iha.kernel @flat_window spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 2, head_dim = 16, dtype = f32, mask = flat_causal, window = 40, collapse = per_head, rope_theta = 0.0, scale = 0.25>) {
+}
+
+// No mask and no window: every block is visited, the stream starts at 0, and
+// only the partial last block (if any) needs its bounds mask.
+// CHECK-LABEL: iha.kernel @unmasked
+// CHECK:           %[[ZERO:[0-9a-z_]+]] = arith.constant 0 : i64
+// CHECK:           %[[NKB:[0-9a-z_]+]] = arith.ceildivsi
+// CHECK:           %[[FULL:[0-9a-z_]+]] = arith.floordivsi
+// CHECK:           iha.kv_stream %[[ZERO]] to %[[NKB]]
+// CHECK-NEXT:      iha.kv_loop %[[ZERO]] to %[[ZERO]] {{.*}} {masked}
+// CHECK-NEXT:      iha.kv_loop %[[ZERO]] to %[[FULL]]
+// CHECK-NEXT:      iha.kv_loop %[[FULL]] to %[[NKB]] {{.*}} {masked}
+iha.kernel @unmasked spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 1, head_dim = 16, dtype = f32, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.25>) {
+}
+
+// Running the pass twice changes nothing: analysed launches are skipped.
+// CHECK-LABEL: iha.kernel @token
+// CHECK-COUNT-3: iha.kv_loop
+// CHECK-NOT:     iha.kv_loop
+iha.kernel @token spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 3, head_dim = 16, dtype = f32, mask = token_causal, window = 2, collapse = per_head, rope_theta = 0.0, scale = 0.25>) {
+}

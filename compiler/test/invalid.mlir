@@ -1,0 +1,65 @@
+// RUN: loom-opt %s --split-input-file --verify-diagnostics
+
+// expected-error @+1 {{kv_heads (3) must divide heads (4)}}
+iha.kernel @iha spec(#iha.spec<heads = 4, kv_heads = 3, pseudo_heads = 2, head_dim = 16, dtype = f32, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.25>) {
+}
+
+// -----
+
+// expected-error @+1 {{head_dim (12) is unsupported: it must be a multiple of 8 up to 256}}
+iha.kernel @iha spec(#iha.spec<heads = 4, kv_heads = 4, pseudo_heads = 2, head_dim = 12, dtype = f32, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.25>) {
+}
+
+// -----
+
+// expected-error @+1 {{window (-1) must not be negative}}
+iha.kernel @iha spec(#iha.spec<heads = 4, kv_heads = 4, pseudo_heads = 2, head_dim = 16, dtype = f32, mask = none, window = -1, collapse = per_head, rope_theta = 0.0, scale = 0.25>) {
+}
+
+// -----
+
+// expected-error @+1 {{schedule.block_m (48) must be a multiple of pseudo_heads (5) so a query block holds whole tokens}}
+iha.kernel @iha spec(#iha.spec<heads = 4, kv_heads = 4, pseudo_heads = 5, head_dim = 16, dtype = f32, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.25>) schedule(#iha.schedule<block_m = 48, block_n = 64, warps = 1, stages = 2, mix = fused, collapse = epilogue>) {
+}
+
+// -----
+
+// expected-error @+1 {{schedule.block_m (32) must be a multiple of 16 rows per warp x 4 warps}}
+iha.kernel @iha spec(#iha.spec<heads = 4, kv_heads = 4, pseudo_heads = 2, head_dim = 16, dtype = f32, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.25>) schedule(#iha.schedule<block_m = 32, block_n = 64, warps = 4, stages = 2, mix = fused, collapse = epilogue>) {
+}
+
+// -----
+
+// expected-error @+1 {{schedule.stages (5) must be in [1, 4]}}
+iha.kernel @iha spec(#iha.spec<heads = 4, kv_heads = 4, pseudo_heads = 2, head_dim = 16, dtype = f32, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.25>) schedule(#iha.schedule<block_m = 64, block_n = 64, warps = 4, stages = 5, mix = fused, collapse = epilogue>) {
+}
+
+// -----
+
+// expected-error @+1 {{schedule.block_n (24) must be a multiple of 16 in [16, 256]}}
+iha.kernel @iha spec(#iha.spec<heads = 4, kv_heads = 4, pseudo_heads = 2, head_dim = 16, dtype = f32, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.25>) schedule(#iha.schedule<block_m = 64, block_n = 24, warps = 4, stages = 2, mix = fused, collapse = epilogue>) {
+}
+
+// -----
+
+// expected-error @+1 {{schedule.warps (3) must be 1, 2, 4 or 8}}
+iha.kernel @iha spec(#iha.spec<heads = 4, kv_heads = 4, pseudo_heads = 2, head_dim = 16, dtype = f32, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.25>) schedule(#iha.schedule<block_m = 96, block_n = 64, warps = 3, stages = 2, mix = fused, collapse = epilogue>) {
+}
+
+// -----
+
+iha.kernel @iha spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 1, head_dim = 16, dtype = f32, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.25>) schedule(#iha.schedule<block_m = 64, block_n = 64, warps = 4, stages = 2, mix = fused, collapse = epilogue>) {
+  // expected-error @+1 {{body must take 3 i64 arguments (x block, y index, batch)}}
+  iha.launch @bad attributes {grid_y = 1 : i64, rows_per_cta = 64 : i64, rows_per_token = 1 : i64, threads = 128 : i64} {
+  ^bb0(%x: i64):
+  }
+}
+
+// -----
+
+// expected-error @+1 {{has launches but no schedule}}
+iha.kernel @iha spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 1, head_dim = 16, dtype = f32, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.25>) {
+  iha.launch @l attributes {grid_y = 1 : i64, rows_per_cta = 64 : i64, rows_per_token = 1 : i64, threads = 128 : i64} {
+  ^bb0(%x: i64, %y: i64, %b: i64):
+  }
+}

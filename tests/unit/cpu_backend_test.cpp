@@ -1,0 +1,144 @@
+// The generated program on the host tile API against the float64 reference:
+// every shared case and freshly drawn specs, each under several schedules,
+// and the block accounting of iha-analyze-mask.
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "cpu/cpu_backend.h"
+#include "io/case.h"
+#include "loom/compiler.h"
+#include "reference/iha_reference.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+constexpr int kRandomSpecs = 10;
+
+cpu::CpuOptions cpuOptions() { return {LOOM_TEST_CACHE, 2}; }
+
+v1::Target cpuTarget() { return *parseTarget("cpu"); }
+
+// Schedules that exercise different block shapes, pipeline depths and
+// fusion choices; each is valid for `spec`.
+std::vector<Schedule> schedulesFor(const KernelSpec& spec) {
+  const int P = spec.pseudo_heads();
+  std::vector<Schedule> schedules(3);  // [0]: all defaults
+  Schedule& small = schedules[1];
+  small.set_warps(1);
+  small.set_block_m(std::lcm(P, 16));
+  small.set_block_n(16);
+  small.set_stages(1);
+  small.set_mix(v1::mix_materialized);
+  small.set_collapse(v1::collapse_separate);
+  Schedule& deep = schedules[2];
+  deep.set_warps(2);
+  deep.set_block_m(std::lcm(P, 32));
+  deep.set_block_n(32);
+  deep.set_stages(3);
+  deep.set_mix(v1::mix_fused);
+  deep.set_collapse(v1::collapse_fused);  // the head-looped CTA for global
+  return schedules;
+}
+
+// Key blocks a CTA must visit (any allowed pair among its real rows) and, of
+// those, the ones needing an element-wise mask, counted by brute force.
+std::pair<int64_t, int64_t> expectedBlocks(const KernelSpec& spec, const Schedule& schedule, int64_t B, int64_t N) {
+  const int64_t L = N * spec.pseudo_heads(), bm = schedule.block_m(), bn = schedule.block_n();
+  int64_t visited = 0, masked = 0;
+  for (int64_t r0 = 0; r0 < L; r0 += bm)
+    for (int64_t c0 = 0; c0 < L; c0 += bn) {
+      bool any = false, all = c0 + bn <= L;
+      for (int64_t i = r0; i < std::min(r0 + bm, L); ++i)
+        for (int64_t j = c0; j < std::min(c0 + bn, L); ++j) {
+          const bool ok = reference::allowed(spec, i, j);
+          any |= ok;
+          all &= ok;
+        }
+      visited += any;
+      masked += any && !all;
+    }
+  const int64_t ctasPerQueryBlock = B * spec.heads();
+  return {visited * ctasPerQueryBlock, masked * ctasPerQueryBlock};
+}
+
+void checkAgainstReference(const IhaCase& c, const Schedule& schedule, const std::string& what) {
+  auto plan = generateKernel(c.spec, schedule, cpuTarget());
+  ASSERT_TRUE(plan) << what << ": " << plan.error().message;
+  auto result = cpu::runPlan(*plan, c, cpuOptions());
+  ASSERT_TRUE(result) << what << ": " << result.error().message << "\n" << result.error().log;
+  const auto reference = reference::ihaForward(c.spec, c.inputs);
+  const std::vector<double>& expected = c.expected ? *c.expected : reference.out;
+  const double error = relativeError(result->out, expected);
+  EXPECT_LE(error, toleranceFor(c.spec.dtype())) << what << " schedule " << plan->schedule.ShortDebugString();
+  EXPECT_LE(relativeError(result->lse, reference.lse), toleranceFor(c.spec.dtype())) << what << " (lse)";
+
+  const auto [visited, masked] = expectedBlocks(c.spec, plan->schedule, c.batch, c.tokens);
+  EXPECT_EQ(result->stats.keyBlocks, visited) << what << ": visited key blocks";
+  EXPECT_EQ(result->stats.maskedBlocks, masked) << what << ": masked key blocks";
+}
+
+class SharedCaseOnCpu : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(SharedCaseOnCpu, MatchesExpectedUnderSeveralSchedules) {
+  auto c = loadCase(testing::casesDir() + "/" + GetParam());
+  ASSERT_TRUE(c) << c.error().message;
+  for (const Schedule& schedule : schedulesFor(c->spec)) checkAgainstReference(*c, schedule, GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(Vectors, SharedCaseOnCpu, ::testing::ValuesIn(testing::sharedCaseNames()),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
+
+class DrawnCaseOnCpu : public ::testing::TestWithParam<int> {};
+
+// Fresh specs every run: all masks, windows down to one token (smaller than
+// any block), both collapses, RoPE, G < H, N and N*P off the block sizes.
+TEST_P(DrawnCaseOnCpu, MatchesTheReference) {
+  std::mt19937_64 rng(testing::testSeed() + uint64_t(GetParam()) * 7919);
+  KernelSpec spec = testing::randomSpec(rng);
+  spec.set_head_dim(8 * std::uniform_int_distribution<int>(1, 4)(rng));
+  const int dtypePick = GetParam() % 5;
+  spec.set_dtype(dtypePick == 3 ? v1::float16 : dtypePick == 4 ? v1::bfloat16 : v1::float32);
+  const int64_t B = 1 + int64_t(rng() % 2), N = 1 + int64_t(rng() % 40);
+  const IhaCase c = drawCase(spec, B, N, rng());
+  const std::string what = spec.ShortDebugString() + " B=" + std::to_string(B) + " N=" + std::to_string(N);
+  for (const Schedule& schedule : schedulesFor(spec)) checkAgainstReference(c, schedule, what);
+}
+
+INSTANTIATE_TEST_SUITE_P(Random, DrawnCaseOnCpu, ::testing::Range(0, kRandomSpecs));
+
+TEST(CpuBackend, SecondRunCompilesNothing) {
+  auto c = loadCase(testing::casesDir() + "/mha-identity");
+  ASSERT_TRUE(c);
+  testing::TempDir cache;
+  auto plan = generateKernel(c->spec, Schedule(), cpuTarget());
+  ASSERT_TRUE(plan);
+  auto first = cpu::runPlan(*plan, *c, {cache.path(), 1});
+  ASSERT_TRUE(first) << first.error().message;
+  auto second = cpu::runPlan(*plan, *c, {cache.path(), 1});
+  ASSERT_TRUE(second) << second.error().message;
+  EXPECT_TRUE(first->stats.compiled);
+  EXPECT_FALSE(second->stats.compiled);
+  EXPECT_EQ(first->out, second->out);
+}
+
+TEST(CpuBackend, CompileErrorsCarryTheCompilerLog) {
+  auto c = loadCase(testing::casesDir() + "/mha-identity");
+  ASSERT_TRUE(c);
+  auto plan = generateKernel(c->spec, Schedule(), cpuTarget());
+  ASSERT_TRUE(plan);
+  plan->source += "\nthis is not C++;\n";
+  testing::TempDir cache;
+  auto result = cpu::runPlan(*plan, *c, {cache.path(), 1});
+  ASSERT_FALSE(result);
+  EXPECT_NE(result.error().message.find("rejected the generated program"), std::string::npos);
+  EXPECT_NE(result.error().log.find("error"), std::string::npos) << result.error().log;
+}
+
+}  // namespace
+}  // namespace loom
