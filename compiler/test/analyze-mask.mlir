@@ -14,14 +14,14 @@
 iha.kernel @flat_window spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 2, head_dim = 16, dtype = f32, mask = flat_causal, window = 40, collapse = per_head, rope_theta = 0.0, scale = 0.25>) {
 }
 
-// No mask and no window: every block is visited, the stream starts at 0, and
-// only the partial last block (if any) needs its bounds mask.
+// No mask and no window: every block is visited, the stream starts at 0, the
+// empty leading masked loop is dropped, and only the partial last block (if
+// any) needs its bounds mask.
 // CHECK-LABEL: iha.kernel @unmasked
 // CHECK:           %[[ZERO:[0-9a-z_]+]] = arith.constant 0 : i64
 // CHECK:           %[[NKB:[0-9a-z_]+]] = arith.ceildivsi
 // CHECK:           %[[FULL:[0-9a-z_]+]] = arith.floordivsi
 // CHECK:           iha.kv_stream %[[ZERO]] to %[[NKB]]
-// CHECK-NEXT:      iha.kv_loop %[[ZERO]] to %[[ZERO]] {{.*}} {masked}
 // CHECK-NEXT:      iha.kv_loop %[[ZERO]] to %[[FULL]]
 // CHECK-NEXT:      iha.kv_loop %[[FULL]] to %[[NKB]] {{.*}} {masked}
 iha.kernel @unmasked spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 1, head_dim = 16, dtype = f32, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.25>) {

@@ -76,8 +76,7 @@ class LaunchLowering {
     auto found = state_.find(name);
     if (found != state_.end()) return found->second;
     mlir::OpBuilder::InsertionGuard guard(b_);
-    mlir::Block* entry = &b_.getInsertionBlock()->getParent()->getParentOfType<mlir::emitc::FuncOp>().getBody().front();
-    b_.setInsertionPointToStart(entry);
+    b_.setInsertionPointToStart(entryBlock());
     Value declared = b_.create<mlir::emitc::VariableOp>(loc_, tile(name), word(""));
     return state_[name] = declared;
   }
@@ -96,16 +95,29 @@ class LaunchLowering {
                                            mlir::ArrayAttr{}, templateArgs)
         .getResult(0);
   }
+  // Constants are declared once, at the top of the function.
   Value constant(int64_t value) {
-    return b_.create<mlir::emitc::ConstantOp>(loc_, b_.getI64Type(), b_.getI64IntegerAttr(value));
+    auto found = constants_.find(value);
+    if (found != constants_.end()) return found->second;
+    mlir::OpBuilder::InsertionGuard guard(b_);
+    b_.setInsertionPointToStart(entryBlock());
+    return constants_[value] =
+               b_.create<mlir::emitc::ConstantOp>(loc_, b_.getI64Type(), b_.getI64IntegerAttr(value));
+  }
+  mlir::Block* entryBlock() {
+    return &b_.getInsertionBlock()->getParent()->getParentOfType<mlir::emitc::FuncOp>().getBody().front();
   }
   Value get(Value value) { return map.lookup(value); }
   static llvm::StringRef flag(bool on) { return on ? "true" : "false"; }
 
+  // The kv head of query head `head`: computed at its first use (the
+  // kv_stream, which dominates the loops that follow) and reused.
   Value kvHead(Value head) {
     const int64_t group = kernel_.getSpec().getHeads() / kernel_.getSpec().getKvHeads();
     if (group == 1) return head;
-    return b_.create<mlir::emitc::DivOp>(loc_, b_.getI64Type(), head, constant(group));
+    Value& cached = kvHeads_[head];
+    if (!cached) cached = b_.create<mlir::emitc::DivOp>(loc_, b_.getI64Type(), head, constant(group));
+    return cached;
   }
 
   mlir::LogicalResult lowerOp(mlir::Operation* op) {
@@ -233,6 +245,8 @@ class LaunchLowering {
   mlir::MLIRContext* ctx_;
   mlir::Location loc_ = mlir::UnknownLoc::get(ctx_);
   llvm::StringMap<Value> state_;
+  llvm::DenseMap<int64_t, Value> constants_;
+  llvm::DenseMap<Value, Value> kvHeads_;
 };
 
 struct LowerToEmitC : impl::IhaLowerToEmitCBase<LowerToEmitC> {

@@ -2,6 +2,7 @@
 
 #include "loom/Dialect/Iha/Schedule.h"
 #include "mlir/IR/OpImplementation.h"
+#include "mlir/IR/PatternMatch.h"
 
 using namespace mlir;
 using namespace loom::iha;
@@ -38,3 +39,9 @@ LogicalResult LaunchOp::verify() {
 }
 
 LogicalResult ForEachHeadOp::verify() { return verifyIndexArguments(*this, getBody().front(), 1, "head"); }
+
+LogicalResult KvLoopOp::canonicalize(KvLoopOp op, PatternRewriter& rewriter) {
+  if (op.getLower() != op.getUpper()) return failure();
+  rewriter.eraseOp(op);
+  return success();
+}

@@ -190,6 +190,8 @@ def Iha_KvLoopOp : Iha_BlockOp<"kv_loop"> {
   let arguments = (ins I64:$lower, I64:$upper, I64:$row0, I64:$head, I64:$batch,
                        UnitAttr:$masked, UnitAttr:$mixed);
   let assemblyFormat = "$lower `to` $upper `rows` $row0 `head` $head `batch` $batch attr-dict";
+  // A loop whose bounds are one value runs no step: canonicalisation drops it.
+  let hasCanonicalizeMethod = 1;
 }
 
 def Iha_StoreRowsOp : Iha_BlockOp<"store_rows"> {
