@@ -34,6 +34,14 @@ Status checkArray(const std::string& path, const NpyArray& array, const std::vec
   return Status::success();
 }
 
+// Shapes of q, k, v, alpha_q, alpha_k, alpha_v, collapse (kCaseInputs order).
+std::vector<std::vector<int64_t>> inputShapes(const KernelSpec& spec, int64_t B, int64_t N) {
+  const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
+  const std::vector<int64_t> collapseShape =
+      spec.collapse() == v1::per_head ? std::vector<int64_t>{H, P} : std::vector<int64_t>{H, H * P};
+  return {{B, N, H, d}, {B, N, G, d}, {B, N, G, d}, {H, H, P}, {G, G, P}, {G, G, P}, collapseShape};
+}
+
 }  // namespace
 
 NpyType storageTypeOf(v1::DType dtype) {
@@ -73,12 +81,7 @@ Result<IhaCase> loadCase(const std::string& dir) {
   if (q.shape.size() != 4) return makeError((fs::path(dir) / "q.npy").string() + ": want 4 dimensions [B, N, H, d], got " + shapeString(q.shape));
   c.batch = q.shape[0];
   c.tokens = q.shape[1];
-  const int64_t B = c.batch, N = c.tokens, H = spec->heads(), G = spec->kv_heads(), P = spec->pseudo_heads(),
-                d = spec->head_dim();
-  const std::vector<int64_t> collapseShape =
-      spec->collapse() == v1::per_head ? std::vector<int64_t>{H, P} : std::vector<int64_t>{H, H * P};
-  const std::vector<std::vector<int64_t>> want = {{B, N, H, d}, {B, N, G, d}, {B, N, G, d}, {H, H, P},
-                                                  {G, G, P},    {G, G, P},    collapseShape};
+  const std::vector<std::vector<int64_t>> want = inputShapes(*spec, c.batch, c.tokens);
   std::vector<std::vector<double>*> targets = {&c.inputs.q,       &c.inputs.k,       &c.inputs.v,       &c.inputs.alpha_q,
                                                &c.inputs.alpha_k, &c.inputs.alpha_v, &c.inputs.collapse};
   for (size_t i = 0; i < arrays.size(); ++i) {
@@ -86,8 +89,8 @@ Result<IhaCase> loadCase(const std::string& dir) {
     if (Status ok = checkArray(path, arrays[i], want[i], i < 3, spec->dtype()); !ok) return ok.error();
     *targets[i] = npyToDouble(arrays[i], spec->dtype() == v1::bfloat16);
   }
-  c.inputs.batch = B;
-  c.inputs.tokens = N;
+  c.inputs.batch = c.batch;
+  c.inputs.tokens = c.tokens;
 
   const fs::path expectedPath = fs::path(dir) / "expected.npy";
   if (fs::exists(expectedPath)) {
@@ -110,12 +113,7 @@ Status writeCase(const std::string& dir, const IhaCase& c) {
     spec << toJson(c.spec);
     if (!spec) return makeError(dir + "/spec.json: write failed");
   }
-  const int64_t B = c.batch, N = c.tokens, H = c.spec.heads(), G = c.spec.kv_heads(), P = c.spec.pseudo_heads(),
-                d = c.spec.head_dim();
-  const std::vector<int64_t> collapseShape =
-      c.spec.collapse() == v1::per_head ? std::vector<int64_t>{H, P} : std::vector<int64_t>{H, H * P};
-  const std::vector<std::vector<int64_t>> shapes = {{B, N, H, d}, {B, N, G, d}, {B, N, G, d}, {H, H, P},
-                                                    {G, G, P},    {G, G, P},    collapseShape};
+  const std::vector<std::vector<int64_t>> shapes = inputShapes(c.spec, c.batch, c.tokens);
   const std::vector<const std::vector<double>*> sources = {&c.inputs.q,       &c.inputs.k,       &c.inputs.v,
                                                            &c.inputs.alpha_q, &c.inputs.alpha_k, &c.inputs.alpha_v,
                                                            &c.inputs.collapse};

@@ -142,13 +142,7 @@ Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedu
   // Phase 1: to launches; the plan is read here, before lowering erases it.
   mlir::PassManager schedulePm(&context);
   configure(schedulePm);
-  schedulePm.addPass(createIhaBuildKernel());
-  schedulePm.addPass(createIhaApplySchedule());
-  schedulePm.addPass(createIhaAnalyzeMask());
-  schedulePm.addPass(createIhaFuseMixing());
-  schedulePm.addPass(createIhaFuseCollapse());
-  schedulePm.addPass(mlir::createCanonicalizerPass());
-  schedulePm.addPass(mlir::createCSEPass());
+  buildIhaSchedulingPipeline(schedulePm);
   if (mlir::failed(schedulePm.run(*module))) return makeError("compiler: " + diagnostics);
 
   KernelPlan plan;
@@ -159,9 +153,7 @@ Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedu
   // Phase 2: EmitC, then C++.
   mlir::PassManager lowerPm(&context);
   configure(lowerPm);
-  IhaLowerToEmitCOptions lowerOptions;
-  lowerOptions.tileHeader = tileHeaderFor(target);
-  lowerPm.addPass(createIhaLowerToEmitC(lowerOptions));
+  buildIhaLoweringPipeline(lowerPm, tileHeaderFor(target));
   if (mlir::failed(lowerPm.run(*module))) return makeError("compiler: " + diagnostics);
 
   llvm::raw_string_ostream sourceStream(plan.source);

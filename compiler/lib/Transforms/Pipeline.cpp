@@ -3,7 +3,7 @@
 
 namespace loom::iha {
 
-void buildIhaPipeline(mlir::OpPassManager& pm, const std::string& tileHeader) {
+void buildIhaSchedulingPipeline(mlir::OpPassManager& pm) {
   pm.addPass(createIhaBuildKernel());
   pm.addPass(createIhaApplySchedule());
   pm.addPass(createIhaAnalyzeMask());
@@ -11,9 +11,17 @@ void buildIhaPipeline(mlir::OpPassManager& pm, const std::string& tileHeader) {
   pm.addPass(createIhaFuseCollapse());
   pm.addPass(mlir::createCanonicalizerPass());
   pm.addPass(mlir::createCSEPass());
+}
+
+void buildIhaLoweringPipeline(mlir::OpPassManager& pm, const std::string& tileHeader) {
   IhaLowerToEmitCOptions options;
   options.tileHeader = tileHeader;
   pm.addPass(createIhaLowerToEmitC(options));
+}
+
+void buildIhaPipeline(mlir::OpPassManager& pm, const std::string& tileHeader) {
+  buildIhaSchedulingPipeline(pm);
+  buildIhaLoweringPipeline(pm, tileHeader);
 }
 
 }  // namespace loom::iha

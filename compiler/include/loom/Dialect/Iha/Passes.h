@@ -16,8 +16,14 @@ namespace loom::iha {
 #define GEN_PASS_REGISTRATION
 #include "loom/Dialect/Iha/Passes.h.inc"
 
-// iha-build-kernel, iha-apply-schedule, iha-analyze-mask, iha-fuse-mixing,
-// iha-fuse-collapse, iha-lower-to-emitc: the whole way from spec to EmitC.
+// iha-build-kernel .. iha-fuse-collapse, then canonicalize and cse: from an
+// iha.kernel to its final launches (where the kernel plan is read).
+void buildIhaSchedulingPipeline(mlir::OpPassManager& pm);
+
+// iha-lower-to-emitc with the given tile header.
+void buildIhaLoweringPipeline(mlir::OpPassManager& pm, const std::string& tileHeader);
+
+// Both: the whole way from spec to EmitC.
 void buildIhaPipeline(mlir::OpPassManager& pm, const std::string& tileHeader = "loom/tile/host.h");
 
 }  // namespace loom::iha
