@@ -224,7 +224,7 @@ TEST(Cli, BadScheduleNamesTheField) {
 TEST(Cli, GenPrintsDeterministicSource) {
   TempDir dir;
   std::ofstream(dir / "spec.json") << R"({"heads": 2, "kv_heads": 2, "pseudo_heads": 2, "head_dim": 16,
-      "mask": "token_causal", "window": 3, "collapse": "per_head", "rope_theta": 0, "dtype": "float32"})";
+      "mask": "token_causal", "window": 3, "collapse": "per_head", "rope_theta": 0, "dtype": "float16"})";
   const auto first = runLoom("gen --spec " + (dir / "spec.json") + " --target sm_80");
   const auto second = runLoom("gen --spec " + (dir / "spec.json") + " --target sm_80");
   EXPECT_EQ(first.exitCode, 0) << first.output;

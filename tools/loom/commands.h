@@ -20,6 +20,7 @@ inline constexpr int kExitBadInput = 2;
 void addRunCommand(CLI::App& app, std::function<int()>* action);
 void addDrawCommand(CLI::App& app, std::function<int()>* action);
 void addGenCommand(CLI::App& app, std::function<int()>* action);
+void addCompileCommand(CLI::App& app, std::function<int()>* action);
 
 // Prints "loom: <message>" on stderr and returns kExitBadInput.
 int badInput(const std::string& message);

@@ -12,6 +12,7 @@ int main(int argc, char** argv) {
   loom::cli::addRunCommand(app, &action);
   loom::cli::addDrawCommand(app, &action);
   loom::cli::addGenCommand(app, &action);
+  loom::cli::addCompileCommand(app, &action);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -20,6 +20,7 @@ struct LaunchPlan {
   int64_t rowsPerCta = 1;
   int64_t gridY = 1;
   int64_t threads = 32;
+  int64_t sharedMemoryBytes = 0;  // dynamic shared memory (CUDA targets)
 };
 
 // Float workspaces a plan needs between launches (see loom/tile/common.h).
@@ -33,6 +34,7 @@ struct KernelPlan {
   std::string sourceHash;
   std::vector<LaunchPlan> launches;  // in launch order
   std::vector<Workspace> workspaces;
+  int workspaceElementBytes = 4;  // float on the host, the 16-bit dtype on CUDA
 };
 
 struct GenerateOptions {
@@ -52,5 +54,12 @@ Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedu
 Result<v1::Target> parseTarget(const std::string& name);
 
 std::string workspaceName(Workspace workspace);
+
+// The plan as the schema's CompiledKernel (no binary yet).
+v1::CompiledKernel toCompiledKernel(const KernelPlan& plan);
+
+// Dynamic shared memory a CUDA arch gives one block (with opt-in), used
+// when the target carries no device properties.
+int64_t defaultSharedMemoryPerBlock(const std::string& arch);
 
 }  // namespace loom

@@ -6,6 +6,7 @@
 #include "loom/Dialect/Iha/Schedule.h"
 #include "loom/compiler.h"
 #include "loom/hash.h"
+#include "loom/tile/layout.h"
 #include "mlir/IR/Diagnostics.h"
 #include "mlir/IR/MLIRContext.h"
 #include "mlir/Target/Cpp/CppEmitter.h"
@@ -54,11 +55,24 @@ Schedule scheduleOf(ScheduleAttr attr) {
   return schedule;
 }
 
+// Dynamic shared memory of the CUDA attention CTA (runtime/tile layout.h).
+int64_t attentionSharedMemory(SpecAttr spec, ScheduleAttr schedule) {
+  const bool fusedGlobal =
+      schedule.getCollapse() == CollapseStrategy::epilogue && spec.getCollapse() == CollapseMode::global;
+  return attentionSmem(int(schedule.getBlockM()), int(schedule.getBlockN()), int(spec.getHeadDim()),
+                       int(schedule.getStages()), int(spec.getHeads()), int(spec.getKvHeads()),
+                       int(spec.getPseudoHeads()), schedule.getMix() == MixStrategy::fused, fusedGlobal)
+      .total;
+}
+
 void readPlan(KernelOp kernel, KernelPlan& plan) {
+  const bool cuda = plan.target.kind() == v1::Target::cuda;
   for (LaunchOp launch : kernel.getBlock().getOps<LaunchOp>()) {
+    const bool attention = launch.getSymName() == "iha_attention";
     plan.launches.push_back({launch.getSymName().str(), int64_t(launch.getRowsPerToken()),
                              int64_t(launch.getRowsPerCta()), int64_t(launch.getGridY()),
-                             int64_t(launch.getThreads())});
+                             int64_t(launch.getThreads()),
+                             cuda && attention ? attentionSharedMemory(kernel.getSpec(), kernel.getScheduleAttr()) : 0});
     if (!launch.getBlock().getOps<PremixOp>().empty())
       plan.workspaces.insert(plan.workspaces.end(), {Workspace::q_mixed, Workspace::k_mixed, Workspace::v_mixed});
     bool storesRows = false;
@@ -66,6 +80,28 @@ void readPlan(KernelOp kernel, KernelPlan& plan) {
     if (storesRows) plan.workspaces.push_back(Workspace::o_pseudo);
   }
   plan.schedule = scheduleOf(kernel.getScheduleAttr());
+  plan.workspaceElementBytes = cuda ? kTileElementBytes : int(sizeof(float));
+}
+
+// CUDA targets: 16-bit inputs, and a schedule whose shared memory fits. An
+// unset mix falls back to materialised when fused mixing's raw-row stages
+// do not fit.
+std::optional<std::string> fitCudaTarget(SpecAttr spec, ScheduleAttr& schedule, const Schedule& requested,
+                                         const v1::Target& target) {
+  if (spec.getDtype() == ElementType::f32)
+    return "dtype float32 is not supported on CUDA targets: the tensor cores take float16 or bfloat16 "
+           "(loom run --backend cuda --dtype float16|bfloat16 converts a case)";
+  const int64_t limit = target.device().shared_memory_per_block() > 0 ? target.device().shared_memory_per_block()
+                                                                      : defaultSharedMemoryPerBlock(target.arch());
+  if (attentionSharedMemory(spec, schedule) > limit && requested.mix() == v1::mix_unspecified) {
+    schedule = ScheduleAttr::get(spec.getContext(), schedule.getBlockM(), schedule.getBlockN(), schedule.getWarps(),
+                                 schedule.getStages(), MixStrategy::materialized, schedule.getCollapse());
+  }
+  const int64_t bytes = attentionSharedMemory(spec, schedule);
+  if (bytes > limit)
+    return "schedule needs " + std::to_string(bytes) + " bytes of shared memory per block, over the " +
+           target.arch() + " limit of " + std::to_string(limit) + " (lower block_m, block_n or stages)";
+  return std::nullopt;
 }
 
 }  // namespace
@@ -78,6 +114,33 @@ std::string workspaceName(Workspace workspace) {
     case Workspace::o_pseudo: return "o_pseudo";
   }
   return "?";
+}
+
+int64_t defaultSharedMemoryPerBlock(const std::string& arch) {
+  if (arch.rfind("sm_90", 0) == 0 || arch.rfind("sm_10", 0) == 0) return 232448;  // 227 KiB
+  if (arch == "sm_80" || arch == "sm_87") return 166912;                           // 163 KiB
+  return 101376;                                                                    // 99 KiB (sm_86, sm_89)
+}
+
+v1::CompiledKernel toCompiledKernel(const KernelPlan& plan) {
+  v1::CompiledKernel kernel;
+  *kernel.mutable_spec() = plan.spec;
+  *kernel.mutable_schedule() = plan.schedule;
+  *kernel.mutable_target() = plan.target;
+  kernel.set_source(plan.source);
+  kernel.set_source_hash(plan.sourceHash);
+  for (const LaunchPlan& launch : plan.launches) {
+    v1::EntryPoint* entry = kernel.add_entries();
+    entry->set_name(launch.name);
+    entry->set_rows_per_token(launch.rowsPerToken);
+    entry->set_rows_per_cta(launch.rowsPerCta);
+    entry->set_grid_y(launch.gridY);
+    entry->set_threads(int32_t(launch.threads));
+    entry->set_shared_memory_bytes(launch.sharedMemoryBytes);
+  }
+  for (Workspace w : plan.workspaces) kernel.add_workspaces(workspaceName(w));
+  kernel.set_workspace_element_bytes(plan.workspaceElementBytes);
+  return kernel;
 }
 
 std::string tileHeaderFor(const v1::Target& target) {
@@ -120,6 +183,8 @@ Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedu
   if (!specAttr) return makeError("spec: " + diagnostics);
   ScheduleAttr scheduleAttr = completeSchedule(specAttr, fieldsOf(schedule));
   if (auto why = checkSchedule(specAttr, scheduleAttr)) return makeError(*why);
+  if (target.kind() == v1::Target::cuda)
+    if (auto why = fitCudaTarget(specAttr, scheduleAttr, schedule, target)) return makeError(*why);
 
   mlir::OpBuilder builder(&context);
   mlir::OwningOpRef<mlir::ModuleOp> module = mlir::ModuleOp::create(loc);

@@ -6,6 +6,7 @@
 //   #include "<tile header>"
 //   struct IhaConfig { ...spec and schedule as constants... };
 //   LOOM_KERNEL void <launch>(loom::IhaArgs args) { ... }   // one per launch
+#include <cmath>
 #include <cstdio>
 
 #include "PassDetail.h"
@@ -49,6 +50,23 @@ std::string configStruct(SpecAttr spec, ScheduleAttr schedule) {
   text += line("int", "block_n", std::to_string(schedule.getBlockN()));
   text += line("int", "warps", std::to_string(schedule.getWarps()));
   text += line("int", "stages", std::to_string(schedule.getStages()));
+  const bool fusedMix = schedule.getMix() == MixStrategy::fused;
+  const bool fusedGlobal =
+      schedule.getCollapse() == CollapseStrategy::epilogue && spec.getCollapse() == CollapseMode::global;
+  text += line("bool", "fused_mix", fusedMix ? "true" : "false");
+  text += line("bool", "fused_global_collapse", fusedGlobal ? "true" : "false");
+  // Rotary inverse frequencies theta^(-2j/d), computed here in double so
+  // device code needs no pow / exp2 of its own.
+  const double theta = spec.getRopeTheta().convertToDouble();
+  if (theta > 0) {
+    std::string table;
+    for (int64_t j = 0; j < spec.getHeadDim() / 2; ++j) {
+      char value[40];
+      std::snprintf(value, sizeof value, "%s%.17g", j ? ", " : "", std::pow(theta, -2.0 * double(j) / double(spec.getHeadDim())));
+      table += value;
+    }
+    text += line("double", "rope_inv_freq[" + std::to_string(spec.getHeadDim() / 2) + "]", "{" + table + "}");
+  }
   return text + "};";
 }
 

@@ -1,5 +1,6 @@
 #include "loom/Dialect/Iha/Schedule.h"
 
+#include <iterator>
 #include <numeric>
 
 namespace loom::iha {
@@ -7,7 +8,10 @@ namespace {
 
 constexpr int64_t kDefaultMaxBlockM = 128;
 constexpr int64_t kDefaultMinBlockM = 64;
-constexpr int64_t kDefaultBlockN = 64;
+constexpr int64_t kDefaultBlockNs[] = {64, 32, 16};
+// Per-thread f32 registers the default schedule lets the score, output and
+// Q fragments take: MT * (3/4 d + block_n / 2) with MT m-tiles per warp.
+constexpr int64_t kFragmentRegisterBudget = 128;
 constexpr int64_t kDefaultStages = 2;
 
 std::string str(int64_t value) { return std::to_string(value); }
@@ -31,10 +35,21 @@ ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given) {
     blockM = std::lcm(P, kMmaRows * warps);
     while (blockM < kDefaultMinBlockM) blockM *= 2;
   }
+  int64_t blockN = given.blockN;
+  if (blockN == 0) {
+    const int64_t mTiles = blockM / (kMmaRows * warps);
+    const int64_t paddedDim = (spec.getHeadDim() + kMmaRows - 1) / kMmaRows * kMmaRows;
+    blockN = kDefaultBlockNs[std::size(kDefaultBlockNs) - 1];
+    for (int64_t candidate : kDefaultBlockNs)
+      if (mTiles * (paddedDim * 3 / 4 + candidate / 2) <= kFragmentRegisterBudget) {
+        blockN = candidate;
+        break;
+      }
+  }
   const MixStrategy mix = given.mix.value_or(MixStrategy::fused);
   const CollapseStrategy collapse = given.collapse.value_or(
       spec.getCollapse() == CollapseMode::per_head ? CollapseStrategy::epilogue : CollapseStrategy::separate);
-  return ScheduleAttr::get(spec.getContext(), blockM, given.blockN ? given.blockN : kDefaultBlockN, warps,
+  return ScheduleAttr::get(spec.getContext(), blockM, blockN, warps,
                            given.stages ? given.stages : kDefaultStages, mix, collapse);
 }
 

@@ -27,7 +27,8 @@ struct ScheduleFields {
 
 // Fills every unset field with the default for this spec: the largest warp
 // count in {4, 2, 1} whose block_m = lcm(P, 16 * warps) stays within 128
-// rows (at least 64), block_n = 64, two stages, fused mixing, and the collapse
+// rows (at least 64), the largest block_n in {64, 32, 16} whose fragments fit
+// a register budget, two stages, fused mixing, and the collapse
 // in the epilogue for per_head or in a separate launch for global.
 ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given);
 

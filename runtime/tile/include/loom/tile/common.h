@@ -25,9 +25,10 @@ enum class Role { query, key, value };
 
 // Everything a launch reads and writes. q, k, v and out hold the spec's
 // dtype; strides are in elements for (batch, token, head), the head
-// dimension is contiguous. Workspaces (float) exist only when the kernel
-// plan lists them: q_mixed [B, H, L, d], k_mixed and v_mixed [B, G, L, d],
-// o_pseudo [B, H, L, d]. lse [B, H, L] is written when not null.
+// dimension is contiguous. Workspaces exist only when the kernel plan lists
+// them: q_mixed [B, H, L, d], k_mixed and v_mixed [B, G, L, d], o_pseudo
+// [B, H, L, d], of the implementation's element type (float on the host,
+// the 16-bit dtype on CUDA). lse [B, H, L] is written when not null.
 struct IhaArgs {
   const void* q;
   const void* k;
@@ -38,10 +39,10 @@ struct IhaArgs {
   const float* collapse;
   void* out;
   float* lse;
-  float* q_mixed;
-  float* k_mixed;
-  float* v_mixed;
-  float* o_pseudo;
+  void* q_mixed;
+  void* k_mixed;
+  void* v_mixed;
+  void* o_pseudo;
   int64_t batch;
   int64_t tokens;
   int64_t q_stride[3];

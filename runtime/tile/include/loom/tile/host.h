@@ -133,7 +133,7 @@ void virtualRow(const IhaArgs& a, int64_t b, int64_t h, int64_t i, float* out) {
     mixedRow<C, R>(a, b, i / C::pseudo_heads, h, i % C::pseudo_heads, out);
   } else {
     constexpr int heads = R == Role::query ? C::heads : C::kv_heads;
-    const float* ws = R == Role::query ? a.q_mixed : R == Role::key ? a.k_mixed : a.v_mixed;
+    const float* ws = static_cast<const float*>(R == Role::query ? a.q_mixed : R == Role::key ? a.k_mixed : a.v_mixed);
     std::memcpy(out, ws + ((b * heads + h) * seq_len<C>(a) + i) * C::head_dim, sizeof(float) * C::head_dim);
   }
 }
@@ -196,7 +196,7 @@ struct OutTile {
 template <class C, Role R>
 void premix(const IhaArgs& a, int64_t token0, int64_t b) {
   constexpr int heads = R == Role::query ? C::heads : C::kv_heads;
-  float* ws = R == Role::query ? a.q_mixed : R == Role::key ? a.k_mixed : a.v_mixed;
+  float* ws = static_cast<float*>(R == Role::query ? a.q_mixed : R == Role::key ? a.k_mixed : a.v_mixed);
   const int64_t L = seq_len<C>(a);
   for (int64_t n = token0; n < token0 + C::block_m / C::pseudo_heads && n < a.tokens; ++n)
     for (int h = 0; h < heads; ++h)
@@ -216,7 +216,7 @@ void collapse_rows(const IhaArgs& a, int64_t token0, int64_t b) {
         for (int p = 0; p < P; ++p) {
           const float w = C::collapse == Collapse::per_head ? a.collapse[h * P + p]
                                                             : a.collapse[(h * C::heads + source) * P + p];
-          const float* o = a.o_pseudo + ((b * C::heads + source) * L + n * P + p) * D;
+          const float* o = static_cast<const float*>(a.o_pseudo) + ((b * C::heads + source) * L + n * P + p) * D;
           for (int c = 0; c < D; ++c) sum[c] += w * o[c];
         }
       }
@@ -365,7 +365,7 @@ template <class C>
 void store_rows(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
   const int64_t L = seq_len<C>(a);
   for (int r = 0; r < C::block_m && row0 + r < L; ++r)
-    std::memcpy(a.o_pseudo + ((b * C::heads + head) * L + row0 + r) * C::head_dim, acc.row(r),
+    std::memcpy(static_cast<float*>(a.o_pseudo) + ((b * C::heads + head) * L + row0 + r) * C::head_dim, acc.row(r),
                 sizeof(float) * C::head_dim);
   host::storeLse<C>(state, a, row0, head, b);
 }

@@ -1,0 +1,218 @@
+#include "jit/nvrtc_compiler.h"
+
+#include <google/protobuf/util/json_util.h>
+#include <nvrtc.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+
+#include "loom/hash.h"
+#include "loom/spec.h"
+#include "tile/embedded.h"
+
+namespace loom::jit {
+namespace fs = std::filesystem;
+namespace {
+
+std::string readAll(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+bool writeAtomically(const fs::path& path, const std::string& bytes) {
+  const fs::path temporary = path.string() + ".tmp" + std::to_string(::getpid());
+  {
+    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
+    out << bytes;
+    if (!out) return false;
+  }
+  std::error_code ec;
+  fs::rename(temporary, path, ec);
+  return !ec;
+}
+
+std::string computeArch(const std::string& arch) { return "compute_" + arch.substr(3); }
+
+}  // namespace
+
+bool Artifact::usesTensorCores() const {
+  return ptx.find("mma.sync.aligned") != std::string::npos || ptx.find("wgmma.mma_async") != std::string::npos;
+}
+bool Artifact::usesAsyncCopies() const { return ptx.find("cp.async") != std::string::npos; }
+int64_t Artifact::spillBytes() const {
+  int64_t total = 0;
+  for (const auto& r : resources) total += r.spill_store_bytes() + r.spill_load_bytes();
+  return total;
+}
+
+std::string nvrtcVersion() {
+  int major = 0, minor = 0;
+  ::nvrtcVersion(&major, &minor);
+  return "nvrtc-" + std::to_string(major) + "." + std::to_string(minor);
+}
+
+bool nvrtcKnowsArch(const std::string& arch) {
+  int count = 0;
+  if (nvrtcGetNumSupportedArchs(&count) != NVRTC_SUCCESS) return false;
+  std::vector<int> archs(static_cast<size_t>(count));
+  nvrtcGetSupportedArchs(archs.data());
+  std::smatch match;
+  if (!std::regex_match(arch, match, std::regex("sm_([0-9]+)a?"))) return false;
+  const int number = std::stoi(match[1]);
+  return std::find(archs.begin(), archs.end(), number) != archs.end();
+}
+
+std::vector<v1::ResourceUsage> parsePtxasReport(const std::string& log) {
+  std::vector<v1::ResourceUsage> usage;
+  std::istringstream lines(log);
+  std::string line;
+  std::smatch m;
+  const std::regex function(R"(Function properties for (\S+))");
+  const std::regex frame(R"((\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads)");
+  const std::regex registers(R"(Used (\d+) registers)");
+  const std::regex shared(R"((\d+) bytes smem)");
+  while (std::getline(lines, line)) {
+    if (std::regex_search(line, m, function)) {
+      usage.emplace_back().set_entry(m[1]);
+    } else if (!usage.empty() && std::regex_search(line, m, frame)) {
+      usage.back().set_stack_frame_bytes(std::stoll(m[1]));
+      usage.back().set_spill_store_bytes(std::stoll(m[2]));
+      usage.back().set_spill_load_bytes(std::stoll(m[3]));
+    } else if (!usage.empty() && std::regex_search(line, m, registers)) {
+      usage.back().set_registers(std::stoi(m[1]));
+      if (std::regex_search(line, m, shared)) usage.back().set_shared_memory_bytes(std::stoll(m[1]));
+    }
+  }
+  return usage;
+}
+
+NvrtcCompiler::NvrtcCompiler(std::string cacheDir) : cacheDir_(std::move(cacheDir)) {}
+
+Result<std::shared_ptr<const Artifact>> NvrtcCompiler::compile(const std::string& source, const std::string& arch) {
+  const std::string key = ContentHash()
+                              .add(source)
+                              .add(arch)
+                              .add(kNvrtcOptions)
+                              .add(nvrtcVersion())
+                              .add(tile::embeddedHeadersHash())
+                              .hex();
+  {
+    std::lock_guard lock(mutex_);
+    if (auto found = memory_.find(key); found != memory_.end()) return found->second;
+  }
+  if (auto cached = readDisk(key)) {
+    std::lock_guard lock(mutex_);
+    return memory_.emplace(key, cached).first->second;
+  }
+  // Compile outside the lock: different programs compile in parallel.
+  auto compiled = compileUncached(source, arch, key);
+  if (!compiled) return compiled;
+  writeDisk(**compiled);
+  std::lock_guard lock(mutex_);
+  return memory_.emplace(key, *compiled).first->second;
+}
+
+Result<std::shared_ptr<const Artifact>> NvrtcCompiler::compileUncached(const std::string& source,
+                                                                       const std::string& arch,
+                                                                       const std::string& key) {
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<const char*> headerText, headerNames;
+  for (const tile::EmbeddedFile& file : tile::embeddedHeaders()) {
+    headerText.push_back(file.text);
+    headerNames.push_back(file.path);
+  }
+  nvrtcProgram program;
+  if (nvrtcCreateProgram(&program, source.c_str(), "iha.cu", int(headerText.size()), headerText.data(),
+                         headerNames.data()) != NVRTC_SUCCESS)
+    return makeError("NVRTC could not create a program");
+
+  const bool cubin = nvrtcKnowsArch(arch);
+  const std::string archOption = "--gpu-architecture=" + (cubin ? arch : computeArch(arch));
+  std::vector<std::string> options = {archOption};
+  std::istringstream fixed(kNvrtcOptions);
+  for (std::string option; fixed >> option;) options.push_back(option);
+  std::vector<const char*> optionPointers;
+  for (const std::string& option : options) optionPointers.push_back(option.c_str());
+  const nvrtcResult result = nvrtcCompileProgram(program, int(optionPointers.size()), optionPointers.data());
+
+  auto artifact = std::make_shared<Artifact>();
+  size_t logSize = 0;
+  nvrtcGetProgramLogSize(program, &logSize);
+  artifact->log.resize(logSize);
+  nvrtcGetProgramLog(program, artifact->log.data());
+  while (!artifact->log.empty() && artifact->log.back() == '\0') artifact->log.pop_back();
+  if (result != NVRTC_SUCCESS) {
+    nvrtcDestroyProgram(&program);
+    return makeError(std::string("NVRTC failed for ") + arch + ": " + nvrtcGetErrorString(result), artifact->log);
+  }
+  size_t ptxSize = 0;
+  if (nvrtcGetPTXSize(program, &ptxSize) == NVRTC_SUCCESS && ptxSize > 0) {
+    artifact->ptx.resize(ptxSize);
+    nvrtcGetPTX(program, artifact->ptx.data());
+    while (!artifact->ptx.empty() && artifact->ptx.back() == '\0') artifact->ptx.pop_back();
+  }
+  if (cubin) {
+    size_t size = 0;
+    nvrtcGetCUBINSize(program, &size);
+    artifact->binary.resize(size);
+    nvrtcGetCUBIN(program, artifact->binary.data());
+    artifact->binaryKind = "cubin";
+  } else {
+    artifact->binary = artifact->ptx;
+    artifact->binaryKind = "ptx";
+  }
+  nvrtcDestroyProgram(&program);
+  artifact->arch = arch;
+  artifact->key = key;
+  artifact->resources = parsePtxasReport(artifact->log);
+  artifact->compileSeconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return std::shared_ptr<const Artifact>(artifact);
+}
+
+std::shared_ptr<const Artifact> NvrtcCompiler::readDisk(const std::string& key) {
+  if (cacheDir_.empty()) return nullptr;
+  const fs::path base = fs::path(cacheDir_) / "cuda" / key;
+  const fs::path meta = base.string() + ".json";
+  if (!fs::exists(meta)) return nullptr;
+  v1::CompiledKernel record;  // binary + log + resources; source is not needed again
+  if (!google::protobuf::util::JsonStringToMessage(readAll(meta), &record).ok()) return nullptr;
+  auto artifact = std::make_shared<Artifact>();
+  artifact->arch = record.target().arch();
+  artifact->binary = readAll(base.string() + ".bin");
+  artifact->binaryKind = record.toolchain().find("ptx") != std::string::npos ? "ptx" : "cubin";
+  artifact->ptx = readAll(base.string() + ".ptx");
+  artifact->log = record.compile_log();
+  artifact->resources.assign(record.resources().begin(), record.resources().end());
+  artifact->compileSeconds = record.compile_seconds();
+  artifact->fromCache = true;
+  artifact->key = key;
+  if (artifact->binary.empty()) return nullptr;
+  return artifact;
+}
+
+void NvrtcCompiler::writeDisk(const Artifact& artifact) {
+  if (cacheDir_.empty()) return;
+  const fs::path dir = fs::path(cacheDir_) / "cuda";
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return;  // the disk cache is an optimisation: failures are survived
+  v1::CompiledKernel record;
+  record.mutable_target()->set_arch(artifact.arch);
+  record.set_toolchain(nvrtcVersion() + (artifact.binaryKind == "ptx" ? " ptx" : " cubin"));
+  record.set_compile_log(artifact.log);
+  record.set_compile_seconds(artifact.compileSeconds);
+  for (const auto& r : artifact.resources) *record.add_resources() = r;
+  const fs::path base = dir / artifact.key;
+  // Binary first, metadata last: a reader sees the entry only when complete.
+  if (!writeAtomically(base.string() + ".bin", artifact.binary)) return;
+  if (!writeAtomically(base.string() + ".ptx", artifact.ptx)) return;
+  writeAtomically(base.string() + ".json", toJson(record));
+}
+
+}  // namespace loom::jit

@@ -1,0 +1,730 @@
+// The CUDA implementation of the tile API, compiled at run time by NVRTC for
+// sm_80 and later (FlashAttention-2 style):
+//   - tensor cores through mma.sync.m16n8k16 (f16 or bf16 in, f32 out);
+//   - ldmatrix for Q and K fragments, ldmatrix.trans for V;
+//   - a cp.async shared-memory pipeline C::stages deep for K/V (raw token
+//     rows when mixing is fused, mixed rows from the pre-mix workspace
+//     otherwise), with conflict-free padded rows (layout.h);
+//   - online softmax in registers, rows split across warps (16 per m-tile),
+//     a row's values across the 4 threads of a quad; log2(e) folded into the
+//     scale so the exponentials are exp2;
+//   - the fused mixing + RoPE prologue and the collapse epilogues.
+// Workspaces hold 16-bit elements of the spec's dtype. No host header is
+// included: this file and its includes are all NVRTC sees.
+#pragma once
+
+#include "loom/tile/common.h"
+#include "loom/tile/layout.h"
+
+#define LOOM_KERNEL extern "C" __global__
+
+namespace loom {
+
+typedef unsigned short Bits16;
+typedef unsigned int Bits32;
+
+constexpr int kWarpSize = 32;
+constexpr int kQuadSize = 4;             // threads sharing one row of an mma fragment
+constexpr int kChunkElements = 8;        // 16 bytes of 16-bit elements
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+namespace cuda {
+
+__device__ __forceinline__ float negativeInfinity() { return __int_as_float(0xff800000u); }
+
+template <class C>
+struct Geometry {
+  static_assert(C::dtype != DType::f32, "CUDA tiles take float16 or bfloat16 inputs");
+  static_assert(C::block_m % (16 * C::warps) == 0, "block_m must be a multiple of 16 rows x warps");
+  static_assert(C::block_n % kMmaK == 0, "block_n must be a multiple of 16");
+  static_assert(C::head_dim % kChunkElements == 0, "head_dim must be a multiple of 8");
+  static constexpr int threads = C::warps * kWarpSize;
+  static constexpr int D = C::head_dim;
+  static constexpr int Dp = paddedHeadDim(C::head_dim);
+  static constexpr int pitch = tilePitch(C::head_dim);
+  static constexpr int MT = C::block_m / (16 * C::warps);  // m-tiles per warp
+  static constexpr int NT = C::block_n / 8;                // score n-tiles
+  static constexpr int KT = Dp / kMmaK;                    // k-steps of Q K^T
+  static constexpr int OT = Dp / 8;                        // output n-tiles
+  static constexpr int PK = C::block_n / kMmaK;            // k-steps of P V
+  static constexpr int rawTokens = rawTokensPerBlock(C::block_n, C::pseudo_heads);
+  static constexpr int rawRole = rawTokens * C::kv_heads * C::head_dim;  // elements per role per stage
+};
+
+__device__ __forceinline__ unsigned char* smem() {
+  extern __shared__ __align__(128) unsigned char loom_shared[];
+  return loom_shared;
+}
+
+// The program's layout: fused mixing adds raw-row stages, a fused global
+// collapse adds the output tile.
+template <class C>
+__device__ __forceinline__ AttentionSmem layout() {
+  return attentionSmem(C::block_m, C::block_n, C::head_dim, C::stages, C::heads, C::kv_heads, C::pseudo_heads,
+                       C::fused_mix, C::fused_global_collapse);
+}
+
+__device__ __forceinline__ Bits32 sharedAddress(const void* pointer) {
+  Bits32 address;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(pointer));
+  return address;
+}
+
+__device__ __forceinline__ int lane() { return threadIdx.x % kWarpSize; }
+__device__ __forceinline__ int warp() { return threadIdx.x / kWarpSize; }
+
+// First row of m-tile `mt` of this warp inside the query block.
+template <class C>
+__device__ __forceinline__ int tileRow(int mt) {
+  return (mt * C::warps + warp()) * 16;
+}
+
+//===--- element conversions (PTX, so no cuda_fp16.h is needed) ----------===//
+
+template <class C>
+__device__ __forceinline__ float toFloat(Bits16 bits) {
+  if constexpr (C::dtype == DType::f16) {
+    float value;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(bits));
+    return value;
+  } else {
+    return __int_as_float(int(Bits32(bits) << 16));
+  }
+}
+
+template <class C>
+__device__ __forceinline__ Bits16 toBits(float value) {
+  Bits16 bits;
+  if constexpr (C::dtype == DType::f16) asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(value));
+  else asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value));
+  return bits;
+}
+
+// Two floats into one register: `low` in bits 0-15 (the lower column).
+template <class C>
+__device__ __forceinline__ Bits32 pack(float low, float high) {
+  Bits32 packed;
+  if constexpr (C::dtype == DType::f16) asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
+  else asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
+  return packed;
+}
+
+template <class C>
+__device__ __forceinline__ float loadElement(const void* base, int64_t index) {
+  return toFloat<C>(static_cast<const Bits16*>(base)[index]);
+}
+
+//===--- warp-level matrix instructions -----------------------------------===//
+
+__device__ __forceinline__ void ldmatrixX4(Bits32 (&r)[4], Bits32 address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+__device__ __forceinline__ void ldmatrixX4Trans(Bits32 (&r)[4], Bits32 address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address));
+}
+
+// d += a (16x16, row) * b (16x8, col), f32 accumulators.
+template <class C>
+__device__ __forceinline__ void mma16816(float (&d)[4], const Bits32 (&a)[4], Bits32 b0, Bits32 b1) {
+  if constexpr (C::dtype == DType::f16) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+//===--- asynchronous copies ----------------------------------------------===//
+
+// 16 bytes global -> shared; `valid` false zero-fills the destination.
+__device__ __forceinline__ void copyAsync16(void* destination, const void* source, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sharedAddress(destination)), "l"(source),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void commitCopies() { asm volatile("cp.async.commit_group;"); }
+template <int Pending>
+__device__ __forceinline__ void waitCopies() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(Pending));
+}
+
+__device__ __forceinline__ float quadMax(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quadSum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+//===--- mixing and rotary embedding --------------------------------------===//
+
+// Rotary angle of pair j at virtual position `position`: the product and
+// its reduction to [-pi, pi] in double (long sequences keep their phase),
+// the sine and cosine of the small remainder in float.
+template <class C>
+__device__ __forceinline__ void ropeSinCos(int64_t position, int j, float* sine, float* cosine) {
+  constexpr double kTwoPi = 6.283185307179586;
+  const double angle = double(position) * C::rope_inv_freq[j];
+  const float reduced = float(angle - kTwoPi * rint(angle * (1.0 / kTwoPi)));
+  sincosf(reduced, sine, cosine);
+}
+
+// Element `c` of a rotated row, given the element and its partner (c +- d/2).
+template <class C>
+__device__ __forceinline__ float rotate(float x, float partner, int64_t position, int c) {
+  constexpr int half = C::head_dim / 2;
+  float sine, cosine;
+  ropeSinCos<C>(position, c % half, &sine, &cosine);
+  return c < half ? x * cosine - partner * sine : partner * sine + x * cosine;
+}
+
+template <class C, Role R>
+struct RoleOf {
+  static constexpr int heads = R == Role::query ? C::heads : C::kv_heads;
+  static constexpr bool rotated = C::rope_theta > 0 && R != Role::value;
+  __device__ static const void* source(const IhaArgs& a) { return R == Role::query ? a.q : R == Role::key ? a.k : a.v; }
+  __device__ static const float* alpha(const IhaArgs& a) {
+    return R == Role::query ? a.alpha_q : R == Role::key ? a.alpha_k : a.alpha_v;
+  }
+  __device__ static const int64_t* stride(const IhaArgs& a) {
+    return R == Role::query ? a.q_stride : R == Role::key ? a.k_stride : a.v_stride;
+  }
+  __device__ static void* workspace(const IhaArgs& a) {
+    return R == Role::query ? a.q_mixed : R == Role::key ? a.k_mixed : a.v_mixed;
+  }
+};
+
+// sum_m alpha[m, h, p] * x[b, n, m, c] read from global memory.
+template <class C, Role R>
+__device__ float mixFromGlobal(const IhaArgs& a, int64_t b, int64_t n, int h, int p, int c) {
+  using Role_ = RoleOf<C, R>;
+  const int64_t* s = Role_::stride(a);
+  const float* alpha = Role_::alpha(a);
+  const void* x = Role_::source(a);
+  float sum = 0.0f;
+  for (int m = 0; m < Role_::heads; ++m)
+    sum += alpha[(m * Role_::heads + h) * C::pseudo_heads + p] * loadElement<C>(x, b * s[0] + n * s[1] + m * s[2] + c);
+  return sum;
+}
+
+// Element c of virtual row n*P + p of head h: mixed and, for q and k, rotated.
+template <class C, Role R>
+__device__ float mixedElement(const IhaArgs& a, int64_t b, int64_t n, int h, int p, int c) {
+  const float x = mixFromGlobal<C, R>(a, b, n, h, p, c);
+  if constexpr (!RoleOf<C, R>::rotated) {
+    return x;
+  } else {
+    constexpr int half = C::head_dim / 2;
+    const float partner = mixFromGlobal<C, R>(a, b, n, h, p, c < half ? c + half : c - half);
+    return rotate<C>(x, partner, n * C::pseudo_heads + p, c);
+  }
+}
+
+// Writes 8 consecutive 16-bit elements (one 16-byte chunk).
+template <class C>
+__device__ __forceinline__ void storeChunk(Bits16* destination, const float (&values)[kChunkElements]) {
+  uint4 packed;
+  packed.x = pack<C>(values[0], values[1]);
+  packed.y = pack<C>(values[2], values[3]);
+  packed.z = pack<C>(values[4], values[5]);
+  packed.w = pack<C>(values[6], values[7]);
+  *reinterpret_cast<uint4*>(destination) = packed;
+}
+
+}  // namespace cuda
+
+__device__ __forceinline__ int64_t block_x() { return blockIdx.x; }
+__device__ __forceinline__ int64_t block_y() { return blockIdx.y; }
+__device__ __forceinline__ int64_t block_z() { return blockIdx.z; }
+
+//===----------------------------------------------------------------------===//
+// Tiles: register-resident state of one thread (shared-memory tiles are
+// carved from the dynamic shared memory by cuda::layout).
+//===----------------------------------------------------------------------===//
+
+template <class C>
+struct QTile {
+  Bits32 a[cuda::Geometry<C>::MT][cuda::Geometry<C>::KT][4];  // A fragments of Q
+};
+
+template <class C>
+struct KvPipeline {
+  const Bits16* key;    // the K tile of the block being consumed
+  const Bits16* value;  // its V tile
+  bool mixed;
+};
+
+template <class C>
+struct ScoreTile {
+  float s[cuda::Geometry<C>::MT][cuda::Geometry<C>::NT][4];
+};
+
+template <class C>
+struct SoftmaxState {
+  float m[cuda::Geometry<C>::MT][2];  // running max (log2 domain) of rows lane/4 and lane/4 + 8
+  float l[cuda::Geometry<C>::MT][2];  // running denominator
+};
+
+template <class C>
+struct AccTile {
+  float o[cuda::Geometry<C>::MT][cuda::Geometry<C>::OT][4];
+};
+
+template <class C>
+struct OutTile {};  // lives in shared memory (AttentionSmem::out)
+
+//===----------------------------------------------------------------------===//
+// Pre-mix and collapse launches (token-parallel, no shared memory)
+//===----------------------------------------------------------------------===//
+
+template <class C, Role R>
+__device__ void premix(const IhaArgs& a, int64_t token0, int64_t b) {
+  using G = cuda::Geometry<C>;
+  using Role_ = cuda::RoleOf<C, R>;
+  constexpr int tokens = C::block_m / C::pseudo_heads;
+  constexpr int chunks = G::D / kChunkElements;
+  const int64_t L = seq_len<C>(a);
+  Bits16* ws = static_cast<Bits16*>(Role_::workspace(a));
+  for (int index = threadIdx.x; index < tokens * Role_::heads * C::pseudo_heads * chunks; index += G::threads) {
+    const int chunk = index % chunks;
+    const int p = (index / chunks) % C::pseudo_heads;
+    const int h = (index / chunks / C::pseudo_heads) % Role_::heads;
+    const int64_t n = token0 + index / chunks / C::pseudo_heads / Role_::heads;
+    if (n >= a.tokens) continue;
+    float values[kChunkElements];
+    for (int e = 0; e < kChunkElements; ++e)
+      values[e] = cuda::mixedElement<C, R>(a, b, n, h, p, chunk * kChunkElements + e);
+    cuda::storeChunk<C>(ws + ((b * Role_::heads + h) * L + n * C::pseudo_heads + p) * G::D + chunk * kChunkElements,
+                        values);
+  }
+}
+
+template <class C>
+__device__ void collapse_rows(const IhaArgs& a, int64_t token0, int64_t b) {
+  using G = cuda::Geometry<C>;
+  constexpr int P = C::pseudo_heads, tokens = C::block_m / P;
+  const int64_t L = seq_len<C>(a);
+  const Bits16* o = static_cast<const Bits16*>(a.o_pseudo);
+  Bits16* out = static_cast<Bits16*>(a.out);
+  for (int index = threadIdx.x; index < tokens * C::heads * G::D; index += G::threads) {
+    const int c = index % G::D, h = (index / G::D) % C::heads;
+    const int64_t n = token0 + index / G::D / C::heads;
+    if (n >= a.tokens) continue;
+    float sum = 0.0f;
+    for (int source = 0; source < C::heads; ++source) {
+      if (C::collapse == Collapse::per_head && source != h) continue;
+      for (int p = 0; p < P; ++p) {
+        const float w = C::collapse == Collapse::per_head ? a.collapse[h * P + p] : a.collapse[(h * C::heads + source) * P + p];
+        sum += w * cuda::toFloat<C>(o[((b * C::heads + source) * L + n * P + p) * G::D + c]);
+      }
+    }
+    out[b * a.out_stride[0] + n * a.out_stride[1] + h * a.out_stride[2] + c] = cuda::toBits<C>(sum);
+  }
+}
+
+//===----------------------------------------------------------------------===//
+// The attention launch
+//===----------------------------------------------------------------------===//
+
+// Fills the Q tile (mixing on the fly, or by cp.async from q_mixed), then
+// each warp loads its A fragments with ldmatrix.
+template <class C, bool Mixed>
+__device__ void load_q(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
+  using G = cuda::Geometry<C>;
+  const int64_t L = seq_len<C>(a);
+  Bits16* tile = reinterpret_cast<Bits16*>(cuda::smem() + cuda::layout<C>().q);
+  constexpr int chunks = G::Dp / kChunkElements;
+  for (int index = threadIdx.x; index < C::block_m * chunks; index += G::threads) {
+    const int r = index / chunks, chunk = index % chunks;
+    const int64_t i = row0 + r;
+    const bool inside = i < L && chunk * kChunkElements < G::D;
+    Bits16* destination = tile + r * G::pitch + chunk * kChunkElements;
+    if constexpr (Mixed) {
+      float values[kChunkElements] = {};
+      if (inside)
+        for (int e = 0; e < kChunkElements; ++e)
+          values[e] = cuda::mixedElement<C, Role::query>(a, b, i / C::pseudo_heads, int(head), int(i % C::pseudo_heads),
+                                                         chunk * kChunkElements + e);
+      cuda::storeChunk<C>(destination, values);
+    } else {
+      const Bits16* source = static_cast<const Bits16*>(a.q_mixed) + ((b * C::heads + head) * L + i) * G::D +
+                             chunk * kChunkElements;
+      cuda::copyAsync16(destination, inside ? source : static_cast<const Bits16*>(a.q_mixed), inside);
+    }
+  }
+  cuda::commitCopies();
+  cuda::waitCopies<0>();
+  __syncthreads();
+  const int l = cuda::lane();
+  for (int mt = 0; mt < G::MT; ++mt)
+    for (int kt = 0; kt < G::KT; ++kt) {
+      const int row = cuda::tileRow<C>(mt) + l % 16, column = kt * kMmaK + (l / 16) * 8;
+      cuda::ldmatrixX4(q.a[mt][kt], cuda::sharedAddress(tile + row * G::pitch + column));
+    }
+}
+
+template <class C>
+__device__ void softmax_init(SoftmaxState<C>& state, AccTile<C>& acc) {
+  using G = cuda::Geometry<C>;
+  for (int mt = 0; mt < G::MT; ++mt) {
+    for (int h = 0; h < 2; ++h) {
+      state.m[mt][h] = cuda::negativeInfinity();
+      state.l[mt][h] = 0.0f;
+    }
+    for (int ot = 0; ot < G::OT; ++ot)
+      for (int e = 0; e < 4; ++e) acc.o[mt][ot][e] = 0.0f;
+  }
+}
+
+namespace cuda {
+
+// Issues the copies of key block `block` into its stage: raw token rows of
+// k and v (mixed), or mixed rows from the workspaces.
+template <class C, bool Mixed>
+__device__ void issueKv(const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
+  using G = Geometry<C>;
+  const AttentionSmem s = layout<C>();
+  const int stage = int(block % C::stages);
+  constexpr int dChunks = G::D / kChunkElements;
+  if constexpr (Mixed) {
+    Bits16* raw = reinterpret_cast<Bits16*>(smem() + s.raw) + stage * 2 * G::rawRole;
+    const int64_t token0 = block * C::block_n / C::pseudo_heads;
+    for (int index = threadIdx.x; index < 2 * G::rawTokens * C::kv_heads * dChunks; index += G::threads) {
+      const int chunk = index % dChunks, m = (index / dChunks) % C::kv_heads;
+      const int t = (index / dChunks / C::kv_heads) % G::rawTokens, role = index / dChunks / C::kv_heads / G::rawTokens;
+      const int64_t n = token0 + t;
+      const int64_t* stride = role == 0 ? a.k_stride : a.v_stride;
+      const Bits16* base = static_cast<const Bits16*>(role == 0 ? a.k : a.v);
+      const bool inside = n < a.tokens;
+      copyAsync16(raw + role * G::rawRole + (t * C::kv_heads + m) * G::D + chunk * kChunkElements,
+                  inside ? base + b * stride[0] + n * stride[1] + m * stride[2] + chunk * kChunkElements : base, inside);
+    }
+  } else {
+    const int64_t L = seq_len<C>(a);
+    constexpr int chunks = G::Dp / kChunkElements;
+    Bits16* kTile = reinterpret_cast<Bits16*>(smem() + s.k) + stage * C::block_n * G::pitch;
+    Bits16* vTile = reinterpret_cast<Bits16*>(smem() + s.v) + stage * C::block_n * G::pitch;
+    const Bits16* kSource = static_cast<const Bits16*>(a.k_mixed);
+    const Bits16* vSource = static_cast<const Bits16*>(a.v_mixed);
+    for (int index = threadIdx.x; index < C::block_n * chunks; index += G::threads) {
+      const int r = index / chunks, chunk = index % chunks;
+      const int64_t j = block * C::block_n + r;
+      const bool inside = j < L && chunk < dChunks;
+      const int64_t offset = ((b * C::kv_heads + g) * L + j) * G::D + chunk * kChunkElements;
+      copyAsync16(kTile + r * G::pitch + chunk * kChunkElements, inside ? kSource + offset : kSource, inside);
+      copyAsync16(vTile + r * G::pitch + chunk * kChunkElements, inside ? vSource + offset : vSource, inside);
+    }
+  }
+}
+
+// Mixes (and rotates K) the raw rows of `block` into the K and V tiles.
+template <class C>
+__device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t block) {
+  using G = Geometry<C>;
+  const AttentionSmem s = layout<C>();
+  const Bits16* raw = reinterpret_cast<const Bits16*>(smem() + s.raw) + int(block % C::stages) * 2 * G::rawRole;
+  Bits16* kTile = reinterpret_cast<Bits16*>(smem() + s.k);
+  Bits16* vTile = reinterpret_cast<Bits16*>(smem() + s.v);
+  const int64_t L = seq_len<C>(a), token0 = block * C::block_n / C::pseudo_heads;
+  constexpr int chunks = G::Dp / kChunkElements, half = C::head_dim / 2;
+  auto mix = [&](const Bits16* rows, const float* alpha, int t, int p, int c) {
+    float sum = 0.0f;
+    for (int m = 0; m < C::kv_heads; ++m)
+      sum += alpha[(m * C::kv_heads + g) * C::pseudo_heads + p] * toFloat<C>(rows[(t * C::kv_heads + m) * G::D + c]);
+    return sum;
+  };
+  for (int index = threadIdx.x; index < C::block_n * chunks; index += G::threads) {
+    const int r = index / chunks, chunk = index % chunks;
+    const int64_t j = block * C::block_n + r;
+    float keys[kChunkElements] = {}, values[kChunkElements] = {};
+    if (j < L && chunk * kChunkElements < G::D) {
+      const int t = int(j / C::pseudo_heads - token0), p = int(j % C::pseudo_heads);
+      for (int e = 0; e < kChunkElements; ++e) {
+        const int c = chunk * kChunkElements + e;
+        keys[e] = mix(raw, a.alpha_k, t, p, c);
+        if constexpr (C::rope_theta > 0) keys[e] = rotate<C>(keys[e], mix(raw, a.alpha_k, t, p, c < half ? c + half : c - half), j, c);
+        values[e] = mix(raw + G::rawRole, a.alpha_v, t, p, c);
+      }
+    }
+    storeChunk<C>(kTile + r * G::pitch + chunk * kChunkElements, keys);
+    storeChunk<C>(vTile + r * G::pitch + chunk * kChunkElements, values);
+  }
+}
+
+}  // namespace cuda
+
+// Pipeline prologue: blocks lower .. lower + stages - 2, one commit group each.
+template <class C, bool Mixed>
+__device__ void kv_begin(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64_t b, int64_t lower, int64_t upper) {
+  pipe.mixed = Mixed;
+  for (int s = 0; s < C::stages - 1; ++s) {
+    if (lower + s < upper) cuda::issueKv<C, Mixed>(a, g, b, lower + s);
+    cuda::commitCopies();  // always, so group counting stays uniform
+  }
+}
+
+template <class C, bool Mixed>
+__device__ void kv_produce(KvPipeline<C>&, const IhaArgs& a, int64_t g, int64_t b, int64_t block, int64_t upper) {
+  if (block < upper) cuda::issueKv<C, Mixed>(a, g, b, block);
+  cuda::commitCopies();
+}
+
+// Waits until `block` has landed (the stages - 1 younger groups may still be
+// in flight), mixes it when mixing is fused, and points the pipe at it.
+template <class C, bool Mixed>
+__device__ void kv_wait(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
+  using G = cuda::Geometry<C>;
+  if constexpr (C::stages == 1) {
+    cuda::issueKv<C, Mixed>(a, g, b, block);
+    cuda::commitCopies();
+  }
+  cuda::waitCopies<C::stages - 1>();
+  __syncthreads();
+  const AttentionSmem s = cuda::layout<C>();
+  if constexpr (Mixed) {
+    cuda::mixStagedKv<C>(a, g, block);
+    __syncthreads();
+    pipe.key = reinterpret_cast<const Bits16*>(cuda::smem() + s.k);
+    pipe.value = reinterpret_cast<const Bits16*>(cuda::smem() + s.v);
+  } else {
+    const int stage = int(block % C::stages);
+    pipe.key = reinterpret_cast<const Bits16*>(cuda::smem() + s.k) + stage * C::block_n * G::pitch;
+    pipe.value = reinterpret_cast<const Bits16*>(cuda::smem() + s.v) + stage * C::block_n * G::pitch;
+  }
+}
+
+// The stage (and the mixed tile) may be overwritten once every warp is done.
+template <class C>
+__device__ __forceinline__ void kv_release(KvPipeline<C>&, int64_t) {
+  __syncthreads();
+}
+
+// S = Q K^T * scale * log2(e), K fragments by ldmatrix (two n-tiles per load).
+template <class C>
+__device__ void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_t) {
+  using G = cuda::Geometry<C>;
+  const int l = cuda::lane();
+  for (int mt = 0; mt < G::MT; ++mt)
+    for (int nt = 0; nt < G::NT; ++nt)
+      for (int e = 0; e < 4; ++e) s.s[mt][nt][e] = 0.0f;
+  for (int pair = 0; pair < G::NT / 2; ++pair)
+    for (int kt = 0; kt < G::KT; ++kt) {
+      Bits32 b[4];
+      const int row = pair * 16 + l % 8 + (l / 16) * 8, column = kt * kMmaK + ((l / 8) % 2) * 8;
+      cuda::ldmatrixX4(b, cuda::sharedAddress(pipe.key + row * G::pitch + column));
+      for (int mt = 0; mt < G::MT; ++mt) {
+        cuda::mma16816<C>(s.s[mt][2 * pair], q.a[mt][kt], b[0], b[1]);
+        cuda::mma16816<C>(s.s[mt][2 * pair + 1], q.a[mt][kt], b[2], b[3]);
+      }
+    }
+  constexpr float scale = C::scale * kLog2e;
+  for (int mt = 0; mt < G::MT; ++mt)
+    for (int nt = 0; nt < G::NT; ++nt)
+      for (int e = 0; e < 4; ++e) s.s[mt][nt][e] *= scale;
+}
+
+// -inf for pairs the mask forbids and columns past the end. Fragment element
+// e of n-tile nt sits at row lane/4 (+8 for e >= 2), column 2*(lane%4) + e%2.
+template <class C>
+__device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int64_t block) {
+  using G = cuda::Geometry<C>;
+  const int64_t L = seq_len<C>(a);
+  const int l = cuda::lane();
+  for (int mt = 0; mt < G::MT; ++mt)
+    for (int nt = 0; nt < G::NT; ++nt)
+      for (int e = 0; e < 4; ++e) {
+        const int64_t i = row0 + cuda::tileRow<C>(mt) + l / kQuadSize + (e / 2) * 8;
+        const int64_t j = block * C::block_n + nt * 8 + (l % kQuadSize) * 2 + e % 2;
+        if (j >= L || !allowed<C>(i, j)) s.s[mt][nt][e] = cuda::negativeInfinity();
+      }
+}
+
+// Online softmax on the fragments: new row max (quad reduction), rescale the
+// accumulator and denominator by exp2(old - new), probabilities in place.
+template <class C>
+__device__ void softmax_update(SoftmaxState<C>& state, ScoreTile<C>& s, AccTile<C>& acc) {
+  using G = cuda::Geometry<C>;
+  for (int mt = 0; mt < G::MT; ++mt)
+    for (int h = 0; h < 2; ++h) {
+      float rowMax = cuda::negativeInfinity();
+      for (int nt = 0; nt < G::NT; ++nt) rowMax = fmaxf(rowMax, fmaxf(s.s[mt][nt][2 * h], s.s[mt][nt][2 * h + 1]));
+      const float newMax = fmaxf(state.m[mt][h], cuda::quadMax(rowMax));
+      const float base = newMax == cuda::negativeInfinity() ? 0.0f : newMax;  // a row with nothing allowed yet
+      const float correction = exp2f(state.m[mt][h] - base);
+      float rowSum = 0.0f;
+      for (int nt = 0; nt < G::NT; ++nt)
+        for (int e = 2 * h; e < 2 * h + 2; ++e) rowSum += (s.s[mt][nt][e] = exp2f(s.s[mt][nt][e] - base));
+      state.l[mt][h] = state.l[mt][h] * correction + cuda::quadSum(rowSum);
+      state.m[mt][h] = newMax;
+      for (int ot = 0; ot < G::OT; ++ot) {
+        acc.o[mt][ot][2 * h] *= correction;
+        acc.o[mt][ot][2 * h + 1] *= correction;
+      }
+    }
+}
+
+// acc += P V: P's accumulator fragments are re-packed as A fragments (the
+// m16n8 C layout of two n-tiles is the m16k16 A layout), V by ldmatrix.trans.
+template <class C>
+__device__ void mma_pv(AccTile<C>& acc, ScoreTile<C>& s, KvPipeline<C>& pipe, int64_t) {
+  using G = cuda::Geometry<C>;
+  const int l = cuda::lane();
+  for (int kk = 0; kk < G::PK; ++kk) {
+    Bits32 p[G::MT][4];
+    for (int mt = 0; mt < G::MT; ++mt) {
+      p[mt][0] = cuda::pack<C>(s.s[mt][2 * kk][0], s.s[mt][2 * kk][1]);
+      p[mt][1] = cuda::pack<C>(s.s[mt][2 * kk][2], s.s[mt][2 * kk][3]);
+      p[mt][2] = cuda::pack<C>(s.s[mt][2 * kk + 1][0], s.s[mt][2 * kk + 1][1]);
+      p[mt][3] = cuda::pack<C>(s.s[mt][2 * kk + 1][2], s.s[mt][2 * kk + 1][3]);
+    }
+    for (int pair = 0; pair < G::OT / 2; ++pair) {
+      Bits32 v[4];
+      const int row = kk * kMmaK + l % 8 + ((l / 8) % 2) * 8, column = pair * 16 + (l / 16) * 8;
+      cuda::ldmatrixX4Trans(v, cuda::sharedAddress(pipe.value + row * G::pitch + column));
+      for (int mt = 0; mt < G::MT; ++mt) {
+        cuda::mma16816<C>(acc.o[mt][2 * pair], p[mt], v[0], v[1]);
+        cuda::mma16816<C>(acc.o[mt][2 * pair + 1], p[mt], v[2], v[3]);
+      }
+    }
+  }
+}
+
+template <class C>
+__device__ void normalize(SoftmaxState<C>& state, AccTile<C>& acc) {
+  using G = cuda::Geometry<C>;
+  for (int mt = 0; mt < G::MT; ++mt)
+    for (int h = 0; h < 2; ++h) {
+      const float inverse = state.l[mt][h] > 0.0f ? 1.0f / state.l[mt][h] : 0.0f;
+      for (int ot = 0; ot < G::OT; ++ot) {
+        acc.o[mt][ot][2 * h] *= inverse;
+        acc.o[mt][ot][2 * h + 1] *= inverse;
+      }
+    }
+}
+
+namespace cuda {
+
+// lse = ln 2 * (m + log2 l) for the thread's rows (one writer per quad).
+template <class C>
+__device__ void storeLse(SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
+  if (!a.lse || lane() % kQuadSize != 0) return;
+  const int64_t L = seq_len<C>(a);
+  for (int mt = 0; mt < Geometry<C>::MT; ++mt)
+    for (int h = 0; h < 2; ++h) {
+      const int64_t i = row0 + tileRow<C>(mt) + lane() / kQuadSize + h * 8;
+      if (i < L) a.lse[(b * C::heads + head) * L + i] = kLn2 * (state.m[mt][h] + log2f(state.l[mt][h]));
+    }
+}
+
+// The normalised block as f32 in shared memory, for the collapse epilogues.
+template <class C>
+__device__ float* stageOutput(AccTile<C>& acc) {
+  using G = Geometry<C>;
+  float* staging = reinterpret_cast<float*>(smem() + layout<C>().staging);
+  __syncthreads();  // the staging area overlaps the Q / K / V tiles
+  const int l = lane();
+  for (int mt = 0; mt < G::MT; ++mt)
+    for (int ot = 0; ot < G::OT; ++ot)
+      for (int e = 0; e < 4; ++e)
+        staging[(tileRow<C>(mt) + l / kQuadSize + (e / 2) * 8) * G::Dp + ot * 8 + (l % kQuadSize) * 2 + e % 2] =
+            acc.o[mt][ot][e];
+  __syncthreads();
+  return staging;
+}
+
+}  // namespace cuda
+
+template <class C>
+__device__ void store_rows(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head,
+                           int64_t b) {
+  using G = cuda::Geometry<C>;
+  const int64_t L = seq_len<C>(a);
+  Bits16* o = static_cast<Bits16*>(a.o_pseudo);
+  const int l = cuda::lane();
+  for (int mt = 0; mt < G::MT; ++mt)
+    for (int ot = 0; ot < G::OT; ++ot)
+      for (int h = 0; h < 2; ++h) {
+        const int64_t i = row0 + cuda::tileRow<C>(mt) + l / kQuadSize + h * 8;
+        const int c = ot * 8 + (l % kQuadSize) * 2;
+        if (i >= L || c >= G::D) continue;
+        *reinterpret_cast<Bits32*>(o + ((b * C::heads + head) * L + i) * G::D + c) =
+            cuda::pack<C>(acc.o[mt][ot][2 * h], acc.o[mt][ot][2 * h + 1]);
+      }
+  cuda::storeLse<C>(state, a, row0, head, b);
+}
+
+// per_head collapse: out[n, head] = sum_p collapse[head, p] * O[n*P + p].
+template <class C>
+__device__ void store_collapsed(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0,
+                                int64_t head, int64_t b) {
+  using G = cuda::Geometry<C>;
+  constexpr int P = C::pseudo_heads;
+  const float* staging = cuda::stageOutput<C>(acc);
+  Bits16* out = static_cast<Bits16*>(a.out);
+  for (int index = threadIdx.x; index < (C::block_m / P) * G::D; index += G::threads) {
+    const int t = index / G::D, c = index % G::D;
+    const int64_t n = row0 / P + t;
+    if (n >= a.tokens) continue;
+    float sum = 0.0f;
+    for (int p = 0; p < P; ++p) sum += a.collapse[head * P + p] * staging[(t * P + p) * G::Dp + c];
+    out[b * a.out_stride[0] + n * a.out_stride[1] + head * a.out_stride[2] + c] = cuda::toBits<C>(sum);
+  }
+  cuda::storeLse<C>(state, a, row0, head, b);
+}
+
+template <class C>
+__device__ void out_init(OutTile<C>&) {
+  using G = cuda::Geometry<C>;
+  float* out = reinterpret_cast<float*>(cuda::smem() + cuda::layout<C>().out);
+  for (int index = threadIdx.x; index < (C::block_m / C::pseudo_heads) * C::heads * G::Dp; index += G::threads)
+    out[index] = 0.0f;
+  __syncthreads();
+}
+
+// Global collapse, fused: this head's share of every output head.
+template <class C>
+__device__ void accumulate_collapsed(OutTile<C>&, AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a,
+                                     int64_t row0, int64_t head, int64_t b) {
+  using G = cuda::Geometry<C>;
+  constexpr int P = C::pseudo_heads;
+  const float* staging = cuda::stageOutput<C>(acc);
+  float* out = reinterpret_cast<float*>(cuda::smem() + cuda::layout<C>().out);
+  for (int index = threadIdx.x; index < (C::block_m / P) * C::heads * G::D; index += G::threads) {
+    const int c = index % G::D, h = (index / G::D) % C::heads, t = index / G::D / C::heads;
+    float sum = 0.0f;
+    for (int p = 0; p < P; ++p) sum += a.collapse[(h * C::heads + head) * P + p] * staging[(t * P + p) * G::Dp + c];
+    out[(t * C::heads + h) * G::Dp + c] += sum;
+  }
+  cuda::storeLse<C>(state, a, row0, head, b);
+  __syncthreads();  // the next head's Q load reuses the staging area
+}
+
+template <class C>
+__device__ void store_out(OutTile<C>&, const IhaArgs& a, int64_t row0, int64_t b) {
+  using G = cuda::Geometry<C>;
+  constexpr int P = C::pseudo_heads;
+  const float* tile = reinterpret_cast<const float*>(cuda::smem() + cuda::layout<C>().out);
+  Bits16* out = static_cast<Bits16*>(a.out);
+  for (int index = threadIdx.x; index < (C::block_m / P) * C::heads * G::D; index += G::threads) {
+    const int c = index % G::D, h = (index / G::D) % C::heads, t = index / G::D / C::heads;
+    const int64_t n = row0 / P + t;
+    if (n < a.tokens)
+      out[b * a.out_stride[0] + n * a.out_stride[1] + h * a.out_stride[2] + c] =
+          cuda::toBits<C>(tile[(t * C::heads + h) * G::Dp + c]);
+  }
+}
+
+}  // namespace loom

@@ -1,0 +1,51 @@
+// Shared-memory layout of the CUDA attention CTA, as plain constexpr
+// arithmetic: the device implementation carves its tiles with it, and the
+// host (compiler plan, launcher, autotuner pruning) sizes the launch with
+// the same numbers. Compiles as host C++ and under NVRTC.
+#pragma once
+
+namespace loom {
+
+// 16-bit tiles are padded by one 16-byte chunk per row: with a row pitch of
+// (d + 8) elements, the eight rows an ldmatrix phase reads start in eight
+// different 16-byte bank groups, so the loads are conflict-free.
+constexpr int kRowPadElements = 8;
+constexpr int kMmaK = 16;                 // k extent of mma.m16n8k16
+constexpr int kTileElementBytes = 2;      // f16 / bf16
+constexpr int kAccumulatorBytes = 4;      // f32
+
+constexpr int paddedHeadDim(int headDim) { return (headDim + kMmaK - 1) / kMmaK * kMmaK; }
+constexpr int tilePitch(int headDim) { return paddedHeadDim(headDim) + kRowPadElements; }
+// Tokens whose raw rows one key block of `blockN` virtual rows can touch.
+constexpr int rawTokensPerBlock(int blockN, int pseudoHeads) { return (blockN - 1) / pseudoHeads + 2; }
+
+struct AttentionSmem {
+  int q = 0;        // [block_m][pitch] 16-bit query tile
+  int k = 0;        // mixed: one [block_n][pitch] tile; else `stages` of them
+  int v = 0;        // likewise
+  int raw = 0;      // mixed only: `stages` x {k, v} x [raw tokens][G][d] raw rows
+  int staging = 0;  // [block_m][padded d] f32 epilogue tile, overlapping q/k/v/raw
+  int out = 0;      // fused global collapse: [block_m / P][H][padded d] f32
+  int total = 0;    // bytes of dynamic shared memory
+};
+
+constexpr AttentionSmem attentionSmem(int blockM, int blockN, int headDim, int stages, int heads, int kvHeads,
+                                      int pseudoHeads, bool mixed, bool outTile) {
+  AttentionSmem s;
+  const int tile = tilePitch(headDim) * kTileElementBytes;
+  const int kvTiles = mixed ? 1 : stages;
+  s.q = 0;
+  s.k = s.q + blockM * tile;
+  s.v = s.k + kvTiles * blockN * tile;
+  s.raw = s.v + kvTiles * blockN * tile;
+  const int rawBytes = mixed ? stages * 2 * rawTokensPerBlock(blockN, pseudoHeads) * kvHeads * headDim * kTileElementBytes : 0;
+  const int operandsEnd = s.raw + rawBytes;
+  s.staging = 0;
+  const int stagingEnd = blockM * paddedHeadDim(headDim) * kAccumulatorBytes;
+  s.out = operandsEnd > stagingEnd ? operandsEnd : stagingEnd;
+  const int outBytes = outTile ? (blockM / pseudoHeads) * heads * paddedHeadDim(headDim) * kAccumulatorBytes : 0;
+  s.total = s.out + outBytes;
+  return s;
+}
+
+}  // namespace loom

@@ -1,0 +1,126 @@
+// loom compile: generate a spec's program for a CUDA arch, compile it with
+// NVRTC, and report the resources (no GPU needed).
+#include <google/protobuf/util/json_util.h>
+
+#include <cstdio>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "commands.h"
+#include "jit/nvrtc_compiler.h"
+#include "loom/compiler.h"
+
+namespace loom::cli {
+namespace {
+
+struct CompileOptions {
+  std::string specPath;
+  std::string schedulePath;
+  std::string target = "sm_90";
+  std::string dtype;
+  std::string cacheDir;
+  std::string outPath;
+  bool json = false;
+};
+
+nlohmann::json report(const KernelPlan& plan, const jit::Artifact& artifact) {
+  nlohmann::json entries = nlohmann::json::array();
+  for (const LaunchPlan& launch : plan.launches) {
+    nlohmann::json entry = {{"name", launch.name},
+                            {"threads", launch.threads},
+                            {"dynamic_shared_memory_bytes", launch.sharedMemoryBytes}};
+    for (const v1::ResourceUsage& usage : artifact.resources)
+      if (usage.entry() == launch.name) {
+        entry["registers"] = usage.registers();
+        entry["spill_store_bytes"] = usage.spill_store_bytes();
+        entry["spill_load_bytes"] = usage.spill_load_bytes();
+        entry["stack_frame_bytes"] = usage.stack_frame_bytes();
+        entry["static_shared_memory_bytes"] = usage.shared_memory_bytes();
+      }
+    entries.push_back(entry);
+  }
+  return {{"target", artifact.arch},
+          {"toolchain", jit::nvrtcVersion()},
+          {"binary", artifact.binaryKind},
+          {"binary_bytes", artifact.binary.size()},
+          {"compile_seconds", artifact.compileSeconds},
+          {"from_cache", artifact.fromCache},
+          {"uses_tensor_cores", artifact.usesTensorCores()},
+          {"uses_async_copies", artifact.usesAsyncCopies()},
+          {"spill_bytes", artifact.spillBytes()},
+          {"schedule", nlohmann::json::parse(toJson(plan.schedule))},
+          {"source_hash", plan.sourceHash},
+          {"entries", entries}};
+}
+
+int compile(const CompileOptions& options) {
+  auto spec = readSpecFile(options.specPath);
+  if (!spec) return badInput(spec.error().message);
+  if (!options.dtype.empty()) {
+    v1::DType dtype;
+    if (!v1::DType_Parse(options.dtype, &dtype)) return badInput("--dtype '" + options.dtype + "' is not a dtype");
+    spec->set_dtype(dtype);
+  }
+  auto schedule = readScheduleFile(options.schedulePath);
+  if (!schedule) return badInput(schedule.error().message);
+  auto target = parseTarget(options.target);
+  if (!target) return badInput(target.error().message);
+  if (target->kind() != v1::Target::cuda) return badInput("loom compile needs a CUDA target such as sm_80 or sm_90a");
+  auto plan = generateKernel(*spec, *schedule, *target);
+  if (!plan) return badInput(plan.error().message);
+
+  jit::NvrtcCompiler compiler(options.cacheDir);
+  auto artifact = compiler.compile(plan->source, target->arch());
+  if (!artifact) {
+    std::fprintf(stderr, "%s\n", artifact.error().log.c_str());
+    return badInput(artifact.error().message);
+  }
+  const jit::Artifact& a = **artifact;
+  if (!options.outPath.empty()) {
+    v1::CompiledKernel kernel = toCompiledKernel(*plan);
+    kernel.set_binary(a.binary);
+    kernel.set_toolchain(jit::nvrtcVersion() + " " + a.binaryKind);
+    kernel.set_compile_seconds(a.compileSeconds);
+    kernel.set_compile_log(a.log);
+    for (const auto& r : a.resources) *kernel.add_resources() = r;
+    std::ofstream out(options.outPath, std::ios::binary | std::ios::trunc);
+    if (!kernel.SerializeToOstream(&out)) return badInput(options.outPath + ": write failed");
+  }
+  if (options.json) {
+    std::printf("%s\n", report(*plan, a).dump(2).c_str());
+    return kExitOk;
+  }
+  std::printf("%s: %s %s, %.2f s%s, tensor cores %s, cp.async %s\n", a.arch.c_str(), jit::nvrtcVersion().c_str(),
+              a.binaryKind.c_str(), a.compileSeconds, a.fromCache ? " (cached)" : "", a.usesTensorCores() ? "yes" : "no",
+              a.usesAsyncCopies() ? "yes" : "no");
+  for (const LaunchPlan& launch : plan->launches) {
+    std::printf("  %-14s %4lld threads, %7lld B dynamic smem", launch.name.c_str(), (long long)launch.threads,
+                (long long)launch.sharedMemoryBytes);
+    for (const auto& r : a.resources)
+      if (r.entry() == launch.name)
+        std::printf(", %3d registers, %lld B spilled", r.registers(), (long long)(r.spill_store_bytes() + r.spill_load_bytes()));
+    std::printf("\n");
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+void addCompileCommand(CLI::App& app, std::function<int()>* action) {
+  auto options = std::make_shared<CompileOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "compile", "Generate and compile a spec's CUDA program with NVRTC (no GPU needed) and report registers,\n"
+                 "spills, shared memory, tensor-core and cp.async use, and the compile time.");
+  cmd->add_option("--spec", options->specPath, "KernelSpec JSON file")->required();
+  cmd->add_option("--schedule", options->schedulePath, "Schedule JSON file (unset fields take defaults)");
+  cmd->add_option("--target", options->target, "CUDA arch: sm_80, sm_86, sm_89, sm_90, sm_90a")->capture_default_str();
+  cmd->add_option("--dtype", options->dtype, "override the spec's dtype (float16 or bfloat16)");
+  cmd->add_option("--cache-dir", options->cacheDir, "keep compiled artifacts here (default: none)");
+  cmd->add_option("--out", options->outPath, "write the CompiledKernel (plan + binary) as binary protobuf");
+  cmd->add_flag("--json", options->json, "print the report as JSON");
+  cmd->callback([options, action] { *action = [options] { return compile(*options); }; });
+}
+
+}  // namespace loom::cli
