@@ -155,6 +155,16 @@ IhaCase drawCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t
   return c;
 }
 
+IhaCase withDtype(const IhaCase& c, v1::DType dtype) {
+  IhaCase converted = c;
+  converted.spec.set_dtype(dtype);
+  const NpyType type = storageTypeOf(dtype);
+  for (std::vector<double>* values : {&converted.inputs.q, &converted.inputs.k, &converted.inputs.v})
+    *values = npyToDouble(npyFromDouble(*values, {int64_t(values->size())}, type), dtype == v1::bfloat16);
+  converted.expected = reference::ihaForward(converted.spec, converted.inputs).out;
+  return converted;
+}
+
 double relativeError(const std::vector<double>& out, const std::vector<double>& ref) {
   double diff = 0, norm = 0;
   for (size_t i = 0; i < out.size() && i < ref.size(); ++i) {

@@ -39,6 +39,10 @@ Status writeCase(const std::string& dir, const IhaCase& c);
 // float32. The same seed gives the same case.
 IhaCase drawCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed);
 
+// The case with q, k, v rounded to `dtype` and expected recomputed by the
+// float64 reference on exactly those inputs.
+IhaCase withDtype(const IhaCase& c, v1::DType dtype);
+
 // ||out - ref|| / ||ref||; NaN when any element of `out` is not finite.
 double relativeError(const std::vector<double>& out, const std::vector<double>& ref);
 

@@ -9,6 +9,7 @@
 #include <string>
 
 #include "commands.h"
+#include "api/compile.h"
 #include "jit/nvrtc_compiler.h"
 #include "loom/compiler.h"
 
@@ -70,23 +71,17 @@ int compile(const CompileOptions& options) {
   if (target->kind() != v1::Target::cuda) return badInput("loom compile needs a CUDA target such as sm_80 or sm_90a");
   auto plan = generateKernel(*spec, *schedule, *target);
   if (!plan) return badInput(plan.error().message);
-
   jit::NvrtcCompiler compiler(options.cacheDir);
-  auto artifact = compiler.compile(plan->source, target->arch());
-  if (!artifact) {
-    std::fprintf(stderr, "%s\n", artifact.error().log.c_str());
-    return badInput(artifact.error().message);
+  std::shared_ptr<const jit::Artifact> artifact;
+  auto kernel = compileKernel(*spec, *schedule, *target, compiler, &artifact);
+  if (!kernel) {
+    std::fprintf(stderr, "%s\n", kernel.error().log.c_str());
+    return badInput(kernel.error().message);
   }
-  const jit::Artifact& a = **artifact;
+  const jit::Artifact& a = *artifact;
   if (!options.outPath.empty()) {
-    v1::CompiledKernel kernel = toCompiledKernel(*plan);
-    kernel.set_binary(a.binary);
-    kernel.set_toolchain(jit::nvrtcVersion() + " " + a.binaryKind);
-    kernel.set_compile_seconds(a.compileSeconds);
-    kernel.set_compile_log(a.log);
-    for (const auto& r : a.resources) *kernel.add_resources() = r;
     std::ofstream out(options.outPath, std::ios::binary | std::ios::trunc);
-    if (!kernel.SerializeToOstream(&out)) return badInput(options.outPath + ": write failed");
+    if (!kernel->SerializeToOstream(&out)) return badInput(options.outPath + ": write failed");
   }
   if (options.json) {
     std::printf("%s\n", report(*plan, a).dump(2).c_str());

@@ -7,6 +7,8 @@
 
 #include "commands.h"
 #include "cpu/cpu_backend.h"
+#include "cuda/case_runner.h"
+#include "loom/runtime.h"
 #include "io/case.h"
 #include "reference/iha_reference.h"
 
@@ -20,8 +22,28 @@ struct RunOptions {
   std::string outDtype = "float32";
   std::string schedulePath;
   std::string cacheDir;
+  std::string dtype;
   int threads = 0;
+  int device = 0;
 };
+
+// The generated program through NVRTC on the GPU.
+Result<std::vector<double>> runOnCuda(const RunOptions& options, const IhaCase& c) {
+  auto schedule = readScheduleFile(options.schedulePath);
+  if (!schedule) return schedule.error();
+  auto runtime = Runtime::create({options.device, options.cacheDir});
+  if (!runtime) return runtime.error();
+  auto kernel = (*runtime)->kernel(c.spec, *schedule);
+  if (!kernel) return kernel.error();
+  const v1::CompiledKernel& compiled = (*kernel)->compiled();
+  std::printf("cuda: %s (%s); schedule %s; %s\n", (*runtime)->device().name.c_str(), (*runtime)->device().arch().c_str(),
+              compiled.schedule().ShortDebugString().c_str(), compiled.toolchain().c_str());
+  auto device = cuda::Device::open(options.device);
+  if (!device) return device.error();
+  auto run = cuda::runCase(**kernel, **device, c);
+  if (!run) return run.error();
+  return std::move(run->out);
+}
 
 // The generated program, compiled for the host and run CTA by CTA.
 Result<std::vector<double>> runOnCpu(const RunOptions& options, const IhaCase& c) {
@@ -47,6 +69,13 @@ const std::map<std::string, NpyType> kOutTypes = {
 int run(const RunOptions& options) {
   auto loaded = loadCase(options.caseDir);
   if (!loaded) return badInput(loaded.error().message);
+  if (!options.dtype.empty()) {
+    v1::DType dtype;
+    if (!v1::DType_Parse(options.dtype, &dtype) || dtype == v1::dtype_unspecified)
+      return badInput("--dtype '" + options.dtype + "' is not float32, float16 or bfloat16");
+    *loaded = withDtype(*loaded, dtype);
+    std::printf("inputs rounded to %s; expected recomputed by the float64 reference\n", options.dtype.c_str());
+  }
   const IhaCase& c = *loaded;
 
   std::vector<double> out;
@@ -54,6 +83,14 @@ int run(const RunOptions& options) {
     out = reference::ihaForward(c.spec, c.inputs).out;
   } else if (options.backend == "cpu") {
     auto result = runOnCpu(options, c);
+    if (!result) {
+      const Error& error = result.error();
+      if (!error.log.empty()) std::fprintf(stderr, "%s\n", error.log.c_str());
+      return badInput(error.message);
+    }
+    out = std::move(*result);
+  } else if (options.backend == "cuda") {
+    auto result = runOnCuda(options, c);
     if (!result) {
       const Error& error = result.error();
       if (!error.log.empty()) std::fprintf(stderr, "%s\n", error.log.c_str());
@@ -113,8 +150,9 @@ void addRunCommand(CLI::App& app, std::function<int()>* action) {
       "tolerance (float32 1e-5, float16 2e-3, bfloat16 1e-2). Bad input exits 2.");
   cmd->add_option("--case", options->caseDir, "case folder")->required();
   cmd->add_option("--backend", options->backend,
-                  "reference: the float64 oracle; cpu: the generated program on the host tile API")
-      ->check(CLI::IsMember({"reference", "cpu"}))
+                  "reference: the float64 oracle; cpu: the generated program on the host tile API;\n"
+                  "cuda: the generated program through NVRTC on the GPU")
+      ->check(CLI::IsMember({"reference", "cpu", "cuda"}))
       ->capture_default_str();
   cmd->add_option("--out", options->out, "output .npy file")->capture_default_str();
   cmd->add_option("--out-dtype", options->outDtype, "element type of the output file")
@@ -123,6 +161,10 @@ void addRunCommand(CLI::App& app, std::function<int()>* action) {
   cmd->add_option("--schedule", options->schedulePath, "Schedule JSON for generated backends (unset fields: defaults)");
   cmd->add_option("--cache-dir", options->cacheDir, "where compiled programs are kept (default $LOOM_CACHE_DIR or ~/.cache/loom)");
   cmd->add_option("--threads", options->threads, "CPU threads running CTAs (0: all)")->capture_default_str();
+  cmd->add_option("--dtype", options->dtype,
+                  "round the inputs to float16 or bfloat16 first (the CUDA backend needs 16-bit inputs);\n"
+                  "expected.npy is then recomputed by the reference");
+  cmd->add_option("--device", options->device, "CUDA device ordinal")->capture_default_str();
   cmd->callback([options, action] { *action = [options] { return run(*options); }; });
 }
 

@@ -1,0 +1,26 @@
+#include "api/compile.h"
+
+#include "loom/compiler.h"
+
+namespace loom {
+
+Result<v1::CompiledKernel> compileKernel(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
+                                         jit::NvrtcCompiler& compiler, std::shared_ptr<const jit::Artifact>* artifact) {
+  if (target.kind() != v1::Target::cuda) return makeError("compileKernel needs a CUDA target");
+  auto plan = generateKernel(spec, schedule, target);
+  if (!plan) return plan.error();
+  auto compiled = compiler.compile(plan->source, target.arch());
+  if (!compiled) return compiled.error();
+  const jit::Artifact& a = **compiled;
+  v1::CompiledKernel kernel = toCompiledKernel(*plan);
+  kernel.set_binary(a.binary);
+  kernel.set_toolchain(jit::nvrtcVersion() + " " + a.binaryKind);
+  kernel.set_compile_seconds(a.compileSeconds);
+  kernel.set_compile_log(a.log);
+  kernel.set_ptx(a.ptx);
+  for (const auto& r : a.resources) *kernel.add_resources() = r;
+  if (artifact) *artifact = *compiled;
+  return kernel;
+}
+
+}  // namespace loom

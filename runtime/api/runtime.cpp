@@ -1,0 +1,57 @@
+// Runtime: spec -> generated program -> NVRTC -> loaded Kernel on the GPU.
+#include "loom/runtime.h"
+
+#include "api/compile.h"
+#include "cpu/cpu_backend.h"
+#include "cuda/driver.h"
+#include "jit/nvrtc_compiler.h"
+
+namespace loom {
+
+struct Runtime::State {
+  std::shared_ptr<cuda::Device> device;
+  std::unique_ptr<jit::NvrtcCompiler> compiler;
+};
+
+Runtime::~Runtime() = default;
+
+Result<std::unique_ptr<Runtime>> Runtime::create(const Options& options) {
+  auto device = cuda::Device::open(options.device);
+  if (!device) return device.error();
+  std::unique_ptr<Runtime> runtime(new Runtime());
+  runtime->state_ = std::make_unique<State>();
+  runtime->state_->device = *device;
+  runtime->state_->compiler =
+      std::make_unique<jit::NvrtcCompiler>(options.cacheDir.empty() ? cpu::defaultCacheDir() : options.cacheDir);
+  return runtime;
+}
+
+const cuda::DeviceInfo& Runtime::device() const { return state_->device->info(); }
+
+v1::Target Runtime::target() const {
+  const cuda::DeviceInfo& info = device();
+  v1::Target target;
+  target.set_kind(v1::Target::cuda);
+  target.set_arch(info.arch());
+  v1::DeviceProperties* p = target.mutable_device();
+  p->set_name(info.name);
+  p->set_sm_count(info.smCount);
+  p->set_shared_memory_per_block(info.sharedMemoryPerBlock);
+  p->set_shared_memory_per_multiprocessor(info.sharedMemoryPerMultiprocessor);
+  p->set_registers_per_multiprocessor(info.registersPerMultiprocessor);
+  p->set_l2_cache_bytes(info.l2Bytes);
+  p->set_global_memory_bytes(info.globalMemoryBytes);
+  return target;
+}
+
+Result<std::shared_ptr<Kernel>> Runtime::kernel(const KernelSpec& spec, const Schedule& schedule) {
+  auto compiled = compileKernel(spec, schedule, target(), *state_->compiler);
+  if (!compiled) return compiled.error();
+  return load(*compiled);
+}
+
+Result<std::shared_ptr<Kernel>> Runtime::load(const v1::CompiledKernel& compiled) {
+  return Kernel::load(state_->device, compiled);
+}
+
+}  // namespace loom

@@ -1,0 +1,97 @@
+#include "cuda/case_runner.h"
+
+namespace loom::cuda {
+namespace {
+
+constexpr unsigned char kPoisonByte = 0xff;  // NaN in float32, float16 and bfloat16
+
+ElementKind elementOf(v1::DType dtype) {
+  return dtype == v1::float16 ? ElementKind::float16 : dtype == v1::bfloat16 ? ElementKind::bfloat16 : ElementKind::float32;
+}
+
+}  // namespace
+
+Result<CaseBuffers> CaseBuffers::upload(const Device& device, const IhaCase& c) {
+  if (Status ok = device.makeCurrent(); !ok) return ok.error();
+  const KernelSpec& spec = c.spec;
+  const int64_t B = c.batch, N = c.tokens, H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(),
+                d = spec.head_dim();
+  const NpyType storage = storageTypeOf(spec.dtype());
+  const std::vector<int64_t> collapseShape =
+      spec.collapse() == v1::per_head ? std::vector<int64_t>{H, P} : std::vector<int64_t>{H, H * P};
+  struct Operand {
+    const std::vector<double>* values;
+    std::vector<int64_t> shape;
+    NpyType type;
+    Tensor* view;
+  };
+  CaseBuffers buffers;
+  IhaTensors& t = buffers.tensors_;
+  t.lse = Tensor{};
+  const std::vector<double> none;
+  std::vector<Operand> operands = {{&c.inputs.q, {B, N, H, d}, storage, &t.q},
+                                   {&c.inputs.k, {B, N, G, d}, storage, &t.k},
+                                   {&c.inputs.v, {B, N, G, d}, storage, &t.v},
+                                   {&c.inputs.alpha_q, {H, H, P}, NpyType::float32, &t.alpha_q},
+                                   {&c.inputs.alpha_k, {G, G, P}, NpyType::float32, &t.alpha_k},
+                                   {&c.inputs.alpha_v, {G, G, P}, NpyType::float32, &t.alpha_v},
+                                   {&c.inputs.collapse, collapseShape, NpyType::float32, &t.collapse},
+                                   {nullptr, {B, N, H, d}, storage, &t.out},
+                                   {nullptr, {B, H, N * P}, NpyType::float32, &*t.lse}};
+  for (Operand& o : operands) {
+    int64_t count = 1;
+    for (int64_t extent : o.shape) count *= extent;
+    auto buffer = DeviceBuffer::allocate(device, size_t(count * NpyArray::elementSize(o.type)));
+    if (!buffer) return buffer.error();
+    auto shared = std::make_shared<DeviceBuffer>(std::move(*buffer));
+    if (o.values) {
+      const NpyArray host = npyFromDouble(*o.values, o.shape, o.type);
+      if (Status ok = check(device.api().cuMemcpyHtoD(shared->get(), host.bytes.data(), host.bytes.size()), "cuMemcpyHtoD");
+          !ok)
+        return ok.error();
+    }
+    *o.view = Tensor{shared->data(), o.type == NpyType::float32 ? ElementKind::float32 : elementOf(spec.dtype()),
+                     o.shape, {}, device.info().ordinal};
+    buffers.buffers_.push_back(shared);
+  }
+  return buffers;
+}
+
+IhaTensors CaseBuffers::tensors() const { return tensors_; }
+
+Status CaseBuffers::poison(const Device& device) const {
+  for (size_t i = buffers_.size() - 2; i < buffers_.size(); ++i)
+    if (Status ok = check(device.api().cuMemsetD8(buffers_[i]->get(), kPoisonByte, buffers_[i]->size()), "cuMemsetD8");
+        !ok)
+      return ok;
+  return Status::success();
+}
+
+Result<DeviceRun> CaseBuffers::download(const Device& device, const IhaCase& c) const {
+  if (Status ok = check(device.api().cuCtxSynchronize(), "kernel execution"); !ok) return ok.error();
+  DeviceRun run;
+  NpyArray out;
+  out.type = storageTypeOf(c.spec.dtype());
+  out.shape = tensors_.out.shape;
+  out.bytes.resize(buffers_[7]->size());
+  if (Status ok = check(device.api().cuMemcpyDtoH(out.bytes.data(), buffers_[7]->get(), out.bytes.size()), "cuMemcpyDtoH");
+      !ok)
+    return ok.error();
+  run.out = npyToDouble(out, c.spec.dtype() == v1::bfloat16);
+  std::vector<float> lse(buffers_[8]->size() / sizeof(float));
+  if (Status ok = check(device.api().cuMemcpyDtoH(lse.data(), buffers_[8]->get(), buffers_[8]->size()), "cuMemcpyDtoH");
+      !ok)
+    return ok.error();
+  run.lse.assign(lse.begin(), lse.end());
+  return run;
+}
+
+Result<DeviceRun> runCase(Kernel& kernel, const Device& device, const IhaCase& c) {
+  auto buffers = CaseBuffers::upload(device, c);
+  if (!buffers) return buffers.error();
+  if (Status ok = buffers->poison(device); !ok) return ok.error();
+  if (Status ok = kernel.launch(buffers->tensors()); !ok) return ok.error();
+  return buffers->download(device, c);
+}
+
+}  // namespace loom::cuda

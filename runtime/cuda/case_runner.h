@@ -1,0 +1,32 @@
+// Runs a test case through a loaded kernel: inputs copied to the device,
+// outputs poisoned with NaN before the launch, results read back.
+#pragma once
+
+#include "cuda/driver.h"
+#include "io/case.h"
+#include "loom/runtime.h"
+
+namespace loom::cuda {
+
+struct DeviceRun {
+  std::vector<double> out;  // [B, N, H, d]
+  std::vector<double> lse;  // [B, H, N*P]
+};
+
+Result<DeviceRun> runCase(Kernel& kernel, const Device& device, const IhaCase& c);
+
+// The device buffers of one case's operands, for repeated launches.
+class CaseBuffers {
+ public:
+  static Result<CaseBuffers> upload(const Device& device, const IhaCase& c);
+  IhaTensors tensors() const;
+  // Fills out and lse with NaN bit patterns so an unwritten element fails.
+  Status poison(const Device& device) const;
+  Result<DeviceRun> download(const Device& device, const IhaCase& c) const;
+
+ private:
+  std::vector<std::shared_ptr<DeviceBuffer>> buffers_;  // q k v alpha_q alpha_k alpha_v collapse out lse
+  IhaTensors tensors_;
+};
+
+}  // namespace loom::cuda

@@ -1,0 +1,244 @@
+// Kernel: a CompiledKernel loaded on a device, validated and launched.
+#include <cstring>
+
+#include "cuda/driver.h"
+#include "loom/runtime.h"
+#include "loom/tile/common.h"
+
+namespace loom {
+namespace {
+
+constexpr int64_t kCopyAlignmentBytes = 16;  // cp.async moves 16-byte chunks
+
+int64_t elementBytes(ElementKind kind) { return kind == ElementKind::float32 ? 4 : 2; }
+
+ElementKind elementOf(v1::DType dtype) {
+  return dtype == v1::float16 ? ElementKind::float16 : dtype == v1::bfloat16 ? ElementKind::bfloat16 : ElementKind::float32;
+}
+
+const char* nameOf(ElementKind kind) {
+  return kind == ElementKind::float32 ? "float32" : kind == ElementKind::float16 ? "float16" : "bfloat16";
+}
+
+std::vector<int64_t> stridesOf(const Tensor& t) {
+  if (!t.strides.empty()) return t.strides;
+  std::vector<int64_t> strides(t.shape.size(), 1);
+  for (int i = int(t.shape.size()) - 2; i >= 0; --i) strides[i] = strides[i + 1] * t.shape[i + 1];
+  return strides;
+}
+
+std::string shapeText(const std::vector<int64_t>& shape) {
+  std::string text = "[";
+  for (size_t i = 0; i < shape.size(); ++i) text += (i ? ", " : "") + std::to_string(shape[i]);
+  return text + "]";
+}
+
+Status checkTensor(const char* name, const Tensor& t, const std::vector<int64_t>& shape, ElementKind element,
+                   int device, bool activation) {
+  auto fail = [&](const std::string& why) { return Status(makeError(std::string(name) + ": " + why)); };
+  if (!t.data) return fail("no data pointer");
+  if (t.device != device) return fail("on device " + std::to_string(t.device) + ", the kernel is on device " + std::to_string(device));
+  if (t.shape != shape) return fail("shape " + shapeText(t.shape) + ", want " + shapeText(shape));
+  if (t.element != element) return fail(std::string("element type ") + nameOf(t.element) + ", want " + nameOf(element));
+  if (!t.strides.empty() && t.strides.size() != t.shape.size()) return fail("strides and shape differ in rank");
+  const std::vector<int64_t> strides = stridesOf(t);
+  if (strides.back() != 1) return fail("the last dimension must be contiguous (stride 1)");
+  if (!activation) {
+    if (strides != stridesOf(Tensor{nullptr, t.element, t.shape, {}, 0})) return fail("must be contiguous");
+    return Status::success();
+  }
+  const int64_t chunk = kCopyAlignmentBytes / elementBytes(element);
+  for (size_t i = 0; i + 1 < strides.size(); ++i)
+    if (strides[i] % chunk != 0)
+      return fail("stride " + std::to_string(strides[i]) + " of dimension " + std::to_string(i) +
+                  " is not a multiple of " + std::to_string(chunk) + " elements (16-byte rows)");
+  if (reinterpret_cast<uintptr_t>(t.data) % kCopyAlignmentBytes != 0) return fail("data is not 16-byte aligned");
+  return Status::success();
+}
+
+Result<Tensor> fromDlpack(const char* name, const DLTensor* t) {
+  auto fail = [&](const std::string& why) { return makeError(std::string(name) + ": " + why); };
+  if (!t) return fail("missing");
+  if (t->device.device_type != kDLCUDA) return fail("must be on a CUDA device (DLPack device type kDLCUDA)");
+  if (t->dtype.lanes != 1) return fail("vector dtypes are not supported");
+  Tensor view;
+  if (t->dtype.code == kDLFloat && t->dtype.bits == 32) view.element = ElementKind::float32;
+  else if (t->dtype.code == kDLFloat && t->dtype.bits == 16) view.element = ElementKind::float16;
+  else if (t->dtype.code == kDLBfloat && t->dtype.bits == 16) view.element = ElementKind::bfloat16;
+  else return fail("dtype must be float32, float16 or bfloat16");
+  view.data = static_cast<char*>(t->data) + t->byte_offset;
+  view.device = t->device.device_id;
+  view.shape.assign(t->shape, t->shape + t->ndim);
+  if (t->strides) view.strides.assign(t->strides, t->strides + t->ndim);
+  return view;
+}
+
+}  // namespace
+
+Status validateTensors(const KernelSpec& spec, const IhaTensors& t, int device) {
+  if (t.q.shape.size() != 4) return makeError("q: want 4 dimensions [B, N, H, d], got " + shapeText(t.q.shape));
+  const int64_t B = t.q.shape[0], N = t.q.shape[1], H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(),
+                d = spec.head_dim();
+  if (B < 1 || N < 1) return makeError("q: B and N must be at least 1, got " + shapeText(t.q.shape));
+  const ElementKind act = elementOf(spec.dtype());
+  const ElementKind f32 = ElementKind::float32;
+  const std::vector<int64_t> collapse =
+      spec.collapse() == v1::per_head ? std::vector<int64_t>{H, P} : std::vector<int64_t>{H, H * P};
+  struct Check {
+    const char* name;
+    const Tensor* tensor;
+    std::vector<int64_t> shape;
+    ElementKind element;
+    bool activation;
+  };
+  std::vector<Check> checks = {{"q", &t.q, {B, N, H, d}, act, true},
+                               {"k", &t.k, {B, N, G, d}, act, true},
+                               {"v", &t.v, {B, N, G, d}, act, true},
+                               {"alpha_q", &t.alpha_q, {H, H, P}, f32, false},
+                               {"alpha_k", &t.alpha_k, {G, G, P}, f32, false},
+                               {"alpha_v", &t.alpha_v, {G, G, P}, f32, false},
+                               {"collapse", &t.collapse, collapse, f32, false},
+                               {"out", &t.out, {B, N, H, d}, act, true}};
+  if (t.lse) checks.push_back({"lse", &*t.lse, {B, H, N * P}, f32, false});
+  for (const Check& c : checks)
+    if (Status ok = checkTensor(c.name, *c.tensor, c.shape, c.element, device, c.activation); !ok) return ok;
+  return Status::success();
+}
+
+Result<IhaTensors> tensorsFromDlpack(const DLTensor* q, const DLTensor* k, const DLTensor* v, const DLTensor* alphaQ,
+                                     const DLTensor* alphaK, const DLTensor* alphaV, const DLTensor* collapse,
+                                     const DLTensor* out, const DLTensor* lse) {
+  IhaTensors tensors;
+  const std::pair<const char*, std::pair<const DLTensor*, Tensor*>> all[] = {
+      {"q", {q, &tensors.q}},           {"k", {k, &tensors.k}},
+      {"v", {v, &tensors.v}},           {"alpha_q", {alphaQ, &tensors.alpha_q}},
+      {"alpha_k", {alphaK, &tensors.alpha_k}}, {"alpha_v", {alphaV, &tensors.alpha_v}},
+      {"collapse", {collapse, &tensors.collapse}}, {"out", {out, &tensors.out}}};
+  for (const auto& [name, pair] : all) {
+    auto view = fromDlpack(name, pair.first);
+    if (!view) return view.error();
+    *pair.second = *view;
+  }
+  if (lse) {
+    auto view = fromDlpack("lse", lse);
+    if (!view) return view.error();
+    tensors.lse = *view;
+  }
+  return tensors;
+}
+
+Result<std::shared_ptr<Kernel>> Kernel::load(std::shared_ptr<cuda::Device> device, const v1::CompiledKernel& compiled) {
+  if (compiled.binary().empty()) return makeError("compiled kernel has no binary");
+  if (Status ok = device->makeCurrent(); !ok) return ok.error();
+  std::shared_ptr<Kernel> kernel(new Kernel());
+  kernel->device_ = device;
+  kernel->compiled_ = compiled;
+  const cuda::DriverApi& api = device->api();
+  // A PTX binary must be NUL-terminated for the driver's JIT.
+  std::string image = compiled.binary();
+  if (compiled.toolchain().find("ptx") != std::string::npos) image.push_back('\0');
+  if (Status ok = cuda::check(api.cuModuleLoadData(&kernel->module_, image.data()), "cuModuleLoadData"); !ok)
+    return ok.error();
+  for (const v1::EntryPoint& entry : compiled.entries()) {
+    CUfunction function;
+    if (Status ok = cuda::check(api.cuModuleGetFunction(&function, kernel->module_, entry.name().c_str()),
+                                "cuModuleGetFunction(" + entry.name() + ")");
+        !ok)
+      return ok.error();
+    if (entry.shared_memory_bytes() > 0) {
+      if (entry.shared_memory_bytes() > device->info().sharedMemoryPerBlock)
+        return makeError(entry.name() + " needs " + std::to_string(entry.shared_memory_bytes()) +
+                         " bytes of shared memory; " + device->info().name + " allows " +
+                         std::to_string(device->info().sharedMemoryPerBlock));
+      if (Status ok = cuda::check(api.cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                                         int(entry.shared_memory_bytes())),
+                                  "cuFuncSetAttribute(" + entry.name() + ")");
+          !ok)
+        return ok.error();
+    }
+    kernel->functions_.push_back(function);
+  }
+  return kernel;
+}
+
+Kernel::~Kernel() {
+  workspaces_.clear();
+  if (module_) device_->api().cuModuleUnload(module_);
+}
+
+Status Kernel::ensureWorkspaces(int64_t batch, int64_t tokens) {
+  if (batch * tokens <= workspaceRows_) return Status::success();
+  const KernelSpec& spec = compiled_.spec();
+  // Work queued on the old buffers must finish before they are freed.
+  if (!workspaces_.empty())
+    if (Status ok = cuda::check(device_->api().cuCtxSynchronize(), "cuCtxSynchronize"); !ok) return ok;
+  workspaces_.clear();
+  for (const std::string& name : compiled_.workspaces()) {
+    const int64_t heads = name == "k_mixed" || name == "v_mixed" ? spec.kv_heads() : spec.heads();
+    const int64_t bytes = batch * tokens * spec.pseudo_heads() * heads * spec.head_dim() * compiled_.workspace_element_bytes();
+    auto buffer = cuda::DeviceBuffer::allocate(*device_, size_t(bytes));
+    if (!buffer) return buffer.error();
+    workspaces_[name] = std::make_unique<cuda::DeviceBuffer>(std::move(*buffer));
+  }
+  workspaceRows_ = batch * tokens;
+  return Status::success();
+}
+
+Status Kernel::launch(const IhaTensors& t, CUstream stream) {
+  if (Status ok = validateTensors(compiled_.spec(), t, device_->info().ordinal); !ok) return ok;
+  if (Status ok = device_->makeCurrent(); !ok) return ok;
+  const int64_t B = t.q.shape[0], N = t.q.shape[1];
+  if (Status ok = ensureWorkspaces(B, N); !ok) return ok;
+
+  IhaArgs args{};
+  args.q = t.q.data;
+  args.k = t.k.data;
+  args.v = t.v.data;
+  args.alpha_q = static_cast<const float*>(t.alpha_q.data);
+  args.alpha_k = static_cast<const float*>(t.alpha_k.data);
+  args.alpha_v = static_cast<const float*>(t.alpha_v.data);
+  args.collapse = static_cast<const float*>(t.collapse.data);
+  args.out = t.out.data;
+  args.lse = t.lse ? static_cast<float*>(t.lse->data) : nullptr;
+  auto workspace = [&](const char* name) -> void* {
+    auto found = workspaces_.find(name);
+    return found == workspaces_.end() ? nullptr : found->second->data();
+  };
+  args.q_mixed = workspace("q_mixed");
+  args.k_mixed = workspace("k_mixed");
+  args.v_mixed = workspace("v_mixed");
+  args.o_pseudo = workspace("o_pseudo");
+  args.batch = B;
+  args.tokens = N;
+  const Tensor* strided[] = {&t.q, &t.k, &t.v, &t.out};
+  int64_t* targets[] = {args.q_stride, args.k_stride, args.v_stride, args.out_stride};
+  for (int i = 0; i < 4; ++i) {
+    const std::vector<int64_t> s = stridesOf(*strided[i]);
+    std::memcpy(targets[i], s.data(), 3 * sizeof(int64_t));
+  }
+
+  void* params[] = {&args};
+  for (int e = 0; e < compiled_.entries_size(); ++e) {
+    const v1::EntryPoint& entry = compiled_.entries(e);
+    const int64_t rows = N * entry.rows_per_token();
+    const unsigned gridX = unsigned((rows + entry.rows_per_cta() - 1) / entry.rows_per_cta());
+    if (Status ok = cuda::check(device_->api().cuLaunchKernel(functions_[e], gridX, unsigned(entry.grid_y()),
+                                                              unsigned(B), unsigned(entry.threads()), 1, 1,
+                                                              unsigned(entry.shared_memory_bytes()), stream, params,
+                                                              nullptr),
+                                "launch of " + entry.name());
+        !ok)
+      return ok;
+  }
+  return Status::success();
+}
+
+Status Kernel::launch(const DLTensor* q, const DLTensor* k, const DLTensor* v, const DLTensor* alphaQ,
+                      const DLTensor* alphaK, const DLTensor* alphaV, const DLTensor* collapse, const DLTensor* out,
+                      const DLTensor* lse, CUstream stream) {
+  auto tensors = tensorsFromDlpack(q, k, v, alphaQ, alphaK, alphaV, collapse, out, lse);
+  if (!tensors) return tensors.error();
+  return launch(*tensors, stream);
+}
+
+}  // namespace loom

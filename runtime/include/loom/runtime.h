@@ -1,0 +1,113 @@
+// loom's host API: turn a KernelSpec into a loaded CUDA kernel and launch it
+// on tensors that already live on the GPU (raw pointers with strides, or
+// DLPack tensors from PyTorch, JAX or CuPy).
+//
+//   auto runtime = loom::Runtime::create();            // fails plainly without a GPU
+//   auto kernel = (*runtime)->kernel(spec);             // generate, NVRTC, load
+//   (*kernel)->launch(tensors, stream);                 // validated, then launched
+#pragma once
+
+#include <cuda.h>
+#include <dlpack/dlpack.h>
+
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "loom/result.h"
+#include "loom/spec.h"
+#include "loom/v1/loom.pb.h"
+
+namespace loom {
+
+namespace cuda {
+class Device;
+class DeviceBuffer;
+struct DeviceInfo;
+}  // namespace cuda
+
+enum class ElementKind { float32, float16, bfloat16 };
+
+// A strided view of memory. Strides are in elements; empty means contiguous.
+struct Tensor {
+  void* data = nullptr;
+  ElementKind element = ElementKind::float32;
+  std::vector<int64_t> shape;
+  std::vector<int64_t> strides;
+  int device = 0;  // CUDA ordinal; -1 for host memory
+};
+
+// The IHA operands. q, k, v and out are the spec's dtype; the weights and
+// lse are float32. lse is optional.
+struct IhaTensors {
+  Tensor q, k, v;
+  Tensor alpha_q, alpha_k, alpha_v, collapse;
+  Tensor out;
+  std::optional<Tensor> lse;
+};
+
+// Checks shapes, dtypes, strides, alignment and device against the spec
+// before anything is launched; the error names the tensor.
+Status validateTensors(const KernelSpec& spec, const IhaTensors& tensors, int device);
+
+// Views DLPack tensors (lse may be null) as IhaTensors.
+Result<IhaTensors> tensorsFromDlpack(const DLTensor* q, const DLTensor* k, const DLTensor* v, const DLTensor* alphaQ,
+                                     const DLTensor* alphaK, const DLTensor* alphaV, const DLTensor* collapse,
+                                     const DLTensor* out, const DLTensor* lse);
+
+// A compiled kernel plan loaded on a device. Workspaces between its launches
+// are allocated on first use and grown as B and N grow.
+class Kernel {
+ public:
+  static Result<std::shared_ptr<Kernel>> load(std::shared_ptr<cuda::Device> device, const v1::CompiledKernel& compiled);
+  ~Kernel();
+
+  Status launch(const IhaTensors& tensors, CUstream stream = nullptr);
+  Status launch(const DLTensor* q, const DLTensor* k, const DLTensor* v, const DLTensor* alphaQ,
+                const DLTensor* alphaK, const DLTensor* alphaV, const DLTensor* collapse, const DLTensor* out,
+                const DLTensor* lse = nullptr, CUstream stream = nullptr);
+
+  const v1::CompiledKernel& compiled() const { return compiled_; }
+
+ private:
+  Kernel() = default;
+  Status ensureWorkspaces(int64_t batch, int64_t tokens);
+
+  std::shared_ptr<cuda::Device> device_;
+  v1::CompiledKernel compiled_;
+  CUmodule module_ = nullptr;
+  std::vector<CUfunction> functions_;  // one per entry, in launch order
+  std::map<std::string, std::unique_ptr<cuda::DeviceBuffer>> workspaces_;
+  int64_t workspaceRows_ = 0;  // B * N the workspaces hold
+};
+
+class Runtime {
+ public:
+  struct Options {
+    int device = 0;
+    std::string cacheDir;  // compiled artifacts; empty: $LOOM_CACHE_DIR or ~/.cache/loom
+  };
+
+  // Opens the GPU. Without a driver or device the error says so.
+  static Result<std::unique_ptr<Runtime>> create(const Options& options);
+  static Result<std::unique_ptr<Runtime>> create() { return create(Options{}); }
+  ~Runtime();
+
+  const cuda::DeviceInfo& device() const;
+  // The device as a compile target (arch and properties).
+  v1::Target target() const;
+
+  // Generates, compiles (NVRTC, cached) and loads the spec's kernel.
+  Result<std::shared_ptr<Kernel>> kernel(const KernelSpec& spec, const Schedule& schedule = {});
+  // Loads an already compiled kernel (from the cache or the service).
+  Result<std::shared_ptr<Kernel>> load(const v1::CompiledKernel& compiled);
+
+ private:
+  Runtime() = default;
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace loom

@@ -1,0 +1,165 @@
+// Every generated CUDA program must compile under NVRTC on any machine, GPU
+// or not: for a set of specs and their default schedules, on sm_80, sm_86,
+// sm_89 and sm_90, with no spills and with tensor-core and cp.async
+// instructions in the PTX.
+#include <gtest/gtest.h>
+
+#include "api/compile.h"
+#include "jit/nvrtc_compiler.h"
+#include "loom/compiler.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+KernelSpec makeSpec(int H, int G, int P, int d, v1::MaskMode mask, int window, v1::CollapseMode collapse, double rope,
+                    v1::DType dtype) {
+  KernelSpec spec;
+  spec.set_heads(H);
+  spec.set_kv_heads(G);
+  spec.set_pseudo_heads(P);
+  spec.set_head_dim(d);
+  spec.set_mask(mask);
+  spec.set_window(window);
+  spec.set_collapse(collapse);
+  spec.set_rope_theta(rope);
+  spec.set_dtype(dtype);
+  return spec;
+}
+
+struct Named {
+  std::string name;
+  KernelSpec spec;
+};
+
+std::vector<Named> specs() {
+  return {{"h8p8_d64_bf16_rope", makeSpec(8, 8, 8, 64, v1::flat_causal, 0, v1::per_head, 10000, v1::bfloat16)},
+          {"gqa_p4_d128_fp16_window", makeSpec(8, 2, 4, 128, v1::flat_causal, 64, v1::per_head, 500000, v1::float16)},
+          {"token_global_p2_d64", makeSpec(4, 4, 2, 64, v1::token_causal, 16, v1::global, 0, v1::float16)},
+          {"mha_none_p1_d32", makeSpec(4, 4, 1, 32, v1::none, 0, v1::per_head, 0, v1::bfloat16)}};
+}
+
+const std::vector<std::string> kArchs = {"sm_80", "sm_86", "sm_89", "sm_90"};
+
+class NvrtcCompiles : public ::testing::TestWithParam<std::tuple<int, std::string>> {};
+
+TEST_P(NvrtcCompiles, WithoutSpillsUsingTensorCoresAndAsyncCopies) {
+  const Named named = specs()[size_t(std::get<0>(GetParam()))];
+  const std::string arch = std::get<1>(GetParam());
+  auto target = parseTarget(arch);
+  ASSERT_TRUE(target);
+  jit::NvrtcCompiler compiler("");
+  std::shared_ptr<const jit::Artifact> artifact;
+  auto kernel = compileKernel(named.spec, Schedule(), *target, compiler, &artifact);
+  ASSERT_TRUE(kernel) << kernel.error().message << "\n" << kernel.error().log;
+  EXPECT_EQ(artifact->binaryKind, "cubin");
+  EXPECT_FALSE(artifact->binary.empty());
+  EXPECT_TRUE(artifact->usesTensorCores()) << "no mma in the PTX";
+  EXPECT_TRUE(artifact->usesAsyncCopies()) << "no cp.async in the PTX";
+  ASSERT_FALSE(artifact->resources.empty()) << artifact->log;
+  for (const auto& usage : artifact->resources) {
+    EXPECT_EQ(usage.spill_store_bytes() + usage.spill_load_bytes(), 0) << usage.ShortDebugString();
+    EXPECT_GT(usage.registers(), 0);
+  }
+  std::printf("[ nvrtc    ] %s %s: %.2f s, %s\n", named.name.c_str(), arch.c_str(), artifact->compileSeconds,
+              kernel->schedule().ShortDebugString().c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(Specs, NvrtcCompiles,
+                         ::testing::Combine(::testing::Range(0, 4), ::testing::ValuesIn(kArchs)),
+                         [](const auto& info) {
+                           return specs()[size_t(std::get<0>(info.param))].name + "_" + std::get<1>(info.param);
+                         });
+
+// The materialised path: pre-mix, attention from workspaces, separate collapse.
+TEST(Nvrtc, MaterializedScheduleCompiles) {
+  Schedule schedule;
+  schedule.set_mix(v1::mix_materialized);
+  schedule.set_collapse(v1::collapse_separate);
+  schedule.set_stages(3);
+  jit::NvrtcCompiler compiler("");
+  std::shared_ptr<const jit::Artifact> artifact;
+  auto kernel = compileKernel(specs()[0].spec, schedule, *parseTarget("sm_80"), compiler, &artifact);
+  ASSERT_TRUE(kernel) << kernel.error().message << "\n" << kernel.error().log;
+  ASSERT_EQ(kernel->entries_size(), 3);
+  EXPECT_TRUE(artifact->usesAsyncCopies());
+  EXPECT_EQ(artifact->spillBytes(), 0);
+}
+
+TEST(Nvrtc, FailuresCarryTheLog) {
+  jit::NvrtcCompiler compiler("");
+  auto result = compiler.compile("#include \"loom/tile/cuda.h\"\nthis is not CUDA;\n", "sm_80");
+  ASSERT_FALSE(result);
+  EXPECT_NE(result.error().message.find("NVRTC failed"), std::string::npos);
+  EXPECT_NE(result.error().log.find("error"), std::string::npos) << result.error().log;
+}
+
+TEST(Nvrtc, ArtifactsAreCachedInMemoryAndOnDisk) {
+  testing::TempDir cache;
+  auto plan = generateKernel(specs()[3].spec, Schedule(), *parseTarget("sm_80"));
+  ASSERT_TRUE(plan);
+  jit::NvrtcCompiler first(cache.path());
+  auto a = first.compile(plan->source, "sm_80");
+  ASSERT_TRUE(a) << a.error().log;
+  EXPECT_FALSE((*a)->fromCache);
+  auto again = first.compile(plan->source, "sm_80");
+  ASSERT_TRUE(again);
+  EXPECT_EQ(a->get(), again->get());  // the same in-memory artifact
+  jit::NvrtcCompiler second(cache.path());
+  auto b = second.compile(plan->source, "sm_80");
+  ASSERT_TRUE(b);
+  EXPECT_TRUE((*b)->fromCache);
+  EXPECT_EQ((*b)->binary, (*a)->binary);
+  EXPECT_EQ((*b)->resources.size(), (*a)->resources.size());
+  auto otherArch = second.compile(plan->source, "sm_86");
+  ASSERT_TRUE(otherArch);
+  EXPECT_FALSE((*otherArch)->fromCache);
+}
+
+TEST(Nvrtc, CompilesInParallel) {
+  jit::NvrtcCompiler compiler("");
+  std::vector<std::string> sources;
+  for (int window : {0, 8, 32}) {
+    KernelSpec spec = specs()[3].spec;
+    spec.set_window(window);
+    auto plan = generateKernel(spec, Schedule(), *parseTarget("sm_86"));
+    ASSERT_TRUE(plan);
+    sources.push_back(plan->source);
+  }
+  std::vector<std::thread> threads;
+  std::vector<bool> ok(sources.size(), false);
+  for (size_t i = 0; i < sources.size(); ++i)
+    threads.emplace_back([&, i] { ok[i] = compiler.compile(sources[i], "sm_86").ok(); });
+  for (auto& t : threads) t.join();
+  for (size_t i = 0; i < ok.size(); ++i) EXPECT_TRUE(ok[i]) << i;
+}
+
+TEST(Nvrtc, ParsesThePtxasReport) {
+  const std::string log =
+      "ptxas info    : Compiling entry function 'iha_attention' for 'sm_80'\n"
+      "ptxas info    : Function properties for iha_attention\n"
+      "    16 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n"
+      "ptxas info    : Used 168 registers, used 1 barriers, 384 bytes cmem[0]\n"
+      "ptxas info    : Function properties for iha_collapse\n"
+      "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+      "ptxas info    : Used 32 registers, 2048 bytes smem, 384 bytes cmem[0]\n";
+  const auto usage = jit::parsePtxasReport(log);
+  ASSERT_EQ(usage.size(), 2u);
+  EXPECT_EQ(usage[0].entry(), "iha_attention");
+  EXPECT_EQ(usage[0].registers(), 168);
+  EXPECT_EQ(usage[0].spill_store_bytes(), 8);
+  EXPECT_EQ(usage[0].spill_load_bytes(), 12);
+  EXPECT_EQ(usage[0].stack_frame_bytes(), 16);
+  EXPECT_EQ(usage[1].shared_memory_bytes(), 2048);
+}
+
+TEST(Nvrtc, Float32IsRejectedForCudaWithAHint) {
+  KernelSpec spec = specs()[3].spec;
+  spec.set_dtype(v1::float32);
+  auto plan = generateKernel(spec, Schedule(), *parseTarget("sm_80"));
+  ASSERT_FALSE(plan);
+  EXPECT_NE(plan.error().message.find("float32 is not supported on CUDA targets"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace loom
