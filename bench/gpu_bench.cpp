@@ -1,0 +1,111 @@
+// loom-gpu-bench: times precompiled kernels on the GPU. Each bundle named
+// bench.n<N>b<B>.<label>.pb is run on fresh random inputs of that size:
+// warm-up, then CUDA-event timings with the L2 flushed before every run,
+// and the median reported with TFLOP/s (docs/IHA.md's FLOP count) and the
+// bandwidth of the operands moved once. Prints a table.
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <regex>
+
+#include "cuda/case_runner.h"
+#include "cuda/driver.h"
+#include "io/case.h"
+#include "loom/runtime.h"
+
+namespace fs = std::filesystem;
+using namespace loom;
+
+namespace {
+
+constexpr int kWarmupRuns = 3;
+constexpr int kTimedRuns = 20;
+constexpr size_t kL2FlushBytes = size_t(256) << 20;  // several times any L2
+
+// Allowed (i, j) pairs per head and batch entry, counted row by row.
+double allowedPairs(const KernelSpec& spec, int64_t tokens) {
+  const int64_t P = spec.pseudo_heads(), L = tokens * P, W = spec.window();
+  double pairs = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    const int64_t t = i / P;
+    switch (spec.mask()) {
+      case v1::flat_causal: pairs += W ? std::min<int64_t>(i + 1, W * P) : i + 1; break;
+      case v1::token_causal: pairs += P * (W ? std::min<int64_t>(t + 1, W) : t + 1); break;
+      default: pairs += W ? P * (std::min<int64_t>(tokens - 1, t + W - 1) - std::max<int64_t>(0, t - W + 1) + 1) : L;
+    }
+  }
+  return pairs;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const std::string dir = argc > 1 ? argv[1] : "build/gpu-bundles";
+  auto device = cuda::Device::open(0);
+  if (!device) {
+    std::fprintf(stderr, "loom-gpu-bench: %s\n", device.error().message.c_str());
+    return 2;
+  }
+  const cuda::DriverApi& api = (*device)->api();
+  auto flush = cuda::DeviceBuffer::allocate(**device, kL2FlushBytes);
+  if (!flush) return 2;
+  CUevent start, stop;
+  api.cuEventCreate(&start, CU_EVENT_DEFAULT);
+  api.cuEventCreate(&stop, CU_EVENT_DEFAULT);
+  std::mt19937_64 rng(std::random_device{}());
+
+  std::printf("device: %s (%s, %d SMs)\n", (*device)->info().name.c_str(), (*device)->info().arch().c_str(),
+              (*device)->info().smCount);
+  std::printf("%-34s %4s %6s %10s %10s %9s %9s\n", "kernel", "B", "N", "median ms", "p90 ms", "TFLOP/s", "GB/s");
+  const std::regex name(R"(bench\.n(\d+)b(\d+)\.([^.]+)\.pb)");
+  std::vector<fs::path> files;
+  if (fs::is_directory(dir))
+    for (const auto& entry : fs::directory_iterator(dir)) files.push_back(entry.path());
+  std::sort(files.begin(), files.end());
+  int failures = 0;
+  for (const fs::path& path : files) {
+    std::smatch m;
+    const std::string file = path.filename().string();
+    if (!std::regex_match(file, m, name)) continue;
+    const int64_t tokens = std::stoll(m[1]), batch = std::stoll(m[2]);
+    v1::CompiledKernel compiled;
+    std::ifstream in(path, std::ios::binary);
+    if (!compiled.ParseFromIstream(&in)) continue;
+    auto kernel = Kernel::load(*device, compiled);
+    if (!kernel) {
+      std::printf("%-34s load failed: %s\n", m[3].str().c_str(), kernel.error().message.c_str());
+      ++failures;
+      continue;
+    }
+    const KernelSpec& spec = compiled.spec();
+    const IhaCase c = drawCase(spec, batch, tokens, rng());
+    auto buffers = cuda::CaseBuffers::upload(**device, c);
+    if (!buffers) return 2;
+    const IhaTensors tensors = buffers->tensors();
+    std::vector<float> times;
+    for (int run = 0; run < kWarmupRuns + kTimedRuns; ++run) {
+      api.cuMemsetD8(flush->get(), uint8_t(run), kL2FlushBytes);
+      api.cuEventRecord(start, nullptr);
+      Status launched = (*kernel)->launch(tensors);
+      api.cuEventRecord(stop, nullptr);
+      if (!launched || !cuda::check(api.cuEventSynchronize(stop), "kernel")) {
+        std::printf("%-34s launch failed: %s\n", m[3].str().c_str(), launched ? "execution error" : launched.error().message.c_str());
+        ++failures;
+        break;
+      }
+      float ms = 0;
+      api.cuEventElapsedTime(&ms, start, stop);
+      if (run >= kWarmupRuns) times.push_back(ms);
+    }
+    if (times.size() != kTimedRuns) continue;
+    std::sort(times.begin(), times.end());
+    const double median = times[times.size() / 2], p90 = times[times.size() * 9 / 10];
+    const double flops = 4.0 * double(batch) * spec.heads() * spec.head_dim() * allowedPairs(spec, tokens);
+    const double bytes = 2.0 * double(batch) * tokens * (2 * spec.heads() + 2 * spec.kv_heads()) * spec.head_dim();
+    std::printf("%-34s %4lld %6lld %10.3f %10.3f %9.1f %9.1f\n", m[3].str().c_str(), (long long)batch,
+                (long long)tokens, median, p90, flops / (median * 1e-3) / 1e12, bytes / (median * 1e-3) / 1e9);
+  }
+  return failures ? 1 : 0;
+}

@@ -1,0 +1,159 @@
+// GPU correctness: precompiled kernels (tests/gpu/prepare.sh writes them to
+// build/gpu-bundles) run on the device against the float64 reference, on
+// the shared cases and on cases drawn fresh, outputs poisoned with NaN
+// before every launch. This binary holds no compiler: it links only the
+// driver layer, so it runs on a GPU machine without MLIR.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <regex>
+
+#include "cuda/case_runner.h"
+#include "cuda/driver.h"
+#include "io/case.h"
+#include "loom/runtime.h"
+#include "reference/iha_reference.h"
+
+namespace loom {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string fromEnv(const char* name, const char* fallback) {
+  const char* value = std::getenv(name);
+  return value && *value ? value : fallback;
+}
+std::string bundleDir() { return fromEnv("LOOM_GPU_BUNDLES", LOOM_GPU_BUNDLES); }
+std::string casesDir() { return fromEnv("LOOM_GPU_CASES", LOOM_TEST_DATA "/cases"); }
+
+uint64_t seed() {
+  static const uint64_t value = [] {
+    const char* fixed = std::getenv("LOOM_TEST_SEED");
+    const uint64_t s = fixed ? std::stoull(fixed) : (uint64_t(std::random_device{}()) << 32 | std::random_device{}());
+    std::printf("[ seed     ] LOOM_TEST_SEED=%llu\n", (unsigned long long)s);
+    return s;
+  }();
+  return value;
+}
+
+struct Bundle {
+  std::string file, caseName, dtype, label;
+  v1::CompiledKernel kernel;
+};
+
+// <case>.<dtype>.<label>.pb
+std::vector<Bundle> bundles() {
+  std::vector<Bundle> found;
+  if (!fs::is_directory(bundleDir())) return found;
+  const std::regex name(R"(([^.]+)\.([a-z0-9]+)\.([^.]+)\.pb)");
+  for (const auto& entry : fs::directory_iterator(bundleDir())) {
+    std::smatch m;
+    const std::string file = entry.path().filename().string();
+    if (!std::regex_match(file, m, name) || m[1] == "bench") continue;
+    Bundle b{entry.path().string(), m[1], m[2], m[3], {}};
+    std::ifstream in(b.file, std::ios::binary);
+    if (!b.kernel.ParseFromIstream(&in)) continue;
+    found.push_back(std::move(b));
+  }
+  std::sort(found.begin(), found.end(), [](const Bundle& a, const Bundle& b) { return a.file < b.file; });
+  return found;
+}
+
+class Gpu : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    auto api = cuda::driver();
+    if (!api) GTEST_SKIP() << "no GPU on this machine: " << api.error().message;
+    auto device = cuda::Device::open(0);
+    ASSERT_TRUE(device) << device.error().message;
+    device_ = *device;
+    all_ = bundles();
+    ASSERT_FALSE(all_.empty()) << "no kernel bundles in " << bundleDir() << ": run tests/gpu/prepare.sh first";
+  }
+
+  // Runs `c` twice through the kernel: checks the tolerance, lse, and that
+  // the two runs agree bit for bit (a moving result is a race).
+  void check(Kernel& kernel, const IhaCase& c, const std::string& what) {
+    auto first = cuda::runCase(kernel, *device_, c);
+    ASSERT_TRUE(first) << what << ": " << first.error().message;
+    auto second = cuda::runCase(kernel, *device_, c);
+    ASSERT_TRUE(second) << what << ": " << second.error().message;
+    const auto reference = reference::ihaForward(c.spec, c.inputs);
+    const double error = relativeError(first->out, reference.out);
+    const double tolerance = toleranceFor(c.spec.dtype());
+    EXPECT_LE(error, tolerance) << what;  // NaN (an unwritten element) fails too
+    EXPECT_LE(relativeError(first->lse, reference.lse), tolerance) << what << " (lse)";
+    EXPECT_EQ(first->out, second->out) << what << ": two runs differ";
+    std::printf("[ gpu      ] %-48s rel. error %.2e (tolerance %.0e)\n", what.c_str(), error, tolerance);
+  }
+
+  std::shared_ptr<cuda::Device> device_;
+  std::vector<Bundle> all_;
+};
+
+TEST_F(Gpu, EveryBundleMatchesTheReferenceOnSharedAndDrawnCases) {
+  std::mt19937_64 rng(seed());
+  for (const Bundle& b : all_) {
+    auto kernel = Kernel::load(device_, b.kernel);
+    ASSERT_TRUE(kernel) << b.file << ": " << kernel.error().message;
+    auto shared = loadCase(casesDir() + "/" + b.caseName);
+    ASSERT_TRUE(shared) << shared.error().message;
+    const IhaCase converted = withDtype(*shared, b.kernel.spec().dtype());
+    check(**kernel, converted, b.caseName + " " + b.dtype + " " + b.label);
+    // A fresh case of the same spec, with a length off the block sizes.
+    const int64_t tokens = 1 + int64_t(rng() % 150), batch = 1 + int64_t(rng() % 2);
+    const IhaCase drawn = drawCase(b.kernel.spec(), batch, tokens, rng());
+    check(**kernel, drawn, b.caseName + " " + b.dtype + " " + b.label + " drawn N=" + std::to_string(tokens));
+  }
+}
+
+// Strided q and out (rows padded to d + 8 elements) through the same kernel.
+TEST_F(Gpu, StridedTensorsAndDlpack) {
+  const Bundle& b = all_.front();
+  auto kernel = Kernel::load(device_, b.kernel);
+  ASSERT_TRUE(kernel) << kernel.error().message;
+  std::mt19937_64 rng(seed() + 1);
+  const KernelSpec& spec = b.kernel.spec();
+  const IhaCase c = drawCase(spec, 2, 37, rng());
+  auto buffers = cuda::CaseBuffers::upload(*device_, c);
+  ASSERT_TRUE(buffers) << buffers.error().message;
+  IhaTensors tensors = buffers->tensors();
+
+  // The same q, re-laid with padded rows.
+  const int64_t B = 2, N = 37, H = spec.heads(), d = spec.head_dim(), pitch = d + 8;
+  NpyArray dense = npyFromDouble(c.inputs.q, {B, N, H, d}, storageTypeOf(spec.dtype()));
+  std::vector<uint8_t> padded(size_t(B * N * H * pitch * 2), 0);
+  for (int64_t row = 0; row < B * N * H; ++row)
+    std::memcpy(&padded[size_t(row * pitch * 2)], &dense.bytes[size_t(row * d * 2)], size_t(d * 2));
+  auto strided = cuda::DeviceBuffer::allocate(*device_, padded.size());
+  ASSERT_TRUE(strided);
+  ASSERT_TRUE(cuda::check(device_->api().cuMemcpyHtoD(strided->get(), padded.data(), padded.size()), "copy"));
+  tensors.q.data = strided->data();
+  tensors.q.strides = {N * H * pitch, H * pitch, pitch, 1};
+
+  DLTensor dl[8];
+  const Tensor* views[] = {&tensors.q, &tensors.k, &tensors.v, &tensors.alpha_q,
+                           &tensors.alpha_k, &tensors.alpha_v, &tensors.collapse, &tensors.out};
+  for (int i = 0; i < 8; ++i) {
+    dl[i] = DLTensor{};
+    dl[i].data = views[i]->data;
+    dl[i].device = {kDLCUDA, 0};
+    dl[i].ndim = int(views[i]->shape.size());
+    dl[i].dtype = views[i]->element == ElementKind::float32
+                      ? DLDataType{kDLFloat, 32, 1}
+                      : views[i]->element == ElementKind::float16 ? DLDataType{kDLFloat, 16, 1} : DLDataType{kDLBfloat, 16, 1};
+    dl[i].shape = const_cast<int64_t*>(views[i]->shape.data());
+    dl[i].strides = views[i]->strides.empty() ? nullptr : const_cast<int64_t*>(views[i]->strides.data());
+  }
+  ASSERT_TRUE(buffers->poison(*device_));
+  Status launched = (*kernel)->launch(&dl[0], &dl[1], &dl[2], &dl[3], &dl[4], &dl[5], &dl[6], &dl[7]);
+  ASSERT_TRUE(launched) << launched.error().message;
+  auto run = buffers->download(*device_, c);
+  ASSERT_TRUE(run) << run.error().message;
+  EXPECT_LE(relativeError(run->out, reference::ihaForward(spec, c.inputs).out), toleranceFor(spec.dtype()));
+}
+
+}  // namespace
+}  // namespace loom

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Run ON THE GPU MACHINE, after tests/gpu/prepare.sh here: checks every
+# prepared kernel against the float64 reference (shared and freshly drawn
+# cases, outputs poisoned), then prints a short timing table. Well under 8
+# minutes on one GPU. Logs go to $OUT (or /tmp/loom-gpu).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export LD_LIBRARY_PATH="$PWD/build/gpu-libs:${LD_LIBRARY_PATH:-}"
+out=${OUT:-/tmp/loom-gpu}
+mkdir -p "$out"
+
+{
+  date -u +"%Y-%m-%d %H:%M UTC"
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader || true
+} | tee "$out/device.txt"
+
+timeout 300 build/bin/gpu_test --gtest_color=no 2>&1 | tee "$out/gpu_test.log"
+tests=${PIPESTATUS[0]}
+timeout 180 build/bin/loom-gpu-bench build/gpu-bundles 2>&1 | tee "$out/bench.log"
+bench=${PIPESTATUS[0]}
+echo "gpu_test exit $tests, loom-gpu-bench exit $bench"
+exit $((tests != 0 || bench != 0))
