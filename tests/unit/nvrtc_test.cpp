@@ -59,6 +59,7 @@ TEST_P(NvrtcCompiles, WithoutSpillsUsingTensorCoresAndAsyncCopies) {
   ASSERT_FALSE(artifact->resources.empty()) << artifact->log;
   for (const auto& usage : artifact->resources) {
     EXPECT_EQ(usage.spill_store_bytes() + usage.spill_load_bytes(), 0) << usage.ShortDebugString();
+    EXPECT_EQ(usage.stack_frame_bytes(), 0) << "fragments left registers: " << usage.ShortDebugString();
     EXPECT_GT(usage.registers(), 0);
   }
   std::printf("[ nvrtc    ] %s %s: %.2f s, %s\n", named.name.c_str(), arch.c_str(), artifact->compileSeconds,

@@ -179,7 +179,7 @@ __device__ __forceinline__ void ropeSinCos(int64_t position, int j, float* sine,
   constexpr double kTwoPi = 6.283185307179586;
   const double angle = double(position) * C::rope_inv_freq[j];
   const float reduced = float(angle - kTwoPi * rint(angle * (1.0 / kTwoPi)));
-  sincosf(reduced, sine, cosine);
+  __sincosf(reduced, sine, cosine);  // |reduced| <= pi: the fast path is accurate to ~4e-7
 }
 
 // Element `c` of a rotated row, given the element and its partner (c +- d/2).
@@ -305,6 +305,7 @@ __device__ void premix(const IhaArgs& a, int64_t token0, int64_t b) {
     const int64_t n = token0 + index / chunks / C::pseudo_heads / Role_::heads;
     if (n >= a.tokens) continue;
     float values[kChunkElements];
+    #pragma unroll
     for (int e = 0; e < kChunkElements; ++e)
       values[e] = cuda::mixedElement<C, R>(a, b, n, h, p, chunk * kChunkElements + e);
     cuda::storeChunk<C>(ws + ((b * Role_::heads + h) * L + n * C::pseudo_heads + p) * G::D + chunk * kChunkElements,
@@ -355,6 +356,7 @@ __device__ void load_q(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head
     if constexpr (Mixed) {
       float values[kChunkElements] = {};
       if (inside)
+        #pragma unroll
         for (int e = 0; e < kChunkElements; ++e)
           values[e] = cuda::mixedElement<C, Role::query>(a, b, i / C::pseudo_heads, int(head), int(i % C::pseudo_heads),
                                                          chunk * kChunkElements + e);
@@ -369,7 +371,9 @@ __device__ void load_q(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head
   cuda::waitCopies<0>();
   __syncthreads();
   const int l = cuda::lane();
+  #pragma unroll
   for (int mt = 0; mt < G::MT; ++mt)
+    #pragma unroll
     for (int kt = 0; kt < G::KT; ++kt) {
       const int row = cuda::tileRow<C>(mt) + l % 16, column = kt * kMmaK + (l / 16) * 8;
       cuda::ldmatrixX4(q.a[mt][kt], cuda::sharedAddress(tile + row * G::pitch + column));
@@ -379,12 +383,16 @@ __device__ void load_q(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head
 template <class C>
 __device__ void softmax_init(SoftmaxState<C>& state, AccTile<C>& acc) {
   using G = cuda::Geometry<C>;
+  #pragma unroll
   for (int mt = 0; mt < G::MT; ++mt) {
+    #pragma unroll
     for (int h = 0; h < 2; ++h) {
       state.m[mt][h] = cuda::negativeInfinity();
       state.l[mt][h] = 0.0f;
     }
+    #pragma unroll
     for (int ot = 0; ot < G::OT; ++ot)
+      #pragma unroll
       for (int e = 0; e < 4; ++e) acc.o[mt][ot][e] = 0.0f;
   }
 }
@@ -452,6 +460,7 @@ __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t block) {
     float keys[kChunkElements] = {}, values[kChunkElements] = {};
     if (j < L && chunk * kChunkElements < G::D) {
       const int t = int(j / C::pseudo_heads - token0), p = int(j % C::pseudo_heads);
+      #pragma unroll
       for (int e = 0; e < kChunkElements; ++e) {
         const int c = chunk * kChunkElements + e;
         keys[e] = mix(raw, a.alpha_k, t, p, c);
@@ -517,22 +526,31 @@ template <class C>
 __device__ void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_t) {
   using G = cuda::Geometry<C>;
   const int l = cuda::lane();
+  #pragma unroll
   for (int mt = 0; mt < G::MT; ++mt)
+    #pragma unroll
     for (int nt = 0; nt < G::NT; ++nt)
+      #pragma unroll
       for (int e = 0; e < 4; ++e) s.s[mt][nt][e] = 0.0f;
+  #pragma unroll
   for (int pair = 0; pair < G::NT / 2; ++pair)
+    #pragma unroll
     for (int kt = 0; kt < G::KT; ++kt) {
       Bits32 b[4];
       const int row = pair * 16 + l % 8 + (l / 16) * 8, column = kt * kMmaK + ((l / 8) % 2) * 8;
       cuda::ldmatrixX4(b, cuda::sharedAddress(pipe.key + row * G::pitch + column));
+      #pragma unroll
       for (int mt = 0; mt < G::MT; ++mt) {
         cuda::mma16816<C>(s.s[mt][2 * pair], q.a[mt][kt], b[0], b[1]);
         cuda::mma16816<C>(s.s[mt][2 * pair + 1], q.a[mt][kt], b[2], b[3]);
       }
     }
   constexpr float scale = C::scale * kLog2e;
+  #pragma unroll
   for (int mt = 0; mt < G::MT; ++mt)
+    #pragma unroll
     for (int nt = 0; nt < G::NT; ++nt)
+      #pragma unroll
       for (int e = 0; e < 4; ++e) s.s[mt][nt][e] *= scale;
 }
 
@@ -543,8 +561,11 @@ __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int
   using G = cuda::Geometry<C>;
   const int64_t L = seq_len<C>(a);
   const int l = cuda::lane();
+  #pragma unroll
   for (int mt = 0; mt < G::MT; ++mt)
+    #pragma unroll
     for (int nt = 0; nt < G::NT; ++nt)
+      #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int64_t i = row0 + cuda::tileRow<C>(mt) + l / kQuadSize + (e / 2) * 8;
         const int64_t j = block * C::block_n + nt * 8 + (l % kQuadSize) * 2 + e % 2;
@@ -557,18 +578,24 @@ __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int
 template <class C>
 __device__ void softmax_update(SoftmaxState<C>& state, ScoreTile<C>& s, AccTile<C>& acc) {
   using G = cuda::Geometry<C>;
+  #pragma unroll
   for (int mt = 0; mt < G::MT; ++mt)
+    #pragma unroll
     for (int h = 0; h < 2; ++h) {
       float rowMax = cuda::negativeInfinity();
+      #pragma unroll
       for (int nt = 0; nt < G::NT; ++nt) rowMax = fmaxf(rowMax, fmaxf(s.s[mt][nt][2 * h], s.s[mt][nt][2 * h + 1]));
       const float newMax = fmaxf(state.m[mt][h], cuda::quadMax(rowMax));
       const float base = newMax == cuda::negativeInfinity() ? 0.0f : newMax;  // a row with nothing allowed yet
       const float correction = exp2f(state.m[mt][h] - base);
       float rowSum = 0.0f;
+      #pragma unroll
       for (int nt = 0; nt < G::NT; ++nt)
+        #pragma unroll
         for (int e = 2 * h; e < 2 * h + 2; ++e) rowSum += (s.s[mt][nt][e] = exp2f(s.s[mt][nt][e] - base));
       state.l[mt][h] = state.l[mt][h] * correction + cuda::quadSum(rowSum);
       state.m[mt][h] = newMax;
+      #pragma unroll
       for (int ot = 0; ot < G::OT; ++ot) {
         acc.o[mt][ot][2 * h] *= correction;
         acc.o[mt][ot][2 * h + 1] *= correction;
@@ -582,18 +609,22 @@ template <class C>
 __device__ void mma_pv(AccTile<C>& acc, ScoreTile<C>& s, KvPipeline<C>& pipe, int64_t) {
   using G = cuda::Geometry<C>;
   const int l = cuda::lane();
+  #pragma unroll
   for (int kk = 0; kk < G::PK; ++kk) {
     Bits32 p[G::MT][4];
+    #pragma unroll
     for (int mt = 0; mt < G::MT; ++mt) {
       p[mt][0] = cuda::pack<C>(s.s[mt][2 * kk][0], s.s[mt][2 * kk][1]);
       p[mt][1] = cuda::pack<C>(s.s[mt][2 * kk][2], s.s[mt][2 * kk][3]);
       p[mt][2] = cuda::pack<C>(s.s[mt][2 * kk + 1][0], s.s[mt][2 * kk + 1][1]);
       p[mt][3] = cuda::pack<C>(s.s[mt][2 * kk + 1][2], s.s[mt][2 * kk + 1][3]);
     }
+    #pragma unroll
     for (int pair = 0; pair < G::OT / 2; ++pair) {
       Bits32 v[4];
       const int row = kk * kMmaK + l % 8 + ((l / 8) % 2) * 8, column = pair * 16 + (l / 16) * 8;
       cuda::ldmatrixX4Trans(v, cuda::sharedAddress(pipe.value + row * G::pitch + column));
+      #pragma unroll
       for (int mt = 0; mt < G::MT; ++mt) {
         cuda::mma16816<C>(acc.o[mt][2 * pair], p[mt], v[0], v[1]);
         cuda::mma16816<C>(acc.o[mt][2 * pair + 1], p[mt], v[2], v[3]);
@@ -605,9 +636,12 @@ __device__ void mma_pv(AccTile<C>& acc, ScoreTile<C>& s, KvPipeline<C>& pipe, in
 template <class C>
 __device__ void normalize(SoftmaxState<C>& state, AccTile<C>& acc) {
   using G = cuda::Geometry<C>;
+  #pragma unroll
   for (int mt = 0; mt < G::MT; ++mt)
+    #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const float inverse = state.l[mt][h] > 0.0f ? 1.0f / state.l[mt][h] : 0.0f;
+      #pragma unroll
       for (int ot = 0; ot < G::OT; ++ot) {
         acc.o[mt][ot][2 * h] *= inverse;
         acc.o[mt][ot][2 * h + 1] *= inverse;
@@ -622,7 +656,9 @@ template <class C>
 __device__ void storeLse(SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
   if (!a.lse || lane() % kQuadSize != 0) return;
   const int64_t L = seq_len<C>(a);
+  #pragma unroll
   for (int mt = 0; mt < Geometry<C>::MT; ++mt)
+    #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t i = row0 + tileRow<C>(mt) + lane() / kQuadSize + h * 8;
       if (i < L) a.lse[(b * C::heads + head) * L + i] = kLn2 * (state.m[mt][h] + log2f(state.l[mt][h]));
@@ -636,8 +672,11 @@ __device__ float* stageOutput(AccTile<C>& acc) {
   float* staging = reinterpret_cast<float*>(smem() + layout<C>().staging);
   __syncthreads();  // the staging area overlaps the Q / K / V tiles
   const int l = lane();
+  #pragma unroll
   for (int mt = 0; mt < G::MT; ++mt)
+    #pragma unroll
     for (int ot = 0; ot < G::OT; ++ot)
+      #pragma unroll
       for (int e = 0; e < 4; ++e)
         staging[(tileRow<C>(mt) + l / kQuadSize + (e / 2) * 8) * G::Dp + ot * 8 + (l % kQuadSize) * 2 + e % 2] =
             acc.o[mt][ot][e];
@@ -654,8 +693,11 @@ __device__ void store_rows(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArg
   const int64_t L = seq_len<C>(a);
   Bits16* o = static_cast<Bits16*>(a.o_pseudo);
   const int l = cuda::lane();
+  #pragma unroll
   for (int mt = 0; mt < G::MT; ++mt)
+    #pragma unroll
     for (int ot = 0; ot < G::OT; ++ot)
+      #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int64_t i = row0 + cuda::tileRow<C>(mt) + l / kQuadSize + h * 8;
         const int c = ot * 8 + (l % kQuadSize) * 2;
