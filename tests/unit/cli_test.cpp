@@ -235,5 +235,41 @@ TEST(Cli, GenPrintsDeterministicSource) {
   EXPECT_NE(bad.output.find("target 'gpu'"), std::string::npos) << bad.output;
 }
 
+TEST(Cli, CompileReportsResourcesAsJson) {
+  const auto result = runLoom("compile --spec " + testing::casesDir() + "/gqa-rope/spec.json --dtype bfloat16 --target sm_80 --json");
+  ASSERT_EQ(result.exitCode, 0) << result.output;
+  EXPECT_NE(result.output.find("\"uses_tensor_cores\": true"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("\"uses_async_copies\": true"), std::string::npos);
+  EXPECT_NE(result.output.find("\"spill_bytes\": 0"), std::string::npos);
+  EXPECT_NE(result.output.find("\"registers\""), std::string::npos);
+  EXPECT_NE(result.output.find("\"compile_seconds\""), std::string::npos);
+
+  const auto fp32 = runLoom("compile --spec " + testing::casesDir() + "/gqa-rope/spec.json --target sm_80");
+  EXPECT_EQ(fp32.exitCode, 2);
+  EXPECT_NE(fp32.output.find("float32 is not supported on CUDA targets"), std::string::npos) << fp32.output;
+}
+
+// With no driver the CUDA backend says so and what to use instead; with a
+// GPU it must pass.
+TEST(Cli, CudaBackendRunsOrSaysThereIsNoGpu) {
+  TempDir dir;
+  const auto result = runLoom("run --case " + testing::casesDir() + "/token-global --backend cuda --dtype float16 --out " +
+                              (dir / "o.npy") + " --cache-dir " + LOOM_TEST_CACHE);
+  if (result.output.find("no CUDA driver") != std::string::npos) {
+    EXPECT_EQ(result.exitCode, 2);
+    EXPECT_NE(result.output.find("--backend cpu"), std::string::npos);
+  } else {
+    EXPECT_EQ(result.exitCode, 0) << result.output;
+  }
+}
+
+TEST(Cli, CpuBackendTakesADtype) {
+  TempDir dir;
+  const auto result = runLoom("run --case " + testing::casesDir() + "/gqa-rope" + cpuFlags() + " --dtype bfloat16 --out " +
+                              (dir / "o.npy"));
+  EXPECT_EQ(result.exitCode, 0) << result.output;
+  EXPECT_NE(result.output.find("tolerance 1e-02 for bfloat16"), std::string::npos) << result.output;
+}
+
 }  // namespace
 }  // namespace loom
