@@ -13,6 +13,7 @@ int main(int argc, char** argv) {
   loom::cli::addDrawCommand(app, &action);
   loom::cli::addGenCommand(app, &action);
   loom::cli::addCompileCommand(app, &action);
+  loom::cli::addTuneCommand(app, &action);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

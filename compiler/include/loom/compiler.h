@@ -50,6 +50,10 @@ std::string tileHeaderFor(const v1::Target& target);
 Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
                                   const GenerateOptions& options = {});
 
+// The schedule with every unset field defaulted, checked against the spec
+// and (for CUDA) the target's shared memory; the error names the field.
+Result<Schedule> resolveSchedule(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target);
+
 // Parses "cpu", "sm_80", "sm_90a", ... into a Target.
 Result<v1::Target> parseTarget(const std::string& name);
 

@@ -61,7 +61,8 @@ int64_t attentionSharedMemory(SpecAttr spec, ScheduleAttr schedule) {
       schedule.getCollapse() == CollapseStrategy::epilogue && spec.getCollapse() == CollapseMode::global;
   return attentionSmem(int(schedule.getBlockM()), int(schedule.getBlockN()), int(spec.getHeadDim()),
                        int(schedule.getStages()), int(spec.getHeads()), int(spec.getKvHeads()),
-                       int(spec.getPseudoHeads()), schedule.getMix() == MixStrategy::fused, fusedGlobal)
+                       int(spec.getPseudoHeads()), schedule.getMix() == MixStrategy::fused,
+                       schedule.getCollapse() == CollapseStrategy::epilogue, fusedGlobal)
       .total;
 }
 
@@ -160,31 +161,60 @@ Result<v1::Target> parseTarget(const std::string& name) {
   return target;
 }
 
-Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
-                                  const GenerateOptions& options) {
-  if (Status valid = validateSpec(spec); !valid) return valid.error();
+namespace {
 
+// A context with the dialects loaded and diagnostics collected as text.
+struct CompilerContext {
   mlir::MLIRContext context;
-  context.loadDialect<IhaDialect, mlir::arith::ArithDialect, mlir::emitc::EmitCDialect>();
   std::string diagnostics;
-  mlir::ScopedDiagnosticHandler handler(&context, [&](mlir::Diagnostic& diagnostic) {
-    if (!diagnostics.empty()) diagnostics += "; ";
-    diagnostics += diagnostic.str();
-    return mlir::success();
-  });
+  mlir::ScopedDiagnosticHandler handler;
 
-  const mlir::Location loc = mlir::UnknownLoc::get(&context);
+  CompilerContext() : handler(&context, [this](mlir::Diagnostic& diagnostic) {
+      if (!diagnostics.empty()) diagnostics += "; ";
+      diagnostics += diagnostic.str();
+      return mlir::success();
+    }) {
+    context.loadDialect<IhaDialect, mlir::arith::ArithDialect, mlir::emitc::EmitCDialect>();
+  }
+};
+
+// The spec and its complete, checked schedule as attributes.
+Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const KernelSpec& spec, const Schedule& schedule,
+                                                  const v1::Target& target) {
+  if (Status valid = validateSpec(spec); !valid) return valid.error();
+  const mlir::Location loc = mlir::UnknownLoc::get(&c.context);
   SpecAttr specAttr = SpecAttr::getChecked(
-      [&] { return mlir::emitError(loc); }, &context, int64_t(spec.heads()), int64_t(spec.kv_heads()),
+      [&] { return mlir::emitError(loc); }, &c.context, int64_t(spec.heads()), int64_t(spec.kv_heads()),
       int64_t(spec.pseudo_heads()), int64_t(spec.head_dim()), elementTypeOf(spec.dtype()), maskOf(spec.mask()),
       int64_t(spec.window()),
       spec.collapse() == v1::global ? CollapseMode::global : CollapseMode::per_head,
       llvm::APFloat(spec.rope_theta()), llvm::APFloat(effectiveScale(spec)));
-  if (!specAttr) return makeError("spec: " + diagnostics);
+  if (!specAttr) return makeError("spec: " + c.diagnostics);
   ScheduleAttr scheduleAttr = completeSchedule(specAttr, fieldsOf(schedule));
   if (auto why = checkSchedule(specAttr, scheduleAttr)) return makeError(*why);
   if (target.kind() == v1::Target::cuda)
     if (auto why = fitCudaTarget(specAttr, scheduleAttr, schedule, target)) return makeError(*why);
+  return std::make_pair(specAttr, scheduleAttr);
+}
+
+}  // namespace
+
+Result<Schedule> resolveSchedule(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target) {
+  CompilerContext c;
+  auto resolved = resolve(c, spec, schedule, target);
+  if (!resolved) return resolved.error();
+  return scheduleOf(resolved->second);
+}
+
+Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
+                                  const GenerateOptions& options) {
+  CompilerContext c;
+  mlir::MLIRContext& context = c.context;
+  std::string& diagnostics = c.diagnostics;
+  auto resolved = resolve(c, spec, schedule, target);
+  if (!resolved) return resolved.error();
+  const auto [specAttr, scheduleAttr] = *resolved;
+  const mlir::Location loc = mlir::UnknownLoc::get(&context);
 
   mlir::OpBuilder builder(&context);
   mlir::OwningOpRef<mlir::ModuleOp> module = mlir::ModuleOp::create(loc);

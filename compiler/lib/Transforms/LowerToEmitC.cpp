@@ -54,6 +54,7 @@ std::string configStruct(SpecAttr spec, ScheduleAttr schedule) {
   const bool fusedGlobal =
       schedule.getCollapse() == CollapseStrategy::epilogue && spec.getCollapse() == CollapseMode::global;
   text += line("bool", "fused_mix", fusedMix ? "true" : "false");
+  text += line("bool", "fused_collapse", schedule.getCollapse() == CollapseStrategy::epilogue ? "true" : "false");
   text += line("bool", "fused_global_collapse", fusedGlobal ? "true" : "false");
   // Rotary inverse frequencies theta^(-2j/d), computed here in double so
   // device code needs no pow / exp2 of its own.

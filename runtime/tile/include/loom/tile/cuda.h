@@ -57,12 +57,12 @@ __device__ __forceinline__ unsigned char* smem() {
   return loom_shared;
 }
 
-// The program's layout: fused mixing adds raw-row stages, a fused global
-// collapse adds the output tile.
+// The program's layout: fused mixing adds raw-row stages, a collapse in the
+// epilogue a staging tile, a fused global collapse the output tile.
 template <class C>
 __device__ __forceinline__ AttentionSmem layout() {
   return attentionSmem(C::block_m, C::block_n, C::head_dim, C::stages, C::heads, C::kv_heads, C::pseudo_heads,
-                       C::fused_mix, C::fused_global_collapse);
+                       C::fused_mix, C::fused_collapse, C::fused_global_collapse);
 }
 
 __device__ __forceinline__ Bits32 sharedAddress(const void* pointer) {

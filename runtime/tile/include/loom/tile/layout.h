@@ -24,13 +24,13 @@ struct AttentionSmem {
   int k = 0;        // mixed: one [block_n][pitch] tile; else `stages` of them
   int v = 0;        // likewise
   int raw = 0;      // mixed only: `stages` x {k, v} x [raw tokens][G][d] raw rows
-  int staging = 0;  // [block_m][padded d] f32 epilogue tile, overlapping q/k/v/raw
+  int staging = 0;  // collapse epilogues: [block_m][padded d] f32, overlapping q/k/v/raw
   int out = 0;      // fused global collapse: [block_m / P][H][padded d] f32
   int total = 0;    // bytes of dynamic shared memory
 };
 
 constexpr AttentionSmem attentionSmem(int blockM, int blockN, int headDim, int stages, int heads, int kvHeads,
-                                      int pseudoHeads, bool mixed, bool outTile) {
+                                      int pseudoHeads, bool mixed, bool collapseInEpilogue, bool outTile) {
   AttentionSmem s;
   const int tile = tilePitch(headDim) * kTileElementBytes;
   const int kvTiles = mixed ? 1 : stages;
@@ -41,7 +41,7 @@ constexpr AttentionSmem attentionSmem(int blockM, int blockN, int headDim, int s
   const int rawBytes = mixed ? stages * 2 * rawTokensPerBlock(blockN, pseudoHeads) * kvHeads * headDim * kTileElementBytes : 0;
   const int operandsEnd = s.raw + rawBytes;
   s.staging = 0;
-  const int stagingEnd = blockM * paddedHeadDim(headDim) * kAccumulatorBytes;
+  const int stagingEnd = collapseInEpilogue ? blockM * paddedHeadDim(headDim) * kAccumulatorBytes : 0;
   s.out = operandsEnd > stagingEnd ? operandsEnd : stagingEnd;
   const int outBytes = outTile ? (blockM / pseudoHeads) * heads * paddedHeadDim(headDim) * kAccumulatorBytes : 0;
   s.total = s.out + outBytes;

@@ -1,0 +1,157 @@
+#include "autotune/cost_model.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "autotune/space.h"
+#include "loom/tile/layout.h"
+
+namespace loom::autotune {
+namespace {
+
+constexpr double kLaunchSeconds = 3e-6;
+constexpr int kMaxCtasPerSm = 32;
+constexpr int kWarpsToSaturateTensorCores = 8;
+constexpr int kBaseRegisters = 64;  // addresses, loop state, softmax rows
+constexpr int kBytes16 = 2;
+
+// Row i's allowed columns form one interval [first, last] (docs/IHA.md step 4).
+struct Interval {
+  int64_t first, last;
+};
+
+Interval allowedColumns(const KernelSpec& spec, int64_t i, int64_t L) {
+  const int64_t P = spec.pseudo_heads(), W = spec.window(), t = i / P;
+  switch (spec.mask()) {
+    case v1::flat_causal: return {W ? std::max<int64_t>(0, i - W * P + 1) : 0, i};
+    case v1::token_causal: return {W ? P * std::max<int64_t>(0, t - W + 1) : 0, P * t + P - 1};
+    default: return {W ? P * std::max<int64_t>(0, t - W + 1) : 0, W ? std::min(L - 1, P * (t + W) - 1) : L - 1};
+  }
+}
+
+}  // namespace
+
+DeviceModel deviceModel(const v1::Target& target) {
+  DeviceModel m;
+  const std::string arch = target.arch();
+  const v1::DeviceProperties& p = target.device();
+  if (arch.rfind("sm_90", 0) == 0) {  // H100 / H200: bf16 GEMM measured at ~790 TFLOP/s, copy 4.3 TB/s
+    m = {"hopper", 790e12, 0.40, 60e12, 4.2e12, 4.3e12, 12e12, 33e12, 132, 233472, 65536, 2048};
+  } else if (arch == "sm_80") {  // A100
+    m = {"ampere", 280e12, 0.65, 19e12, 1.7e12, 1.8e12, 5e12, 19e12, 108, 167936, 65536, 2048};
+  } else {  // sm_86 / sm_89 class
+    m = {"ada", 150e12, 0.60, 40e12, 1.4e12, 0.9e12, 3e12, 18e12, 84, 102400, 65536, 1536};
+  }
+  if (p.sm_count() > 0) m.smCount = p.sm_count();
+  if (p.shared_memory_per_multiprocessor() > 0) m.sharedMemoryPerSm = p.shared_memory_per_multiprocessor();
+  if (p.registers_per_multiprocessor() > 0) m.registersPerSm = p.registers_per_multiprocessor();
+  return m;
+}
+
+double allowedPairs(const KernelSpec& spec, int64_t tokens) {
+  const int64_t L = tokens * spec.pseudo_heads();
+  double pairs = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    const Interval row = allowedColumns(spec, i, L);
+    pairs += double(row.last - row.first + 1);
+  }
+  return pairs;
+}
+
+BlockCounts countBlocks(const KernelSpec& spec, int64_t blockM, int64_t blockN, int64_t tokens) {
+  const int64_t L = tokens * spec.pseudo_heads();
+  BlockCounts counts;
+  for (int64_t r0 = 0; r0 < L; r0 += blockM) {
+    const int64_t rLast = std::min(r0 + blockM, L) - 1;
+    // Intervals move right with i, so the block's union runs from the first
+    // row's start to the last row's end, and every row covers the
+    // intersection [last row's start, first row's end].
+    const Interval first = allowedColumns(spec, r0, L), last = allowedColumns(spec, rLast, L);
+    const int64_t lo = first.first / blockN, hi = last.last / blockN + 1;
+    const int64_t interiorLo = (last.first + blockN - 1) / blockN;
+    const int64_t interiorHi = std::min((first.last + 1) / blockN, L / blockN);
+    counts.visited += hi - lo;
+    counts.masked += (hi - lo) - std::max<int64_t>(0, std::min(interiorHi, hi) - std::max(interiorLo, lo));
+  }
+  return counts;
+}
+
+CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::Target& target, int64_t batch,
+                          int64_t tokens, std::optional<int> registersPerThread) {
+  const DeviceModel device = deviceModel(target);
+  const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
+  const int64_t L = tokens * P, heads = batch * H;
+  const int64_t bm = s.block_m(), bn = s.block_n();
+  const bool fusedMix = s.mix() != v1::mix_materialized;
+  const bool fusedGlobal = s.collapse() == v1::collapse_fused && spec.collapse() == v1::global;
+  const BlockCounts blocks = countBlocks(spec, bm, bn, tokens);
+
+  CostEstimate e;
+  e.usefulFlops = 4.0 * double(heads) * double(d) * allowedPairs(spec, tokens);
+  e.matrixFlops = 4.0 * double(heads) * double(blocks.visited) * double(bm * bn * ((d + 15) / 16 * 16));
+  const double exps = double(heads) * double(blocks.visited) * double(bm * bn);
+  const double maskOps = double(heads) * double(blocks.masked) * double(bm * bn) * 8;
+  // Mixing: G multiply-adds per element; fused redoes it for every visit of
+  // a key block (and per query block), materialised does it once.
+  const double rope = spec.rope_theta() > 0 ? 2.0 : 1.0;
+  const double kvMixPerVisit = double(bn * d) * double(G) * 2.0 * (1.0 + rope);
+  const double mixFlops = fusedMix ? double(heads) * (double(blocks.visited) * kvMixPerVisit + double(L * d * H) * 2 * rope)
+                                   : double(batch) * double(L * d) * 2.0 * (double(H * H) + 2.0 * G * G);
+
+  double bytes = double(batch) * tokens * (2.0 * H + 2.0 * G) * d * kBytes16;  // q, k, v in; out
+  if (!fusedMix) bytes += 2.0 * double(batch) * L * (H + 2.0 * G) * d * kBytes16;  // workspaces written and read
+  if (s.collapse() == v1::collapse_separate) bytes += 2.0 * double(batch) * L * H * d * kBytes16;
+  e.dramBytes = bytes;
+  // K/V re-reads per visit come mostly from L2.
+  const double kvRawRows = fusedMix ? double(G) * (double(bn) / P + 2.0) : double(bn);
+  const double l2Bytes = double(heads) * double(blocks.visited) * kvRawRows * d * 2.0 * kBytes16;
+
+  // Occupancy from shared memory and registers.
+  const int threads = s.warps() * 32;
+  const int registers =
+      registersPerThread.value_or(int(std::min<int64_t>(255, kBaseRegisters + fragmentRegisters(spec, s))));
+  const int64_t smem = target.kind() == v1::Target::cuda
+                           ? attentionSmem(int(bm), int(bn), int(d), s.stages(), int(H), int(G), int(P), fusedMix,
+                                           s.collapse() != v1::collapse_separate, fusedGlobal)
+                                 .total
+                           : 0;
+  int ctas = kMaxCtasPerSm;
+  if (smem > 0) ctas = std::min<int64_t>(ctas, device.sharedMemoryPerSm / smem);
+  ctas = std::min(ctas, device.registersPerSm / std::max(1, registers * threads));
+  ctas = std::min(ctas, device.maxThreadsPerSm / threads);
+  e.ctasPerSm = std::max(ctas, 0);
+  if (e.ctasPerSm == 0) {
+    e.seconds = 1e9;  // cannot launch
+    e.bound = "resources";
+    return e;
+  }
+  const int64_t gridCtas = (L + bm - 1) / bm * (fusedGlobal ? 1 : H) * batch;
+  const double slots = double(device.smCount) * e.ctasPerSm;
+  const double waves = std::ceil(double(gridCtas) / slots);
+  e.waveEfficiency = double(gridCtas) / (waves * slots);
+  const double activeWarps = std::min<double>(double(e.ctasPerSm) * s.warps(), double(gridCtas) / device.smCount * s.warps());
+  const double tensorShare = device.mmaSyncEfficiency * std::min(1.0, activeWarps / kWarpsToSaturateTensorCores);
+  // A fused global collapse runs H heads in one CTA: the grid is H times smaller.
+  const double utilisation = std::min(1.0, double(gridCtas) / device.smCount) * e.waveEfficiency;
+
+  const double tensorTime = e.matrixFlops / (device.tensorFlops * tensorShare);
+  const double expTime = exps / device.expPerSecond;
+  const double simtTime = (mixFlops + maskOps) / device.fmaFlops;
+  // Every warp reads the whole K and V tile of each visited block through
+  // ldmatrix: shared-memory traffic per FLOP falls as block_m per warp grows.
+  const double paddedDim = double((d + 15) / 16 * 16);
+  const double sharedBytes = double(heads) * double(blocks.visited) * s.warps() * 2.0 * bn * paddedDim * kBytes16;
+  const double sharedTime = sharedBytes / device.sharedBytesPerSecond;
+  const double computeTime = std::max(tensorTime, sharedTime) + expTime + simtTime;  // issued in turn by each warp
+  const double memoryTime = bytes / device.dramBytesPerSecond + l2Bytes / device.l2BytesPerSecond;
+  // With one stage the loads are not overlapped with the math.
+  const double kernelTime = s.stages() > 1 ? std::max(computeTime, memoryTime) : computeTime + memoryTime;
+  const int launches = 1 + (fusedMix ? 0 : 1) + (s.collapse() == v1::collapse_separate ? 1 : 0);
+  e.seconds = kernelTime / std::max(utilisation, 1e-3) + launches * kLaunchSeconds;
+  const double parts[] = {tensorTime, memoryTime, expTime, simtTime, sharedTime};
+  const char* names[] = {"tensor", "memory", "exp", "mixing", "shared memory"};
+  e.bound = names[std::max_element(parts, parts + 5) - parts];
+  return e;
+}
+
+}  // namespace loom::autotune

@@ -1,0 +1,59 @@
+// A static cost model: a roofline over the work a schedule really does
+// (the key blocks iha-analyze-mask lets it visit, its mixing and collapse
+// placement), scaled by occupancy, wave quantisation and pipelining. It
+// orders candidates before anything is compiled, and is the ranking used
+// when no GPU is present (such results are marked untimed).
+#pragma once
+
+#include <optional>
+#include <string>
+
+#include "loom/spec.h"
+
+namespace loom::autotune {
+
+// Ceilings of a device, from measurements where the workplace has them
+// (docs/gpu-results.md) and vendor figures otherwise.
+struct DeviceModel {
+  std::string name;
+  double tensorFlops = 0;        // dense f16/bf16 matrix rate, FLOP/s
+  double mmaSyncEfficiency = 0;  // share of it mma.sync kernels reach
+  double fmaFlops = 0;           // f32 FMA rate (mixing, masks)
+  double expPerSecond = 0;       // special-function unit rate
+  double dramBytesPerSecond = 0;
+  double l2BytesPerSecond = 0;
+  double sharedBytesPerSecond = 0;  // all SMs' shared-memory (ldmatrix) bandwidth
+  int smCount = 0;
+  int64_t sharedMemoryPerSm = 0;
+  int registersPerSm = 0;
+  int maxThreadsPerSm = 0;
+};
+
+DeviceModel deviceModel(const v1::Target& target);
+
+// Key blocks visited by all query blocks of one (batch entry, head), and of
+// those the ones that need an element-wise mask.
+struct BlockCounts {
+  int64_t visited = 0;
+  int64_t masked = 0;
+};
+BlockCounts countBlocks(const KernelSpec& spec, int64_t blockM, int64_t blockN, int64_t tokens);
+
+struct CostEstimate {
+  double seconds = 0;
+  double matrixFlops = 0;  // tensor-core work actually issued
+  double usefulFlops = 0;  // 4 * d * allowed pairs (docs/IHA.md)
+  double dramBytes = 0;
+  int ctasPerSm = 0;
+  double waveEfficiency = 0;
+  std::string bound;  // "tensor", "memory", "exp", "mixing"
+};
+
+// `registersPerThread` from ptxas when known, else estimated.
+CostEstimate estimateCost(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target, int64_t batch,
+                          int64_t tokens, std::optional<int> registersPerThread = std::nullopt);
+
+// Allowed (i, j) pairs of one head and batch entry.
+double allowedPairs(const KernelSpec& spec, int64_t tokens);
+
+}  // namespace loom::autotune

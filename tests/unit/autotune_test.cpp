@@ -1,0 +1,205 @@
+// The autotuner without a GPU: the space and its pruning, the cost model on
+// hand-computed cases, deterministic ranking, and offline tuning through the
+// real NVRTC.
+#include <gtest/gtest.h>
+
+#include "autotune/cost_model.h"
+#include "autotune/space.h"
+#include "autotune/tuner.h"
+#include "loom/compiler.h"
+#include "loom/tile/layout.h"
+#include "reference/iha_reference.h"
+#include "test_util.h"
+
+namespace loom::autotune {
+namespace {
+
+KernelSpec spec(int H, int G, int P, int d, v1::MaskMode mask = v1::flat_causal, int window = 0,
+                v1::CollapseMode collapse = v1::per_head) {
+  KernelSpec s;
+  s.set_heads(H);
+  s.set_kv_heads(G);
+  s.set_pseudo_heads(P);
+  s.set_head_dim(d);
+  s.set_mask(mask);
+  s.set_window(window);
+  s.set_collapse(collapse);
+  s.set_dtype(v1::bfloat16);
+  return s;
+}
+
+v1::Target target(const std::string& arch, int64_t sharedPerBlock = 0) {
+  v1::Target t = *parseTarget(arch);
+  if (sharedPerBlock) {
+    t.mutable_device()->set_shared_memory_per_block(sharedPerBlock);
+    t.mutable_device()->set_shared_memory_per_multiprocessor(sharedPerBlock);
+  }
+  return t;
+}
+
+int64_t attentionBytes(const KernelSpec& s, const Schedule& c) {
+  return attentionSmem(c.block_m(), c.block_n(), s.head_dim(), c.stages(), s.heads(), s.kv_heads(), s.pseudo_heads(),
+                       c.mix() != v1::mix_materialized, c.collapse() == v1::collapse_fused,
+                       c.collapse() == v1::collapse_fused && s.collapse() == v1::global)
+      .total;
+}
+
+TEST(SearchSpace, PrunedByTheCompilersRulesAndTheDevice) {
+  const std::vector<std::pair<KernelSpec, v1::Target>> cases = {
+      {spec(8, 8, 8, 64), target("sm_90a")},
+      {spec(8, 2, 3, 128, v1::token_causal, 8, v1::global), target("sm_80")},
+      {spec(4, 4, 1, 32, v1::none), target("sm_86")},
+      {spec(16, 16, 4, 64), target("sm_89", 48 * 1024)}};
+  for (const auto& [s, t] : cases) {
+    const SearchSpace space = searchSpace(s, t);
+    ASSERT_FALSE(space.candidates.empty()) << s.ShortDebugString();
+    EXPECT_FALSE(space.pruned.empty());
+    const int64_t limit = t.device().shared_memory_per_block() ? t.device().shared_memory_per_block()
+                                                               : defaultSharedMemoryPerBlock(t.arch());
+    for (const Candidate& c : space.candidates) {
+      EXPECT_EQ(c.schedule.block_m() % s.pseudo_heads(), 0) << c.key;
+      EXPECT_LE(attentionBytes(s, c.schedule), limit) << c.key;
+      if (space.candidates.size() > 1)  // a lone fallback may be large
+        EXPECT_LE(fragmentRegisters(s, c.schedule), kFragmentRegisterLimit) << c.key;
+      EXPECT_TRUE(resolveSchedule(s, c.schedule, t)) << c.key;
+    }
+    for (const Pruned& p : space.pruned) EXPECT_FALSE(p.reason.empty()) << p.key;
+  }
+}
+
+TEST(SearchSpace, NeverEmpty) {
+  // d = 256 with P = 9: every shape is huge, yet the default remains.
+  const KernelSpec s = spec(9, 9, 9, 256, v1::flat_causal, 0, v1::global);
+  const SearchSpace space = searchSpace(s, target("sm_86", 100 * 1024));
+  ASSERT_EQ(space.candidates.size(), 1u);
+  EXPECT_EQ(space.candidates[0].key, "bm144.bn16.w1.s1.materialized.separate");
+  // ... and it compiles.
+  EXPECT_TRUE(generateKernel(s, space.candidates[0].schedule, target("sm_86", 100 * 1024)));
+}
+
+TEST(CostModel, BlockCountsMatchBruteForce) {
+  std::mt19937_64 rng(testing::testSeed());
+  for (int trial = 0; trial < 30; ++trial) {
+    KernelSpec s = testing::randomSpec(rng);
+    const int64_t tokens = 1 + int64_t(rng() % 60), bm = 16 * s.pseudo_heads() * (1 + int64_t(rng() % 2)),
+                  bn = 16 << (rng() % 3);
+    const int64_t L = tokens * s.pseudo_heads();
+    int64_t visited = 0, masked = 0;
+    for (int64_t r0 = 0; r0 < L; r0 += bm)
+      for (int64_t c0 = 0; c0 < L; c0 += bn) {
+        bool any = false, all = c0 + bn <= L;
+        for (int64_t i = r0; i < std::min(r0 + bm, L); ++i)
+          for (int64_t j = c0; j < std::min(c0 + bn, L); ++j) {
+            const bool ok = reference::allowed(s, i, j);
+            any |= ok;
+            all &= ok;
+          }
+        visited += any;
+        masked += any && !all;
+      }
+    const BlockCounts counts = countBlocks(s, bm, bn, tokens);
+    EXPECT_EQ(counts.visited, visited) << s.ShortDebugString() << " N=" << tokens;
+    EXPECT_EQ(counts.masked, masked) << s.ShortDebugString() << " N=" << tokens;
+  }
+}
+
+TEST(CostModel, HandComputedCases) {
+  const KernelSpec causal = spec(8, 8, 4, 64);
+  const v1::Target hopper = target("sm_90a");
+  Schedule base = *resolveSchedule(causal, Schedule(), hopper);
+
+  // Useful work of a causal spec: 4 d H B L (L + 1) / 2.
+  const int64_t L = 1024 * 4;
+  const CostEstimate e = estimateCost(causal, base, hopper, 2, 1024);
+  EXPECT_DOUBLE_EQ(e.usefulFlops, 4.0 * 64 * 8 * 2 * double(L) * double(L + 1) / 2);
+  // Block granularity can only add work.
+  EXPECT_GE(e.matrixFlops, e.usefulFlops);
+
+  // A window of 64 tokens skips most blocks: less than a fifth of the time.
+  const KernelSpec windowed = spec(8, 8, 4, 64, v1::flat_causal, 64);
+  EXPECT_LT(estimateCost(windowed, base, hopper, 2, 1024).seconds, e.seconds / 5);
+
+  // One stage exposes the loads: slower than two, all else equal.
+  Schedule single = base;
+  single.set_stages(1);
+  Schedule dual = base;
+  dual.set_stages(2);
+  EXPECT_GT(estimateCost(causal, single, hopper, 2, 1024).seconds, estimateCost(causal, dual, hopper, 2, 1024).seconds);
+
+  // A CTA that cannot fit on an SM cannot run at all.
+  v1::Target tiny = target("sm_90a", 8 * 1024);
+  EXPECT_EQ(estimateCost(causal, base, tiny, 2, 1024).ctasPerSm, 0);
+  EXPECT_GE(estimateCost(causal, base, tiny, 2, 1024).seconds, 1e6);
+
+  // Twice the tokens, about four times the work for a causal mask.
+  const double ratio = estimateCost(causal, base, hopper, 2, 2048).usefulFlops / e.usefulFlops;
+  EXPECT_NEAR(ratio, 4.0, 0.01);
+}
+
+TEST(Ranking, DeterministicAndNoiseAware) {
+  auto result = [](const std::string& key, Outcome outcome, double median, double predicted) {
+    CandidateResult r;
+    r.candidate.key = key;
+    r.outcome = outcome;
+    r.medianMs = median;
+    r.predictedMs = predicted;
+    return r;
+  };
+  std::vector<CandidateResult> results = {
+      result("c", Outcome::timed, 1.005, 2.0),  // within 2% of "a": a tie, broken by prediction
+      result("a", Outcome::timed, 1.000, 3.0),
+      result("z", Outcome::wrong, 0.1, 0.1),    // fastest but wrong: never wins
+      result("b", Outcome::timed, 1.5, 1.0),
+      result("d", Outcome::unmeasured, 0, 0.5),
+      result("e", Outcome::timed, 1.005, 2.0)};  // identical to "c": key order
+  std::vector<std::string> first;
+  for (int shuffle = 0; shuffle < 5; ++shuffle) {
+    std::mt19937_64 rng(shuffle);
+    std::shuffle(results.begin(), results.end(), rng);
+    rankResults(results);
+    std::vector<std::string> order;
+    for (const auto& r : results) order.push_back(r.candidate.key);
+    if (shuffle == 0) first = order;
+    EXPECT_EQ(order, first);
+  }
+  EXPECT_EQ(first, (std::vector<std::string>{"c", "e", "a", "b", "d", "z"}));
+}
+
+// No GPU: compile the best-ranked candidates with the real NVRTC on two
+// threads and return the cost model's choice, marked untimed.
+TEST(Tuner, OfflineTuningIsRankedAndUntimed) {
+  testing::TempDir cache;
+  TuneOptions options;
+  options.tokens = 512;
+  options.offlineCompiles = 4;
+  options.compileThreads = 2;
+  options.cacheDir = cache.path();
+  const KernelSpec s = spec(4, 2, 2, 64, v1::flat_causal, 32);
+  std::vector<TuneProgress> seen;
+  auto report = tune(s, target("sm_80"), nullptr, options, [&](const TuneProgress& p) { seen.push_back(p); });
+  ASSERT_TRUE(report) << report.error().message;
+  EXPECT_FALSE(report->result.measured());
+  EXPECT_EQ(report->result.candidates_tried(), 4);
+  ASSERT_EQ(seen.size(), 4u);
+  EXPECT_EQ(seen.back().compiled, 4);
+  const CandidateResult& best = report->candidates.front();
+  EXPECT_EQ(best.outcome, Outcome::unmeasured);
+  EXPECT_GT(best.registers, 0);
+  EXPECT_EQ(best.spillBytes, 0);
+  EXPECT_EQ(report->result.best().SerializeAsString(), best.candidate.schedule.SerializeAsString());
+  // The same search gives the same answer (now from the artifact cache).
+  auto again = tune(s, target("sm_80"), nullptr, options);
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->result.best().SerializeAsString(), report->result.best().SerializeAsString());
+}
+
+TEST(Tuner, RejectsFloat32AndCpuTargets) {
+  KernelSpec s = spec(2, 2, 2, 32);
+  EXPECT_FALSE(tune(s, *parseTarget("cpu"), nullptr, TuneOptions()));
+  s.set_dtype(v1::float32);
+  auto result = tune(s, target("sm_80"), nullptr, TuneOptions());
+  EXPECT_FALSE(result);
+}
+
+}  // namespace
+}  // namespace loom::autotune

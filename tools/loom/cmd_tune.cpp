@@ -1,0 +1,174 @@
+// loom tune: search the schedule space of a spec on this GPU (measured) or
+// for a named arch without one (ranked by the cost model, marked untimed).
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <string>
+
+#include "autotune/tuner.h"
+#include "commands.h"
+#include "cpu/cpu_backend.h"
+#include "cuda/driver.h"
+#include "loom/compiler.h"
+#include "loom/hash.h"
+
+namespace loom::cli {
+namespace {
+
+struct TuneCliOptions {
+  std::string specPath;
+  std::string target;
+  std::string budget = "60s";
+  std::string strategy = "auto";
+  std::string outPath;
+  std::string cacheDir;
+  int64_t tokens = 4096;
+  int64_t batch = 1;
+  int top = 10;
+  bool json = false;
+};
+
+Result<double> parseSeconds(const std::string& text) {
+  std::smatch m;
+  if (!std::regex_match(text, m, std::regex(R"(([0-9]*\.?[0-9]+)(ms|s|m)?)")))
+    return makeError("--budget '" + text + "' is not a duration like 500ms, 60s or 5m");
+  const double value = std::stod(m[1]);
+  return m[2] == "ms" ? value / 1e3 : m[2] == "m" ? value * 60 : value;
+}
+
+nlohmann::json candidateJson(const autotune::CandidateResult& r) {
+  nlohmann::json j = {{"schedule", r.candidate.key}, {"outcome", autotune::outcomeName(r.outcome)},
+                      {"predicted_ms", r.predictedMs}};
+  if (!r.reason.empty()) j["reason"] = r.reason;
+  if (r.outcome == autotune::Outcome::timed) {
+    j["median_ms"] = r.medianMs;
+    j["p10_ms"] = r.p10Ms;
+    j["p90_ms"] = r.p90Ms;
+    j["tflops"] = r.tflops;
+    j["gb_per_s"] = r.bandwidth / 1e9;
+    j["error"] = r.error;
+  }
+  if (r.registers) j["registers"] = r.registers;
+  if (r.sharedMemory) j["shared_memory_bytes"] = r.sharedMemory;
+  return j;
+}
+
+int tuneCommand(const TuneCliOptions& options) {
+  auto spec = readSpecFile(options.specPath);
+  if (!spec) return badInput(spec.error().message);
+  auto budget = parseSeconds(options.budget);
+  if (!budget) return badInput(budget.error().message);
+  auto strategy = autotune::parseStrategy(options.strategy);
+  if (!strategy) return badInput(strategy.error().message);
+  if (options.tokens < 1 || options.batch < 1) return badInput("--tokens and --batch must be at least 1");
+
+  // A GPU if there is one (measured), else the named arch (ranked offline).
+  std::unique_ptr<Runtime> runtime;
+  v1::Target target;
+  if (auto opened = Runtime::create({0, options.cacheDir}); opened) {
+    runtime = std::move(*opened);
+    target = runtime->target();
+    if (!options.target.empty() && options.target != target.arch())
+      return badInput("--target " + options.target + " differs from this machine's GPU (" + target.arch() + ")");
+  } else {
+    if (options.target.empty())
+      return badInput(opened.error().message + "; to rank schedules without a GPU, name the arch with --target");
+    auto parsed = parseTarget(options.target);
+    if (!parsed || parsed->kind() != v1::Target::cuda) return badInput("--target must be a CUDA arch such as sm_90a");
+    target = *parsed;
+    std::fprintf(stderr, "no GPU: ranking %s schedules with the cost model only (untimed)\n", target.arch().c_str());
+  }
+
+  autotune::TuneOptions tuneOptions;
+  tuneOptions.batch = options.batch;
+  tuneOptions.tokens = options.tokens;
+  tuneOptions.strategy = *strategy;
+  tuneOptions.budgetSeconds = *budget;
+  tuneOptions.cacheDir = options.cacheDir.empty() ? cpu::defaultCacheDir() : options.cacheDir;
+  const bool live = ::isatty(STDERR_FILENO);
+  auto progress = [&](const autotune::TuneProgress& p) {
+    if (!live) return;
+    std::fprintf(stderr, "\r\033[Kcompiled %d/%d, verified %d, timed %d%s%s", p.compiled, p.candidates, p.verified,
+                 p.timed, p.best.empty() ? "" : ", best ", p.best.empty() ? "" : (p.best + " " + std::to_string(p.bestMs).substr(0, 6) + " ms").c_str());
+    std::fflush(stderr);
+  };
+  auto report = autotune::tune(*spec, target, runtime.get(), tuneOptions, progress);
+  if (live) std::fprintf(stderr, "\n");
+  if (!report) return badInput(report.error().message);
+
+  // Remember the winner (the kernel cache will hold it; until then, JSON).
+  const std::string device = target.device().name().empty() ? target.arch() : target.device().name();
+  std::string outPath = options.outPath;
+  if (outPath.empty()) {
+    const std::string key = ContentHash().add(toJson(*spec)).add(device).add(report->result.toolchain()).hex();
+    outPath = tuneOptions.cacheDir + "/tuning/" + key + ".json";
+    std::filesystem::create_directories(tuneOptions.cacheDir + "/tuning");
+  }
+  nlohmann::json saved = nlohmann::json::parse(toJson(report->result));
+  saved["device"] = device;
+  saved["tokens"] = options.tokens;
+  saved["batch"] = options.batch;
+  saved["candidates"] = nlohmann::json::array();
+  for (const auto& c : report->candidates) saved["candidates"].push_back(candidateJson(c));
+  {
+    const std::string temporary = outPath + ".tmp";
+    std::ofstream out(temporary);
+    out << saved.dump(2) << "\n";
+    if (!out) return badInput(outPath + ": write failed");
+    out.close();
+    std::filesystem::rename(temporary, outPath);
+  }
+
+  if (options.json) {
+    std::printf("%s\n", saved.dump(2).c_str());
+    return kExitOk;
+  }
+  const bool measured = report->result.measured();
+  std::printf("%s on %s, B=%lld N=%lld: %s; %d candidates tried, %d rejected, %d pruned\n",
+              options.specPath.c_str(), device.c_str(), (long long)options.batch, (long long)options.tokens,
+              measured ? "measured" : "UNTIMED (cost model ranking, no GPU)", report->result.candidates_tried(),
+              report->result.candidates_rejected(), report->pruned);
+  std::printf("%-4s %-34s %10s %10s %9s %5s %8s  %s\n", "rank", "schedule", measured ? "median ms" : "", "model ms",
+              measured ? "TFLOP/s" : "", "regs", "smem KiB", "outcome");
+  int shown = 0;
+  for (const auto& r : report->candidates) {
+    if (shown >= options.top) break;
+    if (r.outcome != autotune::Outcome::timed && r.outcome != autotune::Outcome::unmeasured) continue;
+    ++shown;
+    std::printf("%-4d %-34s %10s %10.3f %9s %5d %8.1f  %s\n", shown, r.candidate.key.c_str(),
+                r.outcome == autotune::Outcome::timed ? std::to_string(r.medianMs).substr(0, 7).c_str() : "-",
+                r.predictedMs, r.outcome == autotune::Outcome::timed ? std::to_string(r.tflops).substr(0, 6).c_str() : "-",
+                r.registers, r.sharedMemory / 1024.0, autotune::outcomeName(r.outcome));
+  }
+  std::printf("winner %s written to %s\n", report->candidates.front().candidate.key.c_str(), outPath.c_str());
+  return kExitOk;
+}
+
+}  // namespace
+
+void addTuneCommand(CLI::App& app, std::function<int()>* action) {
+  auto options = std::make_shared<TuneCliOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "tune",
+      "Search the schedule space of a spec: prune, rank with the cost model, compile in parallel, then on a GPU\n"
+      "verify every candidate against the float64 reference and time it (L2 flushed, median of runs).\n"
+      "Without a GPU, --target names the arch and the result is the cost model's ranking, marked untimed.");
+  cmd->add_option("--spec", options->specPath, "KernelSpec JSON file")->required();
+  cmd->add_option("--target", options->target, "CUDA arch when no GPU is present (sm_80, sm_90a, ...)");
+  cmd->add_option("--budget", options->budget, "wall-clock budget: 500ms, 60s, 5m")->capture_default_str();
+  cmd->add_option("--strategy", options->strategy, "auto | exhaustive | random | halving")->capture_default_str();
+  cmd->add_option("--tokens", options->tokens, "N of the problem tuned for")->capture_default_str();
+  cmd->add_option("--batch", options->batch, "B of the problem tuned for")->capture_default_str();
+  cmd->add_option("--top", options->top, "rows in the final table")->capture_default_str();
+  cmd->add_option("--out", options->outPath, "where the result JSON goes (default: the cache's tuning/ folder)");
+  cmd->add_option("--cache-dir", options->cacheDir, "compiled artifacts and tuning results (default ~/.cache/loom)");
+  cmd->add_flag("--json", options->json, "print the full result as JSON");
+  cmd->callback([options, action] { *action = [options] { return tuneCommand(*options); }; });
+}
+
+}  // namespace loom::cli
