@@ -28,21 +28,7 @@ Result<std::unique_ptr<Runtime>> Runtime::create(const Options& options) {
 
 const cuda::DeviceInfo& Runtime::device() const { return state_->device->info(); }
 
-v1::Target Runtime::target() const {
-  const cuda::DeviceInfo& info = device();
-  v1::Target target;
-  target.set_kind(v1::Target::cuda);
-  target.set_arch(info.arch());
-  v1::DeviceProperties* p = target.mutable_device();
-  p->set_name(info.name);
-  p->set_sm_count(info.smCount);
-  p->set_shared_memory_per_block(info.sharedMemoryPerBlock);
-  p->set_shared_memory_per_multiprocessor(info.sharedMemoryPerMultiprocessor);
-  p->set_registers_per_multiprocessor(info.registersPerMultiprocessor);
-  p->set_l2_cache_bytes(info.l2Bytes);
-  p->set_global_memory_bytes(info.globalMemoryBytes);
-  return target;
-}
+v1::Target Runtime::target() const { return cuda::targetOf(device()); }
 
 Result<std::shared_ptr<Kernel>> Runtime::kernel(const KernelSpec& spec, const Schedule& schedule) {
   auto compiled = compileKernel(spec, schedule, target(), *state_->compiler);

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 
-#include "autotune/space.h"
 #include "loom/tile/layout.h"
 
 namespace loom::autotune {
@@ -14,6 +13,7 @@ constexpr int kMaxCtasPerSm = 32;
 constexpr int kWarpsToSaturateTensorCores = 8;
 constexpr int kBaseRegisters = 64;  // addresses, loop state, softmax rows
 constexpr int kBytes16 = 2;
+constexpr int kMmaK = 16;
 
 // Row i's allowed columns form one interval [first, last] (docs/IHA.md step 4).
 struct Interval {
@@ -30,6 +30,12 @@ Interval allowedColumns(const KernelSpec& spec, int64_t i, int64_t L) {
 }
 
 }  // namespace
+
+int64_t fragmentRegisters(const KernelSpec& spec, const Schedule& s) {
+  const int64_t mTiles = s.block_m() / (kMmaK * s.warps());
+  const int64_t paddedDim = (spec.head_dim() + kMmaK - 1) / kMmaK * kMmaK;
+  return mTiles * (paddedDim * 3 / 4 + s.block_n() / 2);
+}
 
 DeviceModel deviceModel(const v1::Target& target) {
   DeviceModel m;

@@ -1,5 +1,7 @@
 #include "autotune/space.h"
 
+#include "autotune/cost_model.h"
+
 #include <numeric>
 #include <set>
 
@@ -20,12 +22,6 @@ std::string scheduleKey(const Schedule& s) {
   return "bm" + std::to_string(s.block_m()) + ".bn" + std::to_string(s.block_n()) + ".w" + std::to_string(s.warps()) +
          ".s" + std::to_string(s.stages()) + (s.mix() == v1::mix_materialized ? ".materialized" : ".fused") +
          (s.collapse() == v1::collapse_separate ? ".separate" : ".epilogue");
-}
-
-int64_t fragmentRegisters(const KernelSpec& spec, const Schedule& s) {
-  const int64_t mTiles = s.block_m() / (kMmaRows * s.warps());
-  const int64_t paddedDim = (spec.head_dim() + kMmaRows - 1) / kMmaRows * kMmaRows;
-  return mTiles * (paddedDim * 3 / 4 + s.block_n() / 2);
 }
 
 SearchSpace searchSpace(const KernelSpec& spec, const v1::Target& target) {

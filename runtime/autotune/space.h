@@ -34,9 +34,6 @@ struct SearchSpace {
 
 std::string scheduleKey(const Schedule& schedule);
 
-// Estimated f32 fragment registers per thread for a complete schedule.
-int64_t fragmentRegisters(const KernelSpec& spec, const Schedule& schedule);
-
 SearchSpace searchSpace(const KernelSpec& spec, const v1::Target& target);
 
 }  // namespace loom::autotune

@@ -12,8 +12,10 @@
 #include <vector>
 
 #include "autotune/cost_model.h"
+#include "autotune/measure.h"
 #include "autotune/space.h"
 #include "loom/result.h"
+#include "cuda/driver.h"
 #include "loom/runtime.h"
 
 namespace loom::autotune {
@@ -35,45 +37,21 @@ struct TuneOptions {
   uint64_t seed = 1;                // random sampling and inputs
 };
 
-enum class Outcome { pruned, skipped, compile_failed, spilled, wrong, unmeasured, timed };
-const char* outcomeName(Outcome outcome);
-
-struct CandidateResult {
-  Candidate candidate;
-  Outcome outcome = Outcome::unmeasured;
-  std::string reason;
-  double predictedMs = 0;
-  double medianMs = 0, p10Ms = 0, p90Ms = 0;
-  double tflops = 0;      // useful FLOPs (docs/IHA.md) over the median
-  double bandwidth = 0;   // operands moved once over the median, bytes/s
-  double error = 0;       // relative error of the verification run
-  int registers = 0;
-  int64_t spillBytes = 0;
-  int64_t sharedMemory = 0;
-  double compileSeconds = 0;
-};
-
-struct TuneProgress {
-  int candidates = 0, compiled = 0, verified = 0, timed = 0;
-  std::string best;
-  double bestMs = 0;
-  bool measured = false;
-};
-
 struct TuneReport {
   v1::TuningResult result;
   std::vector<CandidateResult> candidates;  // ranked: best first, then rejects
   int pruned = 0;
 };
 
-// Tunes `spec` for `target`. With `runtime` (a GPU) candidates are measured;
+// Tunes `spec` for `target`. With `device` (a GPU) candidates are measured;
 // without, they are ranked by the cost model. `progress` is called as work
-// completes.
-Result<TuneReport> tune(const KernelSpec& spec, const v1::Target& target, Runtime* runtime, const TuneOptions& options,
-                        const std::function<void(const TuneProgress&)>& progress = {});
+// completes. `compiledOut`, when given, receives every compiled candidate.
+Result<TuneReport> tune(const KernelSpec& spec, const v1::Target& target, std::shared_ptr<cuda::Device> device,
+                        const TuneOptions& options, const std::function<void(const TuneProgress&)>& progress = {},
+                        std::vector<v1::CompiledKernel>* compiledOut = nullptr);
 
-// Orders results: timed (by median, ties within noise broken by the cost
-// model's order and then the key), then untimed by prediction, then rejects.
-void rankResults(std::vector<CandidateResult>& results);
+// The TuningResult of ranked results (the first is the winner).
+Result<TuneReport> summarize(const KernelSpec& spec, const v1::Target& target, std::vector<CandidateResult> results,
+                             int pruned);
 
 }  // namespace loom::autotune

@@ -86,6 +86,21 @@ std::string DeviceInfo::arch() const {
   return "sm_" + std::to_string(major) + std::to_string(minor) + (major == 9 && minor == 0 ? "a" : "");
 }
 
+v1::Target targetOf(const DeviceInfo& info) {
+  v1::Target target;
+  target.set_kind(v1::Target::cuda);
+  target.set_arch(info.arch());
+  v1::DeviceProperties* p = target.mutable_device();
+  p->set_name(info.name);
+  p->set_sm_count(info.smCount);
+  p->set_shared_memory_per_block(info.sharedMemoryPerBlock);
+  p->set_shared_memory_per_multiprocessor(info.sharedMemoryPerMultiprocessor);
+  p->set_registers_per_multiprocessor(info.registersPerMultiprocessor);
+  p->set_l2_cache_bytes(info.l2Bytes);
+  p->set_global_memory_bytes(info.globalMemoryBytes);
+  return target;
+}
+
 Result<std::shared_ptr<Device>> Device::open(int ordinal) {
   auto api = driver();
   if (!api) return api.error();

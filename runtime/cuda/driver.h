@@ -10,6 +10,7 @@
 #include <string>
 
 #include "loom/result.h"
+#include "loom/v1/loom.pb.h"
 
 namespace loom::cuda {
 
@@ -64,6 +65,9 @@ struct DeviceInfo {
   // The NVRTC target: sm_XY, with the 'a' suffix on 9.0 for wgmma.
   std::string arch() const;
 };
+
+// The device as a compile target: its arch and properties.
+v1::Target targetOf(const DeviceInfo& info);
 
 // A device with its primary context, current on the calling thread while
 // loom uses it.

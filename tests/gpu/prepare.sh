@@ -4,7 +4,8 @@
 # build/gpu-bundles, and copies the one shared library the GPU binaries need
 # beyond the base system into build/gpu-libs. tests/gpu/run.sh then runs on
 # the GPU machine with those carried along (build/bin/gpu_test,
-# build/bin/loom-gpu-bench, build/gpu-bundles, build/gpu-libs).
+# build/bin/loom-gpu-bench, build/bin/loom-gpu-tune, build/gpu-bundles,
+# build/gpu-libs).
 #
 #   tests/gpu/prepare.sh            # sm_90a (H100 / H200)
 #   LOOM_GPU_ARCH=sm_80 tests/gpu/prepare.sh
@@ -51,6 +52,12 @@ bench h8p8d64-bf16-causal-materialized 4096 1 "$paper" '{"mix": "mix_materialize
 bench h8p8d64-bf16-causal-bn32 4096 1 "$paper" '{"block_n": 32}'
 bench gqa-h16g4p4d128-fp16-w512 4096 2 \
   '{"heads": 16, "kv_heads": 4, "pseudo_heads": 4, "head_dim": 128, "mask": "flat_causal", "window": 512, "collapse": "per_head", "rope_theta": 500000, "dtype": "float16"}'
+
+# A full tuning run on a realistic spec (the paper's setting at N = 4096):
+# the 24 candidates the cost model ranks best, compiled here, measured there.
+echo "$paper" >"$schedules/tune-spec.json"
+build/bin/loom tune --spec "$schedules/tune-spec.json" --target "$arch" --tokens 4096 --compile-top 24 \
+  --bundles "$out/tune" --out build/gpu-bundles/tune-offline.json >/dev/null
 
 cp -L "$(ldd build/bin/gpu_test | awk '/libprotobuf/ {print $3}')" build/gpu-libs/
 echo "prepared $(ls "$out" | wc -l) kernels for $arch in $out"

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run ON THE GPU MACHINE, after tests/gpu/prepare.sh here: checks every
 # prepared kernel against the float64 reference (shared and freshly drawn
-# cases, outputs poisoned), then prints a short timing table. Well under 8
+# cases, outputs poisoned), prints a short timing table, then measures the
+# tuning candidates of a realistic spec and ranks them. Well under 8
 # minutes on one GPU. Logs go to $OUT (or /tmp/loom-gpu).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -18,5 +19,7 @@ timeout 300 build/bin/gpu_test --gtest_color=no 2>&1 | tee "$out/gpu_test.log"
 tests=${PIPESTATUS[0]}
 timeout 180 build/bin/loom-gpu-bench build/gpu-bundles 2>&1 | tee "$out/bench.log"
 bench=${PIPESTATUS[0]}
-echo "gpu_test exit $tests, loom-gpu-bench exit $bench"
-exit $((tests != 0 || bench != 0))
+timeout 150 build/bin/loom-gpu-tune build/gpu-bundles/tune 4096 1 2>&1 | tee "$out/tune.log"
+tune=${PIPESTATUS[0]}
+echo "gpu_test exit $tests, loom-gpu-bench exit $bench, loom-gpu-tune exit $tune"
+exit $((tests != 0 || bench != 0 || tune != 0))

@@ -4,6 +4,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "cuda/driver.h"
 #include "io/case.h"
 #include "test_util.h"
 
@@ -261,6 +262,31 @@ TEST(Cli, CudaBackendRunsOrSaysThereIsNoGpu) {
   } else {
     EXPECT_EQ(result.exitCode, 0) << result.output;
   }
+}
+
+// Without a GPU, loom tune ranks with the cost model and says so.
+TEST(Cli, TuneOfflineIsMarkedUntimed) {
+  TempDir dir;
+  std::ofstream(dir / "spec.json") << R"({"heads": 4, "kv_heads": 4, "pseudo_heads": 2, "head_dim": 32,
+      "mask": "flat_causal", "window": 8, "collapse": "per_head", "rope_theta": 10000, "dtype": "bfloat16"})";
+  if (cuda::driver().ok())
+    GTEST_SKIP() << "a GPU is present: loom tune measures instead (covered by tests/gpu)";
+  const auto noTarget = runLoom("tune --spec " + (dir / "spec.json"));
+  EXPECT_EQ(noTarget.exitCode, 2);
+  EXPECT_NE(noTarget.output.find("--target"), std::string::npos) << noTarget.output;
+
+  const auto result = runLoom("tune --spec " + (dir / "spec.json") + " --target sm_80 --tokens 256 --compile-top 3 --out " +
+                              (dir / "tuned.json") + " --bundles " + (dir / "bundles") + " --cache-dir " + LOOM_TEST_CACHE);
+  ASSERT_EQ(result.exitCode, 0) << result.output;
+  EXPECT_NE(result.output.find("UNTIMED"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("winner bm"), std::string::npos);
+  auto saved = readTextFile(dir / "tuned.json");
+  ASSERT_TRUE(saved);
+  EXPECT_NE(saved->find("\"candidates\""), std::string::npos);
+  EXPECT_EQ(saved->find("\"measured\": true"), std::string::npos);
+  int bundles = 0;
+  for (const auto& entry : fs::directory_iterator(dir / "bundles")) bundles += entry.path().extension() == ".pb";
+  EXPECT_EQ(bundles, 3);
 }
 
 TEST(Cli, CpuBackendTakesADtype) {

@@ -30,6 +30,8 @@ struct TuneCliOptions {
   int64_t tokens = 4096;
   int64_t batch = 1;
   int top = 10;
+  int compileTop = 8;
+  std::string bundlesDir;
   bool json = false;
 };
 
@@ -68,11 +70,11 @@ int tuneCommand(const TuneCliOptions& options) {
   if (options.tokens < 1 || options.batch < 1) return badInput("--tokens and --batch must be at least 1");
 
   // A GPU if there is one (measured), else the named arch (ranked offline).
-  std::unique_ptr<Runtime> runtime;
+  std::shared_ptr<cuda::Device> device;
   v1::Target target;
-  if (auto opened = Runtime::create({0, options.cacheDir}); opened) {
-    runtime = std::move(*opened);
-    target = runtime->target();
+  if (auto opened = cuda::Device::open(0); opened) {
+    device = *opened;
+    target = cuda::targetOf(device->info());
     if (!options.target.empty() && options.target != target.arch())
       return badInput("--target " + options.target + " differs from this machine's GPU (" + target.arch() + ")");
   } else {
@@ -90,6 +92,7 @@ int tuneCommand(const TuneCliOptions& options) {
   tuneOptions.strategy = *strategy;
   tuneOptions.budgetSeconds = *budget;
   tuneOptions.cacheDir = options.cacheDir.empty() ? cpu::defaultCacheDir() : options.cacheDir;
+  tuneOptions.offlineCompiles = options.compileTop;
   const bool live = ::isatty(STDERR_FILENO);
   auto progress = [&](const autotune::TuneProgress& p) {
     if (!live) return;
@@ -97,20 +100,29 @@ int tuneCommand(const TuneCliOptions& options) {
                  p.timed, p.best.empty() ? "" : ", best ", p.best.empty() ? "" : (p.best + " " + std::to_string(p.bestMs).substr(0, 6) + " ms").c_str());
     std::fflush(stderr);
   };
-  auto report = autotune::tune(*spec, target, runtime.get(), tuneOptions, progress);
+  std::vector<v1::CompiledKernel> compiled;
+  auto report = autotune::tune(*spec, target, device, tuneOptions, progress, &compiled);
   if (live) std::fprintf(stderr, "\n");
   if (!report) return badInput(report.error().message);
+  if (!options.bundlesDir.empty()) {  // for loom-gpu-tune on a machine without the compiler
+    std::filesystem::create_directories(options.bundlesDir);
+    for (const v1::CompiledKernel& kernel : compiled) {
+      if (kernel.binary().empty()) continue;
+      std::ofstream out(options.bundlesDir + "/tune." + autotune::scheduleKey(kernel.schedule()) + ".pb", std::ios::binary);
+      kernel.SerializeToOstream(&out);
+    }
+  }
 
   // Remember the winner (the kernel cache will hold it; until then, JSON).
-  const std::string device = target.device().name().empty() ? target.arch() : target.device().name();
+  const std::string deviceName = target.device().name().empty() ? target.arch() : target.device().name();
   std::string outPath = options.outPath;
   if (outPath.empty()) {
-    const std::string key = ContentHash().add(toJson(*spec)).add(device).add(report->result.toolchain()).hex();
+    const std::string key = ContentHash().add(toJson(*spec)).add(deviceName).add(report->result.toolchain()).hex();
     outPath = tuneOptions.cacheDir + "/tuning/" + key + ".json";
     std::filesystem::create_directories(tuneOptions.cacheDir + "/tuning");
   }
   nlohmann::json saved = nlohmann::json::parse(toJson(report->result));
-  saved["device"] = device;
+  saved["device"] = deviceName;
   saved["tokens"] = options.tokens;
   saved["batch"] = options.batch;
   saved["candidates"] = nlohmann::json::array();
@@ -130,17 +142,17 @@ int tuneCommand(const TuneCliOptions& options) {
   }
   const bool measured = report->result.measured();
   std::printf("%s on %s, B=%lld N=%lld: %s; %d candidates tried, %d rejected, %d pruned\n",
-              options.specPath.c_str(), device.c_str(), (long long)options.batch, (long long)options.tokens,
+              options.specPath.c_str(), deviceName.c_str(), (long long)options.batch, (long long)options.tokens,
               measured ? "measured" : "UNTIMED (cost model ranking, no GPU)", report->result.candidates_tried(),
               report->result.candidates_rejected(), report->pruned);
-  std::printf("%-4s %-34s %10s %10s %9s %5s %8s  %s\n", "rank", "schedule", measured ? "median ms" : "", "model ms",
-              measured ? "TFLOP/s" : "", "regs", "smem KiB", "outcome");
+  std::printf("%-4s %-40s %10s %10s %9s %5s %8s  %s\n", "rank", "schedule", "median ms", "model ms", "TFLOP/s", "regs",
+              "smem KiB", "outcome");
   int shown = 0;
   for (const auto& r : report->candidates) {
     if (shown >= options.top) break;
     if (r.outcome != autotune::Outcome::timed && r.outcome != autotune::Outcome::unmeasured) continue;
     ++shown;
-    std::printf("%-4d %-34s %10s %10.3f %9s %5d %8.1f  %s\n", shown, r.candidate.key.c_str(),
+    std::printf("%-4d %-40s %10s %10.3f %9s %5d %8.1f  %s\n", shown, r.candidate.key.c_str(),
                 r.outcome == autotune::Outcome::timed ? std::to_string(r.medianMs).substr(0, 7).c_str() : "-",
                 r.predictedMs, r.outcome == autotune::Outcome::timed ? std::to_string(r.tflops).substr(0, 6).c_str() : "-",
                 r.registers, r.sharedMemory / 1024.0, autotune::outcomeName(r.outcome));
@@ -167,6 +179,9 @@ void addTuneCommand(CLI::App& app, std::function<int()>* action) {
   cmd->add_option("--top", options->top, "rows in the final table")->capture_default_str();
   cmd->add_option("--out", options->outPath, "where the result JSON goes (default: the cache's tuning/ folder)");
   cmd->add_option("--cache-dir", options->cacheDir, "compiled artifacts and tuning results (default ~/.cache/loom)");
+  cmd->add_option("--compile-top", options->compileTop, "without a GPU: compile this many best-ranked candidates")
+      ->capture_default_str();
+  cmd->add_option("--bundles", options->bundlesDir, "write every compiled candidate here (for loom-gpu-tune)");
   cmd->add_flag("--json", options->json, "print the full result as JSON");
   cmd->callback([options, action] { *action = [options] { return tuneCommand(*options); }; });
 }

@@ -1,0 +1,64 @@
+// Measurement on the GPU, with no compiler involved: verify candidates
+// against a trusted result, time them (warm-up, L2 flush, CUDA events,
+// median within a budget, inputs rotated), rank them. Used by the tuner and
+// by loom-gpu-tune on precompiled candidates.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "autotune/space.h"
+#include "cuda/driver.h"
+#include "loom/result.h"
+#include "loom/runtime.h"
+
+namespace loom::autotune {
+
+enum class Outcome { pruned, skipped, compile_failed, spilled, wrong, unmeasured, timed };
+const char* outcomeName(Outcome outcome);
+
+struct CandidateResult {
+  Candidate candidate;
+  Outcome outcome = Outcome::unmeasured;
+  std::string reason;
+  double predictedMs = 0;
+  double medianMs = 0, p10Ms = 0, p90Ms = 0;
+  double tflops = 0;      // useful FLOPs (docs/IHA.md) over the median
+  double bandwidth = 0;   // operands moved once over the median, bytes/s
+  double error = 0;       // relative error of the verification run
+  int registers = 0;
+  int64_t spillBytes = 0;
+  int64_t sharedMemory = 0;
+  double compileSeconds = 0;
+};
+
+struct TuneProgress {
+  int candidates = 0, compiled = 0, verified = 0, timed = 0;
+  std::string best;
+  double bestMs = 0;
+  bool measured = false;
+};
+
+// Orders results: timed (by median, ties within noise broken by the cost
+// model's order and then the key), then untimed by prediction, then rejects.
+void rankResults(std::vector<CandidateResult>& results);
+
+struct MeasureOptions {
+  int64_t batch = 1;
+  int64_t tokens = 4096;
+  double candidateBudgetMs = 200;  // timing budget per candidate and round
+  double deadlineSeconds = 60;     // stop starting new rounds after this (from `start`)
+  bool halving = false;            // successive halving: the faster half again, twice the budget
+  uint64_t seed = 1;
+};
+
+// Verifies and times `kernels[i]` for every i in `which` (empty binaries are
+// skipped), writing outcomes, times, errors and throughput into `results`.
+Status measure(const KernelSpec& spec, std::shared_ptr<cuda::Device> device, const std::vector<size_t>& which,
+               const std::vector<v1::CompiledKernel>& kernels, std::vector<CandidateResult>& results,
+               const MeasureOptions& options, TuneProgress& state,
+               const std::function<void(const TuneProgress&)>& progress);
+
+}  // namespace loom::autotune
