@@ -375,7 +375,7 @@ __device__ void load_q(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head
   for (int mt = 0; mt < G::MT; ++mt)
     #pragma unroll
     for (int kt = 0; kt < G::KT; ++kt) {
-      const int row = cuda::tileRow<C>(mt) + l % 16, column = kt * kMmaK + (l / 16) * 8;
+      const int row = cuda::tileRow<C>(mt) + fragment::aRow(l), column = kt * kMmaK + fragment::aColumn(l);
       cuda::ldmatrixX4(q.a[mt][kt], cuda::sharedAddress(tile + row * G::pitch + column));
     }
 }
@@ -537,7 +537,7 @@ __device__ void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_
     #pragma unroll
     for (int kt = 0; kt < G::KT; ++kt) {
       Bits32 b[4];
-      const int row = pair * 16 + l % 8 + (l / 16) * 8, column = kt * kMmaK + ((l / 8) % 2) * 8;
+      const int row = pair * 16 + fragment::bRow(l), column = kt * kMmaK + fragment::bColumn(l);
       cuda::ldmatrixX4(b, cuda::sharedAddress(pipe.key + row * G::pitch + column));
       #pragma unroll
       for (int mt = 0; mt < G::MT; ++mt) {
@@ -567,8 +567,8 @@ __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int
     for (int nt = 0; nt < G::NT; ++nt)
       #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int64_t i = row0 + cuda::tileRow<C>(mt) + l / kQuadSize + (e / 2) * 8;
-        const int64_t j = block * C::block_n + nt * 8 + (l % kQuadSize) * 2 + e % 2;
+        const int64_t i = row0 + cuda::tileRow<C>(mt) + fragment::accumulatorRow(l, e);
+        const int64_t j = block * C::block_n + nt * 8 + fragment::accumulatorColumn(l, e);
         if (j >= L || !allowed<C>(i, j)) s.s[mt][nt][e] = cuda::negativeInfinity();
       }
 }
@@ -622,7 +622,7 @@ __device__ void mma_pv(AccTile<C>& acc, ScoreTile<C>& s, KvPipeline<C>& pipe, in
     #pragma unroll
     for (int pair = 0; pair < G::OT / 2; ++pair) {
       Bits32 v[4];
-      const int row = kk * kMmaK + l % 8 + ((l / 8) % 2) * 8, column = pair * 16 + (l / 16) * 8;
+      const int row = kk * kMmaK + fragment::bTransRow(l), column = pair * 16 + fragment::bTransColumn(l);
       cuda::ldmatrixX4Trans(v, cuda::sharedAddress(pipe.value + row * G::pitch + column));
       #pragma unroll
       for (int mt = 0; mt < G::MT; ++mt) {
@@ -678,7 +678,7 @@ __device__ float* stageOutput(AccTile<C>& acc) {
     for (int ot = 0; ot < G::OT; ++ot)
       #pragma unroll
       for (int e = 0; e < 4; ++e)
-        staging[(tileRow<C>(mt) + l / kQuadSize + (e / 2) * 8) * G::Dp + ot * 8 + (l % kQuadSize) * 2 + e % 2] =
+        staging[(tileRow<C>(mt) + fragment::accumulatorRow(l, e)) * G::Dp + ot * 8 + fragment::accumulatorColumn(l, e)] =
             acc.o[mt][ot][e];
   __syncthreads();
   return staging;

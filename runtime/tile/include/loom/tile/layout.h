@@ -48,4 +48,26 @@ constexpr AttentionSmem attentionSmem(int blockM, int blockN, int headDim, int s
   return s;
 }
 
+// Fragment geometry of mma.sync.m16n8k16 and ldmatrix.x4, as lane
+// arithmetic shared by the device code and the host tests that check it
+// against the PTX ISA's fragment layouts.
+namespace fragment {
+
+// Accumulator (and score) element e (0..3) of `lane` in an m16n8 tile.
+constexpr int accumulatorRow(int lane, int e) { return lane / 4 + (e / 2) * 8; }
+constexpr int accumulatorColumn(int lane, int e) { return (lane % 4) * 2 + e % 2; }
+
+// ldmatrix.x4 row addresses. A (16x16, row-major) from a [row][k] tile:
+// registers a0..a3 of mma's A operand.
+constexpr int aRow(int lane) { return lane % 16; }
+constexpr int aColumn(int lane) { return (lane / 16) * 8; }
+// B from a [n][k] tile (K rows): b0, b1 of n-tile 0, then b0, b1 of n-tile 1.
+constexpr int bRow(int lane) { return lane % 8 + (lane / 16) * 8; }
+constexpr int bColumn(int lane) { return ((lane / 8) % 2) * 8; }
+// B from a [k][n] tile (V rows) with .trans: b0, b1 of n-tile 0, then of n-tile 1.
+constexpr int bTransRow(int lane) { return lane % 8 + ((lane / 8) % 2) * 8; }
+constexpr int bTransColumn(int lane) { return (lane / 16) * 8; }
+
+}  // namespace fragment
+
 }  // namespace loom
