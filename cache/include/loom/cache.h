@@ -1,0 +1,117 @@
+// The kernel cache: compiled kernels and tuning decisions, kept so that a
+// spec tuned once on a device model is never tuned or compiled again.
+//
+// Two kinds of record:
+//   artifacts  CompiledKernel (plan + binary), content-addressed by a hash of
+//              everything that changes the binary (artifactKey);
+//   decisions  the tuned schedule of a spec on a device model with a
+//              toolchain, with every candidate's measurements.
+// The storage sits behind KernelStore, so a shared store for many service
+// replicas can be added beside the SQLite one without touching callers. A
+// miss is not an error: lookups return an empty optional inside the Result.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "loom/result.h"
+#include "loom/spec.h"
+#include "loom/v1/loom.pb.h"
+
+namespace loom::cache {
+
+// Bumped when the generator's output changes for the same inputs.
+inline constexpr const char* kGeneratorVersion = "loom-iha-1";
+
+// What identifies a GPU for tuning: its name, and the class (compute
+// capability and SM count) a decision may fall back to.
+struct DeviceModel {
+  std::string name;   // "NVIDIA H200"
+  std::string arch;   // "sm_90a"
+  int smCount = 0;
+  std::string key() const;         // name|arch|sms
+  std::string classKey() const;    // arch|sms
+  static DeviceModel of(const v1::Target& target);
+};
+
+// The content address of a compiled kernel: source, options, arch, the
+// toolchain (NVRTC version), tile headers and generator version.
+std::string artifactKey(const v1::CompiledKernel& kernel);
+// A stable key of a spec (its deterministic serialisation, hashed).
+std::string specKey(const KernelSpec& spec);
+
+struct Decision {
+  KernelSpec spec;
+  DeviceModel device;
+  std::string toolchain;
+  v1::TuningResult result;      // best schedule, measured or not, median, TFLOP/s
+  std::string candidatesJson;   // every candidate's outcome and measurements
+  std::string artifactKey;      // the winner's compiled kernel, when stored
+};
+
+struct DecisionLookup {
+  Decision decision;
+  bool fallback = false;  // tuned on another device of the same class
+  std::string note;       // says which, when it is a fallback
+};
+
+struct Entry {
+  std::string kind;  // "artifact" or "decision"
+  std::string id;    // artifact key, or decision id (spec key / device / toolchain)
+  std::string summary;
+  int64_t bytes = 0;
+  int64_t lastUsed = 0;  // unix seconds
+};
+
+struct VerifyReport {
+  int checked = 0;
+  std::vector<std::string> corrupt;  // ids whose checksum failed (removed)
+};
+
+class KernelStore {
+ public:
+  virtual ~KernelStore() = default;
+
+  // The artifact under `key`; nullopt on a miss. A record whose checksum
+  // fails is never returned: it is removed and reported as a miss.
+  virtual Result<std::optional<v1::CompiledKernel>> getArtifact(const std::string& key) = 0;
+  // Stores `kernel` under artifactKey(kernel); replaces an equal key.
+  virtual Status putArtifact(const v1::CompiledKernel& kernel) = 0;
+
+  // The decision for (spec, device, toolchain); failing that, one tuned on a
+  // device of the same class (flagged as a fallback); nullopt on a miss.
+  virtual Result<std::optional<DecisionLookup>> getDecision(const KernelSpec& spec, const DeviceModel& device,
+                                                            const std::string& toolchain) = 0;
+  virtual Status putDecision(const Decision& decision) = 0;
+
+  virtual Result<std::vector<Entry>> list() = 0;
+  // Removes the entry with this id (either kind); an unknown id is an error.
+  virtual Status remove(const std::string& id) = 0;
+  // Checks every record's checksum; corrupt ones are removed and listed.
+  virtual Result<VerifyReport> verify() = 0;
+  // Copies every record into a new store file at `path` / merges one in
+  // (each imported record's checksum and artifact key are checked first).
+  virtual Status exportTo(const std::string& path) = 0;
+  virtual Result<int> importFrom(const std::string& path) = 0;
+};
+
+struct SqliteOptions {
+  int64_t maxBytes = int64_t(2) << 30;  // least recently used records go past this
+  int busyTimeoutMs = 10000;
+};
+
+// Opens (creating or migrating) the SQLite store at `path`. A file that is
+// not a healthy database is moved aside to <path>.corrupt-<time> and a fresh
+// one started, so a damaged cache costs recompiles, never wrong kernels.
+Result<std::unique_ptr<KernelStore>> openSqliteStore(const std::string& path, const SqliteOptions& options = {});
+
+// $LOOM_CACHE_DIR/kernels.sqlite, else $XDG_CACHE_HOME/loom/..., else ~/.cache/loom/...
+std::string defaultStorePath();
+
+// The schema version this build writes.
+int schemaVersion();
+
+}  // namespace loom::cache

@@ -1,0 +1,443 @@
+// The SQLite kernel store: one file, WAL, a busy timeout so several
+// processes can read and write it at once, every blob checksummed, schema
+// versions with migrations, least-recently-used eviction past a size bound.
+#include <sqlite3.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include <google/protobuf/util/json_util.h>
+
+#include "loom/cache.h"
+#include "loom/hash.h"
+
+namespace loom::cache {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr int kSchemaVersion = 2;
+
+int64_t now() {
+  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+std::string checksumOf(const std::string& blob) { return ContentHash().add(blob).hex(); }
+
+// A prepared statement with positional binding; finalised on scope exit.
+class Statement {
+ public:
+  Statement(sqlite3* db, const char* sql) : db_(db) { rc_ = sqlite3_prepare_v2(db, sql, -1, &stmt_, nullptr); }
+  ~Statement() { sqlite3_finalize(stmt_); }
+  Statement(const Statement&) = delete;
+  Statement& operator=(const Statement&) = delete;
+
+  Statement& bind(int index, const std::string& text) {
+    sqlite3_bind_text(stmt_, index, text.data(), int(text.size()), SQLITE_TRANSIENT);
+    return *this;
+  }
+  Statement& bindBlob(int index, const std::string& bytes) {
+    sqlite3_bind_blob(stmt_, index, bytes.data(), int(bytes.size()), SQLITE_TRANSIENT);
+    return *this;
+  }
+  Statement& bind(int index, int64_t value) {
+    sqlite3_bind_int64(stmt_, index, value);
+    return *this;
+  }
+  // SQLITE_ROW, SQLITE_DONE, or an error code.
+  int step() { return rc_ == SQLITE_OK ? sqlite3_step(stmt_) : rc_; }
+  std::string text(int column) const {
+    const auto* data = sqlite3_column_text(stmt_, column);
+    return data ? std::string(reinterpret_cast<const char*>(data), size_t(sqlite3_column_bytes(stmt_, column))) : "";
+  }
+  std::string blob(int column) const {
+    const void* data = sqlite3_column_blob(stmt_, column);
+    return data ? std::string(static_cast<const char*>(data), size_t(sqlite3_column_bytes(stmt_, column))) : "";
+  }
+  int64_t integer(int column) const { return sqlite3_column_int64(stmt_, column); }
+  Status done(const std::string& what) {
+    const int rc = step();
+    if (rc == SQLITE_DONE || rc == SQLITE_ROW) return Status::success();
+    return makeError(what + ": " + sqlite3_errmsg(db_));
+  }
+
+ private:
+  sqlite3* db_;
+  sqlite3_stmt* stmt_ = nullptr;
+  int rc_;
+};
+
+Status exec(sqlite3* db, const std::string& sql, const std::string& what) {
+  char* message = nullptr;
+  if (sqlite3_exec(db, sql.c_str(), nullptr, nullptr, &message) == SQLITE_OK) return Status::success();
+  std::string text = message ? message : "unknown error";
+  sqlite3_free(message);
+  return makeError(what + ": " + text);
+}
+
+// Schema, version by version: migrations run in order inside one transaction.
+const char* const kSchemaV1 = R"(
+  CREATE TABLE artifacts(key TEXT PRIMARY KEY, blob BLOB NOT NULL, checksum TEXT NOT NULL, created INTEGER NOT NULL);
+  CREATE TABLE decisions(spec_key TEXT NOT NULL, device TEXT NOT NULL, toolchain TEXT NOT NULL,
+                         blob BLOB NOT NULL, checksum TEXT NOT NULL, created INTEGER NOT NULL,
+                         PRIMARY KEY(spec_key, device, toolchain));
+)";
+
+// v2: sizes and last use (eviction), the device class (fallback lookups).
+Status migrateToV2(sqlite3* db) {
+  if (Status ok = exec(db, R"(
+        ALTER TABLE artifacts ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;
+        ALTER TABLE artifacts ADD COLUMN last_used INTEGER NOT NULL DEFAULT 0;
+        UPDATE artifacts SET bytes = length(blob), last_used = created;
+        ALTER TABLE decisions ADD COLUMN bytes INTEGER NOT NULL DEFAULT 0;
+        ALTER TABLE decisions ADD COLUMN last_used INTEGER NOT NULL DEFAULT 0;
+        ALTER TABLE decisions ADD COLUMN device_class TEXT NOT NULL DEFAULT '';
+        UPDATE decisions SET bytes = length(blob), last_used = created;
+        CREATE INDEX decisions_by_class ON decisions(spec_key, device_class, toolchain);
+        CREATE INDEX artifacts_by_use ON artifacts(last_used);
+      )", "migration to schema 2");
+      !ok)
+    return ok;
+  // The class was inside each decision's JSON: lift it into its column.
+  std::vector<std::pair<std::string, std::string>> updates;  // rowid, class
+  {
+    Statement rows(db, "SELECT rowid, blob FROM decisions");
+    while (rows.step() == SQLITE_ROW) {
+      const auto json = nlohmann::json::parse(rows.blob(1), nullptr, false);
+      if (json.is_discarded() || !json.contains("device")) continue;
+      DeviceModel model{json["device"].value("name", ""), json["device"].value("arch", ""), json["device"].value("sm_count", 0)};
+      updates.emplace_back(rows.text(0), model.classKey());
+    }
+  }
+  for (const auto& [rowid, deviceClass] : updates) {
+    Statement update(db, "UPDATE decisions SET device_class = ?1 WHERE rowid = ?2");
+    if (Status ok = update.bind(1, deviceClass).bind(2, int64_t(std::stoll(rowid))).done("migration to schema 2"); !ok)
+      return ok;
+  }
+  return Status::success();
+}
+
+std::string decisionToJson(const Decision& d) {
+  nlohmann::json json;
+  json["spec"] = nlohmann::json::parse(toJson(d.spec));
+  json["device"] = {{"name", d.device.name}, {"arch", d.device.arch}, {"sm_count", d.device.smCount}};
+  json["toolchain"] = d.toolchain;
+  json["result"] = nlohmann::json::parse(toJson(d.result));
+  json["candidates"] = d.candidatesJson.empty() ? nlohmann::json::array() : nlohmann::json::parse(d.candidatesJson, nullptr, false);
+  json["artifact_key"] = d.artifactKey;
+  return json.dump();
+}
+
+Result<Decision> decisionFromJson(const std::string& text) {
+  const auto json = nlohmann::json::parse(text, nullptr, false);
+  if (json.is_discarded()) return makeError("decision record is not JSON");
+  Decision d;
+  if (!google::protobuf::util::JsonStringToMessage(json["spec"].dump(), &d.spec).ok() ||
+      !google::protobuf::util::JsonStringToMessage(json["result"].dump(), &d.result).ok())
+    return makeError("decision record does not parse");
+  d.device = {json["device"].value("name", ""), json["device"].value("arch", ""), json["device"].value("sm_count", 0)};
+  d.toolchain = json.value("toolchain", "");
+  d.candidatesJson = json["candidates"].dump();
+  d.artifactKey = json.value("artifact_key", "");
+  return d;
+}
+
+class SqliteStore final : public KernelStore {
+ public:
+  SqliteStore(sqlite3* db, SqliteOptions options) : db_(db), options_(options) {}
+  ~SqliteStore() override { sqlite3_close(db_); }
+
+  Result<std::optional<v1::CompiledKernel>> getArtifact(const std::string& key) override {
+    std::string blob, checksum;
+    {
+      Statement select(db_, "SELECT blob, checksum FROM artifacts WHERE key = ?1");
+      const int rc = select.bind(1, key).step();
+      if (rc == SQLITE_DONE) return std::optional<v1::CompiledKernel>();
+      if (rc != SQLITE_ROW) return makeError(std::string("kernel cache: ") + sqlite3_errmsg(db_));
+      blob = select.blob(0);
+      checksum = select.text(1);
+    }
+    v1::CompiledKernel kernel;
+    if (checksumOf(blob) != checksum || !kernel.ParseFromString(blob) || artifactKey(kernel) != key) {
+      (void)remove(key);  // corrupt: never loaded, gone for the next reader
+      return std::optional<v1::CompiledKernel>();
+    }
+    touch("artifacts", "key", key);
+    return std::optional<v1::CompiledKernel>(std::move(kernel));
+  }
+
+  Status putArtifact(const v1::CompiledKernel& kernel) override {
+    const std::string blob = kernel.SerializeAsString();
+    Statement insert(db_,
+                     "INSERT OR REPLACE INTO artifacts(key, blob, checksum, created, bytes, last_used) "
+                     "VALUES(?1, ?2, ?3, ?4, ?5, ?4)");
+    if (Status ok = insert.bind(1, artifactKey(kernel))
+                        .bindBlob(2, blob)
+                        .bind(3, checksumOf(blob))
+                        .bind(4, now())
+                        .bind(5, int64_t(blob.size()))
+                        .done("kernel cache: storing an artifact");
+        !ok)
+      return ok;
+    return evict();
+  }
+
+  Result<std::optional<DecisionLookup>> getDecision(const KernelSpec& spec, const DeviceModel& device,
+                                                    const std::string& toolchain) override {
+    for (const bool fallback : {false, true}) {
+      std::string blob, checksum, rowid;
+      {
+        Statement select(db_, fallback ? "SELECT blob, checksum, rowid FROM decisions WHERE spec_key = ?1 AND "
+                                         "device_class = ?2 AND toolchain = ?3 ORDER BY last_used DESC LIMIT 1"
+                                       : "SELECT blob, checksum, rowid FROM decisions WHERE spec_key = ?1 AND "
+                                         "device = ?2 AND toolchain = ?3");
+        const int rc = select.bind(1, specKey(spec))
+                           .bind(2, fallback ? device.classKey() : device.key())
+                           .bind(3, toolchain)
+                           .step();
+        if (rc == SQLITE_DONE) continue;
+        if (rc != SQLITE_ROW) return makeError(std::string("kernel cache: ") + sqlite3_errmsg(db_));
+        blob = select.blob(0);
+        checksum = select.text(1);
+        rowid = select.text(2);
+      }
+      auto decision = checksumOf(blob) == checksum ? decisionFromJson(blob) : Result<Decision>(makeError("checksum"));
+      if (!decision) {
+        Statement drop(db_, "DELETE FROM decisions WHERE rowid = ?1");
+        (void)drop.bind(1, int64_t(std::stoll(rowid))).done("kernel cache: dropping a corrupt decision");
+        continue;
+      }
+      touch("decisions", "rowid", rowid);
+      DecisionLookup lookup{*decision, fallback, ""};
+      if (fallback)
+        lookup.note = "tuned on " + decision->device.name + ", another device of class " + device.classKey();
+      return std::optional<DecisionLookup>(lookup);
+    }
+    return std::optional<DecisionLookup>();
+  }
+
+  Status putDecision(const Decision& d) override {
+    const std::string blob = decisionToJson(d);
+    Statement insert(db_,
+                     "INSERT OR REPLACE INTO decisions(spec_key, device, toolchain, blob, checksum, created, bytes, "
+                     "last_used, device_class) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?6, ?8)");
+    if (Status ok = insert.bind(1, specKey(d.spec))
+                        .bind(2, d.device.key())
+                        .bind(3, d.toolchain)
+                        .bindBlob(4, blob)
+                        .bind(5, checksumOf(blob))
+                        .bind(6, now())
+                        .bind(7, int64_t(blob.size()))
+                        .bind(8, d.device.classKey())
+                        .done("kernel cache: storing a decision");
+        !ok)
+      return ok;
+    return evict();
+  }
+
+  Result<std::vector<Entry>> list() override {
+    std::vector<Entry> entries;
+    {
+      Statement select(db_, "SELECT key, blob, bytes, last_used FROM artifacts ORDER BY last_used DESC");
+      while (select.step() == SQLITE_ROW) {
+        v1::CompiledKernel kernel;
+        const bool parsed = kernel.ParseFromString(select.blob(1));
+        entries.push_back({"artifact", select.text(0),
+                           parsed ? kernel.target().arch() + " " + kernel.schedule().ShortDebugString() : "(unreadable)",
+                           select.integer(2), select.integer(3)});
+      }
+    }
+    Statement select(db_, "SELECT spec_key || '/' || device || '/' || toolchain, blob, bytes, last_used FROM decisions "
+                          "ORDER BY last_used DESC");
+    while (select.step() == SQLITE_ROW) {
+      auto decision = decisionFromJson(select.blob(1));
+      entries.push_back({"decision", select.text(0),
+                         decision ? (decision->result.measured() ? "measured " : "untimed ") +
+                                        decision->result.best().ShortDebugString()
+                                  : "(unreadable)",
+                         select.integer(2), select.integer(3)});
+    }
+    return entries;
+  }
+
+  Status remove(const std::string& id) override {
+    Statement artifacts(db_, "DELETE FROM artifacts WHERE key = ?1");
+    if (Status ok = artifacts.bind(1, id).done("kernel cache: removing"); !ok) return ok;
+    int changed = sqlite3_changes(db_);
+    Statement decisions(db_, "DELETE FROM decisions WHERE spec_key || '/' || device || '/' || toolchain = ?1");
+    if (Status ok = decisions.bind(1, id).done("kernel cache: removing"); !ok) return ok;
+    changed += sqlite3_changes(db_);
+    if (changed == 0) return makeError("kernel cache: no entry " + id);
+    return Status::success();
+  }
+
+  Result<VerifyReport> verify() override {
+    VerifyReport report;
+    std::vector<std::string> corruptArtifacts;
+    std::vector<int64_t> corruptDecisions;
+    {
+      Statement select(db_, "SELECT key, blob, checksum FROM artifacts");
+      while (select.step() == SQLITE_ROW) {
+        ++report.checked;
+        v1::CompiledKernel kernel;
+        if (checksumOf(select.blob(1)) != select.text(2) || !kernel.ParseFromString(select.blob(1)) ||
+            artifactKey(kernel) != select.text(0))
+          corruptArtifacts.push_back(select.text(0));
+      }
+    }
+    {
+      Statement select(db_, "SELECT rowid, blob, checksum, spec_key || '/' || device || '/' || toolchain FROM decisions");
+      while (select.step() == SQLITE_ROW) {
+        ++report.checked;
+        if (checksumOf(select.blob(1)) != select.text(2) || !decisionFromJson(select.blob(1))) {
+          corruptDecisions.push_back(select.integer(0));
+          report.corrupt.push_back(select.text(3));
+        }
+      }
+    }
+    for (const std::string& key : corruptArtifacts) {
+      (void)remove(key);
+      report.corrupt.push_back(key);
+    }
+    for (int64_t rowid : corruptDecisions) {
+      Statement drop(db_, "DELETE FROM decisions WHERE rowid = ?1");
+      (void)drop.bind(1, rowid).done("kernel cache: dropping a corrupt decision");
+    }
+    return report;
+  }
+
+  Status exportTo(const std::string& path) override {
+    std::error_code ec;
+    fs::remove(path, ec);
+    auto target = openSqliteStore(path, options_);
+    if (!target) return target.error();
+    target->reset();  // closed: now attach it here and copy
+    Statement attach(db_, "ATTACH DATABASE ?1 AS target");
+    if (Status ok = attach.bind(1, path).done("kernel cache: export"); !ok) return ok;
+    Status copied = exec(db_, R"(
+        BEGIN IMMEDIATE;
+        INSERT OR REPLACE INTO target.artifacts SELECT * FROM main.artifacts;
+        INSERT OR REPLACE INTO target.decisions SELECT * FROM main.decisions;
+        COMMIT;)", "kernel cache: export");
+    if (!copied) (void)exec(db_, "ROLLBACK", "rollback");
+    (void)exec(db_, "DETACH DATABASE target", "kernel cache: export");
+    return copied;
+  }
+
+  Result<int> importFrom(const std::string& path) override {
+    auto source = openSqliteStore(path, options_);
+    if (!source) return source.error();
+    // Every record is checked before it is taken: imported kernels run on GPUs.
+    if (auto report = (*source)->verify(); !report) return report.error();
+    source->reset();
+    Statement attach(db_, "ATTACH DATABASE ?1 AS source");
+    if (Status ok = attach.bind(1, path).done("kernel cache: import"); !ok) return ok.error();
+    const int before = count();
+    Status copied = exec(db_, R"(
+        BEGIN IMMEDIATE;
+        INSERT OR REPLACE INTO main.artifacts SELECT * FROM source.artifacts;
+        INSERT OR REPLACE INTO main.decisions SELECT * FROM source.decisions;
+        COMMIT;)", "kernel cache: import");
+    if (!copied) (void)exec(db_, "ROLLBACK", "rollback");
+    (void)exec(db_, "DETACH DATABASE source", "kernel cache: import");
+    if (!copied) return copied.error();
+    return count() - before;
+  }
+
+ private:
+  int count() {
+    Statement select(db_, "SELECT (SELECT count(*) FROM artifacts) + (SELECT count(*) FROM decisions)");
+    return select.step() == SQLITE_ROW ? int(select.integer(0)) : 0;
+  }
+
+  void touch(const char* table, const char* column, const std::string& id) {
+    const std::string sql = std::string("UPDATE ") + table + " SET last_used = ?1 WHERE " + column + " = ?2";
+    Statement update(db_, sql.c_str());
+    update.bind(1, now());
+    if (std::string(column) == "rowid") update.bind(2, int64_t(std::stoll(id)));
+    else update.bind(2, id);
+    (void)update.done("kernel cache: last use");  // best effort: a busy store only loses recency
+  }
+
+  // Least recently used records go until the store fits its bound.
+  Status evict() {
+    Statement total(db_, "SELECT (SELECT coalesce(sum(bytes), 0) FROM artifacts) + "
+                         "(SELECT coalesce(sum(bytes), 0) FROM decisions)");
+    if (total.step() != SQLITE_ROW || total.integer(0) <= options_.maxBytes) return Status::success();
+    return exec(db_,
+                "DELETE FROM artifacts WHERE key IN (SELECT key FROM artifacts a WHERE "
+                "(SELECT coalesce(sum(bytes), 0) FROM artifacts b WHERE b.last_used > a.last_used OR "
+                "(b.last_used = a.last_used AND b.key >= a.key)) + (SELECT coalesce(sum(bytes), 0) FROM decisions) > " +
+                    std::to_string(options_.maxBytes) + ")",
+                "kernel cache: eviction");
+  }
+
+  sqlite3* db_;
+  SqliteOptions options_;
+};
+
+Result<sqlite3*> openAndMigrate(const std::string& path, const SqliteOptions& options) {
+  sqlite3* db = nullptr;
+  if (sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX, nullptr) !=
+      SQLITE_OK) {
+    std::string message = db ? sqlite3_errmsg(db) : "out of memory";
+    sqlite3_close(db);
+    return makeError(path + ": " + message);
+  }
+  sqlite3_busy_timeout(db, options.busyTimeoutMs);
+  auto fail = [&](const Status& status) -> Result<sqlite3*> {
+    sqlite3_close(db);
+    return status.error();
+  };
+  // A damaged file fails here: quick_check reads every page once.
+  {
+    Statement check(db, "PRAGMA quick_check");
+    if (check.step() != SQLITE_ROW || check.text(0) != "ok") return fail(makeError(path + ": not a healthy database"));
+  }
+  if (Status ok = exec(db, "PRAGMA journal_mode = WAL; PRAGMA synchronous = NORMAL;", path); !ok) return fail(ok);
+  if (Status ok = exec(db, "BEGIN IMMEDIATE", path); !ok) return fail(ok);
+  int version = 0;
+  {
+    Statement read(db, "PRAGMA user_version");
+    if (read.step() == SQLITE_ROW) version = int(read.integer(0));
+  }
+  if (version > kSchemaVersion) {
+    (void)exec(db, "ROLLBACK", path);
+    return fail(makeError(path + ": schema " + std::to_string(version) + " is newer than this loom (" +
+                          std::to_string(kSchemaVersion) + ")"));
+  }
+  Status migrated;
+  if (version < 1) migrated = exec(db, kSchemaV1, "creating schema 1");
+  if (migrated && version < 2) migrated = migrateToV2(db);
+  if (migrated) migrated = exec(db, "PRAGMA user_version = " + std::to_string(kSchemaVersion), path);
+  if (!migrated) {
+    (void)exec(db, "ROLLBACK", path);
+    return fail(migrated);
+  }
+  if (Status ok = exec(db, "COMMIT", path); !ok) return fail(ok);
+  return db;
+}
+
+}  // namespace
+
+int schemaVersion() { return kSchemaVersion; }
+
+Result<std::unique_ptr<KernelStore>> openSqliteStore(const std::string& path, const SqliteOptions& options) {
+  std::error_code ec;
+  if (fs::path(path).has_parent_path()) fs::create_directories(fs::path(path).parent_path(), ec);
+  auto db = openAndMigrate(path, options);
+  if (!db && fs::exists(path) && db.error().message.find("not a healthy database") != std::string::npos) {
+    // Keep the damaged file for inspection and start afresh: the cache only saves work.
+    const std::string aside = path + ".corrupt-" + std::to_string(now());
+    fs::rename(path, aside, ec);
+    for (const char* suffix : {"-wal", "-shm"}) fs::remove(path + suffix, ec);
+    std::fprintf(stderr, "loom: kernel cache %s was damaged; moved to %s and started afresh\n", path.c_str(),
+                 aside.c_str());
+    db = openAndMigrate(path, options);
+  }
+  if (!db) return db.error();
+  return std::unique_ptr<KernelStore>(new SqliteStore(*db, options));
+}
+
+}  // namespace loom::cache
