@@ -261,6 +261,27 @@ class SqliteStore final : public KernelStore {
     return entries;
   }
 
+  Result<std::optional<std::string>> describe(const std::string& id) override {
+    auto artifact = getArtifact(id);
+    if (!artifact) return artifact.error();
+    if (artifact->has_value()) {
+      v1::CompiledKernel summary = **artifact;
+      const size_t binaryBytes = summary.binary().size(), sourceBytes = summary.source().size();
+      summary.clear_binary();
+      summary.clear_source();
+      summary.clear_ptx();
+      summary.clear_compile_log();
+      auto json = nlohmann::json::parse(toJson(summary));
+      json["binary_bytes"] = binaryBytes;
+      json["source_bytes"] = sourceBytes;
+      return std::optional<std::string>(json.dump(2));
+    }
+    Statement select(db_, "SELECT blob FROM decisions WHERE spec_key || '/' || device || '/' || toolchain = ?1");
+    if (select.bind(1, id).step() != SQLITE_ROW) return std::optional<std::string>();
+    const auto json = nlohmann::json::parse(select.blob(0), nullptr, false);
+    return std::optional<std::string>(json.is_discarded() ? "(unreadable)" : json.dump(2));
+  }
+
   Status remove(const std::string& id) override {
     Statement artifacts(db_, "DELETE FROM artifacts WHERE key = ?1");
     if (Status ok = artifacts.bind(1, id).done("kernel cache: removing"); !ok) return ok;

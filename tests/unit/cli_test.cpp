@@ -280,6 +280,12 @@ TEST(Cli, TuneOfflineIsMarkedUntimed) {
   ASSERT_EQ(result.exitCode, 0) << result.output;
   EXPECT_NE(result.output.find("UNTIMED"), std::string::npos) << result.output;
   EXPECT_NE(result.output.find("winner bm"), std::string::npos);
+  // The decision (and the winner's kernel) landed in the cache.
+  const auto listed = runLoom(std::string("cache --path ") + LOOM_TEST_CACHE + "/kernels.sqlite ls");
+  EXPECT_EQ(listed.exitCode, 0) << listed.output;
+  EXPECT_NE(listed.output.find("decision"), std::string::npos) << listed.output;
+  EXPECT_NE(listed.output.find("untimed"), std::string::npos) << listed.output;
+  EXPECT_NE(listed.output.find("artifact"), std::string::npos) << listed.output;
   auto saved = readTextFile(dir / "tuned.json");
   ASSERT_TRUE(saved);
   EXPECT_NE(saved->find("\"candidates\""), std::string::npos);

@@ -36,8 +36,9 @@ Result<std::vector<double>> runOnCuda(const RunOptions& options, const IhaCase& 
   auto kernel = (*runtime)->kernel(c.spec, *schedule);
   if (!kernel) return kernel.error();
   const v1::CompiledKernel& compiled = (*kernel)->compiled();
-  std::printf("cuda: %s (%s); schedule %s; %s\n", (*runtime)->device().name.c_str(), (*runtime)->device().arch().c_str(),
-              compiled.schedule().ShortDebugString().c_str(), compiled.toolchain().c_str());
+  std::printf("cuda: %s (%s); schedule %s; %s; %s\n", (*runtime)->device().name.c_str(),
+              (*runtime)->device().arch().c_str(), compiled.schedule().ShortDebugString().c_str(),
+              compiled.toolchain().c_str(), (*kernel)->provenance().c_str());
   auto device = cuda::Device::open(options.device);
   if (!device) return device.error();
   auto run = cuda::runCase(**kernel, **device, c);

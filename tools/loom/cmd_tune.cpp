@@ -14,8 +14,8 @@
 #include "commands.h"
 #include "cpu/cpu_backend.h"
 #include "cuda/driver.h"
+#include "loom/cache.h"
 #include "loom/compiler.h"
-#include "loom/hash.h"
 
 namespace loom::cli {
 namespace {
@@ -113,27 +113,39 @@ int tuneCommand(const TuneCliOptions& options) {
     }
   }
 
-  // Remember the winner (the kernel cache will hold it; until then, JSON).
+  // Remember the winner in the kernel cache (and as JSON when --out asks).
   const std::string deviceName = target.device().name().empty() ? target.arch() : target.device().name();
-  std::string outPath = options.outPath;
-  if (outPath.empty()) {
-    const std::string key = ContentHash().add(toJson(*spec)).add(deviceName).add(report->result.toolchain()).hex();
-    outPath = tuneOptions.cacheDir + "/tuning/" + key + ".json";
-    std::filesystem::create_directories(tuneOptions.cacheDir + "/tuning");
-  }
   nlohmann::json saved = nlohmann::json::parse(toJson(report->result));
   saved["device"] = deviceName;
   saved["tokens"] = options.tokens;
   saved["batch"] = options.batch;
   saved["candidates"] = nlohmann::json::array();
   for (const auto& c : report->candidates) saved["candidates"].push_back(candidateJson(c));
-  {
-    const std::string temporary = outPath + ".tmp";
+  const std::string storePath = tuneOptions.cacheDir + "/kernels.sqlite";
+  auto store = cache::openSqliteStore(storePath);
+  if (!store) return badInput(store.error().message);
+  cache::Decision decision;
+  decision.spec = *spec;
+  decision.device = cache::DeviceModel::of(target);
+  decision.toolchain = report->result.toolchain();
+  decision.result = report->result;
+  nlohmann::json kept = nlohmann::json::array();  // every candidate that was compiled or measured
+  for (const auto& c : report->candidates)
+    if (c.outcome != autotune::Outcome::pruned && c.outcome != autotune::Outcome::skipped) kept.push_back(candidateJson(c));
+  decision.candidatesJson = kept.dump();
+  for (const v1::CompiledKernel& kernel : compiled)
+    if (!kernel.binary().empty() && kernel.schedule().SerializeAsString() == report->result.best().SerializeAsString()) {
+      if (Status ok = (*store)->putArtifact(kernel); !ok) return badInput(ok.error().message);
+      decision.artifactKey = cache::artifactKey(kernel);
+    }
+  if (Status ok = (*store)->putDecision(decision); !ok) return badInput(ok.error().message);
+  if (!options.outPath.empty()) {
+    const std::string temporary = options.outPath + ".tmp";
     std::ofstream out(temporary);
     out << saved.dump(2) << "\n";
-    if (!out) return badInput(outPath + ": write failed");
+    if (!out) return badInput(options.outPath + ": write failed");
     out.close();
-    std::filesystem::rename(temporary, outPath);
+    std::filesystem::rename(temporary, options.outPath);
   }
 
   if (options.json) {
@@ -157,7 +169,7 @@ int tuneCommand(const TuneCliOptions& options) {
                 r.predictedMs, r.outcome == autotune::Outcome::timed ? std::to_string(r.tflops).substr(0, 6).c_str() : "-",
                 r.registers, r.sharedMemory / 1024.0, autotune::outcomeName(r.outcome));
   }
-  std::printf("winner %s written to %s\n", report->candidates.front().candidate.key.c_str(), outPath.c_str());
+  std::printf("winner %s stored in %s\n", report->candidates.front().candidate.key.c_str(), storePath.c_str());
   return kExitOk;
 }
 
@@ -177,7 +189,7 @@ void addTuneCommand(CLI::App& app, std::function<int()>* action) {
   cmd->add_option("--tokens", options->tokens, "N of the problem tuned for")->capture_default_str();
   cmd->add_option("--batch", options->batch, "B of the problem tuned for")->capture_default_str();
   cmd->add_option("--top", options->top, "rows in the final table")->capture_default_str();
-  cmd->add_option("--out", options->outPath, "where the result JSON goes (default: the cache's tuning/ folder)");
+  cmd->add_option("--out", options->outPath, "also write the result as JSON here");
   cmd->add_option("--cache-dir", options->cacheDir, "compiled artifacts and tuning results (default ~/.cache/loom)");
   cmd->add_option("--compile-top", options->compileTop, "without a GPU: compile this many best-ranked candidates")
       ->capture_default_str();

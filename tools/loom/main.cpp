@@ -14,6 +14,7 @@ int main(int argc, char** argv) {
   loom::cli::addGenCommand(app, &action);
   loom::cli::addCompileCommand(app, &action);
   loom::cli::addTuneCommand(app, &action);
+  loom::cli::addCacheCommand(app, &action);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -88,6 +88,9 @@ class KernelStore {
   virtual Status putDecision(const Decision& decision) = 0;
 
   virtual Result<std::vector<Entry>> list() = 0;
+  // The record with this id as JSON (an artifact without its binary and
+  // source); nullopt when there is none.
+  virtual Result<std::optional<std::string>> describe(const std::string& id) = 0;
   // Removes the entry with this id (either kind); an unknown id is an error.
   virtual Status remove(const std::string& id) = 0;
   // Checks every record's checksum; corrupt ones are removed and listed.

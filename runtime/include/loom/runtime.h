@@ -70,8 +70,12 @@ class Kernel {
                 const DLTensor* lse = nullptr, CUstream stream = nullptr);
 
   const v1::CompiledKernel& compiled() const { return compiled_; }
+  // Where the kernel came from: "compiled now", "kernel cache", and whether
+  // its schedule was tuned (and on which device) or the default.
+  const std::string& provenance() const { return provenance_; }
 
  private:
+  friend class Runtime;
   Kernel() = default;
   Status ensureWorkspaces(int64_t batch, int64_t tokens);
 
@@ -81,6 +85,7 @@ class Kernel {
   std::vector<CUfunction> functions_;  // one per entry, in launch order
   std::map<std::string, std::unique_ptr<cuda::DeviceBuffer>> workspaces_;
   int64_t workspaceRows_ = 0;  // B * N the workspaces hold
+  std::string provenance_ = "loaded";
 };
 
 class Runtime {
@@ -88,6 +93,7 @@ class Runtime {
   struct Options {
     int device = 0;
     std::string cacheDir;  // compiled artifacts; empty: $LOOM_CACHE_DIR or ~/.cache/loom
+    bool useKernelCache = true;  // tuned schedules and compiled kernels from <cacheDir>/kernels.sqlite
   };
 
   // Opens the GPU. Without a driver or device the error says so.
@@ -99,7 +105,10 @@ class Runtime {
   // The device as a compile target (arch and properties).
   v1::Target target() const;
 
-  // Generates, compiles (NVRTC, cached) and loads the spec's kernel.
+  // Loads the spec's kernel: with no schedule given, the one tuned for this
+  // device model (or its class) in the kernel cache, else the default; the
+  // compiled kernel from the cache, else generated and compiled by NVRTC
+  // (and stored).
   Result<std::shared_ptr<Kernel>> kernel(const KernelSpec& spec, const Schedule& schedule = {});
   // Loads an already compiled kernel (from the cache or the service).
   Result<std::shared_ptr<Kernel>> load(const v1::CompiledKernel& compiled);
