@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   loom::cli::addCompileCommand(app, &action);
   loom::cli::addTuneCommand(app, &action);
   loom::cli::addCacheCommand(app, &action);
+  loom::cli::addServeCommands(app, &action);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

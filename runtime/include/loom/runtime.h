@@ -92,8 +92,9 @@ class Runtime {
  public:
   struct Options {
     int device = 0;
-    std::string cacheDir;  // compiled artifacts; empty: $LOOM_CACHE_DIR or ~/.cache/loom
-    bool useKernelCache = true;  // tuned schedules and compiled kernels from <cacheDir>/kernels.sqlite
+    // Kernel cache (kernels.sqlite: tuned schedules, compiled kernels) and
+    // NVRTC artifacts; empty: $LOOM_CACHE_DIR or ~/.cache/loom.
+    std::string cacheDir;
   };
 
   // Opens the GPU. Without a driver or device the error says so.

@@ -1,0 +1,83 @@
+#include "api/provider.h"
+
+#include <cstdio>
+
+#include "api/compile.h"
+#include "loom/compiler.h"
+
+namespace loom {
+
+KernelProvider::KernelProvider(const std::string& cacheDir, int maxConcurrentCompiles)
+    : compiler_(cacheDir), compileSlots_(std::max(1, maxConcurrentCompiles)) {
+  auto store = cache::openSqliteStore(cacheDir + "/kernels.sqlite");
+  if (store) store_ = std::move(*store);
+  else std::fprintf(stderr, "loom: kernel cache unavailable (%s); compiling without it\n", store.error().message.c_str());
+}
+
+Result<ProvidedKernel> KernelProvider::provide(const KernelSpec& spec, const v1::Target& target,
+                                               const Schedule& schedule) {
+  if (target.kind() != v1::Target::cuda) return makeError("target must be a CUDA arch (sm_80, sm_90a, ...)");
+  ProvidedKernel provided;
+  Schedule chosen = schedule;
+  provided.scheduleSource = schedule.ByteSizeLong() ? "given" : "default";
+  if (store_ && !schedule.ByteSizeLong()) {
+    auto decision = store_->getDecision(spec, cache::DeviceModel::of(target), jit::nvrtcVersion());
+    if (decision && decision->has_value()) {
+      chosen = (*decision)->decision.result.best();
+      provided.scheduleSource = (*decision)->decision.result.measured() ? "tuned" : "ranked (untimed)";
+      if ((*decision)->fallback) provided.scheduleSource += " (" + (*decision)->note + ")";
+    }
+  }
+  // The kernel's address needs the generated source; generating is cheap.
+  auto plan = generateKernel(spec, chosen, target);
+  if (!plan) return plan.error();
+  v1::CompiledKernel probe = toCompiledKernel(*plan);
+  probe.set_toolchain(jit::nvrtcVersion() + (jit::nvrtcKnowsArch(target.arch()) ? " cubin" : " ptx"));
+  const std::string key = cache::artifactKey(probe);
+  if (store_) {
+    auto hit = store_->getArtifact(key);
+    if (hit && hit->has_value()) {
+      provided.kernel = std::move(**hit);
+      provided.origin = "kernel cache";
+      return provided;
+    }
+  }
+  auto compiled = compileOnce(key, spec, chosen, target);
+  if (!compiled) return compiled.error();
+  provided.kernel = *compiled;
+  provided.origin = "compiled now";
+  return provided;
+}
+
+Result<v1::CompiledKernel> KernelProvider::compileOnce(const std::string& key, const KernelSpec& spec,
+                                                       const Schedule& schedule, const v1::Target& target) {
+  std::shared_future<Result<v1::CompiledKernel>> future;
+  std::promise<Result<v1::CompiledKernel>> promise;
+  bool leader = false;
+  {
+    std::lock_guard lock(mutex_);
+    auto found = inFlight_.find(key);
+    if (found != inFlight_.end()) {
+      future = found->second;
+    } else {
+      future = promise.get_future().share();
+      inFlight_.emplace(key, future);
+      leader = true;
+    }
+  }
+  if (!leader) return future.get();  // an identical miss is compiling: share its result
+
+  compileSlots_.acquire();
+  ++inFlightCount_;
+  auto compiled = compileKernel(spec, schedule, target, compiler_);
+  --inFlightCount_;
+  compileSlots_.release();
+  ++compiles_;
+  if (compiled && store_) (void)store_->putArtifact(*compiled);  // a cache that cannot write costs a recompile
+  promise.set_value(compiled);
+  std::lock_guard lock(mutex_);
+  inFlight_.erase(key);
+  return compiled;
+}
+
+}  // namespace loom

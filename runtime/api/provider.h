@@ -1,0 +1,59 @@
+// KernelProvider: the one way loom hands out a compiled kernel for a spec on
+// a target, shared by the host API, the CLI and the service. The schedule is
+// the tuned one from the kernel cache when known (else the default); the
+// compiled kernel comes from the cache when there, else from NVRTC now, with
+// identical concurrent misses compiled once and a bound on compiles in
+// flight. Knows nothing of gRPC.
+#pragma once
+
+#include <atomic>
+#include <future>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <semaphore>
+#include <string>
+
+#include "jit/nvrtc_compiler.h"
+#include "loom/cache.h"
+#include "loom/result.h"
+#include "loom/spec.h"
+
+namespace loom {
+
+struct ProvidedKernel {
+  v1::CompiledKernel kernel;
+  std::string origin;          // "kernel cache" or "compiled now"
+  std::string scheduleSource;  // "tuned", "ranked (untimed)", "default", "given", with any fallback note
+};
+
+class KernelProvider {
+ public:
+  static constexpr int kDefaultConcurrentCompiles = 4;
+
+  // `cacheDir` holds kernels.sqlite and NVRTC's artifacts; a store that
+  // cannot be opened is survived (every request then compiles).
+  explicit KernelProvider(const std::string& cacheDir, int maxConcurrentCompiles = kDefaultConcurrentCompiles);
+
+  // An empty `schedule` means: the cache's decision for this device, else
+  // the compiler's default.
+  Result<ProvidedKernel> provide(const KernelSpec& spec, const v1::Target& target, const Schedule& schedule = {});
+
+  cache::KernelStore* store() { return store_.get(); }
+  int64_t compiles() const { return compiles_; }
+  int compilesInFlight() const { return inFlightCount_; }
+
+ private:
+  Result<v1::CompiledKernel> compileOnce(const std::string& key, const KernelSpec& spec, const Schedule& schedule,
+                                         const v1::Target& target);
+
+  std::unique_ptr<cache::KernelStore> store_;
+  jit::NvrtcCompiler compiler_;
+  std::counting_semaphore<1024> compileSlots_;
+  std::mutex mutex_;
+  std::map<std::string, std::shared_future<Result<v1::CompiledKernel>>> inFlight_;
+  std::atomic<int64_t> compiles_{0};
+  std::atomic<int> inFlightCount_{0};
+};
+
+}  // namespace loom

@@ -1,0 +1,37 @@
+// A C++ client of KernelService: fetch kernels, list the cache, upload
+// tuning results.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "loom/result.h"
+#include "loom/v1/service.grpc.pb.h"
+
+namespace loom::service {
+
+class KernelClient {
+ public:
+  // `tokenFile` (optional) holds the bearer token sent with writes;
+  // `tlsRoots` (optional) a PEM file of roots to trust (else plaintext).
+  static Result<std::unique_ptr<KernelClient>> connect(const std::string& address, const std::string& tokenFile = "",
+                                                       const std::string& tlsRoots = "");
+
+  Result<v1::GetKernelResponse> getKernel(const v1::KernelSpec& spec, const v1::Target& target, int deadlineMs = 60000);
+  Result<v1::ListKernelsResponse> listKernels();
+  Result<v1::PutTuningResponse> putTuning(const v1::TuningResult& result, const v1::CompiledKernel& kernel,
+                                          const std::string& candidatesJson = "[]");
+
+  v1::KernelService::Stub& stub() { return *stub_; }
+  // Adds the bearer token to a call's metadata.
+  void authorize(grpc::ClientContext& context) const;
+
+ private:
+  std::unique_ptr<v1::KernelService::Stub> stub_;
+  std::string token_;
+};
+
+// "StatusCode: message" of a failed call.
+Error callError(const grpc::Status& status);
+
+}  // namespace loom::service

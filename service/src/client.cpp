@@ -1,0 +1,86 @@
+#include "loom/client.h"
+
+#include <grpcpp/grpcpp.h>
+
+#include <chrono>
+
+#include "loom/hash.h"
+#include "loom/spec.h"
+
+namespace loom::service {
+
+Error callError(const grpc::Status& status) {
+  static const char* names[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+                                "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+                                "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+                                "UNAUTHENTICATED"};
+  const int code = int(status.error_code());
+  return makeError(std::string(code >= 0 && code <= 16 ? names[code] : "ERROR") + ": " + status.error_message());
+}
+
+Result<std::unique_ptr<KernelClient>> KernelClient::connect(const std::string& address, const std::string& tokenFile,
+                                                           const std::string& tlsRoots) {
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (!tlsRoots.empty()) {
+    auto roots = readTextFile(tlsRoots);
+    if (!roots) return roots.error();
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = *roots;
+    credentials = grpc::SslCredentials(ssl);
+  }
+  std::unique_ptr<KernelClient> client(new KernelClient());
+  if (!tokenFile.empty()) {
+    auto token = readTextFile(tokenFile);
+    if (!token) return token.error();
+    client->token_ = *token;
+    while (!client->token_.empty() && std::isspace(static_cast<unsigned char>(client->token_.back()))) client->token_.pop_back();
+  }
+  grpc::ChannelArguments arguments;
+  arguments.SetMaxReceiveMessageSize(256 << 20);
+  client->stub_ = v1::KernelService::NewStub(grpc::CreateCustomChannel(address, credentials, arguments));
+  return client;
+}
+
+void KernelClient::authorize(grpc::ClientContext& context) const {
+  if (!token_.empty()) context.AddMetadata("authorization", "Bearer " + token_);
+}
+
+Result<v1::GetKernelResponse> KernelClient::getKernel(const v1::KernelSpec& spec, const v1::Target& target,
+                                                      int deadlineMs) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(deadlineMs));
+  v1::GetKernelRequest request;
+  *request.mutable_spec() = spec;
+  *request.mutable_target() = target;
+  v1::GetKernelResponse response;
+  const grpc::Status status = stub_->GetKernel(&context, request, &response);
+  if (!status.ok()) return callError(status);
+  return response;
+}
+
+Result<v1::ListKernelsResponse> KernelClient::listKernels() {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  v1::ListKernelsResponse response;
+  const grpc::Status status = stub_->ListKernels(&context, v1::ListKernelsRequest(), &response);
+  if (!status.ok()) return callError(status);
+  return response;
+}
+
+Result<v1::PutTuningResponse> KernelClient::putTuning(const v1::TuningResult& result, const v1::CompiledKernel& kernel,
+                                                      const std::string& candidatesJson) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  authorize(context);
+  v1::PutTuningRequest request;
+  *request.mutable_result() = result;
+  *request.mutable_kernel() = kernel;
+  request.set_kernel_checksum(ContentHash().add(kernel.SerializeAsString()).hex());
+  request.set_candidates_json(candidatesJson);
+  v1::PutTuningResponse response;
+  const grpc::Status status = stub_->PutTuning(&context, request, &response);
+  if (!status.ok()) return callError(status);
+  return response;
+}
+
+}  // namespace loom::service

@@ -1,0 +1,323 @@
+// KernelService: thin handlers that validate, call the core (KernelProvider,
+// the kernel cache, the tuner) and map results to gRPC status codes.
+#include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <httplib.h>
+
+#include <chrono>
+#include <cstdio>
+#include <future>
+#include <regex>
+#include <thread>
+
+#include "api/provider.h"
+#include "autotune/tuner.h"
+#include "cpu/cpu_backend.h"
+#include "loom/cache.h"
+#include "loom/compiler.h"
+#include "loom/hash.h"
+#include "loom/service.h"
+#include "loom/v1/service.grpc.pb.h"
+#include "metrics.h"
+
+namespace loom::service {
+namespace {
+
+using grpc::ServerContext;
+using grpc::Status;
+using grpc::StatusCode;
+
+// Requests beyond these sizes are refused before any work starts.
+constexpr int kMaxHeads = 1024;
+constexpr int kMaxPseudoHeads = 64;
+constexpr int kMaxWindow = 1 << 24;
+constexpr int64_t kMaxTuneTokens = 1 << 20;
+
+Status invalid(const std::string& message) { return Status(StatusCode::INVALID_ARGUMENT, message); }
+
+Status checkSpec(const KernelSpec& spec) {
+  if (spec.heads() > kMaxHeads || spec.kv_heads() > kMaxHeads)
+    return invalid("spec.heads / spec.kv_heads over the limit of " + std::to_string(kMaxHeads));
+  if (spec.pseudo_heads() > kMaxPseudoHeads)
+    return invalid("spec.pseudo_heads over the limit of " + std::to_string(kMaxPseudoHeads));
+  if (spec.window() > kMaxWindow) return invalid("spec.window over the limit of " + std::to_string(kMaxWindow));
+  if (loom::Status valid = validateSpec(spec); !valid) return invalid("spec." + valid.error().message);
+  return Status::OK;
+}
+
+Status checkTarget(const v1::Target& target) {
+  if (target.kind() != v1::Target::cuda || !std::regex_match(target.arch(), std::regex("sm_[0-9]{2,3}a?")))
+    return invalid("target: kind must be cuda with an arch such as sm_90a, got '" + target.arch() + "'");
+  return Status::OK;
+}
+
+class KernelServiceImpl final : public v1::KernelService::Service {
+ public:
+  KernelServiceImpl(const ServerOptions& options, std::string token, Metrics& metrics)
+      : provider_(options.cacheDir.empty() ? cpu::defaultCacheDir() : options.cacheDir, options.maxConcurrentCompiles),
+        cacheDir_(options.cacheDir.empty() ? cpu::defaultCacheDir() : options.cacheDir),
+        token_(std::move(token)),
+        metrics_(metrics) {}
+
+  Status GetKernel(ServerContext* context, const v1::GetKernelRequest* request,
+                   v1::GetKernelResponse* response) override {
+    return count("GetKernel", [&]() -> Status {
+      if (Status ok = checkSpec(request->spec()); !ok.ok()) return ok;
+      if (Status ok = checkTarget(request->target()); !ok.ok()) return ok;
+      // The work runs apart from this call: past the deadline the caller gets
+      // DEADLINE_EXCEEDED while the compile finishes into the cache.
+      auto promise = std::make_shared<std::promise<Result<ProvidedKernel>>>();
+      auto future = promise->get_future();
+      std::thread([this, promise, spec = request->spec(), target = request->target()] {
+        ++metrics_.compilesInFlight;
+        const auto start = std::chrono::steady_clock::now();
+        auto provided = provider_.provide(spec, target);
+        --metrics_.compilesInFlight;
+        if (provided && provided->origin == "compiled now")
+          metrics_.compileSeconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+        promise->set_value(std::move(provided));
+      }).detach();
+      if (future.wait_until(context->deadline()) != std::future_status::ready)
+        return Status(StatusCode::DEADLINE_EXCEEDED, "the kernel is still compiling; it will be in the cache");
+      auto provided = future.get();
+      if (!provided) return Status(StatusCode::INVALID_ARGUMENT, provided.error().message);
+      (provided->origin == "kernel cache" ? metrics_.cacheHits : metrics_.cacheMisses)++;
+      *response->mutable_kernel() = std::move(provided->kernel);
+      response->set_origin(provided->origin);
+      response->set_schedule_source(provided->scheduleSource);
+      return Status::OK;
+    });
+  }
+
+  Status ListKernels(ServerContext*, const v1::ListKernelsRequest*, v1::ListKernelsResponse* response) override {
+    return count("ListKernels", [&]() -> Status {
+      if (!provider_.store()) return Status(StatusCode::UNAVAILABLE, "the kernel cache is unavailable");
+      auto entries = provider_.store()->list();
+      if (!entries) return Status(StatusCode::INTERNAL, entries.error().message);
+      for (const auto& e : *entries) {
+        v1::CacheEntry* entry = response->add_entries();
+        entry->set_kind(e.kind);
+        entry->set_id(e.id);
+        entry->set_summary(e.summary);
+        entry->set_bytes(e.bytes);
+        entry->set_last_used(e.lastUsed);
+      }
+      return Status::OK;
+    });
+  }
+
+  Status PutTuning(ServerContext* context, const v1::PutTuningRequest* request,
+                   v1::PutTuningResponse* response) override {
+    return count("PutTuning", [&]() -> Status {
+      if (Status ok = authorize(*context); !ok.ok()) return ok;
+      const v1::TuningResult& result = request->result();
+      const v1::CompiledKernel& kernel = request->kernel();
+      if (Status ok = checkSpec(result.spec()); !ok.ok()) return ok;
+      if (Status ok = checkTarget(result.target()); !ok.ok()) return ok;
+      // Clients will execute this kernel on their GPUs: it must be what it claims.
+      if (ContentHash().add(kernel.SerializeAsString()).hex() != request->kernel_checksum())
+        return invalid("kernel_checksum does not match the kernel");
+      if (kernel.binary().empty() || kernel.entries().empty()) return invalid("kernel: no binary or entry points");
+      if (kernel.spec().SerializeAsString() != result.spec().SerializeAsString())
+        return invalid("kernel.spec differs from result.spec");
+      if (kernel.target().arch() != result.target().arch()) return invalid("kernel.target.arch differs from result.target.arch");
+      if (kernel.schedule().SerializeAsString() != result.best().SerializeAsString())
+        return invalid("kernel.schedule is not result.best");
+      auto plan = generateKernel(result.spec(), result.best(), result.target());
+      if (!plan || plan->source != kernel.source())
+        return invalid("kernel.source is not what this server generates for result.spec and result.best");
+      if (!provider_.store()) return Status(StatusCode::UNAVAILABLE, "the kernel cache is unavailable");
+      if (loom::Status ok = provider_.store()->putArtifact(kernel); !ok) return Status(StatusCode::INTERNAL, ok.error().message);
+      cache::Decision decision;
+      decision.spec = result.spec();
+      decision.device = cache::DeviceModel::of(result.target());
+      decision.toolchain = result.toolchain();
+      decision.result = result;
+      decision.candidatesJson = request->candidates_json().empty() ? "[]" : request->candidates_json();
+      decision.artifactKey = cache::artifactKey(kernel);
+      if (loom::Status ok = provider_.store()->putDecision(decision); !ok) return Status(StatusCode::INTERNAL, ok.error().message);
+      response->set_artifact_key(decision.artifactKey);
+      return Status::OK;
+    });
+  }
+
+  Status Tune(ServerContext* context, const v1::TuneRequest* request, grpc::ServerWriter<v1::TuneUpdate>* writer) override {
+    return count("Tune", [&]() -> Status {
+      if (Status ok = authorize(*context); !ok.ok()) return ok;
+      if (Status ok = checkSpec(request->spec()); !ok.ok()) return ok;
+      if (Status ok = checkTarget(request->target()); !ok.ok()) return ok;
+      if (request->tokens() < 0 || request->tokens() > kMaxTuneTokens || request->batch() < 0 || request->batch() > 64)
+        return invalid("tokens or batch out of range");
+      autotune::TuneOptions options;
+      options.tokens = request->tokens() ? request->tokens() : options.tokens;
+      options.batch = request->batch() ? request->batch() : options.batch;
+      options.budgetSeconds = request->budget_seconds() > 0 ? request->budget_seconds() : 60;
+      options.cacheDir = cacheDir_;
+      std::shared_ptr<cuda::Device> device;  // tuned offline unless this server has the GPU asked for
+      if (auto opened = cuda::Device::open(0); opened && (*opened)->info().arch() == request->target().arch())
+        device = *opened;
+      ++metrics_.tunes;
+      std::vector<v1::CompiledKernel> compiled;
+      auto report = autotune::tune(request->spec(), request->target(), device, options,
+                                   [&](const autotune::TuneProgress& p) {
+                                     v1::TuneUpdate update;
+                                     update.set_candidates(p.candidates);
+                                     update.set_compiled(p.compiled);
+                                     update.set_verified(p.verified);
+                                     update.set_timed(p.timed);
+                                     update.set_best(p.best);
+                                     writer->Write(update);
+                                   },
+                                   &compiled);
+      if (!report) return Status(StatusCode::FAILED_PRECONDITION, report.error().message);
+      if (provider_.store()) {
+        cache::Decision decision;
+        decision.spec = request->spec();
+        decision.device = cache::DeviceModel::of(request->target());
+        decision.toolchain = report->result.toolchain();
+        decision.result = report->result;
+        for (const auto& kernel : compiled)
+          if (!kernel.binary().empty() && kernel.schedule().SerializeAsString() == report->result.best().SerializeAsString()) {
+            (void)provider_.store()->putArtifact(kernel);
+            decision.artifactKey = cache::artifactKey(kernel);
+          }
+        (void)provider_.store()->putDecision(decision);
+      }
+      v1::TuneUpdate done;
+      done.set_done(true);
+      *done.mutable_result() = report->result;
+      writer->Write(done);
+      return Status::OK;
+    });
+  }
+
+  int64_t compiles() const { return provider_.compiles(); }
+
+ private:
+  template <typename Handler>
+  Status count(const std::string& method, Handler handler) {
+    const Status status = handler();
+    static const char* names[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+                                  "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+                                  "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+                                  "UNAUTHENTICATED"};
+    metrics_.request(method, names[int(status.error_code()) % 17]);
+    std::fprintf(stderr, "{\"method\": \"%s\", \"code\": \"%s\"%s%s%s}\n", method.c_str(), names[int(status.error_code()) % 17],
+                 status.ok() ? "" : ", \"message\": \"", status.ok() ? "" : status.error_message().c_str(), status.ok() ? "" : "\"");
+    return status;
+  }
+
+  Status authorize(const ServerContext& context) const {
+    if (token_.empty()) return Status(StatusCode::PERMISSION_DENIED, "this server takes no writes: start it with --token-file");
+    const auto found = context.client_metadata().find("authorization");
+    if (found == context.client_metadata().end())
+      return Status(StatusCode::UNAUTHENTICATED, "writes need an authorization: Bearer <token> header");
+    if (std::string(found->second.data(), found->second.size()) != "Bearer " + token_)
+      return Status(StatusCode::PERMISSION_DENIED, "the credential is not accepted");
+    return Status::OK;
+  }
+
+  KernelProvider provider_;
+  std::string cacheDir_;
+  std::string token_;
+  Metrics& metrics_;
+};
+
+bool isLoopback(const std::string& address) {
+  return address.rfind("127.", 0) == 0 || address.rfind("localhost:", 0) == 0 || address.rfind("[::1]", 0) == 0;
+}
+
+class Server final : public KernelServer {
+ public:
+  Result<int> start(const ServerOptions& options) {
+    std::string token;
+    if (!options.tokenFile.empty()) {
+      auto text = readTextFile(options.tokenFile);
+      if (!text) return makeError("--token-file: " + text.error().message);
+      token = *text;
+      while (!token.empty() && std::isspace(static_cast<unsigned char>(token.back()))) token.pop_back();
+      if (token.size() < 16) return makeError("--token-file: the token must be at least 16 characters");
+    }
+    std::shared_ptr<grpc::ServerCredentials> credentials;
+    if (!options.tlsCert.empty()) {
+      auto cert = readTextFile(options.tlsCert);
+      auto key = readTextFile(options.tlsKey);
+      if (!cert || !key) return makeError("--tls-cert / --tls-key: cannot read the certificate or key");
+      grpc::SslServerCredentialsOptions ssl(options.tlsClientCa.empty()
+                                                ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                                : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+      ssl.pem_key_cert_pairs.push_back({*key, *cert});
+      if (!options.tlsClientCa.empty()) {
+        auto ca = readTextFile(options.tlsClientCa);
+        if (!ca) return makeError("--tls-client-ca: " + ca.error().message);
+        ssl.pem_root_certs = *ca;
+      }
+      credentials = grpc::SslServerCredentials(ssl);
+    } else if (!isLoopback(options.listen)) {
+      return makeError("refusing to serve " + options.listen +
+                       " without TLS: plaintext is only for loopback (give --tls-cert and --tls-key)");
+    } else {
+      credentials = grpc::InsecureServerCredentials();
+    }
+    service_ = std::make_unique<KernelServiceImpl>(options, token, metrics_);
+    grpc::EnableDefaultHealthCheckService(true);
+    grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+    grpc::ServerBuilder builder;
+    builder.AddListeningPort(options.listen, credentials, &port_);
+    builder.RegisterService(service_.get());
+    builder.SetMaxReceiveMessageSize(options.maxMessageBytes);
+    builder.SetMaxSendMessageSize(256 << 20);
+    server_ = builder.BuildAndStart();
+    if (!server_ || port_ == 0) return makeError("could not listen on " + options.listen);
+    if (options.metricsPort >= 0) {
+      http_ = std::make_unique<httplib::Server>();
+      http_->Get("/metrics", [this](const httplib::Request&, httplib::Response& response) {
+        response.set_content(metrics_.text(), "text/plain; version=0.0.4");
+      });
+      metricsPort_ = options.metricsPort == 0 ? http_->bind_to_any_port("127.0.0.1")
+                                              : (http_->bind_to_port("127.0.0.1", options.metricsPort) ? options.metricsPort : -1);
+      if (metricsPort_ < 0) return makeError("could not listen for metrics on port " + std::to_string(options.metricsPort));
+      httpThread_ = std::thread([this] { http_->listen_after_bind(); });
+    }
+    return port_;
+  }
+
+  ~Server() override { shutdown(0); }
+  int port() const override { return port_; }
+  int metricsPort() const override { return metricsPort_; }
+  int64_t compiles() const override { return service_->compiles(); }
+
+  void shutdown(int graceMilliseconds) override {
+    std::lock_guard lock(shutdownMutex_);
+    if (stopped_ || !server_) return;
+    stopped_ = true;
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::milliseconds(graceMilliseconds));
+    if (http_) {
+      http_->stop();
+      if (httpThread_.joinable()) httpThread_.join();
+    }
+  }
+  void wait() override { server_->Wait(); }
+
+ private:
+  Metrics metrics_;
+  std::unique_ptr<KernelServiceImpl> service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<httplib::Server> http_;
+  std::thread httpThread_;
+  int port_ = 0, metricsPort_ = -1;
+  std::mutex shutdownMutex_;
+  bool stopped_ = false;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<KernelServer>> KernelServer::start(const ServerOptions& options) {
+  auto server = std::make_unique<Server>();
+  auto started = server->start(options);
+  if (!started) return started.error();
+  return std::unique_ptr<KernelServer>(std::move(server));
+}
+
+}  // namespace loom::service

@@ -1,0 +1,311 @@
+// The kernel service, a real server on 127.0.0.1 with the real client: hit
+// and miss, many concurrent clients, deadlines, invalid requests,
+// credentials, health and reflection, metrics, and a server killed during
+// writes.
+#include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+#include <httplib.h>
+#include <signal.h>
+#include <sys/wait.h>
+
+#include <atomic>
+#include <fstream>
+#include <thread>
+
+#include "api/compile.h"
+#include "jit/nvrtc_compiler.h"
+#include "loom/cache.h"
+#include "loom/client.h"
+#include "loom/compiler.h"
+#include "loom/hash.h"
+#include "loom/service.h"
+#include "test_util.h"
+
+namespace loom::service {
+namespace {
+
+constexpr const char* kToken = "test-token-0123456789abcdef";
+
+KernelSpec spec(int heads, int window = 0) {
+  KernelSpec s;
+  s.set_heads(heads);
+  s.set_kv_heads(heads);
+  s.set_pseudo_heads(2);
+  s.set_head_dim(32);
+  s.set_dtype(v1::bfloat16);
+  s.set_mask(v1::flat_causal);
+  s.set_window(window);
+  s.set_collapse(v1::per_head);
+  return s;
+}
+
+v1::Target sm80() {
+  v1::Target t = *parseTarget("sm_80");
+  t.mutable_device()->set_name("NVIDIA A100-SXM4-80GB");
+  t.mutable_device()->set_sm_count(108);
+  return t;
+}
+
+class Service : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::ofstream(dir_ / "token") << kToken << "\n";
+    std::ofstream(dir_ / "wrong") << "not-the-token-at-all-0000\n";
+    ServerOptions options;
+    options.listen = "127.0.0.1:0";
+    options.cacheDir = dir_ / "cache";
+    options.tokenFile = dir_ / "token";
+    options.metricsPort = 0;
+    auto server = KernelServer::start(options);
+    ASSERT_TRUE(server) << server.error().message;
+    server_ = std::move(*server);
+    address_ = "127.0.0.1:" + std::to_string(server_->port());
+  }
+  void TearDown() override {
+    if (server_) server_->shutdown(1000);
+  }
+  std::unique_ptr<KernelClient> client(const std::string& tokenFile = "") {
+    auto c = KernelClient::connect(address_, tokenFile);
+    EXPECT_TRUE(c);
+    return std::move(*c);
+  }
+
+  testing::TempDir dir_;
+  std::unique_ptr<KernelServer> server_;
+  std::string address_;
+};
+
+TEST_F(Service, MissCompilesThenHitsTheCache) {
+  auto c = client();
+  auto first = c->getKernel(spec(2), sm80());
+  ASSERT_TRUE(first) << first.error().message;
+  EXPECT_EQ(first->origin(), "compiled now");
+  EXPECT_EQ(first->schedule_source(), "default");
+  EXPECT_FALSE(first->kernel().binary().empty());
+  auto second = c->getKernel(spec(2), sm80());
+  ASSERT_TRUE(second);
+  EXPECT_EQ(second->origin(), "kernel cache");
+  EXPECT_EQ(second->kernel().binary(), first->kernel().binary());
+  auto listed = c->listKernels();
+  ASSERT_TRUE(listed);
+  EXPECT_EQ(listed->entries_size(), 1);
+}
+
+// Hundreds of requests from many threads over four specs: all answered,
+// and each spec compiled exactly once.
+TEST_F(Service, ConcurrentClientsAndIdenticalMissesCompiledOnce) {
+  constexpr int kThreads = 16, kEach = 15, kSpecs = 4;
+  std::atomic<int> ok{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t)
+    threads.emplace_back([&, t] {
+      auto c = client();
+      for (int i = 0; i < kEach; ++i) ok += c->getKernel(spec(2, 8 * ((t + i) % kSpecs)), sm80()).ok();
+    });
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(ok, kThreads * kEach);
+  EXPECT_EQ(server_->compiles(), kSpecs);
+}
+
+TEST_F(Service, ADeadlineShorterThanTheCompile) {
+  auto c = client();
+  auto rushed = c->getKernel(spec(4), sm80(), /*deadlineMs=*/5);
+  ASSERT_FALSE(rushed);
+  EXPECT_NE(rushed.error().message.find("DEADLINE_EXCEEDED"), std::string::npos) << rushed.error().message;
+  // The compile went on and lands in the cache.
+  auto later = c->getKernel(spec(4), sm80());
+  ASSERT_TRUE(later) << later.error().message;
+}
+
+TEST_F(Service, InvalidRequestsNameTheField) {
+  auto c = client();
+  KernelSpec bad = spec(4);
+  bad.set_kv_heads(3);
+  auto r = c->getKernel(bad, sm80());
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.error().message.find("INVALID_ARGUMENT"), std::string::npos);
+  EXPECT_NE(r.error().message.find("kv_heads (3) must divide heads (4)"), std::string::npos) << r.error().message;
+
+  KernelSpec huge = spec(4);
+  huge.set_heads(100000);
+  r = c->getKernel(huge, sm80());
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.error().message.find("spec.heads"), std::string::npos) << r.error().message;
+
+  r = c->getKernel(spec(4), *parseTarget("cpu"));
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.error().message.find("target"), std::string::npos) << r.error().message;
+  EXPECT_EQ(server_->compiles(), 0);
+}
+
+// A tuning result and its kernel as a fleet worker would send them.
+std::pair<v1::TuningResult, v1::CompiledKernel> tuned(const KernelSpec& s) {
+  jit::NvrtcCompiler compiler("");
+  Schedule schedule;
+  schedule.set_block_n(32);
+  auto kernel = compileKernel(s, *resolveSchedule(s, schedule, sm80()), sm80(), compiler);
+  EXPECT_TRUE(kernel) << kernel.error().message;
+  v1::TuningResult result;
+  *result.mutable_spec() = s;
+  *result.mutable_target() = sm80();
+  *result.mutable_best() = kernel->schedule();
+  result.set_measured(true);
+  result.set_median_ms(0.5);
+  result.set_toolchain(jit::nvrtcVersion());
+  return {result, *kernel};
+}
+
+TEST_F(Service, WritesNeedTheCredentialAndAreChecked) {
+  const auto [result, kernel] = tuned(spec(2, 16));
+  auto anonymous = client()->putTuning(result, kernel);
+  ASSERT_FALSE(anonymous);
+  EXPECT_NE(anonymous.error().message.find("UNAUTHENTICATED"), std::string::npos) << anonymous.error().message;
+  auto wrong = client(dir_ / "wrong")->putTuning(result, kernel);
+  ASSERT_FALSE(wrong);
+  EXPECT_NE(wrong.error().message.find("PERMISSION_DENIED"), std::string::npos) << wrong.error().message;
+
+  auto writer = client(dir_ / "token");
+  v1::CompiledKernel tampered = kernel;
+  tampered.set_source(kernel.source() + "\n// something else\n");
+  auto rejected = writer->putTuning(result, tampered);
+  ASSERT_FALSE(rejected);
+  EXPECT_NE(rejected.error().message.find("kernel.source"), std::string::npos) << rejected.error().message;
+
+  auto stored = writer->putTuning(result, kernel);
+  ASSERT_TRUE(stored) << stored.error().message;
+  EXPECT_EQ(stored->artifact_key(), cache::artifactKey(kernel));
+  // The tuned schedule is now what GetKernel serves for that device, from the cache.
+  auto served = client()->getKernel(spec(2, 16), sm80());
+  ASSERT_TRUE(served) << served.error().message;
+  EXPECT_EQ(served->schedule_source(), "tuned");
+  EXPECT_EQ(served->origin(), "kernel cache");
+  EXPECT_EQ(served->kernel().schedule().block_n(), 32);
+}
+
+// One message through a method by name; returns the status and the reply bytes.
+std::pair<grpc::Status, std::string> rawCall(const std::string& address, const std::string& method,
+                                             const std::string& request) {
+  auto channel = grpc::CreateChannel(address, grpc::InsecureChannelCredentials());
+  grpc::GenericStub stub(channel);
+  grpc::CompletionQueue queue;
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(10));
+  auto call = stub.PrepareCall(&context, method, &queue);
+  void* tag;
+  bool ok;
+  call->StartCall(reinterpret_cast<void*>(1));
+  queue.Next(&tag, &ok);
+  grpc::Slice slice(request);
+  grpc::ByteBuffer buffer(&slice, 1);
+  call->Write(buffer, reinterpret_cast<void*>(2));
+  queue.Next(&tag, &ok);
+  call->WritesDone(reinterpret_cast<void*>(3));
+  queue.Next(&tag, &ok);
+  grpc::ByteBuffer reply;
+  call->Read(&reply, reinterpret_cast<void*>(4));
+  queue.Next(&tag, &ok);
+  std::string bytes;
+  if (ok) {
+    std::vector<grpc::Slice> slices;
+    (void)reply.Dump(&slices);
+    for (const auto& s : slices) bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+  }
+  grpc::Status status;
+  call->Finish(&status, reinterpret_cast<void*>(5));
+  queue.Next(&tag, &ok);
+  return {status, bytes};
+}
+
+TEST_F(Service, HealthReflectionAndMetricsAnswer) {
+  // grpc.health.v1: an empty request (the whole server); SERVING is field 1 = 1.
+  auto [health, healthReply] = rawCall(address_, "/grpc.health.v1.Health/Check", "");
+  ASSERT_TRUE(health.ok()) << health.error_message();
+  EXPECT_EQ(healthReply, std::string("\x08\x01", 2));
+  // Reflection: list_services (field 7, empty string).
+  auto [reflection, services] =
+      rawCall(address_, "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo", std::string("\x3a\x00", 2));
+  ASSERT_TRUE(reflection.ok()) << reflection.error_message();
+  EXPECT_NE(services.find("loom.v1.KernelService"), std::string::npos);
+
+  ASSERT_TRUE(client()->getKernel(spec(2), sm80()));
+  httplib::Client http("127.0.0.1", server_->metricsPort());
+  auto response = http.Get("/metrics");
+  ASSERT_TRUE(response);
+  EXPECT_NE(response->body.find("loom_requests_total{method=\"GetKernel\",code=\"OK\"} 1"), std::string::npos)
+      << response->body;
+  EXPECT_NE(response->body.find("loom_cache_misses_total 1"), std::string::npos);
+}
+
+TEST(ServiceStartup, RefusesPlaintextOffLoopbackAndShortTokens) {
+  ServerOptions options;
+  options.listen = "0.0.0.0:0";
+  auto open = KernelServer::start(options);
+  ASSERT_FALSE(open);
+  EXPECT_NE(open.error().message.find("without TLS"), std::string::npos);
+  testing::TempDir dir;
+  std::ofstream(dir / "token") << "short";
+  options.listen = "127.0.0.1:0";
+  options.tokenFile = dir / "token";
+  auto weak = KernelServer::start(options);
+  ASSERT_FALSE(weak);
+  EXPECT_NE(weak.error().message.find("at least 16 characters"), std::string::npos);
+}
+
+// `loom serve` killed with SIGKILL while uploads stream in: after a restart
+// every acknowledged write is there.
+TEST(ServiceCrash, AcknowledgedWritesSurviveSigkill) {
+  testing::TempDir dir;
+  std::ofstream(dir / "token") << kToken;
+  auto startServer = [&](int port) {
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      const std::string listen = "127.0.0.1:" + std::to_string(port);
+      ::execl(LOOM_BINARY, LOOM_BINARY, "serve", "--listen", listen.c_str(), "--cache-dir", (dir / "cache").c_str(),
+              "--token-file", (dir / "token").c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    return pid;
+  };
+  const int port = 20000 + int(::getpid() % 20000);
+  pid_t server = startServer(port);
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+  auto writer = KernelClient::connect(address, dir / "token");
+  ASSERT_TRUE(writer);
+  const auto [result, kernel] = tuned(spec(2, 16));
+  // Distinct decisions: the same kernel reported for several device models.
+  std::vector<std::string> acknowledged;
+  std::atomic<bool> stop{false};
+  std::thread uploads([&] {
+    for (int i = 0; i < 400 && !stop; ++i) {
+      v1::TuningResult r = result;
+      r.mutable_target()->mutable_device()->set_name("GPU " + std::to_string(i));
+      if ((*writer)->putTuning(r, kernel).ok()) acknowledged.push_back("GPU " + std::to_string(i));
+      else std::this_thread::sleep_for(std::chrono::milliseconds(20));  // not up yet, or gone
+    }
+  });
+  for (int wait = 0; wait < 200 && acknowledged.size() < 20; ++wait) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ::kill(server, SIGKILL);
+  ::waitpid(server, nullptr, 0);
+  stop = true;
+  uploads.join();
+  ASSERT_GE(acknowledged.size(), 10u) << "the server took too few writes before it was killed";
+
+  server = startServer(port);
+  auto reader = KernelClient::connect(address);
+  Result<v1::ListKernelsResponse> listed = makeError("not yet");
+  for (int wait = 0; wait < 100 && !listed; ++wait) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    listed = (*reader)->listKernels();
+  }
+  ::kill(server, SIGTERM);
+  ::waitpid(server, nullptr, 0);
+  ASSERT_TRUE(listed) << listed.error().message;
+  int found = 0;
+  for (const std::string& device : acknowledged)
+    for (const auto& entry : listed->entries()) found += entry.id().find(device + "|") != std::string::npos;
+  EXPECT_EQ(found, int(acknowledged.size()));
+}
+
+}  // namespace
+}  // namespace loom::service
