@@ -83,4 +83,50 @@ Result<v1::PutTuningResponse> KernelClient::putTuning(const v1::TuningResult& re
   return response;
 }
 
+Result<v1::LookupDecisionResponse> KernelClient::lookupDecision(const v1::KernelSpec& spec, const v1::Target& target) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  v1::LookupDecisionRequest request;
+  *request.mutable_spec() = spec;
+  *request.mutable_target() = target;
+  v1::LookupDecisionResponse response;
+  const grpc::Status status = stub_->LookupDecision(&context, request, &response);
+  if (!status.ok()) return callError(status);
+  return response;
+}
+
+namespace {
+v1::LeaseRequest leaseRequest(const v1::KernelSpec& spec, const v1::Target& target, const std::string& worker,
+                              int seconds) {
+  v1::LeaseRequest request;
+  *request.mutable_spec() = spec;
+  *request.mutable_target() = target;
+  request.set_worker(worker);
+  request.set_seconds(seconds);
+  return request;
+}
+}  // namespace
+
+Result<v1::LeaseResponse> KernelClient::acquireLease(const v1::KernelSpec& spec, const v1::Target& target,
+                                                     const std::string& worker, int seconds) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  authorize(context);
+  v1::LeaseResponse response;
+  const grpc::Status status = stub_->AcquireLease(&context, leaseRequest(spec, target, worker, seconds), &response);
+  if (!status.ok()) return callError(status);
+  return response;
+}
+
+Result<v1::LeaseResponse> KernelClient::releaseLease(const v1::KernelSpec& spec, const v1::Target& target,
+                                                     const std::string& worker) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  authorize(context);
+  v1::LeaseResponse response;
+  const grpc::Status status = stub_->ReleaseLease(&context, leaseRequest(spec, target, worker, 0), &response);
+  if (!status.ok()) return callError(status);
+  return response;
+}
+
 }  // namespace loom::service

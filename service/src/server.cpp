@@ -8,6 +8,8 @@
 #include <chrono>
 #include <cstdio>
 #include <future>
+#include <map>
+#include <mutex>
 #include <regex>
 #include <thread>
 
@@ -192,9 +194,75 @@ class KernelServiceImpl final : public v1::KernelService::Service {
     });
   }
 
+  Status LookupDecision(ServerContext*, const v1::LookupDecisionRequest* request,
+                        v1::LookupDecisionResponse* response) override {
+    return count("LookupDecision", [&]() -> Status {
+      if (Status ok = checkSpec(request->spec()); !ok.ok()) return ok;
+      if (Status ok = checkTarget(request->target()); !ok.ok()) return ok;
+      if (!provider_.store()) return Status(StatusCode::UNAVAILABLE, "the kernel cache is unavailable");
+      auto found = provider_.store()->getDecision(request->spec(), cache::DeviceModel::of(request->target()),
+                                                  jit::nvrtcVersion());
+      if (!found) return Status(StatusCode::INTERNAL, found.error().message);
+      if (found->has_value()) {
+        response->set_found(!(*found)->fallback);
+        response->set_fallback((*found)->fallback);
+        *response->mutable_result() = (*found)->decision.result;
+      }
+      return Status::OK;
+    });
+  }
+
+  Status AcquireLease(ServerContext* context, const v1::LeaseRequest* request, v1::LeaseResponse* response) override {
+    return count("AcquireLease", [&]() -> Status {
+      if (Status ok = authorize(*context); !ok.ok()) return ok;
+      if (Status ok = checkSpec(request->spec()); !ok.ok()) return ok;
+      if (request->worker().empty()) return invalid("worker: name the worker taking the lease");
+      const std::string key = leaseKey(*request);
+      const int64_t now = nowSeconds();
+      std::lock_guard lock(leaseMutex_);
+      auto& lease = leases_[key];
+      if (lease.expires > now && lease.holder != request->worker()) {
+        response->set_granted(false);
+        response->set_holder(lease.holder);
+        response->set_expires_unix(lease.expires);
+        return Status::OK;
+      }
+      lease = {request->worker(), now + (request->seconds() > 0 ? request->seconds() : kDefaultLeaseSeconds)};
+      response->set_granted(true);
+      response->set_holder(lease.holder);
+      response->set_expires_unix(lease.expires);
+      return Status::OK;
+    });
+  }
+
+  Status ReleaseLease(ServerContext* context, const v1::LeaseRequest* request, v1::LeaseResponse* response) override {
+    return count("ReleaseLease", [&]() -> Status {
+      if (Status ok = authorize(*context); !ok.ok()) return ok;
+      std::lock_guard lock(leaseMutex_);
+      auto found = leases_.find(leaseKey(*request));
+      if (found != leases_.end() && found->second.holder == request->worker()) leases_.erase(found);
+      response->set_granted(true);
+      return Status::OK;
+    });
+  }
+
   int64_t compiles() const { return provider_.compiles(); }
 
  private:
+  static constexpr int kDefaultLeaseSeconds = 600;
+  struct Lease {
+    std::string holder;
+    int64_t expires = 0;
+  };
+  static int64_t nowSeconds() {
+    return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
+  }
+  static std::string leaseKey(const v1::LeaseRequest& request) {
+    return cache::specKey(request.spec()) + "/" + cache::DeviceModel::of(request.target()).key();
+  }
+  std::mutex leaseMutex_;
+  std::map<std::string, Lease> leases_;
+
   template <typename Handler>
   Status count(const std::string& method, Handler handler) {
     const Status status = handler();

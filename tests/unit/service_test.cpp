@@ -183,6 +183,41 @@ TEST_F(Service, WritesNeedTheCredentialAndAreChecked) {
   EXPECT_EQ(served->kernel().schedule().block_n(), 32);
 }
 
+TEST_F(Service, LeasesKeepTwoWorkersApartAndExpire) {
+  auto writer = client(dir_ / "token");
+  auto first = writer->acquireLease(spec(2), sm80(), "node-a", /*seconds=*/1);
+  ASSERT_TRUE(first) << first.error().message;
+  EXPECT_TRUE(first->granted());
+  auto second = writer->acquireLease(spec(2), sm80(), "node-b");
+  ASSERT_TRUE(second);
+  EXPECT_FALSE(second->granted());
+  EXPECT_EQ(second->holder(), "node-a");
+  EXPECT_TRUE(writer->acquireLease(spec(4), sm80(), "node-b")->granted()) << "another spec is free";
+  std::this_thread::sleep_for(std::chrono::milliseconds(2100));  // node-a died: its lease lapses
+  EXPECT_TRUE(writer->acquireLease(spec(2), sm80(), "node-b")->granted());
+  ASSERT_TRUE(writer->releaseLease(spec(2), sm80(), "node-b"));
+  EXPECT_TRUE(writer->acquireLease(spec(2), sm80(), "node-c")->granted());
+  EXPECT_FALSE(client()->acquireLease(spec(8), sm80(), "anonymous"));
+}
+
+// `loom pretune` against the server: tunes what is missing, then skips it.
+TEST_F(Service, PretuneTunesWhatIsMissingOnce) {
+  std::ofstream(dir_ / "specs.json") << "[" << toJson(spec(2, 4)) << "," << toJson(spec(4, 4)) << "]";
+  const std::string command = "LOOM_CACHE_DIR=" + (dir_ / "worker") + " " + LOOM_BINARY + " pretune --server " +
+                              address_ + " --specs " + (dir_ / "specs.json") + " --token-file " + (dir_ / "token") +
+                              " --target sm_80 --tokens 256";
+  const auto first = testing::runCommand(command);
+  ASSERT_EQ(first.exitCode, 0) << first.output;
+  EXPECT_NE(first.output.find("pretune: 2 tuned, 0 skipped, 0 failed"), std::string::npos) << first.output;
+  const auto second = testing::runCommand(command);
+  ASSERT_EQ(second.exitCode, 0) << second.output;
+  EXPECT_NE(second.output.find("pretune: 0 tuned, 2 skipped, 0 failed"), std::string::npos) << second.output;
+  auto decision = client()->lookupDecision(spec(4, 4), *parseTarget("sm_80"));
+  ASSERT_TRUE(decision);
+  EXPECT_TRUE(decision->found());
+  EXPECT_FALSE(decision->result().measured());
+}
+
 // One message through a method by name; returns the status and the reply bytes.
 std::pair<grpc::Status, std::string> rawCall(const std::string& address, const std::string& method,
                                              const std::string& request) {

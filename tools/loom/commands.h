@@ -24,6 +24,7 @@ void addCompileCommand(CLI::App& app, std::function<int()>* action);
 void addTuneCommand(CLI::App& app, std::function<int()>* action);
 void addCacheCommand(CLI::App& app, std::function<int()>* action);
 void addServeCommands(CLI::App& app, std::function<int()>* action);
+void addPretuneCommand(CLI::App& app, std::function<int()>* action);
 
 // Prints "loom: <message>" on stderr and returns kExitBadInput.
 int badInput(const std::string& message);

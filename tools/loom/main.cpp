@@ -16,6 +16,7 @@ int main(int argc, char** argv) {
   loom::cli::addTuneCommand(app, &action);
   loom::cli::addCacheCommand(app, &action);
   loom::cli::addServeCommands(app, &action);
+  loom::cli::addPretuneCommand(app, &action);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -1,0 +1,129 @@
+// loom pretune: run on each GPU node of a fleet (by hand or as an array job
+// of the cluster's scheduler): for every spec whose decision is missing for
+// this node's device model, lease it from the service, tune it here, upload
+// the result and the winning kernel, release the lease.
+#include <unistd.h>
+
+#include <cstdio>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "autotune/tuner.h"
+#include "commands.h"
+#include "cpu/cpu_backend.h"
+#include "cuda/driver.h"
+#include "loom/client.h"
+#include "loom/compiler.h"
+
+namespace loom::cli {
+namespace {
+
+struct PretuneOptions {
+  std::string server;
+  std::string specsPath;
+  std::string tokenFile;
+  std::string target;
+  std::string worker;
+  int64_t tokens = 4096;
+};
+
+int pretune(const PretuneOptions& options) {
+  auto text = readTextFile(options.specsPath);
+  if (!text) return badInput(text.error().message);
+  const auto list = nlohmann::json::parse(*text, nullptr, false);
+  if (list.is_discarded() || !list.is_array())
+    return badInput(options.specsPath + ": want a JSON array of KernelSpec objects");
+  std::vector<KernelSpec> specs;
+  for (size_t i = 0; i < list.size(); ++i) {
+    auto spec = parseSpecJson(list[i].dump(), options.specsPath + "[" + std::to_string(i) + "]");
+    if (!spec) return badInput(spec.error().message);
+    if (Status ok = validateSpec(*spec); !ok) return badInput(options.specsPath + "[" + std::to_string(i) + "]: " + ok.error().message);
+    specs.push_back(*spec);
+  }
+
+  std::shared_ptr<cuda::Device> device;
+  v1::Target target;
+  if (auto opened = cuda::Device::open(0); opened) {
+    device = *opened;
+    target = cuda::targetOf(device->info());
+  } else if (!options.target.empty()) {
+    auto parsed = parseTarget(options.target);
+    if (!parsed) return badInput(parsed.error().message);
+    target = *parsed;
+    std::printf("no GPU on this node: ranking offline for %s (results are marked untimed)\n", target.arch().c_str());
+  } else {
+    return badInput(opened.error().message + "; pretune runs on GPU nodes (or name --target to rank offline)");
+  }
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  const std::string worker = options.worker.empty() ? std::string(host) + ":" + std::to_string(::getpid()) : options.worker;
+  auto client = service::KernelClient::connect(options.server, options.tokenFile);
+  if (!client) return badInput(client.error().message);
+
+  int tuned = 0, skipped = 0, failed = 0;
+  for (size_t i = 0; i < specs.size(); ++i) {
+    const KernelSpec& spec = specs[i];
+    const std::string name = "spec " + std::to_string(i);
+    auto known = (*client)->lookupDecision(spec, target);
+    if (!known) return badInput(known.error().message);
+    if (known->found()) {
+      std::printf("%s: already tuned for %s\n", name.c_str(), target.device().name().empty() ? target.arch().c_str() : target.device().name().c_str());
+      ++skipped;
+      continue;
+    }
+    auto lease = (*client)->acquireLease(spec, target, worker);
+    if (!lease) return badInput(lease.error().message);
+    if (!lease->granted()) {
+      std::printf("%s: being tuned by %s\n", name.c_str(), lease->holder().c_str());
+      ++skipped;
+      continue;
+    }
+    autotune::TuneOptions tuneOptions;
+    tuneOptions.tokens = options.tokens;
+    tuneOptions.cacheDir = cpu::defaultCacheDir();
+    std::vector<v1::CompiledKernel> compiled;
+    auto report = autotune::tune(spec, target, device, tuneOptions, {}, &compiled);
+    bool uploaded = false;
+    if (report) {
+      for (const auto& kernel : compiled)
+        if (!kernel.binary().empty() && kernel.schedule().SerializeAsString() == report->result.best().SerializeAsString()) {
+          auto put = (*client)->putTuning(report->result, kernel);
+          if (!put) std::printf("%s: upload failed: %s\n", name.c_str(), put.error().message.c_str());
+          uploaded = put.ok();
+          break;
+        }
+    } else {
+      std::printf("%s: tuning failed: %s\n", name.c_str(), report.error().message.c_str());
+    }
+    (void)(*client)->releaseLease(spec, target, worker);
+    if (uploaded) {
+      std::printf("%s: tuned (%s) and uploaded: %s\n", name.c_str(), report->result.measured() ? "measured" : "untimed",
+                  report->result.best().ShortDebugString().c_str());
+      ++tuned;
+    } else {
+      ++failed;
+    }
+  }
+  std::printf("pretune: %d tuned, %d skipped, %d failed\n", tuned, skipped, failed);
+  return failed ? kExitCheckFailed : kExitOk;
+}
+
+}  // namespace
+
+void addPretuneCommand(CLI::App& app, std::function<int()>* action) {
+  auto options = std::make_shared<PretuneOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "pretune", "Fleet pre-tuning, run on each GPU node: for every spec in SPECS (a JSON array of KernelSpec)\n"
+                 "with no decision for this node's device model, lease it from the service, tune it here and\n"
+                 "upload the result and winning kernel. Two workers never tune the same pair at once.");
+  cmd->add_option("--server", options->server, "HOST:PORT of the loom service")->required();
+  cmd->add_option("--specs", options->specsPath, "JSON array of KernelSpec objects")->required();
+  cmd->add_option("--token-file", options->tokenFile, "the service's bearer token")->required();
+  cmd->add_option("--target", options->target, "without a GPU: rank offline for this arch");
+  cmd->add_option("--tokens", options->tokens, "N tuned for")->capture_default_str();
+  cmd->add_option("--worker", options->worker, "worker name in leases (default host:pid)");
+  cmd->callback([options, action] { *action = [options] { return pretune(*options); }; });
+}
+
+}  // namespace loom::cli
