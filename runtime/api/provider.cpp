@@ -28,6 +28,12 @@ Result<ProvidedKernel> KernelProvider::provide(const KernelSpec& spec, const v1:
       if ((*decision)->fallback) provided.scheduleSource += " (" + (*decision)->note + ")";
     }
   }
+  if (provided.scheduleSource == "default" && chooser_) {
+    if (auto best = chooser_(spec, target); best) {
+      chosen = *best;
+      provided.scheduleSource = "cost model";
+    }
+  }
   // The kernel's address needs the generated source; generating is cheap.
   auto plan = generateKernel(spec, chosen, target);
   if (!plan) return plan.error();

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <future>
 #include <map>
 #include <memory>
@@ -24,7 +25,7 @@ namespace loom {
 struct ProvidedKernel {
   v1::CompiledKernel kernel;
   std::string origin;          // "kernel cache" or "compiled now"
-  std::string scheduleSource;  // "tuned", "ranked (untimed)", "default", "given", with any fallback note
+  std::string scheduleSource;  // "tuned", "ranked (untimed)", "cost model", "default", "given", with any fallback note
 };
 
 class KernelProvider {
@@ -39,6 +40,11 @@ class KernelProvider {
   // the compiler's default.
   Result<ProvidedKernel> provide(const KernelSpec& spec, const v1::Target& target, const Schedule& schedule = {});
 
+  // How a miss with no decision picks its schedule (default: the compiler's
+  // default). The service installs the cost model's best here.
+  using ScheduleChooser = std::function<Result<Schedule>(const KernelSpec&, const v1::Target&)>;
+  void setScheduleChooser(ScheduleChooser chooser) { chooser_ = std::move(chooser); }
+
   cache::KernelStore* store() { return store_.get(); }
   int64_t compiles() const { return compiles_; }
   int compilesInFlight() const { return inFlightCount_; }
@@ -48,6 +54,7 @@ class KernelProvider {
                                          const v1::Target& target);
 
   std::unique_ptr<cache::KernelStore> store_;
+  ScheduleChooser chooser_;
   jit::NvrtcCompiler compiler_;
   std::counting_semaphore<1024> compileSlots_;
   std::mutex mutex_;

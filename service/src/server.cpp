@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <future>
 #include <map>
+#include <set>
 #include <mutex>
 #include <regex>
 #include <thread>
@@ -16,6 +17,7 @@
 #include "api/provider.h"
 #include "autotune/tuner.h"
 #include "cpu/cpu_backend.h"
+#include "cuda/driver.h"
 #include "loom/cache.h"
 #include "loom/compiler.h"
 #include "loom/hash.h"
@@ -60,7 +62,29 @@ class KernelServiceImpl final : public v1::KernelService::Service {
       : provider_(options.cacheDir.empty() ? cpu::defaultCacheDir() : options.cacheDir, options.maxConcurrentCompiles),
         cacheDir_(options.cacheDir.empty() ? cpu::defaultCacheDir() : options.cacheDir),
         token_(std::move(token)),
-        metrics_(metrics) {}
+        metrics_(metrics) {
+    // A miss with no decision compiles the cost model's best schedule
+    // (ranked once per spec and target, then remembered).
+    provider_.setScheduleChooser([this](const KernelSpec& spec, const v1::Target& target) -> Result<Schedule> {
+      const std::string key = cache::specKey(spec) + "/" + cache::DeviceModel::of(target).key();
+      {
+        std::lock_guard lock(rankedMutex_);
+        if (auto found = ranked_.find(key); found != ranked_.end()) return found->second;
+      }
+      const autotune::SearchSpace space = autotune::searchSpace(spec, target);
+      if (space.candidates.empty()) return makeError("no schedule fits");
+      const autotune::Candidate* best = nullptr;
+      double bestSeconds = 0;
+      for (const auto& c : space.candidates) {
+        const double seconds = autotune::estimateCost(spec, c.schedule, target, 1, kRankingTokens).seconds;
+        if (!best || seconds < bestSeconds) best = &c, bestSeconds = seconds;
+      }
+      std::lock_guard lock(rankedMutex_);
+      ranked_[key] = best->schedule;
+      return best->schedule;
+    });
+    if (auto device = cuda::Device::open(0); device) device_ = *device;
+  }
 
   Status GetKernel(ServerContext* context, const v1::GetKernelRequest* request,
                    v1::GetKernelResponse* response) override {
@@ -84,6 +108,7 @@ class KernelServiceImpl final : public v1::KernelService::Service {
         return Status(StatusCode::DEADLINE_EXCEEDED, "the kernel is still compiling; it will be in the cache");
       auto provided = future.get();
       if (!provided) return Status(StatusCode::INVALID_ARGUMENT, provided.error().message);
+      if (provided->scheduleSource == "cost model") tuneInBackground(request->spec(), request->target());
       (provided->origin == "kernel cache" ? metrics_.cacheHits : metrics_.cacheMisses)++;
       *response->mutable_kernel() = std::move(provided->kernel);
       response->set_origin(provided->origin);
@@ -249,6 +274,42 @@ class KernelServiceImpl final : public v1::KernelService::Service {
   int64_t compiles() const { return provider_.compiles(); }
 
  private:
+  static constexpr int64_t kRankingTokens = 4096;
+
+  // With the GPU a request asked for, an untuned spec is tuned in the
+  // background (once) and its decision stored for the next request.
+  void tuneInBackground(const KernelSpec& spec, const v1::Target& target) {
+    if (!device_ || device_->info().arch() != target.arch()) return;
+    {
+      std::lock_guard lock(leaseMutex_);
+      if (!backgroundTunes_.insert(cache::specKey(spec) + "/" + target.arch()).second) return;
+    }
+    std::thread([this, spec, target] {
+      autotune::TuneOptions options;
+      options.cacheDir = cacheDir_;
+      options.budgetSeconds = 60;
+      std::vector<v1::CompiledKernel> compiled;
+      auto report = autotune::tune(spec, cuda::targetOf(device_->info()), device_, options, {}, &compiled);
+      if (!report || !provider_.store()) return;
+      ++metrics_.tunes;
+      cache::Decision decision;
+      decision.spec = spec;
+      decision.device = cache::DeviceModel::of(cuda::targetOf(device_->info()));
+      decision.toolchain = report->result.toolchain();
+      decision.result = report->result;
+      for (const auto& kernel : compiled)
+        if (!kernel.binary().empty() && kernel.schedule().SerializeAsString() == report->result.best().SerializeAsString()) {
+          (void)provider_.store()->putArtifact(kernel);
+          decision.artifactKey = cache::artifactKey(kernel);
+        }
+      (void)provider_.store()->putDecision(decision);
+    }).detach();
+  }
+
+  std::shared_ptr<cuda::Device> device_;  // this server's GPU, if any
+  std::mutex rankedMutex_;
+  std::map<std::string, Schedule> ranked_;  // the cost model's choice per spec and device model
+  std::set<std::string> backgroundTunes_;
   static constexpr int kDefaultLeaseSeconds = 600;
   struct Lease {
     std::string holder;

@@ -81,7 +81,7 @@ TEST_F(Service, MissCompilesThenHitsTheCache) {
   auto first = c->getKernel(spec(2), sm80());
   ASSERT_TRUE(first) << first.error().message;
   EXPECT_EQ(first->origin(), "compiled now");
-  EXPECT_EQ(first->schedule_source(), "default");
+  EXPECT_EQ(first->schedule_source(), "cost model");
   EXPECT_FALSE(first->kernel().binary().empty());
   auto second = c->getKernel(spec(2), sm80());
   ASSERT_TRUE(second);
