@@ -7,6 +7,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export LD_LIBRARY_PATH="$PWD/build/gpu-libs:${LD_LIBRARY_PATH:-}"
+# The binaries were built elsewhere: point them at this checkout's data.
+export LOOM_GPU_CASES="$PWD/tests/data/cases" LOOM_GPU_BUNDLES="$PWD/build/gpu-bundles"
+export LOOM_CACHE_DIR="${TMPDIR:-/tmp}/loom-gpu-cache"
 out=${OUT:-/tmp/loom-gpu}
 mkdir -p "$out"
 
