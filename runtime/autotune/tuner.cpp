@@ -68,6 +68,30 @@ void compileAll(const KernelSpec& spec, const v1::Target& target, const std::vec
 
 }  // namespace
 
+const v1::CompiledKernel* winnerOf(const TuneReport& report, const std::vector<v1::CompiledKernel>& compiled) {
+  const std::string best = report.result.best().SerializeAsString();
+  for (const v1::CompiledKernel& kernel : compiled)
+    if (!kernel.binary().empty() && kernel.schedule().SerializeAsString() == best) return &kernel;
+  return nullptr;
+}
+
+Result<std::string> storeTuning(cache::KernelStore& store, const KernelSpec& spec, const v1::Target& target,
+                                const TuneReport& report, const std::vector<v1::CompiledKernel>& compiled,
+                                const std::string& candidatesJson) {
+  cache::Decision decision;
+  decision.spec = spec;
+  decision.device = cache::DeviceModel::of(target);
+  decision.toolchain = report.result.toolchain();
+  decision.result = report.result;
+  decision.candidatesJson = candidatesJson;
+  if (const v1::CompiledKernel* winner = winnerOf(report, compiled)) {
+    if (Status ok = store.putArtifact(*winner); !ok) return ok.error();
+    decision.artifactKey = cache::artifactKey(*winner);
+  }
+  if (Status ok = store.putDecision(decision); !ok) return ok.error();
+  return decision.artifactKey;
+}
+
 Result<Strategy> parseStrategy(const std::string& name) {
   if (name == "auto" || name == "automatic") return Strategy::automatic;
   if (name == "exhaustive") return Strategy::exhaustive;

@@ -16,6 +16,7 @@
 #include "autotune/space.h"
 #include "loom/result.h"
 #include "cuda/driver.h"
+#include "loom/cache.h"
 #include "loom/runtime.h"
 
 namespace loom::autotune {
@@ -49,6 +50,15 @@ struct TuneReport {
 Result<TuneReport> tune(const KernelSpec& spec, const v1::Target& target, std::shared_ptr<cuda::Device> device,
                         const TuneOptions& options, const std::function<void(const TuneProgress&)>& progress = {},
                         std::vector<v1::CompiledKernel>* compiledOut = nullptr);
+
+// The compiled kernel of the report's winner among `compiled`, or null.
+const v1::CompiledKernel* winnerOf(const TuneReport& report, const std::vector<v1::CompiledKernel>& compiled);
+
+// Stores the decision (with `candidatesJson`) and the winner's kernel in the
+// cache; returns the winner's artifact key (empty when it was not compiled).
+Result<std::string> storeTuning(cache::KernelStore& store, const KernelSpec& spec, const v1::Target& target,
+                                const TuneReport& report, const std::vector<v1::CompiledKernel>& compiled,
+                                const std::string& candidatesJson = "[]");
 
 // The TuningResult of ranked results (the first is the winner).
 Result<TuneReport> summarize(const KernelSpec& spec, const v1::Target& target, std::vector<CandidateResult> results,

@@ -198,19 +198,8 @@ class KernelServiceImpl final : public v1::KernelService::Service {
                                    },
                                    &compiled);
       if (!report) return Status(StatusCode::FAILED_PRECONDITION, report.error().message);
-      if (provider_.store()) {
-        cache::Decision decision;
-        decision.spec = request->spec();
-        decision.device = cache::DeviceModel::of(request->target());
-        decision.toolchain = report->result.toolchain();
-        decision.result = report->result;
-        for (const auto& kernel : compiled)
-          if (!kernel.binary().empty() && kernel.schedule().SerializeAsString() == report->result.best().SerializeAsString()) {
-            (void)provider_.store()->putArtifact(kernel);
-            decision.artifactKey = cache::artifactKey(kernel);
-          }
-        (void)provider_.store()->putDecision(decision);
-      }
+      if (provider_.store())
+        (void)autotune::storeTuning(*provider_.store(), request->spec(), request->target(), *report, compiled);
       v1::TuneUpdate done;
       done.set_done(true);
       *done.mutable_result() = report->result;
@@ -292,17 +281,7 @@ class KernelServiceImpl final : public v1::KernelService::Service {
       auto report = autotune::tune(spec, cuda::targetOf(device_->info()), device_, options, {}, &compiled);
       if (!report || !provider_.store()) return;
       ++metrics_.tunes;
-      cache::Decision decision;
-      decision.spec = spec;
-      decision.device = cache::DeviceModel::of(cuda::targetOf(device_->info()));
-      decision.toolchain = report->result.toolchain();
-      decision.result = report->result;
-      for (const auto& kernel : compiled)
-        if (!kernel.binary().empty() && kernel.schedule().SerializeAsString() == report->result.best().SerializeAsString()) {
-          (void)provider_.store()->putArtifact(kernel);
-          decision.artifactKey = cache::artifactKey(kernel);
-        }
-      (void)provider_.store()->putDecision(decision);
+      (void)autotune::storeTuning(*provider_.store(), spec, cuda::targetOf(device_->info()), *report, compiled);
     }).detach();
   }
 

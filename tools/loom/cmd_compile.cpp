@@ -59,11 +59,7 @@ nlohmann::json report(const KernelPlan& plan, const jit::Artifact& artifact) {
 int compile(const CompileOptions& options) {
   auto spec = readSpecFile(options.specPath);
   if (!spec) return badInput(spec.error().message);
-  if (!options.dtype.empty()) {
-    v1::DType dtype;
-    if (!v1::DType_Parse(options.dtype, &dtype)) return badInput("--dtype '" + options.dtype + "' is not a dtype");
-    spec->set_dtype(dtype);
-  }
+  if (Status ok = overrideDtype(*spec, options.dtype); !ok) return badInput(ok.error().message);
   auto schedule = readScheduleFile(options.schedulePath);
   if (!schedule) return badInput(schedule.error().message);
   auto target = parseTarget(options.target);

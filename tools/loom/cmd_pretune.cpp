@@ -86,13 +86,11 @@ int pretune(const PretuneOptions& options) {
     auto report = autotune::tune(spec, target, device, tuneOptions, {}, &compiled);
     bool uploaded = false;
     if (report) {
-      for (const auto& kernel : compiled)
-        if (!kernel.binary().empty() && kernel.schedule().SerializeAsString() == report->result.best().SerializeAsString()) {
-          auto put = (*client)->putTuning(report->result, kernel);
-          if (!put) std::printf("%s: upload failed: %s\n", name.c_str(), put.error().message.c_str());
-          uploaded = put.ok();
-          break;
-        }
+      if (const v1::CompiledKernel* winner = autotune::winnerOf(*report, compiled)) {
+        auto put = (*client)->putTuning(report->result, *winner);
+        if (!put) std::printf("%s: upload failed: %s\n", name.c_str(), put.error().message.c_str());
+        uploaded = put.ok();
+      }
     } else {
       std::printf("%s: tuning failed: %s\n", name.c_str(), report.error().message.c_str());
     }

@@ -71,10 +71,9 @@ int run(const RunOptions& options) {
   auto loaded = loadCase(options.caseDir);
   if (!loaded) return badInput(loaded.error().message);
   if (!options.dtype.empty()) {
-    v1::DType dtype;
-    if (!v1::DType_Parse(options.dtype, &dtype) || dtype == v1::dtype_unspecified)
-      return badInput("--dtype '" + options.dtype + "' is not float32, float16 or bfloat16");
-    *loaded = withDtype(*loaded, dtype);
+    KernelSpec converted = loaded->spec;
+    if (Status ok = overrideDtype(converted, options.dtype); !ok) return badInput(ok.error().message);
+    *loaded = withDtype(*loaded, converted.dtype());
     std::printf("inputs rounded to %s; expected recomputed by the float64 reference\n", options.dtype.c_str());
   }
   const IhaCase& c = *loaded;
@@ -133,6 +132,15 @@ Result<KernelSpec> readSpecFile(const std::string& path) {
   if (!spec) return spec.error();
   if (Status valid = validateSpec(*spec); !valid) return makeError(path + ": " + valid.error().message);
   return spec;
+}
+
+Status overrideDtype(KernelSpec& spec, const std::string& dtype) {
+  if (dtype.empty()) return Status::success();
+  v1::DType parsed;
+  if (!v1::DType_Parse(dtype, &parsed) || parsed == v1::dtype_unspecified)
+    return makeError("--dtype '" + dtype + "' is not float32, float16 or bfloat16");
+  spec.set_dtype(parsed);
+  return Status::success();
 }
 
 Result<Schedule> readScheduleFile(const std::string& path) {

@@ -78,11 +78,7 @@ void reportSpeed(const v1::CompiledKernel& compiled, int64_t tokens) {
 int get(const GetOptions& options) {
   auto spec = readSpecFile(options.specPath);
   if (!spec) return badInput(spec.error().message);
-  if (!options.dtype.empty()) {
-    v1::DType dtype;
-    if (!v1::DType_Parse(options.dtype, &dtype)) return badInput("--dtype '" + options.dtype + "' is not a dtype");
-    spec->set_dtype(dtype);
-  }
+  if (Status ok = overrideDtype(*spec, options.dtype); !ok) return badInput(ok.error().message);
   v1::Target target;
   if (!options.target.empty()) {
     auto parsed = parseTarget(options.target);

@@ -124,21 +124,11 @@ int tuneCommand(const TuneCliOptions& options) {
   const std::string storePath = tuneOptions.cacheDir + "/kernels.sqlite";
   auto store = cache::openSqliteStore(storePath);
   if (!store) return badInput(store.error().message);
-  cache::Decision decision;
-  decision.spec = *spec;
-  decision.device = cache::DeviceModel::of(target);
-  decision.toolchain = report->result.toolchain();
-  decision.result = report->result;
   nlohmann::json kept = nlohmann::json::array();  // every candidate that was compiled or measured
   for (const auto& c : report->candidates)
     if (c.outcome != autotune::Outcome::pruned && c.outcome != autotune::Outcome::skipped) kept.push_back(candidateJson(c));
-  decision.candidatesJson = kept.dump();
-  for (const v1::CompiledKernel& kernel : compiled)
-    if (!kernel.binary().empty() && kernel.schedule().SerializeAsString() == report->result.best().SerializeAsString()) {
-      if (Status ok = (*store)->putArtifact(kernel); !ok) return badInput(ok.error().message);
-      decision.artifactKey = cache::artifactKey(kernel);
-    }
-  if (Status ok = (*store)->putDecision(decision); !ok) return badInput(ok.error().message);
+  if (auto stored = autotune::storeTuning(**store, *spec, target, *report, compiled, kept.dump()); !stored)
+    return badInput(stored.error().message);
   if (!options.outPath.empty()) {
     const std::string temporary = options.outPath + ".tmp";
     std::ofstream out(temporary);

@@ -31,6 +31,9 @@ int badInput(const std::string& message);
 
 // A validated KernelSpec from a JSON file.
 Result<KernelSpec> readSpecFile(const std::string& path);
+// Applies a --dtype override ("" leaves the spec as it is).
+Status overrideDtype(KernelSpec& spec, const std::string& dtype);
+
 // A Schedule from a JSON file; an empty path gives the all-default schedule.
 Result<Schedule> readScheduleFile(const std::string& path);
 
