@@ -2,12 +2,16 @@
 #include <functional>
 
 #include "commands.h"
+#include "jit/nvrtc_compiler.h"
+#include "loom/cache.h"
 
 int main(int argc, char** argv) {
   CLI::App app{
       "loom: generates, compiles, autotunes and serves GPU kernels for Interleaved Head Attention.\n"
       "Specs and schedules are JSON (the KernelSpec / Schedule messages of proto/loom/v1/loom.proto)."};
   app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("loom 0.1 (") + loom::cache::kGeneratorVersion + ", " +
+                                        loom::jit::nvrtcVersion() + ", MLIR 19)");
   std::function<int()> action;
   loom::cli::addRunCommand(app, &action);
   loom::cli::addDrawCommand(app, &action);
