@@ -83,20 +83,7 @@ TEST(CostModel, BlockCountsMatchBruteForce) {
     KernelSpec s = testing::randomSpec(rng);
     const int64_t tokens = 1 + int64_t(rng() % 60), bm = 16 * s.pseudo_heads() * (1 + int64_t(rng() % 2)),
                   bn = 16 << (rng() % 3);
-    const int64_t L = tokens * s.pseudo_heads();
-    int64_t visited = 0, masked = 0;
-    for (int64_t r0 = 0; r0 < L; r0 += bm)
-      for (int64_t c0 = 0; c0 < L; c0 += bn) {
-        bool any = false, all = c0 + bn <= L;
-        for (int64_t i = r0; i < std::min(r0 + bm, L); ++i)
-          for (int64_t j = c0; j < std::min(c0 + bn, L); ++j) {
-            const bool ok = reference::allowed(s, i, j);
-            any |= ok;
-            all &= ok;
-          }
-        visited += any;
-        masked += any && !all;
-      }
+    const auto [visited, masked] = testing::bruteForceBlocks(s, bm, bn, tokens);
     const BlockCounts counts = countBlocks(s, bm, bn, tokens);
     EXPECT_EQ(counts.visited, visited) << s.ShortDebugString() << " N=" << tokens;
     EXPECT_EQ(counts.masked, masked) << s.ShortDebugString() << " N=" << tokens;

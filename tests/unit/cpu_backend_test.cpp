@@ -42,25 +42,10 @@ std::vector<Schedule> schedulesFor(const KernelSpec& spec) {
   return schedules;
 }
 
-// Key blocks a CTA must visit (any allowed pair among its real rows) and, of
-// those, the ones needing an element-wise mask, counted by brute force.
+// All CTAs' key blocks: the per-(batch, head) brute-force count times B*H.
 std::pair<int64_t, int64_t> expectedBlocks(const KernelSpec& spec, const Schedule& schedule, int64_t B, int64_t N) {
-  const int64_t L = N * spec.pseudo_heads(), bm = schedule.block_m(), bn = schedule.block_n();
-  int64_t visited = 0, masked = 0;
-  for (int64_t r0 = 0; r0 < L; r0 += bm)
-    for (int64_t c0 = 0; c0 < L; c0 += bn) {
-      bool any = false, all = c0 + bn <= L;
-      for (int64_t i = r0; i < std::min(r0 + bm, L); ++i)
-        for (int64_t j = c0; j < std::min(c0 + bn, L); ++j) {
-          const bool ok = reference::allowed(spec, i, j);
-          any |= ok;
-          all &= ok;
-        }
-      visited += any;
-      masked += any && !all;
-    }
-  const int64_t ctasPerQueryBlock = B * spec.heads();
-  return {visited * ctasPerQueryBlock, masked * ctasPerQueryBlock};
+  const auto [visited, masked] = testing::bruteForceBlocks(spec, schedule.block_m(), schedule.block_n(), N);
+  return {visited * B * spec.heads(), masked * B * spec.heads()};
 }
 
 void checkAgainstReference(const IhaCase& c, const Schedule& schedule, const std::string& what) {

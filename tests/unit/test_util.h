@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "io/case.h"
+#include "reference/iha_reference.h"
 
 namespace loom::testing {
 
@@ -61,6 +62,29 @@ inline KernelSpec randomSpec(std::mt19937_64& rng) {
   spec.set_rope_theta(pick(0, 1) ? 0.0 : 10000.0);
   if (pick(0, 3) == 0) spec.set_scale(0.05 + 0.3 * std::uniform_real_distribution<double>()(rng));
   return spec;
+}
+
+// Key blocks of one (batch entry, head) holding any allowed pair among the
+// real rows of their query block, and of those the ones not wholly allowed
+// and in bounds (they need an element-wise mask), counted by brute force
+// with the reference's own mask.
+inline std::pair<int64_t, int64_t> bruteForceBlocks(const KernelSpec& spec, int64_t blockM, int64_t blockN,
+                                                    int64_t tokens) {
+  const int64_t L = tokens * spec.pseudo_heads();
+  int64_t visited = 0, masked = 0;
+  for (int64_t r0 = 0; r0 < L; r0 += blockM)
+    for (int64_t c0 = 0; c0 < L; c0 += blockN) {
+      bool any = false, all = c0 + blockN <= L;
+      for (int64_t i = r0; i < std::min(r0 + blockM, L); ++i)
+        for (int64_t j = c0; j < std::min(c0 + blockN, L); ++j) {
+          const bool ok = reference::allowed(spec, i, j);
+          any |= ok;
+          all &= ok;
+        }
+      visited += any;
+      masked += any && !all;
+    }
+  return {visited, masked};
 }
 
 struct CommandResult {
