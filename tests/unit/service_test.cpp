@@ -342,5 +342,33 @@ TEST(ServiceCrash, AcknowledgedWritesSurviveSigkill) {
   EXPECT_EQ(found, int(acknowledged.size()));
 }
 
+// SIGTERM while a request compiles: the request still completes, then the
+// server exits cleanly.
+TEST(ServiceShutdown, FinishesRequestsInFlight) {
+  testing::TempDir dir;
+  const int port = 40000 + int(::getpid() % 20000);
+  const pid_t server = ::fork();
+  if (server == 0) {
+    const std::string listen = "127.0.0.1:" + std::to_string(port);
+    ::execl(LOOM_BINARY, LOOM_BINARY, "serve", "--listen", listen.c_str(), "--cache-dir", (dir / "cache").c_str(),
+            static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  auto client = KernelClient::connect("127.0.0.1:" + std::to_string(port));
+  ASSERT_TRUE(client);
+  for (int wait = 0; wait < 100 && !(*client)->listKernels(); ++wait)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  Result<v1::GetKernelResponse> response = makeError("not sent");
+  std::thread request([&] { response = (*client)->getKernel(spec(8, 24), sm80()); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));  // the compile is under way
+  ::kill(server, SIGTERM);
+  request.join();
+  int status = 0;
+  ::waitpid(server, &status, 0);
+  ASSERT_TRUE(response) << response.error().message;
+  EXPECT_EQ(response->origin(), "compiled now");
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
 }  // namespace
 }  // namespace loom::service
