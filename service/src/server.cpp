@@ -6,6 +6,7 @@
 #include <httplib.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <future>
 #include <map>
@@ -95,7 +96,7 @@ class KernelServiceImpl final : public v1::KernelService::Service {
       // DEADLINE_EXCEEDED while the compile finishes into the cache.
       auto promise = std::make_shared<std::promise<Result<ProvidedKernel>>>();
       auto future = promise->get_future();
-      std::thread([this, promise, spec = request->spec(), target = request->target()] {
+      std::thread([this, promise, spec = request->spec(), target = request->target(), worker = Worker(*this)] {
         ++metrics_.compilesInFlight;
         const auto start = std::chrono::steady_clock::now();
         auto provided = provider_.provide(spec, target);
@@ -262,7 +263,33 @@ class KernelServiceImpl final : public v1::KernelService::Service {
 
   int64_t compiles() const { return provider_.compiles(); }
 
+  // Work that outlives its request (a compile past its deadline, a
+  // background tune) finishes before the service goes away.
+  ~KernelServiceImpl() override {
+    std::unique_lock lock(workersMutex_);
+    workersDone_.wait(lock, [this] { return workers_ == 0; });
+  }
+
  private:
+  class Worker {  // counts a detached thread while it lives
+   public:
+    explicit Worker(KernelServiceImpl& service) : service_(&service) {
+      std::lock_guard lock(service_->workersMutex_);
+      ++service_->workers_;
+    }
+    Worker(const Worker& other) : Worker(*other.service_) {}
+    ~Worker() {
+      std::lock_guard lock(service_->workersMutex_);
+      if (--service_->workers_ == 0) service_->workersDone_.notify_all();
+    }
+
+   private:
+    KernelServiceImpl* service_;
+  };
+  std::mutex workersMutex_;
+  std::condition_variable workersDone_;
+  int workers_ = 0;
+
   static constexpr int64_t kRankingTokens = 4096;
 
   // With the GPU a request asked for, an untuned spec is tuned in the
@@ -273,7 +300,7 @@ class KernelServiceImpl final : public v1::KernelService::Service {
       std::lock_guard lock(leaseMutex_);
       if (!backgroundTunes_.insert(cache::specKey(spec) + "/" + target.arch()).second) return;
     }
-    std::thread([this, spec, target] {
+    std::thread([this, spec, target, worker = Worker(*this)] {
       autotune::TuneOptions options;
       options.cacheDir = cacheDir_;
       options.budgetSeconds = 60;
