@@ -12,6 +12,7 @@ namespace {
 constexpr double kFloat32Tolerance = 1e-5;
 constexpr double kFloat16Tolerance = 2e-3;
 constexpr double kBfloat16Tolerance = 1e-2;
+constexpr double kMixingNoise = 0.3;  // spread of drawn mixing weights around the identity
 
 struct ExpectedShape {
   const char* name;
@@ -147,9 +148,19 @@ IhaCase drawCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t
   c.inputs.q = draw(batch * tokens * H * d, 1.0, activation);
   c.inputs.k = draw(batch * tokens * G * d, 1.0, activation);
   c.inputs.v = draw(batch * tokens * G * d, 1.0, activation);
-  c.inputs.alpha_q = draw(H * H * P, 1.0 / std::sqrt(double(H)), NpyType::float32);
-  c.inputs.alpha_k = draw(G * G * P, 1.0 / std::sqrt(double(G)), NpyType::float32);
-  c.inputs.alpha_v = draw(G * G * P, 1.0 / std::sqrt(double(G)), NpyType::float32);
+  // Mixing weights as the shared vectors hold them: near the identity (each
+  // pseudo-head starts as its own head) plus noise.
+  auto mixing = [&](int64_t heads) {
+    std::vector<double> alpha(size_t(heads * heads * P));
+    for (int64_t m = 0; m < heads; ++m)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t p = 0; p < P; ++p)
+          alpha[(m * heads + h) * P + p] = (m == h ? 1.0 : 0.0) + kMixingNoise * normal(rng);
+    return npyToDouble(npyFromDouble(alpha, {int64_t(alpha.size())}, NpyType::float32), true);
+  };
+  c.inputs.alpha_q = mixing(H);
+  c.inputs.alpha_k = mixing(G);
+  c.inputs.alpha_v = mixing(G);
   const int64_t fan = spec.collapse() == v1::per_head ? P : H * P;
   c.inputs.collapse = draw(H * fan, 1.0 / std::sqrt(double(fan)), NpyType::float32);
   return c;

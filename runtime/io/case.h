@@ -35,8 +35,9 @@ Result<IhaCase> loadCase(const std::string& dir);
 Status writeCase(const std::string& dir, const IhaCase& c);
 
 // Draws a case the way the shared vectors are drawn: q, k, v ~ N(0, 1)
-// rounded to the spec's dtype; mixing and collapse weights ~ N(0, 1/H') in
-// float32. The same seed gives the same case.
+// rounded to the spec's dtype; mixing weights the identity plus N(0, 0.3^2),
+// collapse weights N(0, 1/fan-in), in float32. The same seed gives the same
+// case.
 IhaCase drawCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed);
 
 // The case with q, k, v rounded to `dtype` and expected recomputed by the
