@@ -38,10 +38,49 @@ LogicalResult LaunchOp::verify() {
   return verifyIndexArguments(*this, getBlock(), 3, "x block, y index, batch");
 }
 
-LogicalResult ForEachHeadOp::verify() { return verifyIndexArguments(*this, getBody().front(), 1, "head"); }
+LogicalResult ForEachHeadOp::verify() {
+  if (!(*this)->getParentOfType<LaunchOp>()) return emitOpError() << "must be inside an iha.launch";
+  return verifyIndexArguments(*this, getBody().front(), 1, "head");
+}
 
 LogicalResult KvLoopOp::canonicalize(KvLoopOp op, PatternRewriter& rewriter) {
   if (op.getLower() != op.getUpper()) return failure();
   rewriter.eraseOp(op);
   return success();
+}
+
+//===----------------------------------------------------------------------===//
+// Block ops: each belongs to a launch; a few check more.
+//===----------------------------------------------------------------------===//
+
+static LogicalResult verifyInLaunch(Operation* op) {
+  if (!op->getParentOfType<LaunchOp>()) return op->emitOpError() << "must be inside an iha.launch";
+  return success();
+}
+
+#define IHA_BLOCK_OP_VERIFIER(Op) \
+  LogicalResult Op::verify() { return verifyInLaunch(*this); }
+IHA_BLOCK_OP_VERIFIER(SeqLenOp)
+IHA_BLOCK_OP_VERIFIER(PremixOp)
+IHA_BLOCK_OP_VERIFIER(CollapseRowsOp)
+IHA_BLOCK_OP_VERIFIER(LoadQOp)
+IHA_BLOCK_OP_VERIFIER(KvStreamOp)
+IHA_BLOCK_OP_VERIFIER(StoreRowsOp)
+IHA_BLOCK_OP_VERIFIER(StoreCollapsedOp)
+IHA_BLOCK_OP_VERIFIER(OutInitOp)
+IHA_BLOCK_OP_VERIFIER(AccumulateCollapsedOp)
+IHA_BLOCK_OP_VERIFIER(StoreOutOp)
+#undef IHA_BLOCK_OP_VERIFIER
+
+// A key-block loop consumes a K/V stream opened earlier in its block, with
+// the same mixing.
+LogicalResult KvLoopOp::verify() {
+  if (failed(verifyInLaunch(*this))) return failure();
+  for (Operation* op = (*this)->getPrevNode(); op; op = op->getPrevNode())
+    if (auto stream = dyn_cast<KvStreamOp>(op)) {
+      if (stream.getMixed() != getMixed())
+        return emitOpError() << "mixed (" << getMixed() << ") differs from its iha.kv_stream's (" << stream.getMixed() << ")";
+      return success();
+    }
+  return emitOpError() << "needs an iha.kv_stream before it in its block";
 }

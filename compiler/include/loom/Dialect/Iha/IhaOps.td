@@ -122,7 +122,11 @@ def Iha_LaunchOp : Iha_Op<"launch", [HasParent<"KernelOp">, Symbol, SingleBlock,
   }];
 }
 
-class Iha_BlockOp<string mnemonic, list<Trait> traits = []> : Iha_Op<mnemonic, traits>;
+// Ops of one CTA's program: they live inside an iha.launch (checked by
+// their verifier, which each op may extend).
+class Iha_BlockOp<string mnemonic, list<Trait> traits = []> : Iha_Op<mnemonic, traits> {
+  let hasVerifier = 1;
+}
 
 def Iha_SeqLenOp : Iha_BlockOp<"seq_len", [Pure]> {
   let summary = "the virtual sequence length L = N * P at run time";
