@@ -2,10 +2,10 @@
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 
-#include <cstdlib>
 
 #include "jit/nvrtc_compiler.h"
 #include "loom/cache.h"
+#include "loom/cache_dir.h"
 #include "loom/hash.h"
 #include "tile/embedded.h"
 
@@ -43,11 +43,8 @@ std::string specKey(const KernelSpec& spec) {
   return ContentHash().add(bytes).hex();
 }
 
-std::string defaultStorePath() {
-  if (const char* dir = std::getenv("LOOM_CACHE_DIR"); dir && *dir) return std::string(dir) + "/kernels.sqlite";
-  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return std::string(xdg) + "/loom/kernels.sqlite";
-  if (const char* home = std::getenv("HOME"); home && *home) return std::string(home) + "/.cache/loom/kernels.sqlite";
-  return "/tmp/loom-cache/kernels.sqlite";
-}
+std::string storePath(const std::string& cacheDir) { return cacheDir + "/kernels.sqlite"; }
+
+std::string defaultStorePath() { return storePath(defaultCacheDir()); }
 
 }  // namespace loom::cache

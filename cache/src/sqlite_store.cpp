@@ -334,16 +334,7 @@ class SqliteStore final : public KernelStore {
     auto target = openSqliteStore(path, options_);
     if (!target) return target.error();
     target->reset();  // closed: now attach it here and copy
-    Statement attach(db_, "ATTACH DATABASE ?1 AS target");
-    if (Status ok = attach.bind(1, path).done("kernel cache: export"); !ok) return ok;
-    Status copied = exec(db_, R"(
-        BEGIN IMMEDIATE;
-        INSERT OR REPLACE INTO target.artifacts SELECT * FROM main.artifacts;
-        INSERT OR REPLACE INTO target.decisions SELECT * FROM main.decisions;
-        COMMIT;)", "kernel cache: export");
-    if (!copied) (void)exec(db_, "ROLLBACK", "rollback");
-    (void)exec(db_, "DETACH DATABASE target", "kernel cache: export");
-    return copied;
+    return copyRecords(path, /*into=*/false);
   }
 
   Result<int> importFrom(const std::string& path) override {
@@ -352,21 +343,29 @@ class SqliteStore final : public KernelStore {
     // Every record is checked before it is taken: imported kernels run on GPUs.
     if (auto report = (*source)->verify(); !report) return report.error();
     source->reset();
-    Statement attach(db_, "ATTACH DATABASE ?1 AS source");
-    if (Status ok = attach.bind(1, path).done("kernel cache: import"); !ok) return ok.error();
     const int before = count();
-    Status copied = exec(db_, R"(
-        BEGIN IMMEDIATE;
-        INSERT OR REPLACE INTO main.artifacts SELECT * FROM source.artifacts;
-        INSERT OR REPLACE INTO main.decisions SELECT * FROM source.decisions;
-        COMMIT;)", "kernel cache: import");
-    if (!copied) (void)exec(db_, "ROLLBACK", "rollback");
-    (void)exec(db_, "DETACH DATABASE source", "kernel cache: import");
-    if (!copied) return copied.error();
+    if (Status ok = copyRecords(path, /*into=*/true); !ok) return ok.error();
     return count() - before;
   }
 
  private:
+  // Every record from the attached file at `path` into this store (`into`),
+  // or from this store into it, in one transaction.
+  Status copyRecords(const std::string& path, bool into) {
+    const char* what = into ? "kernel cache: import" : "kernel cache: export";
+    Statement attach(db_, "ATTACH DATABASE ?1 AS other");
+    if (Status ok = attach.bind(1, path).done(what); !ok) return ok;
+    const std::string from = into ? "other" : "main", to = into ? "main" : "other";
+    Status copied = exec(db_,
+                         "BEGIN IMMEDIATE; INSERT OR REPLACE INTO " + to + ".artifacts SELECT * FROM " + from +
+                             ".artifacts; INSERT OR REPLACE INTO " + to + ".decisions SELECT * FROM " + from +
+                             ".decisions; COMMIT;",
+                         what);
+    if (!copied) (void)exec(db_, "ROLLBACK", "rollback");
+    (void)exec(db_, "DETACH DATABASE other", what);
+    return copied;
+  }
+
   int count() {
     Statement select(db_, "SELECT (SELECT count(*) FROM artifacts) + (SELECT count(*) FROM decisions)");
     return select.step() == SQLITE_ROW ? int(select.integer(0)) : 0;

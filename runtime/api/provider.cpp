@@ -9,7 +9,7 @@ namespace loom {
 
 KernelProvider::KernelProvider(const std::string& cacheDir, int maxConcurrentCompiles)
     : compiler_(cacheDir), compileSlots_(std::max(1, maxConcurrentCompiles)) {
-  auto store = cache::openSqliteStore(cacheDir + "/kernels.sqlite");
+  auto store = cache::openSqliteStore(cache::storePath(cacheDir));
   if (store) store_ = std::move(*store);
   else std::fprintf(stderr, "loom: kernel cache unavailable (%s); compiling without it\n", store.error().message.c_str());
 }

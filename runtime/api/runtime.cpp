@@ -2,7 +2,7 @@
 #include "loom/runtime.h"
 
 #include "api/provider.h"
-#include "cpu/cpu_backend.h"
+#include "loom/cache_dir.h"
 #include "cuda/driver.h"
 #include "jit/nvrtc_compiler.h"
 #include "loom/cache.h"
@@ -24,7 +24,7 @@ Result<std::unique_ptr<Runtime>> Runtime::create(const Options& options) {
   runtime->state_ = std::make_unique<State>();
   runtime->state_->device = *device;
   runtime->state_->provider =
-      std::make_unique<KernelProvider>(options.cacheDir.empty() ? cpu::defaultCacheDir() : options.cacheDir);
+      std::make_unique<KernelProvider>(options.cacheDir.empty() ? defaultCacheDir() : options.cacheDir);
   return runtime;
 }
 

@@ -3,18 +3,12 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cmath>
-#include <map>
 #include <mutex>
 #include <random>
 #include <set>
 #include <thread>
 
 #include "api/compile.h"
-#include "cuda/case_runner.h"
-#include "cuda/driver.h"
-#include "io/case.h"
-#include "reference/iha_reference.h"
 
 namespace loom::autotune {
 namespace {

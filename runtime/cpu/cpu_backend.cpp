@@ -14,6 +14,7 @@
 #include <sstream>
 #include <thread>
 
+#include "loom/cache_dir.h"
 #include "loom/hash.h"
 #include "loom/tile/common.h"
 #include "tile/embedded.h"
@@ -154,13 +155,6 @@ void contiguousStrides(int64_t* stride, int64_t tokens, int64_t heads, int64_t d
 }
 
 }  // namespace
-
-std::string defaultCacheDir() {
-  if (const char* dir = std::getenv("LOOM_CACHE_DIR"); dir && *dir) return dir;
-  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg && *xdg) return std::string(xdg) + "/loom";
-  if (const char* home = std::getenv("HOME"); home && *home) return std::string(home) + "/.cache/loom";
-  return (fs::temp_directory_path() / "loom-cache").string();
-}
 
 Result<CpuOutputs> runPlan(const KernelPlan& plan, const IhaCase& c, const CpuOptions& options) {
   const fs::path cacheDir = options.cacheDir.empty() ? defaultCacheDir() : options.cacheDir;

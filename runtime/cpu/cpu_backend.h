@@ -16,7 +16,7 @@
 namespace loom::cpu {
 
 struct CpuOptions {
-  std::string cacheDir;  // empty: defaultCacheDir()
+  std::string cacheDir;  // empty: loom::defaultCacheDir()
   int threads = 0;       // 0: one per hardware thread
 };
 
@@ -34,9 +34,6 @@ struct CpuOutputs {
   std::vector<double> lse;  // [B, H, N*P]
   CpuRunStats stats;
 };
-
-// $LOOM_CACHE_DIR, else $XDG_CACHE_HOME/loom, else ~/.cache/loom.
-std::string defaultCacheDir();
 
 // Compiles (or finds in the cache) and runs `plan` on the case's inputs.
 Result<CpuOutputs> runPlan(const KernelPlan& plan, const IhaCase& c, const CpuOptions& options = {});

@@ -14,11 +14,9 @@ ElementKind elementOf(v1::DType dtype) {
 Result<CaseBuffers> CaseBuffers::upload(const Device& device, const IhaCase& c) {
   if (Status ok = device.makeCurrent(); !ok) return ok.error();
   const KernelSpec& spec = c.spec;
-  const int64_t B = c.batch, N = c.tokens, H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(),
-                d = spec.head_dim();
+  const int64_t B = c.batch, N = c.tokens, H = spec.heads(), P = spec.pseudo_heads();
   const NpyType storage = storageTypeOf(spec.dtype());
-  const std::vector<int64_t> collapseShape =
-      spec.collapse() == v1::per_head ? std::vector<int64_t>{H, P} : std::vector<int64_t>{H, H * P};
+  const std::vector<std::vector<int64_t>> shapes = inputShapes(spec, B, N);
   struct Operand {
     const std::vector<double>* values;
     std::vector<int64_t> shape;
@@ -28,15 +26,14 @@ Result<CaseBuffers> CaseBuffers::upload(const Device& device, const IhaCase& c) 
   CaseBuffers buffers;
   IhaTensors& t = buffers.tensors_;
   t.lse = Tensor{};
-  const std::vector<double> none;
-  std::vector<Operand> operands = {{&c.inputs.q, {B, N, H, d}, storage, &t.q},
-                                   {&c.inputs.k, {B, N, G, d}, storage, &t.k},
-                                   {&c.inputs.v, {B, N, G, d}, storage, &t.v},
-                                   {&c.inputs.alpha_q, {H, H, P}, NpyType::float32, &t.alpha_q},
-                                   {&c.inputs.alpha_k, {G, G, P}, NpyType::float32, &t.alpha_k},
-                                   {&c.inputs.alpha_v, {G, G, P}, NpyType::float32, &t.alpha_v},
-                                   {&c.inputs.collapse, collapseShape, NpyType::float32, &t.collapse},
-                                   {nullptr, {B, N, H, d}, storage, &t.out},
+  std::vector<Operand> operands = {{&c.inputs.q, shapes[0], storage, &t.q},
+                                   {&c.inputs.k, shapes[1], storage, &t.k},
+                                   {&c.inputs.v, shapes[2], storage, &t.v},
+                                   {&c.inputs.alpha_q, shapes[3], NpyType::float32, &t.alpha_q},
+                                   {&c.inputs.alpha_k, shapes[4], NpyType::float32, &t.alpha_k},
+                                   {&c.inputs.alpha_v, shapes[5], NpyType::float32, &t.alpha_v},
+                                   {&c.inputs.collapse, shapes[6], NpyType::float32, &t.collapse},
+                                   {nullptr, shapes[0], storage, &t.out},
                                    {nullptr, {B, H, N * P}, NpyType::float32, &*t.lse}};
   for (Operand& o : operands) {
     int64_t count = 1;

@@ -35,15 +35,14 @@ Status checkArray(const std::string& path, const NpyArray& array, const std::vec
   return Status::success();
 }
 
-// Shapes of q, k, v, alpha_q, alpha_k, alpha_v, collapse (kCaseInputs order).
+}  // namespace
+
 std::vector<std::vector<int64_t>> inputShapes(const KernelSpec& spec, int64_t B, int64_t N) {
   const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
   const std::vector<int64_t> collapseShape =
       spec.collapse() == v1::per_head ? std::vector<int64_t>{H, P} : std::vector<int64_t>{H, H * P};
   return {{B, N, H, d}, {B, N, G, d}, {B, N, G, d}, {H, H, P}, {G, G, P}, {G, G, P}, collapseShape};
 }
-
-}  // namespace
 
 NpyType storageTypeOf(v1::DType dtype) {
   switch (dtype) {

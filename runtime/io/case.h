@@ -26,6 +26,9 @@ struct IhaCase {
 // The names of a case's input arrays, in the order they are read.
 inline constexpr const char* kCaseInputs[] = {"q", "k", "v", "alpha_q", "alpha_k", "alpha_v", "collapse"};
 
+// Their shapes for a spec, batch B and N tokens, in the same order.
+std::vector<std::vector<int64_t>> inputShapes(const KernelSpec& spec, int64_t batch, int64_t tokens);
+
 // Loads and checks a case folder: every shape against the spec, q/k/v stored
 // in the spec's dtype, no NaN or Inf. Errors name the file or field.
 Result<IhaCase> loadCase(const std::string& dir);

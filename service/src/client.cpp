@@ -3,19 +3,24 @@
 #include <grpcpp/grpcpp.h>
 
 #include <chrono>
+#include <iterator>
 
 #include "loom/hash.h"
 #include "loom/spec.h"
 
 namespace loom::service {
 
-Error callError(const grpc::Status& status) {
+const char* statusCodeName(grpc::StatusCode code) {
   static const char* names[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
                                 "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
                                 "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
                                 "UNAUTHENTICATED"};
-  const int code = int(status.error_code());
-  return makeError(std::string(code >= 0 && code <= 16 ? names[code] : "ERROR") + ": " + status.error_message());
+  const int index = int(code);
+  return index >= 0 && index < int(std::size(names)) ? names[index] : "UNKNOWN";
+}
+
+Error callError(const grpc::Status& status) {
+  return makeError(std::string(statusCodeName(status.error_code())) + ": " + status.error_message());
 }
 
 Result<std::unique_ptr<KernelClient>> KernelClient::connect(const std::string& address, const std::string& tokenFile,

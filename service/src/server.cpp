@@ -17,9 +17,10 @@
 
 #include "api/provider.h"
 #include "autotune/tuner.h"
-#include "cpu/cpu_backend.h"
+#include "loom/cache_dir.h"
 #include "cuda/driver.h"
 #include "loom/cache.h"
+#include "loom/client.h"
 #include "loom/compiler.h"
 #include "loom/hash.h"
 #include "loom/service.h"
@@ -60,8 +61,8 @@ Status checkTarget(const v1::Target& target) {
 class KernelServiceImpl final : public v1::KernelService::Service {
  public:
   KernelServiceImpl(const ServerOptions& options, std::string token, Metrics& metrics)
-      : provider_(options.cacheDir.empty() ? cpu::defaultCacheDir() : options.cacheDir, options.maxConcurrentCompiles),
-        cacheDir_(options.cacheDir.empty() ? cpu::defaultCacheDir() : options.cacheDir),
+      : cacheDir_(options.cacheDir.empty() ? defaultCacheDir() : options.cacheDir),
+        provider_(cacheDir_, options.maxConcurrentCompiles),
         token_(std::move(token)),
         metrics_(metrics) {
     // A miss with no decision compiles the cost model's best schedule
@@ -333,12 +334,9 @@ class KernelServiceImpl final : public v1::KernelService::Service {
   template <typename Handler>
   Status count(const std::string& method, Handler handler) {
     const Status status = handler();
-    static const char* names[] = {"OK", "CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
-                                  "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
-                                  "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
-                                  "UNAUTHENTICATED"};
-    metrics_.request(method, names[int(status.error_code()) % 17]);
-    std::fprintf(stderr, "{\"method\": \"%s\", \"code\": \"%s\"%s%s%s}\n", method.c_str(), names[int(status.error_code()) % 17],
+    const char* code = statusCodeName(status.error_code());
+    metrics_.request(method, code);
+    std::fprintf(stderr, "{\"method\": \"%s\", \"code\": \"%s\"%s%s%s}\n", method.c_str(), code,
                  status.ok() ? "" : ", \"message\": \"", status.ok() ? "" : status.error_message().c_str(), status.ok() ? "" : "\"");
     return status;
   }
@@ -353,8 +351,8 @@ class KernelServiceImpl final : public v1::KernelService::Service {
     return Status::OK;
   }
 
-  KernelProvider provider_;
   std::string cacheDir_;
+  KernelProvider provider_;
   std::string token_;
   Metrics& metrics_;
 };

@@ -11,7 +11,7 @@
 
 #include "autotune/tuner.h"
 #include "commands.h"
-#include "cpu/cpu_backend.h"
+#include "loom/cache_dir.h"
 #include "cuda/driver.h"
 #include "loom/client.h"
 #include "loom/compiler.h"
@@ -81,7 +81,7 @@ int pretune(const PretuneOptions& options) {
     }
     autotune::TuneOptions tuneOptions;
     tuneOptions.tokens = options.tokens;
-    tuneOptions.cacheDir = cpu::defaultCacheDir();
+    tuneOptions.cacheDir = defaultCacheDir();
     std::vector<v1::CompiledKernel> compiled;
     auto report = autotune::tune(spec, target, device, tuneOptions, {}, &compiled);
     bool uploaded = false;

@@ -12,7 +12,7 @@
 
 #include "autotune/tuner.h"
 #include "commands.h"
-#include "cpu/cpu_backend.h"
+#include "loom/cache_dir.h"
 #include "cuda/driver.h"
 #include "loom/cache.h"
 #include "loom/compiler.h"
@@ -91,7 +91,7 @@ int tuneCommand(const TuneCliOptions& options) {
   tuneOptions.tokens = options.tokens;
   tuneOptions.strategy = *strategy;
   tuneOptions.budgetSeconds = *budget;
-  tuneOptions.cacheDir = options.cacheDir.empty() ? cpu::defaultCacheDir() : options.cacheDir;
+  tuneOptions.cacheDir = options.cacheDir.empty() ? defaultCacheDir() : options.cacheDir;
   tuneOptions.offlineCompiles = options.compileTop;
   const bool live = ::isatty(STDERR_FILENO);
   auto progress = [&](const autotune::TuneProgress& p) {
@@ -121,7 +121,7 @@ int tuneCommand(const TuneCliOptions& options) {
   saved["batch"] = options.batch;
   saved["candidates"] = nlohmann::json::array();
   for (const auto& c : report->candidates) saved["candidates"].push_back(candidateJson(c));
-  const std::string storePath = tuneOptions.cacheDir + "/kernels.sqlite";
+  const std::string storePath = cache::storePath(tuneOptions.cacheDir);
   auto store = cache::openSqliteStore(storePath);
   if (!store) return badInput(store.error().message);
   nlohmann::json kept = nlohmann::json::array();  // every candidate that was compiled or measured

@@ -111,7 +111,9 @@ struct SqliteOptions {
 // one started, so a damaged cache costs recompiles, never wrong kernels.
 Result<std::unique_ptr<KernelStore>> openSqliteStore(const std::string& path, const SqliteOptions& options = {});
 
-// $LOOM_CACHE_DIR/kernels.sqlite, else $XDG_CACHE_HOME/loom/..., else ~/.cache/loom/...
+// The store file inside a cache folder, and in the default one
+// (loom::defaultCacheDir()).
+std::string storePath(const std::string& cacheDir);
 std::string defaultStorePath();
 
 // The schema version this build writes.

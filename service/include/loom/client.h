@@ -37,6 +37,9 @@ class KernelClient {
   std::string token_;
 };
 
+// The canonical name of a gRPC status code ("INVALID_ARGUMENT").
+const char* statusCodeName(grpc::StatusCode code);
+
 // "StatusCode: message" of a failed call.
 Error callError(const grpc::Status& status);
 
