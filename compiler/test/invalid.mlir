@@ -91,3 +91,42 @@ iha.kernel @iha spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 1, head_d
   // expected-error @+1 {{must be inside an iha.launch}}
   %L = iha.seq_len : i64
 }
+
+// -----
+
+// expected-error @+1 {{schedule.block_m (64) must be 64 rows per consumer warpgroup (128) with engine wgmma}}
+iha.kernel @iha spec(#iha.spec<heads = 4, kv_heads = 4, pseudo_heads = 2, head_dim = 64, dtype = bf16, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.125>) schedule(#iha.schedule<block_m = 64, block_n = 64, warps = 8, stages = 2, mix = fused, collapse = epilogue, engine = wgmma, producer_registers = 24>) {
+}
+
+// -----
+
+// expected-error @+1 {{engine wgmma needs head_dim (32) a multiple of 64, at most 256 (use engine mma)}}
+iha.kernel @iha spec(#iha.spec<heads = 4, kv_heads = 4, pseudo_heads = 2, head_dim = 32, dtype = bf16, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.125>) schedule(#iha.schedule<block_m = 128, block_n = 64, warps = 8, stages = 2, mix = fused, collapse = epilogue, engine = wgmma, producer_registers = 24>) {
+}
+
+// -----
+
+// expected-error @+1 {{schedule.producer_registers (20) must be a multiple of 8 in [24, 240]}}
+iha.kernel @iha spec(#iha.spec<heads = 4, kv_heads = 4, pseudo_heads = 2, head_dim = 64, dtype = bf16, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.125>) schedule(#iha.schedule<block_m = 128, block_n = 64, warps = 8, stages = 2, mix = fused, collapse = epilogue, engine = wgmma, producer_registers = 20>) {
+}
+
+// -----
+
+// expected-error @+1 {{schedule.producer_registers is for engine wgmma only}}
+iha.kernel @iha spec(#iha.spec<heads = 4, kv_heads = 4, pseudo_heads = 2, head_dim = 64, dtype = bf16, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.125>) schedule(#iha.schedule<block_m = 64, block_n = 64, warps = 4, stages = 2, mix = fused, collapse = epilogue, producer_registers = 24>) {
+}
+
+// -----
+
+iha.kernel @iha spec(#iha.spec<heads = 4, kv_heads = 4, pseudo_heads = 2, head_dim = 64, dtype = bf16, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.125>) schedule(#iha.schedule<block_m = 64, block_n = 64, warps = 4, stages = 2, mix = fused, collapse = epilogue, engine = wgmma, producer_registers = 24>) {
+  iha.launch @iha_attention attributes {grid_y = 4 : i64, rows_per_cta = 64 : i64, rows_per_token = 2 : i64, threads = 256 : i64} {
+  ^bb0(%x: i64, %h: i64, %b: i64):
+    %c0 = arith.constant 0 : i64
+    iha.warp_specialize producer {
+      iha.kv_stream %c0 to %c0 head %h batch %b
+    } consumer {
+      // expected-error @+1 {{mixed (1) differs from its iha.kv_stream's (0)}}
+      iha.kv_loop %c0 to %c0 rows %c0 head %h batch %b {mixed}
+    }
+  }
+}

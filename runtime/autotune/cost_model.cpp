@@ -32,6 +32,9 @@ Interval allowedColumns(const KernelSpec& spec, int64_t i, int64_t L) {
 }  // namespace
 
 int64_t fragmentRegisters(const KernelSpec& spec, const Schedule& s) {
+  // wgmma: a consumer thread holds S (block_n / 2), O (d / 2) and P as
+  // 16-bit pairs (block_n / 4); Q stays in shared memory.
+  if (s.engine() == v1::engine_wgmma) return spec.head_dim() / 2 + 3 * s.block_n() / 4;
   const int64_t mTiles = s.block_m() / (kMmaK * s.warps());
   const int64_t paddedDim = (spec.head_dim() + kMmaK - 1) / kMmaK * kMmaK;
   return mTiles * (paddedDim * 3 / 4 + s.block_n() / 2);
@@ -42,7 +45,9 @@ DeviceModel deviceModel(const v1::Target& target) {
   const std::string arch = target.arch();
   const v1::DeviceProperties& p = target.device();
   if (arch.rfind("sm_90", 0) == 0) {  // H100 / H200: bf16 GEMM measured at ~790 TFLOP/s, copy 4.3 TB/s
-    m = {"hopper", 790e12, 0.40, 60e12, 4.2e12, 4.3e12, 12e12, 33e12, 132, 233472, 65536, 2048};
+    // wgmma: FlashAttention-3 reaches ~75% of the matrix rate.
+    m = {"hopper", 790e12, 0.40, 60e12, 4.2e12, 4.3e12, 12e12, 33e12, 132, 233472, 65536, 2048,
+         arch == "sm_90a" ? 0.70 : 0.0};
   } else if (arch == "sm_80") {  // A100
     m = {"ampere", 280e12, 0.65, 19e12, 1.7e12, 1.8e12, 5e12, 19e12, 108, 167936, 65536, 2048};
   } else {  // sm_86 / sm_89 class
@@ -112,18 +117,22 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::T
   const double kvRawRows = fusedMix ? double(G) * (double(bn) / P + 2.0) : double(bn);
   const double l2Bytes = double(heads) * double(blocks.visited) * kvRawRows * d * 2.0 * kBytes16;
 
-  // Occupancy from shared memory and registers.
-  const int threads = s.warps() * 32;
+  // Occupancy from shared memory and registers. The wgmma engine adds a
+  // producer warpgroup and, moving registers with setmaxnreg, owns the SM.
+  const bool wgmma = s.engine() == v1::engine_wgmma;
+  const int threads = (s.warps() + (wgmma ? 4 : 0)) * 32;
   const int registers =
       registersPerThread.value_or(int(std::min<int64_t>(255, kBaseRegisters + fragmentRegisters(spec, s))));
-  const int64_t smem = target.kind() == v1::Target::cuda
-                           ? attentionSmem(int(bm), int(bn), int(d), s.stages(), int(H), int(G), int(P), fusedMix,
-                                           s.collapse() != v1::collapse_separate, fusedGlobal)
-                                 .total
-                           : 0;
-  int ctas = kMaxCtasPerSm;
+  const bool collapseInEpilogue = s.collapse() != v1::collapse_separate;
+  const int64_t smem =
+      target.kind() != v1::Target::cuda ? 0
+      : wgmma ? hopperSmem(int(bm), int(bn), int(d), s.stages(), int(H), int(P), collapseInEpilogue, fusedGlobal).total
+              : attentionSmem(int(bm), int(bn), int(d), s.stages(), int(H), int(G), int(P), fusedMix,
+                              collapseInEpilogue, fusedGlobal)
+                    .total;
+  int ctas = wgmma ? 1 : kMaxCtasPerSm;
   if (smem > 0) ctas = std::min<int64_t>(ctas, device.sharedMemoryPerSm / smem);
-  ctas = std::min(ctas, device.registersPerSm / std::max(1, registers * threads));
+  if (!wgmma) ctas = std::min(ctas, device.registersPerSm / std::max(1, registers * threads));
   ctas = std::min(ctas, device.maxThreadsPerSm / threads);
   e.ctasPerSm = std::max(ctas, 0);
   if (e.ctasPerSm == 0) {
@@ -136,7 +145,11 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::T
   const double waves = std::ceil(double(gridCtas) / slots);
   e.waveEfficiency = double(gridCtas) / (waves * slots);
   const double activeWarps = std::min<double>(double(e.ctasPerSm) * s.warps(), double(gridCtas) / device.smCount * s.warps());
-  const double tensorShare = device.mmaSyncEfficiency * std::min(1.0, activeWarps / kWarpsToSaturateTensorCores);
+  // mma.sync needs many warps in flight; wgmma two consumer warpgroups (one
+  // computes while the other runs its softmax).
+  const double tensorShare =
+      wgmma ? device.wgmmaEfficiency * std::min(1.0, double(s.warps()) / kWarpsToSaturateTensorCores)
+            : device.mmaSyncEfficiency * std::min(1.0, activeWarps / kWarpsToSaturateTensorCores);
   // A fused global collapse runs H heads in one CTA: the grid is H times smaller.
   const double utilisation = std::min(1.0, double(gridCtas) / device.smCount) * e.waveEfficiency;
 
@@ -145,8 +158,10 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::T
   const double simtTime = (mixFlops + maskOps) / device.fmaFlops;
   // Every warp reads the whole K and V tile of each visited block through
   // ldmatrix: shared-memory traffic per FLOP falls as block_m per warp grows.
+  // wgmma reads them once per warpgroup.
   const double paddedDim = double((d + 15) / 16 * 16);
-  const double sharedBytes = double(heads) * double(blocks.visited) * s.warps() * 2.0 * bn * paddedDim * kBytes16;
+  const double readers = wgmma ? s.warps() / 4.0 : double(s.warps());
+  const double sharedBytes = double(heads) * double(blocks.visited) * readers * 2.0 * bn * paddedDim * kBytes16;
   const double sharedTime = sharedBytes / device.sharedBytesPerSecond;
   const double computeTime = std::max(tensorTime, sharedTime) + expTime + simtTime;  // issued in turn by each warp
   const double memoryTime = bytes / device.dramBytesPerSecond + l2Bytes / device.l2BytesPerSecond;

@@ -27,6 +27,7 @@ struct DeviceModel {
   int64_t sharedMemoryPerSm = 0;
   int registersPerSm = 0;
   int maxThreadsPerSm = 0;
+  double wgmmaEfficiency = 0;    // share warp-specialised wgmma kernels reach (0: no wgmma)
 };
 
 DeviceModel deviceModel(const v1::Target& target);

@@ -6,6 +6,7 @@
 #include <set>
 
 #include "loom/compiler.h"
+#include "loom/tile/layout.h"
 
 namespace loom::autotune {
 namespace {
@@ -15,13 +16,29 @@ constexpr int kBlockNChoices[] = {16, 32, 64, 128};
 constexpr int kStageChoices[] = {1, 2, 3, 4};
 constexpr int kMaxBlockM = 256;
 constexpr int kMmaRows = 16;
+// The wgmma engine (sm_90a): 1 to 3 consumer warpgroups of 64 rows, its
+// block_n set, and the producer's register budget: the TMA producer is one
+// thread and takes the minimum; a mixing producer computes and gets a choice.
+constexpr int kWarpgroupChoices[] = {1, 2, 3};
+constexpr int kWgmmaBlockNChoices[] = {64, 128, 192, 256};
+constexpr int kTmaProducerRegisters[] = {24};
+constexpr int kMixingProducerRegisters[] = {56, 88};
+constexpr int64_t kWgmmaBaseRegisters = 48;  // addresses, barriers, softmax rows, the loop
 
 }  // namespace
 
+int64_t registerLimit(const Schedule& s) {
+  if (s.engine() != v1::engine_wgmma) return kFragmentRegisterLimit;
+  return consumerRegisters(s.warps(), s.producer_registers()) - kWgmmaBaseRegisters;
+}
+
 std::string scheduleKey(const Schedule& s) {
-  return "bm" + std::to_string(s.block_m()) + ".bn" + std::to_string(s.block_n()) + ".w" + std::to_string(s.warps()) +
-         ".s" + std::to_string(s.stages()) + (s.mix() == v1::mix_materialized ? ".materialized" : ".fused") +
-         (s.collapse() == v1::collapse_separate ? ".separate" : ".epilogue");
+  std::string key = "bm" + std::to_string(s.block_m()) + ".bn" + std::to_string(s.block_n()) + ".w" +
+                    std::to_string(s.warps()) + ".s" + std::to_string(s.stages()) +
+                    (s.mix() == v1::mix_materialized ? ".materialized" : ".fused") +
+                    (s.collapse() == v1::collapse_separate ? ".separate" : ".epilogue");
+  if (s.engine() == v1::engine_wgmma) key += ".wgmma.p" + std::to_string(s.producer_registers());
+  return key;
 }
 
 SearchSpace searchSpace(const KernelSpec& spec, const v1::Target& target) {
@@ -36,10 +53,11 @@ SearchSpace searchSpace(const KernelSpec& spec, const v1::Target& target) {
       space.pruned.push_back({schedule, key, resolved.error().message});
       return;
     }
-    if (target.kind() == v1::Target::cuda && fragmentRegisters(spec, *resolved) > kFragmentRegisterLimit) {
+    const int64_t limit = registerLimit(*resolved);
+    if (target.kind() == v1::Target::cuda && fragmentRegisters(spec, *resolved) > limit) {
       space.pruned.push_back({*resolved, key,
                               "fragments need about " + std::to_string(fragmentRegisters(spec, *resolved)) +
-                                  " registers per thread: certain to spill"});
+                                  " registers per thread, over " + std::to_string(limit) + ": certain to spill"});
       return;
     }
     space.candidates.push_back({*resolved, key});
@@ -59,9 +77,31 @@ SearchSpace searchSpace(const KernelSpec& spec, const v1::Target& target) {
               s.set_stages(stages);
               s.set_mix(mix);
               s.set_collapse(collapse);
+              s.set_engine(v1::engine_mma);
               consider(s);
             }
   }
+  if (target.kind() == v1::Target::cuda && target.arch() == "sm_90a")
+    for (int groups : kWarpgroupChoices)
+      for (int blockN : kWgmmaBlockNChoices)
+        for (int stages : kStageChoices)
+          for (v1::MixStrategy mix : {v1::mix_materialized, v1::mix_fused})
+            for (v1::CollapseStrategy collapse : {v1::collapse_fused, v1::collapse_separate})
+              for (int producer : mix == v1::mix_fused ? std::vector<int>(std::begin(kMixingProducerRegisters),
+                                                                         std::end(kMixingProducerRegisters))
+                                                       : std::vector<int>(std::begin(kTmaProducerRegisters),
+                                                                          std::end(kTmaProducerRegisters))) {
+                Schedule s;
+                s.set_engine(v1::engine_wgmma);
+                s.set_warps(4 * groups);
+                s.set_block_m(64 * groups);
+                s.set_block_n(blockN);
+                s.set_stages(stages);
+                s.set_mix(mix);
+                s.set_collapse(collapse);
+                s.set_producer_registers(producer);
+                consider(s);
+              }
   // Never empty: the compiler's default, else the smallest footprint there
   // is (one warp, whole tokens of 16-row tiles, 16-key blocks, one stage,
   // everything materialised), even if its fragments are large.

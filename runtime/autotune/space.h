@@ -16,6 +16,11 @@ namespace loom::autotune {
 // rest of the kernel needs some too).
 inline constexpr int64_t kFragmentRegisterLimit = 192;
 
+// Registers a candidate's fragments may take before it is certain to spill:
+// kFragmentRegisterLimit on the mma engine; on the wgmma engine what
+// setmaxnreg leaves a consumer thread, less addresses and loop state.
+int64_t registerLimit(const Schedule& schedule);
+
 struct Candidate {
   Schedule schedule;  // complete: every field set
   std::string key;    // "bm64.bn64.w4.s2.fused.epilogue"

@@ -28,6 +28,7 @@ constexpr const char* kCompileFlags = "-std=c++17 -O2 -fPIC -shared -w";
 using KernelFn = void (*)(IhaArgs);
 using SetBlockFn = void (*)(int64_t, int64_t, int64_t);
 using StatsFn = void (*)(int64_t*, int64_t*, int64_t*);
+using SetPartFn = void (*)(int);
 
 std::string compilerCommand() {
   const char* cxx = std::getenv("CXX");
@@ -67,6 +68,7 @@ struct LoadedProgram {
   void* handle = nullptr;
   SetBlockFn setBlock = nullptr;
   StatsFn stats = nullptr;
+  SetPartFn setPart = nullptr;
   std::map<std::string, KernelFn> entries;
 };
 
@@ -76,7 +78,8 @@ Result<LoadedProgram> loadProgram(const KernelPlan& plan, const fs::path& object
   if (!program.handle) return makeError(object.string() + ": dlopen failed: " + ::dlerror());
   program.setBlock = reinterpret_cast<SetBlockFn>(::dlsym(program.handle, "loom_host_set_block"));
   program.stats = reinterpret_cast<StatsFn>(::dlsym(program.handle, "loom_host_stats"));
-  if (!program.setBlock || !program.stats) return makeError(object.string() + ": not built against loom/tile/host.h");
+  program.setPart = reinterpret_cast<SetPartFn>(::dlsym(program.handle, "loom_host_set_part"));
+  if (!program.setBlock || !program.stats || !program.setPart) return makeError(object.string() + ": not built against loom/tile/host.h");
   for (const LaunchPlan& launch : plan.launches) {
     auto fn = reinterpret_cast<KernelFn>(::dlsym(program.handle, launch.name.c_str()));
     if (!fn) return makeError(object.string() + ": entry point " + launch.name + " missing");
@@ -139,7 +142,17 @@ void runGrid(const LoadedProgram& program, const LaunchPlan& launch, const IhaAr
   auto worker = [&] {
     for (int64_t cta = next++; cta < total; cta = next++) {
       program.setBlock(cta % gridX, (cta / gridX) % launch.gridY, cta / (gridX * launch.gridY));
+      if (!launch.warpSpecialized) {
+        kernel(args);
+        continue;
+      }
+      // The producer warpgroup's part, then the consumers' (host.h checks
+      // they agree block for block).
+      program.setPart(1);
       kernel(args);
+      program.setPart(2);
+      kernel(args);
+      program.setPart(0);
     }
   };
   std::vector<std::thread> pool;

@@ -45,6 +45,7 @@ Result<const DriverApi*> load() {
   fetch(api.cuModuleUnload, "cuModuleUnload");
   fetch(api.cuModuleGetFunction, "cuModuleGetFunction");
   fetch(api.cuFuncSetAttribute, "cuFuncSetAttribute");
+  fetch(api.cuTensorMapEncodeTiled, "cuTensorMapEncodeTiled");
   fetch(api.cuLaunchKernel, "cuLaunchKernel");
   fetch(api.cuMemAlloc, "cuMemAlloc");
   fetch(api.cuMemFree, "cuMemFree");

@@ -43,7 +43,17 @@ struct DriverApi {
   CUresult (*cuEventRecord)(CUevent, CUstream);
   CUresult (*cuEventSynchronize)(CUevent);
   CUresult (*cuEventElapsedTime)(float*, CUevent, CUevent);
+  CUresult (*cuTensorMapEncodeTiled)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                     const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                     CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 };
+
+// The host side of loom::TmaMaps (runtime/tile/hopper.h): the tensor maps a
+// warp-specialised attention launch takes after its IhaArgs.
+struct TmaMaps {
+  CUtensorMap q, k, v;
+};
+static_assert(sizeof(TmaMaps) == 3 * 128, "loom::TmaMaps is three 128-byte tensor maps");
 
 // The driver, loaded and initialised once. Without one the error says that
 // no GPU is present and what to use instead.

@@ -45,6 +45,22 @@ bool Artifact::usesTensorCores() const {
   return ptx.find("mma.sync.aligned") != std::string::npos || ptx.find("wgmma.mma_async") != std::string::npos;
 }
 bool Artifact::usesAsyncCopies() const { return ptx.find("cp.async") != std::string::npos; }
+bool Artifact::usesWgmma() const { return ptx.find("wgmma.mma_async") != std::string::npos; }
+bool Artifact::usesTma() const { return ptx.find("cp.async.bulk.tensor") != std::string::npos; }
+bool Artifact::usesSetmaxnreg() const { return ptx.find("setmaxnreg") != std::string::npos; }
+
+std::vector<std::string> Artifact::warnings() const {
+  std::vector<std::string> lines;
+  size_t start = 0;
+  while (start < log.size()) {
+    size_t end = log.find('\n', start);
+    if (end == std::string::npos) end = log.size();
+    const std::string line = log.substr(start, end - start);
+    if (line.find("warning") != std::string::npos) lines.push_back(line);
+    start = end + 1;
+  }
+  return lines;
+}
 int64_t Artifact::spillBytes() const {
   int64_t total = 0;
   for (const auto& r : resources) total += r.spill_store_bytes() + r.spill_load_bytes();

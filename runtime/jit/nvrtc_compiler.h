@@ -34,6 +34,13 @@ struct Artifact {
 
   bool usesTensorCores() const;  // mma.sync / wgmma in the PTX
   bool usesAsyncCopies() const;  // cp.async in the PTX
+  // The sm_90a path's instructions in the PTX.
+  bool usesWgmma() const;        // wgmma.mma_async
+  bool usesTma() const;          // cp.async.bulk.tensor
+  bool usesSetmaxnreg() const;   // setmaxnreg
+  // The log's warning lines (ptxas says here when it serialises wgmma or
+  // ignores setmaxnreg).
+  std::vector<std::string> warnings() const;
   int64_t spillBytes() const;    // spill stores + loads over all entries
 };
 

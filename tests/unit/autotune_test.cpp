@@ -3,6 +3,8 @@
 // real NVRTC.
 #include <gtest/gtest.h>
 
+#include <set>
+
 #include "autotune/cost_model.h"
 #include "autotune/space.h"
 #include "autotune/tuner.h"
@@ -38,6 +40,10 @@ v1::Target target(const std::string& arch, int64_t sharedPerBlock = 0) {
 }
 
 int64_t attentionBytes(const KernelSpec& s, const Schedule& c) {
+  if (c.engine() == v1::engine_wgmma)
+    return hopperSmem(c.block_m(), c.block_n(), s.head_dim(), c.stages(), s.heads(), s.pseudo_heads(),
+                      c.collapse() == v1::collapse_fused, c.collapse() == v1::collapse_fused && s.collapse() == v1::global)
+        .total;
   return attentionSmem(c.block_m(), c.block_n(), s.head_dim(), c.stages(), s.heads(), s.kv_heads(), s.pseudo_heads(),
                        c.mix() != v1::mix_materialized, c.collapse() == v1::collapse_fused,
                        c.collapse() == v1::collapse_fused && s.collapse() == v1::global)
@@ -60,11 +66,49 @@ TEST(SearchSpace, PrunedByTheCompilersRulesAndTheDevice) {
       EXPECT_EQ(c.schedule.block_m() % s.pseudo_heads(), 0) << c.key;
       EXPECT_LE(attentionBytes(s, c.schedule), limit) << c.key;
       if (space.candidates.size() > 1)  // a lone fallback may be large
-        EXPECT_LE(fragmentRegisters(s, c.schedule), kFragmentRegisterLimit) << c.key;
+        EXPECT_LE(fragmentRegisters(s, c.schedule), registerLimit(c.schedule)) << c.key;
       EXPECT_TRUE(resolveSchedule(s, c.schedule, t)) << c.key;
+      if (c.schedule.engine() == v1::engine_wgmma) {
+        EXPECT_EQ(t.arch(), "sm_90a") << c.key;
+        EXPECT_EQ(c.schedule.block_m(), 16 * c.schedule.warps()) << c.key;
+      }
     }
     for (const Pruned& p : space.pruned) EXPECT_FALSE(p.reason.empty()) << p.key;
   }
+}
+
+// On sm_90a both engines are searched side by side, the wgmma engine with
+// its own knobs (consumer warpgroups, producer registers); keys tell them
+// apart. The register limits follow setmaxnreg's hand-over.
+TEST(SearchSpace, HopperSearchesBothEngines) {
+  const KernelSpec s = spec(8, 8, 4, 128);
+  const SearchSpace space = searchSpace(s, target("sm_90a"));
+  std::set<int> warpgroups, producers;
+  int portable = 0;
+  for (const Candidate& c : space.candidates) {
+    if (c.schedule.engine() == v1::engine_mma) {
+      ++portable;
+      EXPECT_EQ(c.key.find("wgmma"), std::string::npos) << c.key;
+      continue;
+    }
+    warpgroups.insert(c.schedule.warps() / 4);
+    producers.insert(c.schedule.producer_registers());
+    EXPECT_NE(c.key.find(".wgmma.p" + std::to_string(c.schedule.producer_registers())), std::string::npos) << c.key;
+  }
+  EXPECT_GT(portable, 0);
+  EXPECT_EQ(warpgroups, (std::set<int>{1, 2, 3}));
+  EXPECT_EQ(producers, (std::set<int>{24, 56, 88}));
+  // Two consumer warpgroups after a 24-register producer: 240 each.
+  Schedule two;
+  two.set_engine(v1::engine_wgmma);
+  two.set_warps(8);
+  two.set_producer_registers(24);
+  EXPECT_EQ(registerLimit(two), 240 - 48);
+  two.set_warps(12);  // three: (512 - 24) / 3 = 162 -> 160
+  EXPECT_EQ(registerLimit(two), 160 - 48);
+  // Not searched off sm_90a.
+  for (const Candidate& c : searchSpace(s, target("sm_90")).candidates)
+    EXPECT_EQ(c.schedule.engine(), v1::engine_mma) << c.key;
 }
 
 TEST(SearchSpace, NeverEmpty) {
@@ -102,9 +146,24 @@ TEST(CostModel, HandComputedCases) {
   // Block granularity can only add work.
   EXPECT_GE(e.matrixFlops, e.usefulFlops);
 
-  // A window of 64 tokens skips most blocks: less than a fifth of the time.
+  // A window of 64 tokens (256 rows) skips most blocks: with mixing fused (no
+  // pre-mix pass whose cost the window does not touch), 128-row blocks visit
+  // about 3.5 key blocks instead of 16.5 on average: under a quarter of the time.
   const KernelSpec windowed = spec(8, 8, 4, 64, v1::flat_causal, 64);
-  EXPECT_LT(estimateCost(windowed, base, hopper, 2, 1024).seconds, e.seconds / 5);
+  Schedule fused = base;
+  fused.set_mix(v1::mix_fused);
+  EXPECT_LT(estimateCost(windowed, fused, hopper, 2, 1024).seconds,
+            estimateCost(causal, fused, hopper, 2, 1024).seconds / 4);
+  // Materialised, the pre-mix is a fixed cost: the window still saves time.
+  EXPECT_LT(estimateCost(windowed, base, hopper, 2, 1024).seconds, e.seconds / 2);
+
+  // On sm_90a the default is the wgmma engine, estimated faster than the
+  // portable mma.sync path of the same blocks.
+  EXPECT_EQ(base.engine(), v1::engine_wgmma);
+  Schedule portable = base;
+  portable.set_engine(v1::engine_mma);
+  portable.set_producer_registers(0);
+  EXPECT_LT(e.seconds, estimateCost(causal, portable, hopper, 2, 1024).seconds);
 
   // One stage exposes the loads: slower than two, all else equal.
   Schedule single = base;

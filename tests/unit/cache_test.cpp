@@ -200,8 +200,12 @@ TEST(Cache, EvictsTheLeastRecentlyUsed) {
   SqliteOptions options;
   options.maxBytes = 5 * 1200;  // room for about five 1 KiB kernels
   auto store = open(dir / "k.sqlite", options);
-  for (int i = 0; i < 5; ++i) ASSERT_TRUE(store->putArtifact(kernel(i, 1024)));
-  // Make kernel 0 the most recently used (timestamps have 1 s resolution).
+  // Timestamps have 1 s resolution and ties go by key: kernel 1 is put a
+  // second before the others so it alone is the oldest.
+  ASSERT_TRUE(store->putArtifact(kernel(1, 1024)));
+  ::sleep(1);
+  for (int i : {0, 2, 3, 4}) ASSERT_TRUE(store->putArtifact(kernel(i, 1024)));
+  // Make kernel 0 the most recently used.
   ::sleep(1);
   ASSERT_TRUE(store->getArtifact(artifactKey(kernel(0, 1024)))->has_value());
   ::sleep(1);

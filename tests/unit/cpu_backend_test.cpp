@@ -97,6 +97,41 @@ TEST_P(DrawnCaseOnCpu, MatchesTheReference) {
 
 INSTANTIATE_TEST_SUITE_P(Random, DrawnCaseOnCpu, ::testing::Range(0, kRandomSpecs));
 
+// The wgmma engine's warp-specialised program (iha-warp-specialize), run on
+// the host as a producer part then a consumer part per CTA: the consumers
+// must take exactly the key blocks the producer streamed, in order (host.h
+// aborts otherwise), and the result must match the reference. Specs with
+// d in {64, 128} and P dividing 64; schedules with one to three consumer
+// warpgroups, fused and materialised mixing, the head-looped global
+// collapse, one to three stages.
+class WarpSpecializedOnCpu : public ::testing::TestWithParam<int> {};
+
+TEST_P(WarpSpecializedOnCpu, MatchesTheReference) {
+  std::mt19937_64 rng(testing::testSeed() + uint64_t(GetParam()) * 104729);
+  KernelSpec spec = testing::randomSpec(rng);
+  spec.set_head_dim(64 * std::uniform_int_distribution<int>(1, 2)(rng));
+  spec.set_pseudo_heads(1 << std::uniform_int_distribution<int>(0, 3)(rng));
+  spec.set_dtype(GetParam() % 2 ? v1::bfloat16 : v1::float16);
+  const int64_t B = 1 + int64_t(rng() % 2), N = 1 + int64_t(rng() % 80);
+  const IhaCase c = drawCase(spec, B, N, rng());
+  const std::string what = spec.ShortDebugString() + " B=" + std::to_string(B) + " N=" + std::to_string(N);
+  std::vector<Schedule> schedules(3);
+  for (Schedule& s : schedules) s.set_engine(v1::engine_wgmma);  // [0]: the sm_90a defaults
+  schedules[1].set_warps(4);
+  schedules[1].set_block_m(64);
+  schedules[1].set_block_n(64);
+  schedules[1].set_stages(3);
+  schedules[1].set_mix(v1::mix_fused);
+  schedules[2].set_warps(12);
+  schedules[2].set_block_m(192);
+  schedules[2].set_block_n(192);
+  schedules[2].set_stages(1);
+  schedules[2].set_collapse(spec.collapse() == v1::global ? v1::collapse_fused : v1::collapse_separate);
+  for (const Schedule& schedule : schedules) checkAgainstReference(c, schedule, what);
+}
+
+INSTANTIATE_TEST_SUITE_P(Random, WarpSpecializedOnCpu, ::testing::Range(0, 6));
+
 TEST(CpuBackend, SecondRunCompilesNothing) {
   auto c = loadCase(testing::casesDir() + "/mha-identity");
   ASSERT_TRUE(c);

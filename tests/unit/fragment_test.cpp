@@ -133,5 +133,59 @@ TEST(Layout, SharedMemoryRegionsDoNotOverlap) {
       }
 }
 
+// The sm_90a layout (hopper.h): the 16-byte chunk swizzle is the one TMA
+// writes with CU_TENSOR_MAP_SWIZZLE_128B and wgmma descriptors read with
+// swizzle mode 1 (address bits 4-6 XOR bits 7-9), and it spreads the eight
+// rows of a swizzle period over all eight 16-byte bank groups for any chunk.
+TEST(HopperLayout, SwizzleIsThe128BytePattern) {
+  for (int row = 0; row < 256; ++row) {
+    bool seen[8] = {};
+    for (int chunk = 0; chunk < 8; ++chunk) {
+      const int linear = row * kSwizzleRowBytes + chunk * 16;
+      EXPECT_EQ(swizzledChunk(row, chunk), linear ^ (((linear >> 7) & 7) << 4)) << row << " " << chunk;
+      EXPECT_EQ(swizzledChunk(row, chunk) / kSwizzleRowBytes, row) << "stays in its row";
+      seen[(swizzledChunk(row, chunk) % kSwizzleRowBytes) / 16] = true;
+    }
+    for (bool s : seen) EXPECT_TRUE(s) << "row " << row << " is a permutation of its chunks";
+  }
+  for (int chunk = 0; chunk < 8; ++chunk) {
+    bool groups[8] = {};
+    for (int row = 0; row < 8; ++row) groups[(swizzledChunk(row, chunk) % kSwizzleRowBytes) / 16] = true;
+    for (bool g : groups) EXPECT_TRUE(g) << "chunk " << chunk << " column reads conflict";
+  }
+}
+
+// Every operand tile (and every stage of K and V) starts on the 1024-byte
+// swizzle period, as descriptors with base offset 0 and TMA require; the
+// regions follow each other; the staging tile has its own room exactly when
+// the producer may still stream (the fused global collapse's head loop).
+TEST(HopperLayout, TilesStartOnTheSwizzlePeriodAndDoNotOverlap) {
+  for (int blockM : {64, 128, 192})
+    for (int blockN : {64, 128, 192, 256})
+      for (int d : {64, 128, 256})
+        for (int stages = 1; stages <= 4; ++stages)
+          for (bool epilogue : {false, true})
+            for (bool outTile : {false, true}) {
+              if (outTile && !epilogue) continue;
+              const HopperSmem s = hopperSmem(blockM, blockN, d, stages, 8, 4, epilogue, outTile);
+              const int kvTile = blockN * d * kTileElementBytes;
+              for (int stage = 0; stage < stages; ++stage) {
+                EXPECT_EQ((s.k + stage * kvTile) % kSwizzlePeriodBytes, 0);
+                EXPECT_EQ((s.v + stage * kvTile) % kSwizzlePeriodBytes, 0);
+              }
+              EXPECT_EQ(s.q % kSwizzlePeriodBytes, 0);
+              EXPECT_EQ(s.k, s.q + blockM * d * kTileElementBytes);
+              EXPECT_EQ(s.v, s.k + stages * kvTile);
+              const int operandsEnd = s.v + stages * kvTile;
+              if (outTile) EXPECT_GE(s.staging, operandsEnd) << "streaming continues under the staging tile";
+              else EXPECT_EQ(s.staging, 0);
+              if (epilogue) EXPECT_GE(s.out, s.staging + blockM * d * kAccumulatorBytes);
+              EXPECT_GE(s.barriers, s.out);
+              EXPECT_EQ(s.barriers % kBarrierBytes, 0);
+              EXPECT_EQ(s.total, s.barriers + (2 * stages + kMaxConsumerWarpgroups) * kBarrierBytes +
+                                     kSwizzlePeriodBytes) << "room to align the base";
+            }
+}
+
 }  // namespace
 }  // namespace loom

@@ -72,6 +72,71 @@ INSTANTIATE_TEST_SUITE_P(Specs, NvrtcCompiles,
                            return specs()[size_t(std::get<0>(info.param))].name + "_" + std::get<1>(info.param);
                          });
 
+// The sm_90a path (engine wgmma, runtime/tile/hopper.h): every spec whose
+// head_dim allows it gets it by default on sm_90a, under both mixing
+// strategies. Zero spills and no stack frame; the PTX holds wgmma, the
+// tensor memory accelerator (when it loads the mixed workspaces) and the
+// register hand-over; ptxas warns of nothing (it warns when it serialises
+// wgmma or ignores setmaxnreg).
+class HopperCompiles : public ::testing::TestWithParam<std::tuple<int, std::string>> {};
+
+TEST_P(HopperCompiles, WithWgmmaTmaAndSetmaxnregWithoutSpills) {
+  const Named named = specs()[size_t(std::get<0>(GetParam()))];
+  const std::string mix = std::get<1>(GetParam());
+  Schedule schedule;
+  schedule.set_mix(mix == "fused" ? v1::mix_fused : v1::mix_materialized);
+  jit::NvrtcCompiler compiler("");
+  std::shared_ptr<const jit::Artifact> artifact;
+  auto kernel = compileKernel(named.spec, schedule, *parseTarget("sm_90a"), compiler, &artifact);
+  ASSERT_TRUE(kernel) << kernel.error().message << "\n" << kernel.error().log;
+  EXPECT_EQ(kernel->schedule().engine(), v1::engine_wgmma);
+  EXPECT_EQ(artifact->binaryKind, "cubin");
+  EXPECT_TRUE(artifact->usesWgmma()) << "no wgmma.mma_async in the PTX";
+  EXPECT_TRUE(artifact->usesSetmaxnreg()) << "no setmaxnreg in the PTX";
+  EXPECT_NE(artifact->ptx.find("mbarrier.try_wait"), std::string::npos);
+  if (mix == "fused") EXPECT_NE(artifact->ptx.find("fence.proxy.async"), std::string::npos) << "mixed tiles unfenced";
+  else EXPECT_TRUE(artifact->usesTma()) << "no cp.async.bulk.tensor in the PTX";
+  EXPECT_TRUE(artifact->warnings().empty()) << artifact->log;
+  bool attention = false;
+  for (const auto& usage : artifact->resources) {
+    EXPECT_EQ(usage.spill_store_bytes() + usage.spill_load_bytes(), 0) << usage.ShortDebugString();
+    EXPECT_EQ(usage.stack_frame_bytes(), 0) << usage.ShortDebugString();
+    attention |= usage.entry() == "iha_attention";
+  }
+  EXPECT_TRUE(attention) << artifact->log;
+  for (const v1::EntryPoint& entry : kernel->entries())
+    if (entry.name() == "iha_attention") {
+      EXPECT_TRUE(entry.warp_specialized());
+      EXPECT_TRUE(entry.tensor_maps());
+      EXPECT_EQ(entry.threads(), (kernel->schedule().warps() + 4) * 32);
+    }
+  std::printf("[ nvrtc    ] %s sm_90a %s: %.2f s, %s\n", named.name.c_str(), mix.c_str(), artifact->compileSeconds,
+              kernel->schedule().ShortDebugString().c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(Specs, HopperCompiles,
+                         ::testing::Combine(::testing::Range(0, 3), ::testing::Values("materialized", "fused")),
+                         [](const auto& info) {
+                           return specs()[size_t(std::get<0>(info.param))].name + "_" + std::get<1>(info.param);
+                         });
+
+// Where wgmma cannot serve a spec (d = 32) sm_90a keeps the portable path;
+// asking for wgmma elsewhere than sm_90a is refused with the reason.
+TEST(Nvrtc, HopperFallsBackAndRefusesWhereWgmmaCannotRun) {
+  jit::NvrtcCompiler compiler("");
+  auto portable = compileKernel(specs()[3].spec, Schedule(), *parseTarget("sm_90a"), compiler);
+  ASSERT_TRUE(portable) << portable.error().message;
+  EXPECT_EQ(portable->schedule().engine(), v1::engine_mma);
+  Schedule wgmma;
+  wgmma.set_engine(v1::engine_wgmma);
+  auto refused = generateKernel(specs()[0].spec, wgmma, *parseTarget("sm_90"));
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message.find("needs target sm_90a"), std::string::npos) << refused.error().message;
+  auto tooSmall = generateKernel(specs()[3].spec, wgmma, *parseTarget("sm_90a"));
+  ASSERT_FALSE(tooSmall);
+  EXPECT_NE(tooSmall.error().message.find("head_dim"), std::string::npos) << tooSmall.error().message;
+}
+
 // The materialised path: pre-mix, attention from workspaces, separate collapse.
 TEST(Nvrtc, MaterializedScheduleCompiles) {
   Schedule schedule;

@@ -50,6 +50,10 @@ nlohmann::json report(const KernelPlan& plan, const jit::Artifact& artifact) {
           {"from_cache", artifact.fromCache},
           {"uses_tensor_cores", artifact.usesTensorCores()},
           {"uses_async_copies", artifact.usesAsyncCopies()},
+          {"uses_wgmma", artifact.usesWgmma()},
+          {"uses_tma", artifact.usesTma()},
+          {"uses_setmaxnreg", artifact.usesSetmaxnreg()},
+          {"warnings", artifact.warnings()},
           {"spill_bytes", artifact.spillBytes()},
           {"schedule", nlohmann::json::parse(toJson(plan.schedule))},
           {"source_hash", plan.sourceHash},
@@ -83,9 +87,13 @@ int compile(const CompileOptions& options) {
     std::printf("%s\n", report(*plan, a).dump(2).c_str());
     return kExitOk;
   }
-  std::printf("%s: %s %s, %.2f s%s, tensor cores %s, cp.async %s\n", a.arch.c_str(), jit::nvrtcVersion().c_str(),
+  std::printf("%s: %s %s, %.2f s%s, tensor cores %s, cp.async %s", a.arch.c_str(), jit::nvrtcVersion().c_str(),
               a.binaryKind.c_str(), a.compileSeconds, a.fromCache ? " (cached)" : "", a.usesTensorCores() ? "yes" : "no",
               a.usesAsyncCopies() ? "yes" : "no");
+  if (a.usesWgmma()) std::printf(", wgmma yes, TMA %s, setmaxnreg %s", a.usesTma() ? "yes" : "no",
+                                 a.usesSetmaxnreg() ? "yes" : "no");
+  std::printf("\n");
+  for (const std::string& warning : a.warnings()) std::printf("  %s\n", warning.c_str());
   for (const LaunchPlan& launch : plan->launches) {
     std::printf("  %-14s %4lld threads, %7lld B dynamic smem", launch.name.c_str(), (long long)launch.threads,
                 (long long)launch.sharedMemoryBytes);

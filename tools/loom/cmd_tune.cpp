@@ -147,14 +147,14 @@ int tuneCommand(const TuneCliOptions& options) {
               options.specPath.c_str(), deviceName.c_str(), (long long)options.batch, (long long)options.tokens,
               measured ? "measured" : "UNTIMED (cost model ranking, no GPU)", report->result.candidates_tried(),
               report->result.candidates_rejected(), report->pruned);
-  std::printf("%-4s %-40s %10s %10s %9s %5s %8s  %s\n", "rank", "schedule", "median ms", "model ms", "TFLOP/s", "regs",
+  std::printf("%-4s %-50s %10s %10s %9s %5s %8s  %s\n", "rank", "schedule", "median ms", "model ms", "TFLOP/s", "regs",
               "smem KiB", "outcome");
   int shown = 0;
   for (const auto& r : report->candidates) {
     if (shown >= options.top) break;
     if (r.outcome != autotune::Outcome::timed && r.outcome != autotune::Outcome::unmeasured) continue;
     ++shown;
-    std::printf("%-4d %-40s %10s %10.3f %9s %5d %8.1f  %s\n", shown, r.candidate.key.c_str(),
+    std::printf("%-4d %-50s %10s %10.3f %9s %5d %8.1f  %s\n", shown, r.candidate.key.c_str(),
                 r.outcome == autotune::Outcome::timed ? std::to_string(r.medianMs).substr(0, 7).c_str() : "-",
                 r.predictedMs, r.outcome == autotune::Outcome::timed ? std::to_string(r.tflops).substr(0, 6).c_str() : "-",
                 r.registers, r.sharedMemory / 1024.0, autotune::outcomeName(r.outcome));

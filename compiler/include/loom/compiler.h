@@ -21,6 +21,8 @@ struct LaunchPlan {
   int64_t gridY = 1;
   int64_t threads = 32;
   int64_t sharedMemoryBytes = 0;  // dynamic shared memory (CUDA targets)
+  bool warpSpecialized = false;   // producer warpgroup + consumer warpgroups (engine wgmma)
+  bool tensorMaps = false;        // takes loom::TmaMaps after IhaArgs (CUDA, engine wgmma)
 };
 
 // Float workspaces a plan needs between launches (see loom/tile/common.h).
@@ -43,7 +45,7 @@ struct GenerateOptions {
 };
 
 // The tile implementation a target's source includes.
-std::string tileHeaderFor(const v1::Target& target);
+std::string tileHeaderFor(const v1::Target& target, const Schedule& schedule);
 
 // Generates the program. Invalid spec or schedule combinations fail with the
 // compiler's diagnostic, which names the field.

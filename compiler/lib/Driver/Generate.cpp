@@ -36,7 +36,9 @@ MaskMode maskOf(v1::MaskMode mask) {
 
 ScheduleFields fieldsOf(const Schedule& schedule) {
   ScheduleFields fields{schedule.block_m(), schedule.block_n(), schedule.warps(), schedule.stages(), std::nullopt,
-                        std::nullopt};
+                        std::nullopt, std::nullopt, schedule.producer_registers()};
+  if (schedule.engine() == v1::engine_mma) fields.engine = Engine::mma;
+  if (schedule.engine() == v1::engine_wgmma) fields.engine = Engine::wgmma;
   if (schedule.mix() == v1::mix_fused) fields.mix = MixStrategy::fused;
   if (schedule.mix() == v1::mix_materialized) fields.mix = MixStrategy::materialized;
   if (schedule.collapse() == v1::collapse_fused) fields.collapse = CollapseStrategy::epilogue;
@@ -52,6 +54,8 @@ Schedule scheduleOf(ScheduleAttr attr) {
   schedule.set_stages(int32_t(attr.getStages()));
   schedule.set_mix(attr.getMix() == MixStrategy::fused ? v1::mix_fused : v1::mix_materialized);
   schedule.set_collapse(attr.getCollapse() == CollapseStrategy::epilogue ? v1::collapse_fused : v1::collapse_separate);
+  schedule.set_engine(attr.getEngine() == Engine::wgmma ? v1::engine_wgmma : v1::engine_mma);
+  schedule.set_producer_registers(int32_t(attr.getProducerRegisters()));
   return schedule;
 }
 
@@ -59,6 +63,11 @@ Schedule scheduleOf(ScheduleAttr attr) {
 int64_t attentionSharedMemory(SpecAttr spec, ScheduleAttr schedule) {
   const bool fusedGlobal =
       schedule.getCollapse() == CollapseStrategy::epilogue && spec.getCollapse() == CollapseMode::global;
+  if (schedule.getEngine() == Engine::wgmma)
+    return hopperSmem(int(schedule.getBlockM()), int(schedule.getBlockN()), int(spec.getHeadDim()),
+                      int(schedule.getStages()), int(spec.getHeads()), int(spec.getPseudoHeads()),
+                      schedule.getCollapse() == CollapseStrategy::epilogue, fusedGlobal)
+        .total;
   return attentionSmem(int(schedule.getBlockM()), int(schedule.getBlockN()), int(spec.getHeadDim()),
                        int(schedule.getStages()), int(spec.getHeads()), int(spec.getKvHeads()),
                        int(spec.getPseudoHeads()), schedule.getMix() == MixStrategy::fused,
@@ -70,10 +79,12 @@ void readPlan(KernelOp kernel, KernelPlan& plan) {
   const bool cuda = plan.target.kind() == v1::Target::cuda;
   for (LaunchOp launch : kernel.getBlock().getOps<LaunchOp>()) {
     const bool attention = launch.getSymName() == "iha_attention";
+    const bool specialized = !launch.getBlock().getOps<WarpSpecializeOp>().empty();
     plan.launches.push_back({launch.getSymName().str(), int64_t(launch.getRowsPerToken()),
                              int64_t(launch.getRowsPerCta()), int64_t(launch.getGridY()),
                              int64_t(launch.getThreads()),
-                             cuda && attention ? attentionSharedMemory(kernel.getSpec(), kernel.getScheduleAttr()) : 0});
+                             cuda && attention ? attentionSharedMemory(kernel.getSpec(), kernel.getScheduleAttr()) : 0,
+                             specialized, cuda && specialized});
     if (!launch.getBlock().getOps<PremixOp>().empty())
       plan.workspaces.insert(plan.workspaces.end(), {Workspace::q_mixed, Workspace::k_mixed, Workspace::v_mixed});
     bool storesRows = false;
@@ -92,11 +103,14 @@ std::optional<std::string> fitCudaTarget(SpecAttr spec, ScheduleAttr& schedule, 
   if (spec.getDtype() == ElementType::f32)
     return "dtype float32 is not supported on CUDA targets: the tensor cores take float16 or bfloat16 "
            "(loom run --backend cuda --dtype float16|bfloat16 converts a case)";
+  if (schedule.getEngine() == Engine::wgmma && target.arch() != "sm_90a")
+    return "schedule.engine wgmma needs target sm_90a (wgmma and setmaxnreg exist only there), not " + target.arch();
   const int64_t limit = target.device().shared_memory_per_block() > 0 ? target.device().shared_memory_per_block()
                                                                       : defaultSharedMemoryPerBlock(target.arch());
   if (attentionSharedMemory(spec, schedule) > limit && requested.mix() == v1::mix_unspecified) {
     schedule = ScheduleAttr::get(spec.getContext(), schedule.getBlockM(), schedule.getBlockN(), schedule.getWarps(),
-                                 schedule.getStages(), MixStrategy::materialized, schedule.getCollapse());
+                                 schedule.getStages(), MixStrategy::materialized, schedule.getCollapse(),
+                                 schedule.getEngine(), schedule.getProducerRegisters());
   }
   const int64_t bytes = attentionSharedMemory(spec, schedule);
   if (bytes > limit)
@@ -138,14 +152,17 @@ v1::CompiledKernel toCompiledKernel(const KernelPlan& plan) {
     entry->set_grid_y(launch.gridY);
     entry->set_threads(int32_t(launch.threads));
     entry->set_shared_memory_bytes(launch.sharedMemoryBytes);
+    entry->set_warp_specialized(launch.warpSpecialized);
+    entry->set_tensor_maps(launch.tensorMaps);
   }
   for (Workspace w : plan.workspaces) kernel.add_workspaces(workspaceName(w));
   kernel.set_workspace_element_bytes(plan.workspaceElementBytes);
   return kernel;
 }
 
-std::string tileHeaderFor(const v1::Target& target) {
-  return target.kind() == v1::Target::cuda ? "loom/tile/cuda.h" : "loom/tile/host.h";
+std::string tileHeaderFor(const v1::Target& target, const Schedule& schedule) {
+  if (target.kind() != v1::Target::cuda) return "loom/tile/host.h";
+  return schedule.engine() == v1::engine_wgmma ? "loom/tile/hopper.h" : "loom/tile/cuda.h";
 }
 
 Result<v1::Target> parseTarget(const std::string& name) {
@@ -190,7 +207,8 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
       spec.collapse() == v1::global ? CollapseMode::global : CollapseMode::per_head,
       llvm::APFloat(spec.rope_theta()), llvm::APFloat(effectiveScale(spec)));
   if (!specAttr) return makeError("spec: " + c.diagnostics);
-  ScheduleAttr scheduleAttr = completeSchedule(specAttr, fieldsOf(schedule));
+  const bool hopper = target.kind() == v1::Target::cuda && target.arch() == "sm_90a";
+  ScheduleAttr scheduleAttr = completeSchedule(specAttr, fieldsOf(schedule), hopper);
   if (auto why = checkSchedule(specAttr, scheduleAttr)) return makeError(*why);
   if (target.kind() == v1::Target::cuda)
     if (auto why = fitCudaTarget(specAttr, scheduleAttr, schedule, target)) return makeError(*why);
@@ -248,7 +266,7 @@ Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedu
   // Phase 2: EmitC, then C++.
   mlir::PassManager lowerPm(&context);
   configure(lowerPm);
-  buildIhaLoweringPipeline(lowerPm, tileHeaderFor(target));
+  buildIhaLoweringPipeline(lowerPm, tileHeaderFor(target, plan.schedule));
   if (mlir::failed(lowerPm.run(*module))) return makeError("compiler: " + diagnostics);
 
   llvm::raw_string_ostream sourceStream(plan.source);

@@ -16,8 +16,16 @@ using mlir::Value;
 
 std::optional<ScheduleFields> fieldsFromOptions(int64_t blockM, int64_t blockN, int64_t warps, int64_t stages,
                                                 llvm::StringRef mix, llvm::StringRef collapse,
+                                                llvm::StringRef engine, int64_t producerRegisters,
                                                 std::string* error) {
-  ScheduleFields fields{blockM, blockN, warps, stages, std::nullopt, std::nullopt};
+  ScheduleFields fields{blockM, blockN, warps, stages, std::nullopt, std::nullopt, std::nullopt, producerRegisters};
+  if (!engine.empty()) {
+    fields.engine = symbolizeEngine(engine);
+    if (!fields.engine) {
+      *error = "engine option '" + engine.str() + "' is not mma or wgmma";
+      return std::nullopt;
+    }
+  }
   if (!mix.empty()) {
     fields.mix = symbolizeMixStrategy(mix);
     if (!fields.mix) {
@@ -62,7 +70,7 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
     ScheduleAttr chosen = kernel.getScheduleAttr();
     if (!chosen) {
       std::string error;
-      auto fields = fieldsFromOptions(blockM, blockN, warps, stages, mix, collapse, &error);
+      auto fields = fieldsFromOptions(blockM, blockN, warps, stages, mix, collapse, engine, producerRegisters, &error);
       if (!fields) return kernel.emitError() << error;
       chosen = completeSchedule(spec, *fields);
     }

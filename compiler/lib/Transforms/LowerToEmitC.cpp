@@ -10,6 +10,7 @@
 #include <cstdio>
 
 #include "PassDetail.h"
+#include "loom/Dialect/Iha/Schedule.h"
 #include "llvm/ADT/TypeSwitch.h"
 #include "mlir/IR/IRMapping.h"
 
@@ -24,6 +25,7 @@ using mlir::Value;
 
 constexpr llvm::StringLiteral kConfigName = "IhaConfig";
 constexpr llvm::StringLiteral kArgsType = "loom::IhaArgs";
+constexpr llvm::StringLiteral kMapsType = "const __grid_constant__ loom::TmaMaps";
 
 std::string floatLiteral(double value) {
   char text[48];
@@ -56,6 +58,11 @@ std::string configStruct(SpecAttr spec, ScheduleAttr schedule) {
   text += line("bool", "fused_mix", fusedMix ? "true" : "false");
   text += line("bool", "fused_collapse", schedule.getCollapse() == CollapseStrategy::epilogue ? "true" : "false");
   text += line("bool", "fused_global_collapse", fusedGlobal ? "true" : "false");
+  if (schedule.getEngine() == Engine::wgmma) {
+    text += line("int", "producer_registers", std::to_string(schedule.getProducerRegisters()));
+    text += line("int", "consumer_registers",
+                 std::to_string(loom::consumerRegisters(int(schedule.getWarps()), int(schedule.getProducerRegisters()))));
+  }
   // Rotary inverse frequencies theta^(-2j/d), computed here in double so
   // device code needs no pow / exp2 of its own.
   const double theta = spec.getRopeTheta().convertToDouble();
@@ -74,8 +81,10 @@ std::string configStruct(SpecAttr spec, ScheduleAttr schedule) {
 // Emits one launch body op by op; `map` carries values across.
 class LaunchLowering {
  public:
-  LaunchLowering(mlir::OpBuilder& builder, KernelOp kernel, Value args)
-      : b_(builder), kernel_(kernel), args_(args), ctx_(builder.getContext()) {}
+  // `maps` is the TmaMaps parameter of a warp-specialised CUDA launch (null
+  // otherwise); `specialized` says the launch is warp-specialised.
+  LaunchLowering(mlir::OpBuilder& builder, KernelOp kernel, Value args, Value maps, bool specialized)
+      : b_(builder), kernel_(kernel), args_(args), maps_(maps), specialized_(specialized), ctx_(builder.getContext()) {}
 
   mlir::LogicalResult lowerBlock(mlir::Block& block) {
     for (mlir::Operation& op : block)
@@ -107,12 +116,19 @@ class LaunchLowering {
     b_.create<mlir::emitc::CallOpaqueOp>(loc_, mlir::TypeRange{}, ("loom::" + name).str(), operands,
                                          /*args=*/mlir::ArrayAttr{}, b_.getArrayAttr(templateArgs));
   }
-  Value callValue(llvm::StringRef name, mlir::ValueRange operands, bool configured = true) {
+  Value callValue(llvm::StringRef name, mlir::ValueRange operands, bool configured = true, mlir::Type type = {}) {
     mlir::ArrayAttr templateArgs = configured ? b_.getArrayAttr({word(kConfigName)}) : mlir::ArrayAttr{};
     return b_
-        .create<mlir::emitc::CallOpaqueOp>(loc_, mlir::TypeRange{b_.getI64Type()}, ("loom::" + name).str(), operands,
-                                           mlir::ArrayAttr{}, templateArgs)
+        .create<mlir::emitc::CallOpaqueOp>(loc_, mlir::TypeRange{type ? type : b_.getI64Type()}, ("loom::" + name).str(),
+                                           operands, mlir::ArrayAttr{}, templateArgs)
         .getResult(0);
+  }
+  // The launch arguments a call takes: IhaArgs, and the TmaMaps with them
+  // where the launch has them.
+  llvm::SmallVector<Value> launchArgs() {
+    llvm::SmallVector<Value> values{args_};
+    if (maps_) values.push_back(maps_);
+    return values;
   }
   // Constants are declared once, at the top of the function.
   Value constant(int64_t value) {
@@ -167,12 +183,15 @@ class LaunchLowering {
           return mlir::success();
         })
         .Case([&](LoadQOp o) {
-          call("load_q", {state("QTile"), args_, get(o.getRow0()), get(o.getHead()), get(o.getBatch())},
-               {flag(o.getMixed())});
+          llvm::SmallVector<Value> operands{state("QTile")};
+          operands.append(launchArgs());
+          operands.append({get(o.getRow0()), get(o.getHead()), get(o.getBatch())});
+          call("load_q", operands, {flag(o.getMixed())});
           call("softmax_init", {state("SoftmaxState"), state("AccTile")});
           return mlir::success();
         })
         .Case([&](KvStreamOp o) {
+          if (specialized_) return lowerProducerStream(o);
           call("kv_begin",
                {state("KvPipeline"), args_, kvHead(get(o.getHead())), get(o.getBatch()), get(o.getLower()),
                 get(o.getUpper())},
@@ -183,6 +202,7 @@ class LaunchLowering {
         .Case([&](StoreRowsOp o) { return store("store_rows", o.getRow0(), o.getHead(), o.getBatch()); })
         .Case([&](StoreCollapsedOp o) { return store("store_collapsed", o.getRow0(), o.getHead(), o.getBatch()); })
         .Case([&](AccumulateCollapsedOp o) {
+          finishStream();
           call("normalize", {state("SoftmaxState"), state("AccTile")});
           call("accumulate_collapsed", {state("OutTile"), state("AccTile"), state("SoftmaxState"), args_,
                                         get(o.getRow0()), get(o.getHead()), get(o.getBatch())});
@@ -196,6 +216,7 @@ class LaunchLowering {
           call("store_out", {state("OutTile"), args_, get(o.getRow0()), get(o.getBatch())});
           return mlir::success();
         })
+        .Case([&](WarpSpecializeOp o) { return lowerWarpSpecialize(o); })
         .Case([&](ForEachHeadOp o) {
           auto loop = b_.create<mlir::emitc::ForOp>(loc_, constant(0), constant(kernel_.getSpec().getHeads()),
                                                     constant(1));
@@ -221,8 +242,54 @@ class LaunchLowering {
   }
 
   mlir::LogicalResult store(llvm::StringRef name, Value row0, Value head, Value batch) {
+    finishStream();
     call("normalize", {state("SoftmaxState"), state("AccTile")});
     call(name, {state("AccTile"), state("SoftmaxState"), args_, get(row0), get(head), get(batch)});
+    return mlir::success();
+  }
+
+  // Warp-specialised consumers hand the last key block's stage back once its
+  // P V product has retired.
+  void finishStream() {
+    if (specialized_) call("kv_finish", {state("KvPipeline"), state("AccTile")});
+  }
+
+  // pipeline_init; if (is_producer) { producer_start; <producer> }
+  //                else { consumer_start; <consumer> }
+  mlir::LogicalResult lowerWarpSpecialize(WarpSpecializeOp o) {
+    call("pipeline_init", {});
+    Value producer = callValue("is_producer", {}, /*configured=*/true, b_.getI1Type());
+    auto branch = b_.create<mlir::emitc::IfOp>(loc_, producer, /*addThenBlock=*/true, /*addElseBlock=*/true);
+    mlir::OpBuilder::InsertionGuard guard(b_);
+    auto side = [&](mlir::Region& region, llvm::StringRef start, mlir::Block& slice) {
+      mlir::Block& block = region.front();
+      if (!block.empty() && block.back().hasTrait<mlir::OpTrait::IsTerminator>()) b_.setInsertionPoint(&block.back());
+      else b_.setInsertionPointToEnd(&block);
+      call(start, {});
+      if (mlir::failed(lowerBlock(slice))) return mlir::failure();
+      if (block.empty() || !block.back().hasTrait<mlir::OpTrait::IsTerminator>()) {
+        b_.setInsertionPointToEnd(&block);
+        b_.create<mlir::emitc::YieldOp>(loc_);
+      }
+      return mlir::success();
+    };
+    // The kv head is computed apart in each branch.
+    kvHeads_.clear();
+    if (mlir::failed(side(branch.getThenRegion(), "producer_start", o.getProducer().front()))) return mlir::failure();
+    kvHeads_.clear();
+    return side(branch.getElseRegion(), "consumer_start", o.getConsumer().front());
+  }
+
+  // The producer's side of a stream: every key block of the range, in order.
+  mlir::LogicalResult lowerProducerStream(KvStreamOp o) {
+    Value head = kvHead(get(o.getHead()));
+    auto loop = b_.create<mlir::emitc::ForOp>(loc_, get(o.getLower()), get(o.getUpper()), constant(1));
+    mlir::OpBuilder::InsertionGuard guard(b_);
+    b_.setInsertionPointToStart(loop.getBody());
+    llvm::SmallVector<Value> operands{state("KvPipeline")};
+    operands.append(launchArgs());
+    operands.append({head, get(o.getBatch()), loop.getInductionVar()});
+    call("kv_load", operands, {flag(o.getMixed())});
     return mlir::success();
   }
 
@@ -231,19 +298,22 @@ class LaunchLowering {
   mlir::LogicalResult lowerKvLoop(KvLoopOp o) {
     const int64_t ahead = kernel_.getScheduleAttr().getStages() - 1;
     Value lower = get(o.getLower()), upper = get(o.getUpper());
+    Value head = kvHead(get(o.getHead()));  // before the loop, so later loops may reuse it
     auto loop = b_.create<mlir::emitc::ForOp>(loc_, lower, upper, constant(1));
     mlir::OpBuilder::InsertionGuard guard(b_);
     b_.setInsertionPointToStart(loop.getBody());
     Value block = loop.getInductionVar();
     Value kv = state("KvPipeline"), scores = state("ScoreTile");
-    Value head = kvHead(get(o.getHead()));
     Value streamEnd = streamUpper(o);
-    if (ahead > 0) {
+    if (ahead > 0 && !specialized_) {
       Value next = b_.create<mlir::emitc::AddOp>(loc_, b_.getI64Type(), block, constant(ahead));
       call("kv_produce", {kv, args_, head, get(o.getBatch()), next, streamEnd}, {flag(o.getMixed())});
     }
     call("kv_wait", {kv, args_, head, get(o.getBatch()), block}, {flag(o.getMixed())});
-    call("mma_qk", {scores, state("QTile"), kv, block});
+    // Warp-specialised: mma_qk also retires the previous block's P V, so it
+    // takes the accumulator to order its registers after that wait.
+    if (specialized_) call("mma_qk", {scores, state("QTile"), kv, block, state("AccTile")});
+    else call("mma_qk", {scores, state("QTile"), kv, block});
     if (o.getMasked()) call("mask_scores", {scores, args_, get(o.getRow0()), block});
     call("softmax_update", {state("SoftmaxState"), scores, state("AccTile")});
     call("mma_pv", {state("AccTile"), scores, kv, block});
@@ -261,6 +331,8 @@ class LaunchLowering {
   mlir::OpBuilder& b_;
   KernelOp kernel_;
   Value args_;
+  Value maps_;
+  bool specialized_;
   mlir::MLIRContext* ctx_;
   mlir::Location loc_ = mlir::UnknownLoc::get(ctx_);
   llvm::StringMap<Value> state_;
@@ -291,13 +363,21 @@ struct LowerToEmitC : impl::IhaLowerToEmitCBase<LowerToEmitC> {
 
   mlir::LogicalResult lowerLaunch(mlir::OpBuilder& builder, KernelOp kernel, LaunchOp launch) {
     mlir::MLIRContext* ctx = builder.getContext();
-    auto argsType = mlir::emitc::OpaqueType::get(ctx, kArgsType);
+    const bool specialized = !launch.getBlock().getOps<WarpSpecializeOp>().empty();
+    const bool cuda = tileHeader != "loom/tile/host.h";
+    llvm::SmallVector<mlir::Type> parameters{mlir::emitc::OpaqueType::get(ctx, kArgsType)};
+    if (specialized && cuda) parameters.push_back(mlir::emitc::OpaqueType::get(ctx, kMapsType));
     auto func = builder.create<mlir::emitc::FuncOp>(launch.getLoc(), launch.getSymName(),
-                                                    builder.getFunctionType({argsType}, {}));
-    func.setSpecifiersAttr(builder.getStrArrayAttr({"LOOM_KERNEL"}));
+                                                    builder.getFunctionType(parameters, {}));
+    llvm::SmallVector<llvm::StringRef> specifiers{"LOOM_KERNEL"};
+    // setmaxnreg needs a register cap at entry: one CTA of `threads` per SM.
+    const std::string bounds = "__launch_bounds__(" + std::to_string(launch.getThreads()) + ", 1)";
+    if (specialized && cuda) specifiers.push_back(bounds);
+    func.setSpecifiersAttr(builder.getStrArrayAttr(specifiers));
     mlir::Block* entry = func.addEntryBlock();
     mlir::OpBuilder body = mlir::OpBuilder::atBlockEnd(entry);
-    LaunchLowering lowering(body, kernel, entry->getArgument(0));
+    LaunchLowering lowering(body, kernel, entry->getArgument(0),
+                            entry->getNumArguments() > 1 ? entry->getArgument(1) : Value{}, specialized);
     const char* coordinates[] = {"block_x", "block_y", "block_z"};
     for (int i = 0; i < 3; ++i) {
       Value coordinate = body

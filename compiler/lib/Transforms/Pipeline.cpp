@@ -11,6 +11,7 @@ void buildIhaSchedulingPipeline(mlir::OpPassManager& pm) {
   pm.addPass(createIhaFuseCollapse());
   pm.addPass(mlir::createCanonicalizerPass());
   pm.addPass(mlir::createCSEPass());
+  pm.addPass(createIhaWarpSpecialize());
 }
 
 void buildIhaLoweringPipeline(mlir::OpPassManager& pm, const std::string& tileHeader) {

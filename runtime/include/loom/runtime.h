@@ -22,7 +22,10 @@
 
 namespace loom {
 
+struct IhaArgs;
+
 namespace cuda {
+struct TmaMaps;
 class Device;
 class DeviceBuffer;
 struct DeviceInfo;
@@ -78,6 +81,7 @@ class Kernel {
   friend class Runtime;
   Kernel() = default;
   Status ensureWorkspaces(int64_t batch, int64_t tokens);
+  Status encodeTensorMaps(const IhaArgs& args, int64_t L, int64_t B, cuda::TmaMaps& maps) const;
 
   std::shared_ptr<cuda::Device> device_;
   v1::CompiledKernel compiled_;

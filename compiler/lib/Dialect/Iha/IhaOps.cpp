@@ -70,17 +70,21 @@ IHA_BLOCK_OP_VERIFIER(StoreCollapsedOp)
 IHA_BLOCK_OP_VERIFIER(OutInitOp)
 IHA_BLOCK_OP_VERIFIER(AccumulateCollapsedOp)
 IHA_BLOCK_OP_VERIFIER(StoreOutOp)
+IHA_BLOCK_OP_VERIFIER(WarpSpecializeOp)
 #undef IHA_BLOCK_OP_VERIFIER
 
-// A key-block loop consumes a K/V stream opened earlier in its block, with
-// the same mixing.
+// A key-block loop consumes a K/V stream opened earlier in its block (or,
+// warp-specialised, in the producer's slice), with the same mixing.
 LogicalResult KvLoopOp::verify() {
   if (failed(verifyInLaunch(*this))) return failure();
-  for (Operation* op = (*this)->getPrevNode(); op; op = op->getPrevNode())
-    if (auto stream = dyn_cast<KvStreamOp>(op)) {
-      if (stream.getMixed() != getMixed())
-        return emitOpError() << "mixed (" << getMixed() << ") differs from its iha.kv_stream's (" << stream.getMixed() << ")";
-      return success();
-    }
-  return emitOpError() << "needs an iha.kv_stream before it in its block";
+  KvStreamOp stream;
+  for (Operation* op = (*this)->getPrevNode(); op && !stream; op = op->getPrevNode())
+    stream = dyn_cast<KvStreamOp>(op);
+  if (!stream)
+    if (auto split = (*this)->getParentOfType<WarpSpecializeOp>())
+      split.getProducer().walk([&](KvStreamOp found) { stream = found; });
+  if (!stream) return emitOpError() << "needs an iha.kv_stream before it in its block";
+  if (stream.getMixed() != getMixed())
+    return emitOpError() << "mixed (" << getMixed() << ") differs from its iha.kv_stream's (" << stream.getMixed() << ")";
+  return success();
 }

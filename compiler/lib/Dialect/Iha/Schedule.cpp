@@ -1,5 +1,6 @@
 #include "loom/Dialect/Iha/Schedule.h"
 
+#include <algorithm>
 #include <iterator>
 #include <numeric>
 
@@ -14,11 +15,46 @@ constexpr int64_t kDefaultBlockNs[] = {64, 32, 16};
 constexpr int64_t kFragmentRegisterBudget = 128;
 constexpr int64_t kDefaultStages = 2;
 
+constexpr int64_t kTmaProducerRegisters = 24;
+constexpr int64_t kMixingProducerRegisters = 56;
+constexpr int64_t kWgmmaBlockNs[] = {64, 128, 192, 256};
+
 std::string str(int64_t value) { return std::to_string(value); }
+
+CollapseStrategy defaultCollapse(SpecAttr spec) {
+  return spec.getCollapse() == CollapseMode::per_head ? CollapseStrategy::epilogue : CollapseStrategy::separate;
+}
+
+bool wgmmaHeadDim(int64_t d) { return d % kWarpgroupRows == 0 && d <= kMaxBlockRows; }
+
+// Consumer warpgroups for the wgmma engine: as given, else 2, 1 or 3,
+// whichever first gives a block_m that holds whole tokens; 0 if none does.
+int64_t wgmmaWarpgroups(SpecAttr spec, const ScheduleFields& given) {
+  if (given.warps) return given.warps / kWarpgroupWarps;
+  if (given.blockM) return given.blockM / kWarpgroupRows;
+  for (int64_t groups : {2, 1, 3})
+    if ((groups * kWarpgroupRows) % spec.getPseudoHeads() == 0) return groups;
+  return 0;
+}
+
+ScheduleAttr completeWgmma(SpecAttr spec, const ScheduleFields& given) {
+  const int64_t warps = std::max<int64_t>(wgmmaWarpgroups(spec, given), 1) * kWarpgroupWarps;
+  const MixStrategy mix = given.mix.value_or(MixStrategy::materialized);
+  return ScheduleAttr::get(
+      spec.getContext(), given.blockM ? given.blockM : warps * kMmaRows,
+      given.blockN ? given.blockN : (spec.getHeadDim() <= 128 ? 128 : 64), given.warps ? given.warps : warps,
+      given.stages ? given.stages : kDefaultStages, mix, given.collapse.value_or(defaultCollapse(spec)), Engine::wgmma,
+      given.producerRegisters
+          ? given.producerRegisters
+          : (mix == MixStrategy::fused ? kMixingProducerRegisters : kTmaProducerRegisters));
+}
 
 }  // namespace
 
-ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given) {
+ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool hopper) {
+  const bool wgmmaSuits = wgmmaHeadDim(spec.getHeadDim()) && wgmmaWarpgroups(spec, given) > 0;
+  if (given.engine.value_or(hopper && wgmmaSuits ? Engine::wgmma : Engine::mma) == Engine::wgmma)
+    return completeWgmma(spec, given);
   const int64_t P = spec.getPseudoHeads();
   int64_t warps = given.warps;
   int64_t blockM = given.blockM;
@@ -46,17 +82,49 @@ ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given) {
         break;
       }
   }
-  const MixStrategy mix = given.mix.value_or(MixStrategy::fused);
-  const CollapseStrategy collapse = given.collapse.value_or(
-      spec.getCollapse() == CollapseMode::per_head ? CollapseStrategy::epilogue : CollapseStrategy::separate);
-  return ScheduleAttr::get(spec.getContext(), blockM, blockN, warps,
-                           given.stages ? given.stages : kDefaultStages, mix, collapse);
+  return ScheduleAttr::get(spec.getContext(), blockM, blockN, warps, given.stages ? given.stages : kDefaultStages,
+                           given.mix.value_or(MixStrategy::fused), given.collapse.value_or(defaultCollapse(spec)),
+                           Engine::mma, given.producerRegisters);
 }
+
+namespace {
+
+std::optional<std::string> checkWgmma(SpecAttr spec, ScheduleAttr schedule) {
+  const int64_t P = spec.getPseudoHeads(), d = spec.getHeadDim();
+  const int64_t blockM = schedule.getBlockM(), blockN = schedule.getBlockN(), warps = schedule.getWarps();
+  const int64_t producer = schedule.getProducerRegisters();
+  if (!wgmmaHeadDim(d))
+    return "engine wgmma needs head_dim (" + str(d) + ") a multiple of 64, at most 256 (use engine mma)";
+  if (warps != 4 && warps != 8 && warps != 12)
+    return "schedule.warps (" + str(warps) + ") must be 4, 8 or 12 with engine wgmma: 1 to 3 consumer warpgroups";
+  if (blockM != warps * kMmaRows)
+    return "schedule.block_m (" + str(blockM) + ") must be 64 rows per consumer warpgroup (" + str(warps * kMmaRows) +
+           ") with engine wgmma";
+  if (blockM % P != 0)
+    return "schedule.block_m (" + str(blockM) + ") must be a multiple of pseudo_heads (" + str(P) +
+           ") so a query block holds whole tokens";
+  if (std::find(std::begin(kWgmmaBlockNs), std::end(kWgmmaBlockNs), blockN) == std::end(kWgmmaBlockNs))
+    return "schedule.block_n (" + str(blockN) + ") must be 64, 128, 192 or 256 with engine wgmma";
+  if (producer < kMinWarpgroupRegisters || producer > loom::kMaxConsumerRegisters || producer % 8 != 0)
+    return "schedule.producer_registers (" + str(producer) + ") must be a multiple of 8 in [" +
+           str(kMinWarpgroupRegisters) + ", " + str(loom::kMaxConsumerRegisters) + "]";
+  if (loom::consumerRegisters(int(warps), int(producer)) < producer)
+    return "schedule.producer_registers (" + str(producer) + ") leaves the consumers " +
+           str(loom::consumerRegisters(int(warps), int(producer))) + " registers, fewer than the producer's";
+  return std::nullopt;
+}
+
+}  // namespace
 
 std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule) {
   const int64_t P = spec.getPseudoHeads();
   const int64_t blockM = schedule.getBlockM(), blockN = schedule.getBlockN();
   const int64_t warps = schedule.getWarps(), stages = schedule.getStages();
+  if (stages < 1 || stages > kMaxStages)
+    return "schedule.stages (" + str(stages) + ") must be in [1, " + str(kMaxStages) + "]";
+  if (schedule.getEngine() == Engine::wgmma) return checkWgmma(spec, schedule);
+  if (schedule.getProducerRegisters() != 0)
+    return "schedule.producer_registers is for engine wgmma only (its producer warpgroup)";
   if (warps != 1 && warps != 2 && warps != 4 && warps != 8)
     return "schedule.warps (" + str(warps) + ") must be 1, 2, 4 or 8";
   if (blockM < 1 || blockM > kMaxBlockRows)
@@ -70,8 +138,6 @@ std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule) {
   if (blockN < kMmaRows || blockN > kMaxBlockRows || blockN % kMmaRows != 0)
     return "schedule.block_n (" + str(blockN) + ") must be a multiple of " + str(kMmaRows) + " in [" +
            str(kMmaRows) + ", " + str(kMaxBlockRows) + "]";
-  if (stages < 1 || stages > kMaxStages)
-    return "schedule.stages (" + str(stages) + ") must be in [1, " + str(kMaxStages) + "]";
   return std::nullopt;
 }
 

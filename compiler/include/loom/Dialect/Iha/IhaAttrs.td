@@ -31,6 +31,10 @@ def Iha_CollapseStrategy : I32EnumAttr<"CollapseStrategy", "where the collapse h
     I32EnumAttrCase<"epilogue", 1>, I32EnumAttrCase<"separate", 2>]> {
   let cppNamespace = "::loom::iha";
 }
+def Iha_Engine : I32EnumAttr<"Engine", "which tensor-core instructions the tiles use", [
+    I32EnumAttrCase<"mma", 1>, I32EnumAttrCase<"wgmma", 2>]> {
+  let cppNamespace = "::loom::iha";
+}
 def Iha_RoleAttr : EnumAttr<Iha_Dialect, Iha_Role, "role">;
 
 // A double-precision float written as a plain float literal.
@@ -71,7 +75,10 @@ def Iha_ScheduleAttr : AttrDef<Iha_Dialect, "Schedule"> {
   let description = [{
     Query blocks of `block_m` virtual rows (whole tokens), key blocks of
     `block_n` rows, `warps` warps per CTA, a K/V pipeline `stages` deep, and
-    where mixing and collapse happen.
+    where mixing and collapse happen. `engine = wgmma` (sm_90a) specialises
+    warps: a producer warpgroup streams K/V (its registers capped at
+    `producer_registers`) to `warps / 4` consumer warpgroups of 64 rows each;
+    both default away (mma, 0) and are then not printed.
 
     Example:
     ```mlir
@@ -80,7 +87,9 @@ def Iha_ScheduleAttr : AttrDef<Iha_Dialect, "Schedule"> {
     ```
   }];
   let parameters = (ins "int64_t":$block_m, "int64_t":$block_n, "int64_t":$warps,
-                        "int64_t":$stages, "MixStrategy":$mix, "CollapseStrategy":$collapse);
+                        "int64_t":$stages, "MixStrategy":$mix, "CollapseStrategy":$collapse,
+                        DefaultValuedParameter<"Engine", "Engine::mma">:$engine,
+                        DefaultValuedParameter<"int64_t", "0">:$producer_registers);
   let assemblyFormat = "`<` struct(params) `>`";
 }
 

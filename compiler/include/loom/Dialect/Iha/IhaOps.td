@@ -241,6 +241,31 @@ def Iha_ForEachHeadOp : Iha_BlockOp<"for_each_head", [SingleBlock, NoTerminator]
   let hasVerifier = 1;
 }
 
+def Iha_WarpSpecializeOp : Iha_BlockOp<"warp_specialize", [NoTerminator]> {
+  let summary = "split a CTA into a producer warpgroup and consumer warpgroups";
+  let description = [{
+    Made by iha-warp-specialize for the wgmma engine. Both regions are slices
+    of one program: `producer` keeps each `iha.kv_stream` (and what its
+    bounds need) and streams those key blocks into the pipeline; `consumer`
+    keeps everything else, and its `iha.kv_loop`s take the blocks in the
+    same order. The producer runs on warpgroup 0 with its registers capped,
+    the consumers on the rest.
+
+    Example:
+    ```mlir
+    iha.warp_specialize producer {
+      iha.kv_stream %lo to %hi head %h batch %b
+    } consumer {
+      iha.load_q rows %r0 head %h batch %b
+      iha.kv_loop %lo to %hi rows %r0 head %h batch %b {masked}
+      iha.store_collapsed rows %r0 head %h batch %b
+    }
+    ```
+  }];
+  let regions = (region SizedRegion<1>:$producer, SizedRegion<1>:$consumer);
+  let assemblyFormat = "`producer` $producer `consumer` $consumer attr-dict";
+}
+
 def Iha_OutInitOp : Iha_BlockOp<"out_init"> {
   let summary = "zero the CTA's output tile for a fused global collapse";
   let description = [{ Example: `iha.out_init` }];

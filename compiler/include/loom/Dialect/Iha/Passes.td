@@ -27,7 +27,10 @@ def IhaApplySchedule : Pass<"iha-apply-schedule", "::mlir::ModuleOp"> {
     Option<"warps", "warps", "int64_t", "0", "warps per CTA (0: default)">,
     Option<"stages", "stages", "int64_t", "0", "K/V pipeline depth (0: default)">,
     Option<"mix", "mix", "std::string", "\"\"", "fused | materialized (empty: default)">,
-    Option<"collapse", "collapse", "std::string", "\"\"", "epilogue | separate (empty: default)">
+    Option<"collapse", "collapse", "std::string", "\"\"", "epilogue | separate (empty: default)">,
+    Option<"engine", "engine", "std::string", "\"\"", "mma | wgmma (empty: mma)">,
+    Option<"producerRegisters", "producer-registers", "int64_t", "0",
+           "registers of the wgmma engine's producer warpgroup (0: default)">
   ];
   let dependentDialects = ["::mlir::arith::ArithDialect"];
 }
@@ -62,6 +65,17 @@ def IhaFuseCollapse : Pass<"iha-fuse-collapse", "::mlir::ModuleOp"> {
     of its query block (`iha.for_each_head`) and accumulates the output tile.
   }];
   let dependentDialects = ["::mlir::arith::ArithDialect"];
+}
+
+def IhaWarpSpecialize : Pass<"iha-warp-specialize", "::mlir::ModuleOp"> {
+  let summary = "Split the attention launch into producer and consumer warpgroups (engine = wgmma)";
+  let description = [{
+    With schedule engine = wgmma, wraps the attention launch's program in an
+    `iha.warp_specialize`: the producer region is the slice of the program
+    that streams K/V (each `iha.kv_stream`, the head loops around it, the
+    arithmetic of its bounds); the consumer region is the rest, without the
+    streams. Other engines are left alone.
+  }];
 }
 
 def IhaLowerToEmitC : Pass<"iha-lower-to-emitc", "::mlir::ModuleOp"> {

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "loom/Dialect/Iha/IhaDialect.h"
+#include "loom/tile/layout.h"
 
 namespace loom::iha {
 
@@ -19,18 +20,34 @@ inline constexpr int64_t kMaxBlockRows = 256;
 inline constexpr int64_t kMaxStages = 4;
 inline constexpr int64_t kThreadsPerWarp = 32;
 
+// The wgmma engine (sm_90a): 64 query rows per consumer warpgroup, one
+// producer warpgroup, registers moved between them by setmaxnreg.
+inline constexpr int64_t kWarpgroupWarps = 4;
+inline constexpr int64_t kWarpgroupRows = 64;
+inline constexpr int64_t kMinWarpgroupRegisters = 24;
+inline constexpr int64_t kMaxWarpgroupRegisters = 256;
+
 struct ScheduleFields {
   int64_t blockM = 0, blockN = 0, warps = 0, stages = 0;
   std::optional<MixStrategy> mix;
   std::optional<CollapseStrategy> collapse;
+  std::optional<Engine> engine;
+  int64_t producerRegisters = 0;
 };
 
-// Fills every unset field with the default for this spec: the largest warp
-// count in {4, 2, 1} whose block_m = lcm(P, 16 * warps) stays within 128
-// rows (at least 64), the largest block_n in {64, 32, 16} whose fragments fit
-// a register budget, two stages, fused mixing, and the collapse
-// in the epilogue for per_head or in a separate launch for global.
-ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given);
+// Registers per consumer thread: loom::consumerRegisters (loom/tile/layout.h).
+
+// Fills every unset field with the default for this spec. The mma engine:
+// the largest warp count in {4, 2, 1} whose block_m = lcm(P, 16 * warps)
+// stays within 128 rows (at least 64), the largest block_n in {64, 32, 16}
+// whose fragments fit a register budget, two stages, fused mixing, and the
+// collapse in the epilogue for per_head or in a separate launch for global.
+// `hopper` (target sm_90a) makes wgmma the default engine where the spec
+// allows it (head_dim a multiple of 64, P dividing 128 or 64): two consumer
+// warpgroups (block_m 128) or one, block_n 128 (64 for head_dim > 128),
+// two stages, materialised mixing fed by TMA, producer registers 24 (56 when
+// the producer mixes on chip).
+ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool hopper = false);
 
 // Why `schedule` cannot compute `spec`, naming the field; nullopt when fine.
 std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule);

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <limits>
 #include <vector>
 
@@ -29,6 +30,16 @@ struct Coordinates {
   int64_t x = 0, y = 0, z = 0;
 };
 inline thread_local Coordinates cta;
+
+// A warp-specialised program (engine wgmma) runs each CTA in two parts: the
+// producer's, which records the key blocks it streams, then the consumers',
+// whose waits must take exactly those blocks in that order.
+enum class Part { whole, producer, consumer };
+inline thread_local Part part = Part::whole;
+struct Streamed {
+  int64_t head, batch, block;
+};
+inline thread_local std::deque<Streamed> streamed;
 
 // Counts of what the program did, read by tests through loom_host_stats.
 struct Stats {
@@ -160,6 +171,7 @@ struct KvPipeline {
   std::vector<float> k = std::vector<float>(size_t(C::stages) * C::block_n * C::head_dim);
   std::vector<float> v = std::vector<float>(size_t(C::stages) * C::block_n * C::head_dim);
   int64_t holds[C::stages];  // key block in each stage, -1 when free
+  KvPipeline() { std::fill(holds, holds + C::stages, int64_t(-1)); }
   float* key(int64_t block, int r) { return &k[(size_t(block % C::stages) * C::block_n + r) * C::head_dim]; }
   float* value(int64_t block, int r) { return &v[(size_t(block % C::stages) * C::block_n + r) * C::head_dim]; }
 };
@@ -244,9 +256,11 @@ void softmax_init(SoftmaxState<C>& state, AccTile<C>& acc) {
   std::fill(acc.o.begin(), acc.o.end(), 0.0f);
 }
 
+namespace host {
+
 // The async copy of key block `block` into its stage (cp.async / TMA on the GPU).
 template <class C, bool Mixed>
-void kv_load(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
+void loadKv(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
   const int slot = int(block % C::stages);
   if (pipe.holds[slot] != -1) host::fail("K/V stage overwritten before it was released");
   for (int r = 0; r < C::block_n; ++r) {
@@ -256,28 +270,74 @@ void kv_load(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64_t b, int64_
   pipe.holds[slot] = block;
 }
 
+}  // namespace host
+
 // Pipeline prologue: the first stages - 1 blocks of [lower, upper).
 template <class C, bool Mixed>
 void kv_begin(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64_t b, int64_t lower, int64_t upper) {
   for (int s = 0; s < C::stages; ++s) pipe.holds[s] = -1;
   for (int64_t block = lower; block < lower + C::stages - 1 && block < upper; ++block)
-    kv_load<C, Mixed>(pipe, a, g, b, block);
+    host::loadKv<C, Mixed>(pipe, a, g, b, block);
 }
 
 template <class C, bool Mixed>
 void kv_produce(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64_t b, int64_t block, int64_t upper) {
-  if (block < upper) kv_load<C, Mixed>(pipe, a, g, b, block);
+  if (block < upper) host::loadKv<C, Mixed>(pipe, a, g, b, block);
 }
 
 template <class C, bool Mixed>
 void kv_wait(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
-  if (C::stages == 1) kv_load<C, Mixed>(pipe, a, g, b, block);  // no prefetch: load now
+  if (host::part == host::Part::consumer) {  // the block must be the producer's next
+    if (host::streamed.empty()) host::fail("consumer waits for a key block the producer never streamed");
+    const host::Streamed next = host::streamed.front();
+    if (next.head != g || next.batch != b || next.block != block)
+      host::fail("consumer waits for a different key block than the producer streamed next");
+    host::streamed.pop_front();
+    host::loadKv<C, Mixed>(pipe, a, g, b, block);  // the full barrier completes
+  } else if (C::stages == 1) {
+    host::loadKv<C, Mixed>(pipe, a, g, b, block);  // no prefetch: load now
+  }
   if (pipe.holds[block % C::stages] != block) host::fail("K/V block consumed before it was produced");
 }
+
+//===--- warp specialisation (engine wgmma), run as two parts per CTA ----===//
+
+template <class C>
+void pipeline_init() {}
+
+template <class C>
+bool is_producer() {
+  if (host::part == host::Part::whole) host::fail("a warp-specialised program runs as producer, then consumer");
+  return host::part == host::Part::producer;
+}
+
+template <class C>
+void producer_start() {}
+
+template <class C>
+void consumer_start() {}
+
+// The producer's step: key block `block` of kv head g enters the pipeline.
+template <class C, bool Mixed>
+void kv_load(KvPipeline<C>&, const IhaArgs&, int64_t g, int64_t b, int64_t block) {
+  host::streamed.push_back({g, b, block});
+}
+
+template <class C>
+void kv_finish(KvPipeline<C>&, AccTile<C>&) {}
 
 template <class C>
 void kv_release(KvPipeline<C>& pipe, int64_t block) {
   pipe.holds[block % C::stages] = -1;
+}
+
+template <class C>
+void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_t block);
+
+// Warp-specialised form: the accumulator only orders registers on the GPU.
+template <class C>
+void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_t block, AccTile<C>&) {
+  mma_qk(s, q, pipe, block);
 }
 
 // S = scale * Q K^T for one key block.
@@ -427,6 +487,17 @@ void store_out(OutTile<C>& out, const IhaArgs& a, int64_t row0, int64_t b) {
 
 // Entry points the CPU launcher looks up next to the kernels.
 LOOM_KERNEL void loom_host_set_block(int64_t x, int64_t y, int64_t z) { loom::host::cta = {x, y, z}; }
+// 0: a whole CTA; 1: the producer part of a warp-specialised CTA; 2: its
+// consumer part, after which every streamed block must have been consumed.
+LOOM_KERNEL void loom_host_set_part(int part) {
+  if (part != 2 && !loom::host::streamed.empty()) {
+    loom::host::streamed.clear();
+    loom::host::fail("the producer streamed key blocks no consumer took");
+  }
+  loom::host::part = part == 1 ? loom::host::Part::producer
+                     : part == 2 ? loom::host::Part::consumer
+                                 : loom::host::Part::whole;
+}
 LOOM_KERNEL void loom_host_stats(int64_t* keyBlocks, int64_t* maskedBlocks, int64_t* ctas) {
   *keyBlocks = loom::host::stats.key_blocks.exchange(0);
   *maskedBlocks = loom::host::stats.masked_blocks.exchange(0);

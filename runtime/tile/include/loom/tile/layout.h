@@ -48,6 +48,66 @@ constexpr AttentionSmem attentionSmem(int blockM, int blockN, int headDim, int s
   return s;
 }
 
+// Shared-memory layout of the sm_90a (wgmma) attention CTA. Operand tiles are
+// stored as the 128-byte swizzle atoms wgmma descriptors and the tensor
+// memory accelerator agree on: for every 64 columns of the head dimension, a
+// [rows][64] block of 128-byte rows whose 16-byte chunks are XOR-ed with the
+// row index mod 8. Every tile starts on a 1024-byte boundary (the pattern's
+// period); `total` includes the slack to align the base.
+constexpr int kSwizzleAtomColumns = 64;
+constexpr int kSwizzleRowBytes = 128;
+constexpr int kSwizzlePeriodBytes = 1024;
+constexpr int kBarrierBytes = 8;
+constexpr int kMaxConsumerWarpgroups = 4;
+
+// Registers per consumer thread once the producer warpgroup has given up
+// its share (setmaxnreg): the register file (64K) split over the consumer
+// warpgroups, a multiple of 8, at most 240.
+constexpr int kRegisterFileWords = 65536;
+constexpr int kWarpgroupThreadCount = 128;
+constexpr int kMaxConsumerRegisters = 240;
+constexpr int consumerRegisters(int warps, int producerRegisters) {
+  const int groups = warps / 4 > 0 ? warps / 4 : 1;
+  const int left = (kRegisterFileWords / kWarpgroupThreadCount - producerRegisters) / groups / 8 * 8;
+  return left < kMaxConsumerRegisters ? left : kMaxConsumerRegisters;
+}
+
+// Byte offset of 16-byte chunk `chunk` (0..7) of row `row` inside an atom.
+constexpr int swizzledChunk(int row, int chunk) { return row * kSwizzleRowBytes + ((chunk ^ (row % 8)) * 16); }
+
+struct HopperSmem {
+  int q = 0;         // [atoms][block_m][64] query tile
+  int k = 0;         // `stages` x [atoms][block_n][64]
+  int v = 0;         // likewise
+  int staging = 0;   // collapse epilogues: [block_m][d] f32
+  int out = 0;       // fused global collapse: [block_m / P][H][d] f32
+  int barriers = 0;  // full[stages], empty[stages], q[consumer warpgroups]
+  int total = 0;     // bytes of dynamic shared memory, alignment slack included
+};
+
+constexpr int alignUp(int value, int alignment) { return (value + alignment - 1) / alignment * alignment; }
+
+constexpr HopperSmem hopperSmem(int blockM, int blockN, int headDim, int stages, int heads, int pseudoHeads,
+                                bool collapseInEpilogue, bool outTile) {
+  HopperSmem s;
+  const int dPadded = alignUp(headDim, kSwizzleAtomColumns);
+  s.q = 0;
+  s.k = s.q + blockM * dPadded * kTileElementBytes;
+  s.v = s.k + stages * blockN * dPadded * kTileElementBytes;
+  const int operandsEnd = s.v + stages * blockN * dPadded * kTileElementBytes;
+  const int stagingBytes = collapseInEpilogue ? blockM * dPadded * kAccumulatorBytes : 0;
+  // The staging tile overlaps the operands once the kv stream is drained;
+  // with a fused global collapse the producer streams the next head's blocks
+  // meanwhile, so it gets its own room.
+  s.staging = outTile ? operandsEnd : 0;
+  const int stagingEnd = s.staging + stagingBytes;
+  s.out = operandsEnd > stagingEnd ? operandsEnd : stagingEnd;
+  const int outBytes = outTile ? (blockM / pseudoHeads) * heads * dPadded * kAccumulatorBytes : 0;
+  s.barriers = alignUp(s.out + outBytes, kBarrierBytes);
+  s.total = s.barriers + (2 * stages + kMaxConsumerWarpgroups) * kBarrierBytes + kSwizzlePeriodBytes;
+  return s;
+}
+
 // Fragment geometry of mma.sync.m16n8k16 and ldmatrix.x4, as lane
 // arithmetic shared by the device code and the host tests that check it
 // against the PTX ISA's fragment layouts.

@@ -1,0 +1,209 @@
+// What both CUDA implementations of the tile API share (mma.sync in
+// cuda.h, wgmma in hopper.h): element conversions, the mixing and rotary
+// embedding arithmetic, shuffles, and the token-parallel pre-mix and collapse
+// launches. NVRTC-only: no host header is included.
+#pragma once
+
+#include "loom/tile/common.h"
+#include "loom/tile/layout.h"
+
+#define LOOM_KERNEL extern "C" __global__
+
+namespace loom {
+
+typedef unsigned short Bits16;
+typedef unsigned int Bits32;
+
+constexpr int kWarpSize = 32;
+constexpr int kQuadSize = 4;             // threads sharing one row of an mma fragment
+constexpr int kChunkElements = 8;        // 16 bytes of 16-bit elements
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+namespace cuda {
+
+__device__ __forceinline__ float negativeInfinity() { return __int_as_float(0xff800000u); }
+
+__device__ __forceinline__ Bits32 sharedAddress(const void* pointer) {
+  Bits32 address;
+  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(pointer));
+  return address;
+}
+
+__device__ __forceinline__ int lane() { return threadIdx.x % kWarpSize; }
+__device__ __forceinline__ int warp() { return threadIdx.x / kWarpSize; }
+
+//===--- element conversions (PTX, so no cuda_fp16.h is needed) ----------===//
+
+template <class C>
+__device__ __forceinline__ float toFloat(Bits16 bits) {
+  if constexpr (C::dtype == DType::f16) {
+    float value;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(bits));
+    return value;
+  } else {
+    return __int_as_float(int(Bits32(bits) << 16));
+  }
+}
+
+template <class C>
+__device__ __forceinline__ Bits16 toBits(float value) {
+  Bits16 bits;
+  if constexpr (C::dtype == DType::f16) asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(value));
+  else asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value));
+  return bits;
+}
+
+// Two floats into one register: `low` in bits 0-15 (the lower column).
+template <class C>
+__device__ __forceinline__ Bits32 pack(float low, float high) {
+  Bits32 packed;
+  if constexpr (C::dtype == DType::f16) asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
+  else asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
+  return packed;
+}
+
+template <class C>
+__device__ __forceinline__ float loadElement(const void* base, int64_t index) {
+  return toFloat<C>(static_cast<const Bits16*>(base)[index]);
+}
+
+__device__ __forceinline__ float quadMax(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quadSum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+//===--- mixing and rotary embedding --------------------------------------===//
+
+// Rotary angle of pair j at virtual position `position`: the product and
+// its reduction to [-pi, pi] in double (long sequences keep their phase),
+// the sine and cosine of the small remainder in float.
+template <class C>
+__device__ __forceinline__ void ropeSinCos(int64_t position, int j, float* sine, float* cosine) {
+  constexpr double kTwoPi = 6.283185307179586;
+  const double angle = double(position) * C::rope_inv_freq[j];
+  const float reduced = float(angle - kTwoPi * rint(angle * (1.0 / kTwoPi)));
+  __sincosf(reduced, sine, cosine);  // |reduced| <= pi: the fast path is accurate to ~4e-7
+}
+
+// Element `c` of a rotated row, given the element and its partner (c +- d/2).
+template <class C>
+__device__ __forceinline__ float rotate(float x, float partner, int64_t position, int c) {
+  constexpr int half = C::head_dim / 2;
+  float sine, cosine;
+  ropeSinCos<C>(position, c % half, &sine, &cosine);
+  return c < half ? x * cosine - partner * sine : partner * sine + x * cosine;
+}
+
+template <class C, Role R>
+struct RoleOf {
+  static constexpr int heads = R == Role::query ? C::heads : C::kv_heads;
+  static constexpr bool rotated = C::rope_theta > 0 && R != Role::value;
+  __device__ static const void* source(const IhaArgs& a) { return R == Role::query ? a.q : R == Role::key ? a.k : a.v; }
+  __device__ static const float* alpha(const IhaArgs& a) {
+    return R == Role::query ? a.alpha_q : R == Role::key ? a.alpha_k : a.alpha_v;
+  }
+  __device__ static const int64_t* stride(const IhaArgs& a) {
+    return R == Role::query ? a.q_stride : R == Role::key ? a.k_stride : a.v_stride;
+  }
+  __device__ static void* workspace(const IhaArgs& a) {
+    return R == Role::query ? a.q_mixed : R == Role::key ? a.k_mixed : a.v_mixed;
+  }
+};
+
+// sum_m alpha[m, h, p] * x[b, n, m, c] read from global memory.
+template <class C, Role R>
+__device__ float mixFromGlobal(const IhaArgs& a, int64_t b, int64_t n, int h, int p, int c) {
+  using Role_ = RoleOf<C, R>;
+  const int64_t* s = Role_::stride(a);
+  const float* alpha = Role_::alpha(a);
+  const void* x = Role_::source(a);
+  float sum = 0.0f;
+  for (int m = 0; m < Role_::heads; ++m)
+    sum += alpha[(m * Role_::heads + h) * C::pseudo_heads + p] * loadElement<C>(x, b * s[0] + n * s[1] + m * s[2] + c);
+  return sum;
+}
+
+// Element c of virtual row n*P + p of head h: mixed and, for q and k, rotated.
+template <class C, Role R>
+__device__ float mixedElement(const IhaArgs& a, int64_t b, int64_t n, int h, int p, int c) {
+  const float x = mixFromGlobal<C, R>(a, b, n, h, p, c);
+  if constexpr (!RoleOf<C, R>::rotated) {
+    return x;
+  } else {
+    constexpr int half = C::head_dim / 2;
+    const float partner = mixFromGlobal<C, R>(a, b, n, h, p, c < half ? c + half : c - half);
+    return rotate<C>(x, partner, n * C::pseudo_heads + p, c);
+  }
+}
+
+// Writes 8 consecutive 16-bit elements (one 16-byte chunk).
+template <class C>
+__device__ __forceinline__ void storeChunk(Bits16* destination, const float (&values)[kChunkElements]) {
+  uint4 packed;
+  packed.x = pack<C>(values[0], values[1]);
+  packed.y = pack<C>(values[2], values[3]);
+  packed.z = pack<C>(values[4], values[5]);
+  packed.w = pack<C>(values[6], values[7]);
+  *reinterpret_cast<uint4*>(destination) = packed;
+}
+
+}  // namespace cuda
+
+__device__ __forceinline__ int64_t block_x() { return blockIdx.x; }
+__device__ __forceinline__ int64_t block_y() { return blockIdx.y; }
+__device__ __forceinline__ int64_t block_z() { return blockIdx.z; }
+
+//===----------------------------------------------------------------------===//
+// Pre-mix and collapse launches (token-parallel, no shared memory)
+//===----------------------------------------------------------------------===//
+
+template <class C, Role R>
+__device__ void premix(const IhaArgs& a, int64_t token0, int64_t b) {
+  using Role_ = cuda::RoleOf<C, R>;
+  constexpr int tokens = C::block_m / C::pseudo_heads;
+  constexpr int chunks = C::head_dim / kChunkElements;
+  const int64_t L = seq_len<C>(a);
+  Bits16* ws = static_cast<Bits16*>(Role_::workspace(a));
+  for (int index = threadIdx.x; index < tokens * Role_::heads * C::pseudo_heads * chunks; index += blockDim.x) {
+    const int chunk = index % chunks;
+    const int p = (index / chunks) % C::pseudo_heads;
+    const int h = (index / chunks / C::pseudo_heads) % Role_::heads;
+    const int64_t n = token0 + index / chunks / C::pseudo_heads / Role_::heads;
+    if (n >= a.tokens) continue;
+    float values[kChunkElements];
+    #pragma unroll
+    for (int e = 0; e < kChunkElements; ++e)
+      values[e] = cuda::mixedElement<C, R>(a, b, n, h, p, chunk * kChunkElements + e);
+    cuda::storeChunk<C>(ws + ((b * Role_::heads + h) * L + n * C::pseudo_heads + p) * C::head_dim + chunk * kChunkElements,
+                        values);
+  }
+}
+
+template <class C>
+__device__ void collapse_rows(const IhaArgs& a, int64_t token0, int64_t b) {
+  constexpr int P = C::pseudo_heads, tokens = C::block_m / P;
+  const int64_t L = seq_len<C>(a);
+  const Bits16* o = static_cast<const Bits16*>(a.o_pseudo);
+  Bits16* out = static_cast<Bits16*>(a.out);
+  for (int index = threadIdx.x; index < tokens * C::heads * C::head_dim; index += blockDim.x) {
+    const int c = index % C::head_dim, h = (index / C::head_dim) % C::heads;
+    const int64_t n = token0 + index / C::head_dim / C::heads;
+    if (n >= a.tokens) continue;
+    float sum = 0.0f;
+    for (int source = 0; source < C::heads; ++source) {
+      if (C::collapse == Collapse::per_head && source != h) continue;
+      for (int p = 0; p < P; ++p) {
+        const float w = C::collapse == Collapse::per_head ? a.collapse[h * P + p] : a.collapse[(h * C::heads + source) * P + p];
+        sum += w * cuda::toFloat<C>(o[((b * C::heads + source) * L + n * P + p) * C::head_dim + c]);
+      }
+    }
+    out[b * a.out_stride[0] + n * a.out_stride[1] + h * a.out_stride[2] + c] = cuda::toBits<C>(sum);
+  }
+}
+
+}  // namespace loom

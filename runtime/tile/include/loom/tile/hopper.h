@@ -1,0 +1,660 @@
+// The sm_90a implementation of the tile API (Hopper: H100, H200), compiled
+// by NVRTC with --gpu-architecture=sm_90a. Same program interface as cuda.h;
+// the compiler emits a warp-specialised program for it:
+//
+//   pipeline_init                      all threads: mbarriers
+//   if (is_producer) {                 warpgroup 0
+//     producer_start                   setmaxnreg.dec
+//     kv_load per key block            TMA of the mixed K / V tiles (or mix
+//   } else {                           them on chip), completing on full[s]
+//     consumer_start                   setmaxnreg.inc
+//     load_q, kv_wait, mma_qk, mask_scores, softmax_update, mma_pv,
+//     kv_release, normalize, store_*   warpgroups 1..: 64 query rows each
+//   }
+//
+// - Products by wgmma.mma_async: S = Q K^T with both operands in shared
+//   memory (descriptors), O += P V with P from registers and V read
+//   N-major from shared memory; f32 accumulators in the layout of mma.sync's
+//   m16n8 tiles per warp, so masks and the online softmax keep their lane math.
+// - Tiles live in 128-byte swizzled atoms (layout.h) that both the tensor
+//   memory accelerator writes and the descriptors read; a producer that
+//   mixes on chip writes the same swizzle with ordinary stores and fences
+//   them for the async proxy (fence.proxy.async) before it arrives.
+// - A `stages`-deep ring of K/V buffers with full / empty mbarriers. A
+//   consumer's P V product stays in flight while the next block's S = Q K^T
+//   is issued; the stage is released once both have retired.
+#pragma once
+
+#include "loom/tile/cuda_common.h"
+#include "loom/tile/wgmma.h"
+
+namespace loom {
+
+// A CUtensorMap: 128 opaque bytes, encoded on the host by
+// cuTensorMapEncodeTiled and passed by value as a __grid_constant__.
+struct alignas(64) TensorMap {
+  unsigned long long opaque[16];
+};
+
+// The tensor maps of a warp-specialised attention launch, over the mixed
+// workspaces [B * heads, L, d] (16-bit): boxes of 64 columns by 64 rows
+// (q) or block_n rows (k, v), 128-byte swizzle. Unused with fused mixing.
+struct TmaMaps {
+  TensorMap q;
+  TensorMap k;
+  TensorMap v;
+};
+
+namespace hopper {
+
+typedef unsigned long long Bits64;
+
+constexpr int kWarpgroupThreads = 128;
+constexpr int kWarpsPerWarpgroup = 4;
+constexpr int kWgmmaRows = 64;
+constexpr int kWgmmaK = 16;
+constexpr int kConsumerBarrier = 1;  // named barrier of all consumer threads; 0 is __syncthreads
+constexpr int kWarpgroupBarrier = 2; // + consumer warpgroup: one warpgroup's threads
+
+template <class C>
+struct Geometry {
+  static_assert(C::dtype != DType::f32, "CUDA tiles take float16 or bfloat16 inputs");
+  static_assert(C::warps % kWarpsPerWarpgroup == 0 && C::block_m == 16 * C::warps,
+                "sm_90a: block_m is 64 rows per consumer warpgroup");
+  static_assert(C::warps / kWarpsPerWarpgroup <= kMaxConsumerWarpgroups, "at most 4 consumer warpgroups");
+  static_assert(C::head_dim % kSwizzleAtomColumns == 0 && C::head_dim <= 256, "sm_90a: head_dim in {64, 128, 192, 256}");
+  static_assert(C::block_n % 64 == 0 && C::block_n <= 256, "sm_90a: block_n in {64, 128, 192, 256}");
+  static constexpr int consumers = C::warps / kWarpsPerWarpgroup;
+  static constexpr int consumerThreads = consumers * kWarpgroupThreads;
+  static constexpr int threads = consumerThreads + kWarpgroupThreads;
+  static constexpr int D = C::head_dim;
+  static constexpr int atoms = D / kSwizzleAtomColumns;
+  static constexpr int NT = C::block_n / 8;   // 8-column tiles of S
+  static constexpr int OT = D / 8;            // 8-column tiles of O
+  static constexpr int KT = D / kWgmmaK;      // k-steps of Q K^T
+  static constexpr int PK = C::block_n / kWgmmaK;  // k-steps of P V
+  static constexpr int qAtomBytes = C::block_m * kSwizzleRowBytes;
+  static constexpr int kvAtomBytes = C::block_n * kSwizzleRowBytes;
+  static constexpr int kvTileBytes = atoms * kvAtomBytes;
+  static constexpr int chunks = D / kChunkElements;  // 16-byte chunks per row
+};
+
+template <class C>
+__device__ __forceinline__ HopperSmem layout() {
+  return hopperSmem(C::block_m, C::block_n, C::head_dim, C::stages, C::heads, C::pseudo_heads, C::fused_collapse,
+                    C::fused_global_collapse);
+}
+
+// Dynamic shared memory, its base rounded up to the swizzle period.
+__device__ __forceinline__ unsigned char* smem() {
+  extern __shared__ __align__(1024) unsigned char loom_shared[];
+  const Bits32 misalignment = cuda::sharedAddress(loom_shared) & (kSwizzlePeriodBytes - 1);
+  return loom_shared + ((kSwizzlePeriodBytes - misalignment) & (kSwizzlePeriodBytes - 1));
+}
+
+template <class C>
+__device__ __forceinline__ Bits64* barrier(int index) {
+  return reinterpret_cast<Bits64*>(smem() + layout<C>().barriers) + index;
+}
+template <class C>
+__device__ __forceinline__ Bits64* fullBarrier(int stage) { return barrier<C>(stage); }
+template <class C>
+__device__ __forceinline__ Bits64* emptyBarrier(int stage) { return barrier<C>(C::stages + stage); }
+template <class C>
+__device__ __forceinline__ Bits64* qBarrier(int warpgroup) { return barrier<C>(2 * C::stages + warpgroup); }
+
+// The consumer warpgroup of this thread (0-based; the producer is -1), and
+// the first query row of its 64.
+__device__ __forceinline__ int consumerWarpgroup() { return int(threadIdx.x) / kWarpgroupThreads - 1; }
+__device__ __forceinline__ int consumerThread() { return int(threadIdx.x) - kWarpgroupThreads; }
+// Row of accumulator element e of this thread inside the query block.
+__device__ __forceinline__ int accumulatorRow(int e) {
+  return consumerWarpgroup() * kWgmmaRows + (cuda::warp() % kWarpsPerWarpgroup) * 16 +
+         fragment::accumulatorRow(cuda::lane(), e);
+}
+
+//===--- mbarriers, named barriers, fences -----------------------------------===//
+
+__device__ __forceinline__ void mbarrierInit(Bits64* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(cuda::sharedAddress(bar)), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbarrierArrive(Bits64* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(cuda::sharedAddress(bar)) : "memory");
+}
+__device__ __forceinline__ void mbarrierExpectBytes(Bits64* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(cuda::sharedAddress(bar)), "r"(bytes)
+               : "memory");
+}
+// Blocks until the phase with parity `parity` has completed.
+__device__ __forceinline__ void mbarrierWait(Bits64* bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\nLOOM_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra LOOM_WAIT;\n}\n" ::"r"(cuda::sharedAddress(bar)),
+      "r"(parity)
+      : "memory");
+}
+__device__ __forceinline__ void namedBarrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+template <class C>
+__device__ __forceinline__ void consumerSync() {
+  namedBarrier(kConsumerBarrier, Geometry<C>::consumerThreads);
+}
+// Ordinary shared-memory stores become visible to wgmma and TMA.
+__device__ __forceinline__ void fenceAsyncProxy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+//===--- the tensor memory accelerator --------------------------------------===//
+
+// One box of a 3-d tensor map into shared memory, completing on `bar`.
+__device__ __forceinline__ void tmaLoad(void* destination, const TensorMap* map, int column, int row, int plane,
+                                        Bits64* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::
+          "r"(cuda::sharedAddress(destination)),
+      "l"(reinterpret_cast<Bits64>(map)), "r"(column), "r"(row), "r"(plane), "r"(cuda::sharedAddress(bar))
+      : "memory");
+}
+
+//===--- wgmma ----------------------------------------------------------------===//
+
+// A shared-memory matrix descriptor for 128-byte swizzled tiles. `leading`
+// is the byte step between 64-column atoms along N of an N-major operand
+// (unused, 16, for K-major ones); `stride` the step between 8-row groups.
+__device__ __forceinline__ Bits64 descriptor(const void* start, int leading, int stride) {
+  const Bits32 address = cuda::sharedAddress(start);
+  return Bits64((address & 0x3FFFF) >> 4) | Bits64((leading >> 4) & 0x3FFF) << 16 |
+         Bits64((stride >> 4) & 0x3FFF) << 32 | Bits64(1) << 62;
+}
+
+__device__ __forceinline__ void wgmmaFence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int Pending>
+__device__ __forceinline__ void wgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(Pending) : "memory");
+}
+// Keeps the compiler from moving accumulator accesses across a wgmma
+// fence / wait.
+template <int N>
+__device__ __forceinline__ void pinRegisters(float (&r)[N]) {
+  #pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+
+}  // namespace hopper
+
+//===----------------------------------------------------------------------===//
+// Tiles: register state of one consumer thread (operands are in shared memory)
+//===----------------------------------------------------------------------===//
+
+template <class C>
+struct QTile {
+  int loads = 0;  // Q tiles loaded so far: the parity of the next one's barrier phase
+};
+
+template <class C>
+struct KvPipeline {
+  int64_t count = 0;  // blocks produced (producer) or consumed (consumer) so far
+  int stage = 0;      // the stage being consumed
+  int pending = -1;   // a stage whose P V product may still be reading it
+};
+
+template <class C>
+struct ScoreTile {
+  float s[hopper::Geometry<C>::NT * 4];  // element e of 8-column tile t at [t * 4 + e]
+};
+
+template <class C>
+struct SoftmaxState {
+  float m[2];  // running max (log2 domain) of this thread's rows (accumulatorRow(0), accumulatorRow(2))
+  float l[2];  // running denominator
+};
+
+template <class C>
+struct AccTile {
+  float o[hopper::Geometry<C>::OT * 4];
+};
+
+template <class C>
+struct OutTile {};  // in shared memory (HopperSmem::out)
+
+//===----------------------------------------------------------------------===//
+// Warp specialisation
+//===----------------------------------------------------------------------===//
+
+// Initialises the mbarriers; every thread of the CTA calls it first.
+template <class C>
+__device__ void pipeline_init() {
+  using G = hopper::Geometry<C>;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < C::stages; ++s) {
+      // TMA: the producer's expect_tx arrival; on-chip mixing: every producer thread.
+      hopper::mbarrierInit(hopper::fullBarrier<C>(s), C::fused_mix ? hopper::kWarpgroupThreads : 1);
+      hopper::mbarrierInit(hopper::emptyBarrier<C>(s), G::consumerThreads);
+    }
+    for (int w = 0; w < G::consumers; ++w) hopper::mbarrierInit(hopper::qBarrier<C>(w), 1);
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+}
+
+template <class C>
+__device__ __forceinline__ bool is_producer() {
+  return threadIdx.x < hopper::kWarpgroupThreads;
+}
+
+template <class C>
+__device__ __forceinline__ void producer_start() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(C::producer_registers));
+}
+
+template <class C>
+__device__ __forceinline__ void consumer_start() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(C::consumer_registers));
+}
+
+namespace hopper {
+
+// One 16-byte chunk (8 columns from `column`) of the mixed row n*P + p of
+// head h: sum_m alpha[m, h, p] * x[b, n, m, column..]. The heads are taken
+// one 16-byte load at a time, not unrolled, so the producer's few registers
+// suffice.
+template <class C, Role R>
+__device__ __forceinline__ void mixChunk(const IhaArgs& a, int64_t b, int64_t n, int h, int p, int column,
+                                         float (&sum)[kChunkElements]) {
+  using Role_ = cuda::RoleOf<C, R>;
+  const int64_t* stride = Role_::stride(a);
+  const float* alpha = Role_::alpha(a);
+  const Bits16* row = static_cast<const Bits16*>(Role_::source(a)) + b * stride[0] + n * stride[1] + column;
+  #pragma unroll
+  for (int e = 0; e < kChunkElements; ++e) sum[e] = 0.0f;
+  #pragma unroll 1
+  for (int m = 0; m < Role_::heads; ++m) {
+    const float w = alpha[(m * Role_::heads + h) * C::pseudo_heads + p];
+    const uint4 raw = *reinterpret_cast<const uint4*>(row + m * stride[2]);
+    const Bits32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+    #pragma unroll
+    for (int e = 0; e < kChunkElements; ++e)
+      sum[e] += w * cuda::toFloat<C>(Bits16(e % 2 ? words[e / 2] >> 16 : words[e / 2] & 0xffffu));
+  }
+}
+
+// A chunk of a mixed row, rotated for q and k: the partner chunk (d/2
+// columns away) is mixed too.
+template <class C, Role R>
+__device__ __forceinline__ void mixedChunk(const IhaArgs& a, int64_t b, int64_t n, int h, int p, int column,
+                                           float (&out)[kChunkElements]) {
+  mixChunk<C, R>(a, b, n, h, p, column, out);
+  if constexpr (cuda::RoleOf<C, R>::rotated) {
+    constexpr int half = C::head_dim / 2;
+    float partner[kChunkElements];
+    mixChunk<C, R>(a, b, n, h, p, column < half ? column + half : column - half, partner);
+    #pragma unroll
+    for (int e = 0; e < kChunkElements; ++e)
+      out[e] = cuda::rotate<C>(out[e], partner[e], n * C::pseudo_heads + p, column + e);
+  }
+}
+
+// Mixes (and rotates K) key block `block` into the stage's K and V tiles,
+// written in the swizzled layout by the producer warpgroup's threads.
+template <class C>
+__device__ void mixKvTile(const IhaArgs& a, int64_t g, int64_t b, int64_t block, unsigned char* kTile,
+                          unsigned char* vTile) {
+  using G = Geometry<C>;
+  const int64_t L = seq_len<C>(a);
+  for (int index = threadIdx.x; index < C::block_n * G::chunks; index += kWarpgroupThreads) {
+    const int r = index / G::chunks, chunk = index % G::chunks;
+    const int64_t j = block * C::block_n + r;
+    const int offset = (chunk / 8) * G::kvAtomBytes + swizzledChunk(r, chunk % 8);
+    float values[kChunkElements] = {};
+    if (j < L) mixedChunk<C, Role::key>(a, b, j / C::pseudo_heads, int(g), int(j % C::pseudo_heads), chunk * kChunkElements, values);
+    cuda::storeChunk<C>(reinterpret_cast<Bits16*>(kTile + offset), values);
+    if (j < L) mixedChunk<C, Role::value>(a, b, j / C::pseudo_heads, int(g), int(j % C::pseudo_heads), chunk * kChunkElements, values);
+    cuda::storeChunk<C>(reinterpret_cast<Bits16*>(vTile + offset), values);
+  }
+}
+
+}  // namespace hopper
+
+// Producer: fills the next stage with key block `block` of kv head g. With
+// materialised mixing one thread issues the TMA copies of the mixed K and V
+// rows; with fused mixing the whole warpgroup mixes them on chip.
+template <class C, bool Mixed>
+__device__ void kv_load(KvPipeline<C>& pipe, const IhaArgs& a, const TmaMaps& maps, int64_t g, int64_t b,
+                        int64_t block) {
+  using G = hopper::Geometry<C>;
+  const int stage = int(pipe.count % C::stages);
+  const int parity = int(pipe.count / C::stages) & 1;
+  ++pipe.count;
+  const HopperSmem s = hopper::layout<C>();
+  unsigned char* kTile = hopper::smem() + s.k + stage * G::kvTileBytes;
+  unsigned char* vTile = hopper::smem() + s.v + stage * G::kvTileBytes;
+  if constexpr (Mixed) {
+    hopper::mbarrierWait(hopper::emptyBarrier<C>(stage), parity ^ 1);  // the consumers' release of its last use
+    hopper::mixKvTile<C>(a, g, b, block, kTile, vTile);
+    hopper::fenceAsyncProxy();
+    hopper::mbarrierArrive(hopper::fullBarrier<C>(stage));
+  } else {
+    if (threadIdx.x != 0) return;  // one thread drives the copy engine
+    hopper::mbarrierWait(hopper::emptyBarrier<C>(stage), parity ^ 1);
+    hopper::Bits64* full = hopper::fullBarrier<C>(stage);
+    hopper::mbarrierExpectBytes(full, 2 * G::kvTileBytes);
+    const int row = int(block * C::block_n), plane = int(b * C::kv_heads + g);
+    #pragma unroll
+    for (int atom = 0; atom < G::atoms; ++atom) {
+      hopper::tmaLoad(kTile + atom * G::kvAtomBytes, &maps.k, atom * kSwizzleAtomColumns, row, plane, full);
+      hopper::tmaLoad(vTile + atom * G::kvAtomBytes, &maps.v, atom * kSwizzleAtomColumns, row, plane, full);
+    }
+  }
+}
+
+// Consumer: this warpgroup's 64 rows of the Q tile, by TMA from q_mixed or
+// mixed (and rotated) on chip into the swizzled layout.
+template <class C, bool Mixed>
+__device__ void load_q(QTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int64_t row0, int64_t head, int64_t b) {
+  using G = hopper::Geometry<C>;
+  const int wg = hopper::consumerWarpgroup();
+  unsigned char* tile = hopper::smem() + hopper::layout<C>().q + wg * hopper::kWgmmaRows * kSwizzleRowBytes;
+  if constexpr (Mixed) {
+    const int64_t L = seq_len<C>(a);
+    const int t = hopper::consumerThread() % hopper::kWarpgroupThreads;
+    for (int index = t; index < hopper::kWgmmaRows * G::chunks; index += hopper::kWarpgroupThreads) {
+      const int r = index / G::chunks, chunk = index % G::chunks;
+      const int64_t i = row0 + wg * hopper::kWgmmaRows + r;
+      float values[kChunkElements] = {};
+      if (i < L)
+        hopper::mixedChunk<C, Role::query>(a, b, i / C::pseudo_heads, int(head), int(i % C::pseudo_heads),
+                                           chunk * kChunkElements, values);
+      cuda::storeChunk<C>(
+          reinterpret_cast<Bits16*>(tile + (chunk / 8) * G::qAtomBytes + swizzledChunk(r, chunk % 8)), values);
+    }
+    hopper::fenceAsyncProxy();
+    hopper::namedBarrier(hopper::kWarpgroupBarrier + wg, hopper::kWarpgroupThreads);
+  } else {
+    hopper::Bits64* bar = hopper::qBarrier<C>(wg);
+    if (hopper::consumerThread() % hopper::kWarpgroupThreads == 0) {
+      hopper::mbarrierExpectBytes(bar, G::atoms * hopper::kWgmmaRows * kSwizzleRowBytes);
+      const int row = int(row0) + wg * hopper::kWgmmaRows, plane = int(b * C::heads + head);
+      #pragma unroll
+      for (int atom = 0; atom < G::atoms; ++atom)
+        hopper::tmaLoad(tile + atom * G::qAtomBytes, &maps.q, atom * kSwizzleAtomColumns, row, plane, bar);
+    }
+    hopper::mbarrierWait(bar, q.loads & 1);
+  }
+  ++q.loads;
+}
+
+template <class C>
+__device__ void softmax_init(SoftmaxState<C>& state, AccTile<C>& acc) {
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    state.m[h] = cuda::negativeInfinity();
+    state.l[h] = 0.0f;
+  }
+  #pragma unroll
+  for (int i = 0; i < hopper::Geometry<C>::OT * 4; ++i) acc.o[i] = 0.0f;
+}
+
+// Consumer: waits until the next stage holds key block `block`.
+template <class C, bool Mixed>
+__device__ void kv_wait(KvPipeline<C>& pipe, const IhaArgs&, int64_t, int64_t, int64_t) {
+  pipe.stage = int(pipe.count % C::stages);
+  hopper::mbarrierWait(hopper::fullBarrier<C>(pipe.stage), int(pipe.count / C::stages) & 1);
+  ++pipe.count;
+}
+
+namespace hopper {
+
+// Hands a drained stage back to the producer.
+template <class C>
+__device__ __forceinline__ void releasePending(KvPipeline<C>& pipe) {
+  if (pipe.pending >= 0) mbarrierArrive(emptyBarrier<C>(pipe.pending));
+  pipe.pending = -1;
+}
+
+}  // namespace hopper
+
+// The stage is handed back once the P V product reading it has retired:
+// at the next mma_qk's wait, or at normalize.
+template <class C>
+__device__ __forceinline__ void kv_release(KvPipeline<C>& pipe, int64_t) {
+  pipe.pending = pipe.stage;
+}
+
+// S = Q K^T * scale * log2(e): block_n-wide wgmma over d / 16 k-steps, Q and
+// K from their swizzled tiles. Waiting for it also retires the previous
+// block's P V product (still in flight on `acc`), whose stage is then
+// released.
+template <class C>
+__device__ void mma_qk(ScoreTile<C>& s, QTile<C>&, KvPipeline<C>& pipe, int64_t, AccTile<C>& acc) {
+  using G = hopper::Geometry<C>;
+  const HopperSmem l = hopper::layout<C>();
+  const unsigned char* q = hopper::smem() + l.q + hopper::consumerWarpgroup() * hopper::kWgmmaRows * kSwizzleRowBytes;
+  const unsigned char* k = hopper::smem() + l.k + pipe.stage * G::kvTileBytes;
+  hopper::pinRegisters(s.s);
+  hopper::wgmmaFence();
+  #pragma unroll
+  for (int kt = 0; kt < G::KT; ++kt) {
+    const int atom = kt / (kSwizzleAtomColumns / hopper::kWgmmaK);
+    const int inner = (kt % (kSwizzleAtomColumns / hopper::kWgmmaK)) * hopper::kWgmmaK * kTileElementBytes;
+    wgmma::Wgmma<C::dtype, C::block_n>::ss(s.s, hopper::descriptor(q + atom * G::qAtomBytes + inner, 16, kSwizzlePeriodBytes),
+                                           hopper::descriptor(k + atom * G::kvAtomBytes + inner, 16, kSwizzlePeriodBytes),
+                                           kt > 0);
+  }
+  hopper::wgmmaCommit();
+  hopper::wgmmaWait<0>();
+  hopper::pinRegisters(s.s);
+  hopper::pinRegisters(acc.o);
+  hopper::releasePending(pipe);
+  constexpr float scale = C::scale * kLog2e;
+  #pragma unroll
+  for (int i = 0; i < G::NT * 4; ++i) s.s[i] *= scale;
+}
+
+// -inf for pairs the mask forbids and columns past the end.
+template <class C>
+__device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int64_t block) {
+  using G = hopper::Geometry<C>;
+  const int64_t L = seq_len<C>(a);
+  const int l = cuda::lane();
+  #pragma unroll
+  for (int t = 0; t < G::NT; ++t)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int64_t i = row0 + hopper::accumulatorRow(e);
+      const int64_t j = block * C::block_n + t * 8 + fragment::accumulatorColumn(l, e);
+      if (j >= L || !allowed<C>(i, j)) s.s[t * 4 + e] = cuda::negativeInfinity();
+    }
+}
+
+// Online softmax on the accumulator fragments, as in cuda.h: a row's values
+// sit in the 4 threads of a quad.
+template <class C>
+__device__ void softmax_update(SoftmaxState<C>& state, ScoreTile<C>& s, AccTile<C>& acc) {
+  using G = hopper::Geometry<C>;
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float rowMax = cuda::negativeInfinity();
+    #pragma unroll
+    for (int t = 0; t < G::NT; ++t) rowMax = fmaxf(rowMax, fmaxf(s.s[t * 4 + 2 * h], s.s[t * 4 + 2 * h + 1]));
+    const float newMax = fmaxf(state.m[h], cuda::quadMax(rowMax));
+    const float base = newMax == cuda::negativeInfinity() ? 0.0f : newMax;
+    const float correction = exp2f(state.m[h] - base);
+    float rowSum = 0.0f;
+    #pragma unroll
+    for (int t = 0; t < G::NT; ++t)
+      #pragma unroll
+      for (int e = 2 * h; e < 2 * h + 2; ++e) rowSum += (s.s[t * 4 + e] = exp2f(s.s[t * 4 + e] - base));
+    state.l[h] = state.l[h] * correction + cuda::quadSum(rowSum);
+    state.m[h] = newMax;
+    #pragma unroll
+    for (int t = 0; t < G::OT; ++t) {
+      acc.o[t * 4 + 2 * h] *= correction;
+      acc.o[t * 4 + 2 * h + 1] *= correction;
+    }
+  }
+}
+
+// O += P V: P re-packed from the S fragments into wgmma's register A
+// operand (the m16n8 layout of two 8-column tiles is the m16k16 A layout),
+// V read N-major from its swizzled tile. Committed, not waited for.
+template <class C>
+__device__ void mma_pv(AccTile<C>& acc, ScoreTile<C>& s, KvPipeline<C>& pipe, int64_t) {
+  using G = hopper::Geometry<C>;
+  const unsigned char* v = hopper::smem() + hopper::layout<C>().v + pipe.stage * G::kvTileBytes;
+  Bits32 p[G::PK][4];
+  #pragma unroll
+  for (int kk = 0; kk < G::PK; ++kk) {
+    p[kk][0] = cuda::pack<C>(s.s[(2 * kk) * 4 + 0], s.s[(2 * kk) * 4 + 1]);
+    p[kk][1] = cuda::pack<C>(s.s[(2 * kk) * 4 + 2], s.s[(2 * kk) * 4 + 3]);
+    p[kk][2] = cuda::pack<C>(s.s[(2 * kk + 1) * 4 + 0], s.s[(2 * kk + 1) * 4 + 1]);
+    p[kk][3] = cuda::pack<C>(s.s[(2 * kk + 1) * 4 + 2], s.s[(2 * kk + 1) * 4 + 3]);
+  }
+  hopper::pinRegisters(acc.o);
+  hopper::wgmmaFence();
+  #pragma unroll
+  for (int kk = 0; kk < G::PK; ++kk)
+    wgmma::Wgmma<C::dtype, C::head_dim>::rs(
+        acc.o, p[kk], hopper::descriptor(v + kk * hopper::kWgmmaK * kSwizzleRowBytes, G::kvAtomBytes, kSwizzlePeriodBytes),
+        true);
+  hopper::wgmmaCommit();
+}
+
+// After a consumer's last key block: its P V product retires and its stage
+// goes back to the producer (which may be streaming the next head's blocks).
+template <class C>
+__device__ void kv_finish(KvPipeline<C>& pipe, AccTile<C>& acc) {
+  hopper::wgmmaWait<0>();
+  hopper::pinRegisters(acc.o);
+  hopper::releasePending(pipe);
+}
+
+template <class C>
+__device__ void normalize(SoftmaxState<C>& state, AccTile<C>& acc) {
+  using G = hopper::Geometry<C>;
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float inverse = state.l[h] > 0.0f ? 1.0f / state.l[h] : 0.0f;
+    #pragma unroll
+    for (int t = 0; t < G::OT; ++t) {
+      acc.o[t * 4 + 2 * h] *= inverse;
+      acc.o[t * 4 + 2 * h + 1] *= inverse;
+    }
+  }
+}
+
+namespace hopper {
+
+template <class C>
+__device__ void storeLse(SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
+  if (!a.lse || cuda::lane() % kQuadSize != 0) return;
+  const int64_t L = seq_len<C>(a);
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t i = row0 + accumulatorRow(2 * h);
+    if (i < L) a.lse[(b * C::heads + head) * L + i] = kLn2 * (state.m[h] + log2f(state.l[h]));
+  }
+}
+
+// The normalised block as f32 [block_m][d] in shared memory; waits for
+// every consumer first (the staging tile may overlap the operand tiles).
+template <class C>
+__device__ float* stageOutput(AccTile<C>& acc) {
+  using G = Geometry<C>;
+  float* staging = reinterpret_cast<float*>(smem() + layout<C>().staging);
+  consumerSync<C>();
+  const int l = cuda::lane();
+  #pragma unroll
+  for (int t = 0; t < G::OT; ++t)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e)
+      staging[accumulatorRow(e) * G::D + t * 8 + fragment::accumulatorColumn(l, e)] = acc.o[t * 4 + e];
+  consumerSync<C>();
+  return staging;
+}
+
+}  // namespace hopper
+
+template <class C>
+__device__ void store_rows(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head,
+                           int64_t b) {
+  using G = hopper::Geometry<C>;
+  const int64_t L = seq_len<C>(a);
+  Bits16* o = static_cast<Bits16*>(a.o_pseudo);
+  const int l = cuda::lane();
+  #pragma unroll
+  for (int t = 0; t < G::OT; ++t)
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t i = row0 + hopper::accumulatorRow(2 * h);
+      const int c = t * 8 + fragment::accumulatorColumn(l, 0);
+      if (i < L)
+        *reinterpret_cast<Bits32*>(o + ((b * C::heads + head) * L + i) * G::D + c) =
+            cuda::pack<C>(acc.o[t * 4 + 2 * h], acc.o[t * 4 + 2 * h + 1]);
+    }
+  hopper::storeLse<C>(state, a, row0, head, b);
+}
+
+// per_head collapse: out[n, head] = sum_p collapse[head, p] * O[n*P + p].
+template <class C>
+__device__ void store_collapsed(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0,
+                                int64_t head, int64_t b) {
+  using G = hopper::Geometry<C>;
+  constexpr int P = C::pseudo_heads;
+  const float* staging = hopper::stageOutput<C>(acc);
+  Bits16* out = static_cast<Bits16*>(a.out);
+  for (int index = hopper::consumerThread(); index < (C::block_m / P) * G::D; index += G::consumerThreads) {
+    const int t = index / G::D, c = index % G::D;
+    const int64_t n = row0 / P + t;
+    if (n >= a.tokens) continue;
+    float sum = 0.0f;
+    for (int p = 0; p < P; ++p) sum += a.collapse[head * P + p] * staging[(t * P + p) * G::D + c];
+    out[b * a.out_stride[0] + n * a.out_stride[1] + head * a.out_stride[2] + c] = cuda::toBits<C>(sum);
+  }
+  hopper::storeLse<C>(state, a, row0, head, b);
+}
+
+template <class C>
+__device__ void out_init(OutTile<C>&) {
+  using G = hopper::Geometry<C>;
+  float* out = reinterpret_cast<float*>(hopper::smem() + hopper::layout<C>().out);
+  for (int index = hopper::consumerThread(); index < (C::block_m / C::pseudo_heads) * C::heads * G::D;
+       index += G::consumerThreads)
+    out[index] = 0.0f;
+  hopper::consumerSync<C>();
+}
+
+// Global collapse, fused: this head's share of every output head.
+template <class C>
+__device__ void accumulate_collapsed(OutTile<C>&, AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a,
+                                     int64_t row0, int64_t head, int64_t b) {
+  using G = hopper::Geometry<C>;
+  constexpr int P = C::pseudo_heads;
+  const float* staging = hopper::stageOutput<C>(acc);
+  float* out = reinterpret_cast<float*>(hopper::smem() + hopper::layout<C>().out);
+  for (int index = hopper::consumerThread(); index < (C::block_m / P) * C::heads * G::D; index += G::consumerThreads) {
+    const int c = index % G::D, h = (index / G::D) % C::heads, t = index / G::D / C::heads;
+    float sum = 0.0f;
+    for (int p = 0; p < P; ++p) sum += a.collapse[(h * C::heads + head) * P + p] * staging[(t * P + p) * G::D + c];
+    out[(t * C::heads + h) * G::D + c] += sum;
+  }
+  hopper::storeLse<C>(state, a, row0, head, b);
+  hopper::consumerSync<C>();  // the next head's staging reuses the tile
+}
+
+template <class C>
+__device__ void store_out(OutTile<C>&, const IhaArgs& a, int64_t row0, int64_t b) {
+  using G = hopper::Geometry<C>;
+  constexpr int P = C::pseudo_heads;
+  const float* tile = reinterpret_cast<const float*>(hopper::smem() + hopper::layout<C>().out);
+  Bits16* out = static_cast<Bits16*>(a.out);
+  for (int index = hopper::consumerThread(); index < (C::block_m / P) * C::heads * G::D; index += G::consumerThreads) {
+    const int c = index % G::D, h = (index / G::D) % C::heads, t = index / G::D / C::heads;
+    const int64_t n = row0 / P + t;
+    if (n < a.tokens)
+      out[b * a.out_stride[0] + n * a.out_stride[1] + h * a.out_stride[2] + c] =
+          cuda::toBits<C>(tile[(t * C::heads + h) * G::D + c]);
+  }
+}
+
+}  // namespace loom
