@@ -109,6 +109,25 @@ TEST_F(Gpu, EveryBundleMatchesTheReferenceOnSharedAndDrawnCases) {
   }
 }
 
+// The sm_90a path on long sequences: many key blocks stream through the
+// mbarrier ring (every stage reused many times, its phases wrapping), and
+// masked and unmasked blocks alternate. L = N * P = 2048 rows keeps the
+// float64 reference to seconds.
+TEST_F(Gpu, WgmmaOnLongSequences) {
+  std::mt19937_64 rng(seed() + 2);
+  int checked = 0;
+  for (const Bundle& b : all_) {
+    if (b.label != "hopper" || b.kernel.schedule().engine() != v1::engine_wgmma) continue;
+    auto kernel = Kernel::load(device_, b.kernel);
+    ASSERT_TRUE(kernel) << b.file << ": " << kernel.error().message;
+    const int64_t tokens = 2048 / b.kernel.spec().pseudo_heads() - int64_t(rng() % 7);
+    const IhaCase drawn = drawCase(b.kernel.spec(), 1, tokens, rng());
+    check(**kernel, drawn, b.caseName + " " + b.dtype + " wgmma long N=" + std::to_string(tokens));
+    ++checked;
+  }
+  if (checked == 0) GTEST_SKIP() << "no sm_90a wgmma bundles (prepared for another arch)";
+}
+
 // Strided q and out (rows padded to d + 8 elements) through the same kernel.
 TEST_F(Gpu, StridedTensorsAndDlpack) {
   const Bundle& b = all_.front();

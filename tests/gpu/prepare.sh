@@ -19,15 +19,32 @@ rm -rf "$out" build/gpu-libs
 mkdir -p "$out" build/gpu-libs
 schedules=$(mktemp -d)
 trap 'rm -rf "$schedules"' EXIT
-echo '{}' >"$schedules/default.json"
-echo '{"mix": "mix_materialized", "collapse": "collapse_separate", "stages": 3}' >"$schedules/materialized.json"
-echo '{"block_n": 32, "stages": 1, "collapse": "collapse_fused"}' >"$schedules/single.json"
+# The portable path (mma.sync) under three schedules, and on sm_90a the
+# wgmma path (TMA + warp specialisation) under three more where head_dim
+# allows it (a multiple of 64).
+echo '{"engine": "engine_mma"}' >"$schedules/default.json"
+echo '{"engine": "engine_mma", "mix": "mix_materialized", "collapse": "collapse_separate", "stages": 3}' \
+  >"$schedules/materialized.json"
+echo '{"engine": "engine_mma", "block_n": 32, "stages": 1, "collapse": "collapse_fused"}' >"$schedules/single.json"
+echo '{"engine": "engine_wgmma"}' >"$schedules/hopper.json"
+echo '{"engine": "engine_wgmma", "mix": "mix_fused", "warps": 4, "block_m": 64, "block_n": 64, "stages": 3}' \
+  >"$schedules/hopper-fused.json"
+echo '{"engine": "engine_wgmma", "warps": 12, "block_m": 192, "block_n": 64, "stages": 1, "collapse": "collapse_fused"}' \
+  >"$schedules/hopper-wide.json"
 
 jobs=()
 for case in tests/data/cases/*/; do
   name=$(basename "$case")
+  head_dim=$(grep -o '"head_dim": *[0-9]*' "$case/spec.json" | grep -o '[0-9]*$')
+  pseudo=$(grep -o '"pseudo_heads": *[0-9]*' "$case/spec.json" | grep -o '[0-9]*$')
+  labels="default materialized single"
+  if [[ $arch == sm_90a && $((head_dim % 64)) == 0 ]]; then
+    labels+=" hopper"
+    ((64 % pseudo == 0)) && labels+=" hopper-fused"
+    ((192 % pseudo == 0)) && labels+=" hopper-wide"
+  fi
   for dtype in float16 bfloat16; do
-    for schedule in default materialized single; do
+    for schedule in $labels; do
       build/bin/loom compile --spec "$case/spec.json" --dtype "$dtype" --schedule "$schedules/$schedule.json" \
         --target "$arch" --out "$out/$name.$dtype.$schedule.pb" >/dev/null &
       jobs+=($!)
@@ -38,7 +55,9 @@ done
 for job in "${jobs[@]}"; do wait "$job"; done
 
 # Benchmarks: the paper's setting (H = P = 8, d = 64) at two lengths, and a
-# grouped-query spec with a sliding window.
+# grouped-query spec with a sliding window; on sm_90a each beside its
+# portable-path twin, and the long, windowless d = 128 setting (N * P =
+# 16384) the Hopper path is judged on.
 bench() {  # name tokens batch spec-json [schedule-json]
   echo "$4" >"$schedules/bench.json"
   echo "${5:-{\}}" >"$schedules/bench-schedule.json"
@@ -46,12 +65,23 @@ bench() {  # name tokens batch spec-json [schedule-json]
     --out "$out/bench.n$2b$3.$1.pb" >/dev/null
 }
 paper='{"heads": 8, "kv_heads": 8, "pseudo_heads": 8, "head_dim": 64, "mask": "flat_causal", "collapse": "per_head", "rope_theta": 10000, "dtype": "bfloat16"}'
-bench h8p8d64-bf16-causal 1024 4 "$paper"
-bench h8p8d64-bf16-causal 4096 1 "$paper"
-bench h8p8d64-bf16-causal-materialized 4096 1 "$paper" '{"mix": "mix_materialized"}'
-bench h8p8d64-bf16-causal-bn32 4096 1 "$paper" '{"block_n": 32}'
-bench gqa-h16g4p4d128-fp16-w512 4096 2 \
-  '{"heads": 16, "kv_heads": 4, "pseudo_heads": 4, "head_dim": 128, "mask": "flat_causal", "window": 512, "collapse": "per_head", "rope_theta": 500000, "dtype": "float16"}'
+d128='{"heads": 8, "kv_heads": 8, "pseudo_heads": 4, "head_dim": 128, "mask": "flat_causal", "collapse": "per_head", "rope_theta": 10000, "dtype": "bfloat16"}'
+gqa='{"heads": 16, "kv_heads": 4, "pseudo_heads": 4, "head_dim": 128, "mask": "flat_causal", "window": 512, "collapse": "per_head", "rope_theta": 500000, "dtype": "float16"}'
+mma='{"engine": "engine_mma"}'
+bench h8p8d64-bf16-causal-mma 1024 4 "$paper" "$mma"
+bench h8p8d64-bf16-causal-mma 4096 1 "$paper" "$mma"
+bench h8p8d64-bf16-causal-mma-materialized 4096 1 "$paper" '{"engine": "engine_mma", "mix": "mix_materialized"}'
+bench gqa-h16g4p4d128-fp16-w512-mma 4096 2 "$gqa" "$mma"
+bench h8p4d128-bf16-causal-mma 4096 1 "$d128" "$mma"
+if [[ $arch == sm_90a ]]; then
+  bench h8p8d64-bf16-causal-wgmma 1024 4 "$paper"
+  bench h8p8d64-bf16-causal-wgmma 4096 1 "$paper"
+  bench h8p8d64-bf16-causal-wgmma-fused 4096 1 "$paper" '{"mix": "mix_fused"}'
+  bench gqa-h16g4p4d128-fp16-w512-wgmma 4096 2 "$gqa"
+  bench h8p4d128-bf16-causal-wgmma 4096 1 "$d128"
+  bench h8p4d128-bf16-causal-wgmma-s3 4096 1 "$d128" '{"stages": 3}'
+  bench h8p4d128-fp16-causal-wgmma 4096 1 "${d128/bfloat16/float16}"
+fi
 
 # A full tuning run on a realistic spec (the paper's setting at N = 4096):
 # the 24 candidates the cost model ranks best, compiled here, measured there.
