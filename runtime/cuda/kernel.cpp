@@ -37,7 +37,10 @@ Status checkTensor(const char* name, const Tensor& t, const std::vector<int64_t>
                    int device, bool activation) {
   auto fail = [&](const std::string& why) { return Status(makeError(std::string(name) + ": " + why)); };
   if (!t.data) return fail("no data pointer");
-  if (t.device != device) return fail("on device " + std::to_string(t.device) + ", the kernel is on device " + std::to_string(device));
+  if (t.device != device) {
+    auto where = [](int ordinal) { return ordinal == kHostDevice ? std::string("host memory") : "CUDA device " + std::to_string(ordinal); };
+    return fail("in " + where(t.device) + ", the kernel runs on " + where(device));
+  }
   if (t.shape != shape) return fail("shape " + shapeText(t.shape) + ", want " + shapeText(shape));
   if (t.element != element) return fail(std::string("element type ") + nameOf(t.element) + ", want " + nameOf(element));
   if (!t.strides.empty() && t.strides.size() != t.shape.size()) return fail("strides and shape differ in rank");
@@ -59,7 +62,8 @@ Status checkTensor(const char* name, const Tensor& t, const std::vector<int64_t>
 Result<Tensor> fromDlpack(const char* name, const DLTensor* t) {
   auto fail = [&](const std::string& why) { return makeError(std::string(name) + ": " + why); };
   if (!t) return fail("missing");
-  if (t->device.device_type != kDLCUDA) return fail("must be on a CUDA device (DLPack device type kDLCUDA)");
+  if (t->device.device_type != kDLCUDA && t->device.device_type != kDLCPU)
+    return fail("must be on a CUDA device or in host memory (DLPack kDLCUDA or kDLCPU)");
   if (t->dtype.lanes != 1) return fail("vector dtypes are not supported");
   Tensor view;
   if (t->dtype.code == kDLFloat && t->dtype.bits == 32) view.element = ElementKind::float32;
@@ -67,7 +71,7 @@ Result<Tensor> fromDlpack(const char* name, const DLTensor* t) {
   else if (t->dtype.code == kDLBfloat && t->dtype.bits == 16) view.element = ElementKind::bfloat16;
   else return fail("dtype must be float32, float16 or bfloat16");
   view.data = static_cast<char*>(t->data) + t->byte_offset;
-  view.device = t->device.device_id;
+  view.device = t->device.device_type == kDLCPU ? kHostDevice : t->device.device_id;
   view.shape.assign(t->shape, t->shape + t->ndim);
   if (t->strides) view.strides.assign(t->strides, t->strides + t->ndim);
   return view;

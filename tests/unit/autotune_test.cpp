@@ -65,8 +65,9 @@ TEST(SearchSpace, PrunedByTheCompilersRulesAndTheDevice) {
     for (const Candidate& c : space.candidates) {
       EXPECT_EQ(c.schedule.block_m() % s.pseudo_heads(), 0) << c.key;
       EXPECT_LE(attentionBytes(s, c.schedule), limit) << c.key;
-      if (space.candidates.size() > 1)  // a lone fallback may be large
+      if (space.candidates.size() > 1) {  // a lone fallback may be large
         EXPECT_LE(fragmentRegisters(s, c.schedule), registerLimit(c.schedule)) << c.key;
+      }
       EXPECT_TRUE(resolveSchedule(s, c.schedule, t)) << c.key;
       if (c.schedule.engine() == v1::engine_wgmma) {
         EXPECT_EQ(t.arch(), "sm_90a") << c.key;

@@ -129,7 +129,9 @@ TEST(Layout, SharedMemoryRegionsDoNotOverlap) {
         EXPECT_LE(s.raw, s.out);
         EXPECT_LE(s.out, s.total);
         EXPECT_EQ(s.q % 16 + s.k % 16 + s.v % 16 + s.raw % 16 + s.out % 16, 0) << "16-byte aligned regions";
-        if (epilogue) EXPECT_GE(s.out, 64 * paddedHeadDim(64) * kAccumulatorBytes) << "staging fits before out";
+        if (epilogue) {
+          EXPECT_GE(s.out, 64 * paddedHeadDim(64) * kAccumulatorBytes) << "staging fits before out";
+        }
       }
 }
 
@@ -177,9 +179,14 @@ TEST(HopperLayout, TilesStartOnTheSwizzlePeriodAndDoNotOverlap) {
               EXPECT_EQ(s.k, s.q + blockM * d * kTileElementBytes);
               EXPECT_EQ(s.v, s.k + stages * kvTile);
               const int operandsEnd = s.v + stages * kvTile;
-              if (outTile) EXPECT_GE(s.staging, operandsEnd) << "streaming continues under the staging tile";
-              else EXPECT_EQ(s.staging, 0);
-              if (epilogue) EXPECT_GE(s.out, s.staging + blockM * d * kAccumulatorBytes);
+              if (outTile) {
+                EXPECT_GE(s.staging, operandsEnd) << "streaming continues under the staging tile";
+              } else {
+                EXPECT_EQ(s.staging, 0);
+              }
+              if (epilogue) {
+                EXPECT_GE(s.out, s.staging + blockM * d * kAccumulatorBytes);
+              }
               EXPECT_GE(s.barriers, s.out);
               EXPECT_EQ(s.barriers % kBarrierBytes, 0);
               EXPECT_EQ(s.total, s.barriers + (2 * stages + kMaxConsumerWarpgroups) * kBarrierBytes +

@@ -94,8 +94,11 @@ TEST_P(HopperCompiles, WithWgmmaTmaAndSetmaxnregWithoutSpills) {
   EXPECT_TRUE(artifact->usesWgmma()) << "no wgmma.mma_async in the PTX";
   EXPECT_TRUE(artifact->usesSetmaxnreg()) << "no setmaxnreg in the PTX";
   EXPECT_NE(artifact->ptx.find("mbarrier.try_wait"), std::string::npos);
-  if (mix == "fused") EXPECT_NE(artifact->ptx.find("fence.proxy.async"), std::string::npos) << "mixed tiles unfenced";
-  else EXPECT_TRUE(artifact->usesTma()) << "no cp.async.bulk.tensor in the PTX";
+  if (mix == "fused") {
+    EXPECT_NE(artifact->ptx.find("fence.proxy.async"), std::string::npos) << "mixed tiles unfenced";
+  } else {
+    EXPECT_TRUE(artifact->usesTma()) << "no cp.async.bulk.tensor in the PTX";
+  }
   EXPECT_TRUE(artifact->warnings().empty()) << artifact->log;
   bool attention = false;
   for (const auto& usage : artifact->resources) {

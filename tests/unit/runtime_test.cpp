@@ -76,7 +76,7 @@ TEST(Validate, NamesTheTensorAndTheProblem) {
 
   t = validTensors();
   t.alpha_k.device = 1;
-  EXPECT_EQ(errorOf(t), "alpha_k: on device 1, the kernel is on device 0");
+  EXPECT_EQ(errorOf(t), "alpha_k: in CUDA device 1, the kernel runs on CUDA device 0");
 
   t = validTensors();
   t.collapse.shape = {4, 8};
@@ -123,11 +123,18 @@ TEST(Dlpack, ViewsTensorsWithOffsetsAndStrides) {
   EXPECT_FALSE(tensors->lse.has_value());
   EXPECT_TRUE(validateTensors(spec(), *tensors, 0)) << validateTensors(spec(), *tensors, 0).error().message;
 
+  // Host tensors are viewed (runOnHost takes them) but a CUDA kernel refuses them.
   DLTensor onHost = q;
   onHost.device = {kDLCPU, 0};
-  auto rejected = tensorsFromDlpack(&onHost, &k, &v, &aq, &ak, &av, &c, &out, nullptr);
+  auto mixed = tensorsFromDlpack(&onHost, &k, &v, &aq, &ak, &av, &c, &out, nullptr);
+  ASSERT_TRUE(mixed) << mixed.error().message;
+  EXPECT_EQ(mixed->q.device, kHostDevice);
+  EXPECT_EQ(validateTensors(spec(), *mixed, 0).error().message, "q: in host memory, the kernel runs on CUDA device 0");
+  DLTensor elsewhere = q;
+  elsewhere.device = {kDLOpenCL, 0};
+  auto rejected = tensorsFromDlpack(&elsewhere, &k, &v, &aq, &ak, &av, &c, &out, nullptr);
   ASSERT_FALSE(rejected);
-  EXPECT_EQ(rejected.error().message, "q: must be on a CUDA device (DLPack device type kDLCUDA)");
+  EXPECT_EQ(rejected.error().message, "q: must be on a CUDA device or in host memory (DLPack kDLCUDA or kDLCPU)");
 
   DLTensor integers = k;
   integers.dtype = {kDLInt, 32, 1};

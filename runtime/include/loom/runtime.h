@@ -39,8 +39,10 @@ struct Tensor {
   ElementKind element = ElementKind::float32;
   std::vector<int64_t> shape;
   std::vector<int64_t> strides;
-  int device = 0;  // CUDA ordinal; -1 for host memory
+  int device = 0;  // CUDA ordinal; kHostDevice for host memory
 };
+
+inline constexpr int kHostDevice = -1;
 
 // The IHA operands. q, k, v and out are the spec's dtype; the weights and
 // lse are float32. lse is optional.
@@ -55,10 +57,24 @@ struct IhaTensors {
 // before anything is launched; the error names the tensor.
 Status validateTensors(const KernelSpec& spec, const IhaTensors& tensors, int device);
 
-// Views DLPack tensors (lse may be null) as IhaTensors.
+// Views DLPack tensors (lse may be null) as IhaTensors: CUDA tensors, or
+// host tensors (device kHostDevice) for runOnHost.
 Result<IhaTensors> tensorsFromDlpack(const DLTensor* q, const DLTensor* k, const DLTensor* v, const DLTensor* alphaQ,
                                      const DLTensor* alphaK, const DLTensor* alphaV, const DLTensor* collapse,
                                      const DLTensor* out, const DLTensor* lse);
+
+namespace cpu {
+struct CpuOptions;
+}
+
+// IHA on host tensors: the spec's generated program run on the host tile
+// API (runtime/cpu), reading the inputs and writing out (and lse) in place.
+// Slow: for checking and for machines without a GPU.
+Status runOnHost(const KernelSpec& spec, const IhaTensors& tensors, const Schedule& schedule,
+                 const cpu::CpuOptions& options);
+
+// A host tensor's elements widened to double, in C order.
+std::vector<double> hostValues(const Tensor& tensor);
 
 // A compiled kernel plan loaded on a device. Workspaces between its launches
 // are allocated on first use and grown as B and N grow.

@@ -49,12 +49,41 @@ ScheduleAttr completeWgmma(SpecAttr spec, const ScheduleFields& given) {
           : (mix == MixStrategy::fused ? kMixingProducerRegisters : kTmaProducerRegisters));
 }
 
+std::optional<std::string> checkWgmma(SpecAttr spec, ScheduleAttr schedule) {
+  const int64_t P = spec.getPseudoHeads(), d = spec.getHeadDim();
+  const int64_t blockM = schedule.getBlockM(), blockN = schedule.getBlockN(), warps = schedule.getWarps();
+  const int64_t producer = schedule.getProducerRegisters();
+  if (!wgmmaHeadDim(d))
+    return "engine wgmma needs head_dim (" + str(d) + ") a multiple of 64, at most 256 (use engine mma)";
+  if (warps != 4 && warps != 8 && warps != 12)
+    return "schedule.warps (" + str(warps) + ") must be 4, 8 or 12 with engine wgmma: 1 to 3 consumer warpgroups";
+  if (blockM != warps * kMmaRows)
+    return "schedule.block_m (" + str(blockM) + ") must be 64 rows per consumer warpgroup (" + str(warps * kMmaRows) +
+           ") with engine wgmma";
+  if (blockM % P != 0)
+    return "schedule.block_m (" + str(blockM) + ") must be a multiple of pseudo_heads (" + str(P) +
+           ") so a query block holds whole tokens";
+  if (std::find(std::begin(kWgmmaBlockNs), std::end(kWgmmaBlockNs), blockN) == std::end(kWgmmaBlockNs))
+    return "schedule.block_n (" + str(blockN) + ") must be 64, 128, 192 or 256 with engine wgmma";
+  if (producer < kMinWarpgroupRegisters || producer > loom::kMaxConsumerRegisters || producer % 8 != 0)
+    return "schedule.producer_registers (" + str(producer) + ") must be a multiple of 8 in [" +
+           str(kMinWarpgroupRegisters) + ", " + str(loom::kMaxConsumerRegisters) + "]";
+  if (loom::consumerRegisters(int(warps), int(producer)) < producer)
+    return "schedule.producer_registers (" + str(producer) + ") leaves the consumers " +
+           str(loom::consumerRegisters(int(warps), int(producer))) + " registers, fewer than the producer's";
+  return std::nullopt;
+}
+
 }  // namespace
 
 ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool hopper) {
-  const bool wgmmaSuits = wgmmaHeadDim(spec.getHeadDim()) && wgmmaWarpgroups(spec, given) > 0;
-  if (given.engine.value_or(hopper && wgmmaSuits ? Engine::wgmma : Engine::mma) == Engine::wgmma)
-    return completeWgmma(spec, given);
+  // wgmma when asked for; on Hopper also by default, where the spec and the
+  // fields given allow it.
+  if (given.engine == Engine::wgmma) return completeWgmma(spec, given);
+  if (!given.engine && hopper && wgmmaHeadDim(spec.getHeadDim()) && wgmmaWarpgroups(spec, given) > 0) {
+    const ScheduleAttr wgmma = completeWgmma(spec, given);
+    if (!checkWgmma(spec, wgmma)) return wgmma;
+  }
   const int64_t P = spec.getPseudoHeads();
   int64_t warps = given.warps;
   int64_t blockM = given.blockM;
@@ -87,34 +116,7 @@ ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool h
                            Engine::mma, given.producerRegisters);
 }
 
-namespace {
 
-std::optional<std::string> checkWgmma(SpecAttr spec, ScheduleAttr schedule) {
-  const int64_t P = spec.getPseudoHeads(), d = spec.getHeadDim();
-  const int64_t blockM = schedule.getBlockM(), blockN = schedule.getBlockN(), warps = schedule.getWarps();
-  const int64_t producer = schedule.getProducerRegisters();
-  if (!wgmmaHeadDim(d))
-    return "engine wgmma needs head_dim (" + str(d) + ") a multiple of 64, at most 256 (use engine mma)";
-  if (warps != 4 && warps != 8 && warps != 12)
-    return "schedule.warps (" + str(warps) + ") must be 4, 8 or 12 with engine wgmma: 1 to 3 consumer warpgroups";
-  if (blockM != warps * kMmaRows)
-    return "schedule.block_m (" + str(blockM) + ") must be 64 rows per consumer warpgroup (" + str(warps * kMmaRows) +
-           ") with engine wgmma";
-  if (blockM % P != 0)
-    return "schedule.block_m (" + str(blockM) + ") must be a multiple of pseudo_heads (" + str(P) +
-           ") so a query block holds whole tokens";
-  if (std::find(std::begin(kWgmmaBlockNs), std::end(kWgmmaBlockNs), blockN) == std::end(kWgmmaBlockNs))
-    return "schedule.block_n (" + str(blockN) + ") must be 64, 128, 192 or 256 with engine wgmma";
-  if (producer < kMinWarpgroupRegisters || producer > loom::kMaxConsumerRegisters || producer % 8 != 0)
-    return "schedule.producer_registers (" + str(producer) + ") must be a multiple of 8 in [" +
-           str(kMinWarpgroupRegisters) + ", " + str(loom::kMaxConsumerRegisters) + "]";
-  if (loom::consumerRegisters(int(warps), int(producer)) < producer)
-    return "schedule.producer_registers (" + str(producer) + ") leaves the consumers " +
-           str(loom::consumerRegisters(int(warps), int(producer))) + " registers, fewer than the producer's";
-  return std::nullopt;
-}
-
-}  // namespace
 
 std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule) {
   const int64_t P = spec.getPseudoHeads();

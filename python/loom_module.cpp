@@ -1,0 +1,470 @@
+// The `loom` Python module: the host API for Python programs.
+//
+//   import loom, torch
+//   out = loom.iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec)   # any DLPack tensors
+//   out = torch.from_dlpack(out)
+//
+// CUDA tensors run the spec's kernel (tuned schedule and compiled kernel from
+// the kernel cache or a loom service, else compiled now); host tensors run
+// the same program on the host tile API (slow; for checking). Errors carry
+// the C++ messages: ValueError for a bad spec, schedule or tensor,
+// loom.Error for everything else (no GPU, a compile failure).
+#include <dlpack/dlpack.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "api/compile.h"
+#include "cpu/cpu_backend.h"
+#include "cuda/driver.h"
+#include "io/case.h"
+#include "io/npy.h"
+#include "jit/nvrtc_compiler.h"
+#include "loom/cache.h"
+#include "loom/client.h"
+#include "loom/compiler.h"
+#include "loom/runtime.h"
+#include "loom/spec.h"
+#include "reference/iha_reference.h"
+
+namespace py = pybind11;
+
+namespace loom::python {
+namespace {
+
+// A bad argument: raised as ValueError with the message.
+struct BadArgument : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+// Anything else loom reports: raised as loom.Error.
+struct LoomError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+std::string withLog(const Error& error) {
+  return error.log.empty() ? error.message : error.message + "\n" + error.log;
+}
+
+template <typename T>
+T valueOr(Result<T> result, bool badArgument) {
+  if (!result) {
+    if (badArgument) throw BadArgument(withLog(result.error()));
+    throw LoomError(withLog(result.error()));
+  }
+  return std::move(*result);
+}
+void check(const Status& status, bool badArgument) {
+  if (!status) {
+    if (badArgument) throw BadArgument(withLog(status.error()));
+    throw LoomError(withLog(status.error()));
+  }
+}
+
+// A spec or schedule given as a dict, a JSON string or a path to a JSON file.
+std::string jsonText(const py::object& value, const char* what) {
+  if (py::isinstance<py::dict>(value)) return py::module_::import("json").attr("dumps")(value).cast<std::string>();
+  if (py::isinstance<py::str>(value)) {
+    const std::string text = value.cast<std::string>();
+    if (!text.empty() && text.front() == '{') return text;
+    return valueOr(readTextFile(text), true);
+  }
+  throw BadArgument(std::string(what) + ": want a dict, a JSON string or a path to a JSON file");
+}
+
+KernelSpec specOf(const py::object& value) {
+  KernelSpec spec = valueOr(parseSpecJson(jsonText(value, "spec"), "spec"), true);
+  check(validateSpec(spec), true);
+  return spec;
+}
+
+Schedule scheduleOf(const py::object& value) {
+  if (value.is_none()) return Schedule();
+  return valueOr(parseScheduleJson(jsonText(value, "schedule"), "schedule"), true);
+}
+
+py::object fromJson(const std::string& json) { return py::module_::import("json").attr("loads")(json); }
+
+//===--- DLPack in --------------------------------------------------------===//
+
+// A borrowed DLPack tensor: the capsule stays with (and is freed by) its
+// producer's object, which we keep alive for the call.
+struct Borrowed {
+  py::object capsule;
+  DLTensor* tensor = nullptr;
+};
+
+Borrowed borrow(const py::object& value, const char* name, std::optional<int64_t> stream) {
+  Borrowed b;
+  if (py::hasattr(value, "__dlpack__")) {
+    const py::tuple device = value.attr("__dlpack_device__")();
+    const bool cuda = device[0].cast<int>() == kDLCUDA;
+    b.capsule = cuda && stream ? value.attr("__dlpack__")(py::arg("stream") = *stream) : value.attr("__dlpack__")();
+  } else if (PyCapsule_IsValid(value.ptr(), "dltensor")) {
+    b.capsule = value;
+  } else {
+    throw BadArgument(std::string(name) + ": not a DLPack tensor (no __dlpack__; torch, cupy, jax and numpy arrays are)");
+  }
+  auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(b.capsule.ptr(), "dltensor"));
+  if (!managed) throw BadArgument(std::string(name) + ": a DLPack capsule that was already consumed");
+  b.tensor = &managed->dl_tensor;
+  return b;
+}
+
+//===--- DLPack out: tensors loom allocates ---------------------------------===//
+
+// Memory of an output: host bytes or a device buffer.
+struct Storage {
+  std::vector<uint8_t> host;
+  std::unique_ptr<cuda::DeviceBuffer> device;
+  void* data() { return device ? device->data() : static_cast<void*>(host.data()); }
+};
+
+// A tensor loom made, handed out through __dlpack__ (torch.from_dlpack,
+// numpy.from_dlpack, cupy.from_dlpack take it).
+class OutputTensor {
+ public:
+  OutputTensor(std::shared_ptr<Storage> storage, std::vector<int64_t> shape, DLDataType dtype, DLDevice device)
+      : storage_(std::move(storage)), shape_(std::move(shape)), dtype_(dtype), device_(device) {}
+
+  py::capsule dlpack(py::object /*stream*/) const {
+    struct Context {
+      std::shared_ptr<Storage> storage;
+      std::vector<int64_t> shape;
+      DLManagedTensor managed;
+    };
+    auto* context = new Context{storage_, shape_, {}};
+    DLTensor& t = context->managed.dl_tensor;
+    t.data = storage_->data();
+    t.device = device_;
+    t.ndim = int32_t(shape_.size());
+    t.dtype = dtype_;
+    t.shape = context->shape.data();
+    t.strides = nullptr;  // compact, C order
+    t.byte_offset = 0;
+    context->managed.manager_ctx = context;
+    context->managed.deleter = [](DLManagedTensor* self) { delete static_cast<Context*>(self->manager_ctx); };
+    // A capsule nobody consumed frees the tensor itself.
+    PyObject* capsule = PyCapsule_New(&context->managed, "dltensor", [](PyObject* object) {
+      if (PyCapsule_IsValid(object, "dltensor")) {
+        auto* managed = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(object, "dltensor"));
+        managed->deleter(managed);
+      }
+    });
+    if (!capsule) throw py::error_already_set();
+    return py::reinterpret_steal<py::capsule>(capsule);
+  }
+  py::tuple dlpackDevice() const { return py::make_tuple(int(device_.device_type), device_.device_id); }
+  std::vector<int64_t> shape() const { return shape_; }
+  std::string dtype() const {
+    if (dtype_.code == kDLBfloat) return "bfloat16";
+    return dtype_.bits == 64 ? "float64" : dtype_.bits == 32 ? "float32" : "float16";
+  }
+  std::string device() const { return device_.device_type == kDLCPU ? "cpu" : "cuda:" + std::to_string(device_.device_id); }
+
+ private:
+  std::shared_ptr<Storage> storage_;
+  std::vector<int64_t> shape_;
+  DLDataType dtype_;
+  DLDevice device_;
+};
+
+DLDataType dlTypeOf(v1::DType dtype) {
+  if (dtype == v1::bfloat16) return {kDLBfloat, 16, 1};
+  if (dtype == v1::float16) return {kDLFloat, 16, 1};
+  return {kDLFloat, 32, 1};
+}
+int64_t bytesOf(v1::DType dtype) { return dtype == v1::float32 ? 4 : 2; }
+
+// A compact output on the inputs' device, and its DLTensor view.
+struct Allocated {
+  std::shared_ptr<OutputTensor> tensor;
+  DLTensor view{};
+  std::vector<int64_t> shape;
+};
+
+Allocated allocate(const std::vector<int64_t>& shape, DLDataType type, int64_t elementBytes, DLDevice device,
+                   const std::shared_ptr<cuda::Device>& gpu) {
+  Allocated a;
+  a.shape = shape;
+  int64_t count = 1;
+  for (int64_t extent : shape) count *= extent;
+  auto storage = std::make_shared<Storage>();
+  if (device.device_type == kDLCPU) {
+    storage->host.resize(size_t(count * elementBytes));
+  } else {
+    storage->device =
+        std::make_unique<cuda::DeviceBuffer>(valueOr(cuda::DeviceBuffer::allocate(*gpu, size_t(count * elementBytes)), false));
+  }
+  a.tensor = std::make_shared<OutputTensor>(storage, shape, type, device);
+  a.view.data = storage->data();
+  a.view.device = device;
+  a.view.ndim = int32_t(shape.size());
+  a.view.dtype = type;
+  a.view.shape = a.shape.data();
+  return a;
+}
+
+//===--- the GPU: one Runtime per (device, cache) -----------------------------===//
+
+std::shared_ptr<Runtime> runtimeFor(int device, const std::string& cacheDir) {
+  static std::mutex mutex;
+  static std::map<std::pair<int, std::string>, std::shared_ptr<Runtime>> runtimes;
+  std::lock_guard lock(mutex);
+  auto& slot = runtimes[{device, cacheDir}];
+  if (!slot) {
+    Runtime::Options options;
+    options.device = device;
+    options.cacheDir = cacheDir;
+    slot = valueOr(Runtime::create(options), false);
+  }
+  return slot;
+}
+
+std::shared_ptr<Kernel> kernelFor(Runtime& runtime, const KernelSpec& spec, const Schedule& schedule,
+                                  const std::string& service) {
+  if (service.empty()) return valueOr(runtime.kernel(spec, schedule), false);
+  auto client = valueOr(service::KernelClient::connect(service), false);
+  v1::GetKernelResponse response = valueOr(client->getKernel(spec, runtime.target()), false);
+  return valueOr(runtime.load(response.kernel()), false);
+}
+
+//===--- loom.iha --------------------------------------------------------===//
+
+py::object iha(const py::object& q, const py::object& k, const py::object& v, const py::object& alphaQ,
+               const py::object& alphaK, const py::object& alphaV, const py::object& collapse,
+               const py::object& specValue, std::optional<int64_t> stream, const py::object& out,
+               const py::object& lse, const py::object& scheduleValue, const std::string& cacheDir,
+               const std::string& service, int threads) {
+  const KernelSpec spec = specOf(specValue);
+  const Schedule schedule = scheduleOf(scheduleValue);
+  const Borrowed inputs[] = {borrow(q, "q", stream),           borrow(k, "k", stream),
+                             borrow(v, "v", stream),           borrow(alphaQ, "alpha_q", stream),
+                             borrow(alphaK, "alpha_k", stream), borrow(alphaV, "alpha_v", stream),
+                             borrow(collapse, "collapse", stream)};
+  const DLTensor& qt = *inputs[0].tensor;
+  if (qt.ndim != 4) throw BadArgument("q: want 4 dimensions [B, N, H, d]");
+  const DLDevice device = qt.device;
+  const bool onHost = device.device_type == kDLCPU;
+  std::shared_ptr<Runtime> runtime;
+  std::shared_ptr<cuda::Device> gpu;
+  if (!onHost) {
+    runtime = runtimeFor(device.device_id, cacheDir);
+    gpu = valueOr(cuda::Device::open(device.device_id), false);
+  }
+
+  const std::vector<int64_t> outShape = {qt.shape[0], qt.shape[1], spec.heads(), spec.head_dim()};
+  std::optional<Borrowed> outGiven, lseGiven;
+  Allocated made;
+  const DLTensor* outTensor = nullptr;
+  if (out.is_none()) {
+    made = allocate(outShape, dlTypeOf(spec.dtype()), bytesOf(spec.dtype()), device, gpu);
+    outTensor = &made.view;
+  } else {
+    outGiven = borrow(out, "out", stream);
+    outTensor = outGiven->tensor;
+  }
+  if (!lse.is_none()) lseGiven = borrow(lse, "lse", stream);
+
+  IhaTensors tensors = valueOr(
+      tensorsFromDlpack(inputs[0].tensor, inputs[1].tensor, inputs[2].tensor, inputs[3].tensor, inputs[4].tensor,
+                        inputs[5].tensor, inputs[6].tensor, outTensor, lseGiven ? lseGiven->tensor : nullptr),
+      true);
+  if (onHost) {
+    cpu::CpuOptions options;
+    options.cacheDir = cacheDir;
+    options.threads = threads;
+    py::gil_scoped_release release;
+    check(runOnHost(spec, tensors, schedule, options), true);
+  } else {
+    std::shared_ptr<Kernel> kernel = kernelFor(*runtime, spec, schedule, service);
+    check(validateTensors(spec, tensors, device.device_id), true);
+    py::gil_scoped_release release;
+    check(kernel->launch(tensors, reinterpret_cast<CUstream>(stream.value_or(0))), false);
+  }
+  if (outGiven) return out;
+  return py::cast(made.tensor);
+}
+
+//===--- loom.reference, generate, compile, devices --------------------------===//
+
+// A host DLPack tensor's values as doubles.
+std::vector<double> valuesOf(const DLTensor& t, const char* name) {
+  if (t.device.device_type != kDLCPU) throw BadArgument(std::string(name) + ": loom.reference takes host tensors");
+  Tensor view;
+  if (t.dtype.code == kDLFloat && t.dtype.bits == 32) view.element = ElementKind::float32;
+  else if (t.dtype.code == kDLFloat && t.dtype.bits == 16) view.element = ElementKind::float16;
+  else if (t.dtype.code == kDLBfloat && t.dtype.bits == 16) view.element = ElementKind::bfloat16;
+  else throw BadArgument(std::string(name) + ": dtype must be float32, float16 or bfloat16");
+  view.data = static_cast<char*>(t.data) + t.byte_offset;
+  view.shape.assign(t.shape, t.shape + t.ndim);
+  if (t.strides) view.strides.assign(t.strides, t.strides + t.ndim);
+  return hostValues(view);
+}
+
+// The float64 oracle on host tensors; returns (out, lse) as float64.
+py::tuple reference(const py::object& q, const py::object& k, const py::object& v, const py::object& alphaQ,
+                    const py::object& alphaK, const py::object& alphaV, const py::object& collapse,
+                    const py::object& specValue) {
+  const KernelSpec spec = specOf(specValue);
+  const char* names[] = {"q", "k", "v", "alpha_q", "alpha_k", "alpha_v", "collapse"};
+  const py::object* objects[] = {&q, &k, &v, &alphaQ, &alphaK, &alphaV, &collapse};
+  std::vector<std::vector<double>> values;
+  const Borrowed first = borrow(q, "q", std::nullopt);
+  if (first.tensor->ndim != 4) throw BadArgument("q: want 4 dimensions [B, N, H, d]");
+  const int64_t B = first.tensor->shape[0], N = first.tensor->shape[1];
+  const std::vector<std::vector<int64_t>> shapes = inputShapes(spec, B, N);
+  for (int i = 0; i < 7; ++i) {
+    const Borrowed b = borrow(*objects[i], names[i], std::nullopt);
+    const std::vector<int64_t> shape(b.tensor->shape, b.tensor->shape + b.tensor->ndim);
+    if (shape != shapes[size_t(i)])
+      throw BadArgument(std::string(names[i]) + ": shape " + shapeString(shape) + ", want " + shapeString(shapes[size_t(i)]));
+    values.push_back(valuesOf(*b.tensor, names[i]));
+  }
+  reference::IhaInputs inputs{B, N, values[0], values[1], values[2], values[3], values[4], values[5], values[6]};
+  reference::IhaOutputs outputs;
+  {
+    py::gil_scoped_release release;
+    outputs = reference::ihaForward(spec, inputs);
+  }
+  const DLDevice host{kDLCPU, 0};
+  auto wrap = [&](const std::vector<double>& data, std::vector<int64_t> shape) {
+    Allocated a = allocate(shape, {kDLFloat, 64, 1}, 8, host, nullptr);
+    std::memcpy(a.view.data, data.data(), data.size() * sizeof(double));
+    return py::cast(a.tensor);
+  };
+  return py::make_tuple(wrap(outputs.out, {B, N, spec.heads(), spec.head_dim()}),
+                        wrap(outputs.lse, {B, spec.heads(), N * spec.pseudo_heads()}));
+}
+
+std::string generate(const py::object& specValue, const py::object& scheduleValue, const std::string& targetName) {
+  const KernelSpec spec = specOf(specValue);
+  const v1::Target target = valueOr(parseTarget(targetName), true);
+  return valueOr(generateKernel(spec, scheduleOf(scheduleValue), target), true).source;
+}
+
+// NVRTC, no GPU needed: the resolved schedule, the entry points with their
+// resources, and which instructions the PTX uses.
+py::dict compile(const py::object& specValue, const std::string& targetName, const py::object& scheduleValue) {
+  const KernelSpec spec = specOf(specValue);
+  const v1::Target target = valueOr(parseTarget(targetName), true);
+  if (target.kind() != v1::Target::cuda) throw BadArgument("loom.compile needs a CUDA target such as sm_80 or sm_90a");
+  const Schedule schedule = scheduleOf(scheduleValue);
+  valueOr(resolveSchedule(spec, schedule, target), true);
+  jit::NvrtcCompiler compiler("");
+  std::shared_ptr<const jit::Artifact> artifact;
+  v1::CompiledKernel kernel;
+  {
+    py::gil_scoped_release release;
+    kernel = valueOr(compileKernel(spec, schedule, target, compiler, &artifact), false);
+  }
+  py::list entries;
+  for (const v1::EntryPoint& entry : kernel.entries()) {
+    py::dict e = fromJson(toJson(entry));
+    for (const v1::ResourceUsage& usage : artifact->resources)
+      if (usage.entry() == entry.name()) e["resources"] = fromJson(toJson(usage));
+    entries.append(e);
+  }
+  py::dict report;
+  report["target"] = targetName;
+  report["toolchain"] = jit::nvrtcVersion();
+  report["schedule"] = fromJson(toJson(kernel.schedule()));
+  report["entries"] = entries;
+  report["spill_bytes"] = artifact->spillBytes();
+  report["uses_wgmma"] = artifact->usesWgmma();
+  report["uses_tma"] = artifact->usesTma();
+  report["uses_setmaxnreg"] = artifact->usesSetmaxnreg();
+  report["uses_tensor_cores"] = artifact->usesTensorCores();
+  report["warnings"] = artifact->warnings();
+  report["source"] = kernel.source();
+  return report;
+}
+
+// The GPUs loom can use; empty (with the reason in loom.gpu_error()) without.
+py::list devices() {
+  py::list found;
+  auto api = cuda::driver();
+  if (!api) return found;
+  int count = 0;
+  (*api)->cuDeviceGetCount(&count);
+  for (int i = 0; i < count; ++i) {
+    auto device = cuda::Device::open(i);
+    if (!device) continue;
+    const cuda::DeviceInfo& info = (*device)->info();
+    py::dict d;
+    d["ordinal"] = i;
+    d["name"] = info.name;
+    d["arch"] = info.arch();
+    d["sm_count"] = info.smCount;
+    found.append(d);
+  }
+  return found;
+}
+
+std::string gpuError() {
+  auto api = cuda::driver();
+  return api ? std::string() : api.error().message;
+}
+
+}  // namespace
+}  // namespace loom::python
+
+PYBIND11_MODULE(loom, m) {
+  using namespace loom::python;
+  m.doc() = "loom: generated, autotuned Interleaved Head Attention kernels (docs/IHA.md)";
+  m.attr("__version__") = std::string("0.1 (") + loom::cache::kGeneratorVersion + ")";
+  static py::exception<LoomError> error(m, "Error", PyExc_RuntimeError);
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const BadArgument& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    } catch (const LoomError& e) {
+      error(e.what());
+    }
+  });
+
+  py::class_<OutputTensor, std::shared_ptr<OutputTensor>>(m, "Tensor",
+                                                           "An output loom allocated; take it with from_dlpack")
+      .def("__dlpack__", &OutputTensor::dlpack, py::arg("stream") = py::none())
+      .def("__dlpack_device__", &OutputTensor::dlpackDevice)
+      .def_property_readonly("shape", &OutputTensor::shape)
+      .def_property_readonly("dtype", &OutputTensor::dtype)
+      .def_property_readonly("device", &OutputTensor::device)
+      .def("__repr__", [](const OutputTensor& t) {
+        std::string shape;
+        for (int64_t extent : t.shape()) shape += (shape.empty() ? "" : ", ") + std::to_string(extent);
+        return "loom.Tensor(shape=(" + shape + "), dtype=" + t.dtype() + ", device=" + t.device() + ")";
+      });
+
+  m.def("iha", &iha,
+        "out = IHA(q, k, v; alpha_q, alpha_k, alpha_v, collapse) for `spec` (dict, JSON text or file).\n"
+        "Tensors: any DLPack producers (torch, cupy, jax, numpy) on one CUDA device, or all in host memory\n"
+        "(then the generated program runs on the host tile API, slowly). Shapes as docs/IHA.md: q [B, N, H, d],\n"
+        "k and v [B, N, G, d] in the spec's dtype; weights float32. `stream`: a CUDA stream handle (int).\n"
+        "`out` / `lse`: tensors to write (else out is allocated and returned as loom.Tensor).\n"
+        "`schedule`: force a schedule (else the tuned one from the cache, or the default).\n"
+        "`service`: 'host:port' of a loom service to take the kernel from. `cache_dir`: the kernel cache.",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha_q"), py::arg("alpha_k"), py::arg("alpha_v"),
+        py::arg("collapse"), py::arg("spec"), py::arg("stream") = py::none(), py::arg("out") = py::none(),
+        py::arg("lse") = py::none(), py::arg("schedule") = py::none(), py::arg("cache_dir") = "",
+        py::arg("service") = "", py::arg("threads") = 0);
+  m.def("reference", &reference,
+        "(out, lse) of the float64 reference (the oracle) on host tensors, as float64 loom.Tensors",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha_q"), py::arg("alpha_k"), py::arg("alpha_v"),
+        py::arg("collapse"), py::arg("spec"));
+  m.def("generate", &generate, "The C++ source loom generates for `spec` on `target` (cpu, sm_80, sm_90a, ...)",
+        py::arg("spec"), py::arg("schedule") = py::none(), py::arg("target") = "cpu");
+  m.def("compile", &compile,
+        "Compile `spec` for a CUDA `target` with NVRTC (no GPU needed): schedule, entry points and their\n"
+        "registers / spills, the instructions used (wgmma, TMA, setmaxnreg), ptxas warnings, the source",
+        py::arg("spec"), py::arg("target") = "sm_90a", py::arg("schedule") = py::none());
+  m.def("devices", &devices, "The CUDA devices loom can use (empty without a GPU: see gpu_error())");
+  m.def("gpu_error", &gpuError, "Why no GPU is usable ('' when one is)");
+}

@@ -1,0 +1,95 @@
+// runOnHost: the host API on host tensors. The tensors are gathered into the
+// doubles the CPU backend takes, the spec's program runs on the host tile
+// API, and out (and lse) are written back through their strides.
+#include <cstring>
+
+#include "cpu/cpu_backend.h"
+#include "io/npy.h"
+#include "loom/runtime.h"
+
+namespace loom {
+namespace {
+
+NpyType npyTypeOf(ElementKind element) {
+  switch (element) {
+    case ElementKind::float16: return NpyType::float16;
+    case ElementKind::bfloat16: return NpyType::uint16;  // bfloat16 bit patterns
+    default: return NpyType::float32;
+  }
+}
+
+// Calls visit(elementOffset, denseIndex) for every element, in C order.
+template <typename Visit>
+void forEachElement(const Tensor& t, Visit visit) {
+  std::vector<int64_t> strides = t.strides;
+  if (strides.empty()) {
+    strides.assign(t.shape.size(), 1);
+    for (int i = int(t.shape.size()) - 2; i >= 0; --i) strides[i] = strides[i + 1] * t.shape[i + 1];
+  }
+  int64_t count = 1;
+  for (int64_t extent : t.shape) count *= extent;
+  std::vector<int64_t> index(t.shape.size(), 0);
+  for (int64_t dense = 0; dense < count; ++dense) {
+    int64_t offset = 0;
+    for (size_t i = 0; i < index.size(); ++i) offset += index[i] * strides[i];
+    visit(offset, dense);
+    for (int i = int(index.size()) - 1; i >= 0 && ++index[i] == t.shape[i]; --i) index[i] = 0;
+  }
+}
+
+}  // namespace
+
+std::vector<double> hostValues(const Tensor& t) {
+  NpyArray dense;
+  dense.type = npyTypeOf(t.element);
+  dense.shape = t.shape;
+  const int64_t size = NpyArray::elementSize(dense.type);
+  dense.bytes.resize(size_t(dense.elementCount() * size));
+  const auto* base = static_cast<const uint8_t*>(t.data);
+  forEachElement(t, [&](int64_t offset, int64_t i) {
+    std::memcpy(&dense.bytes[size_t(i * size)], base + offset * size, size_t(size));
+  });
+  return npyToDouble(dense);
+}
+
+namespace {
+
+void scatter(const std::vector<double>& values, const Tensor& t) {
+  const NpyArray dense = npyFromDouble(values, t.shape, npyTypeOf(t.element));
+  const int64_t size = NpyArray::elementSize(dense.type);
+  auto* base = static_cast<uint8_t*>(t.data);
+  forEachElement(t, [&](int64_t offset, int64_t i) {
+    std::memcpy(base + offset * size, &dense.bytes[size_t(i * size)], size_t(size));
+  });
+}
+
+}  // namespace
+
+Status runOnHost(const KernelSpec& spec, const IhaTensors& t, const Schedule& schedule, const cpu::CpuOptions& options) {
+  if (Status ok = validateSpec(spec); !ok) return ok;
+  if (Status ok = validateTensors(spec, t, kHostDevice); !ok) return ok;
+  IhaCase c;
+  c.spec = spec;
+  c.batch = t.q.shape[0];
+  c.tokens = t.q.shape[1];
+  c.inputs = {c.batch,
+              c.tokens,
+              hostValues(t.q),
+              hostValues(t.k),
+              hostValues(t.v),
+              hostValues(t.alpha_q),
+              hostValues(t.alpha_k),
+              hostValues(t.alpha_v),
+              hostValues(t.collapse)};
+  auto target = parseTarget("cpu");
+  if (!target) return target.error();
+  auto plan = generateKernel(spec, schedule, *target);
+  if (!plan) return plan.error();
+  auto outputs = cpu::runPlan(*plan, c, options);
+  if (!outputs) return outputs.error();
+  scatter(outputs->out, t.out);
+  if (t.lse) scatter(outputs->lse, *t.lse);
+  return Status::success();
+}
+
+}  // namespace loom

@@ -1,0 +1,227 @@
+"""Tests of the `loom` Python module's paths that need no GPU: host tensors
+through the generated program, the float64 reference, NVRTC compilation,
+source generation and the errors. Inputs are drawn fresh every run (the seed
+is printed; LOOM_TEST_SEED replays it). Run by CTest with PYTHONPATH set to
+build/python.
+"""
+import json
+import math
+import os
+import random
+import unittest
+
+import numpy as np
+
+import loom
+
+DATA = os.environ.get("LOOM_TEST_DATA", os.path.join(os.path.dirname(__file__), "..", "data"))
+CACHE = os.environ.get("LOOM_TEST_CACHE", "")
+SEED = int(os.environ.get("LOOM_TEST_SEED", random.SystemRandom().randrange(1 << 32)))
+print(f"[ seed ] LOOM_TEST_SEED={SEED}")
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+
+
+def numpy_iha(spec, q, k, v, alpha_q, alpha_k, alpha_v, collapse):
+    """docs/IHA.md in float64 numpy, written apart from loom's C++ reference."""
+    H, G, P, d = spec["heads"], spec["kv_heads"], spec["pseudo_heads"], spec["head_dim"]
+    B, N = q.shape[:2]
+    L, W = N * P, spec.get("window", 0)
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    mix = lambda x, alpha: np.einsum("bnmc,mhp->bhnpc", x, np.asarray(alpha, np.float64)).reshape(B, -1, L, d)
+    qs, ks, vs = mix(q, alpha_q), mix(k, alpha_k), mix(v, alpha_v)
+    theta = spec.get("rope_theta", 0.0)
+    if theta > 0:
+        half = d // 2
+        angle = np.arange(L)[:, None] * theta ** (-2.0 * np.arange(half) / d)
+        cos, sin = np.cos(angle), np.sin(angle)
+
+        def rotate(x):
+            a, b = x[..., :half], x[..., half:]
+            return np.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1)
+
+        qs, ks = rotate(qs), rotate(ks)
+    i, j = np.arange(L)[:, None], np.arange(L)[None, :]
+    ti, tj = i // P, j // P
+    mask = spec.get("mask", "flat_causal")
+    if mask == "flat_causal":
+        allowed = (j <= i) & ((W == 0) | (i - j < W * P))
+    elif mask == "token_causal":
+        allowed = (tj <= ti) & ((W == 0) | (ti - tj < W))
+    else:
+        allowed = (W == 0) | (np.abs(ti - tj) < W)
+    scale = spec.get("scale", 1.0 / math.sqrt(d))
+    group = H // G
+    o = np.empty((B, H, L, d))
+    for h in range(H):
+        s = scale * np.einsum("bic,bjc->bij", qs[:, h], ks[:, h // group])
+        s = np.where(allowed, s, -np.inf)
+        w = np.exp(s - s.max(axis=-1, keepdims=True))
+        o[:, h] = np.einsum("bij,bjc->bic", w / w.sum(axis=-1, keepdims=True), vs[:, h // group])
+    o = o.reshape(B, H, N, P, d)
+    c = np.asarray(collapse, np.float64)
+    if spec.get("collapse", "per_head") == "per_head":
+        return np.einsum("hp,bhnpc->bnhc", c, o)
+    return np.einsum("hsp,bsnpc->bnhc", c.reshape(H, H, P), o)
+
+
+def draw(rng, spec, B, N):
+    """Inputs drawn as the shared vectors are: q, k, v ~ N(0, 1); mixing near the identity."""
+    H, G, P, d = spec["heads"], spec["kv_heads"], spec["pseudo_heads"], spec["head_dim"]
+    dtype = np.float16 if spec["dtype"] == "float16" else np.float32
+    q = rng.standard_normal((B, N, H, d)).astype(dtype)
+    k = rng.standard_normal((B, N, G, d)).astype(dtype)
+    v = rng.standard_normal((B, N, G, d)).astype(dtype)
+    near_identity = lambda n: (np.eye(n)[:, :, None] + 0.3 * rng.standard_normal((n, n, P))).astype(np.float32)
+    fan_in = P if spec.get("collapse", "per_head") == "per_head" else H * P
+    shape = (H, P) if fan_in == P else (H, H * P)
+    collapse = (rng.standard_normal(shape) / math.sqrt(fan_in)).astype(np.float32)
+    return q, k, v, near_identity(H), near_identity(G), near_identity(G), collapse
+
+
+def random_spec(rng):
+    G = int(rng.integers(1, 3))
+    return {
+        "heads": G * int(rng.integers(1, 3)),
+        "kv_heads": G,
+        "pseudo_heads": int(rng.integers(1, 4)),
+        "head_dim": 8 * int(rng.integers(1, 4)),
+        "dtype": "float32" if rng.integers(0, 2) else "float16",
+        "mask": ["flat_causal", "token_causal", "none"][int(rng.integers(0, 3))],
+        "window": 0 if rng.integers(0, 2) else int(rng.integers(1, 5)),
+        "collapse": "per_head" if rng.integers(0, 2) else "global",
+        "rope_theta": 0.0 if rng.integers(0, 2) else 10000.0,
+    }
+
+
+def relative_error(out, ref):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+
+
+class HostTensors(unittest.TestCase):
+    def test_shared_cases_match_their_expected_outputs(self):
+        cases = os.path.join(DATA, "cases")
+        names = sorted(os.listdir(cases))
+        self.assertTrue(names)
+        for name in names:
+            folder = os.path.join(cases, name)
+            with open(os.path.join(folder, "spec.json")) as f:
+                spec = json.load(f)
+            arrays = [np.load(os.path.join(folder, f"{a}.npy")) for a in
+                      ("q", "k", "v", "alpha_q", "alpha_k", "alpha_v", "collapse")]
+            expected = np.load(os.path.join(folder, "expected.npy"))
+            out = np.from_dlpack(loom.iha(*arrays, spec, cache_dir=CACHE))
+            with self.subTest(case=name):
+                self.assertEqual(out.shape, expected.shape)
+                self.assertLessEqual(relative_error(out, expected), TOLERANCE[spec["dtype"]])
+
+    def test_drawn_specs_match_the_reference_and_numpy(self):
+        rng = np.random.default_rng(SEED)
+        for trial in range(4):
+            spec = random_spec(rng)
+            B, N = int(rng.integers(1, 3)), int(rng.integers(1, 24))
+            inputs = draw(rng, spec, B, N)
+            out = np.from_dlpack(loom.iha(*inputs, spec, cache_dir=CACHE))
+            ref, _ = loom.reference(*inputs, spec)
+            ref = np.from_dlpack(ref)
+            independent = numpy_iha(spec, *inputs)
+            with self.subTest(trial=trial, spec=spec, B=B, N=N):
+                self.assertEqual(out.dtype, np.float16 if spec["dtype"] == "float16" else np.float32)
+                self.assertLessEqual(relative_error(ref, independent), 1e-9)
+                self.assertLessEqual(relative_error(out, ref), TOLERANCE[spec["dtype"]])
+
+    def test_out_and_lse_are_written_in_place_through_strides(self):
+        rng = np.random.default_rng(SEED + 1)
+        spec = {"heads": 2, "kv_heads": 1, "pseudo_heads": 3, "head_dim": 16, "dtype": "float32",
+                "mask": "flat_causal", "collapse": "per_head", "rope_theta": 10000.0}
+        B, N = 2, 11
+        q, k, v, aq, ak, av, c = draw(rng, spec, B, N)
+        # q inside rows padded to 24 elements: a strided view.
+        padded = np.zeros((B, N, 2, 24), np.float32)
+        padded[..., :16] = q
+        strided_q = padded[..., :16]
+        self.assertFalse(strided_q.flags["C_CONTIGUOUS"])
+        out = np.full((B, N, 2, 16), np.nan, np.float32)
+        lse = np.full((B, 2, N * 3), np.nan, np.float32)
+        result = loom.iha(strided_q, k, v, aq, ak, av, c, spec, out=out, lse=lse, cache_dir=CACHE)
+        self.assertIs(result, out)
+        ref, ref_lse = (np.from_dlpack(t) for t in loom.reference(q, k, v, aq, ak, av, c, spec))
+        self.assertLessEqual(relative_error(out, ref), 1e-5)
+        self.assertLessEqual(relative_error(lse, ref_lse), 1e-5)
+
+    def test_a_schedule_can_be_forced(self):
+        rng = np.random.default_rng(SEED + 2)
+        spec = {"heads": 2, "kv_heads": 2, "pseudo_heads": 2, "head_dim": 64, "dtype": "float16",
+                "mask": "token_causal", "collapse": "per_head", "rope_theta": 0.0}
+        inputs = draw(rng, spec, 1, 40)
+        ref = np.from_dlpack(loom.reference(*inputs, spec)[0])
+        for schedule in ({"block_m": 32, "block_n": 16, "warps": 2, "stages": 3},
+                         {"engine": "engine_wgmma", "mix": "mix_fused"}):  # the sm_90a program structure
+            out = np.from_dlpack(loom.iha(*inputs, spec, schedule=schedule, cache_dir=CACHE))
+            with self.subTest(schedule=schedule):
+                self.assertLessEqual(relative_error(out, ref), TOLERANCE["float16"])
+
+
+class Errors(unittest.TestCase):
+    spec = {"heads": 2, "kv_heads": 2, "pseudo_heads": 2, "head_dim": 8, "dtype": "float32",
+            "mask": "none", "collapse": "per_head", "rope_theta": 0.0}
+
+    def inputs(self):
+        return draw(np.random.default_rng(SEED + 3), self.spec, 1, 5)
+
+    def test_a_bad_spec_names_the_field(self):
+        bad = dict(self.spec, kv_heads=3)
+        with self.assertRaisesRegex(ValueError, "kv_heads"):
+            loom.iha(*self.inputs(), bad)
+        with self.assertRaisesRegex(ValueError, "spec"):
+            loom.iha(*self.inputs(), 42)
+
+    def test_a_bad_tensor_is_named(self):
+        q, k, v, aq, ak, av, c = self.inputs()
+        with self.assertRaisesRegex(ValueError, r"^k: shape"):
+            loom.iha(q, k[:, :, :1], v, aq, ak, av, c, self.spec)
+        with self.assertRaisesRegex(ValueError, r"^v: element type float16, want float32"):
+            loom.iha(q, k, v.astype(np.float16), aq, ak, av, c, self.spec)
+        with self.assertRaisesRegex(ValueError, r"^alpha_q: not a DLPack tensor"):
+            loom.iha(q, k, v, [[1.0]], ak, av, c, self.spec)
+
+    def test_a_bad_schedule_is_a_value_error(self):
+        with self.assertRaisesRegex(ValueError, "block_m"):
+            loom.iha(*self.inputs(), self.spec, schedule={"block_m": 3})
+
+    def test_no_gpu_is_said_plainly(self):
+        if loom.devices():
+            self.skipTest("this machine has a GPU")
+        self.assertIn("GPU", loom.gpu_error())
+
+
+class Compiler(unittest.TestCase):
+    hopper_spec = {"heads": 8, "kv_heads": 8, "pseudo_heads": 4, "head_dim": 128, "dtype": "bfloat16",
+                   "mask": "flat_causal", "collapse": "per_head", "rope_theta": 10000.0}
+
+    def test_sm90a_compiles_to_the_wgmma_path_without_spills(self):
+        report = loom.compile(self.hopper_spec, "sm_90a")
+        self.assertEqual(report["schedule"]["engine"], "engine_wgmma")
+        self.assertTrue(report["uses_wgmma"] and report["uses_tma"] and report["uses_setmaxnreg"])
+        self.assertEqual(report["spill_bytes"], 0)
+        self.assertEqual(report["warnings"], [])
+        attention = [e for e in report["entries"] if e["name"] == "iha_attention"][0]
+        self.assertTrue(attention["warp_specialized"])
+        self.assertEqual(attention["threads"], 384)
+
+    def test_sm80_compiles_to_mma_sync(self):
+        report = loom.compile(self.hopper_spec, "sm_80")
+        self.assertFalse(report["uses_wgmma"])
+        self.assertTrue(report["uses_tensor_cores"])
+        self.assertEqual(report["schedule"]["engine"], "engine_mma")
+
+    def test_generate_gives_the_program(self):
+        source = loom.generate(self.hopper_spec, target="sm_90a")
+        self.assertIn('#include "loom/tile/hopper.h"', source)
+        self.assertIn("iha_attention", source)
+        with self.assertRaisesRegex(ValueError, "target"):
+            loom.generate(self.hopper_spec, target="gpu")
+
+
+if __name__ == "__main__":
+    unittest.main()
