@@ -4,8 +4,9 @@ bf16 matrix product (TFLOP/s) and a device-to-device copy (GB/s), timed with
 CUDA events (warm-up, then the median of repeated runs). Needs PyTorch with
 CUDA; prints one line per ceiling and exits 2 without them.
 
-    python3 bench/ceilings.py
+    python3 bench/ceilings.py [OUT.json]
 """
+import json
 import statistics
 import sys
 
@@ -38,12 +39,18 @@ def main():
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     ms = median_ms(torch, lambda: torch.mm(a, b))
-    print(f"ceiling bf16 matmul {n}x{n}x{n}: {2 * n**3 / ms / 1e9:.1f} TFLOP/s ({ms:.3f} ms)")
+    matmul_tflops = 2 * n**3 / ms / 1e9
+    print(f"ceiling bf16 matmul {n}x{n}x{n}: {matmul_tflops:.1f} TFLOP/s ({ms:.3f} ms)")
     src = torch.randn(1 << 28, device="cuda", dtype=torch.float32)  # 1 GiB
     dst = torch.empty_like(src)
     ms = median_ms(torch, lambda: dst.copy_(src))
-    print(f"ceiling device copy 1 GiB: {2 * src.numel() * 4 / ms / 1e6:.1f} GB/s ({ms:.3f} ms)")
+    copy_gbs = 2 * src.numel() * 4 / ms / 1e6
+    print(f"ceiling device copy 1 GiB: {copy_gbs:.1f} GB/s ({ms:.3f} ms)")
     print(f"device: {torch.cuda.get_device_name(0)}")
+    if len(sys.argv) > 1:
+        with open(sys.argv[1], "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(0), "bf16_matmul_tflops": matmul_tflops,
+                       "copy_gbs": copy_gbs}, f, indent=2)
     return 0
 
 

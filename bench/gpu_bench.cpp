@@ -2,12 +2,16 @@
 // bench.n<N>b<B>.<label>.pb is run on fresh random inputs of that size:
 // warm-up, then CUDA-event timings with the L2 flushed before every run,
 // and the median reported with TFLOP/s (docs/IHA.md's FLOP count) and the
-// bandwidth of the operands moved once. Prints a table.
+// bandwidth of the operands moved once. Prints a table; with a second
+// argument also writes it as JSON there (bench/report.py reads it).
+//
+//   loom-gpu-bench build/gpu-bundles [results.json]
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <nlohmann/json.hpp>
 #include <regex>
 
 #include "cuda/case_runner.h"
@@ -39,10 +43,23 @@ double allowedPairs(const KernelSpec& spec, int64_t tokens) {
   return pairs;
 }
 
+// Device memory loom adds beyond the operands: the workspaces of the plan.
+int64_t workspaceBytes(const v1::CompiledKernel& compiled, int64_t batch, int64_t tokens) {
+  const KernelSpec& spec = compiled.spec();
+  int64_t bytes = 0;
+  for (const std::string& name : compiled.workspaces()) {
+    const int64_t heads = name == "k_mixed" || name == "v_mixed" ? spec.kv_heads() : spec.heads();
+    bytes += batch * tokens * spec.pseudo_heads() * heads * spec.head_dim() * compiled.workspace_element_bytes();
+  }
+  return bytes;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   const std::string dir = argc > 1 ? argv[1] : "build/gpu-bundles";
+  const std::string jsonPath = argc > 2 ? argv[2] : "";
+  nlohmann::json results = nlohmann::json::array();
   auto device = cuda::Device::open(0);
   if (!device) {
     std::fprintf(stderr, "loom-gpu-bench: %s\n", device.error().message.c_str());
@@ -106,6 +123,18 @@ int main(int argc, char** argv) {
     const double bytes = 2.0 * double(batch) * tokens * (2 * spec.heads() + 2 * spec.kv_heads()) * spec.head_dim();
     std::printf("%-34s %4lld %6lld %10.3f %10.3f %9.1f %9.1f\n", m[3].str().c_str(), (long long)batch,
                 (long long)tokens, median, p90, flops / (median * 1e-3) / 1e12, bytes / (median * 1e-3) / 1e9);
+    results.push_back({{"name", m[3].str()},
+                       {"batch", batch},
+                       {"tokens", tokens},
+                       {"median_ms", median},
+                       {"p90_ms", p90},
+                       {"tflops", flops / (median * 1e-3) / 1e12},
+                       {"engine", compiled.schedule().engine() == v1::engine_wgmma ? "wgmma" : "mma"},
+                       {"workspace_bytes", workspaceBytes(compiled, batch, tokens)}});
+  }
+  if (!jsonPath.empty()) {
+    std::ofstream out(jsonPath);
+    out << nlohmann::json{{"device", (*device)->info().name}, {"results", results}}.dump(2) << "\n";
   }
   return failures ? 1 : 0;
 }

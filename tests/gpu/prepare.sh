@@ -83,6 +83,13 @@ if [[ $arch == sm_90a ]]; then
   bench h8p4d128-fp16-causal-wgmma 4096 1 "${d128/bfloat16/float16}"
 fi
 
+# The peer comparison's grid (bench/peers.py): loom's kernel for each
+# problem, with the schedule the compiler picks for the arch.
+python3 bench/peers.py --emit "$schedules/peers" >/dev/null
+while read -r name tokens batch; do
+  bench "$name" "$tokens" "$batch" "$(cat "$schedules/peers/$name.json")"
+done <"$schedules/peers/problems.txt"
+
 # A full tuning run on a realistic spec (the paper's setting at N = 4096):
 # the 24 candidates the cost model ranks best, compiled here, measured there.
 echo "$paper" >"$schedules/tune-spec.json"

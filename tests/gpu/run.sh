@@ -21,11 +21,11 @@ mkdir -p "$out"
 
 # The ceilings first (PyTorch's bf16 matrix product and a device copy), so
 # the tables below can be read against them.
-timeout 45 python3 bench/ceilings.py 2>&1 | tee "$out/ceilings.log"
+timeout 45 python3 bench/ceilings.py "$out/ceilings.json" 2>&1 | tee "$out/ceilings.log"
 
 timeout 240 build/bin/gpu_test --gtest_color=no 2>&1 | tee "$out/gpu_test.log"
 tests=${PIPESTATUS[0]}
-timeout 150 build/bin/loom-gpu-bench build/gpu-bundles 2>&1 | tee "$out/bench.log"
+timeout 150 build/bin/loom-gpu-bench build/gpu-bundles "$out/bench.json" 2>&1 | tee "$out/bench.log"
 bench=${PIPESTATUS[0]}
 timeout 120 build/bin/loom-gpu-tune build/gpu-bundles/tune 4096 1 2>&1 | tee "$out/tune.log"
 tune=${PIPESTATUS[0]}

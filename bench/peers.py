@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""What an IHA user would otherwise run, timed on the same problems as loom.
+
+Two modes:
+
+  python3 bench/peers.py --emit DIR [--grid quick|full]
+      (no PyTorch needed; tests/gpu/prepare.sh runs it) writes one spec JSON
+      per problem of the grid and DIR/problems.txt ("name tokens batch" lines),
+      from which loom's kernels are compiled as bench bundles.
+
+  python3 bench/peers.py --run OUT.json [--grid quick|full]
+      (on the GPU machine, PyTorch with CUDA) times, per problem, on fresh
+      random inputs drawn as loom's cases are:
+        eager    mixing, interleave, RoPE, torch SDPA with the IHA mask as a
+                 boolean attn_mask, collapse (everything materialised)
+        flex     the same mixing and collapse around torch.compile'd
+                 flex_attention with the IHA mask as mask_mod (block-sparse)
+        sdpa-*   for flat_causal without a window: SDPA's flash and cuDNN
+                 backends (is_causal) over the interleaved sequence, mixing and
+                 collapse timed too
+      CUDA events, warm-up, median of repeated runs, the L2 flushed before
+      each; TFLOP/s with docs/IHA.md's FLOP count; peak memory per method.
+
+bench/report.py joins OUT.json with loom-gpu-bench's JSON into the table.
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+WARMUP, RUNS = 3, 10
+
+# The problems that matter (issue 8): H in {8, 16}, P in {2, 4, H}, d in
+# {64, 128}, N from 1k to 16k, flat_causal and token_causal, windows off and
+# on, bf16 and fp16. "quick" is the subset one 8-minute GPU run affords.
+def grid(which):
+    problems = []
+
+    def add(H, P, d, N, mask="flat_causal", window=0, dtype="bfloat16", batch=1):
+        short = "bf16" if dtype == "bfloat16" else "fp16"
+        name = f"h{H}p{P}d{d}-{mask.replace('_causal', '')}{f'-w{window}' if window else ''}-{short}-n{N}"
+        spec = {"heads": H, "kv_heads": H, "pseudo_heads": P, "head_dim": d, "mask": mask, "window": window,
+                "collapse": "per_head", "rope_theta": 10000.0, "dtype": dtype}
+        problems.append({"name": name, "spec": spec, "tokens": N, "batch": batch})
+
+    if which == "quick":
+        for N in (1024, 4096):
+            add(8, 8, 64, N)
+            add(8, 4, 128, N)
+        add(16, 2, 128, 8192)
+        add(8, 4, 128, 4096, mask="token_causal")
+        add(8, 4, 128, 4096, window=512)
+        add(8, 4, 128, 4096, dtype="float16")
+        return problems
+    for H in (8, 16):
+        for P in sorted({2, 4, H}):
+            for d in (64, 128):
+                for N in (1024, 4096, 16384):
+                    if N * P > 65536:
+                        continue
+                    for mask in ("flat_causal", "token_causal"):
+                        for window in (0, max(1, N // (2 * P * P))):
+                            for dtype in ("bfloat16", "float16"):
+                                add(H, P, d, N, mask, window, dtype)
+    return problems
+
+
+def flops(spec, N, B):
+    """4 d H B times the allowed (i, j) pairs, docs/IHA.md."""
+    P, W = spec["pseudo_heads"], spec["window"]
+    L = N * P
+    if spec["mask"] == "flat_causal":
+        pairs = sum(min(i + 1, W * P) if W else i + 1 for i in range(L))
+    else:  # token_causal
+        pairs = sum(P * (min(t + 1, W) if W else t + 1) for t in range(N)) * P
+    return 4.0 * spec["head_dim"] * spec["heads"] * B * pairs
+
+
+def emit(directory, problems):
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, "problems.txt"), "w") as listing:
+        for p in problems:
+            with open(os.path.join(directory, p["name"] + ".json"), "w") as f:
+                json.dump(p["spec"], f)
+            listing.write(f"{p['name']} {p['tokens']} {p['batch']}\n")
+    print(f"{len(problems)} problems written to {directory}")
+
+
+def run(out_path, problems):
+    import torch
+    import torch.nn.functional as F
+
+    if not torch.cuda.is_available():
+        print("peers: no CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:
+        sdpa_kernel = None
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        flex = torch.compile(flex_attention, dynamic=False)
+    except Exception as error:  # noqa: BLE001 - any import or compile failure means "unavailable"
+        flex, flex_error = None, str(error)
+
+    def time_ms(fn):
+        for _ in range(WARMUP):
+            fn()
+        times = []
+        for _ in range(RUNS):
+            flush.random_(0, 255)
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop))
+        return statistics.median(times)
+
+    results = []
+    for problem in problems:
+        spec, N, B = problem["spec"], problem["tokens"], problem["batch"]
+        H, G, P, d, W = spec["heads"], spec["kv_heads"], spec["pseudo_heads"], spec["head_dim"], spec["window"]
+        L = N * P
+        dtype = torch.bfloat16 if spec["dtype"] == "bfloat16" else torch.float16
+        gen = torch.Generator(device=device).manual_seed(len(results) + 1)
+        q = torch.randn(B, N, H, d, device=device, dtype=dtype, generator=gen)
+        k = torch.randn(B, N, G, d, device=device, dtype=dtype, generator=gen)
+        v = torch.randn(B, N, G, d, device=device, dtype=dtype, generator=gen)
+        near_identity = lambda n: (torch.eye(n, device=device)[:, :, None]
+                                   + 0.3 * torch.randn(n, n, P, device=device, generator=gen))
+        aq, ak, av = near_identity(H), near_identity(G), near_identity(G)
+        collapse = torch.randn(H, P, device=device, generator=gen) / math.sqrt(P)
+        half = d // 2
+        inv = spec["rope_theta"] ** (-2.0 * torch.arange(half, device=device, dtype=torch.float64) / d)
+        angle = torch.arange(L, device=device, dtype=torch.float64)[:, None] * inv
+        cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+
+        def mix(x, alpha):  # [B, N, M, d] -> [B, M', L, d], row n*P + p
+            y = torch.einsum("bnmc,mhp->bhnpc", x.float(), alpha).to(dtype)
+            return y.reshape(B, alpha.shape[1], L, d)
+
+        def rope(x):
+            a, b = x[..., :half], x[..., half:]
+            return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+        def fold(o):  # [B, H, L, d] -> [B, N, H, d]
+            return torch.einsum("hp,bhnpc->bnhc", collapse, o.float().reshape(B, H, N, P, d)).to(dtype)
+
+        def operands():
+            return rope(mix(q, aq)), rope(mix(k, ak)), mix(v, av)
+
+        i = torch.arange(L, device=device)
+        def allowed(qi, kj):
+            ti, tj = qi // P, kj // P
+            if spec["mask"] == "flat_causal":
+                ok = kj <= qi
+                return ok & (qi - kj < W * P) if W else ok
+            ok = tj <= ti
+            return ok & (ti - tj < W) if W else ok
+
+        row = {"name": problem["name"], "tokens": N, "batch": B, "flops": flops(spec, N, B), "methods": {}}
+
+        def measure(method, fn):
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            try:
+                ms = time_ms(fn)
+                peak = torch.cuda.max_memory_allocated() - base
+                row["methods"][method] = {"median_ms": ms, "tflops": row["flops"] / (ms * 1e-3) / 1e12,
+                                          "peak_bytes": peak}
+            except Exception as error:  # noqa: BLE001 - recorded, the table says why
+                row["methods"][method] = {"error": f"{type(error).__name__}: {str(error)[:160]}"}
+            torch.cuda.empty_cache()
+
+        if L <= 16384:  # a dense L x L boolean mask
+            mask = allowed(i[:, None], i[None, :])
+            def eager():
+                qs, ks, vs = operands()
+                return fold(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask))
+            measure("eager", eager)
+            del mask
+        else:
+            row["methods"]["eager"] = {"error": f"skipped: a dense {L}x{L} mask"}
+
+        if flex is not None:
+            block_mask = create_block_mask(lambda b, h, qi, kj: allowed(qi, kj), None, None, L, L, device=device)
+            measure("flex", lambda: fold(flex(*operands(), block_mask=block_mask)))
+        else:
+            row["methods"]["flex"] = {"error": f"unavailable: {flex_error[:160]}"}
+
+        if spec["mask"] == "flat_causal" and not W and sdpa_kernel is not None:
+            for method, backend in (("sdpa-flash", SDPBackend.FLASH_ATTENTION), ("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION)):
+                def causal(backend=backend):
+                    with sdpa_kernel(backend):
+                        return fold(F.scaled_dot_product_attention(*operands(), is_causal=True))
+                measure(method, causal)
+        results.append(row)
+        best = {m: r.get("tflops") for m, r in row["methods"].items()}
+        print(f"{problem['name']:36s} " + "  ".join(
+            f"{m} {t:.1f}" if t else f"{m} -" for m, t in best.items()), flush=True)
+
+    with open(out_path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "results": results}, f, indent=2)
+    return 0
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--emit", metavar="DIR", help="write the grid's specs for loom's bench bundles")
+    mode.add_argument("--run", metavar="OUT.json", help="time the peers (PyTorch with CUDA)")
+    parser.add_argument("--grid", choices=("quick", "full"), default="quick")
+    args = parser.parse_args()
+    problems = grid(args.grid)
+    if args.emit:
+        emit(args.emit, problems)
+        return 0
+    return run(args.run, problems)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Run ON THE GPU MACHINE (a second device call after tests/gpu/run.sh, with
+# the same carried files): loom against what an IHA user would otherwise run.
+# Measures the ceilings, times PyTorch eager, FlexAttention and SDPA's flash
+# and cuDNN backends on bench/peers.py's grid, times loom's kernels for the
+# same problems, and writes the table (and a plot when matplotlib is there)
+# to $OUT (or /tmp/loom-gpu). About 5 minutes on one GPU.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+export LD_LIBRARY_PATH="$PWD/build/gpu-libs:${LD_LIBRARY_PATH:-}"
+out=${OUT:-/tmp/loom-gpu}
+mkdir -p "$out"
+
+timeout 45 python3 bench/ceilings.py "$out/ceilings.json" 2>&1 | tee "$out/ceilings.log"
+timeout 240 python3 bench/peers.py --run "$out/peers.json" 2>&1 | tee "$out/peers.log"
+peers=${PIPESTATUS[0]}
+timeout 90 build/bin/loom-gpu-bench build/gpu-bundles "$out/bench.json" 2>&1 | tee "$out/bench.log"
+bench=${PIPESTATUS[0]}
+python3 bench/report.py --loom "$out/bench.json" --peers "$out/peers.json" --ceilings "$out/ceilings.json" \
+  --plot "$out/tflops.png" | tee "$out/report.md"
+echo "peers exit $peers, loom-gpu-bench exit $bench"
+exit $((peers != 0 || bench != 0))
