@@ -131,10 +131,11 @@ int main(int argc, char** argv) {
                        {"tflops", flops / (median * 1e-3) / 1e12},
                        {"engine", compiled.schedule().engine() == v1::engine_wgmma ? "wgmma" : "mma"},
                        {"workspace_bytes", workspaceBytes(compiled, batch, tokens)}});
-  }
-  if (!jsonPath.empty()) {
-    std::ofstream out(jsonPath);
-    out << nlohmann::json{{"device", (*device)->info().name}, {"results", results}}.dump(2) << "\n";
+    // Rewritten after every kernel: a later hang (killed by a timeout) keeps what was measured.
+    if (!jsonPath.empty()) {
+      std::ofstream out(jsonPath, std::ios::trunc);
+      out << nlohmann::json{{"device", (*device)->info().name}, {"results", results}}.dump(2) << "\n";
+    }
   }
   return failures ? 1 : 0;
 }
