@@ -11,11 +11,14 @@ import statistics
 import sys
 
 
-def median_ms(torch, fn, runs=20, warmup=5):
+def median_ms(torch, fn, runs=20, warmup=5, before=None):
+    """Median CUDA-event time of fn() in ms; `before` runs ahead of each timed call, untimed."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(runs):
+        if before:
+            before()
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()

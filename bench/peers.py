@@ -27,8 +27,9 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
+
+from ceilings import median_ms  # bench/ is the script's folder, so on sys.path
 
 WARMUP, RUNS = 3, 10
 
@@ -107,19 +108,8 @@ def run(out_path, problems):
     except Exception as error:  # noqa: BLE001 - any import or compile failure means "unavailable"
         flex, flex_error = None, str(error)
 
-    def time_ms(fn):
-        for _ in range(WARMUP):
-            fn()
-        times = []
-        for _ in range(RUNS):
-            flush.random_(0, 255)
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop))
-        return statistics.median(times)
+    def time_ms(fn):  # the L2 flushed before every timed run
+        return median_ms(torch, fn, runs=RUNS, warmup=WARMUP, before=lambda: flush.random_(0, 255))
 
     results = []
     for problem in problems:

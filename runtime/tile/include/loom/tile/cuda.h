@@ -517,26 +517,14 @@ template <class C>
 __device__ void store_collapsed(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0,
                                 int64_t head, int64_t b) {
   using G = cuda::Geometry<C>;
-  constexpr int P = C::pseudo_heads;
-  const float* staging = cuda::stageOutput<C>(acc);
-  Bits16* out = static_cast<Bits16*>(a.out);
-  for (int index = threadIdx.x; index < (C::block_m / P) * G::D; index += G::threads) {
-    const int t = index / G::D, c = index % G::D;
-    const int64_t n = row0 / P + t;
-    if (n >= a.tokens) continue;
-    float sum = 0.0f;
-    for (int p = 0; p < P; ++p) sum += a.collapse[head * P + p] * staging[(t * P + p) * G::Dp + c];
-    out[b * a.out_stride[0] + n * a.out_stride[1] + head * a.out_stride[2] + c] = cuda::toBits<C>(sum);
-  }
+  cuda::storeCollapsed<C>(cuda::stageOutput<C>(acc), G::Dp, a, row0, head, b, threadIdx.x, G::threads);
   cuda::storeLse<C>(state, a, row0, head, b);
 }
 
 template <class C>
 __device__ void out_init(OutTile<C>&) {
   using G = cuda::Geometry<C>;
-  float* out = reinterpret_cast<float*>(cuda::smem() + cuda::layout<C>().out);
-  for (int index = threadIdx.x; index < (C::block_m / C::pseudo_heads) * C::heads * G::Dp; index += G::threads)
-    out[index] = 0.0f;
+  cuda::zeroOutTile<C>(reinterpret_cast<float*>(cuda::smem() + cuda::layout<C>().out), G::Dp, threadIdx.x, G::threads);
   __syncthreads();
 }
 
@@ -545,15 +533,9 @@ template <class C>
 __device__ void accumulate_collapsed(OutTile<C>&, AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a,
                                      int64_t row0, int64_t head, int64_t b) {
   using G = cuda::Geometry<C>;
-  constexpr int P = C::pseudo_heads;
   const float* staging = cuda::stageOutput<C>(acc);
-  float* out = reinterpret_cast<float*>(cuda::smem() + cuda::layout<C>().out);
-  for (int index = threadIdx.x; index < (C::block_m / P) * C::heads * G::D; index += G::threads) {
-    const int c = index % G::D, h = (index / G::D) % C::heads, t = index / G::D / C::heads;
-    float sum = 0.0f;
-    for (int p = 0; p < P; ++p) sum += a.collapse[(h * C::heads + head) * P + p] * staging[(t * P + p) * G::Dp + c];
-    out[(t * C::heads + h) * G::Dp + c] += sum;
-  }
+  cuda::accumulateCollapsed<C>(reinterpret_cast<float*>(cuda::smem() + cuda::layout<C>().out), staging, G::Dp, a, head,
+                               threadIdx.x, G::threads);
   cuda::storeLse<C>(state, a, row0, head, b);
   __syncthreads();  // the next head's Q load reuses the staging area
 }
@@ -561,16 +543,8 @@ __device__ void accumulate_collapsed(OutTile<C>&, AccTile<C>& acc, SoftmaxState<
 template <class C>
 __device__ void store_out(OutTile<C>&, const IhaArgs& a, int64_t row0, int64_t b) {
   using G = cuda::Geometry<C>;
-  constexpr int P = C::pseudo_heads;
-  const float* tile = reinterpret_cast<const float*>(cuda::smem() + cuda::layout<C>().out);
-  Bits16* out = static_cast<Bits16*>(a.out);
-  for (int index = threadIdx.x; index < (C::block_m / P) * C::heads * G::D; index += G::threads) {
-    const int c = index % G::D, h = (index / G::D) % C::heads, t = index / G::D / C::heads;
-    const int64_t n = row0 / P + t;
-    if (n < a.tokens)
-      out[b * a.out_stride[0] + n * a.out_stride[1] + h * a.out_stride[2] + c] =
-          cuda::toBits<C>(tile[(t * C::heads + h) * G::Dp + c]);
-  }
+  cuda::storeOutTile<C>(reinterpret_cast<const float*>(cuda::smem() + cuda::layout<C>().out), G::Dp, a, row0, b,
+                        threadIdx.x, G::threads);
 }
 
 }  // namespace loom

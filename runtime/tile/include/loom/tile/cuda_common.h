@@ -152,6 +152,62 @@ __device__ __forceinline__ void storeChunk(Bits16* destination, const float (&va
   *reinterpret_cast<uint4*>(destination) = packed;
 }
 
+//===--- collapse epilogues over a staged block -----------------------------===//
+// Both implementations stage the normalised block as f32 [block_m][pitch] in
+// shared memory (the P rows of a token may sit in different warps); these
+// loops are then the same, run by `threads` threads numbered from 0 by
+// `thread`.
+
+// per_head: out[n, head] = sum_p collapse[head, p] * O[n*P + p].
+template <class C>
+__device__ void storeCollapsed(const float* staging, int pitch, const IhaArgs& a, int64_t row0, int64_t head,
+                               int64_t b, int thread, int threads) {
+  constexpr int P = C::pseudo_heads, D = C::head_dim;
+  Bits16* out = static_cast<Bits16*>(a.out);
+  for (int index = thread; index < (C::block_m / P) * D; index += threads) {
+    const int t = index / D, c = index % D;
+    const int64_t n = row0 / P + t;
+    if (n >= a.tokens) continue;
+    float sum = 0.0f;
+    for (int p = 0; p < P; ++p) sum += a.collapse[head * P + p] * staging[(t * P + p) * pitch + c];
+    out[b * a.out_stride[0] + n * a.out_stride[1] + head * a.out_stride[2] + c] = toBits<C>(sum);
+  }
+}
+
+// Fused global collapse: the output tile [block_m / P][H][pitch] starts at zero...
+template <class C>
+__device__ void zeroOutTile(float* tile, int pitch, int thread, int threads) {
+  for (int index = thread; index < (C::block_m / C::pseudo_heads) * C::heads * pitch; index += threads)
+    tile[index] = 0.0f;
+}
+
+// ...gathers every head's share: out[t, h] += sum_p collapse[h, head*P + p] * O[t*P + p]...
+template <class C>
+__device__ void accumulateCollapsed(float* tile, const float* staging, int pitch, const IhaArgs& a, int64_t head,
+                                    int thread, int threads) {
+  constexpr int P = C::pseudo_heads, D = C::head_dim;
+  for (int index = thread; index < (C::block_m / P) * C::heads * D; index += threads) {
+    const int c = index % D, h = (index / D) % C::heads, t = index / D / C::heads;
+    float sum = 0.0f;
+    for (int p = 0; p < P; ++p) sum += a.collapse[(h * C::heads + head) * P + p] * staging[(t * P + p) * pitch + c];
+    tile[(t * C::heads + h) * pitch + c] += sum;
+  }
+}
+
+// ...and is written out once.
+template <class C>
+__device__ void storeOutTile(const float* tile, int pitch, const IhaArgs& a, int64_t row0, int64_t b, int thread,
+                             int threads) {
+  constexpr int P = C::pseudo_heads, D = C::head_dim;
+  Bits16* out = static_cast<Bits16*>(a.out);
+  for (int index = thread; index < (C::block_m / P) * C::heads * D; index += threads) {
+    const int c = index % D, h = (index / D) % C::heads, t = index / D / C::heads;
+    const int64_t n = row0 / P + t;
+    if (n < a.tokens)
+      out[b * a.out_stride[0] + n * a.out_stride[1] + h * a.out_stride[2] + c] = toBits<C>(tile[(t * C::heads + h) * pitch + c]);
+  }
+}
+
 }  // namespace cuda
 
 __device__ __forceinline__ int64_t block_x() { return blockIdx.x; }

@@ -600,27 +600,16 @@ template <class C>
 __device__ void store_collapsed(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0,
                                 int64_t head, int64_t b) {
   using G = hopper::Geometry<C>;
-  constexpr int P = C::pseudo_heads;
-  const float* staging = hopper::stageOutput<C>(acc);
-  Bits16* out = static_cast<Bits16*>(a.out);
-  for (int index = hopper::consumerThread(); index < (C::block_m / P) * G::D; index += G::consumerThreads) {
-    const int t = index / G::D, c = index % G::D;
-    const int64_t n = row0 / P + t;
-    if (n >= a.tokens) continue;
-    float sum = 0.0f;
-    for (int p = 0; p < P; ++p) sum += a.collapse[head * P + p] * staging[(t * P + p) * G::D + c];
-    out[b * a.out_stride[0] + n * a.out_stride[1] + head * a.out_stride[2] + c] = cuda::toBits<C>(sum);
-  }
+  cuda::storeCollapsed<C>(hopper::stageOutput<C>(acc), G::D, a, row0, head, b, hopper::consumerThread(),
+                          G::consumerThreads);
   hopper::storeLse<C>(state, a, row0, head, b);
 }
 
 template <class C>
 __device__ void out_init(OutTile<C>&) {
   using G = hopper::Geometry<C>;
-  float* out = reinterpret_cast<float*>(hopper::smem() + hopper::layout<C>().out);
-  for (int index = hopper::consumerThread(); index < (C::block_m / C::pseudo_heads) * C::heads * G::D;
-       index += G::consumerThreads)
-    out[index] = 0.0f;
+  cuda::zeroOutTile<C>(reinterpret_cast<float*>(hopper::smem() + hopper::layout<C>().out), G::D,
+                       hopper::consumerThread(), G::consumerThreads);
   hopper::consumerSync<C>();
 }
 
@@ -629,15 +618,9 @@ template <class C>
 __device__ void accumulate_collapsed(OutTile<C>&, AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a,
                                      int64_t row0, int64_t head, int64_t b) {
   using G = hopper::Geometry<C>;
-  constexpr int P = C::pseudo_heads;
   const float* staging = hopper::stageOutput<C>(acc);
-  float* out = reinterpret_cast<float*>(hopper::smem() + hopper::layout<C>().out);
-  for (int index = hopper::consumerThread(); index < (C::block_m / P) * C::heads * G::D; index += G::consumerThreads) {
-    const int c = index % G::D, h = (index / G::D) % C::heads, t = index / G::D / C::heads;
-    float sum = 0.0f;
-    for (int p = 0; p < P; ++p) sum += a.collapse[(h * C::heads + head) * P + p] * staging[(t * P + p) * G::D + c];
-    out[(t * C::heads + h) * G::D + c] += sum;
-  }
+  cuda::accumulateCollapsed<C>(reinterpret_cast<float*>(hopper::smem() + hopper::layout<C>().out), staging, G::D, a,
+                               head, hopper::consumerThread(), G::consumerThreads);
   hopper::storeLse<C>(state, a, row0, head, b);
   hopper::consumerSync<C>();  // the next head's staging reuses the tile
 }
@@ -645,16 +628,8 @@ __device__ void accumulate_collapsed(OutTile<C>&, AccTile<C>& acc, SoftmaxState<
 template <class C>
 __device__ void store_out(OutTile<C>&, const IhaArgs& a, int64_t row0, int64_t b) {
   using G = hopper::Geometry<C>;
-  constexpr int P = C::pseudo_heads;
-  const float* tile = reinterpret_cast<const float*>(hopper::smem() + hopper::layout<C>().out);
-  Bits16* out = static_cast<Bits16*>(a.out);
-  for (int index = hopper::consumerThread(); index < (C::block_m / P) * C::heads * G::D; index += G::consumerThreads) {
-    const int c = index % G::D, h = (index / G::D) % C::heads, t = index / G::D / C::heads;
-    const int64_t n = row0 / P + t;
-    if (n < a.tokens)
-      out[b * a.out_stride[0] + n * a.out_stride[1] + h * a.out_stride[2] + c] =
-          cuda::toBits<C>(tile[(t * C::heads + h) * G::D + c]);
-  }
+  cuda::storeOutTile<C>(reinterpret_cast<const float*>(hopper::smem() + hopper::layout<C>().out), G::D, a, row0, b,
+                        hopper::consumerThread(), G::consumerThreads);
 }
 
 }  // namespace loom
