@@ -8,6 +8,8 @@
 #include "autotune/cost_model.h"
 #include "autotune/space.h"
 #include "autotune/tuner.h"
+#include "api/provider.h"
+#include "loom/cache.h"
 #include "loom/compiler.h"
 #include "loom/tile/layout.h"
 #include "reference/iha_reference.h"
@@ -246,6 +248,50 @@ TEST(Tuner, RejectsFloat32AndCpuTargets) {
   s.set_dtype(v1::float32);
   auto result = tune(s, target("sm_80"), nullptr, TuneOptions());
   EXPECT_FALSE(result);
+}
+
+}  // namespace
+}  // namespace loom::autotune
+
+namespace loom::autotune {
+namespace {
+
+// A tuned schedule stored before engines existed (engine unset) was measured
+// on the mma.sync path: on sm_90a the provider keeps it there rather than
+// reading its block sizes as a wgmma schedule; a schedule that names its
+// engine is taken as it is.
+TEST(Provider, DecisionsKeepTheEngineTheyWereTunedOn) {
+  testing::TempDir dir;
+  const KernelSpec s = spec(4, 4, 2, 64);
+  v1::Target hopper = target("sm_90a");
+  hopper.mutable_device()->set_name("NVIDIA H200");
+  hopper.mutable_device()->set_sm_count(132);
+  for (v1::Engine engine : {v1::engine_unspecified, v1::engine_wgmma}) {
+    {
+      auto store = cache::openSqliteStore(cache::storePath(dir.path()));
+      ASSERT_TRUE(store) << store.error().message;
+      cache::Decision d;
+      d.spec = s;
+      d.device = cache::DeviceModel::of(hopper);
+      d.toolchain = jit::nvrtcVersion();
+      Schedule& best = *d.result.mutable_best();
+      best.set_block_m(64);
+      best.set_block_n(64);
+      best.set_warps(4);
+      best.set_stages(2);
+      best.set_engine(engine);
+      d.result.set_measured(true);
+      d.candidatesJson = "[]";
+      ASSERT_TRUE((*store)->putDecision(d));
+    }
+    KernelProvider provider(dir.path());
+    auto provided = provider.provide(s, hopper);
+    ASSERT_TRUE(provided) << provided.error().message;
+    EXPECT_EQ(provided->scheduleSource, "tuned");
+    EXPECT_EQ(provided->kernel.schedule().engine(),
+              engine == v1::engine_wgmma ? v1::engine_wgmma : v1::engine_mma);
+    EXPECT_EQ(provided->kernel.schedule().block_n(), 64);
+  }
 }
 
 }  // namespace
