@@ -9,7 +9,8 @@
 //   } else {                           them on chip), completing on full[s]
 //     consumer_start                   setmaxnreg.inc
 //     load_q, kv_wait, mma_qk, mask_scores, softmax_update, mma_pv,
-//     kv_release, normalize, store_*   warpgroups 1..: 64 query rows each
+//     kv_release, kv_finish,
+//     normalize, store_*               warpgroups 1..: 64 query rows each
 //   }
 //
 // - Products by wgmma.mma_async: S = Q K^T with both operands in shared
