@@ -18,6 +18,7 @@ constexpr int64_t kDefaultStages = 2;
 constexpr int64_t kTmaProducerRegisters = 24;
 constexpr int64_t kMixingProducerRegisters = 56;
 constexpr int64_t kWgmmaBlockNs[] = {64, 128, 192, 256};
+constexpr int64_t kHopperSharedMemoryPerBlock = 232448;  // 227 KiB with opt-in
 
 std::string str(int64_t value) { return std::to_string(value); }
 
@@ -37,13 +38,26 @@ int64_t wgmmaWarpgroups(SpecAttr spec, const ScheduleFields& given) {
   return 0;
 }
 
+// Stages of the wgmma engine by default: three where they fit in sm_90a's
+// shared memory (a consumer holds two stages while the last block's P V
+// retires, so the third lets the producer stay a block ahead), else two.
+int64_t wgmmaStages(SpecAttr spec, int64_t blockM, int64_t blockN, CollapseStrategy collapse) {
+  const bool epilogue = collapse == CollapseStrategy::epilogue;
+  const bool outTile = epilogue && spec.getCollapse() == CollapseMode::global;
+  const HopperSmem three = hopperSmem(int(blockM), int(blockN), int(spec.getHeadDim()), 3, int(spec.getHeads()),
+                                      int(spec.getPseudoHeads()), epilogue, outTile);
+  return three.total <= kHopperSharedMemoryPerBlock ? 3 : kDefaultStages;
+}
+
 ScheduleAttr completeWgmma(SpecAttr spec, const ScheduleFields& given) {
-  const int64_t warps = std::max<int64_t>(wgmmaWarpgroups(spec, given), 1) * kWarpgroupWarps;
+  const int64_t warps = given.warps ? given.warps : std::max<int64_t>(wgmmaWarpgroups(spec, given), 1) * kWarpgroupWarps;
+  const int64_t blockM = given.blockM ? given.blockM : warps * kMmaRows;
+  const int64_t blockN = given.blockN ? given.blockN : (spec.getHeadDim() <= 128 ? 128 : 64);
   const MixStrategy mix = given.mix.value_or(MixStrategy::materialized);
+  const CollapseStrategy collapse = given.collapse.value_or(defaultCollapse(spec));
   return ScheduleAttr::get(
-      spec.getContext(), given.blockM ? given.blockM : warps * kMmaRows,
-      given.blockN ? given.blockN : (spec.getHeadDim() <= 128 ? 128 : 64), given.warps ? given.warps : warps,
-      given.stages ? given.stages : kDefaultStages, mix, given.collapse.value_or(defaultCollapse(spec)), Engine::wgmma,
+      spec.getContext(), blockM, blockN, warps,
+      given.stages ? given.stages : wgmmaStages(spec, blockM, blockN, collapse), mix, collapse, Engine::wgmma,
       given.producerRegisters
           ? given.producerRegisters
           : (mix == MixStrategy::fused ? kMixingProducerRegisters : kTmaProducerRegisters));

@@ -43,10 +43,11 @@ struct ScheduleFields {
 // whose fragments fit a register budget, two stages, fused mixing, and the
 // collapse in the epilogue for per_head or in a separate launch for global.
 // `hopper` (target sm_90a) makes wgmma the default engine where the spec
-// allows it (head_dim a multiple of 64, P dividing 128 or 64): two consumer
-// warpgroups (block_m 128) or one, block_n 128 (64 for head_dim > 128),
-// two stages, materialised mixing fed by TMA, producer registers 24 (56 when
-// the producer mixes on chip).
+// and the given fields allow it (head_dim a multiple of 64, P dividing 128,
+// 64 or 192): two consumer warpgroups (block_m 128), else one or three,
+// block_n 128 (64 for head_dim > 128), three stages where they fit in
+// shared memory (else two), materialised mixing fed by TMA, producer
+// registers 24 (56 when the producer mixes on chip).
 ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool hopper = false);
 
 // Why `schedule` cannot compute `spec`, naming the field; nullopt when fine.

@@ -21,9 +21,13 @@
 //   memory accelerator writes and the descriptors read; a producer that
 //   mixes on chip writes the same swizzle with ordinary stores and fences
 //   them for the async proxy (fence.proxy.async) before it arrives.
-// - A `stages`-deep ring of K/V buffers with full / empty mbarriers. A
-//   consumer's P V product stays in flight while the next block's S = Q K^T
-//   is issued; the stage is released once both have retired.
+// - A `stages`-deep ring of K/V buffers with full / empty mbarriers.
+// - Softmax overlapped with the matrix products, as FlashAttention-3 does
+//   within a warpgroup: mma_pv only packs P; the next mma_qk issues that
+//   block's S = Q K^T first and the deferred P V after it, and waits for S
+//   alone, so the exponentials of softmax_update run while P V is on the
+//   tensor cores. softmax_update waits for P V only before it rescales O,
+//   and hands the P V block's stage back to the producer then.
 #pragma once
 
 #include "loom/tile/cuda_common.h"
@@ -197,7 +201,6 @@ template <class C>
 struct KvPipeline {
   int64_t count = 0;  // blocks produced (producer) or consumed (consumer) so far
   int stage = 0;      // the stage being consumed
-  int pending = -1;   // a stage whose P V product may still be reading it
 };
 
 template <class C>
@@ -211,9 +214,16 @@ struct SoftmaxState {
   float l[2];  // running denominator
 };
 
+// The output accumulator and the P V product owed to it: P of the last
+// block, packed as wgmma's A operand, and the stage holding its V. The
+// product is issued by the next mma_qk (or kv_finish) and retired by the
+// next softmax_update (or kv_finish).
 template <class C>
 struct AccTile {
   float o[hopper::Geometry<C>::OT * 4];
+  Bits32 p[hopper::Geometry<C>::PK][4];
+  int owedStage = -1;  // the stage of the P V not yet issued; -1: none
+  bool inFlight = false;  // a P V product was issued and has not retired
 };
 
 template <class C>
@@ -406,26 +416,40 @@ __device__ void kv_wait(KvPipeline<C>& pipe, const IhaArgs&, int64_t, int64_t, i
 
 namespace hopper {
 
-// Hands a drained stage back to the producer.
+// Issues the owed P V product of the last block: O += P V, V read N-major
+// from its stage. The caller has fenced and commits.
 template <class C>
-__device__ __forceinline__ void releasePending(KvPipeline<C>& pipe) {
-  if (pipe.pending >= 0) mbarrierArrive(emptyBarrier<C>(pipe.pending));
-  pipe.pending = -1;
+__device__ __forceinline__ void issueOwedPv(AccTile<C>& acc) {
+  using G = Geometry<C>;
+  const unsigned char* v = smem() + layout<C>().v + acc.owedStage * G::kvTileBytes;
+  #pragma unroll
+  for (int kk = 0; kk < G::PK; ++kk)
+    wgmma::Wgmma<C::dtype, C::head_dim>::rs(
+        acc.o, acc.p[kk], descriptor(v + kk * kWgmmaK * kSwizzleRowBytes, G::kvAtomBytes, kSwizzlePeriodBytes), true);
+  acc.inFlight = true;
+}
+
+// Waits for the P V product in flight, then hands its stage back.
+template <class C>
+__device__ __forceinline__ void retirePv(AccTile<C>& acc) {
+  if (!acc.inFlight) return;
+  wgmmaWait<0>();
+  pinRegisters(acc.o);
+  mbarrierArrive(emptyBarrier<C>(acc.owedStage));
+  acc.inFlight = false;
+  acc.owedStage = -1;
 }
 
 }  // namespace hopper
 
-// The stage is handed back once the P V product reading it has retired:
-// at the next mma_qk's wait, or at normalize.
+// Nothing to do here: the stage goes back when the P V product reading it
+// retires (softmax_update of the next block, or kv_finish).
 template <class C>
-__device__ __forceinline__ void kv_release(KvPipeline<C>& pipe, int64_t) {
-  pipe.pending = pipe.stage;
-}
+__device__ __forceinline__ void kv_release(KvPipeline<C>&, int64_t) {}
 
 // S = Q K^T * scale * log2(e): block_n-wide wgmma over d / 16 k-steps, Q and
-// K from their swizzled tiles. Waiting for it also retires the previous
-// block's P V product (still in flight on `acc`), whose stage is then
-// released.
+// K from their swizzled tiles. The last block's owed P V is issued after it,
+// and only S is waited for: P V runs on while softmax_update works on S.
 template <class C>
 __device__ void mma_qk(ScoreTile<C>& s, QTile<C>&, KvPipeline<C>& pipe, int64_t, AccTile<C>& acc) {
   using G = hopper::Geometry<C>;
@@ -433,6 +457,7 @@ __device__ void mma_qk(ScoreTile<C>& s, QTile<C>&, KvPipeline<C>& pipe, int64_t,
   const unsigned char* q = hopper::smem() + l.q + hopper::consumerWarpgroup() * hopper::kWgmmaRows * kSwizzleRowBytes;
   const unsigned char* k = hopper::smem() + l.k + pipe.stage * G::kvTileBytes;
   hopper::pinRegisters(s.s);
+  hopper::pinRegisters(acc.o);
   hopper::wgmmaFence();
   #pragma unroll
   for (int kt = 0; kt < G::KT; ++kt) {
@@ -443,10 +468,14 @@ __device__ void mma_qk(ScoreTile<C>& s, QTile<C>&, KvPipeline<C>& pipe, int64_t,
                                            kt > 0);
   }
   hopper::wgmmaCommit();
-  hopper::wgmmaWait<0>();
+  if (acc.owedStage >= 0) {
+    hopper::issueOwedPv<C>(acc);
+    hopper::wgmmaCommit();
+    hopper::wgmmaWait<1>();  // groups retire in order: S is done, P V may run on
+  } else {
+    hopper::wgmmaWait<0>();
+  }
   hopper::pinRegisters(s.s);
-  hopper::pinRegisters(acc.o);
-  hopper::releasePending(pipe);
   constexpr float scale = C::scale * kLog2e;
   #pragma unroll
   for (int i = 0; i < G::NT * 4; ++i) s.s[i] *= scale;
@@ -469,10 +498,13 @@ __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int
 }
 
 // Online softmax on the accumulator fragments, as in cuda.h: a row's values
-// sit in the 4 threads of a quad.
+// sit in the 4 threads of a quad. The maxima and exponentials of S come
+// first, while the last block's P V may still be running; O is rescaled
+// after it retires.
 template <class C>
 __device__ void softmax_update(SoftmaxState<C>& state, ScoreTile<C>& s, AccTile<C>& acc) {
   using G = hopper::Geometry<C>;
+  float correction[2];
   #pragma unroll
   for (int h = 0; h < 2; ++h) {
     float rowMax = cuda::negativeInfinity();
@@ -480,54 +512,52 @@ __device__ void softmax_update(SoftmaxState<C>& state, ScoreTile<C>& s, AccTile<
     for (int t = 0; t < G::NT; ++t) rowMax = fmaxf(rowMax, fmaxf(s.s[t * 4 + 2 * h], s.s[t * 4 + 2 * h + 1]));
     const float newMax = fmaxf(state.m[h], cuda::quadMax(rowMax));
     const float base = newMax == cuda::negativeInfinity() ? 0.0f : newMax;
-    const float correction = exp2f(state.m[h] - base);
+    correction[h] = exp2f(state.m[h] - base);
     float rowSum = 0.0f;
     #pragma unroll
     for (int t = 0; t < G::NT; ++t)
       #pragma unroll
       for (int e = 2 * h; e < 2 * h + 2; ++e) rowSum += (s.s[t * 4 + e] = exp2f(s.s[t * 4 + e] - base));
-    state.l[h] = state.l[h] * correction + cuda::quadSum(rowSum);
+    state.l[h] = state.l[h] * correction[h] + cuda::quadSum(rowSum);
     state.m[h] = newMax;
+  }
+  hopper::retirePv<C>(acc);
+  #pragma unroll
+  for (int h = 0; h < 2; ++h)
     #pragma unroll
     for (int t = 0; t < G::OT; ++t) {
-      acc.o[t * 4 + 2 * h] *= correction;
-      acc.o[t * 4 + 2 * h + 1] *= correction;
+      acc.o[t * 4 + 2 * h] *= correction[h];
+      acc.o[t * 4 + 2 * h + 1] *= correction[h];
     }
-  }
 }
 
-// O += P V: P re-packed from the S fragments into wgmma's register A
-// operand (the m16n8 layout of two 8-column tiles is the m16k16 A layout),
-// V read N-major from its swizzled tile. Committed, not waited for.
+// O += P V, owed: P is re-packed from the S fragments into wgmma's register
+// A operand (the m16n8 layout of two 8-column tiles is the m16k16 A
+// layout) and issued by the next mma_qk, behind that block's S = Q K^T.
 template <class C>
 __device__ void mma_pv(AccTile<C>& acc, ScoreTile<C>& s, KvPipeline<C>& pipe, int64_t) {
   using G = hopper::Geometry<C>;
-  const unsigned char* v = hopper::smem() + hopper::layout<C>().v + pipe.stage * G::kvTileBytes;
-  Bits32 p[G::PK][4];
   #pragma unroll
   for (int kk = 0; kk < G::PK; ++kk) {
-    p[kk][0] = cuda::pack<C>(s.s[(2 * kk) * 4 + 0], s.s[(2 * kk) * 4 + 1]);
-    p[kk][1] = cuda::pack<C>(s.s[(2 * kk) * 4 + 2], s.s[(2 * kk) * 4 + 3]);
-    p[kk][2] = cuda::pack<C>(s.s[(2 * kk + 1) * 4 + 0], s.s[(2 * kk + 1) * 4 + 1]);
-    p[kk][3] = cuda::pack<C>(s.s[(2 * kk + 1) * 4 + 2], s.s[(2 * kk + 1) * 4 + 3]);
+    acc.p[kk][0] = cuda::pack<C>(s.s[(2 * kk) * 4 + 0], s.s[(2 * kk) * 4 + 1]);
+    acc.p[kk][1] = cuda::pack<C>(s.s[(2 * kk) * 4 + 2], s.s[(2 * kk) * 4 + 3]);
+    acc.p[kk][2] = cuda::pack<C>(s.s[(2 * kk + 1) * 4 + 0], s.s[(2 * kk + 1) * 4 + 1]);
+    acc.p[kk][3] = cuda::pack<C>(s.s[(2 * kk + 1) * 4 + 2], s.s[(2 * kk + 1) * 4 + 3]);
   }
-  hopper::pinRegisters(acc.o);
-  hopper::wgmmaFence();
-  #pragma unroll
-  for (int kk = 0; kk < G::PK; ++kk)
-    wgmma::Wgmma<C::dtype, C::head_dim>::rs(
-        acc.o, p[kk], hopper::descriptor(v + kk * hopper::kWgmmaK * kSwizzleRowBytes, G::kvAtomBytes, kSwizzlePeriodBytes),
-        true);
-  hopper::wgmmaCommit();
+  acc.owedStage = pipe.stage;
 }
 
-// After a consumer's last key block: its P V product retires and its stage
-// goes back to the producer (which may be streaming the next head's blocks).
+// After a consumer's last key block: its owed P V is issued and retired,
+// and its stage goes back to the producer (which may be streaming the next
+// head's blocks).
 template <class C>
-__device__ void kv_finish(KvPipeline<C>& pipe, AccTile<C>& acc) {
-  hopper::wgmmaWait<0>();
+__device__ void kv_finish(KvPipeline<C>&, AccTile<C>& acc) {
+  if (acc.owedStage < 0) return;
   hopper::pinRegisters(acc.o);
-  hopper::releasePending(pipe);
+  hopper::wgmmaFence();
+  hopper::issueOwedPv<C>(acc);
+  hopper::wgmmaCommit();
+  hopper::retirePv<C>(acc);
 }
 
 template <class C>
