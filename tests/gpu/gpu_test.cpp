@@ -43,19 +43,23 @@ struct Bundle {
   v1::CompiledKernel kernel;
 };
 
-// <case>.<dtype>.<label>.pb, the labels matching $LOOM_GPU_LABELS (a
-// regex; all when unset): tests/gpu/run.sh checks the portable kernels and
-// the sm_90a ones in separate runs, so a hang in one path cannot cost the
-// other's results.
+// <case>.<dtype>.<label>.pb, the labels matching $LOOM_GPU_LABELS and the
+// cases $LOOM_GPU_CASES_MATCH (regexes; all when unset): tests/gpu/run.sh
+// checks the portable kernels and the sm_90a ones in separate runs, so a
+// hang in one path cannot cost the other's results, and runs one case under
+// compute-sanitizer.
 std::vector<Bundle> bundles() {
   std::vector<Bundle> found;
   if (!fs::is_directory(bundleDir())) return found;
   const std::regex name(R"(([^.]+)\.([a-z0-9]+)\.([^.]+)\.pb)");
   const std::regex labels(fromEnv("LOOM_GPU_LABELS", ".*"));
+  const std::regex cases(fromEnv("LOOM_GPU_CASES_MATCH", ".*"));  // e.g. one case under compute-sanitizer
   for (const auto& entry : fs::directory_iterator(bundleDir())) {
     std::smatch m;
     const std::string file = entry.path().filename().string();
-    if (!std::regex_match(file, m, name) || m[1] == "bench" || !std::regex_match(m[3].str(), labels)) continue;
+    if (!std::regex_match(file, m, name) || m[1] == "bench" || !std::regex_match(m[3].str(), labels) ||
+        !std::regex_match(m[1].str(), cases))
+      continue;
     Bundle b{entry.path().string(), m[1], m[2], m[3], {}};
     std::ifstream in(b.file, std::ios::binary);
     if (!b.kernel.ParseFromIstream(&in)) continue;
@@ -74,8 +78,8 @@ class Gpu : public ::testing::Test {
     ASSERT_TRUE(device) << device.error().message;
     device_ = *device;
     all_ = bundles();
-    if (all_.empty() && std::getenv("LOOM_GPU_LABELS"))
-      GTEST_SKIP() << "no bundles labelled " << std::getenv("LOOM_GPU_LABELS") << " in " << bundleDir();
+    if (all_.empty() && (std::getenv("LOOM_GPU_LABELS") || std::getenv("LOOM_GPU_CASES_MATCH")))
+      GTEST_SKIP() << "no bundles match LOOM_GPU_LABELS / LOOM_GPU_CASES_MATCH in " << bundleDir();
     ASSERT_FALSE(all_.empty()) << "no kernel bundles in " << bundleDir() << ": run tests/gpu/prepare.sh first";
   }
 
