@@ -245,6 +245,14 @@ TEST(Cli, CompileReportsResourcesAsJson) {
   EXPECT_NE(result.output.find("\"registers\""), std::string::npos);
   EXPECT_NE(result.output.find("\"compile_seconds\""), std::string::npos);
 
+  // sm_90a: the wgmma path, its instructions named in the report.
+  const auto hopper =
+      runLoom("compile --spec " + testing::casesDir() + "/gqa-rope/spec.json --dtype bfloat16 --target sm_90a --json");
+  ASSERT_EQ(hopper.exitCode, 0) << hopper.output;
+  for (const char* expected : {"\"uses_wgmma\": true", "\"uses_tma\": true", "\"uses_setmaxnreg\": true",
+                               "\"engine\": \"engine_wgmma\"", "\"spill_bytes\": 0", "\"warnings\": []"})
+    EXPECT_NE(hopper.output.find(expected), std::string::npos) << expected << "\n" << hopper.output;
+
   const auto fp32 = runLoom("compile --spec " + testing::casesDir() + "/gqa-rope/spec.json --target sm_80");
   EXPECT_EQ(fp32.exitCode, 2);
   EXPECT_NE(fp32.output.find("float32 is not supported on CUDA targets"), std::string::npos) << fp32.output;

@@ -33,10 +33,16 @@ int gen(const GenOptions& options) {
   if (options.printIrAfterAll) std::fputs(ir.c_str(), stdout);
   if (options.plan) {
     std::printf("// schedule: %s\n", plan->schedule.ShortDebugString().c_str());
-    for (const LaunchPlan& launch : plan->launches)
-      std::printf("// launch %s: grid (ceil(N*%lld/%lld), %lld, B), %lld threads\n", launch.name.c_str(),
+    for (const LaunchPlan& launch : plan->launches) {
+      std::printf("// launch %s: grid (ceil(N*%lld/%lld), %lld, B), %lld threads", launch.name.c_str(),
                   (long long)launch.rowsPerToken, (long long)launch.rowsPerCta, (long long)launch.gridY,
                   (long long)launch.threads);
+      if (launch.sharedMemoryBytes) std::printf(", %lld B shared memory", (long long)launch.sharedMemoryBytes);
+      if (launch.warpSpecialized)
+        std::printf(", warp-specialised: 1 producer + %lld consumer warpgroups%s", (long long)launch.threads / 128 - 1,
+                    launch.tensorMaps ? ", TMA tensor maps" : "");
+      std::printf("\n");
+    }
     for (Workspace w : plan->workspaces) std::printf("// workspace %s\n", workspaceName(w).c_str());
   }
   std::fputs(plan->source.c_str(), stdout);
