@@ -277,11 +277,13 @@ py::object iha(const py::object& q, const py::object& k, const py::object& v, co
                         inputs[5].tensor, inputs[6].tensor, outTensor, lseGiven ? lseGiven->tensor : nullptr),
       true);
   if (onHost) {
+    check(validateTensors(spec, tensors, kHostDevice), true);
+    valueOr(resolveSchedule(spec, schedule, valueOr(parseTarget("cpu"), false)), true);
     cpu::CpuOptions options;
     options.cacheDir = cacheDir;
     options.threads = threads;
     py::gil_scoped_release release;
-    check(runOnHost(spec, tensors, schedule, options), true);
+    check(runOnHost(spec, tensors, schedule, options), false);  // what is left: compiling, running
   } else {
     std::shared_ptr<Kernel> kernel = kernelFor(*runtime, spec, schedule, service);
     check(validateTensors(spec, tensors, device.device_id), true);

@@ -189,6 +189,13 @@ class Errors(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "block_m"):
             loom.iha(*self.inputs(), self.spec, schedule={"block_m": 3})
 
+    def test_a_failure_that_is_not_the_callers_is_a_loom_error(self):
+        # The host program cannot be built where the cache cannot be written.
+        with self.assertRaises(loom.Error) as raised:
+            loom.iha(*self.inputs(), self.spec, cache_dir="/proc/loom-cannot-write-here")
+        self.assertIn("/proc/loom-cannot-write-here", str(raised.exception))
+        self.assertIsInstance(raised.exception, RuntimeError)
+
     def test_no_gpu_is_said_plainly(self):
         if loom.devices():
             self.skipTest("this machine has a GPU")
