@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 #include <regex>
 
+#include "autotune/cost_model.h"
 #include "cuda/case_runner.h"
 #include "cuda/driver.h"
 #include "io/case.h"
@@ -27,32 +28,6 @@ namespace {
 constexpr int kWarmupRuns = 3;
 constexpr int kTimedRuns = 20;
 constexpr size_t kL2FlushBytes = size_t(256) << 20;  // several times any L2
-
-// Allowed (i, j) pairs per head and batch entry, counted row by row.
-double allowedPairs(const KernelSpec& spec, int64_t tokens) {
-  const int64_t P = spec.pseudo_heads(), L = tokens * P, W = spec.window();
-  double pairs = 0;
-  for (int64_t i = 0; i < L; ++i) {
-    const int64_t t = i / P;
-    switch (spec.mask()) {
-      case v1::flat_causal: pairs += W ? std::min<int64_t>(i + 1, W * P) : i + 1; break;
-      case v1::token_causal: pairs += P * (W ? std::min<int64_t>(t + 1, W) : t + 1); break;
-      default: pairs += W ? P * (std::min<int64_t>(tokens - 1, t + W - 1) - std::max<int64_t>(0, t - W + 1) + 1) : L;
-    }
-  }
-  return pairs;
-}
-
-// Device memory loom adds beyond the operands: the workspaces of the plan.
-int64_t workspaceBytes(const v1::CompiledKernel& compiled, int64_t batch, int64_t tokens) {
-  const KernelSpec& spec = compiled.spec();
-  int64_t bytes = 0;
-  for (const std::string& name : compiled.workspaces()) {
-    const int64_t heads = name == "k_mixed" || name == "v_mixed" ? spec.kv_heads() : spec.heads();
-    bytes += batch * tokens * spec.pseudo_heads() * heads * spec.head_dim() * compiled.workspace_element_bytes();
-  }
-  return bytes;
-}
 
 }  // namespace
 
@@ -119,8 +94,8 @@ int main(int argc, char** argv) {
     if (times.size() != kTimedRuns) continue;
     std::sort(times.begin(), times.end());
     const double median = times[times.size() / 2], p90 = times[times.size() * 9 / 10];
-    const double flops = 4.0 * double(batch) * spec.heads() * spec.head_dim() * allowedPairs(spec, tokens);
-    const double bytes = 2.0 * double(batch) * tokens * (2 * spec.heads() + 2 * spec.kv_heads()) * spec.head_dim();
+    const double flops = autotune::ihaFlops(spec, batch, tokens);
+    const double bytes = autotune::operandBytes(spec, batch, tokens);
     std::printf("%-34s %4lld %6lld %10.3f %10.3f %9.1f %9.1f\n", m[3].str().c_str(), (long long)batch,
                 (long long)tokens, median, p90, flops / (median * 1e-3) / 1e12, bytes / (median * 1e-3) / 1e9);
     results.push_back({{"name", m[3].str()},

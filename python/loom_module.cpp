@@ -253,18 +253,15 @@ py::object iha(const py::object& q, const py::object& k, const py::object& v, co
   const DLDevice device = qt.device;
   const bool onHost = device.device_type == kDLCPU;
   std::shared_ptr<Runtime> runtime;
-  std::shared_ptr<cuda::Device> gpu;
-  if (!onHost) {
-    runtime = runtimeFor(device.device_id, cacheDir);
-    gpu = valueOr(cuda::Device::open(device.device_id), false);
-  }
+  if (!onHost) runtime = runtimeFor(device.device_id, cacheDir);
 
   const std::vector<int64_t> outShape = {qt.shape[0], qt.shape[1], spec.heads(), spec.head_dim()};
   std::optional<Borrowed> outGiven, lseGiven;
   Allocated made;
   const DLTensor* outTensor = nullptr;
   if (out.is_none()) {
-    made = allocate(outShape, dlTypeOf(spec.dtype()), bytesOf(spec.dtype()), device, gpu);
+    made = allocate(outShape, dlTypeOf(spec.dtype()), bytesOf(spec.dtype()), device,
+                    runtime ? runtime->gpu() : nullptr);
     outTensor = &made.view;
   } else {
     outGiven = borrow(out, "out", stream);
@@ -298,15 +295,8 @@ py::object iha(const py::object& q, const py::object& k, const py::object& v, co
 
 // A host DLPack tensor's values as doubles.
 std::vector<double> valuesOf(const DLTensor& t, const char* name) {
-  if (t.device.device_type != kDLCPU) throw BadArgument(std::string(name) + ": loom.reference takes host tensors");
-  Tensor view;
-  if (t.dtype.code == kDLFloat && t.dtype.bits == 32) view.element = ElementKind::float32;
-  else if (t.dtype.code == kDLFloat && t.dtype.bits == 16) view.element = ElementKind::float16;
-  else if (t.dtype.code == kDLBfloat && t.dtype.bits == 16) view.element = ElementKind::bfloat16;
-  else throw BadArgument(std::string(name) + ": dtype must be float32, float16 or bfloat16");
-  view.data = static_cast<char*>(t.data) + t.byte_offset;
-  view.shape.assign(t.shape, t.shape + t.ndim);
-  if (t.strides) view.strides.assign(t.strides, t.strides + t.ndim);
+  const Tensor view = valueOr(tensorFromDlpack(name, &t), true);
+  if (view.device != kHostDevice) throw BadArgument(std::string(name) + ": loom.reference takes host tensors");
   return hostValues(view);
 }
 
@@ -318,12 +308,13 @@ py::tuple reference(const py::object& q, const py::object& k, const py::object& 
   const char* names[] = {"q", "k", "v", "alpha_q", "alpha_k", "alpha_v", "collapse"};
   const py::object* objects[] = {&q, &k, &v, &alphaQ, &alphaK, &alphaV, &collapse};
   std::vector<std::vector<double>> values;
-  const Borrowed first = borrow(q, "q", std::nullopt);
-  if (first.tensor->ndim != 4) throw BadArgument("q: want 4 dimensions [B, N, H, d]");
-  const int64_t B = first.tensor->shape[0], N = first.tensor->shape[1];
+  std::vector<Borrowed> borrowed;
+  for (int i = 0; i < 7; ++i) borrowed.push_back(borrow(*objects[i], names[i], std::nullopt));
+  if (borrowed[0].tensor->ndim != 4) throw BadArgument("q: want 4 dimensions [B, N, H, d]");
+  const int64_t B = borrowed[0].tensor->shape[0], N = borrowed[0].tensor->shape[1];
   const std::vector<std::vector<int64_t>> shapes = inputShapes(spec, B, N);
   for (int i = 0; i < 7; ++i) {
-    const Borrowed b = borrow(*objects[i], names[i], std::nullopt);
+    const Borrowed& b = borrowed[size_t(i)];
     const std::vector<int64_t> shape(b.tensor->shape, b.tensor->shape + b.tensor->ndim);
     if (shape != shapes[size_t(i)])
       throw BadArgument(std::string(names[i]) + ": shape " + shapeString(shape) + ", want " + shapeString(shapes[size_t(i)]));

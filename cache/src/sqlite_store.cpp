@@ -136,6 +136,8 @@ Result<Decision> decisionFromJson(const std::string& text) {
   if (!google::protobuf::util::JsonStringToMessage(json["spec"].dump(), &d.spec).ok() ||
       !google::protobuf::util::JsonStringToMessage(json["result"].dump(), &d.result).ok())
     return makeError("decision record does not parse");
+  // Records from before the Schedule named its engine were tuned on the mma.sync path.
+  if (d.result.best().engine() == v1::engine_unspecified) d.result.mutable_best()->set_engine(v1::engine_mma);
   d.device = {json["device"].value("name", ""), json["device"].value("arch", ""), json["device"].value("sm_count", 0)};
   d.toolchain = json.value("toolchain", "");
   d.candidatesJson = json["candidates"].dump();

@@ -21,11 +21,7 @@ NpyType npyTypeOf(ElementKind element) {
 // Calls visit(elementOffset, denseIndex) for every element, in C order.
 template <typename Visit>
 void forEachElement(const Tensor& t, Visit visit) {
-  std::vector<int64_t> strides = t.strides;
-  if (strides.empty()) {
-    strides.assign(t.shape.size(), 1);
-    for (int i = int(t.shape.size()) - 2; i >= 0; --i) strides[i] = strides[i + 1] * t.shape[i + 1];
-  }
+  const std::vector<int64_t> strides = stridesOf(t);
   int64_t count = 1;
   for (int64_t extent : t.shape) count *= extent;
   std::vector<int64_t> index(t.shape.size(), 0);

@@ -24,8 +24,6 @@ Result<ProvidedKernel> KernelProvider::provide(const KernelSpec& spec, const v1:
     auto decision = store_->getDecision(spec, cache::DeviceModel::of(target), jit::nvrtcVersion());
     if (decision && decision->has_value()) {
       chosen = (*decision)->decision.result.best();
-      // Decisions from before engines existed were made on the mma.sync path.
-      if (chosen.engine() == v1::engine_unspecified) chosen.set_engine(v1::engine_mma);
       provided.scheduleSource = (*decision)->decision.result.measured() ? "tuned" : "ranked (untimed)";
       if ((*decision)->fallback) provided.scheduleSource += " (" + (*decision)->note + ")";
     }

@@ -28,6 +28,8 @@ Result<std::unique_ptr<Runtime>> Runtime::create(const Options& options) {
   return runtime;
 }
 
+std::shared_ptr<cuda::Device> Runtime::gpu() const { return state_->device; }
+
 const cuda::DeviceInfo& Runtime::device() const { return state_->device->info(); }
 
 v1::Target Runtime::target() const { return cuda::targetOf(device()); }

@@ -69,6 +69,14 @@ double allowedPairs(const KernelSpec& spec, int64_t tokens) {
   return pairs;
 }
 
+double ihaFlops(const KernelSpec& spec, int64_t batch, int64_t tokens) {
+  return 4.0 * double(batch * spec.heads()) * double(spec.head_dim()) * allowedPairs(spec, tokens);
+}
+
+double operandBytes(const KernelSpec& spec, int64_t batch, int64_t tokens) {
+  return double(batch) * double(tokens) * (2.0 * spec.heads() + 2.0 * spec.kv_heads()) * double(spec.head_dim()) * kBytes16;
+}
+
 BlockCounts countBlocks(const KernelSpec& spec, int64_t blockM, int64_t blockN, int64_t tokens) {
   const int64_t L = tokens * spec.pseudo_heads();
   BlockCounts counts;
@@ -98,7 +106,7 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::T
   const BlockCounts blocks = countBlocks(spec, bm, bn, tokens);
 
   CostEstimate e;
-  e.usefulFlops = 4.0 * double(heads) * double(d) * allowedPairs(spec, tokens);
+  e.usefulFlops = ihaFlops(spec, batch, tokens);
   e.matrixFlops = 4.0 * double(heads) * double(blocks.visited) * double(bm * bn * ((d + 15) / 16 * 16));
   const double exps = double(heads) * double(blocks.visited) * double(bm * bn);
   const double maskOps = double(heads) * double(blocks.masked) * double(bm * bn) * 8;
@@ -109,7 +117,7 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::T
   const double mixFlops = fusedMix ? double(heads) * (double(blocks.visited) * kvMixPerVisit + double(L * d * H) * 2 * rope)
                                    : double(batch) * double(L * d) * 2.0 * (double(H * H) + 2.0 * G * G);
 
-  double bytes = double(batch) * tokens * (2.0 * H + 2.0 * G) * d * kBytes16;  // q, k, v in; out
+  double bytes = operandBytes(spec, batch, tokens);
   if (!fusedMix) bytes += 2.0 * double(batch) * L * (H + 2.0 * G) * d * kBytes16;  // workspaces written and read
   if (s.collapse() == v1::collapse_separate) bytes += 2.0 * double(batch) * L * H * d * kBytes16;
   e.dramBytes = bytes;
@@ -123,13 +131,10 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::T
   const int threads = (s.warps() + (wgmma ? 4 : 0)) * 32;
   const int registers =
       registersPerThread.value_or(int(std::min<int64_t>(255, kBaseRegisters + fragmentRegisters(spec, s))));
-  const bool collapseInEpilogue = s.collapse() != v1::collapse_separate;
-  const int64_t smem =
-      target.kind() != v1::Target::cuda ? 0
-      : wgmma ? hopperSmem(int(bm), int(bn), int(d), s.stages(), int(H), int(P), collapseInEpilogue, fusedGlobal).total
-              : attentionSmem(int(bm), int(bn), int(d), s.stages(), int(H), int(G), int(P), fusedMix,
-                              collapseInEpilogue, fusedGlobal)
-                    .total;
+  const int64_t smem = target.kind() != v1::Target::cuda
+                           ? 0
+                           : ctaSharedMemory(wgmma, int(bm), int(bn), int(d), s.stages(), int(H), int(G), int(P),
+                                             fusedMix, s.collapse() != v1::collapse_separate, fusedGlobal);
   int ctas = wgmma ? 1 : kMaxCtasPerSm;
   if (smem > 0) ctas = std::min<int64_t>(ctas, device.sharedMemoryPerSm / smem);
   if (!wgmma) ctas = std::min(ctas, device.registersPerSm / std::max(1, registers * threads));

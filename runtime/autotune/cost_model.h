@@ -61,4 +61,11 @@ int64_t fragmentRegisters(const KernelSpec& spec, const Schedule& schedule);
 // Allowed (i, j) pairs of one head and batch entry.
 double allowedPairs(const KernelSpec& spec, int64_t tokens);
 
+// The useful work of a forward pass, docs/IHA.md: 4 d H B times the allowed
+// pairs. Every TFLOP/s loom reports divides this.
+double ihaFlops(const KernelSpec& spec, int64_t batch, int64_t tokens);
+
+// q, k, v read and out written once, 16-bit: the bytes a pass must move.
+double operandBytes(const KernelSpec& spec, int64_t batch, int64_t tokens);
+
 }  // namespace loom::autotune

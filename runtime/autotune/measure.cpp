@@ -157,8 +157,8 @@ Status measure(const KernelSpec& spec, std::shared_ptr<cuda::Device> device, con
   }
 
   // Throughput of what was timed.
-  const double flops = 4.0 * double(options.batch * spec.heads()) * spec.head_dim() * allowedPairs(spec, options.tokens);
-  const double bytes = 2.0 * double(options.batch) * options.tokens * (2 * spec.heads() + 2 * spec.kv_heads()) * spec.head_dim();
+  const double flops = ihaFlops(spec, options.batch, options.tokens);
+  const double bytes = operandBytes(spec, options.batch, options.tokens);
   for (CandidateResult& r : results)
     if (r.outcome == Outcome::timed) {
       r.tflops = flops / (r.medianMs * 1e-3) / 1e12;

@@ -17,10 +17,9 @@ constexpr int kStageChoices[] = {1, 2, 3, 4};
 constexpr int kMaxBlockM = 256;
 constexpr int kMmaRows = 16;
 // The wgmma engine (sm_90a): 1 to 3 consumer warpgroups of 64 rows, its
-// block_n set, and the producer's register budget: the TMA producer is one
+// block_n set (layout.h), and the producer's register budget: the TMA producer is one
 // thread and takes the minimum; a mixing producer computes and gets a choice.
 constexpr int kWarpgroupChoices[] = {1, 2, 3};
-constexpr int kWgmmaBlockNChoices[] = {64, 128, 192, 256};
 constexpr int kTmaProducerRegisters[] = {24};
 constexpr int kMixingProducerRegisters[] = {56, 88};
 constexpr int64_t kWgmmaBaseRegisters = 48;  // addresses, barriers, softmax rows, the loop
@@ -83,7 +82,7 @@ SearchSpace searchSpace(const KernelSpec& spec, const v1::Target& target) {
   }
   if (target.kind() == v1::Target::cuda && target.arch() == "sm_90a")
     for (int groups : kWarpgroupChoices)
-      for (int blockN : kWgmmaBlockNChoices)
+      for (int blockN : kWgmmaBlockNs)
         for (int stages : kStageChoices)
           for (v1::MixStrategy mix : {v1::mix_materialized, v1::mix_fused})
             for (v1::CollapseStrategy collapse : {v1::collapse_fused, v1::collapse_separate})

@@ -37,6 +37,15 @@ Result<std::string> readTextFile(const std::string& path) {
   return text.str();
 }
 
+Result<KernelSpec> readSpecFile(const std::string& path) {
+  auto text = readTextFile(path);
+  if (!text) return text.error();
+  auto spec = parseSpecJson(*text, path);
+  if (!spec) return spec.error();
+  if (Status valid = validateSpec(*spec); !valid) return makeError(path + ": " + valid.error().message);
+  return spec;
+}
+
 Status validateSpec(const KernelSpec& spec) {
   auto fail = [](const std::string& message) { return Status(makeError(message)); };
   if (spec.heads() < 1) return fail("heads (" + std::to_string(spec.heads()) + ") must be at least 1");

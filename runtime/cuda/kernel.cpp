@@ -1,4 +1,5 @@
 // Kernel: a CompiledKernel loaded on a device, validated and launched.
+#include <algorithm>
 #include <cstring>
 
 #include "cuda/driver.h"
@@ -20,12 +21,16 @@ const char* nameOf(ElementKind kind) {
   return kind == ElementKind::float32 ? "float32" : kind == ElementKind::float16 ? "float16" : "bfloat16";
 }
 
+}  // namespace
+
 std::vector<int64_t> stridesOf(const Tensor& t) {
   if (!t.strides.empty()) return t.strides;
   std::vector<int64_t> strides(t.shape.size(), 1);
   for (int i = int(t.shape.size()) - 2; i >= 0; --i) strides[i] = strides[i + 1] * t.shape[i + 1];
   return strides;
 }
+
+namespace {
 
 std::string shapeText(const std::vector<int64_t>& shape) {
   std::string text = "[";
@@ -59,7 +64,9 @@ Status checkTensor(const char* name, const Tensor& t, const std::vector<int64_t>
   return Status::success();
 }
 
-Result<Tensor> fromDlpack(const char* name, const DLTensor* t) {
+}  // namespace
+
+Result<Tensor> tensorFromDlpack(const char* name, const DLTensor* t) {
   auto fail = [&](const std::string& why) { return makeError(std::string(name) + ": " + why); };
   if (!t) return fail("missing");
   if (t->device.device_type != kDLCUDA && t->device.device_type != kDLCPU)
@@ -76,8 +83,6 @@ Result<Tensor> fromDlpack(const char* name, const DLTensor* t) {
   if (t->strides) view.strides.assign(t->strides, t->strides + t->ndim);
   return view;
 }
-
-}  // namespace
 
 Status validateTensors(const KernelSpec& spec, const IhaTensors& t, int device) {
   if (t.q.shape.size() != 4) return makeError("q: want 4 dimensions [B, N, H, d], got " + shapeText(t.q.shape));
@@ -119,12 +124,12 @@ Result<IhaTensors> tensorsFromDlpack(const DLTensor* q, const DLTensor* k, const
       {"alpha_k", {alphaK, &tensors.alpha_k}}, {"alpha_v", {alphaV, &tensors.alpha_v}},
       {"collapse", {collapse, &tensors.collapse}}, {"out", {out, &tensors.out}}};
   for (const auto& [name, pair] : all) {
-    auto view = fromDlpack(name, pair.first);
+    auto view = tensorFromDlpack(name, pair.first);
     if (!view) return view.error();
     *pair.second = *view;
   }
   if (lse) {
-    auto view = fromDlpack("lse", lse);
+    auto view = tensorFromDlpack("lse", lse);
     if (!view) return view.error();
     tensors.lse = *view;
   }
@@ -170,21 +175,36 @@ Kernel::~Kernel() {
   if (module_) device_->api().cuModuleUnload(module_);
 }
 
+namespace {
+
+int64_t workspaceBytes(const v1::CompiledKernel& kernel, const std::string& name, int64_t batch, int64_t tokens) {
+  const KernelSpec& spec = kernel.spec();
+  const int64_t heads = name == "k_mixed" || name == "v_mixed" ? spec.kv_heads() : spec.heads();
+  return batch * tokens * spec.pseudo_heads() * heads * spec.head_dim() * kernel.workspace_element_bytes();
+}
+
+}  // namespace
+
+int64_t workspaceBytes(const v1::CompiledKernel& kernel, int64_t batch, int64_t tokens) {
+  int64_t bytes = 0;
+  for (const std::string& name : kernel.workspaces()) bytes += workspaceBytes(kernel, name, batch, tokens);
+  return bytes;
+}
+
 Status Kernel::ensureWorkspaces(int64_t batch, int64_t tokens) {
   if (batch * tokens <= workspaceRows_) return Status::success();
-  const KernelSpec& spec = compiled_.spec();
   // Work queued on the old buffers must finish before they are freed.
   if (!workspaces_.empty())
     if (Status ok = cuda::check(device_->api().cuCtxSynchronize(), "cuCtxSynchronize"); !ok) return ok;
   workspaces_.clear();
   for (const std::string& name : compiled_.workspaces()) {
-    const int64_t heads = name == "k_mixed" || name == "v_mixed" ? spec.kv_heads() : spec.heads();
-    const int64_t bytes = batch * tokens * spec.pseudo_heads() * heads * spec.head_dim() * compiled_.workspace_element_bytes();
+    const int64_t bytes = workspaceBytes(compiled_, name, batch, tokens);
     auto buffer = cuda::DeviceBuffer::allocate(*device_, size_t(bytes));
     if (!buffer) return buffer.error();
     workspaces_[name] = std::make_unique<cuda::DeviceBuffer>(std::move(*buffer));
   }
   workspaceRows_ = batch * tokens;
+  mapsShape_ = {0, 0};  // the maps pointed at the old buffers
   return Status::success();
 }
 
@@ -249,15 +269,18 @@ Status Kernel::launch(const IhaTensors& t, CUstream stream) {
     std::memcpy(targets[i], s.data(), 3 * sizeof(int64_t));
   }
 
-  cuda::TmaMaps maps{};
-  for (const v1::EntryPoint& entry : compiled_.entries())
-    if (entry.tensor_maps())
-      if (Status ok = encodeTensorMaps(args, N * compiled_.spec().pseudo_heads(), B, maps); !ok) return ok;
+  const bool wantsMaps = std::any_of(compiled_.entries().begin(), compiled_.entries().end(),
+                                     [](const v1::EntryPoint& entry) { return entry.tensor_maps(); });
+  if (wantsMaps && mapsShape_ != std::make_pair(B, N)) {
+    if (!maps_) maps_ = std::make_unique<cuda::TmaMaps>();
+    if (Status ok = encodeTensorMaps(args, N * compiled_.spec().pseudo_heads(), B, *maps_); !ok) return ok;
+    mapsShape_ = {B, N};
+  }
 
   for (int e = 0; e < compiled_.entries_size(); ++e) {
     const v1::EntryPoint& entry = compiled_.entries(e);
     void* argsOnly[] = {&args};
-    void* argsAndMaps[] = {&args, &maps};
+    void* argsAndMaps[] = {&args, maps_.get()};
     void** params = entry.tensor_maps() ? argsAndMaps : argsOnly;
     const int64_t rows = N * entry.rows_per_token();
     const unsigned gridX = unsigned((rows + entry.rows_per_cta() - 1) / entry.rows_per_cta());

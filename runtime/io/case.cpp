@@ -62,12 +62,8 @@ double toleranceFor(v1::DType dtype) {
 
 Result<IhaCase> loadCase(const std::string& dir) {
   if (!fs::is_directory(dir)) return makeError(dir + ": not a case folder");
-  const std::string specPath = (fs::path(dir) / "spec.json").string();
-  auto specText = readTextFile(specPath);
-  if (!specText) return specText.error();
-  auto spec = parseSpecJson(*specText, specPath);
+  auto spec = readSpecFile((fs::path(dir) / "spec.json").string());
   if (!spec) return spec.error();
-  if (Status valid = validateSpec(*spec); !valid) return makeError(specPath + ": " + valid.error().message);
 
   IhaCase c;
   c.spec = *spec;

@@ -20,16 +20,8 @@ namespace {
 
 KernelSpec spec(int H, int G, int P, int d, v1::MaskMode mask = v1::flat_causal, int window = 0,
                 v1::CollapseMode collapse = v1::per_head) {
-  KernelSpec s;
-  s.set_heads(H);
-  s.set_kv_heads(G);
-  s.set_pseudo_heads(P);
-  s.set_head_dim(d);
-  s.set_mask(mask);
-  s.set_window(window);
-  s.set_collapse(collapse);
-  s.set_dtype(v1::bfloat16);
-  return s;
+  return testing::makeSpec({.heads = H, .kvHeads = G, .pseudoHeads = P, .headDim = d, .mask = mask, .window = window,
+                            .collapse = collapse});
 }
 
 v1::Target target(const std::string& arch, int64_t sharedPerBlock = 0) {

@@ -30,17 +30,7 @@ v1::CompiledKernel kernel(int id, size_t binaryBytes = 64) {
   return k;
 }
 
-KernelSpec spec(int heads) {
-  KernelSpec s;
-  s.set_heads(heads);
-  s.set_kv_heads(heads);
-  s.set_pseudo_heads(2);
-  s.set_head_dim(64);
-  s.set_dtype(v1::bfloat16);
-  s.set_mask(v1::flat_causal);
-  s.set_collapse(v1::per_head);
-  return s;
-}
+KernelSpec spec(int heads) { return testing::makeSpec({.heads = heads}); }
 
 DeviceModel h200() { return {"NVIDIA H200", "sm_90a", 132}; }
 

@@ -9,16 +9,8 @@ namespace loom {
 namespace {
 
 KernelSpec baseSpec() {
-  KernelSpec spec;
-  spec.set_heads(4);
-  spec.set_kv_heads(2);
-  spec.set_pseudo_heads(4);
-  spec.set_head_dim(32);
-  spec.set_dtype(v1::float16);
-  spec.set_mask(v1::flat_causal);
-  spec.set_collapse(v1::per_head);
-  spec.set_rope_theta(10000);
-  return spec;
+  return testing::makeSpec({.heads = 4, .kvHeads = 2, .pseudoHeads = 4, .headDim = 32, .dtype = v1::float16,
+                            .ropeTheta = 10000});
 }
 
 std::string errorOf(const KernelSpec& spec, const Schedule& schedule) {

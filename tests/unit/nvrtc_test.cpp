@@ -14,17 +14,8 @@ namespace {
 
 KernelSpec makeSpec(int H, int G, int P, int d, v1::MaskMode mask, int window, v1::CollapseMode collapse, double rope,
                     v1::DType dtype) {
-  KernelSpec spec;
-  spec.set_heads(H);
-  spec.set_kv_heads(G);
-  spec.set_pseudo_heads(P);
-  spec.set_head_dim(d);
-  spec.set_mask(mask);
-  spec.set_window(window);
-  spec.set_collapse(collapse);
-  spec.set_rope_theta(rope);
-  spec.set_dtype(dtype);
-  return spec;
+  return testing::makeSpec({.heads = H, .kvHeads = G, .pseudoHeads = P, .headDim = d, .dtype = dtype, .mask = mask,
+                            .window = window, .collapse = collapse, .ropeTheta = rope});
 }
 
 struct Named {

@@ -12,17 +12,7 @@ namespace {
 // Fake device addresses: validation never dereferences them.
 void* fakePointer(uintptr_t address) { return reinterpret_cast<void*>(address); }
 
-KernelSpec spec() {
-  KernelSpec s;
-  s.set_heads(4);
-  s.set_kv_heads(2);
-  s.set_pseudo_heads(2);
-  s.set_head_dim(64);
-  s.set_dtype(v1::bfloat16);
-  s.set_mask(v1::flat_causal);
-  s.set_collapse(v1::per_head);
-  return s;
-}
+KernelSpec spec() { return testing::makeSpec({.heads = 4, .kvHeads = 2}); }
 
 IhaTensors validTensors(int64_t B = 2, int64_t N = 10) {
   const ElementKind act = ElementKind::bfloat16, f32 = ElementKind::float32;

@@ -28,16 +28,7 @@ namespace {
 constexpr const char* kToken = "test-token-0123456789abcdef";
 
 KernelSpec spec(int heads, int window = 0) {
-  KernelSpec s;
-  s.set_heads(heads);
-  s.set_kv_heads(heads);
-  s.set_pseudo_heads(2);
-  s.set_head_dim(32);
-  s.set_dtype(v1::bfloat16);
-  s.set_mask(v1::flat_causal);
-  s.set_window(window);
-  s.set_collapse(v1::per_head);
-  return s;
+  return testing::makeSpec({.heads = heads, .headDim = 32, .window = window});
 }
 
 v1::Target sm80() {

@@ -20,6 +20,33 @@
 
 namespace loom::testing {
 
+// A spec from the fields a test cares about; kv_heads 0 means kv_heads = heads.
+struct SpecFields {
+  int heads = 4;
+  int kvHeads = 0;
+  int pseudoHeads = 2;
+  int headDim = 64;
+  v1::DType dtype = v1::bfloat16;
+  v1::MaskMode mask = v1::flat_causal;
+  int window = 0;
+  v1::CollapseMode collapse = v1::per_head;
+  double ropeTheta = 0;
+};
+
+inline KernelSpec makeSpec(const SpecFields& f) {
+  KernelSpec spec;
+  spec.set_heads(f.heads);
+  spec.set_kv_heads(f.kvHeads ? f.kvHeads : f.heads);
+  spec.set_pseudo_heads(f.pseudoHeads);
+  spec.set_head_dim(f.headDim);
+  spec.set_dtype(f.dtype);
+  spec.set_mask(f.mask);
+  spec.set_window(f.window);
+  spec.set_collapse(f.collapse);
+  spec.set_rope_theta(f.ropeTheta);
+  return spec;
+}
+
 inline std::string dataDir() { return LOOM_TEST_DATA; }
 inline std::string casesDir() { return dataDir() + "/cases"; }
 

@@ -10,15 +10,6 @@ int badInput(const std::string& message) {
   return kExitBadInput;
 }
 
-Result<KernelSpec> readSpecFile(const std::string& path) {
-  auto text = readTextFile(path);
-  if (!text) return text.error();
-  auto spec = parseSpecJson(*text, path);
-  if (!spec) return spec.error();
-  if (Status valid = validateSpec(*spec); !valid) return makeError(path + ": " + valid.error().message);
-  return spec;
-}
-
 Status overrideDtype(KernelSpec& spec, const std::string& dtype) {
   if (dtype.empty()) return Status::success();
   v1::DType parsed;

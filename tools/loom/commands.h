@@ -29,8 +29,6 @@ void addPretuneCommand(CLI::App& app, std::function<int()>* action);
 // Prints "loom: <message>" on stderr and returns kExitBadInput.
 int badInput(const std::string& message);
 
-// A validated KernelSpec from a JSON file.
-Result<KernelSpec> readSpecFile(const std::string& path);
 // Applies a --dtype override ("" leaves the spec as it is).
 Status overrideDtype(KernelSpec& spec, const std::string& dtype);
 

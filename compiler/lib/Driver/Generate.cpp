@@ -63,16 +63,10 @@ Schedule scheduleOf(ScheduleAttr attr) {
 int64_t attentionSharedMemory(SpecAttr spec, ScheduleAttr schedule) {
   const bool fusedGlobal =
       schedule.getCollapse() == CollapseStrategy::epilogue && spec.getCollapse() == CollapseMode::global;
-  if (schedule.getEngine() == Engine::wgmma)
-    return hopperSmem(int(schedule.getBlockM()), int(schedule.getBlockN()), int(spec.getHeadDim()),
-                      int(schedule.getStages()), int(spec.getHeads()), int(spec.getPseudoHeads()),
-                      schedule.getCollapse() == CollapseStrategy::epilogue, fusedGlobal)
-        .total;
-  return attentionSmem(int(schedule.getBlockM()), int(schedule.getBlockN()), int(spec.getHeadDim()),
-                       int(schedule.getStages()), int(spec.getHeads()), int(spec.getKvHeads()),
-                       int(spec.getPseudoHeads()), schedule.getMix() == MixStrategy::fused,
-                       schedule.getCollapse() == CollapseStrategy::epilogue, fusedGlobal)
-      .total;
+  return ctaSharedMemory(schedule.getEngine() == Engine::wgmma, int(schedule.getBlockM()), int(schedule.getBlockN()),
+                         int(spec.getHeadDim()), int(schedule.getStages()), int(spec.getHeads()), int(spec.getKvHeads()),
+                         int(spec.getPseudoHeads()), schedule.getMix() == MixStrategy::fused,
+                         schedule.getCollapse() == CollapseStrategy::epilogue, fusedGlobal);
 }
 
 void readPlan(KernelOp kernel, KernelPlan& plan) {
@@ -132,7 +126,7 @@ std::string workspaceName(Workspace workspace) {
 }
 
 int64_t defaultSharedMemoryPerBlock(const std::string& arch) {
-  if (arch.rfind("sm_90", 0) == 0 || arch.rfind("sm_10", 0) == 0) return 232448;  // 227 KiB
+  if (arch.rfind("sm_90", 0) == 0 || arch.rfind("sm_10", 0) == 0) return kHopperSharedMemoryPerBlock;  // 227 KiB
   if (arch == "sm_80" || arch == "sm_87") return 166912;                           // 163 KiB
   return 101376;                                                                    // 99 KiB (sm_86, sm_89)
 }

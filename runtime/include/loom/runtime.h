@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -44,6 +45,9 @@ struct Tensor {
 
 inline constexpr int kHostDevice = -1;
 
+// A tensor's strides in elements: its own, or C order when it has none.
+std::vector<int64_t> stridesOf(const Tensor& tensor);
+
 // The IHA operands. q, k, v and out are the spec's dtype; the weights and
 // lse are float32. lse is optional.
 struct IhaTensors {
@@ -56,6 +60,10 @@ struct IhaTensors {
 // Checks shapes, dtypes, strides, alignment and device against the spec
 // before anything is launched; the error names the tensor.
 Status validateTensors(const KernelSpec& spec, const IhaTensors& tensors, int device);
+
+// Views one DLPack tensor (float32, float16 or bfloat16; CUDA or host);
+// errors begin with `name`.
+Result<Tensor> tensorFromDlpack(const char* name, const DLTensor* tensor);
 
 // Views DLPack tensors (lse may be null) as IhaTensors: CUDA tensors, or
 // host tensors (device kHostDevice) for runOnHost.
@@ -72,6 +80,10 @@ struct CpuOptions;
 // Slow: for checking and for machines without a GPU.
 Status runOnHost(const KernelSpec& spec, const IhaTensors& tensors, const Schedule& schedule,
                  const cpu::CpuOptions& options);
+
+// Bytes of the workspaces a compiled kernel's launches need for B x N
+// tokens (its plan's q_mixed, k_mixed, v_mixed, o_pseudo).
+int64_t workspaceBytes(const v1::CompiledKernel& kernel, int64_t batch, int64_t tokens);
 
 // A host tensor's elements widened to double, in C order.
 std::vector<double> hostValues(const Tensor& tensor);
@@ -105,6 +117,10 @@ class Kernel {
   std::vector<CUfunction> functions_;  // one per entry, in launch order
   std::map<std::string, std::unique_ptr<cuda::DeviceBuffer>> workspaces_;
   int64_t workspaceRows_ = 0;  // B * N the workspaces hold
+  // Tensor maps over the workspaces (wgmma engine), encoded for one (B, N)
+  // and kept until either changes or the workspaces move.
+  std::unique_ptr<cuda::TmaMaps> maps_;
+  std::pair<int64_t, int64_t> mapsShape_{0, 0};
   std::string provenance_ = "loaded";
 };
 
@@ -123,6 +139,8 @@ class Runtime {
   ~Runtime();
 
   const cuda::DeviceInfo& device() const;
+  // The opened device (for buffers that live beside its kernels).
+  std::shared_ptr<cuda::Device> gpu() const;
   // The device as a compile target (arch and properties).
   v1::Target target() const;
 

@@ -16,6 +16,8 @@ using v1::Schedule;
 Result<KernelSpec> parseSpecJson(const std::string& json, const std::string& origin);
 Result<Schedule> parseScheduleJson(const std::string& json, const std::string& origin);
 Result<std::string> readTextFile(const std::string& path);
+// A KernelSpec JSON file, parsed and validated; errors name the file.
+Result<KernelSpec> readSpecFile(const std::string& path);
 
 // Checks every rule of the IHA contract a spec alone can break; the error
 // names the field: "kv_heads (3) must divide heads (4)".

@@ -17,8 +17,6 @@ constexpr int64_t kDefaultStages = 2;
 
 constexpr int64_t kTmaProducerRegisters = 24;
 constexpr int64_t kMixingProducerRegisters = 56;
-constexpr int64_t kWgmmaBlockNs[] = {64, 128, 192, 256};
-constexpr int64_t kHopperSharedMemoryPerBlock = 232448;  // 227 KiB with opt-in
 
 std::string str(int64_t value) { return std::to_string(value); }
 
@@ -46,7 +44,7 @@ int64_t wgmmaStages(SpecAttr spec, int64_t blockM, int64_t blockN, CollapseStrat
   const bool outTile = epilogue && spec.getCollapse() == CollapseMode::global;
   const HopperSmem three = hopperSmem(int(blockM), int(blockN), int(spec.getHeadDim()), 3, int(spec.getHeads()),
                                       int(spec.getPseudoHeads()), epilogue, outTile);
-  return three.total <= kHopperSharedMemoryPerBlock ? 3 : kDefaultStages;
+  return three.total <= loom::kHopperSharedMemoryPerBlock ? 3 : kDefaultStages;
 }
 
 ScheduleAttr completeWgmma(SpecAttr spec, const ScheduleFields& given) {
@@ -77,7 +75,7 @@ std::optional<std::string> checkWgmma(SpecAttr spec, ScheduleAttr schedule) {
   if (blockM % P != 0)
     return "schedule.block_m (" + str(blockM) + ") must be a multiple of pseudo_heads (" + str(P) +
            ") so a query block holds whole tokens";
-  if (std::find(std::begin(kWgmmaBlockNs), std::end(kWgmmaBlockNs), blockN) == std::end(kWgmmaBlockNs))
+  if (std::find(std::begin(loom::kWgmmaBlockNs), std::end(loom::kWgmmaBlockNs), blockN) == std::end(loom::kWgmmaBlockNs))
     return "schedule.block_n (" + str(blockN) + ") must be 64, 128, 192 or 256 with engine wgmma";
   if (producer < kMinWarpgroupRegisters || producer > loom::kMaxConsumerRegisters || producer % 8 != 0)
     return "schedule.producer_registers (" + str(producer) + ") must be a multiple of 8 in [" +

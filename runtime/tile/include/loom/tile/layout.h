@@ -59,6 +59,11 @@ constexpr int kSwizzleRowBytes = 128;
 constexpr int kSwizzlePeriodBytes = 1024;
 constexpr int kBarrierBytes = 8;
 constexpr int kMaxConsumerWarpgroups = 4;
+// What the wgmma engine takes: block_n values (N of the S = Q K^T wgmma, a
+// whole number of 64-row TMA boxes) and the per-block shared-memory limit of
+// sm_90a (227 KiB with opt-in).
+constexpr int kWgmmaBlockNs[] = {64, 128, 192, 256};
+constexpr int kHopperSharedMemoryPerBlock = 232448;
 
 // Registers per consumer thread once the producer warpgroup has given up
 // its share (setmaxnreg): the register file (64K) split over the consumer
@@ -106,6 +111,16 @@ constexpr HopperSmem hopperSmem(int blockM, int blockN, int headDim, int stages,
   s.barriers = alignUp(s.out + outBytes, kBarrierBytes);
   s.total = s.barriers + (2 * stages + kMaxConsumerWarpgroups) * kBarrierBytes + kSwizzlePeriodBytes;
   return s;
+}
+
+// Dynamic shared memory of the attention CTA of either engine: what the
+// compiler's plan, the launcher and the tuner's pruning and cost model use.
+constexpr int ctaSharedMemory(bool wgmma, int blockM, int blockN, int headDim, int stages, int heads, int kvHeads,
+                              int pseudoHeads, bool mixed, bool collapseInEpilogue, bool outTile) {
+  return wgmma ? hopperSmem(blockM, blockN, headDim, stages, heads, pseudoHeads, collapseInEpilogue, outTile).total
+               : attentionSmem(blockM, blockN, headDim, stages, heads, kvHeads, pseudoHeads, mixed, collapseInEpilogue,
+                               outTile)
+                     .total;
 }
 
 // Fragment geometry of mma.sync.m16n8k16 and ldmatrix.x4, as lane
