@@ -15,6 +15,7 @@
 #include <regex>
 
 #include "autotune/cost_model.h"
+#include "autotune/measure.h"
 #include "cuda/case_runner.h"
 #include "cuda/driver.h"
 #include "io/case.h"
@@ -25,9 +26,8 @@ using namespace loom;
 
 namespace {
 
-constexpr int kWarmupRuns = 3;
-constexpr int kTimedRuns = 20;
-constexpr size_t kL2FlushBytes = size_t(256) << 20;  // several times any L2
+// Three warm-up launches, then exactly 20 timed ones.
+constexpr autotune::TimingPlan kPlan{3, 20, 20, 0};
 
 }  // namespace
 
@@ -40,12 +40,8 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "loom-gpu-bench: %s\n", device.error().message.c_str());
     return 2;
   }
-  const cuda::DriverApi& api = (*device)->api();
-  auto flush = cuda::DeviceBuffer::allocate(**device, kL2FlushBytes);
+  auto flush = cuda::DeviceBuffer::allocate(**device, autotune::kL2FlushBytes);
   if (!flush) return 2;
-  CUevent start, stop;
-  api.cuEventCreate(&start, CU_EVENT_DEFAULT);
-  api.cuEventCreate(&stop, CU_EVENT_DEFAULT);
   std::mt19937_64 rng(std::random_device{}());
 
   std::printf("device: %s (%s, %d SMs)\n", (*device)->info().name.c_str(), (*device)->info().arch().c_str(),
@@ -75,25 +71,13 @@ int main(int argc, char** argv) {
     const IhaCase c = drawCase(spec, batch, tokens, rng());
     auto buffers = cuda::CaseBuffers::upload(**device, c);
     if (!buffers) return 2;
-    const IhaTensors tensors = buffers->tensors();
-    std::vector<float> times;
-    for (int run = 0; run < kWarmupRuns + kTimedRuns; ++run) {
-      api.cuMemsetD8(flush->get(), uint8_t(run), kL2FlushBytes);
-      api.cuEventRecord(start, nullptr);
-      Status launched = (*kernel)->launch(tensors);
-      api.cuEventRecord(stop, nullptr);
-      if (!launched || !cuda::check(api.cuEventSynchronize(stop), "kernel")) {
-        std::printf("%-34s launch failed: %s\n", m[3].str().c_str(), launched ? "execution error" : launched.error().message.c_str());
-        ++failures;
-        break;
-      }
-      float ms = 0;
-      api.cuEventElapsedTime(&ms, start, stop);
-      if (run >= kWarmupRuns) times.push_back(ms);
+    auto timing = autotune::timeLaunches(**kernel, **device, {buffers->tensors()}, *flush, kPlan);
+    if (!timing) {
+      std::printf("%-34s launch failed: %s\n", m[3].str().c_str(), timing.error().message.c_str());
+      ++failures;
+      continue;
     }
-    if (times.size() != kTimedRuns) continue;
-    std::sort(times.begin(), times.end());
-    const double median = times[times.size() / 2], p90 = times[times.size() * 9 / 10];
+    const double median = timing->medianMs, p90 = timing->p90Ms;
     const double flops = autotune::ihaFlops(spec, batch, tokens);
     const double bytes = autotune::operandBytes(spec, batch, tokens);
     std::printf("%-34s %4lld %6lld %10.3f %10.3f %9.1f %9.1f\n", m[3].str().c_str(), (long long)batch,

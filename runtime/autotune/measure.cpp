@@ -16,17 +16,13 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr int64_t kVerifyTokens = 96;       // small enough for the float64 reference
-constexpr int kWarmupRuns = 2;
-constexpr int kMinTimedRuns = 5;
-constexpr int kMaxTimedRuns = 100;
 constexpr int kInputSets = 2;               // rotated so the cache does not flatter small problems
-constexpr size_t kL2FlushBytes = size_t(256) << 20;
 constexpr double kNoiseFraction = 0.02;     // medians closer than this are ties
 
-// Times one kernel on rotating input sets with the L2 flushed before each
-// run; stops after `budgetMs` of device time (at least kMinTimedRuns runs).
-Status timeKernel(Kernel& kernel, const cuda::Device& device, const std::vector<cuda::CaseBuffers>& inputs,
-                  const cuda::DeviceBuffer& flush, double budgetMs, CandidateResult& r) {
+}  // namespace
+
+Result<Timing> timeLaunches(Kernel& kernel, const cuda::Device& device, const std::vector<IhaTensors>& inputs,
+                            const cuda::DeviceBuffer& flush, const TimingPlan& plan) {
   const cuda::DriverApi& api = device.api();
   CUevent start, stop;
   api.cuEventCreate(&start, CU_EVENT_DEFAULT);
@@ -34,32 +30,26 @@ Status timeKernel(Kernel& kernel, const cuda::Device& device, const std::vector<
   std::vector<float> times;
   double spent = 0;
   Status status;
-  for (int run = 0; run < kWarmupRuns + kMaxTimedRuns; ++run) {
+  for (int run = 0; run < plan.warmupRuns + plan.maxRuns; ++run) {
     api.cuMemsetD8(flush.get(), uint8_t(run), flush.size());
     api.cuEventRecord(start, nullptr);
-    status = kernel.launch(inputs[size_t(run) % inputs.size()].tensors());
+    status = kernel.launch(inputs[size_t(run) % inputs.size()]);
     api.cuEventRecord(stop, nullptr);
     if (!status) break;
     if (status = cuda::check(api.cuEventSynchronize(stop), "timed run"); !status) break;
     float ms = 0;
     api.cuEventElapsedTime(&ms, start, stop);
-    if (run < kWarmupRuns) continue;
+    if (run < plan.warmupRuns) continue;
     times.push_back(ms);
     spent += ms;
-    if (int(times.size()) >= kMinTimedRuns && spent >= budgetMs) break;
+    if (int(times.size()) >= plan.minRuns && spent >= plan.budgetMs) break;
   }
   api.cuEventDestroy(start);
   api.cuEventDestroy(stop);
-  if (!status) return status;
+  if (!status) return status.error();
   std::sort(times.begin(), times.end());
-  r.medianMs = times[times.size() / 2];
-  r.p10Ms = times[times.size() / 10];
-  r.p90Ms = times[times.size() * 9 / 10];
-  r.outcome = Outcome::timed;
-  return Status::success();
+  return Timing{times[times.size() / 2], times[times.size() / 10], times[times.size() * 9 / 10]};
 }
-
-}  // namespace
 
 const char* outcomeName(Outcome outcome) {
   switch (outcome) {
@@ -101,11 +91,13 @@ Status measure(const KernelSpec& spec, std::shared_ptr<cuda::Device> device, con
   // Trusted result: the float64 reference on a small fresh case.
   const IhaCase verify = drawCase(spec, 1, std::min(options.tokens, kVerifyTokens), options.seed);
   const std::vector<double> trusted = reference::ihaForward(spec, verify.inputs).out;
-  std::vector<cuda::CaseBuffers> inputs;
+  std::vector<cuda::CaseBuffers> buffers;
+  std::vector<IhaTensors> inputs;
   for (int set = 0; set < kInputSets; ++set) {
-    auto buffers = cuda::CaseBuffers::upload(*device, drawCase(spec, options.batch, options.tokens, options.seed + 1 + set));
-    if (!buffers) return buffers.error();
-    inputs.push_back(std::move(*buffers));
+    auto uploaded = cuda::CaseBuffers::upload(*device, drawCase(spec, options.batch, options.tokens, options.seed + 1 + set));
+    if (!uploaded) return uploaded.error();
+    buffers.push_back(std::move(*uploaded));
+    inputs.push_back(buffers.back().tensors());
   }
   auto flush = cuda::DeviceBuffer::allocate(*device, kL2FlushBytes);
   if (!flush) return flush.error();
@@ -138,11 +130,18 @@ Status measure(const KernelSpec& spec, std::shared_ptr<cuda::Device> device, con
   while (!round.empty()) {
     for (size_t i : round) {
       if (overDeadline() && results[i].outcome == Outcome::timed) continue;
-      if (Status ok = timeKernel(*loaded[i], *device, inputs, *flush, budgetMs, results[i]); !ok) {
+      TimingPlan plan;
+      plan.budgetMs = budgetMs;
+      auto timing = timeLaunches(*loaded[i], *device, inputs, *flush, plan);
+      if (!timing) {
         results[i].outcome = Outcome::wrong;
-        results[i].reason = ok.error().message;
+        results[i].reason = timing.error().message;
         continue;
       }
+      results[i].medianMs = timing->medianMs;
+      results[i].p10Ms = timing->p10Ms;
+      results[i].p90Ms = timing->p90Ms;
+      results[i].outcome = Outcome::timed;
       ++state.timed;
       if (state.bestMs == 0 || results[i].medianMs < state.bestMs) {
         state.bestMs = results[i].medianMs;

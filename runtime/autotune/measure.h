@@ -45,6 +45,29 @@ struct TuneProgress {
 // model's order and then the key), then untimed by prediction, then rejects.
 void rankResults(std::vector<CandidateResult>& results);
 
+// How to time a kernel: `warmupRuns` untimed launches, then timed ones
+// until `budgetMs` of device time is spent after at least `minRuns` (and at
+// most `maxRuns`).
+struct TimingPlan {
+  int warmupRuns = 2;
+  int minRuns = 5;
+  int maxRuns = 100;
+  double budgetMs = 200;
+};
+
+struct Timing {
+  double medianMs = 0, p10Ms = 0, p90Ms = 0;
+};
+
+// A buffer several times any L2, rewritten before every timed launch.
+inline constexpr size_t kL2FlushBytes = size_t(256) << 20;
+
+// The one timing loop (tuner, loom-gpu-bench, loom get): CUDA events around
+// each launch, the L2 flushed before each, `inputs` taken in turn so the
+// cache does not flatter small problems.
+Result<Timing> timeLaunches(Kernel& kernel, const cuda::Device& device, const std::vector<IhaTensors>& inputs,
+                            const cuda::DeviceBuffer& flush, const TimingPlan& plan);
+
 struct MeasureOptions {
   int64_t batch = 1;
   int64_t tokens = 4096;

@@ -6,6 +6,7 @@
 #include <string>
 #include <thread>
 
+#include "autotune/measure.h"
 #include "commands.h"
 #include "cuda/case_runner.h"
 #include "cuda/driver.h"
@@ -47,7 +48,8 @@ struct GetOptions {
   int64_t tokens = 4096;
 };
 
-// Times one launch of the kernel on random inputs (median of 10 after warm-up).
+// Times the kernel on random inputs as the tuner does (L2 flushed, median of
+// 10 after warm-up).
 void reportSpeed(const v1::CompiledKernel& compiled, int64_t tokens) {
   auto device = cuda::Device::open(0);
   if (!device) return;
@@ -55,23 +57,11 @@ void reportSpeed(const v1::CompiledKernel& compiled, int64_t tokens) {
   if (!kernel) return;
   const IhaCase c = drawCase(compiled.spec(), 1, tokens, std::random_device{}());
   auto buffers = cuda::CaseBuffers::upload(**device, c);
-  if (!buffers) return;
-  const cuda::DriverApi& api = (*device)->api();
-  CUevent start, stop;
-  api.cuEventCreate(&start, CU_EVENT_DEFAULT);
-  api.cuEventCreate(&stop, CU_EVENT_DEFAULT);
-  std::vector<float> times;
-  for (int run = 0; run < 13; ++run) {
-    api.cuEventRecord(start, nullptr);
-    if (!(*kernel)->launch(buffers->tensors())) return;
-    api.cuEventRecord(stop, nullptr);
-    api.cuEventSynchronize(stop);
-    float ms = 0;
-    api.cuEventElapsedTime(&ms, start, stop);
-    if (run >= 3) times.push_back(ms);
-  }
-  std::sort(times.begin(), times.end());
-  std::printf("speed: %.3f ms median for B=1, N=%lld on %s\n", times[times.size() / 2], (long long)tokens,
+  auto flush = cuda::DeviceBuffer::allocate(**device, autotune::kL2FlushBytes);
+  if (!buffers || !flush) return;
+  auto timing = autotune::timeLaunches(**kernel, **device, {buffers->tensors()}, *flush, {3, 10, 10, 0});
+  if (!timing) return;
+  std::printf("speed: %.3f ms median for B=1, N=%lld on %s\n", timing->medianMs, (long long)tokens,
               (*device)->info().name.c_str());
 }
 
