@@ -2,12 +2,10 @@
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 
-
-#include "jit/nvrtc_compiler.h"
 #include "loom/cache.h"
 #include "loom/cache_dir.h"
 #include "loom/hash.h"
-#include "tile/embedded.h"
+#include "loom/tile_headers.h"
 
 namespace loom::cache {
 
@@ -25,7 +23,7 @@ DeviceModel DeviceModel::of(const v1::Target& target) {
 std::string artifactKey(const v1::CompiledKernel& kernel) {
   return ContentHash()
       .add(kernel.source())
-      .add(jit::kNvrtcOptions)
+      .add(kernel.compile_options())
       .add(kernel.target().arch())
       .add(kernel.toolchain())
       .add(tile::embeddedHeadersHash())

@@ -17,7 +17,7 @@ namespace loom::cache {
 namespace fs = std::filesystem;
 namespace {
 
-constexpr int kSchemaVersion = 2;
+constexpr int kSchemaVersion = 3;
 
 int64_t now() {
   return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -113,6 +113,38 @@ Status migrateToV2(sqlite3* db) {
   for (const auto& [rowid, deviceClass] : updates) {
     Statement update(db, "UPDATE decisions SET device_class = ?1 WHERE rowid = ?2");
     if (Status ok = update.bind(1, deviceClass).bind(2, int64_t(std::stoll(rowid))).done("migration to schema 2"); !ok)
+      return ok;
+  }
+  return Status::success();
+}
+
+// v3: an artifact carries its compile options (CompiledKernel.compile_options),
+// so the store computes keys without knowing the compiler. Every loom before
+// schema 3 compiled with the same NVRTC options; a record whose key proves it
+// was compiled with them gets them written in. Any other record is left as it
+// is (a reader finds its key wrong and drops it, as for any corrupt record).
+constexpr const char* kOptionsBeforeSchemaThree = "-std=c++17 --ptxas-options=-v -default-device";
+
+Status migrateToV3(sqlite3* db) {
+  std::vector<std::pair<std::string, std::string>> updates;  // key, blob with options
+  {
+    Statement rows(db, "SELECT key, blob FROM artifacts");
+    while (rows.step() == SQLITE_ROW) {
+      v1::CompiledKernel kernel;
+      if (!kernel.ParseFromString(rows.blob(1)) || !kernel.compile_options().empty()) continue;
+      if (artifactKey(kernel) == rows.text(0)) continue;
+      kernel.set_compile_options(kOptionsBeforeSchemaThree);
+      if (artifactKey(kernel) == rows.text(0)) updates.emplace_back(rows.text(0), kernel.SerializeAsString());
+    }
+  }
+  for (const auto& [key, blob] : updates) {
+    Statement update(db, "UPDATE artifacts SET blob = ?1, checksum = ?2, bytes = ?3 WHERE key = ?4");
+    if (Status ok = update.bindBlob(1, blob)
+                        .bind(2, checksumOf(blob))
+                        .bind(3, int64_t(blob.size()))
+                        .bind(4, key)
+                        .done("migration to schema 3");
+        !ok)
       return ok;
   }
   return Status::success();
@@ -432,6 +464,7 @@ Result<sqlite3*> openAndMigrate(const std::string& path, const SqliteOptions& op
   Status migrated;
   if (version < 1) migrated = exec(db, kSchemaV1, "creating schema 1");
   if (migrated && version < 2) migrated = migrateToV2(db);
+  if (migrated && version < 3) migrated = migrateToV3(db);
   if (migrated) migrated = exec(db, "PRAGMA user_version = " + std::to_string(kSchemaVersion), path);
   if (!migrated) {
     (void)exec(db, "ROLLBACK", path);

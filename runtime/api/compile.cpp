@@ -4,6 +4,11 @@
 
 namespace loom {
 
+void setCompilerIdentity(v1::CompiledKernel& kernel, const std::string& arch) {
+  kernel.set_toolchain(jit::nvrtcVersion() + (jit::nvrtcKnowsArch(arch) ? " cubin" : " ptx"));
+  kernel.set_compile_options(jit::kNvrtcOptions);
+}
+
 Result<v1::CompiledKernel> compileKernel(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
                                          jit::NvrtcCompiler& compiler, std::shared_ptr<const jit::Artifact>* artifact) {
   if (target.kind() != v1::Target::cuda) return makeError("compileKernel needs a CUDA target");
@@ -14,7 +19,7 @@ Result<v1::CompiledKernel> compileKernel(const KernelSpec& spec, const Schedule&
   const jit::Artifact& a = **compiled;
   v1::CompiledKernel kernel = toCompiledKernel(*plan);
   kernel.set_binary(a.binary);
-  kernel.set_toolchain(jit::nvrtcVersion() + " " + a.binaryKind);
+  setCompilerIdentity(kernel, target.arch());
   kernel.set_compile_seconds(a.compileSeconds);
   kernel.set_compile_log(a.log);
   kernel.set_ptx(a.ptx);

@@ -9,6 +9,12 @@
 
 namespace loom {
 
+// Stamps `kernel` with what identifies its compiler for `arch`: the NVRTC
+// version, the binary kind (cubin, or PTX where NVRTC cannot assemble the
+// arch) and the options. They are part of its content address in the cache
+// (cache::artifactKey), which knows no compiler.
+void setCompilerIdentity(v1::CompiledKernel& kernel, const std::string& arch);
+
 Result<v1::CompiledKernel> compileKernel(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
                                          jit::NvrtcCompiler& compiler, std::shared_ptr<const jit::Artifact>* artifact = nullptr);
 

@@ -38,7 +38,7 @@ Result<ProvidedKernel> KernelProvider::provide(const KernelSpec& spec, const v1:
   auto plan = generateKernel(spec, chosen, target);
   if (!plan) return plan.error();
   v1::CompiledKernel probe = toCompiledKernel(*plan);
-  probe.set_toolchain(jit::nvrtcVersion() + (jit::nvrtcKnowsArch(target.arch()) ? " cubin" : " ptx"));
+  setCompilerIdentity(probe, target.arch());
   const std::string key = cache::artifactKey(probe);
   if (store_) {
     auto hit = store_->getArtifact(key);

@@ -17,7 +17,7 @@
 #include "loom/cache_dir.h"
 #include "loom/hash.h"
 #include "loom/tile/common.h"
-#include "tile/embedded.h"
+#include "loom/tile_headers.h"
 
 namespace loom::cpu {
 namespace fs = std::filesystem;

@@ -48,7 +48,7 @@ struct DriverApi {
                                      CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 };
 
-// The host side of loom::TmaMaps (runtime/tile/hopper.h): the tensor maps a
+// The host side of loom::TmaMaps (tile/include/loom/tile/hopper.h): the tensor maps a
 // warp-specialised attention launch takes after its IhaArgs.
 struct TmaMaps {
   CUtensorMap q, k, v;

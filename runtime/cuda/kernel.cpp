@@ -209,7 +209,7 @@ Status Kernel::ensureWorkspaces(int64_t batch, int64_t tokens) {
 }
 
 // Tensor maps over the mixed workspaces [B * heads, L, d] for the wgmma
-// engine's TMA loads (runtime/tile/hopper.h, loom::TmaMaps): boxes of one
+// engine's TMA loads (tile/include/loom/tile/hopper.h, loom::TmaMaps): boxes of one
 // 128-byte swizzle atom (64 columns) by 64 query rows or block_n key rows.
 // With fused mixing there are no workspaces and the maps stay unused.
 Status Kernel::encodeTensorMaps(const IhaArgs& args, int64_t L, int64_t B, cuda::TmaMaps& maps) const {

@@ -12,7 +12,7 @@
 
 #include "loom/hash.h"
 #include "loom/spec.h"
-#include "tile/embedded.h"
+#include "loom/tile_headers.h"
 
 namespace loom::jit {
 namespace fs = std::filesystem;

@@ -10,6 +10,7 @@
 #include <fstream>
 
 #include "loom/cache.h"
+#include "loom/hash.h"
 #include "test_util.h"
 
 namespace loom::cache {
@@ -255,6 +256,44 @@ TEST(Cache, MigratesFromSchemaOne) {
   EXPECT_EQ(sqlite3_column_int(stmt, 0), schemaVersion());
   sqlite3_finalize(stmt);
   sqlite3_close(raw);
+}
+
+// A schema-2 file: artifacts stored before records carried their compile
+// options open, gain the options every earlier loom compiled with, and still
+// answer under the keys they were stored with.
+TEST(Cache, MigratedArtifactsGainTheirCompileOptions) {
+  testing::TempDir dir;
+  const std::string path = dir / "k.sqlite";
+  { ASSERT_TRUE(open(path)->putArtifact(kernel(4))); }
+  v1::CompiledKernel compiled = kernel(3);
+  compiled.set_compile_options("-std=c++17 --ptxas-options=-v -default-device");
+  const std::string key = artifactKey(compiled);
+  const std::string blob = kernel(3).SerializeAsString();  // as schema 2 stored it: no options field
+  {
+    sqlite3* raw = nullptr;
+    ASSERT_EQ(sqlite3_open(path.c_str(), &raw), SQLITE_OK);
+    sqlite3_stmt* insert = nullptr;
+    sqlite3_prepare_v2(raw, "INSERT INTO artifacts(key, blob, checksum, created, bytes, last_used) VALUES(?1, ?2, ?3, 1, ?4, 1)",
+                       -1, &insert, nullptr);
+    const std::string checksum = ContentHash().add(blob).hex();
+    sqlite3_bind_text(insert, 1, key.c_str(), -1, SQLITE_TRANSIENT);
+    sqlite3_bind_blob(insert, 2, blob.data(), int(blob.size()), SQLITE_TRANSIENT);
+    sqlite3_bind_text(insert, 3, checksum.c_str(), -1, SQLITE_TRANSIENT);
+    sqlite3_bind_int64(insert, 4, int64_t(blob.size()));
+    ASSERT_EQ(sqlite3_step(insert), SQLITE_DONE);
+    sqlite3_finalize(insert);
+    ASSERT_EQ(sqlite3_exec(raw, "PRAGMA user_version = 2", nullptr, nullptr, nullptr), SQLITE_OK);
+    sqlite3_close(raw);
+  }
+  auto store = open(path);
+  auto found = store->getArtifact(key);
+  ASSERT_TRUE(found && found->has_value()) << "the old record is found under its old key";
+  EXPECT_EQ((*found)->compile_options(), compiled.compile_options());
+  EXPECT_EQ((*found)->binary(), compiled.binary());
+  EXPECT_TRUE(store->getArtifact(artifactKey(kernel(4)))->has_value()) << "a record already consistent is untouched";
+  auto report = store->verify();
+  ASSERT_TRUE(report);
+  EXPECT_TRUE(report->corrupt.empty());
 }
 
 TEST(Cache, ExportAndImportMoveRecordsBetweenMachines) {

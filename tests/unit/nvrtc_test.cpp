@@ -63,7 +63,7 @@ INSTANTIATE_TEST_SUITE_P(Specs, NvrtcCompiles,
                            return specs()[size_t(std::get<0>(info.param))].name + "_" + std::get<1>(info.param);
                          });
 
-// The sm_90a path (engine wgmma, runtime/tile/hopper.h): every spec whose
+// The sm_90a path (engine wgmma, tile/include/loom/tile/hopper.h): every spec whose
 // head_dim allows it gets it by default on sm_90a, under both mixing
 // strategies. Zero spills and no stack frame; the PTX holds wgmma, the
 // tensor memory accelerator (when it loads the mixed workspaces) and the

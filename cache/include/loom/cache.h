@@ -37,8 +37,10 @@ struct DeviceModel {
   static DeviceModel of(const v1::Target& target);
 };
 
-// The content address of a compiled kernel: source, options, arch, the
-// toolchain (NVRTC version), tile headers and generator version.
+// The content address of a compiled kernel: source, compile options, arch, the
+// toolchain (NVRTC version), tile headers and generator version. All but the
+// last two are the record's own fields, set by whoever compiled it: the cache
+// knows no compiler.
 std::string artifactKey(const v1::CompiledKernel& kernel);
 // A stable key of a spec (its deterministic serialisation, hashed).
 std::string specKey(const KernelSpec& spec);

@@ -59,7 +59,7 @@ Schedule scheduleOf(ScheduleAttr attr) {
   return schedule;
 }
 
-// Dynamic shared memory of the CUDA attention CTA (runtime/tile layout.h).
+// Dynamic shared memory of the CUDA attention CTA (tile/include/loom/tile/layout.h).
 int64_t attentionSharedMemory(SpecAttr spec, ScheduleAttr schedule) {
   const bool fusedGlobal =
       schedule.getCollapse() == CollapseStrategy::epilogue && spec.getCollapse() == CollapseMode::global;

@@ -1,6 +1,6 @@
 // iha-lower-to-emitc: launches become EmitC functions that call the tile API.
 //
-// The tile API (runtime/tile) is one interface with a host and a CUDA
+// The tile API (tile/) is one interface with a host and a CUDA
 // implementation; the program only names `loom::` calls, so the same source
 // compiles against either. Per kernel the pass emits:
 //   #include "<tile header>"

@@ -18,7 +18,7 @@ def Iha_Dialect : Dialect {
     A program in this dialect starts as an `iha.kernel` carrying a
     `#iha.spec` (the function) and grows, pass by pass, into launches of
     tiled kernels (`iha.launch`) whose ops map one to one onto the tile API
-    (runtime/tile) that the EmitC lowering calls.
+    (tile/) that the EmitC lowering calls.
   }];
   let useDefaultAttributePrinterParser = 1;
 }

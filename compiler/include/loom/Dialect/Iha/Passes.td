@@ -82,7 +82,7 @@ def IhaLowerToEmitC : Pass<"iha-lower-to-emitc", "::mlir::ModuleOp"> {
   let summary = "Lower launches to EmitC functions calling the tile API";
   let description = [{
     Each `iha.launch` becomes an `emitc.func` marked LOOM_KERNEL; block-level
-    ops become calls into runtime/tile (the same source runs on the host and
+    ops become calls into the tile API (the same source runs on the host and
     the CUDA implementation), kv loops become `emitc.for` with the pipeline's
     produce / wait steps, bound arithmetic becomes EmitC arithmetic. The
     kernel's spec and schedule become one `IhaConfig` struct of constants.

@@ -11,7 +11,7 @@
 
 namespace loom::iha {
 
-// The tile API's limits (runtime/tile): the GPU side splits a query block
+// The tile API's limits (tile/): the GPU side splits a query block
 // into warps of kMmaRows rows and steps key blocks by kMmaRows too.
 inline constexpr int64_t kMmaRows = 16;
 inline constexpr int64_t kHeadDimQuantum = 8;

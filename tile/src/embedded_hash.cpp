@@ -1,5 +1,5 @@
 #include "loom/hash.h"
-#include "tile/embedded.h"
+#include "loom/tile_headers.h"
 
 namespace loom::tile {
 

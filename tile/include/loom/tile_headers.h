@@ -1,4 +1,4 @@
-// The tile API headers (runtime/tile/include), embedded in the binary at
+// The tile API headers (tile/include/loom/tile), embedded in the binary at
 // build time: the JIT paths compile programs against them without reading
 // the source tree.
 #pragma once
