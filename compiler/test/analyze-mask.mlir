@@ -33,3 +33,24 @@ iha.kernel @unmasked spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 1, h
 // CHECK-NOT:     iha.kv_loop
 iha.kernel @token spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 3, head_dim = 16, dtype = f32, mask = token_causal, window = 2, collapse = per_head, rope_theta = 0.0, scale = 0.25>) {
 }
+
+// The options of public IHA code keep the three-loop split. window_rows (a
+// window of 5 virtual rows, off a multiple of P = 2) and a flat_causal window
+// aligned to tokens both bound the stream from below; the options survive the
+// round trip through the printer. (Exactness of the ranges for every rule is
+// tests/unit/mask_rule_test.cpp's job.)
+// CHECK-LABEL: iha.kernel @window_rows spec(<{{.*}}qk_norm = rms, rope_direction = negative, window_rows = 5>)
+// CHECK:           iha.kv_stream %[[LO:[0-9a-z_]+]] to %[[HI:[0-9a-z_]+]] head
+// CHECK-NEXT:      iha.kv_loop %[[LO]] to %[[ILO:[0-9a-z_]+]] {{.*}} {masked}
+// CHECK-NEXT:      iha.kv_loop %[[ILO]] to %[[IHI:[0-9a-z_]+]] rows
+// CHECK-NEXT:      iha.kv_loop %[[IHI]] to %[[HI]] {{.*}} {masked}
+iha.kernel @window_rows spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 2, head_dim = 16, dtype = f32, mask = flat_causal, window = 0, collapse = per_head, rope_theta = 1.0e+04, scale = 0.25, qk_norm = rms, rope_direction = negative, window_rows = 5>) {
+}
+
+// CHECK-LABEL: iha.kernel @token_aligned spec(<{{.*}}window = 4, {{.*}}window_align = token>)
+// CHECK:           iha.kv_stream %[[LO:[0-9a-z_]+]] to %[[HI:[0-9a-z_]+]] head
+// CHECK-NEXT:      iha.kv_loop %[[LO]] to
+// CHECK-COUNT-2:   iha.kv_loop
+iha.kernel @token_aligned spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 3, head_dim = 16, dtype = f32, mask = flat_causal, window = 4, collapse = per_head, rope_theta = 0.0, scale = 0.25, window_align = token>) {
+}
+

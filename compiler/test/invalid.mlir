@@ -130,3 +130,27 @@ iha.kernel @iha spec(#iha.spec<heads = 4, kv_heads = 4, pseudo_heads = 2, head_d
     }
   }
 }
+
+// -----
+
+// expected-error @+1 {{rope_direction negative needs rotary embedding (rope_theta > 0)}}
+iha.kernel @iha spec(#iha.spec<heads = 4, kv_heads = 4, pseudo_heads = 2, head_dim = 16, dtype = f32, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.25, rope_direction = negative>) {
+}
+
+// -----
+
+// expected-error @+1 {{window_align token needs a window (window > 0 tokens)}}
+iha.kernel @iha spec(#iha.spec<heads = 4, kv_heads = 4, pseudo_heads = 2, head_dim = 16, dtype = f32, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.25, window_align = token>) {
+}
+
+// -----
+
+// expected-error @+1 {{window_rows needs mask flat_causal and window 0}}
+iha.kernel @iha spec(#iha.spec<heads = 4, kv_heads = 4, pseudo_heads = 2, head_dim = 16, dtype = f32, mask = token_causal, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.25, window_rows = 5>) {
+}
+
+// -----
+
+// expected-error @+1 {{qk_norm_eps must be positive}}
+iha.kernel @iha spec(#iha.spec<heads = 4, kv_heads = 4, pseudo_heads = 2, head_dim = 16, dtype = f32, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.25, qk_norm = rms, qk_norm_eps = 0.0>) {
+}

@@ -10,11 +10,20 @@ double scaleOf(const v1::KernelSpec& spec) {
   return spec.has_scale() ? spec.scale() : 1.0 / std::sqrt(double(spec.head_dim()));
 }
 
-// Half-split rotary embedding of one row at virtual position `position`.
-void rotate(std::vector<double>& row, int64_t position, double theta) {
+// qk_norm "rms": the row over its d elements becomes x / sqrt(mean(x^2) + eps).
+void rmsNormalize(std::vector<double>& row, double eps) {
+  double squares = 0;
+  for (double x : row) squares += x * x;
+  const double factor = 1.0 / std::sqrt(squares / double(row.size()) + eps);
+  for (double& x : row) x *= factor;
+}
+
+// Half-split rotary embedding of one row at virtual position `position`;
+// `direction` -1 turns by the opposite angle.
+void rotate(std::vector<double>& row, int64_t position, double theta, double direction) {
   const int64_t d = int64_t(row.size());
   for (int64_t j = 0; j < d / 2; ++j) {
-    const double angle = double(position) * std::pow(theta, -2.0 * double(j) / double(d));
+    const double angle = direction * double(position) * std::pow(theta, -2.0 * double(j) / double(d));
     const double x0 = row[j], x1 = row[j + d / 2];
     row[j] = x0 * std::cos(angle) - x1 * std::sin(angle);
     row[j + d / 2] = x0 * std::sin(angle) + x1 * std::cos(angle);
@@ -45,6 +54,11 @@ bool allowed(const v1::KernelSpec& spec, int64_t i, int64_t j) {
   const int64_t P = spec.pseudo_heads();
   const int64_t W = spec.window();
   const int64_t ti = i / P, tj = j / P;
+  if (spec.window_rows() > 0) return j <= i && i - j < spec.window_rows();  // flat_causal only
+  if (W > 0 && spec.window_align() == v1::KernelSpec::token) {
+    const bool own = spec.mask() == v1::flat_causal ? j <= i : spec.mask() == v1::token_causal ? tj <= ti : true;
+    return own && 0 <= ti - tj && ti - tj < W;
+  }
   switch (spec.mask()) {
     case v1::flat_causal: return j <= i && (W == 0 || i - j < W * P);
     case v1::token_causal: return tj <= ti && (W == 0 || ti - tj < W);
@@ -67,11 +81,17 @@ IhaOutputs ihaForward(const v1::KernelSpec& spec, const IhaInputs& in) {
     Rows qRows = mixAndInterleave(in.q, in.alpha_q, b, N, H, P, d);
     Rows kRows = mixAndInterleave(in.k, in.alpha_k, b, N, G, P, d);
     Rows vRows = mixAndInterleave(in.v, in.alpha_v, b, N, G, P, d);
+    if (spec.qk_norm() == v1::KernelSpec::rms) {
+      const double eps = spec.has_qk_norm_eps() ? spec.qk_norm_eps() : 1e-6;
+      for (Rows* rows : {&qRows, &kRows})
+        for (auto& head : *rows)
+          for (auto& row : head) rmsNormalize(row, eps);
+    }
     if (spec.rope_theta() > 0) {
-      for (auto& head : qRows)
-        for (int64_t i = 0; i < L; ++i) rotate(head[i], i, spec.rope_theta());
-      for (auto& head : kRows)
-        for (int64_t i = 0; i < L; ++i) rotate(head[i], i, spec.rope_theta());
+      const double direction = spec.rope_direction() == v1::KernelSpec::negative ? -1.0 : 1.0;
+      for (Rows* rows : {&qRows, &kRows})
+        for (auto& head : *rows)
+          for (int64_t i = 0; i < L; ++i) rotate(head[i], i, spec.rope_theta(), direction);
     }
 
     // Step 4: softmax attention of every virtual row, per query head.

@@ -1,8 +1,8 @@
 // The float64 oracle of Interleaved Head Attention (docs/IHA.md).
 //
-// Plain loops that follow the contract step by step: mix, interleave, rotate,
-// attend, collapse. It shares no code with the generated kernels; every other
-// backend is judged against it.
+// Plain loops that follow the contract step by step: mix, interleave,
+// normalise (qk_norm), rotate, attend, collapse. It shares no code with the
+// generated kernels; every other backend is judged against it.
 #pragma once
 
 #include <cstdint>

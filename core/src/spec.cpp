@@ -66,6 +66,31 @@ Status validateSpec(const KernelSpec& spec) {
     return fail("head_dim (" + std::to_string(spec.head_dim()) + ") must be even when rope_theta > 0");
   if (spec.has_scale() && (!std::isfinite(spec.scale()) || spec.scale() <= 0))
     return fail("scale must be positive and finite");
+  // The options of public IHA code: each applies only where it means something,
+  // so one function has one spec (and one cache key).
+  if (!v1::KernelSpec::QkNorm_IsValid(spec.qk_norm())) return fail("qk_norm must be none or rms");
+  if (spec.has_qk_norm_eps()) {
+    if (spec.qk_norm() != v1::KernelSpec::rms) return fail("qk_norm_eps is set but qk_norm is none (set qk_norm rms)");
+    if (!std::isfinite(spec.qk_norm_eps()) || spec.qk_norm_eps() <= 0)
+      return fail("qk_norm_eps must be positive and finite");
+  }
+  if (!v1::KernelSpec::RopeDirection_IsValid(spec.rope_direction()))
+    return fail("rope_direction must be positive or negative");
+  if (spec.rope_direction() == v1::KernelSpec::negative && spec.rope_theta() == 0)
+    return fail("rope_direction negative needs rotary embedding (rope_theta > 0)");
+  if (!v1::KernelSpec::WindowAlign_IsValid(spec.window_align())) return fail("window_align must be virtual or token");
+  if (spec.window_align() == v1::KernelSpec::token && spec.window() == 0)
+    return fail("window_align token needs a window (window > 0 tokens)");
+  if (spec.window_rows() < 0)
+    return fail("window_rows (" + std::to_string(spec.window_rows()) + ") must not be negative");
+  if (spec.window_rows() > 0) {
+    if (spec.mask() != v1::flat_causal)
+      return fail("window_rows counts a flat_causal window in virtual rows; mask is " + maskName(spec.mask()) +
+                  " (use window, in tokens)");
+    if (spec.window() != 0)
+      return fail("window_rows (" + std::to_string(spec.window_rows()) + ") and window (" +
+                  std::to_string(spec.window()) + ") both set a window: set one of them");
+  }
   return Status::success();
 }
 
@@ -80,6 +105,10 @@ std::string toJson(const google::protobuf::Message& message) {
 
 double effectiveScale(const KernelSpec& spec) {
   return spec.has_scale() ? spec.scale() : 1.0 / std::sqrt(double(spec.head_dim()));
+}
+
+double effectiveQkNormEps(const KernelSpec& spec) {
+  return spec.has_qk_norm_eps() ? spec.qk_norm_eps() : kDefaultQkNormEps;
 }
 
 std::string maskName(v1::MaskMode mask) { return v1::MaskMode_Name(mask); }

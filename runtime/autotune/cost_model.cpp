@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "loom/mask_rule.h"
 #include "loom/tile/layout.h"
 
 namespace loom::autotune {
@@ -14,20 +15,6 @@ constexpr int kWarpsToSaturateTensorCores = 8;
 constexpr int kBaseRegisters = 64;  // addresses, loop state, softmax rows
 constexpr int kBytes16 = 2;
 constexpr int kMmaK = 16;
-
-// Row i's allowed columns form one interval [first, last] (docs/IHA.md step 4).
-struct Interval {
-  int64_t first, last;
-};
-
-Interval allowedColumns(const KernelSpec& spec, int64_t i, int64_t L) {
-  const int64_t P = spec.pseudo_heads(), W = spec.window(), t = i / P;
-  switch (spec.mask()) {
-    case v1::flat_causal: return {W ? std::max<int64_t>(0, i - W * P + 1) : 0, i};
-    case v1::token_causal: return {W ? P * std::max<int64_t>(0, t - W + 1) : 0, P * t + P - 1};
-    default: return {W ? P * std::max<int64_t>(0, t - W + 1) : 0, W ? std::min(L - 1, P * (t + W) - 1) : L - 1};
-  }
-}
 
 }  // namespace
 
@@ -61,9 +48,10 @@ DeviceModel deviceModel(const v1::Target& target) {
 
 double allowedPairs(const KernelSpec& spec, int64_t tokens) {
   const int64_t L = tokens * spec.pseudo_heads();
+  const MaskRule rule = MaskRule::of(spec);
   double pairs = 0;
   for (int64_t i = 0; i < L; ++i) {
-    const Interval row = allowedColumns(spec, i, L);
+    const RowInterval row = allowedRows(rule, i, L);
     pairs += double(row.last - row.first + 1);
   }
   return pairs;
@@ -77,20 +65,17 @@ double operandBytes(const KernelSpec& spec, int64_t batch, int64_t tokens) {
   return double(batch) * double(tokens) * (2.0 * spec.heads() + 2.0 * spec.kv_heads()) * double(spec.head_dim()) * kBytes16;
 }
 
+// The key blocks every query block visits, and the masked ones among them,
+// exactly as iha-analyze-mask's loops run them (the same loom::blockRanges).
 BlockCounts countBlocks(const KernelSpec& spec, int64_t blockM, int64_t blockN, int64_t tokens) {
   const int64_t L = tokens * spec.pseudo_heads();
+  const MaskRule rule = MaskRule::of(spec);
+  IntegerMath math;
   BlockCounts counts;
   for (int64_t r0 = 0; r0 < L; r0 += blockM) {
-    const int64_t rLast = std::min(r0 + blockM, L) - 1;
-    // Intervals move right with i, so the block's union runs from the first
-    // row's start to the last row's end, and every row covers the
-    // intersection [last row's start, first row's end].
-    const Interval first = allowedColumns(spec, r0, L), last = allowedColumns(spec, rLast, L);
-    const int64_t lo = first.first / blockN, hi = last.last / blockN + 1;
-    const int64_t interiorLo = (last.first + blockN - 1) / blockN;
-    const int64_t interiorHi = std::min((first.last + 1) / blockN, L / blockN);
-    counts.visited += hi - lo;
-    counts.masked += (hi - lo) - std::max<int64_t>(0, std::min(interiorHi, hi) - std::max(interiorLo, lo));
+    const BlockRanges<int64_t> r = blockRanges(math, rule, blockM, blockN, r0, L);
+    counts.visited += r.hi - r.lo;
+    counts.masked += (r.ilo - r.lo) + (r.hi - r.ihi);
   }
   return counts;
 }
@@ -114,8 +99,13 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::T
   // a key block (and per query block), materialised does it once.
   const double rope = spec.rope_theta() > 0 ? 2.0 : 1.0;
   const double kvMixPerVisit = double(bn * d) * double(G) * 2.0 * (1.0 + rope);
-  const double mixFlops = fusedMix ? double(heads) * (double(blocks.visited) * kvMixPerVisit + double(L * d * H) * 2 * rope)
-                                   : double(batch) * double(L * d) * 2.0 * (double(H * H) + 2.0 * G * G);
+  double mixFlops = fusedMix ? double(heads) * (double(blocks.visited) * kvMixPerVisit + double(L * d * H) * 2 * rope)
+                             : double(batch) * double(L * d) * 2.0 * (double(H * H) + 2.0 * G * G);
+  // qk_norm: a square-and-add and a scale per q and k element; fused keys
+  // are normalised again at every visit (their scores scaled per column).
+  if (spec.qk_norm() == v1::KernelSpec::rms)
+    mixFlops += fusedMix ? double(heads) * (double(blocks.visited) * (3.0 * bn * d + bm * bn) + 3.0 * double(L * d))
+                         : double(batch) * double(L * d) * 3.0 * double(H + G);
 
   double bytes = operandBytes(spec, batch, tokens);
   if (!fusedMix) bytes += 2.0 * double(batch) * L * (H + 2.0 * G) * d * kBytes16;  // workspaces written and read

@@ -48,6 +48,8 @@ Status checkSpec(const KernelSpec& spec) {
   if (spec.pseudo_heads() > kMaxPseudoHeads)
     return invalid("spec.pseudo_heads over the limit of " + std::to_string(kMaxPseudoHeads));
   if (spec.window() > kMaxWindow) return invalid("spec.window over the limit of " + std::to_string(kMaxWindow));
+  if (spec.window_rows() > kMaxWindow)
+    return invalid("spec.window_rows over the limit of " + std::to_string(kMaxWindow));
   if (loom::Status valid = validateSpec(spec); !valid) return invalid("spec." + valid.error().message);
   return Status::OK;
 }

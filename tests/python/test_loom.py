@@ -29,10 +29,15 @@ def numpy_iha(spec, q, k, v, alpha_q, alpha_k, alpha_v, collapse):
     q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
     mix = lambda x, alpha: np.einsum("bnmc,mhp->bhnpc", x, np.asarray(alpha, np.float64)).reshape(B, -1, L, d)
     qs, ks, vs = mix(q, alpha_q), mix(k, alpha_k), mix(v, alpha_v)
+    if spec.get("qk_norm", "none") == "rms":
+        eps = spec.get("qk_norm_eps", 1e-6)
+        norm = lambda x: x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
+        qs, ks = norm(qs), norm(ks)
     theta = spec.get("rope_theta", 0.0)
     if theta > 0:
         half = d // 2
-        angle = np.arange(L)[:, None] * theta ** (-2.0 * np.arange(half) / d)
+        sign = -1.0 if spec.get("rope_direction", "positive") == "negative" else 1.0
+        angle = sign * np.arange(L)[:, None] * theta ** (-2.0 * np.arange(half) / d)
         cos, sin = np.cos(angle), np.sin(angle)
 
         def rotate(x):
@@ -43,7 +48,13 @@ def numpy_iha(spec, q, k, v, alpha_q, alpha_k, alpha_v, collapse):
     i, j = np.arange(L)[:, None], np.arange(L)[None, :]
     ti, tj = i // P, j // P
     mask = spec.get("mask", "flat_causal")
-    if mask == "flat_causal":
+    rows = spec.get("window_rows", 0)
+    if rows > 0:
+        allowed = (j <= i) & (i - j < rows)
+    elif W > 0 and spec.get("window_align", "virtual") == "token":
+        own = {"flat_causal": j <= i, "token_causal": tj <= ti, "none": np.ones_like(i, bool)}[mask]
+        allowed = own & (ti - tj >= 0) & (ti - tj < W)
+    elif mask == "flat_causal":
         allowed = (j <= i) & ((W == 0) | (i - j < W * P))
     elif mask == "token_causal":
         allowed = (tj <= ti) & ((W == 0) | (ti - tj < W))
@@ -80,7 +91,7 @@ def draw(rng, spec, B, N):
 
 def random_spec(rng):
     G = int(rng.integers(1, 3))
-    return {
+    spec = {
         "heads": G * int(rng.integers(1, 3)),
         "kv_heads": G,
         "pseudo_heads": int(rng.integers(1, 4)),
@@ -91,6 +102,18 @@ def random_spec(rng):
         "collapse": "per_head" if rng.integers(0, 2) else "global",
         "rope_theta": 0.0 if rng.integers(0, 2) else 10000.0,
     }
+    # The options of public IHA code, where each applies.
+    if rng.integers(0, 3) == 0:
+        spec["qk_norm"] = "rms"
+        if rng.integers(0, 2):
+            spec["qk_norm_eps"] = float(10.0 ** -int(rng.integers(3, 8)))
+    if spec["rope_theta"] > 0 and rng.integers(0, 2):
+        spec["rope_direction"] = "negative"
+    if spec["window"] > 0 and rng.integers(0, 3) == 0:
+        spec["window_align"] = "token"
+    if spec["mask"] == "flat_causal" and spec["window"] == 0 and rng.integers(0, 3) == 0:
+        spec["window_rows"] = int(rng.integers(1, 3 * spec["pseudo_heads"] + 3))
+    return spec
 
 
 def relative_error(out, ref):

@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <set>
 
 #include "loom/cache.h"
 #include "loom/hash.h"
@@ -209,6 +210,33 @@ TEST(Cache, EvictsTheLeastRecentlyUsed) {
   EXPECT_TRUE(store->getArtifact(artifactKey(kernel(0, 1024)))->has_value()) << "recently used survives";
   EXPECT_TRUE(store->getArtifact(artifactKey(kernel(7, 1024)))->has_value()) << "newest survives";
   EXPECT_FALSE(store->getArtifact(artifactKey(kernel(1, 1024)))->has_value()) << "oldest unused goes";
+}
+
+// Each option of public IHA code changes the spec's key; a spec without
+// options keeps the key it had before the options existed (its serialisation
+// is unchanged: every option defaults to zero).
+TEST(Cache, OptionsArePartOfTheSpecKey) {
+  KernelSpec base = spec(4);
+  base.set_rope_theta(10000);
+  base.set_window(2);
+  std::vector<KernelSpec> variants(5, base);
+  variants[0].set_qk_norm(v1::KernelSpec::rms);
+  variants[1].set_qk_norm(v1::KernelSpec::rms);
+  variants[1].set_qk_norm_eps(1e-5);
+  variants[2].set_rope_direction(v1::KernelSpec::negative);
+  variants[3].set_window_align(v1::KernelSpec::token);
+  variants[4].set_window(0);
+  variants[4].set_window_rows(5);
+  std::set<std::string> keys{specKey(base)};
+  for (const KernelSpec& v : variants) {
+    ASSERT_TRUE(validateSpec(v)) << v.ShortDebugString();
+    EXPECT_TRUE(keys.insert(specKey(v)).second) << v.ShortDebugString();
+  }
+  KernelSpec explicitDefaults = base;
+  explicitDefaults.set_qk_norm(v1::KernelSpec::none);
+  explicitDefaults.set_rope_direction(v1::KernelSpec::positive);
+  explicitDefaults.set_window_align(v1::KernelSpec::virtual_);
+  EXPECT_EQ(specKey(explicitDefaults), specKey(base));
 }
 
 // A file written by the previous schema (1) opens, migrates and still answers.

@@ -102,6 +102,33 @@ TEST_F(CliRun, OddHeadDimWithRope) {
   expectBadInput("head_dim (7) must be even when rope_theta > 0");
 }
 
+// Each option of public IHA code is refused where it changes nothing, with
+// the field named; a misspelt value is refused by the JSON reader.
+TEST_F(CliRun, OptionsWhereTheyMeanNothing) {
+  const std::string base = R"("heads": 2, "kv_heads": 2, "pseudo_heads": 2, "head_dim": 8, "collapse": "per_head",
+                              "dtype": "float32", )";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"("mask": "flat_causal", "window": 0, "rope_theta": 0, "qk_norm_eps": 1e-5)",
+       "qk_norm_eps is set but qk_norm is none"},
+      {R"("mask": "flat_causal", "window": 0, "rope_theta": 0, "qk_norm": "rms", "qk_norm_eps": -1)",
+       "qk_norm_eps must be positive"},
+      {R"("mask": "flat_causal", "window": 0, "rope_theta": 0, "rope_direction": "negative")",
+       "rope_direction negative needs rotary embedding"},
+      {R"("mask": "none", "window": 0, "rope_theta": 0, "window_align": "token")",
+       "window_align token needs a window"},
+      {R"("mask": "token_causal", "window": 0, "rope_theta": 0, "window_rows": 5)",
+       "window_rows counts a flat_causal window in virtual rows; mask is token_causal"},
+      {R"("mask": "flat_causal", "window": 2, "rope_theta": 0, "window_rows": 5)",
+       "window_rows (5) and window (2) both set a window"},
+      {R"("mask": "flat_causal", "window": 0, "rope_theta": 0, "qk_norm": "l2")", "qk_norm"},
+  };
+  for (const auto& [fields, fragment] : cases) {
+    SCOPED_TRACE(fields);
+    writeSpec("{" + base + fields + "}");
+    expectBadInput(fragment);
+  }
+}
+
 TEST_F(CliRun, NanInInputs) {
   auto q = readNpy(caseDir() + "/q.npy");
   ASSERT_TRUE(q);

@@ -97,6 +97,43 @@ TEST_P(DrawnCaseOnCpu, MatchesTheReference) {
 
 INSTANTIATE_TEST_SUITE_P(Random, DrawnCaseOnCpu, ::testing::Range(0, kRandomSpecs));
 
+// Every combination of the options of public IHA code, each on a freshly
+// drawn shape and data: five window rules (flat_causal, token_causal and none
+// with a window aligned to tokens; window_rows at and off a multiple of P)
+// times qk_norm off / on times both RoPE directions, under one of the three
+// schedules in turn.
+class OptionsOnCpu : public ::testing::TestWithParam<int> {};
+
+TEST_P(OptionsOnCpu, MatchTheReference) {
+  const int combination = GetParam(), windowRule = combination / 4;
+  std::mt19937_64 rng(testing::testSeed() + uint64_t(combination) * 6151);
+  KernelSpec spec = testing::randomSpec(rng);
+  testing::clearOptions(spec);
+  spec.set_head_dim(8 * std::uniform_int_distribution<int>(1, 4)(rng));
+  spec.set_pseudo_heads(std::uniform_int_distribution<int>(2, 4)(rng));
+  spec.set_rope_theta(10000.0);
+  const int P = spec.pseudo_heads(), W = std::uniform_int_distribution<int>(1, 4)(rng);
+  spec.set_window(windowRule < 3 ? W : 0);
+  if (windowRule < 3) {
+    spec.set_mask(windowRule == 0 ? v1::flat_causal : windowRule == 1 ? v1::token_causal : v1::none);
+    spec.set_window_align(v1::KernelSpec::token);
+  } else {
+    spec.set_mask(v1::flat_causal);
+    spec.set_window_rows(W * P + (windowRule == 4 ? 1 : 0));
+  }
+  if (combination % 2) spec.set_qk_norm(v1::KernelSpec::rms);
+  if ((combination / 2) % 2) spec.set_rope_direction(v1::KernelSpec::negative);
+  ASSERT_TRUE(validateSpec(spec)) << spec.ShortDebugString();
+  const int dtypePick = combination % 3;
+  spec.set_dtype(dtypePick == 1 ? v1::float16 : dtypePick == 2 ? v1::bfloat16 : v1::float32);
+  const int64_t B = 1 + int64_t(rng() % 2), N = 1 + int64_t(rng() % 40);
+  const IhaCase c = drawCase(spec, B, N, rng());
+  const std::string what = spec.ShortDebugString() + " B=" + std::to_string(B) + " N=" + std::to_string(N);
+  checkAgainstReference(c, schedulesFor(spec)[size_t(combination % 3)], what);
+}
+
+INSTANTIATE_TEST_SUITE_P(Every, OptionsOnCpu, ::testing::Range(0, 20));
+
 // The wgmma engine's warp-specialised program (iha-warp-specialize), run on
 // the host as a producer part then a consumer part per CTA: the consumers
 // must take exactly the key blocks the producer streamed, in order (host.h

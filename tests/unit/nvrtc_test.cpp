@@ -4,6 +4,8 @@
 // instructions in the PTX.
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include "api/compile.h"
 #include "jit/nvrtc_compiler.h"
 #include "loom/compiler.h"
@@ -23,12 +25,36 @@ struct Named {
   KernelSpec spec;
 };
 
+// Specs of public model families (docs/porting.md): nanochat-style (qk_norm
+// with the dtype's epsilon, RoPE turned the other way, a window in whole
+// tokens, q and k scaled by 1.2) and speedrun-style (qk_norm, a window in
+// virtual rows off a multiple of P, GQA).
+KernelSpec nanochatSpec() {
+  KernelSpec spec = makeSpec(8, 8, 4, 128, v1::flat_causal, 256, v1::global, 10000, v1::bfloat16);
+  spec.set_qk_norm(v1::KernelSpec::rms);
+  spec.set_qk_norm_eps(0.0078125);
+  spec.set_rope_direction(v1::KernelSpec::negative);
+  spec.set_window_align(v1::KernelSpec::token);
+  spec.set_scale(1.44 / std::sqrt(128.0));
+  return spec;
+}
+KernelSpec speedrunSpec() {
+  KernelSpec spec = makeSpec(8, 2, 2, 64, v1::flat_causal, 0, v1::per_head, 10000, v1::float16);
+  spec.set_qk_norm(v1::KernelSpec::rms);
+  spec.set_rope_direction(v1::KernelSpec::negative);
+  spec.set_window_rows(385);
+  return spec;
+}
+
 std::vector<Named> specs() {
   return {{"h8p8_d64_bf16_rope", makeSpec(8, 8, 8, 64, v1::flat_causal, 0, v1::per_head, 10000, v1::bfloat16)},
           {"gqa_p4_d128_fp16_window", makeSpec(8, 2, 4, 128, v1::flat_causal, 64, v1::per_head, 500000, v1::float16)},
           {"token_global_p2_d64", makeSpec(4, 4, 2, 64, v1::token_causal, 16, v1::global, 0, v1::float16)},
-          {"mha_none_p1_d32", makeSpec(4, 4, 1, 32, v1::none, 0, v1::per_head, 0, v1::bfloat16)}};
+          {"mha_none_p1_d32", makeSpec(4, 4, 1, 32, v1::none, 0, v1::per_head, 0, v1::bfloat16)},
+          {"nanochat_options", nanochatSpec()},
+          {"speedrun_options", speedrunSpec()}};
 }
+constexpr int kPlainSpecs = 4;
 
 const std::vector<std::string> kArchs = {"sm_80", "sm_86", "sm_89", "sm_90"};
 
@@ -57,11 +83,18 @@ TEST_P(NvrtcCompiles, WithoutSpillsUsingTensorCoresAndAsyncCopies) {
               kernel->schedule().ShortDebugString().c_str());
 }
 
+auto nameOf = [](const auto& info) {
+  return specs()[size_t(std::get<0>(info.param))].name + "_" + std::get<1>(info.param);
+};
+
 INSTANTIATE_TEST_SUITE_P(Specs, NvrtcCompiles,
-                         ::testing::Combine(::testing::Range(0, 4), ::testing::ValuesIn(kArchs)),
-                         [](const auto& info) {
-                           return specs()[size_t(std::get<0>(info.param))].name + "_" + std::get<1>(info.param);
-                         });
+                         ::testing::Combine(::testing::Range(0, kPlainSpecs), ::testing::ValuesIn(kArchs)), nameOf);
+// The options (qk_norm in every mixing path, the other RoPE direction, the
+// new window rules) on the first and the newest portable arch.
+INSTANTIATE_TEST_SUITE_P(Options, NvrtcCompiles,
+                         ::testing::Combine(::testing::Range(kPlainSpecs, int(specs().size())),
+                                            ::testing::Values("sm_80", "sm_90")),
+                         nameOf);
 
 // The sm_90a path (engine wgmma, tile/include/loom/tile/hopper.h): every spec whose
 // head_dim allows it gets it by default on sm_90a, under both mixing
@@ -109,10 +142,8 @@ TEST_P(HopperCompiles, WithWgmmaTmaAndSetmaxnregWithoutSpills) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Specs, HopperCompiles,
-                         ::testing::Combine(::testing::Range(0, 3), ::testing::Values("materialized", "fused")),
-                         [](const auto& info) {
-                           return specs()[size_t(std::get<0>(info.param))].name + "_" + std::get<1>(info.param);
-                         });
+                         ::testing::Combine(::testing::Values(0, 1, 2, 4, 5), ::testing::Values("materialized", "fused")),
+                         nameOf);
 
 // Where wgmma cannot serve a spec (d = 32) sm_90a keeps the portable path;
 // asking for wgmma elsewhere than sm_90a is refused with the reason.

@@ -60,6 +60,7 @@ TEST(ReferenceProperty, OnePseudoHeadWithIdentityMixingIsMultiHeadAttention) {
     spec.set_window(0);
     spec.set_rope_theta(0);
     spec.set_collapse(v1::per_head);
+    testing::clearOptions(spec);  // plain multi-head attention has none
     const int64_t B = 1 + rng() % 2, N = 1 + rng() % 9;
     IhaCase c = drawCase(spec, B, N, rng());
     setIdentity(c.inputs.alpha_q, spec.heads());
@@ -99,6 +100,7 @@ TEST(ReferenceProperty, CausalModesNeverLookAhead) {
   for (int trial = 0; trial < kTrials; ++trial) {
     KernelSpec spec = testing::randomSpec(rng);
     spec.set_mask(trial % 2 ? v1::flat_causal : v1::token_causal);
+    testing::dropStaleOptions(spec);
     const int64_t N = 2 + rng() % 8;
     IhaCase c = drawCase(spec, 1, N, rng());
     const auto before = reference::ihaForward(spec, c.inputs);
@@ -172,6 +174,75 @@ TEST(ReferenceProperty, PermutingHeadsPermutesTheOutput) {
         for (int64_t x = 0; x < d; ++x)
           ASSERT_NEAR(moved.out[(n * H + h) * d + x], base.out[(n * H + pi[h]) * d + x], kTolerance)
               << spec.ShortDebugString();
+  }
+}
+
+// The options of docs/IHA.md against the function without them:
+// - rope_direction negative is positive RoPE on inputs whose second half of
+//   every q and k row is negated (R(-a) = S R(a) S with S = diag(1, -1) on
+//   each pair, and mixing acts on each column alike);
+// - qk_norm rms makes the output blind to the scale of each token's q and k;
+// - window_rows W*P is flat_causal's window W, and a window aligned to tokens
+//   is token_causal's own rule under token_causal and under none.
+TEST(ReferenceProperty, OptionsAgreeWithTheirDefinitions) {
+  std::mt19937_64 rng(testing::testSeed() + 5);
+  for (int trial = 0; trial < kTrials; ++trial) {
+    KernelSpec spec = testing::randomSpec(rng);
+    testing::clearOptions(spec);
+    spec.set_rope_theta(100.0 + double(rng() % 10000));
+    spec.set_mask(v1::none);  // every row sees every key, so the rotation shows
+    spec.set_window(0);
+    const int64_t N = 2 + rng() % 7, H = spec.heads(), G = spec.kv_heads(), d = spec.head_dim();
+    const IhaCase c = drawCase(spec, 1, N, rng());
+    const auto negateSecondHalves = [&](std::vector<double>& x, int64_t heads) {
+      for (int64_t row = 0; row < N * heads; ++row)
+        for (int64_t e = d / 2; e < d; ++e) x[row * d + e] = -x[row * d + e];
+    };
+    KernelSpec negative = spec;
+    negative.set_rope_direction(v1::KernelSpec::negative);
+    reference::IhaInputs flipped = c.inputs;
+    negateSecondHalves(flipped.q, H);
+    negateSecondHalves(flipped.k, G);
+    EXPECT_LT(maxAbsDiff(reference::ihaForward(negative, c.inputs).out, reference::ihaForward(spec, flipped).out),
+              kTolerance)
+        << spec.ShortDebugString();
+    EXPECT_GT(maxAbsDiff(reference::ihaForward(negative, c.inputs).out, reference::ihaForward(spec, c.inputs).out),
+              1e-6)
+        << "the direction matters";
+
+    KernelSpec normed = spec;
+    normed.set_qk_norm(v1::KernelSpec::rms);
+    normed.set_qk_norm_eps(1e-30);
+    reference::IhaInputs scaled = c.inputs;
+    for (int64_t n = 0; n < N; ++n) {
+      const double factor = 0.25 + double(rng() % 100) / 10.0;
+      for (int64_t x = 0; x < H * d; ++x) scaled.q[n * H * d + x] *= factor;
+      for (int64_t x = 0; x < G * d; ++x) scaled.k[n * G * d + x] *= factor;
+    }
+    EXPECT_LT(maxAbsDiff(reference::ihaForward(normed, c.inputs).out, reference::ihaForward(normed, scaled).out),
+              1e-9)
+        << normed.ShortDebugString();
+
+    const int64_t P = spec.pseudo_heads(), L = N * P, W = 1 + int64_t(rng() % 4);
+    KernelSpec byTokens = spec, byRows = spec;
+    byTokens.set_mask(v1::flat_causal);
+    byTokens.set_window(int32_t(W));
+    byRows.set_mask(v1::flat_causal);
+    byRows.set_window(0);
+    byRows.set_window_rows(int32_t(W * P));
+    KernelSpec tokenCausal = spec, alignedToken = spec, alignedNone = spec;
+    tokenCausal.set_mask(v1::token_causal);
+    tokenCausal.set_window(int32_t(W));
+    alignedToken = tokenCausal;
+    alignedToken.set_window_align(v1::KernelSpec::token);
+    alignedNone = alignedToken;
+    alignedNone.set_mask(v1::none);
+    for (int64_t i = 0; i < L; ++i)
+      for (int64_t j = 0; j < L; ++j) {
+        ASSERT_EQ(reference::allowed(byRows, i, j), reference::allowed(byTokens, i, j));
+        ASSERT_EQ(reference::allowed(alignedToken, i, j), reference::allowed(tokenCausal, i, j));
+        ASSERT_EQ(reference::allowed(alignedNone, i, j), reference::allowed(tokenCausal, i, j));
+      }
   }
 }
 

@@ -130,6 +130,46 @@ TEST_F(Service, InvalidRequestsNameTheField) {
   EXPECT_EQ(server_->compiles(), 0);
 }
 
+// The options of public IHA code are part of the spec: a spec with them is
+// its own kernel (compiled once, then a hit), and options where they mean
+// nothing are refused with the field named, before any compile.
+TEST_F(Service, OptionsAreServedAsTheirOwnSpec) {
+  auto c = client();
+  KernelSpec options = spec(2);
+  options.set_rope_theta(10000);
+  options.set_qk_norm(v1::KernelSpec::rms);
+  options.set_rope_direction(v1::KernelSpec::negative);
+  options.set_window_rows(7);
+  KernelSpec plain = options;
+  testing::clearOptions(plain);
+  auto first = c->getKernel(options, sm80());
+  ASSERT_TRUE(first) << first.error().message;
+  EXPECT_EQ(first->origin(), "compiled now");
+  EXPECT_EQ(first->kernel().spec().window_rows(), 7);
+  auto other = c->getKernel(plain, sm80());
+  ASSERT_TRUE(other) << other.error().message;
+  EXPECT_EQ(other->origin(), "compiled now") << "a spec without the options is another kernel";
+  EXPECT_NE(other->kernel().source(), first->kernel().source());
+  auto again = c->getKernel(options, sm80());
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->origin(), "kernel cache");
+  EXPECT_EQ(server_->compiles(), 2);
+
+  KernelSpec bad = options;
+  bad.set_mask(v1::token_causal);
+  auto refused = c->getKernel(bad, sm80());
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message.find("INVALID_ARGUMENT"), std::string::npos);
+  EXPECT_NE(refused.error().message.find("window_rows counts a flat_causal window"), std::string::npos)
+      << refused.error().message;
+  bad = options;
+  bad.set_qk_norm(static_cast<v1::KernelSpec::QkNorm>(7));  // a value no loom knows, as another client may send
+  refused = c->getKernel(bad, sm80());
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message.find("qk_norm must be none or rms"), std::string::npos) << refused.error().message;
+  EXPECT_EQ(server_->compiles(), 2);
+}
+
 // A tuning result and its kernel as a fleet worker would send them.
 std::pair<v1::TuningResult, v1::CompiledKernel> tuned(const KernelSpec& s) {
   jit::NvrtcCompiler compiler("");
@@ -192,8 +232,13 @@ TEST_F(Service, LeasesKeepTwoWorkersApartAndExpire) {
 }
 
 // `loom pretune` against the server: tunes what is missing, then skips it.
+// One spec carries options of public IHA code: its decision is its own.
 TEST_F(Service, PretuneTunesWhatIsMissingOnce) {
-  std::ofstream(dir_ / "specs.json") << "[" << toJson(spec(2, 4)) << "," << toJson(spec(4, 4)) << "]";
+  KernelSpec options = spec(4, 4);
+  options.set_qk_norm(v1::KernelSpec::rms);
+  options.set_window(0);
+  options.set_window_rows(9);
+  std::ofstream(dir_ / "specs.json") << "[" << toJson(spec(2, 4)) << "," << toJson(options) << "]";
   const std::string command = "LOOM_CACHE_DIR=" + (dir_ / "worker") + " " + LOOM_BINARY + " pretune --server " +
                               address_ + " --specs " + (dir_ / "specs.json") + " --token-file " + (dir_ / "token") +
                               " --target sm_80 --tokens 256";
@@ -203,10 +248,16 @@ TEST_F(Service, PretuneTunesWhatIsMissingOnce) {
   const auto second = testing::runCommand(command);
   ASSERT_EQ(second.exitCode, 0) << second.output;
   EXPECT_NE(second.output.find("pretune: 0 tuned, 2 skipped, 0 failed"), std::string::npos) << second.output;
-  auto decision = client()->lookupDecision(spec(4, 4), *parseTarget("sm_80"));
+  auto decision = client()->lookupDecision(options, *parseTarget("sm_80"));
   ASSERT_TRUE(decision);
   EXPECT_TRUE(decision->found());
   EXPECT_FALSE(decision->result().measured());
+  EXPECT_EQ(decision->result().spec().window_rows(), 9);
+  KernelSpec plain = options;
+  testing::clearOptions(plain);
+  auto withoutOptions = client()->lookupDecision(plain, *parseTarget("sm_80"));
+  ASSERT_TRUE(withoutOptions);
+  EXPECT_FALSE(withoutOptions->found()) << "the spec without its options was never tuned";
 }
 
 // One message through a method by name; returns the status and the reply bytes.

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdlib>
 #include <unistd.h>
 #include <cstdio>
@@ -73,7 +74,42 @@ inline uint64_t testSeed() {
   return seed;
 }
 
-// A random valid spec: small enough for the float64 reference.
+// The options of public IHA code (docs/IHA.md), each drawn where it applies:
+// qk_norm rms (with the default epsilon or its own), rope_direction negative,
+// window_align token, and window_rows (flat_causal without a window) at or
+// off multiples of P.
+inline void drawOptions(KernelSpec& spec, std::mt19937_64& rng) {
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  if (pick(0, 2) == 0) {
+    spec.set_qk_norm(v1::KernelSpec::rms);
+    if (pick(0, 1)) spec.set_qk_norm_eps(std::pow(10.0, -pick(3, 7)));
+  }
+  if (spec.rope_theta() > 0 && pick(0, 1)) spec.set_rope_direction(v1::KernelSpec::negative);
+  if (spec.window() > 0 && pick(0, 2) == 0) spec.set_window_align(v1::KernelSpec::token);
+  if (spec.mask() == v1::flat_causal && spec.window() == 0 && pick(0, 2) == 0)
+    spec.set_window_rows(pick(1, 3 * spec.pseudo_heads() + 2));
+}
+
+// Clears the options a test's own edits left meaningless (validateSpec
+// refuses them): a direction without RoPE, an alignment without a window,
+// window_rows off flat_causal or beside a window.
+inline void dropStaleOptions(KernelSpec& spec) {
+  if (spec.rope_theta() == 0) spec.clear_rope_direction();
+  if (spec.window() == 0) spec.clear_window_align();
+  if (spec.mask() != v1::flat_causal || spec.window() != 0) spec.clear_window_rows();
+}
+
+// The plain function of docs/IHA.md: no options.
+inline void clearOptions(KernelSpec& spec) {
+  spec.clear_qk_norm();
+  spec.clear_qk_norm_eps();
+  spec.clear_rope_direction();
+  spec.clear_window_align();
+  spec.clear_window_rows();
+}
+
+// A random valid spec: small enough for the float64 reference, with the
+// options drawn too.
 inline KernelSpec randomSpec(std::mt19937_64& rng) {
   auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
   KernelSpec spec;
@@ -88,6 +124,7 @@ inline KernelSpec randomSpec(std::mt19937_64& rng) {
   spec.set_collapse(static_cast<v1::CollapseMode>(pick(1, 2)));
   spec.set_rope_theta(pick(0, 1) ? 0.0 : 10000.0);
   if (pick(0, 3) == 0) spec.set_scale(0.05 + 0.3 * std::uniform_real_distribution<double>()(rng));
+  drawOptions(spec, rng);
   return spec;
 }
 

@@ -199,7 +199,11 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
       int64_t(spec.pseudo_heads()), int64_t(spec.head_dim()), elementTypeOf(spec.dtype()), maskOf(spec.mask()),
       int64_t(spec.window()),
       spec.collapse() == v1::global ? CollapseMode::global : CollapseMode::per_head,
-      llvm::APFloat(spec.rope_theta()), llvm::APFloat(effectiveScale(spec)));
+      llvm::APFloat(spec.rope_theta()), llvm::APFloat(effectiveScale(spec)),
+      spec.qk_norm() == v1::KernelSpec::rms ? QkNorm::rms : QkNorm::none, llvm::APFloat(effectiveQkNormEps(spec)),
+      spec.rope_direction() == v1::KernelSpec::negative ? RopeDirection::negative : RopeDirection::positive,
+      spec.window_align() == v1::KernelSpec::token ? WindowAlign::token : WindowAlign::virtual_rows,
+      int64_t(spec.window_rows()));
   if (!specAttr) return makeError("spec: " + c.diagnostics);
   const bool hopper = target.kind() == v1::Target::cuda && target.arch() == "sm_90a";
   ScheduleAttr scheduleAttr = completeSchedule(specAttr, fieldsOf(schedule), hopper);

@@ -48,6 +48,11 @@ std::string configStruct(SpecAttr spec, ScheduleAttr schedule) {
   text += line("loom::Collapse", "collapse", "loom::Collapse::" + stringifyCollapseMode(spec.getCollapse()).str());
   text += line("float", "rope_theta", floatLiteral(spec.getRopeTheta().convertToDouble()));
   text += line("float", "scale", floatLiteral(spec.getScale().convertToDouble()));
+  text += line("bool", "qk_norm", spec.getQkNorm() == QkNorm::rms ? "true" : "false");
+  text += line("float", "qk_norm_eps", floatLiteral(spec.getQkNormEps().convertToDouble()));
+  text += line("bool", "rope_negative", spec.getRopeDirection() == RopeDirection::negative ? "true" : "false");
+  text += line("bool", "window_token_aligned", spec.getWindowAlign() == WindowAlign::token ? "true" : "false");
+  text += line("int", "window_rows", std::to_string(spec.getWindowRows()));
   text += line("int", "block_m", std::to_string(schedule.getBlockM()));
   text += line("int", "block_n", std::to_string(schedule.getBlockN()));
   text += line("int", "warps", std::to_string(schedule.getWarps()));

@@ -3,11 +3,11 @@
 
 #include "loom/Dialect/Iha/IhaOps.h"
 #include "loom/Dialect/Iha/Passes.h"
+#include "loom/mask_rule.h"
 #include "mlir/Dialect/Arith/IR/Arith.h"
 #include "mlir/IR/Builders.h"
 
 namespace loom::iha {
-
 
 // Launch names the passes agree on.
 inline constexpr llvm::StringLiteral kPremixLaunch = "iha_premix";
@@ -18,6 +18,15 @@ inline LaunchOp findLaunch(KernelOp kernel, llvm::StringRef name) {
   for (auto launch : kernel.getBlock().getOps<LaunchOp>())
     if (launch.getSymName() == name) return launch;
   return {};
+}
+
+// The spec's mask as intervals (loom/mask_rule.h).
+inline MaskRule maskRuleOf(SpecAttr spec) {
+  const v1::MaskMode mask = spec.getMask() == MaskMode::token_causal ? v1::token_causal
+                            : spec.getMask() == MaskMode::none       ? v1::none
+                                                                     : v1::flat_causal;
+  return MaskRule::of(mask, spec.getPseudoHeads(), spec.getWindow(), spec.getWindowAlign() == WindowAlign::token,
+                      spec.getWindowRows());
 }
 
 // i64 arithmetic for index computations; canonicalisation folds constants.

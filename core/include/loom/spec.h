@@ -29,6 +29,10 @@ std::string toJson(const google::protobuf::Message& message);
 // The softmax scale the spec asks for: its own or 1/sqrt(head_dim).
 double effectiveScale(const KernelSpec& spec);
 
+// The epsilon of qk_norm rms: the spec's own or 1e-6 (docs/IHA.md).
+inline constexpr double kDefaultQkNormEps = 1e-6;
+double effectiveQkNormEps(const KernelSpec& spec);
+
 std::string maskName(v1::MaskMode mask);
 std::string collapseName(v1::CollapseMode collapse);
 std::string dtypeName(v1::DType dtype);

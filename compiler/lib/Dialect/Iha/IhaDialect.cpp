@@ -24,9 +24,10 @@ void IhaDialect::initialize() {
 }
 
 LogicalResult SpecAttr::verify(function_ref<InFlightDiagnostic()> emitError, int64_t heads, int64_t kvHeads,
-                               int64_t pseudoHeads, int64_t headDim, ElementType, MaskMode, int64_t window,
-                               CollapseMode, llvm::APFloat ropeThetaValue,
-                               llvm::APFloat scaleValue) {
+                               int64_t pseudoHeads, int64_t headDim, ElementType, MaskMode mask, int64_t window,
+                               CollapseMode, llvm::APFloat ropeThetaValue, llvm::APFloat scaleValue, QkNorm,
+                               llvm::APFloat qkNormEpsValue, RopeDirection ropeDirection, WindowAlign windowAlign,
+                               int64_t windowRows) {
   const double ropeTheta = ropeThetaValue.convertToDouble(), scale = scaleValue.convertToDouble();
   if (heads < 1) return emitError() << "heads (" << heads << ") must be at least 1";
   if (kvHeads < 1 || heads % kvHeads != 0)
@@ -39,5 +40,13 @@ LogicalResult SpecAttr::verify(function_ref<InFlightDiagnostic()> emitError, int
   if (ropeTheta > 0 && headDim % 2 != 0)
     return emitError() << "head_dim (" << headDim << ") must be even when rope_theta > 0";
   if (!(scale > 0)) return emitError() << "scale must be positive";
+  if (!(qkNormEpsValue.convertToDouble() > 0)) return emitError() << "qk_norm_eps must be positive";
+  if (ropeDirection == RopeDirection::negative && ropeTheta == 0)
+    return emitError() << "rope_direction negative needs rotary embedding (rope_theta > 0)";
+  if (windowAlign == WindowAlign::token && window == 0)
+    return emitError() << "window_align token needs a window (window > 0 tokens)";
+  if (windowRows < 0) return emitError() << "window_rows (" << windowRows << ") must not be negative";
+  if (windowRows > 0 && (mask != MaskMode::flat_causal || window != 0))
+    return emitError() << "window_rows needs mask flat_causal and window 0";
   return success();
 }

@@ -17,6 +17,9 @@ constexpr int64_t kDefaultStages = 2;
 
 constexpr int64_t kTmaProducerRegisters = 24;
 constexpr int64_t kMixingProducerRegisters = 56;
+// A mixing producer that also normalises the keys (qk_norm) needs a few more:
+// at 56 ptxas spills its row loop.
+constexpr int64_t kNormalizingProducerRegisters = 72;
 
 std::string str(int64_t value) { return std::to_string(value); }
 
@@ -58,7 +61,9 @@ ScheduleAttr completeWgmma(SpecAttr spec, const ScheduleFields& given) {
       given.stages ? given.stages : wgmmaStages(spec, blockM, blockN, collapse), mix, collapse, Engine::wgmma,
       given.producerRegisters
           ? given.producerRegisters
-          : (mix == MixStrategy::fused ? kMixingProducerRegisters : kTmaProducerRegisters));
+          : (mix != MixStrategy::fused                ? kTmaProducerRegisters
+             : spec.getQkNorm() == QkNorm::rms ? kNormalizingProducerRegisters
+                                               : kMixingProducerRegisters));
 }
 
 std::optional<std::string> checkWgmma(SpecAttr spec, ScheduleAttr schedule) {

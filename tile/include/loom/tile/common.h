@@ -65,11 +65,18 @@ LOOM_HOST_DEVICE constexpr int64_t seq_len(const IhaArgs& args) {
   return args.tokens * C::pseudo_heads;
 }
 
-// docs/IHA.md step 4: may virtual row i attend to virtual row j?
+// docs/IHA.md step 4: may virtual row i attend to virtual row j? With the
+// options: window_rows (flat_causal, a window in virtual rows) and a window
+// aligned to tokens (0 <= tok(i) - tok(j) < W beside the mode's own rule).
 template <class C>
 LOOM_HOST_DEVICE constexpr bool allowed(int64_t i, int64_t j) {
   const int64_t P = C::pseudo_heads, W = C::window;
   const int64_t ti = i / P, tj = j / P;
+  if (C::window_rows > 0) return j <= i && i - j < C::window_rows;
+  if (C::window_token_aligned && W > 0) {
+    const bool own = C::mask == Mask::flat_causal ? j <= i : C::mask == Mask::token_causal ? tj <= ti : true;
+    return own && tj <= ti && ti - tj < W;
+  }
   if (C::mask == Mask::flat_causal) return j <= i && (W == 0 || i - j < W * P);
   if (C::mask == Mask::token_causal) return tj <= ti && (W == 0 || ti - tj < W);
   return W == 0 || (ti > tj ? ti - tj : tj - ti) < W;

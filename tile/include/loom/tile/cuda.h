@@ -8,7 +8,7 @@
 //   - online softmax in registers, rows split across warps (16 per m-tile),
 //     a row's values across the 4 threads of a quad; log2(e) folded into the
 //     scale so the exponentials are exp2;
-//   - the fused mixing + RoPE prologue and the collapse epilogues.
+//   - the fused mixing (+ qk_norm, RoPE) prologue and the collapse epilogues.
 // Workspaces hold 16-bit elements of the spec's dtype. No host header is
 // included: this file and its includes are all NVRTC sees.
 #pragma once
@@ -174,6 +174,10 @@ __device__ void load_q(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head
   cuda::commitCopies();
   cuda::waitCopies<0>();
   __syncthreads();
+  if constexpr (Mixed && cuda::Normalized<C, Role::query>::value) {  // the workspace rows are normalised already
+    cuda::normalizeRows<C>(C::block_m, [&](int r, int c) { return tile + r * G::pitch + c; }, cuda::warp(), C::warps);
+    __syncthreads();
+  }
   const int l = cuda::lane();
   #pragma unroll
   for (int mt = 0; mt < G::MT; ++mt)
@@ -242,6 +246,33 @@ __device__ void issueKv(const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
   }
 }
 
+//===--- qk_norm of fused keys ---------------------------------------------===//
+// With fused mixing the keys are not normalised in the tile (that would be a
+// second pass over it inside the key-block loop, where the accumulators hold
+// nearly every register): mixing adds each K row's sum of squares, taken on
+// the f32 values before they are rounded, into the row's padding (the
+// kRowPadElements no ldmatrix reads, layout.h), and mma_qk scales each score
+// column by its key's 1 / sqrt(mean + eps). Queries are normalised in their
+// tile, once per CTA.
+
+template <class C>
+constexpr bool kFusedKeyNorm = C::fused_mix && C::qk_norm;
+
+// The f32 sum of squares kept in the padding of K row r.
+template <class C>
+__device__ __forceinline__ float* keySquares(const Bits16* kTile, int r) {
+  return reinterpret_cast<float*>(const_cast<Bits16*>(kTile) + r * Geometry<C>::pitch + Geometry<C>::Dp);
+}
+__device__ __forceinline__ void sharedAddFloat(float* address, float value) {
+  asm volatile("red.shared.add.f32 [%0], %1;" ::"r"(sharedAddress(address)), "f"(value) : "memory");
+}
+// Zeroes every row's sum before the next block is mixed into the tile.
+template <class C>
+__device__ __forceinline__ void clearKeySquares() {
+  const Bits16* kTile = reinterpret_cast<const Bits16*>(smem() + layout<C>().k);
+  for (int r = threadIdx.x; r < C::block_n; r += Geometry<C>::threads) *keySquares<C>(kTile, r) = 0.0f;
+}
+
 // Mixes (and rotates K) the raw rows of `block` into the K and V tiles.
 template <class C>
 __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t block) {
@@ -271,6 +302,12 @@ __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t block) {
         if constexpr (C::rope_theta > 0) keys[e] = rotate<C>(keys[e], mix(raw, a.alpha_k, t, p, c < half ? c + half : c - half), j, c);
         values[e] = mix(raw + G::rawRole, a.alpha_v, t, p, c);
       }
+      if constexpr (kFusedKeyNorm<C>) {
+        float squares = 0.0f;
+        #pragma unroll
+        for (int e = 0; e < kChunkElements; ++e) squares += keys[e] * keys[e];
+        sharedAddFloat(keySquares<C>(kTile, r), squares);
+      }
     }
     storeChunk<C>(kTile + r * G::pitch + chunk * kChunkElements, keys);
     storeChunk<C>(vTile + r * G::pitch + chunk * kChunkElements, values);
@@ -283,6 +320,7 @@ __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t block) {
 template <class C, bool Mixed>
 __device__ void kv_begin(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64_t b, int64_t lower, int64_t upper) {
   pipe.mixed = Mixed;
+  if constexpr (cuda::kFusedKeyNorm<C>) cuda::clearKeySquares<C>();  // ordered by the first kv_wait's barrier
   for (int s = 0; s < C::stages - 1; ++s) {
     if (lower + s < upper) cuda::issueKv<C, Mixed>(a, g, b, lower + s);
     cuda::commitCopies();  // always, so group counting stays uniform
@@ -323,6 +361,7 @@ __device__ void kv_wait(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64_
 template <class C>
 __device__ __forceinline__ void kv_release(KvPipeline<C>&, int64_t) {
   __syncthreads();
+  if constexpr (cuda::kFusedKeyNorm<C>) cuda::clearKeySquares<C>();  // ordered by the next kv_wait's barrier
 }
 
 // S = Q K^T * scale * log2(e), K fragments by ldmatrix (two n-tiles per load).
@@ -350,12 +389,27 @@ __device__ void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_
       }
     }
   constexpr float scale = C::scale * kLog2e;
-  #pragma unroll
-  for (int mt = 0; mt < G::MT; ++mt)
+  if constexpr (cuda::kFusedKeyNorm<C>) {
     #pragma unroll
     for (int nt = 0; nt < G::NT; ++nt)
       #pragma unroll
-      for (int e = 0; e < 4; ++e) s.s[mt][nt][e] *= scale;
+      for (int column = 0; column < 2; ++column) {
+        const float squares = *cuda::keySquares<C>(pipe.key, nt * 8 + fragment::accumulatorColumn(l, column));
+        const float columnScale = scale * rsqrtf(squares * (1.0f / C::head_dim) + C::qk_norm_eps);
+        #pragma unroll
+        for (int mt = 0; mt < G::MT; ++mt) {
+          s.s[mt][nt][column] *= columnScale;
+          s.s[mt][nt][column + 2] *= columnScale;
+        }
+      }
+  } else {
+    #pragma unroll
+    for (int mt = 0; mt < G::MT; ++mt)
+      #pragma unroll
+      for (int nt = 0; nt < G::NT; ++nt)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) s.s[mt][nt][e] *= scale;
+  }
 }
 
 // -inf for pairs the mask forbids and columns past the end. Fragment element

@@ -1,7 +1,7 @@
 // What both CUDA implementations of the tile API share (mma.sync in
-// cuda.h, wgmma in hopper.h): element conversions, the mixing and rotary
-// embedding arithmetic, shuffles, and the token-parallel pre-mix and collapse
-// launches. NVRTC-only: no host header is included.
+// cuda.h, wgmma in hopper.h): element conversions, the mixing, qk_norm and
+// rotary embedding arithmetic, shuffles, and the token-parallel pre-mix and
+// collapse launches. NVRTC-only: no host header is included.
 #pragma once
 
 #include "loom/tile/common.h"
@@ -90,12 +90,14 @@ __device__ __forceinline__ void ropeSinCos(int64_t position, int j, float* sine,
   __sincosf(reduced, sine, cosine);  // |reduced| <= pi: the fast path is accurate to ~4e-7
 }
 
-// Element `c` of a rotated row, given the element and its partner (c +- d/2).
+// Element `c` of a rotated row, given the element and its partner (c +- d/2);
+// rope_direction negative turns by the opposite angle.
 template <class C>
 __device__ __forceinline__ float rotate(float x, float partner, int64_t position, int c) {
   constexpr int half = C::head_dim / 2;
   float sine, cosine;
   ropeSinCos<C>(position, c % half, &sine, &cosine);
+  if constexpr (C::rope_negative) sine = -sine;
   return c < half ? x * cosine - partner * sine : partner * sine + x * cosine;
 }
 
@@ -138,6 +140,46 @@ __device__ float mixedElement(const IhaArgs& a, int64_t b, int64_t n, int h, int
     constexpr int half = C::head_dim / 2;
     const float partner = mixFromGlobal<C, R>(a, b, n, h, p, c < half ? c + half : c - half);
     return rotate<C>(x, partner, n * C::pseudo_heads + p, c);
+  }
+}
+
+__device__ __forceinline__ float warpSum(float x) {
+  #pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+// qk_norm "rms" on rows already mixed, rotated and stored: each becomes
+// x / sqrt(mean(x^2) + eps). Normalising after the rotation is the same
+// function as before it (a rotation keeps every pair's, so the row's, sum of
+// squares), and lets every mixing path stay element-parallel. One warp a
+// row: warps warpIndex, warpIndex + warpCount, ... of the caller take rows
+// 0 .. rows-1; all 32 lanes of each must call. `element(r, c)` is the address
+// of element c of row r, or null for a row to skip.
+template <class C, Role R>
+struct Normalized {
+  static constexpr bool value = C::qk_norm && R != Role::value;
+};
+
+template <class C, class Element>
+__device__ void normalizeRows(int rows, Element element, int warpIndex, int warpCount) {
+  // Not unrolled: it runs inside the key-block loop of fused mixing, where
+  // the accumulators hold nearly every register.
+  #pragma unroll 1
+  for (int r = warpIndex; r < rows; r += warpCount) {
+    if (!element(r, 0)) continue;
+    float squares = 0.0f;
+    #pragma unroll 1
+    for (int c = lane(); c < C::head_dim; c += kWarpSize) {
+      const float x = toFloat<C>(*element(r, c));
+      squares += x * x;
+    }
+    const float factor = rsqrtf(warpSum(squares) * (1.0f / C::head_dim) + C::qk_norm_eps);
+    #pragma unroll 1
+    for (int c = lane(); c < C::head_dim; c += kWarpSize) {
+      Bits16* at = element(r, c);
+      *at = toBits<C>(toFloat<C>(*at) * factor);
+    }
   }
 }
 
@@ -237,6 +279,19 @@ __device__ void premix(const IhaArgs& a, int64_t token0, int64_t b) {
       values[e] = cuda::mixedElement<C, R>(a, b, n, h, p, chunk * kChunkElements + e);
     cuda::storeChunk<C>(ws + ((b * Role_::heads + h) * L + n * C::pseudo_heads + p) * C::head_dim + chunk * kChunkElements,
                         values);
+  }
+  if constexpr (cuda::Normalized<C, R>::value) {
+    __syncthreads();  // the rows' chunks were written by other threads
+    constexpr int rowsPerToken = Role_::heads * C::pseudo_heads;
+    cuda::normalizeRows<C>(
+        tokens * rowsPerToken,
+        [&](int row, int c) -> Bits16* {
+          const int64_t n = token0 + row / rowsPerToken;
+          const int h = (row / C::pseudo_heads) % Role_::heads, p = row % C::pseudo_heads;
+          if (n >= a.tokens) return nullptr;
+          return ws + ((b * Role_::heads + h) * L + n * C::pseudo_heads + p) * C::head_dim + c;
+        },
+        cuda::warp(), int(blockDim.x) / kWarpSize);
   }
 }
 

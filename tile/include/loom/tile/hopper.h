@@ -60,6 +60,7 @@ constexpr int kWgmmaRows = 64;
 constexpr int kWgmmaK = 16;
 constexpr int kConsumerBarrier = 1;  // named barrier of all consumer threads; 0 is __syncthreads
 constexpr int kWarpgroupBarrier = 2; // + consumer warpgroup: one warpgroup's threads
+constexpr int kProducerBarrier = kWarpgroupBarrier + kMaxConsumerWarpgroups;  // the producer warpgroup's threads
 
 template <class C>
 struct Geometry {
@@ -290,6 +291,13 @@ __device__ __forceinline__ void mixChunk(const IhaArgs& a, int64_t b, int64_t n,
   }
 }
 
+// Element c of row r of a tile of 128-byte swizzled atoms `atomBytes` apart.
+__device__ __forceinline__ Bits16* swizzledElement(unsigned char* tile, int atomBytes, int r, int c) {
+  return reinterpret_cast<Bits16*>(tile + (c / kSwizzleAtomColumns) * atomBytes +
+                                   swizzledChunk(r, (c % kSwizzleAtomColumns) / kChunkElements)) +
+         c % kChunkElements;
+}
+
 // A chunk of a mixed row, rotated for q and k: the partner chunk (d/2
 // columns away) is mixed too.
 template <class C, Role R>
@@ -322,6 +330,12 @@ __device__ void mixKvTile(const IhaArgs& a, int64_t g, int64_t b, int64_t block,
     cuda::storeChunk<C>(reinterpret_cast<Bits16*>(kTile + offset), values);
     if (j < L) mixedChunk<C, Role::value>(a, b, j / C::pseudo_heads, int(g), int(j % C::pseudo_heads), chunk * kChunkElements, values);
     cuda::storeChunk<C>(reinterpret_cast<Bits16*>(vTile + offset), values);
+  }
+  if constexpr (cuda::Normalized<C, Role::key>::value) {
+    namedBarrier(kProducerBarrier, kWarpgroupThreads);  // rows were written by other producer threads
+    cuda::normalizeRows<C>(
+        C::block_n, [&](int r, int c) { return swizzledElement(kTile, G::kvAtomBytes, r, c); }, cuda::warp(),
+        kWarpsPerWarpgroup);
   }
 }
 
@@ -378,6 +392,12 @@ __device__ void load_q(QTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int64
                                            chunk * kChunkElements, values);
       cuda::storeChunk<C>(
           reinterpret_cast<Bits16*>(tile + (chunk / 8) * G::qAtomBytes + swizzledChunk(r, chunk % 8)), values);
+    }
+    if constexpr (cuda::Normalized<C, Role::query>::value) {
+      hopper::namedBarrier(hopper::kWarpgroupBarrier + wg, hopper::kWarpgroupThreads);
+      cuda::normalizeRows<C>(
+          hopper::kWgmmaRows, [&](int r, int c) { return hopper::swizzledElement(tile, G::qAtomBytes, r, c); },
+          cuda::warp() % hopper::kWarpsPerWarpgroup, hopper::kWarpsPerWarpgroup);
     }
     hopper::fenceAsyncProxy();
     hopper::namedBarrier(hopper::kWarpgroupBarrier + wg, hopper::kWarpgroupThreads);

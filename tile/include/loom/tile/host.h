@@ -103,13 +103,24 @@ void storeElement(void* base, int64_t index, float value) {
   std::abort();
 }
 
-// Half-split rotary embedding at virtual position `position`; angles in
-// double so long sequences keep their phase.
+// qk_norm "rms": x / sqrt(mean(x^2) + eps) over the row.
+template <class C>
+void normalize(float* row) {
+  float squares = 0.0f;
+  for (int c = 0; c < C::head_dim; ++c) squares += row[c] * row[c];
+  const float factor = 1.0f / std::sqrt(squares / C::head_dim + C::qk_norm_eps);
+  for (int c = 0; c < C::head_dim; ++c) row[c] *= factor;
+}
+
+// Half-split rotary embedding at virtual position `position` (by the opposite
+// angle when rope_direction is negative); angles in double so long sequences
+// keep their phase.
 template <class C>
 void rotate(float* row, int64_t position) {
   constexpr int half = C::head_dim / 2;
+  constexpr double direction = C::rope_negative ? -1.0 : 1.0;
   for (int j = 0; j < half; ++j) {
-    const double angle = double(position) * std::pow(double(C::rope_theta), -2.0 * j / C::head_dim);
+    const double angle = direction * double(position) * std::pow(double(C::rope_theta), -2.0 * j / C::head_dim);
     const double c = std::cos(angle), s = std::sin(angle);
     const float x0 = row[j], x1 = row[j + half];
     row[j] = float(x0 * c - x1 * s);
@@ -117,7 +128,8 @@ void rotate(float* row, int64_t position) {
   }
 }
 
-// Steps 1-3 for one virtual row: row n*P + p of head `h` of the role.
+// Steps 1-3 for one virtual row: row n*P + p of head `h` of the role, mixed,
+// normalised (qk_norm) and rotated.
 template <class C, Role R>
 void mixedRow(const IhaArgs& a, int64_t b, int64_t n, int64_t h, int64_t p, float* out) {
   constexpr int heads = R == Role::query ? C::heads : C::kv_heads;
@@ -130,6 +142,7 @@ void mixedRow(const IhaArgs& a, int64_t b, int64_t n, int64_t h, int64_t p, floa
     const int64_t base = b * stride[0] + n * stride[1] + m * stride[2];
     for (int c = 0; c < C::head_dim; ++c) out[c] += weight * loadElement<C>(x, base + c);
   }
+  if (C::qk_norm && R != Role::value) normalize<C>(out);
   if (C::rope_theta > 0 && R != Role::value) rotate<C>(out, n * C::pseudo_heads + p);
 }
 

@@ -18,6 +18,18 @@ def Iha_CollapseMode : I32EnumAttr<"CollapseMode", "how pseudo outputs fold back
     I32EnumAttrCase<"per_head", 1>, I32EnumAttrCase<"global", 2>]> {
   let cppNamespace = "::loom::iha";
 }
+def Iha_QkNorm : I32EnumAttr<"QkNorm", "normalisation of the mixed q and k rows", [
+    I32EnumAttrCase<"none", 0>, I32EnumAttrCase<"rms", 1>]> {
+  let cppNamespace = "::loom::iha";
+}
+def Iha_RopeDirection : I32EnumAttr<"RopeDirection", "the sense in which RoPE turns each pair", [
+    I32EnumAttrCase<"positive", 0>, I32EnumAttrCase<"negative", 1>]> {
+  let cppNamespace = "::loom::iha";
+}
+def Iha_WindowAlign : I32EnumAttr<"WindowAlign", "how a window in tokens is counted", [
+    I32EnumAttrCase<"virtual_rows", 0, "virtual">, I32EnumAttrCase<"token", 1>]> {
+  let cppNamespace = "::loom::iha";
+}
 def Iha_Role : I32EnumAttr<"Role", "which projection a mixing op works on", [
     I32EnumAttrCase<"query", 1>, I32EnumAttrCase<"key", 2>, I32EnumAttrCase<"value", 3>]> {
   let cppNamespace = "::loom::iha";
@@ -38,7 +50,7 @@ def Iha_Engine : I32EnumAttr<"Engine", "which tensor-core instructions the tiles
 def Iha_RoleAttr : EnumAttr<Iha_Dialect, Iha_Role, "role">;
 
 // A double-precision float written as a plain float literal.
-def Iha_DoubleParameter : APFloatParameter<"a double"> {
+class Iha_Double : APFloatParameter<"a double"> {
   let parser = [{ [&]() -> ::mlir::FailureOr<::llvm::APFloat> {
     double value;
     if ($_parser.parseFloat(value)) return ::mlir::failure();
@@ -46,25 +58,38 @@ def Iha_DoubleParameter : APFloatParameter<"a double"> {
   }() }];
   let printer = [{ $_printer.printFloat($_self) }];
 }
+def Iha_DoubleParameter : Iha_Double;
+// One that defaults to `value` (and is then not printed).
+class Iha_DefaultDoubleParameter<string value> : Iha_Double {
+  let defaultValue = "::llvm::APFloat(" # value # ")";
+}
 
 def Iha_SpecAttr : AttrDef<Iha_Dialect, "Spec"> {
   let mnemonic = "spec";
   let summary = "the IHA function: a KernelSpec";
   let description = [{
     Everything that fixes the math of one IHA computation (docs/IHA.md);
-    batch and sequence length stay run-time sizes.
+    batch and sequence length stay run-time sizes. The options of public IHA
+    code (`qk_norm`, `qk_norm_eps`, `rope_direction`, `window_align`,
+    `window_rows`) default away and are then not printed.
 
     Example:
     ```mlir
     #iha.spec<heads = 4, kv_heads = 2, pseudo_heads = 4, head_dim = 64,
-              dtype = f16, mask = flat_causal, window = 0, collapse = per_head,
-              rope_theta = 1.0e+04, scale = 1.250000e-01>
+              dtype = f16, mask = flat_causal, window = 2, collapse = per_head,
+              rope_theta = 1.0e+04, scale = 1.250000e-01, qk_norm = rms,
+              rope_direction = negative, window_align = token>
     ```
   }];
   let parameters = (ins "int64_t":$heads, "int64_t":$kv_heads, "int64_t":$pseudo_heads,
                         "int64_t":$head_dim, "ElementType":$dtype, "MaskMode":$mask,
                         "int64_t":$window, "CollapseMode":$collapse,
-                        Iha_DoubleParameter:$rope_theta, Iha_DoubleParameter:$scale);
+                        Iha_DoubleParameter:$rope_theta, Iha_DoubleParameter:$scale,
+                        DefaultValuedParameter<"QkNorm", "QkNorm::none">:$qk_norm,
+                        Iha_DefaultDoubleParameter<"1e-6">:$qk_norm_eps,
+                        DefaultValuedParameter<"RopeDirection", "RopeDirection::positive">:$rope_direction,
+                        DefaultValuedParameter<"WindowAlign", "WindowAlign::virtual_rows">:$window_align,
+                        DefaultValuedParameter<"int64_t", "0">:$window_rows);
   let assemblyFormat = "`<` struct(params) `>`";
   let genVerifyDecl = 1;
 }

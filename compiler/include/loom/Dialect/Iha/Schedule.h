@@ -47,7 +47,8 @@ struct ScheduleFields {
 // 64 or 192): two consumer warpgroups (block_m 128), else one or three,
 // block_n 128 (64 for head_dim > 128), three stages where they fit in
 // shared memory (else two), materialised mixing fed by TMA, producer
-// registers 24 (56 when the producer mixes on chip).
+// registers 24 (56 when the producer mixes on chip, 72 when it also applies
+// qk_norm).
 ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool hopper = false);
 
 // Why `schedule` cannot compute `spec`, naming the field; nullopt when fine.

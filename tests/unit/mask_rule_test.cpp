@@ -1,0 +1,98 @@
+// loom::MaskRule and loom::blockRanges (loom/mask_rule.h), the derivation
+// iha-analyze-mask emits and the cost model counts, against a brute-force
+// reading of the reference's own mask: for every mask mode, window, window
+// alignment and window_rows (at and off multiples of P), every block shape and
+// many lengths, each row's allowed columns are one interval, each query
+// block visits exactly the key blocks holding an allowed pair, and runs
+// exactly the wholly allowed, in-bounds ones without a mask.
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "loom/mask_rule.h"
+#include "reference/iha_reference.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+// Every spec shape of the mask: each mode with and without a window, both
+// window alignments, and window_rows at, below and above multiples of P.
+std::vector<KernelSpec> maskSpecs(int P) {
+  std::vector<KernelSpec> specs;
+  for (v1::MaskMode mask : {v1::flat_causal, v1::token_causal, v1::none})
+    for (int window : {0, 1, 2, 3, 7})
+      for (auto align : {v1::KernelSpec::virtual_, v1::KernelSpec::token}) {
+        if (align == v1::KernelSpec::token && window == 0) continue;
+        KernelSpec spec = testing::makeSpec({.heads = 1, .pseudoHeads = P, .headDim = 8, .mask = mask, .window = window});
+        spec.set_window_align(align);
+        specs.push_back(spec);
+      }
+  for (int rows : {1, P, P + 1, 2 * P - 1, 3 * P, 3 * P + 2, 17}) {
+    KernelSpec spec = testing::makeSpec({.heads = 1, .pseudoHeads = P, .headDim = 8});
+    spec.set_window_rows(rows);
+    specs.push_back(spec);
+  }
+  return specs;
+}
+
+TEST(MaskRule, EveryRowSeesOneIntervalThatMovesRight) {
+  for (int P = 1; P <= 4; ++P)
+    for (const KernelSpec& spec : maskSpecs(P)) {
+      ASSERT_TRUE(validateSpec(spec)) << spec.ShortDebugString();
+      const MaskRule rule = MaskRule::of(spec);
+      const int64_t L = 23 * P;
+      RowInterval previous{0, 0};
+      for (int64_t i = 0; i < L; ++i) {
+        const RowInterval row = allowedRows(rule, i, L);
+        for (int64_t j = 0; j < L; ++j)
+          ASSERT_EQ(reference::allowed(spec, i, j), row.first <= j && j <= row.last)
+              << spec.ShortDebugString() << " i=" << i << " j=" << j;
+        ASSERT_TRUE(reference::allowed(spec, i, i)) << "every row keeps itself";
+        if (i > 0) {
+          EXPECT_GE(row.first, previous.first) << spec.ShortDebugString() << " i=" << i;
+          EXPECT_GE(row.last, previous.last) << spec.ShortDebugString() << " i=" << i;
+        }
+        previous = row;
+      }
+    }
+}
+
+TEST(MaskRule, BlockRangesAreExactForEveryRule) {
+  IntegerMath math;
+  int64_t checked = 0;
+  for (int P = 1; P <= 4; ++P)
+    for (const KernelSpec& spec : maskSpecs(P)) {
+      const MaskRule rule = MaskRule::of(spec);
+      for (int64_t blockM : {int64_t(P) * 16, int64_t(std::lcm(P, 16)), int64_t(std::lcm(P, 32))})
+        for (int64_t blockN : {16, 32, 48})
+          for (int64_t tokens : {1, 2, 5, 13, 31, 40}) {
+            const int64_t L = tokens * P;
+            for (int64_t r0 = 0; r0 < L; r0 += blockM) {
+              const BlockRanges<int64_t> r = blockRanges(math, rule, blockM, blockN, r0, L);
+              ASSERT_LE(r.lo, r.ilo);
+              ASSERT_LE(r.ilo, r.ihi);
+              ASSERT_LE(r.ihi, r.hi);
+              for (int64_t block = 0; block * blockN < L; ++block) {
+                bool any = false, all = (block + 1) * blockN <= L;
+                for (int64_t i = r0; i < std::min(r0 + blockM, L); ++i)
+                  for (int64_t j = block * blockN; j < std::min((block + 1) * blockN, L); ++j) {
+                    const bool ok = reference::allowed(spec, i, j);
+                    any |= ok;
+                    all &= ok;
+                  }
+                const std::string where = spec.ShortDebugString() + " block_m=" + std::to_string(blockM) +
+                                          " block_n=" + std::to_string(blockN) + " L=" + std::to_string(L) +
+                                          " r0=" + std::to_string(r0) + " key block " + std::to_string(block);
+                ASSERT_EQ(any, r.lo <= block && block < r.hi) << where << ": visited";
+                ASSERT_EQ(any && all, r.ilo <= block && block < r.ihi) << where << ": interior";
+                ++checked;
+              }
+            }
+          }
+    }
+  std::printf("[ blocks   ] %lld (query block, key block) pairs checked\n", (long long)checked);
+}
+
+}  // namespace
+}  // namespace loom
