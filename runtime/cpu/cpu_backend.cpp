@@ -14,10 +14,9 @@
 #include <sstream>
 #include <thread>
 
+#include "cpu/host_program.h"
 #include "loom/cache_dir.h"
-#include "loom/hash.h"
 #include "loom/tile/common.h"
-#include "loom/tile_headers.h"
 
 namespace loom::cpu {
 namespace fs = std::filesystem;
@@ -30,42 +29,8 @@ using SetBlockFn = void (*)(int64_t, int64_t, int64_t);
 using StatsFn = void (*)(int64_t*, int64_t*, int64_t*);
 using SetPartFn = void (*)(int);
 
-std::string compilerCommand() {
-  const char* cxx = std::getenv("CXX");
-  return cxx && *cxx ? cxx : "c++";
-}
-
-Status writeFileAtomically(const fs::path& path, const std::string& text) {
-  const fs::path temporary = path.string() + ".tmp" + std::to_string(::getpid());
-  {
-    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    out << text;
-    if (!out) return makeError(temporary.string() + ": write failed");
-  }
-  std::error_code ec;
-  fs::rename(temporary, path, ec);
-  if (ec) return makeError(path.string() + ": " + ec.message());
-  return Status::success();
-}
-
-// The embedded tile headers, laid out once per header hash.
-Result<fs::path> materializeHeaders(const fs::path& cacheDir) {
-  const fs::path root = cacheDir / "include" / tile::embeddedHeadersHash();
-  for (const tile::EmbeddedFile& file : tile::embeddedHeaders()) {
-    const fs::path path = root / file.path;
-    if (fs::exists(path)) continue;
-    std::error_code ec;
-    fs::create_directories(path.parent_path(), ec);
-    if (ec) return makeError(path.parent_path().string() + ": " + ec.message());
-    if (Status ok = writeFileAtomically(path, file.text); !ok) return ok.error();
-  }
-  return root;
-}
-
-// A loaded shared object; handles stay open for the process's life so a
-// plan run twice is loaded once.
+// A program's entry points (the shared object stays loaded).
 struct LoadedProgram {
-  void* handle = nullptr;
   SetBlockFn setBlock = nullptr;
   StatsFn stats = nullptr;
   SetPartFn setPart = nullptr;
@@ -73,63 +38,20 @@ struct LoadedProgram {
 };
 
 Result<LoadedProgram> loadProgram(const KernelPlan& plan, const fs::path& object) {
+  auto handle = loadHostProgram(object);
+  if (!handle) return handle.error();
   LoadedProgram program;
-  program.handle = ::dlopen(object.c_str(), RTLD_NOW | RTLD_LOCAL);
-  if (!program.handle) return makeError(object.string() + ": dlopen failed: " + ::dlerror());
-  program.setBlock = reinterpret_cast<SetBlockFn>(::dlsym(program.handle, "loom_host_set_block"));
-  program.stats = reinterpret_cast<StatsFn>(::dlsym(program.handle, "loom_host_stats"));
-  program.setPart = reinterpret_cast<SetPartFn>(::dlsym(program.handle, "loom_host_set_part"));
-  if (!program.setBlock || !program.stats || !program.setPart) return makeError(object.string() + ": not built against loom/tile/host.h");
+  program.setBlock = reinterpret_cast<SetBlockFn>(::dlsym(*handle, "loom_host_set_block"));
+  program.stats = reinterpret_cast<StatsFn>(::dlsym(*handle, "loom_host_stats"));
+  program.setPart = reinterpret_cast<SetPartFn>(::dlsym(*handle, "loom_host_set_part"));
+  if (!program.setBlock || !program.stats || !program.setPart)
+    return makeError(object.string() + ": not built against loom/tile/host.h");
   for (const LaunchPlan& launch : plan.launches) {
-    auto fn = reinterpret_cast<KernelFn>(::dlsym(program.handle, launch.name.c_str()));
+    auto fn = reinterpret_cast<KernelFn>(::dlsym(*handle, launch.name.c_str()));
     if (!fn) return makeError(object.string() + ": entry point " + launch.name + " missing");
     program.entries[launch.name] = fn;
   }
   return program;
-}
-
-struct Compiled {
-  fs::path object;
-  bool compiled = false;
-  double seconds = 0;
-};
-
-Result<Compiled> compileOrFind(const KernelPlan& plan, const fs::path& cacheDir) {
-  if (plan.target.kind() == v1::Target::cuda) return makeError("the CPU backend needs a plan generated for target cpu");
-  const std::string compiler = compilerCommand();
-  const std::string key =
-      ContentHash().add(plan.source).add(compiler).add(kCompileFlags).add(tile::embeddedHeadersHash()).hex();
-  Compiled result;
-  result.object = cacheDir / "cpu" / (key + ".so");
-  if (fs::exists(result.object)) return result;
-
-  auto headers = materializeHeaders(cacheDir);
-  if (!headers) return headers.error();
-  std::error_code ec;
-  fs::create_directories(result.object.parent_path(), ec);
-  if (ec) return makeError(result.object.parent_path().string() + ": " + ec.message());
-  const fs::path source = cacheDir / "cpu" / (key + ".cpp");
-  if (Status ok = writeFileAtomically(source, plan.source); !ok) return ok.error();
-
-  // Build beside the final name, then rename: a crash never leaves a
-  // half-written object under the key.
-  const fs::path temporary = result.object.string() + ".tmp" + std::to_string(::getpid());
-  const fs::path log = cacheDir / "cpu" / (key + ".log");
-  const std::string command = compiler + " " + kCompileFlags + " -I'" + headers->string() + "' '" + source.string() +
-                              "' -o '" + temporary.string() + "' > '" + log.string() + "' 2>&1";
-  const auto start = std::chrono::steady_clock::now();
-  const int status = std::system(command.c_str());
-  result.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (status != 0) {
-    std::ifstream in(log);
-    std::stringstream text;
-    text << in.rdbuf();
-    return makeError("the C++ compiler rejected the generated program (" + source.string() + ")", text.str());
-  }
-  fs::rename(temporary, result.object, ec);
-  if (ec) return makeError(result.object.string() + ": " + ec.message());
-  result.compiled = true;
-  return result;
 }
 
 // Runs one launch's grid: CTAs are independent, so threads take them in turn.
@@ -171,20 +93,16 @@ void contiguousStrides(int64_t* stride, int64_t tokens, int64_t heads, int64_t d
 
 Result<CpuOutputs> runPlan(const KernelPlan& plan, const IhaCase& c, const CpuOptions& options) {
   const fs::path cacheDir = options.cacheDir.empty() ? defaultCacheDir() : options.cacheDir;
-  auto compiled = compileOrFind(plan, cacheDir);
+  if (plan.target.kind() == v1::Target::cuda) return makeError("the CPU backend needs a plan generated for target cpu");
+  HostProgram source{plan.source, compilerFrom("CXX", "c++"), kCompileFlags, {}, "cpu"};
+  auto compiled = compileHostProgram(source, cacheDir);
   if (!compiled) return compiled.error();
-
-  // One loaded copy per object; programs are never unloaded.
-  static std::mutex mutex;
-  static std::map<std::string, LoadedProgram> loaded;
-  std::unique_lock lock(mutex);
-  auto found = loaded.find(compiled->object.string());
-  if (found == loaded.end()) {
-    auto program = loadProgram(plan, compiled->object);
-    if (!program) return program.error();
-    found = loaded.emplace(compiled->object.string(), *program).first;
-  }
-  const LoadedProgram& program = found->second;
+  auto loaded = loadProgram(plan, compiled->object);
+  if (!loaded) return loaded.error();
+  const LoadedProgram& program = *loaded;
+  // The host tile API counts into the program's globals: one run at a time.
+  static std::mutex running;
+  std::lock_guard lock(running);
 
   const KernelSpec& spec = plan.spec;
   const int64_t B = c.batch, N = c.tokens, H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(),

@@ -6,10 +6,12 @@
 
 #include <cuda.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 
 #include "loom/result.h"
+#include "loom/tile/common.h"
 #include "loom/v1/loom.pb.h"
 
 namespace loom::cuda {
@@ -54,6 +56,18 @@ struct TmaMaps {
   CUtensorMap q, k, v;
 };
 static_assert(sizeof(TmaMaps) == 3 * 128, "loom::TmaMaps is three 128-byte tensor maps");
+
+// cuTensorMapEncodeTiled's signature: the driver's, or the emulator's.
+using TensorMapEncoder = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
+                                      const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
+                                      CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
+
+// The tensor maps a warp-specialised launch of `compiled` takes over its
+// mixed workspaces (args.q_mixed, k_mixed, v_mixed; L = N * P rows), encoded
+// by `encode`; `check` turns a failure into an error naming the map.
+Status encodeWorkspaceMaps(TensorMapEncoder encode, const std::function<Status(CUresult, const std::string&)>& check,
+                           const v1::CompiledKernel& compiled, const IhaArgs& args, int64_t L, int64_t B,
+                           TmaMaps& maps);
 
 // The driver, loaded and initialised once. Without one the error says that
 // no GPU is present and what to use instead.

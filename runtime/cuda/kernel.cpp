@@ -208,32 +208,40 @@ Status Kernel::ensureWorkspaces(int64_t batch, int64_t tokens) {
   return Status::success();
 }
 
+namespace cuda {
+
 // Tensor maps over the mixed workspaces [B * heads, L, d] for the wgmma
-// engine's TMA loads (tile/include/loom/tile/hopper.h, loom::TmaMaps): boxes of one
+// engine's TMA loads (loom/tile/hopper.h, loom::TmaMaps): boxes of one
 // 128-byte swizzle atom (64 columns) by 64 query rows or block_n key rows.
 // With fused mixing there are no workspaces and the maps stay unused.
-Status Kernel::encodeTensorMaps(const IhaArgs& args, int64_t L, int64_t B, cuda::TmaMaps& maps) const {
-  const KernelSpec& spec = compiled_.spec();
+Status encodeWorkspaceMaps(TensorMapEncoder encode, const std::function<Status(CUresult, const std::string&)>& check,
+                           const v1::CompiledKernel& compiled, const IhaArgs& args, int64_t L, int64_t B,
+                           TmaMaps& maps) {
+  const KernelSpec& spec = compiled.spec();
   const CUtensorMapDataType type =
       spec.dtype() == v1::bfloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
   constexpr cuuint32_t kAtomColumns = 64, kQueryRows = 64;
-  auto encode = [&](CUtensorMap& map, void* base, int64_t heads, cuuint32_t boxRows, const char* name) -> Status {
+  auto map = [&](CUtensorMap& out, void* base, int64_t heads, cuuint32_t boxRows, const char* name) -> Status {
     if (!base) return Status::success();
-    const int64_t d = spec.head_dim(), bytes = compiled_.workspace_element_bytes();
+    const int64_t d = spec.head_dim(), bytes = compiled.workspace_element_bytes();
     const cuuint64_t dims[3] = {cuuint64_t(d), cuuint64_t(L), cuuint64_t(B * heads)};
     const cuuint64_t strides[2] = {cuuint64_t(d * bytes), cuuint64_t(L * d * bytes)};
     const cuuint32_t box[3] = {kAtomColumns, boxRows, 1};
     const cuuint32_t elementStrides[3] = {1, 1, 1};
-    return cuda::check(device_->api().cuTensorMapEncodeTiled(
-                           &map, type, 3, base, dims, strides, box, elementStrides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                           CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
-                       std::string("cuTensorMapEncodeTiled(") + name + ")");
+    return check(encode(&out, type, 3, base, dims, strides, box, elementStrides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                        CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+                 std::string("cuTensorMapEncodeTiled(") + name + ")");
   };
-  const cuuint32_t blockN = cuuint32_t(compiled_.schedule().block_n());
-  if (Status ok = encode(maps.q, args.q_mixed, spec.heads(), kQueryRows, "q_mixed"); !ok) return ok;
-  if (Status ok = encode(maps.k, args.k_mixed, spec.kv_heads(), blockN, "k_mixed"); !ok) return ok;
-  return encode(maps.v, args.v_mixed, spec.kv_heads(), blockN, "v_mixed");
+  const cuuint32_t blockN = cuuint32_t(compiled.schedule().block_n());
+  if (Status ok = map(maps.q, args.q_mixed, spec.heads(), kQueryRows, "q_mixed"); !ok) return ok;
+  if (Status ok = map(maps.k, args.k_mixed, spec.kv_heads(), blockN, "k_mixed"); !ok) return ok;
+  return map(maps.v, args.v_mixed, spec.kv_heads(), blockN, "v_mixed");
+}
+
+}  // namespace cuda
+
+Status Kernel::encodeTensorMaps(const IhaArgs& args, int64_t L, int64_t B, cuda::TmaMaps& maps) const {
+  return cuda::encodeWorkspaceMaps(device_->api().cuTensorMapEncodeTiled, cuda::check, compiled_, args, L, B, maps);
 }
 
 Status Kernel::launch(const IhaTensors& t, CUstream stream) {

@@ -1,13 +1,16 @@
 // loom run: compute IHA for a case folder with one backend, write the output,
 // and check it against expected.npy when the case has one.
+#include <algorithm>
 #include <cstdio>
 #include <map>
+#include <optional>
 #include <memory>
 #include <string>
 
 #include "commands.h"
 #include "cpu/cpu_backend.h"
 #include "cuda/case_runner.h"
+#include "emu/emulator.h"
 #include "loom/runtime.h"
 #include "io/case.h"
 #include "reference/iha_reference.h"
@@ -25,6 +28,9 @@ struct RunOptions {
   std::string dtype;
   int threads = 0;
   int device = 0;
+  std::string target = "sm_80";  // --backend emu
+  int64_t ctas = 0;
+  uint64_t seed = 1;
 };
 
 // The generated program through NVRTC on the GPU.
@@ -63,6 +69,27 @@ Result<std::vector<double>> runOnCpu(const RunOptions& options, const IhaCase& c
   return std::move(outputs->out);
 }
 
+// The CUDA program on the emulator: its output, and its findings.
+Result<emu::EmuRun> runOnEmulator(const RunOptions& options, const IhaCase& c) {
+  auto schedule = readScheduleFile(options.schedulePath);
+  if (!schedule) return schedule.error();
+  auto target = parseTarget(options.target);
+  if (!target) return target.error();
+  if (target->kind() != v1::Target::cuda) return makeError("--target must be a CUDA arch (sm_80 .. sm_90a) with --backend emu");
+  auto plan = generateKernel(c.spec, *schedule, *target);
+  if (!plan) return plan.error();
+  emu::EmuOptions emuOptions;
+  emuOptions.cacheDir = options.cacheDir;
+  emuOptions.threads = options.threads;
+  emuOptions.seed = options.seed;
+  emuOptions.maxCtas = options.ctas;
+  auto run = emu::runOnEmulator(*plan, c, emuOptions);
+  if (!run) return run.error();
+  std::printf("emu: %s, schedule %s\n%s\n", options.target.c_str(), plan->schedule.ShortDebugString().c_str(),
+              emu::summary(*run).c_str());
+  return run;
+}
+
 const std::map<std::string, NpyType> kOutTypes = {
     {"float32", NpyType::float32}, {"float64", NpyType::float64},
     {"float16", NpyType::float16}, {"bfloat16", NpyType::uint16}};
@@ -79,6 +106,7 @@ int run(const RunOptions& options) {
   const IhaCase& c = *loaded;
 
   std::vector<double> out;
+  std::optional<emu::EmuRun> emulated;
   if (options.backend == "reference") {
     out = reference::ihaForward(c.spec, c.inputs).out;
   } else if (options.backend == "cpu") {
@@ -97,6 +125,15 @@ int run(const RunOptions& options) {
       return badInput(error.message);
     }
     out = std::move(*result);
+  } else if (options.backend == "emu") {
+    auto result = runOnEmulator(options, c);
+    if (!result) {
+      const Error& error = result.error();
+      if (!error.log.empty()) std::fprintf(stderr, "%s\n", error.log.c_str());
+      return badInput(error.message);
+    }
+    emulated = std::move(*result);
+    out = emulated->out;
   } else {
     return badInput("backend '" + options.backend + "' is not available in this build");
   }
@@ -106,16 +143,22 @@ int run(const RunOptions& options) {
     return badInput(written.error().message);
   std::printf("wrote %s %s (%s)\n", options.out.c_str(), shapeString(shape).c_str(), options.outDtype.c_str());
 
+  const bool clean = !emulated || (emulated->findingCount == 0 && !emulated->deadlocked);
+  if (!clean) std::printf("emulator findings: %lld: FAILED\n", (long long)emulated->findingCount);
   if (!c.expected) {
     std::printf("no expected.npy in %s: nothing to compare\n", options.caseDir.c_str());
-    return kExitOk;
+    return clean ? kExitOk : kExitCheckFailed;
   }
-  const double error = relativeError(out, *c.expected);
+  const bool partial = emulated && std::count(emulated->covered.begin(), emulated->covered.end(), false) > 0;
+  const double error = emulated ? emu::coveredRelativeError(*emulated, *c.expected, c.batch, c.tokens,
+                                                            c.spec.heads(), c.spec.head_dim())
+                                : relativeError(out, *c.expected);
   const double tolerance = toleranceFor(c.spec.dtype());
   const bool pass = error <= tolerance;  // false for NaN
-  std::printf("relative error %.3e (tolerance %.0e for %s): %s\n", error, tolerance,
-              dtypeName(c.spec.dtype()).c_str(), pass ? "ok" : "FAILED");
-  return pass ? kExitOk : kExitCheckFailed;
+  std::printf("relative error %.3e%s (tolerance %.0e for %s): %s\n", error,
+              partial ? " over the emulated query blocks' tokens" : "", tolerance, dtypeName(c.spec.dtype()).c_str(),
+              pass ? "ok" : "FAILED");
+  return pass && clean ? kExitOk : kExitCheckFailed;
 }
 
 }  // namespace
@@ -130,8 +173,19 @@ void addRunCommand(CLI::App& app, std::function<int()>* action) {
   cmd->add_option("--case", options->caseDir, "case folder")->required();
   cmd->add_option("--backend", options->backend,
                   "reference: the float64 oracle; cpu: the generated program on the host tile API;\n"
-                  "cuda: the generated program through NVRTC on the GPU")
-      ->check(CLI::IsMember({"reference", "cpu", "cuda"}))
+                  "cuda: the generated program through NVRTC on the GPU;\n"
+                  "emu: the CUDA program (--target) on loom's emulator, which checks it for races,\n"
+                  "out-of-bounds and misaligned accesses, async results read early, deadlocks; any\n"
+                  "finding fails the run")
+      ->check(CLI::IsMember({"reference", "cpu", "cuda", "emu"}))
+      ->capture_default_str();
+  cmd->add_option("--target", options->target, "CUDA arch the emulator runs (emu): sm_80, sm_86, sm_89, sm_90, sm_90a")
+      ->capture_default_str();
+  cmd->add_option("--ctas", options->ctas,
+                  "emulate at most this many CTAs of the attention launch, as whole query blocks (emu; 0: all);\n"
+                  "the check then covers their tokens")
+      ->capture_default_str();
+  cmd->add_option("--seed", options->seed, "the emulator's seed: shared window base, when async copies land (emu)")
       ->capture_default_str();
   cmd->add_option("--out", options->out, "output .npy file")->capture_default_str();
   cmd->add_option("--out-dtype", options->outDtype, "element type of the output file")

@@ -14,6 +14,7 @@ constexpr int64_t kDefaultBlockNs[] = {64, 32, 16};
 // Q fragments take: MT * (3/4 d + block_n / 2) with MT m-tiles per warp.
 constexpr int64_t kFragmentRegisterBudget = 128;
 constexpr int64_t kDefaultStages = 2;
+constexpr int64_t kMinWgmmaStages = 2;
 
 constexpr int64_t kTmaProducerRegisters = 24;
 constexpr int64_t kMixingProducerRegisters = 56;
@@ -82,6 +83,13 @@ std::optional<std::string> checkWgmma(SpecAttr spec, ScheduleAttr schedule) {
            ") so a query block holds whole tokens";
   if (std::find(std::begin(loom::kWgmmaBlockNs), std::end(loom::kWgmmaBlockNs), blockN) == std::end(loom::kWgmmaBlockNs))
     return "schedule.block_n (" + str(blockN) + ") must be 64, 128, 192 or 256 with engine wgmma";
+  // A consumer hands a stage back only when the next block's softmax
+  // retires the P V it owes; with one stage the producer waits for that
+  // stage to load the next block, and both wait forever (found by the
+  // emulator).
+  if (schedule.getStages() < kMinWgmmaStages)
+    return "schedule.stages (" + str(schedule.getStages()) + ") must be at least " + str(kMinWgmmaStages) +
+           " with engine wgmma: a consumer returns a stage only after the next block's softmax, so one stage deadlocks";
   if (producer < kMinWarpgroupRegisters || producer > loom::kMaxConsumerRegisters || producer % 8 != 0)
     return "schedule.producer_registers (" + str(producer) + ") must be a multiple of 8 in [" +
            str(kMinWarpgroupRegisters) + ", " + str(loom::kMaxConsumerRegisters) + "]";

@@ -38,10 +38,7 @@ struct Geometry {
   static constexpr int rawRole = rawTokens * C::kv_heads * C::head_dim;  // elements per role per stage
 };
 
-__device__ __forceinline__ unsigned char* smem() {
-  extern __shared__ __align__(128) unsigned char loom_shared[];
-  return loom_shared;
-}
+__device__ __forceinline__ unsigned char* smem() { return ptx::dynamicShared<128>(); }
 
 // The program's layout: fused mixing adds raw-row stages, a collapse in the
 // epilogue a staging tile, a fused global collapse the output tile.
@@ -57,49 +54,26 @@ __device__ __forceinline__ int tileRow(int mt) {
   return (mt * C::warps + warp()) * 16;
 }
 
-//===--- warp-level matrix instructions -----------------------------------===//
+//===--- warp-level matrix instructions and copies (loom/tile/ptx.h) -------===//
 
-__device__ __forceinline__ void ldmatrixX4(Bits32 (&r)[4], Bits32 address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
-
-__device__ __forceinline__ void ldmatrixX4Trans(Bits32 (&r)[4], Bits32 address) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(address));
-}
+using ptx::ldmatrixX4;
+using ptx::ldmatrixX4Trans;
 
 // d += a (16x16, row) * b (16x8, col), f32 accumulators.
 template <class C>
 __device__ __forceinline__ void mma16816(float (&d)[4], const Bits32 (&a)[4], Bits32 b0, Bits32 b1) {
-  if constexpr (C::dtype == DType::f16) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
+  if constexpr (C::dtype == DType::f16) ptx::mmaF16(d, a, b0, b1);
+  else ptx::mmaBf16(d, a, b0, b1);
 }
-
-//===--- asynchronous copies ----------------------------------------------===//
 
 // 16 bytes global -> shared; `valid` false zero-fills the destination.
 __device__ __forceinline__ void copyAsync16(void* destination, const void* source, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sharedAddress(destination)), "l"(source),
-               "r"(valid ? 16 : 0));
+  ptx::cpAsyncCg16(destination, source, valid);
 }
-__device__ __forceinline__ void commitCopies() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void commitCopies() { ptx::cpAsyncCommit(); }
 template <int Pending>
 __device__ __forceinline__ void waitCopies() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(Pending));
+  ptx::cpAsyncWait<Pending>();
 }
 
 }  // namespace cuda
@@ -264,7 +238,7 @@ __device__ __forceinline__ float* keySquares(const Bits16* kTile, int r) {
   return reinterpret_cast<float*>(const_cast<Bits16*>(kTile) + r * Geometry<C>::pitch + Geometry<C>::Dp);
 }
 __device__ __forceinline__ void sharedAddFloat(float* address, float value) {
-  asm volatile("red.shared.add.f32 [%0], %1;" ::"r"(sharedAddress(address)), "f"(value) : "memory");
+  ptx::redSharedAddF32(sharedAddress(address), value);
 }
 // Zeroes every row's sum before the next block is mixed into the tile.
 template <class C>

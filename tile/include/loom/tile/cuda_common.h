@@ -6,13 +6,11 @@
 
 #include "loom/tile/common.h"
 #include "loom/tile/layout.h"
+#include "loom/tile/ptx.h"
 
 #define LOOM_KERNEL extern "C" __global__
 
 namespace loom {
-
-typedef unsigned short Bits16;
-typedef unsigned int Bits32;
 
 constexpr int kWarpSize = 32;
 constexpr int kQuadSize = 4;             // threads sharing one row of an mma fragment
@@ -24,11 +22,7 @@ namespace cuda {
 
 __device__ __forceinline__ float negativeInfinity() { return __int_as_float(0xff800000u); }
 
-__device__ __forceinline__ Bits32 sharedAddress(const void* pointer) {
-  Bits32 address;
-  asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(pointer));
-  return address;
-}
+using ptx::sharedAddress;
 
 __device__ __forceinline__ int lane() { return threadIdx.x % kWarpSize; }
 __device__ __forceinline__ int warp() { return threadIdx.x / kWarpSize; }
@@ -37,30 +31,21 @@ __device__ __forceinline__ int warp() { return threadIdx.x / kWarpSize; }
 
 template <class C>
 __device__ __forceinline__ float toFloat(Bits16 bits) {
-  if constexpr (C::dtype == DType::f16) {
-    float value;
-    asm("cvt.f32.f16 %0, %1;" : "=f"(value) : "h"(bits));
-    return value;
-  } else {
-    return __int_as_float(int(Bits32(bits) << 16));
-  }
+  if constexpr (C::dtype == DType::f16) return ptx::halfToFloat(bits);
+  else return __int_as_float(int(Bits32(bits) << 16));
 }
 
 template <class C>
 __device__ __forceinline__ Bits16 toBits(float value) {
-  Bits16 bits;
-  if constexpr (C::dtype == DType::f16) asm("cvt.rn.f16.f32 %0, %1;" : "=h"(bits) : "f"(value));
-  else asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(bits) : "f"(value));
-  return bits;
+  if constexpr (C::dtype == DType::f16) return ptx::floatToHalf(value);
+  else return ptx::floatToBfloat16(value);
 }
 
 // Two floats into one register: `low` in bits 0-15 (the lower column).
 template <class C>
 __device__ __forceinline__ Bits32 pack(float low, float high) {
-  Bits32 packed;
-  if constexpr (C::dtype == DType::f16) asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
-  else asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(high), "f"(low));
-  return packed;
+  if constexpr (C::dtype == DType::f16) return ptx::packHalf2(low, high);
+  else return ptx::packBfloat162(low, high);
 }
 
 template <class C>

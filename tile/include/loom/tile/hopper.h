@@ -52,8 +52,6 @@ struct TmaMaps {
 
 namespace hopper {
 
-typedef unsigned long long Bits64;
-
 constexpr int kWarpgroupThreads = 128;
 constexpr int kWarpsPerWarpgroup = 4;
 constexpr int kWgmmaRows = 64;
@@ -93,9 +91,9 @@ __device__ __forceinline__ HopperSmem layout() {
 
 // Dynamic shared memory, its base rounded up to the swizzle period.
 __device__ __forceinline__ unsigned char* smem() {
-  extern __shared__ __align__(1024) unsigned char loom_shared[];
-  const Bits32 misalignment = cuda::sharedAddress(loom_shared) & (kSwizzlePeriodBytes - 1);
-  return loom_shared + ((kSwizzlePeriodBytes - misalignment) & (kSwizzlePeriodBytes - 1));
+  unsigned char* base = ptx::dynamicShared<kSwizzlePeriodBytes>();
+  const Bits32 misalignment = cuda::sharedAddress(base) & (kSwizzlePeriodBytes - 1);
+  return base + ((kSwizzlePeriodBytes - misalignment) & (kSwizzlePeriodBytes - 1));
 }
 
 template <class C>
@@ -122,44 +120,30 @@ __device__ __forceinline__ int accumulatorRow(int e) {
 //===--- mbarriers, named barriers, fences -----------------------------------===//
 
 __device__ __forceinline__ void mbarrierInit(Bits64* bar, unsigned count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(cuda::sharedAddress(bar)), "r"(count) : "memory");
+  ptx::mbarrierInit(cuda::sharedAddress(bar), count);
 }
-__device__ __forceinline__ void mbarrierArrive(Bits64* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(cuda::sharedAddress(bar)) : "memory");
-}
+__device__ __forceinline__ void mbarrierArrive(Bits64* bar) { ptx::mbarrierArrive(cuda::sharedAddress(bar)); }
 __device__ __forceinline__ void mbarrierExpectBytes(Bits64* bar, unsigned bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(cuda::sharedAddress(bar)), "r"(bytes)
-               : "memory");
+  ptx::mbarrierArriveExpectTx(cuda::sharedAddress(bar), bytes);
 }
 // Blocks until the phase with parity `parity` has completed.
 __device__ __forceinline__ void mbarrierWait(Bits64* bar, int parity) {
-  asm volatile(
-      "{\n.reg .pred done;\nLOOM_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra LOOM_WAIT;\n}\n" ::"r"(cuda::sharedAddress(bar)),
-      "r"(parity)
-      : "memory");
+  ptx::mbarrierWaitParity(cuda::sharedAddress(bar), parity);
 }
-__device__ __forceinline__ void namedBarrier(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
+__device__ __forceinline__ void namedBarrier(int id, int threads) { ptx::barSync(id, threads); }
 template <class C>
 __device__ __forceinline__ void consumerSync() {
   namedBarrier(kConsumerBarrier, Geometry<C>::consumerThreads);
 }
 // Ordinary shared-memory stores become visible to wgmma and TMA.
-__device__ __forceinline__ void fenceAsyncProxy() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+__device__ __forceinline__ void fenceAsyncProxy() { ptx::fenceProxyAsync(); }
 
 //===--- the tensor memory accelerator --------------------------------------===//
 
 // One box of a 3-d tensor map into shared memory, completing on `bar`.
 __device__ __forceinline__ void tmaLoad(void* destination, const TensorMap* map, int column, int row, int plane,
                                         Bits64* bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::
-          "r"(cuda::sharedAddress(destination)),
-      "l"(reinterpret_cast<Bits64>(map)), "r"(column), "r"(row), "r"(plane), "r"(cuda::sharedAddress(bar))
-      : "memory");
+  ptx::tmaLoad3d(cuda::sharedAddress(destination), map, column, row, plane, cuda::sharedAddress(bar));
 }
 
 //===--- wgmma ----------------------------------------------------------------===//
@@ -173,19 +157,10 @@ __device__ __forceinline__ Bits64 descriptor(const void* start, int leading, int
          Bits64((stride >> 4) & 0x3FFF) << 32 | Bits64(1) << 62;
 }
 
-__device__ __forceinline__ void wgmmaFence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmmaCommit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-template <int Pending>
-__device__ __forceinline__ void wgmmaWait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(Pending) : "memory");
-}
-// Keeps the compiler from moving accumulator accesses across a wgmma
-// fence / wait.
-template <int N>
-__device__ __forceinline__ void pinRegisters(float (&r)[N]) {
-  #pragma unroll
-  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
-}
+using ptx::pinRegisters;
+using ptx::wgmmaCommit;
+using ptx::wgmmaFence;
+using ptx::wgmmaWait;
 
 }  // namespace hopper
 
@@ -245,7 +220,7 @@ __device__ void pipeline_init() {
       hopper::mbarrierInit(hopper::emptyBarrier<C>(s), G::consumerThreads);
     }
     for (int w = 0; w < G::consumers; ++w) hopper::mbarrierInit(hopper::qBarrier<C>(w), 1);
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    ptx::fenceMbarrierInit();
   }
   __syncthreads();
 }
@@ -257,12 +232,12 @@ __device__ __forceinline__ bool is_producer() {
 
 template <class C>
 __device__ __forceinline__ void producer_start() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(C::producer_registers));
+  ptx::setmaxnregDec<C::producer_registers>();
 }
 
 template <class C>
 __device__ __forceinline__ void consumer_start() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(C::consumer_registers));
+  ptx::setmaxnregInc<C::consumer_registers>();
 }
 
 namespace hopper {
@@ -362,7 +337,7 @@ __device__ void kv_load(KvPipeline<C>& pipe, const IhaArgs& a, const TmaMaps& ma
   } else {
     if (threadIdx.x != 0) return;  // one thread drives the copy engine
     hopper::mbarrierWait(hopper::emptyBarrier<C>(stage), parity ^ 1);
-    hopper::Bits64* full = hopper::fullBarrier<C>(stage);
+    Bits64* full = hopper::fullBarrier<C>(stage);
     hopper::mbarrierExpectBytes(full, 2 * G::kvTileBytes);
     const int row = int(block * C::block_n), plane = int(b * C::kv_heads + g);
     #pragma unroll
@@ -402,7 +377,7 @@ __device__ void load_q(QTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int64
     hopper::fenceAsyncProxy();
     hopper::namedBarrier(hopper::kWarpgroupBarrier + wg, hopper::kWarpgroupThreads);
   } else {
-    hopper::Bits64* bar = hopper::qBarrier<C>(wg);
+    Bits64* bar = hopper::qBarrier<C>(wg);
     if (hopper::consumerThread() % hopper::kWarpgroupThreads == 0) {
       hopper::mbarrierExpectBytes(bar, G::atoms * hopper::kWgmmaRows * kSwizzleRowBytes);
       const int row = int(row0) + wg * hopper::kWgmmaRows, plane = int(b * C::heads + head);

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "loom/tile/common.h"
+#include "loom/tile/half.h"
 
 #define LOOM_KERNEL extern "C" __attribute__((visibility("default")))
 
@@ -50,52 +51,23 @@ struct Stats {
 inline Stats stats;
 
 inline float toFloat(float x) { return x; }
-inline float halfBitsToFloat(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
-  uint32_t exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu, bits;
-  if (exponent == 0x1f) bits = sign | 0x7f800000u | (mantissa << 13);
-  else if (exponent == 0 && mantissa == 0) bits = sign;
-  else if (exponent == 0) {
-    int shift = 0;
-    while ((mantissa & 0x400u) == 0) { mantissa <<= 1; ++shift; }
-    bits = sign | uint32_t(113 - shift) << 23 | (mantissa & 0x3ffu) << 13;
-  } else bits = sign | (exponent + 112) << 23 | mantissa << 13;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-inline uint16_t floatToHalfBits(float f) {
-  // Through the compiler's IEEE half (round to nearest even).
-  _Float16 h = static_cast<_Float16>(f);
-  uint16_t bits;
-  std::memcpy(&bits, &h, 2);
-  return bits;
-}
-inline float bf16BitsToFloat(uint16_t b) {
-  const uint32_t bits = uint32_t(b) << 16;
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
-inline uint16_t floatToBf16Bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
-  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
+using half::bfloat16ToFloat;
+using half::floatToBfloat16;
+using half::floatToHalf;
+using half::halfToFloat;
 
 template <class C>
 float loadElement(const void* base, int64_t index) {
   if constexpr (C::dtype == DType::f32) return static_cast<const float*>(base)[index];
-  else if constexpr (C::dtype == DType::f16) return halfBitsToFloat(static_cast<const uint16_t*>(base)[index]);
-  else return bf16BitsToFloat(static_cast<const uint16_t*>(base)[index]);
+  else if constexpr (C::dtype == DType::f16) return halfToFloat(static_cast<const uint16_t*>(base)[index]);
+  else return bfloat16ToFloat(static_cast<const uint16_t*>(base)[index]);
 }
 
 template <class C>
 void storeElement(void* base, int64_t index, float value) {
   if constexpr (C::dtype == DType::f32) static_cast<float*>(base)[index] = value;
-  else if constexpr (C::dtype == DType::f16) static_cast<uint16_t*>(base)[index] = floatToHalfBits(value);
-  else static_cast<uint16_t*>(base)[index] = floatToBf16Bits(value);
+  else if constexpr (C::dtype == DType::f16) static_cast<uint16_t*>(base)[index] = floatToHalf(value);
+  else static_cast<uint16_t*>(base)[index] = floatToBfloat16(value);
 }
 
 [[noreturn]] inline void fail(const char* what) {

@@ -9,10 +9,23 @@
 // fences (wgmma.fence) before and commits / waits after.
 #pragma once
 
-#include "loom/tile/common.h"
+#include "loom/tile/ptx.h"
 
 namespace loom::wgmma {
 
+#ifdef LOOM_EMULATED
+// Under loom's emulator every shape is the one emulated instruction
+// (loom/tile/emu.h), with the same operands and flags as the assembly below.
+template <DType T, int N>
+struct Wgmma {
+  static void ss(float (&d)[N / 2], unsigned long long a, unsigned long long b, bool accumulate) {
+    ptx::wgmmaMmaAsync(T == DType::bf16, N, d, a, nullptr, b, accumulate, /*transposeA=*/false, /*transposeB=*/false);
+  }
+  static void rs(float (&d)[N / 2], const unsigned (&a)[4], unsigned long long b, bool accumulate) {
+    ptx::wgmmaMmaAsync(T == DType::bf16, N, d, 0, a, b, accumulate, /*transposeA=*/false, /*transposeB=*/true);
+  }
+};
+#else
 template <DType T, int N>
 struct Wgmma;
 
@@ -176,5 +189,7 @@ struct Wgmma<DType::bf16, 256> {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(int(accumulate)));
   }
 };
+
+#endif  // LOOM_EMULATED
 
 }  // namespace loom::wgmma
