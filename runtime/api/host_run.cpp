@@ -1,9 +1,11 @@
-// runOnHost: the host API on host tensors. The tensors are gathered into the
-// doubles the CPU backend takes, the spec's program runs on the host tile
-// API, and out (and lse) are written back through their strides.
+// runOnHost and runOnEmulator: the host API on host tensors. The tensors are
+// gathered into the doubles the CPU backend and the emulator take, the
+// spec's program runs on the host tile API or its CUDA program on the
+// emulator, and out (and lse) are written back through their strides.
 #include <cstring>
 
 #include "cpu/cpu_backend.h"
+#include "emu/emulator.h"
 #include "io/npy.h"
 #include "loom/runtime.h"
 
@@ -59,11 +61,10 @@ void scatter(const std::vector<double>& values, const Tensor& t) {
   });
 }
 
-}  // namespace
-
-Status runOnHost(const KernelSpec& spec, const IhaTensors& t, const Schedule& schedule, const cpu::CpuOptions& options) {
-  if (Status ok = validateSpec(spec); !ok) return ok;
-  if (Status ok = validateTensors(spec, t, kHostDevice); !ok) return ok;
+// The host tensors as a case for the CPU backend or the emulator.
+Result<IhaCase> hostCase(const KernelSpec& spec, const IhaTensors& t) {
+  if (Status ok = validateSpec(spec); !ok) return ok.error();
+  if (Status ok = validateTensors(spec, t, kHostDevice); !ok) return ok.error();
   IhaCase c;
   c.spec = spec;
   c.batch = t.q.shape[0];
@@ -77,15 +78,38 @@ Status runOnHost(const KernelSpec& spec, const IhaTensors& t, const Schedule& sc
               hostValues(t.alpha_k),
               hostValues(t.alpha_v),
               hostValues(t.collapse)};
+  return c;
+}
+
+}  // namespace
+
+Status runOnHost(const KernelSpec& spec, const IhaTensors& t, const Schedule& schedule, const cpu::CpuOptions& options) {
+  auto c = hostCase(spec, t);
+  if (!c) return c.error();
   auto target = parseTarget("cpu");
   if (!target) return target.error();
   auto plan = generateKernel(spec, schedule, *target);
   if (!plan) return plan.error();
-  auto outputs = cpu::runPlan(*plan, c, options);
+  auto outputs = cpu::runPlan(*plan, *c, options);
   if (!outputs) return outputs.error();
   scatter(outputs->out, t.out);
   if (t.lse) scatter(outputs->lse, *t.lse);
   return Status::success();
+}
+
+Result<emu::EmuRun> runOnEmulator(const KernelSpec& spec, const IhaTensors& t, const Schedule& schedule,
+                                  const std::string& arch, const emu::EmuOptions& options) {
+  auto c = hostCase(spec, t);
+  if (!c) return c.error();
+  auto target = parseTarget(arch);
+  if (!target) return target.error();
+  auto plan = generateKernel(spec, schedule, *target);
+  if (!plan) return plan.error();
+  auto run = emu::runOnEmulator(*plan, *c, options);
+  if (!run) return run.error();
+  scatter(run->out, t.out);
+  if (t.lse) scatter(run->lse, *t.lse);
+  return run;
 }
 
 }  // namespace loom

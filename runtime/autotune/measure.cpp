@@ -65,8 +65,19 @@ const char* outcomeName(Outcome outcome) {
 }
 
 void rankResults(std::vector<CandidateResult>& results) {
+  // Timed, then untimed, then those rejected after compiling (their reasons
+  // say most), then the unsampled, then the pruned.
   auto tier = [](const CandidateResult& r) {
-    return r.outcome == Outcome::timed ? 0 : r.outcome == Outcome::unmeasured ? 1 : 2;
+    switch (r.outcome) {
+      case Outcome::timed: return 0;
+      case Outcome::unmeasured: return 1;
+      case Outcome::compile_failed:
+      case Outcome::spilled:
+      case Outcome::wrong: return 2;
+      case Outcome::skipped: return 3;
+      case Outcome::pruned: return 4;
+    }
+    return 4;
   };
   std::stable_sort(results.begin(), results.end(), [&](const CandidateResult& a, const CandidateResult& b) {
     if (tier(a) != tier(b)) return tier(a) < tier(b);

@@ -35,7 +35,7 @@ struct CandidateResult {
 };
 
 struct TuneProgress {
-  int candidates = 0, compiled = 0, verified = 0, timed = 0;
+  int candidates = 0, compiled = 0, verified = 0, timed = 0, emulated = 0;
   std::string best;
   double bestMs = 0;
   bool measured = false;

@@ -9,6 +9,8 @@
 #include <thread>
 
 #include "api/compile.h"
+#include "emu/emulator.h"
+#include "reference/iha_reference.h"
 
 namespace loom::autotune {
 namespace {
@@ -51,6 +53,69 @@ void compileAll(const KernelSpec& spec, const v1::Target& target, const std::vec
         }
       }
       onCompiled();
+    }
+  };
+  const int threads = options.compileThreads > 0 ? options.compileThreads : int(std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (auto& thread : pool) thread.join();
+}
+
+// Without a GPU: every compiled candidate runs on the emulator on a small
+// drawn case (enough tokens for three key blocks, the last one cut short;
+// the first and last query blocks of every head): a finding or an output
+// over the dtype's tolerance rejects it, with the reason.
+void emulateAll(const KernelSpec& spec, const v1::Target& target, const std::vector<size_t>& which,
+                std::vector<CandidateResult>& results, const std::vector<v1::CompiledKernel>& kernels,
+                const TuneOptions& options, const std::function<void()>& onEmulated) {
+  std::atomic<size_t> next{0};
+  std::mutex mutex;
+  auto worker = [&] {
+    for (size_t i = next++; i < which.size(); i = next++) {
+      const size_t at = which[i];
+      if (kernels[at].binary().empty()) continue;
+      CandidateResult& r = results[at];
+      const Schedule& schedule = r.candidate.schedule;
+      auto plan = generateKernel(spec, schedule, target);
+      std::string verdict;
+      bool wrong = false;
+      if (!plan) {
+        wrong = true;
+        verdict = plan.error().message;
+      } else {
+        const int64_t P = spec.pseudo_heads();
+        const int64_t tokens = std::min<int64_t>(256, (3 * schedule.block_n() + P - 1) / P + 1);
+        const IhaCase c = drawCase(spec, 1, tokens, options.seed + at);
+        emu::EmuOptions emuOptions;
+        emuOptions.cacheDir = options.cacheDir;
+        emuOptions.threads = 1;
+        emuOptions.seed = options.seed + at;
+        emuOptions.maxCtas = 2 * spec.heads();
+        emuOptions.headers = options.emulatorHeaders;
+        for (const v1::ResourceUsage& usage : kernels[at].resources())
+          emuOptions.registers[usage.entry()] = usage.registers();
+        auto run = emu::runOnEmulator(*plan, c, emuOptions);
+        if (!run) {
+          verdict = "not checked on the emulator: " + run.error().message;
+        } else if (run->findingCount > 0 || run->deadlocked) {
+          wrong = true;
+          verdict = "emulator: " + (run->findings.empty() ? std::string("deadlock") : emu::format(run->findings.front()));
+        } else {
+          const auto reference = reference::ihaForward(c.spec, c.inputs);
+          const double error =
+              emu::coveredRelativeError(*run, reference.out, c.batch, c.tokens, spec.heads(), spec.head_dim());
+          char text[160];
+          std::snprintf(text, sizeof text, "emulator: relative error %.2e on N=%lld", error, (long long)tokens);
+          verdict = text;
+          wrong = !(error <= toleranceFor(spec.dtype()));
+          if (!wrong) r.error = error;
+        }
+      }
+      std::lock_guard lock(mutex);
+      if (wrong) r.outcome = Outcome::wrong;
+      r.reason = verdict;
+      onEmulated();
     }
   };
   const int threads = options.compileThreads > 0 ? options.compileThreads : int(std::max(1u, std::thread::hardware_concurrency()));
@@ -174,6 +239,12 @@ Result<TuneReport> tune(const KernelSpec& spec, const v1::Target& target, std::s
                                      : "not compiled: ranked below the top " + std::to_string(options.offlineCompiles);
       }
   }
+
+  if (!measured && options.emulate)
+    emulateAll(spec, target, chosen, results, kernels, options, [&] {
+      ++state.emulated;
+      report();
+    });
 
   if (measured) {
     MeasureOptions measureOptions;

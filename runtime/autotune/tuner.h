@@ -3,10 +3,14 @@
 // -> on a GPU, verify every candidate against a trusted result and time it
 // (warm-up, L2 flush, events, median within a per-candidate budget, inputs
 // rotated) -> remember the winner. Without a GPU the cost model's ranking of
-// the compiled candidates is the result, marked untimed.
+// the compiled candidates is the result, marked untimed, after each has run
+// on the emulator on a small drawn case: one with a finding or a wrong
+// output is rejected, so an offline ranking never offers a kernel known to
+// be wrong.
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -33,6 +37,10 @@ struct TuneOptions {
   int exhaustiveLimit = 48;         // automatic: exhaustive up to this many candidates
   int sampleSize = 32;              // random / halving: how many candidates to compile
   int offlineCompiles = 8;          // without a GPU: compile this many top-ranked candidates
+  bool emulate = true;              // without a GPU: check those on the emulator (runtime/emu)
+  // Tile headers the emulator takes instead of the embedded ones (by include
+  // path): tests put a fault into the device code to see it rejected.
+  std::map<std::string, std::string> emulatorHeaders;
   int compileThreads = 0;           // 0: one per hardware thread
   std::string cacheDir;             // NVRTC artifacts
   uint64_t seed = 1;                // random sampling and inputs

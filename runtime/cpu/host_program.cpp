@@ -1,7 +1,6 @@
 #include "cpu/host_program.h"
 
 #include <dlfcn.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <cstdlib>
@@ -9,25 +8,13 @@
 #include <mutex>
 #include <sstream>
 
+#include "loom/cache_dir.h"
 #include "loom/hash.h"
 #include "loom/tile_headers.h"
 
 namespace loom::cpu {
 namespace fs = std::filesystem;
 namespace {
-
-Status writeFileAtomically(const fs::path& path, const std::string& text) {
-  const fs::path temporary = path.string() + ".tmp" + std::to_string(::getpid());
-  {
-    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    out << text;
-    if (!out) return makeError(temporary.string() + ": write failed");
-  }
-  std::error_code ec;
-  fs::rename(temporary, path, ec);
-  if (ec) return makeError(path.string() + ": " + ec.message());
-  return Status::success();
-}
 
 // The headers a program compiles against, and their hash.
 std::map<std::string, std::string> headerSet(const HostProgram& program, std::string* hash) {
@@ -86,7 +73,7 @@ Result<CompiledProgram> compileHostProgram(const HostProgram& program, const fs:
 
   // Build beside the final name, then rename: a crash never leaves a
   // half-written object under the key.
-  const fs::path temporary = result.object.string() + ".tmp" + std::to_string(::getpid());
+  const fs::path temporary = temporaryBeside(result.object.string());
   const fs::path log = folder / (key + ".log");
   const std::string command = program.compiler + " " + program.flags + " -I'" + root->string() + "' '" +
                               source.string() + "' -o '" + temporary.string() + "' > '" + log.string() + "' 2>&1";

@@ -15,6 +15,7 @@ thread_local Thread* gThread = nullptr;
 
 constexpr size_t kSharedRedZone = 64 * 1024;
 constexpr unsigned char kSharedGarbage = 0xcd;  // what shared memory holds before anyone writes it
+constexpr int kDefaultRegisters = 240;
 
 std::string hex(int64_t value) {
   std::ostringstream text;
@@ -54,7 +55,7 @@ Cta::Cta(const CtaConfig& config) : random(config.seed), config_(config) {
   const int T = config.threads;
   threads_.resize(size_t(T));
   int registers = config.registersPerThread;
-  if (registers <= 0) registers = std::min(248, kRegisterFile / std::max(T, 1) / 8 * 8);
+  if (registers <= 0) registers = std::min(kDefaultRegisters, kRegisterFile / std::max(T, 1) / 8 * 8);
   for (int i = 0; i < T; ++i) {
     Thread& t = threads_[size_t(i)];
     t.index = i;
@@ -364,11 +365,18 @@ void Cta::checkShared(int actor, const std::vector<Clock>& clock, int64_t offset
   for (int64_t i = offset; i < offset + bytes; ++i) {
     const size_t b = size_t(i);
     const uint8_t flags = s.flags[b];
-    if (flags & SharedShadow::kAsyncWrite)
+    if (flags & SharedShadow::kAsyncWrite) {
+      const int op = s.asyncOp[b];
+      const bool tensor = op >= kTensorCopyTag;
+      const int owner = tensor ? tensorCopies[size_t(op - kTensorCopyTag)].thread : copies[size_t(op)].thread;
+      const void* issued = tensor ? tensorCopies[size_t(op - kTensorCopyTag)].pc : copies[size_t(op)].pc;
       problem(FindingKind::asyncAccess,
-              who(actor) + (access == Access::read ? " reads " : " writes ") + range +
-                  " while a cp.async or TMA copy into it is in flight (no wait_group or mbarrier wait covers it)",
-              s.writer[b], s.writePc[b]);
+              who(actor) + (access == Access::read ? " reads " : " writes ") + range + " while the " +
+                  (tensor ? "TMA copy" : "cp.async") + " thread " + std::to_string(owner) +
+                  " issued into it is in flight (no " + (tensor ? "mbarrier wait" : "cp.async.wait_group") +
+                  " covers it)",
+              owner, issued);
+    }
     if (s.asyncReads[b] && access != Access::read)
       problem(FindingKind::asyncAccess,
               who(actor) + " writes " + range + " while a wgmma in flight reads it (before its wgmma.wait_group)");
@@ -531,8 +539,23 @@ void Cta::completeCopy(Thread& t, int id) {
       shadow_.asyncOp[size_t(i)] = -1;
     }
   c.done = true;
-  // The data becomes the issuing thread's at its wait: a write by it now.
-  checkShared(t.index, t.clock, c.destination, c.bytes, Access::write, "cp.async (landing at wait_group)", c.pc);
+  // The data becomes the issuing thread's at its wait: others need a barrier
+  // after that to read it. (The write itself was checked at the issue: it
+  // may land any time after.)
+  recordWrite(t.index, t.clock[size_t(t.index)], c.destination, c.bytes, c.pc);
+}
+
+void Cta::recordWrite(int actor, Clock clock, int64_t offset, int64_t bytes, const void* pc) {
+  for (int64_t i = offset; i < offset + bytes; ++i) {
+    const size_t b = size_t(i);
+    shadow_.writer[b] = uint16_t(actor);
+    shadow_.writeClock[b] = clock;
+    shadow_.writePc[b] = pc;
+    shadow_.flags[b] = uint8_t((shadow_.flags[b] | SharedShadow::kWritten) &
+                               ~(SharedShadow::kAtomicWrite | SharedShadow::kAsyncProxyWrite));
+    for (int slot = 0; slot < SharedShadow::kReadSlots; ++slot)
+      shadow_.readActor[b * SharedShadow::kReadSlots + size_t(slot)] = SharedShadow::kNobody;
+  }
 }
 
 void Cta::landTensorCopy(int id) {
@@ -542,7 +565,7 @@ void Cta::landTensorCopy(int id) {
   c.read(c.data);  // the global box, swizzled as it lands
   for (size_t i = 0; i < c.data.size(); ++i) {
     const size_t b = size_t(c.destination) + i;
-    if (shadow_.asyncOp[b] == id + (1 << 24)) {
+    if (shadow_.asyncOp[b] == id + kTensorCopyTag) {
       shadow_.flags[b] &= uint8_t(~SharedShadow::kAsyncWrite);
       shadow_.asyncOp[b] = -1;
     }

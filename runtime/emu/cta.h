@@ -35,6 +35,7 @@ constexpr int kWarpSize = 32;
 constexpr int kWarpgroupSize = 128;
 constexpr int kRegisterFile = 65536;
 constexpr int kNamedBarriers = 16;
+constexpr int kTensorCopyTag = 1 << 24;  // SharedShadow::asyncOp of a TMA copy: tag + its index
 
 // Counts of what was emulated, summed over CTAs.
 struct Coverage {
@@ -52,7 +53,10 @@ struct CtaConfig {
   uint32_t sharedWindowBase = 0;  // shared address of the dynamic shared memory's first byte
   Dim3 blockIdx{0, 0, 0};
   Dim3 gridDim{1, 1, 1};
-  int registersPerThread = 0;  // 0: what one CTA of `threads` may hold (64K / threads, a multiple of 8, <= 248)
+  // Registers each thread holds at launch (what ptxas allocated); 0: the
+  // largest multiple of 8 up to 240 that 64K / threads allows, which is what
+  // ptxas gives loom's one-CTA-per-SM (warp-specialised) kernels.
+  int registersPerThread = 0;
   uint64_t seed = 1;
   GlobalMemory* global = nullptr;  // null: no global buffers are checked
   FindingLog* findings = nullptr;
@@ -163,6 +167,9 @@ class Cta {
   enum class Access { read, write, atomic };
   void checkShared(int actor, const std::vector<Clock>& clock, int64_t offset, int64_t bytes, Access access,
                    const char* instruction, const void* pc);
+  // Records a write without checking it (an async copy completing: its
+  // write was checked when it was issued).
+  void recordWrite(int actor, Clock clock, int64_t offset, int64_t bytes, const void* pc);
   // A read by the async proxy (wgmma operands): generic writes must have been
   // fenced (fence.proxy.async) by their writer before `clock` saw them.
   void checkAsyncProxyRead(int actor, const std::vector<Clock>& clock, int64_t offset, int64_t bytes,

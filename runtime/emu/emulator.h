@@ -38,6 +38,10 @@ struct EmuOptions {
   std::map<std::string, std::string> headers;
   std::string source;
   int findingLimit = 50;
+  // Registers per thread of each entry point at launch, as ptxas reported
+  // them (what setmaxnreg starts from); entries not named take CtaConfig's
+  // default.
+  std::map<std::string, int> registers;
 };
 
 struct EmuRun {

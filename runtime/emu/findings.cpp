@@ -4,7 +4,9 @@
 
 #include <cstdio>
 #include <memory>
+#include <set>
 #include <sstream>
+#include <tuple>
 
 namespace loom::emu {
 
@@ -51,6 +53,12 @@ void FindingLog::symbolize() {
     if (finding.where.empty() && finding.pc) finding.where = sourceLine(finding.pc);
     if (finding.otherWhere.empty() && finding.otherPc) finding.otherWhere = sourceLine(finding.otherPc);
   }
+  // One inlined helper has a call site per caller: fold those whose source
+  // lines (both sides) agree, keeping the first.
+  std::set<std::tuple<int, std::string, std::string>> seen;
+  std::erase_if(findings_, [&](const Finding& f) {
+    return !f.where.empty() && !seen.insert({int(f.kind), f.where, f.otherWhere}).second;
+  });
 }
 
 std::string sourceLine(const void* pc) {

@@ -48,8 +48,6 @@ uint32_t descriptorAddress(uint64_t desc, bool mnMajor, int mn, int k) {
 
 namespace {
 
-constexpr int kTensorCopyTag = 1 << 24;  // asyncOp ids of TMA copies, apart from cp.async's
-
 Cta& cta() { return *Cta::current(); }
 
 Cta::Members laneMask(uint32_t mask) { return Cta::Members(mask); }
@@ -262,6 +260,9 @@ void cpAsync(uint32_t destination, const void* source, int cpSize, int srcSize, 
       return;
     }
   }
+  // The copy may land any moment from now: every earlier access to its
+  // bytes must be ordered before this issue.
+  x.checkShared(t.index, t.clock, *offset, cpSize, Cta::Access::write, name, pc);
   const int id = int(x.copies.size());
   x.copies.push_back({t.index, *offset, static_cast<const unsigned char*>(source), cpSize, srcSize, false, false, pc});
   for (int64_t i = *offset; i < *offset + cpSize; ++i) {

@@ -201,6 +201,8 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
                                                                             (uint64_t(ctas[i].y) << 20) | ctas[i].x));
         config.global = &memory;
         config.findings = &log;
+        if (auto found = options.registers.find(launch.name); found != options.registers.end())
+          config.registersPerThread = found->second;
         config.setThread = setThread;
         Cta cta(config);
         if (launch.tensorMaps) {

@@ -2,7 +2,6 @@
 
 #include <google/protobuf/util/json_util.h>
 #include <nvrtc.h>
-#include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
@@ -10,6 +9,7 @@
 #include <regex>
 #include <sstream>
 
+#include "loom/cache_dir.h"
 #include "loom/hash.h"
 #include "loom/spec.h"
 #include "loom/tile_headers.h"
@@ -23,18 +23,6 @@ std::string readAll(const fs::path& path) {
   std::stringstream text;
   text << in.rdbuf();
   return text.str();
-}
-
-bool writeAtomically(const fs::path& path, const std::string& bytes) {
-  const fs::path temporary = path.string() + ".tmp" + std::to_string(::getpid());
-  {
-    std::ofstream out(temporary, std::ios::binary | std::ios::trunc);
-    out << bytes;
-    if (!out) return false;
-  }
-  std::error_code ec;
-  fs::rename(temporary, path, ec);
-  return !ec;
 }
 
 std::string computeArch(const std::string& arch) { return "compute_" + arch.substr(3); }
@@ -226,9 +214,9 @@ void NvrtcCompiler::writeDisk(const Artifact& artifact) {
   for (const auto& r : artifact.resources) *record.add_resources() = r;
   const fs::path base = dir / artifact.key;
   // Binary first, metadata last: a reader sees the entry only when complete.
-  if (!writeAtomically(base.string() + ".bin", artifact.binary)) return;
-  if (!writeAtomically(base.string() + ".ptx", artifact.ptx)) return;
-  writeAtomically(base.string() + ".json", toJson(record));
+  if (!writeFileAtomically(base.string() + ".bin", artifact.binary)) return;
+  if (!writeFileAtomically(base.string() + ".ptx", artifact.ptx)) return;
+  (void)writeFileAtomically(base.string() + ".json", toJson(record));
 }
 
 }  // namespace loom::jit

@@ -12,6 +12,7 @@
 #include "loom/cache.h"
 #include "loom/compiler.h"
 #include "loom/tile/layout.h"
+#include "loom/tile_headers.h"
 #include "reference/iha_reference.h"
 #include "test_util.h"
 
@@ -190,6 +191,8 @@ TEST(Ranking, DeterministicAndNoiseAware) {
       result("c", Outcome::timed, 1.005, 2.0),  // within 2% of "a": a tie, broken by prediction
       result("a", Outcome::timed, 1.000, 3.0),
       result("z", Outcome::wrong, 0.1, 0.1),    // fastest but wrong: never wins
+      result("p", Outcome::pruned, 0, 0.01),    // pruned ones last, below the unsampled
+      result("s", Outcome::skipped, 0, 0.05),
       result("b", Outcome::timed, 1.5, 1.0),
       result("d", Outcome::unmeasured, 0, 0.5),
       result("e", Outcome::timed, 1.005, 2.0)};  // identical to "c": key order
@@ -203,7 +206,7 @@ TEST(Ranking, DeterministicAndNoiseAware) {
     if (shuffle == 0) first = order;
     EXPECT_EQ(order, first);
   }
-  EXPECT_EQ(first, (std::vector<std::string>{"c", "e", "a", "b", "d", "z"}));
+  EXPECT_EQ(first, (std::vector<std::string>{"c", "e", "a", "b", "d", "z", "s", "p"}));
 }
 
 // No GPU: compile the best-ranked candidates with the real NVRTC on two
@@ -221,10 +224,15 @@ TEST(Tuner, OfflineTuningIsRankedAndUntimed) {
   ASSERT_TRUE(report) << report.error().message;
   EXPECT_FALSE(report->result.measured());
   EXPECT_EQ(report->result.candidates_tried(), 4);
-  ASSERT_EQ(seen.size(), 4u);
-  EXPECT_EQ(seen.back().compiled, 4);
+  // One report per compile, then one per emulator run of a compiled candidate.
+  ASSERT_EQ(seen.size(), 8u);
+  EXPECT_EQ(seen[3].compiled, 4);
+  EXPECT_EQ(seen[3].emulated, 0);
+  EXPECT_EQ(seen.back().emulated, 4);
   const CandidateResult& best = report->candidates.front();
   EXPECT_EQ(best.outcome, Outcome::unmeasured);
+  for (const CandidateResult& c : report->candidates)
+    if (c.outcome == Outcome::unmeasured) EXPECT_NE(c.reason.find("emulator"), std::string::npos) << c.reason;
   EXPECT_GT(best.registers, 0);
   EXPECT_EQ(best.spillBytes, 0);
   EXPECT_EQ(report->result.best().SerializeAsString(), best.candidate.schedule.SerializeAsString());
@@ -232,6 +240,37 @@ TEST(Tuner, OfflineTuningIsRankedAndUntimed) {
   auto again = tune(s, target("sm_80"), nullptr, options);
   ASSERT_TRUE(again);
   EXPECT_EQ(again->result.best().SerializeAsString(), report->result.best().SerializeAsString());
+}
+
+// Without a GPU the emulator is the judge: with a fault in the device code
+// (two A-fragment registers of P @ V swapped, which no check can see but the
+// output) every compiled candidate is rejected as wrong, with its error, and
+// no schedule is chosen.
+TEST(Tuner, OfflineTuningRejectsWhatTheEmulatorFindsWrong) {
+  testing::TempDir cache;
+  TuneOptions options;
+  options.tokens = 512;
+  options.offlineCompiles = 2;
+  options.compileThreads = 2;
+  options.cacheDir = cache.path();
+  const std::string from = "      p[mt][1] = cuda::pack<C>(s.s[mt][2 * kk][2], s.s[mt][2 * kk][3]);\n"
+                           "      p[mt][2] = cuda::pack<C>(s.s[mt][2 * kk + 1][0], s.s[mt][2 * kk + 1][1]);";
+  const std::string to = "      p[mt][2] = cuda::pack<C>(s.s[mt][2 * kk][2], s.s[mt][2 * kk][3]);\n"
+                         "      p[mt][1] = cuda::pack<C>(s.s[mt][2 * kk + 1][0], s.s[mt][2 * kk + 1][1]);";
+  for (const tile::EmbeddedFile& file : tile::embeddedHeaders())
+    if (file.path == "loom/tile/cuda.h") {
+      std::string text = file.text;
+      const size_t at = text.find(from);
+      ASSERT_NE(at, std::string::npos);
+      options.emulatorHeaders[file.path] = text.replace(at, from.size(), to);
+    }
+  ASSERT_EQ(options.emulatorHeaders.size(), 1u);
+  auto report = tune(spec(4, 2, 2, 64, v1::flat_causal, 32), target("sm_80"), nullptr, options);
+  if (report)
+    for (const CandidateResult& c : report->candidates)
+      if (c.outcome == Outcome::unmeasured) ADD_FAILURE() << c.candidate.key << " survived: " << c.reason;
+  ASSERT_FALSE(report);
+  EXPECT_NE(report.error().message.find("emulator: relative error"), std::string::npos) << report.error().message;
 }
 
 TEST(Tuner, RejectsFloat32AndCpuTargets) {

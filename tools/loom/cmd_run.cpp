@@ -7,12 +7,15 @@
 #include <memory>
 #include <string>
 
+#include "api/compile.h"
 #include "commands.h"
 #include "cpu/cpu_backend.h"
 #include "cuda/case_runner.h"
 #include "emu/emulator.h"
 #include "loom/runtime.h"
 #include "io/case.h"
+#include "jit/nvrtc_compiler.h"
+#include "loom/cache_dir.h"
 #include "reference/iha_reference.h"
 
 namespace loom::cli {
@@ -83,6 +86,13 @@ Result<emu::EmuRun> runOnEmulator(const RunOptions& options, const IhaCase& c) {
   emuOptions.threads = options.threads;
   emuOptions.seed = options.seed;
   emuOptions.maxCtas = options.ctas;
+  // setmaxnreg starts from what ptxas allocated: ask NVRTC (no GPU needed).
+  if (std::any_of(plan->launches.begin(), plan->launches.end(), [](const LaunchPlan& l) { return l.warpSpecialized; })) {
+    jit::NvrtcCompiler compiler(options.cacheDir.empty() ? defaultCacheDir() : options.cacheDir);
+    auto compiled = compileKernel(c.spec, plan->schedule, *target, compiler);
+    if (!compiled) return compiled.error();
+    for (const v1::ResourceUsage& usage : compiled->resources()) emuOptions.registers[usage.entry()] = usage.registers();
+  }
   auto run = emu::runOnEmulator(*plan, c, emuOptions);
   if (!run) return run.error();
   std::printf("emu: %s, schedule %s\n%s\n", options.target.c_str(), plan->schedule.ShortDebugString().c_str(),

@@ -33,6 +33,7 @@ struct TuneCliOptions {
   int compileTop = 8;
   std::string bundlesDir;
   bool json = false;
+  bool noEmulate = false;
 };
 
 Result<double> parseSeconds(const std::string& text) {
@@ -83,7 +84,8 @@ int tuneCommand(const TuneCliOptions& options) {
     auto parsed = parseTarget(options.target);
     if (!parsed || parsed->kind() != v1::Target::cuda) return badInput("--target must be a CUDA arch such as sm_90a");
     target = *parsed;
-    std::fprintf(stderr, "no GPU: ranking %s schedules with the cost model only (untimed)\n", target.arch().c_str());
+    std::fprintf(stderr, "no GPU: ranking %s schedules with the cost model (untimed)%s\n", target.arch().c_str(),
+                 options.noEmulate ? "" : ", each compiled one checked on the emulator");
   }
 
   autotune::TuneOptions tuneOptions;
@@ -93,10 +95,12 @@ int tuneCommand(const TuneCliOptions& options) {
   tuneOptions.budgetSeconds = *budget;
   tuneOptions.cacheDir = options.cacheDir.empty() ? defaultCacheDir() : options.cacheDir;
   tuneOptions.offlineCompiles = options.compileTop;
+  tuneOptions.emulate = !options.noEmulate;
   const bool live = ::isatty(STDERR_FILENO);
   auto progress = [&](const autotune::TuneProgress& p) {
     if (!live) return;
-    std::fprintf(stderr, "\r\033[Kcompiled %d/%d, verified %d, timed %d%s%s", p.compiled, p.candidates, p.verified,
+    std::fprintf(stderr, "\r\033[Kcompiled %d/%d, emulated %d, verified %d, timed %d%s%s", p.compiled, p.candidates,
+                 p.emulated, p.verified,
                  p.timed, p.best.empty() ? "" : ", best ", p.best.empty() ? "" : (p.best + " " + std::to_string(p.bestMs).substr(0, 6) + " ms").c_str());
     std::fflush(stderr);
   };
@@ -159,6 +163,12 @@ int tuneCommand(const TuneCliOptions& options) {
                 r.predictedMs, r.outcome == autotune::Outcome::timed ? std::to_string(r.tflops).substr(0, 6).c_str() : "-",
                 r.registers, r.sharedMemory / 1024.0, autotune::outcomeName(r.outcome));
   }
+  // The compiled candidates that were turned down, and why.
+  for (const auto& r : report->candidates)
+    if (r.outcome == autotune::Outcome::wrong || r.outcome == autotune::Outcome::spilled ||
+        r.outcome == autotune::Outcome::compile_failed)
+      std::printf("     %-50s rejected (%s): %s\n", r.candidate.key.c_str(), autotune::outcomeName(r.outcome),
+                  r.reason.c_str());
   std::printf("winner %s stored in %s\n", report->candidates.front().candidate.key.c_str(), storePath.c_str());
   return kExitOk;
 }
@@ -171,7 +181,8 @@ void addTuneCommand(CLI::App& app, std::function<int()>* action) {
       "tune",
       "Search the schedule space of a spec: prune, rank with the cost model, compile in parallel, then on a GPU\n"
       "verify every candidate against the float64 reference and time it (L2 flushed, median of runs).\n"
-      "Without a GPU, --target names the arch and the result is the cost model's ranking, marked untimed.");
+      "Without a GPU, --target names the arch and the result is the cost model's ranking, marked untimed;\n"
+      "each compiled candidate is first run on the emulator, which rejects any it finds wrong.");
   cmd->add_option("--spec", options->specPath, "KernelSpec JSON file")->required();
   cmd->add_option("--target", options->target, "CUDA arch when no GPU is present (sm_80, sm_90a, ...)");
   cmd->add_option("--budget", options->budget, "wall-clock budget: 500ms, 60s, 5m")->capture_default_str();
@@ -184,6 +195,9 @@ void addTuneCommand(CLI::App& app, std::function<int()>* action) {
   cmd->add_option("--compile-top", options->compileTop, "without a GPU: compile this many best-ranked candidates")
       ->capture_default_str();
   cmd->add_option("--bundles", options->bundlesDir, "write every compiled candidate here (for loom-gpu-tune)");
+  cmd->add_flag("--no-emulate", options->noEmulate,
+                "without a GPU: do not run the compiled candidates on the emulator (by default each runs on a\n"
+                "small drawn case there, and any with a finding or a wrong output is rejected)");
   cmd->add_flag("--json", options->json, "print the full result as JSON");
   cmd->callback([options, action] { *action = [options] { return tuneCommand(*options); }; });
 }

@@ -74,12 +74,25 @@ Result<IhaTensors> tensorsFromDlpack(const DLTensor* q, const DLTensor* k, const
 namespace cpu {
 struct CpuOptions;
 }
+namespace emu {
+struct EmuOptions;
+struct EmuRun;
+}
 
 // IHA on host tensors: the spec's generated program run on the host tile
 // API (runtime/cpu), reading the inputs and writing out (and lse) in place.
 // Slow: for checking and for machines without a GPU.
 Status runOnHost(const KernelSpec& spec, const IhaTensors& tensors, const Schedule& schedule,
                  const cpu::CpuOptions& options);
+
+// IHA on host tensors through the CUDA program of `arch` (sm_80 ... sm_90a)
+// run on the emulator (runtime/emu, "emu/emulator.h"): the device code as a
+// GPU would run it, every access checked. out (and lse) are written in place;
+// tokens outside the emulated CTAs (options.maxCtas) are left NaN. The run's
+// report says what was covered and holds the findings: a run with any
+// finding, or deadlocked, has failed whatever its numbers.
+Result<emu::EmuRun> runOnEmulator(const KernelSpec& spec, const IhaTensors& tensors, const Schedule& schedule,
+                                  const std::string& arch, const emu::EmuOptions& options);
 
 // Bytes of the workspaces a compiled kernel's launches need for B x N
 // tokens (its plan's q_mixed, k_mixed, v_mixed, o_pseudo).
