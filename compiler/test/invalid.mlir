@@ -18,8 +18,8 @@ iha.kernel @iha spec(#iha.spec<heads = 4, kv_heads = 4, pseudo_heads = 2, head_d
 
 // -----
 
-// expected-error @+1 {{schedule.block_m (48) must be a multiple of pseudo_heads (5) so a query block holds whole tokens}}
-iha.kernel @iha spec(#iha.spec<heads = 4, kv_heads = 4, pseudo_heads = 5, head_dim = 16, dtype = f32, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.25>) schedule(#iha.schedule<block_m = 48, block_n = 64, warps = 1, stages = 2, mix = fused, collapse = epilogue>) {
+// expected-error @+1 {{schedule.block_m (16) must hold at least one token (pseudo_heads = 20 rows)}}
+iha.kernel @iha spec(#iha.spec<heads = 4, kv_heads = 4, pseudo_heads = 20, head_dim = 16, dtype = f32, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.25>) schedule(#iha.schedule<block_m = 16, block_n = 64, warps = 1, stages = 2, mix = fused, collapse = epilogue>) {
 }
 
 // -----

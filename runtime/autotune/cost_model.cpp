@@ -72,7 +72,9 @@ BlockCounts countBlocks(const KernelSpec& spec, int64_t blockM, int64_t blockN, 
   const MaskRule rule = MaskRule::of(spec);
   IntegerMath math;
   BlockCounts counts;
-  for (int64_t r0 = 0; r0 < L; r0 += blockM) {
+  // A query block computes blockM rows and owns the whole tokens among them.
+  const int64_t owned = blockM / spec.pseudo_heads() * spec.pseudo_heads();
+  for (int64_t r0 = 0; r0 < L; r0 += owned) {
     const BlockRanges<int64_t> r = blockRanges(math, rule, blockM, blockN, r0, L);
     counts.visited += r.hi - r.lo;
     counts.masked += (r.ilo - r.lo) + (r.hi - r.ihi);
@@ -135,7 +137,8 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::T
     e.bound = "resources";
     return e;
   }
-  const int64_t gridCtas = (L + bm - 1) / bm * (fusedGlobal ? 1 : H) * batch;
+  const int64_t owned = bm / P * P;
+  const int64_t gridCtas = (L + owned - 1) / owned * (fusedGlobal ? 1 : H) * batch;
   const double slots = double(device.smCount) * e.ctasPerSm;
   const double waves = std::ceil(double(gridCtas) / slots);
   e.waveEfficiency = double(gridCtas) / (waves * slots);

@@ -56,7 +56,7 @@ const char* outcomeName(Outcome outcome) {
     case Outcome::pruned: return "pruned";
     case Outcome::skipped: return "skipped";
     case Outcome::compile_failed: return "compile failed";
-    case Outcome::spilled: return "spilled";
+    case Outcome::slow: return "loses performance";
     case Outcome::wrong: return "wrong result";
     case Outcome::unmeasured: return "ranked";
     case Outcome::timed: return "timed";
@@ -72,7 +72,7 @@ void rankResults(std::vector<CandidateResult>& results) {
       case Outcome::timed: return 0;
       case Outcome::unmeasured: return 1;
       case Outcome::compile_failed:
-      case Outcome::spilled:
+      case Outcome::slow:
       case Outcome::wrong: return 2;
       case Outcome::skipped: return 3;
       case Outcome::pruned: return 4;

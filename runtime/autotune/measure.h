@@ -16,7 +16,9 @@
 
 namespace loom::autotune {
 
-enum class Outcome { pruned, skipped, compile_failed, spilled, wrong, unmeasured, timed };
+// slow: compiled, but ptxas or the PTX shows a performance loss (spills, a
+// stack frame, serialised wgmma or another C75xx note, fp64, local memory).
+enum class Outcome { pruned, skipped, compile_failed, slow, wrong, unmeasured, timed };
 const char* outcomeName(Outcome outcome);
 
 struct CandidateResult {

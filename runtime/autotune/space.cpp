@@ -2,7 +2,6 @@
 
 #include "autotune/cost_model.h"
 
-#include <numeric>
 #include <set>
 
 #include "loom/compiler.h"
@@ -62,9 +61,11 @@ SearchSpace searchSpace(const KernelSpec& spec, const v1::Target& target) {
     space.candidates.push_back({*resolved, key});
   };
 
+  // block_m: any multiple of 16 rows per warp holding a token (a CTA owns
+  // the whole tokens among its rows; the cost model charges the rest).
   for (int warps : kWarpChoices) {
-    const int quantum = std::lcm(P, kMmaRows * warps);
-    for (int blockM = quantum; blockM <= kMaxBlockM; blockM += quantum)
+    const int quantum = kMmaRows * warps;
+    for (int blockM = (P + quantum - 1) / quantum * quantum; blockM <= kMaxBlockM; blockM += quantum)
       for (int blockN : kBlockNChoices)
         for (int stages : kStageChoices)
           for (v1::MixStrategy mix : {v1::mix_fused, v1::mix_materialized})
@@ -102,12 +103,12 @@ SearchSpace searchSpace(const KernelSpec& spec, const v1::Target& target) {
                 consider(s);
               }
   // Never empty: the compiler's default, else the smallest footprint there
-  // is (one warp, whole tokens of 16-row tiles, 16-key blocks, one stage,
-  // everything materialised), even if its fragments are large.
+  // is (one warp, the 16-row tiles holding a token, 16-key blocks, one
+  // stage, everything materialised), even if its fragments are large.
   if (space.candidates.empty()) {
     Schedule minimal;
     minimal.set_warps(1);
-    minimal.set_block_m(std::lcm(P, kMmaRows));
+    minimal.set_block_m((P + kMmaRows - 1) / kMmaRows * kMmaRows);
     minimal.set_block_n(kMmaRows);
     minimal.set_stages(1);
     minimal.set_mix(v1::mix_materialized);

@@ -45,9 +45,12 @@ void compileAll(const KernelSpec& spec, const v1::Target& target, const std::vec
         r.spillBytes = artifact->spillBytes();
         for (const auto& usage : artifact->resources) r.registers = std::max(r.registers, usage.registers());
         for (const auto& entry : compiled->entries()) r.sharedMemory = std::max(r.sharedMemory, entry.shared_memory_bytes());
-        if (r.spillBytes > 0) {
-          r.outcome = Outcome::spilled;
-          r.reason = "spills " + std::to_string(r.spillBytes) + " bytes";
+        // A kernel that ptxas or its PTX shows losing speed is no candidate.
+        const std::vector<std::string> losses = artifact->performanceLosses();
+        if (!losses.empty()) {
+          r.outcome = Outcome::slow;
+          r.reason = losses.front();
+          for (size_t k = 1; k < losses.size(); ++k) r.reason += "; " + losses[k];
         } else {
           kernels[which[i]] = *compiled;
         }
@@ -283,13 +286,14 @@ Result<TuneReport> summarize(const KernelSpec& spec, const v1::Target& target, s
   *r.mutable_target() = target;
   *r.mutable_best() = best.candidate.schedule;
   r.set_measured(best.outcome == Outcome::timed);
-  r.set_median_ms(best.outcome == Outcome::timed ? best.medianMs : best.predictedMs);
+  if (best.outcome == Outcome::timed) r.set_median_ms(best.medianMs);
+  r.set_predicted_ms(best.predictedMs);
   r.set_tflops(best.tflops);
   r.set_toolchain(jit::nvrtcVersion());
   int tried = 0, rejected = 0;
   for (const CandidateResult& c : results) {
     tried += c.outcome != Outcome::pruned && c.outcome != Outcome::skipped;
-    rejected += c.outcome == Outcome::compile_failed || c.outcome == Outcome::spilled || c.outcome == Outcome::wrong;
+    rejected += c.outcome == Outcome::compile_failed || c.outcome == Outcome::slow || c.outcome == Outcome::wrong;
   }
   r.set_candidates_tried(tried);
   r.set_candidates_rejected(rejected);

@@ -89,6 +89,9 @@ Status validateTensors(const KernelSpec& spec, const IhaTensors& t, int device) 
   const int64_t B = t.q.shape[0], N = t.q.shape[1], H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(),
                 d = spec.head_dim();
   if (B < 1 || N < 1) return makeError("q: B and N must be at least 1, got " + shapeText(t.q.shape));
+  // The kernels index virtual rows (N * P) and their masks in 32 bits.
+  if (N * P >= (int64_t(1) << 31))
+    return makeError("q: N * pseudo_heads (" + std::to_string(N * P) + ") must be below 2^31");
   const ElementKind act = elementOf(spec.dtype());
   const ElementKind f32 = ElementKind::float32;
   const std::vector<int64_t> collapse =

@@ -44,11 +44,13 @@ std::vector<std::string> Artifact::warnings() const {
     size_t end = log.find('\n', start);
     if (end == std::string::npos) end = log.size();
     const std::string line = log.substr(start, end - start);
-    if (line.find("warning") != std::string::npos) lines.push_back(line);
+    if (line.find("warning") != std::string::npos || line.find("(C7") != std::string::npos) lines.push_back(line);
     start = end + 1;
   }
   return lines;
 }
+std::vector<std::string> Artifact::performanceLosses() const { return jit::performanceLosses(resources); }
+
 int64_t Artifact::spillBytes() const {
   int64_t total = 0;
   for (const auto& r : resources) total += r.spill_store_bytes() + r.spill_load_bytes();
@@ -72,7 +74,7 @@ bool nvrtcKnowsArch(const std::string& arch) {
   return std::find(archs.begin(), archs.end(), number) != archs.end();
 }
 
-std::vector<v1::ResourceUsage> parsePtxasReport(const std::string& log) {
+std::vector<v1::ResourceUsage> parsePtxasReport(const std::string& log, const std::string& ptx) {
   std::vector<v1::ResourceUsage> usage;
   std::istringstream lines(log);
   std::string line;
@@ -81,8 +83,13 @@ std::vector<v1::ResourceUsage> parsePtxasReport(const std::string& log) {
   const std::regex frame(R"((\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads)");
   const std::regex registers(R"(Used (\d+) registers)");
   const std::regex shared(R"((\d+) bytes smem)");
+  // "(C7520) Potential Performance Loss: ... in the function 'iha_attention'"
+  const std::regex note(R"(\((C7\d\d\d)\) (.*?) in (?:the )?function '([^']+)')");
+  std::vector<std::pair<std::string, std::string>> notes;  // entry, note
   while (std::getline(lines, line)) {
-    if (std::regex_search(line, m, function)) {
+    if (std::regex_search(line, m, note)) {
+      notes.emplace_back(m[3], std::string(m[1]) + " " + std::string(m[2]));
+    } else if (std::regex_search(line, m, function)) {
       usage.emplace_back().set_entry(m[1]);
     } else if (!usage.empty() && std::regex_search(line, m, frame)) {
       usage.back().set_stack_frame_bytes(std::stoll(m[1]));
@@ -93,7 +100,66 @@ std::vector<v1::ResourceUsage> parsePtxasReport(const std::string& log) {
       if (std::regex_search(line, m, shared)) usage.back().set_shared_memory_bytes(std::stoll(m[1]));
     }
   }
+  auto entry = [&](const std::string& name) -> v1::ResourceUsage& {
+    for (v1::ResourceUsage& u : usage)
+      if (u.entry() == name) return u;
+    v1::ResourceUsage& added = usage.emplace_back();
+    added.set_entry(name);
+    return added;
+  };
+  // ptxas prints a note once per entry and line; keep each once.
+  for (const auto& [name, text] : notes) {
+    v1::ResourceUsage& u = entry(name);
+    if (std::find(u.performance_notes().begin(), u.performance_notes().end(), text) != u.performance_notes().end())
+      continue;
+    u.add_performance_notes(text);
+    if (text.find("wgmma") != std::string::npos && text.find("serialized") != std::string::npos)
+      u.set_serialized_wgmma(true);
+  }
+  // The PTX of each entry: from ".entry NAME(" to the next entry.
+  const std::regex entryStart(R"(\.entry\s+(\w+)\s*\()");
+  const std::regex fp64(R"(^\s*(?:@!?%\w+\s+)?([a-z][\w.]*)\s)");
+  std::vector<std::pair<std::string, size_t>> starts;
+  for (auto it = std::sregex_iterator(ptx.begin(), ptx.end(), entryStart); it != std::sregex_iterator(); ++it)
+    starts.emplace_back((*it)[1], size_t(it->position()));
+  for (size_t e = 0; e < starts.size(); ++e) {
+    const size_t end = e + 1 < starts.size() ? starts[e + 1].second : ptx.size();
+    std::istringstream body(ptx.substr(starts[e].second, end - starts[e].second));
+    int doubles = 0, local = 0;
+    while (std::getline(body, line)) {
+      if (!std::regex_search(line, m, fp64)) continue;
+      const std::string opcode = m[1];
+      if (opcode.rfind("ld.local", 0) == 0 || opcode.rfind("st.local", 0) == 0) ++local;
+      // Arithmetic, comparisons and conversions; moves and memory access of
+      // f64 data cost nothing special.
+      if (opcode.find(".f64") != std::string::npos && opcode.rfind("ld.", 0) != 0 && opcode.rfind("st.", 0) != 0 &&
+          opcode.rfind("mov.", 0) != 0)
+        ++doubles;
+    }
+    v1::ResourceUsage& u = entry(starts[e].first);
+    u.set_fp64_instructions(doubles);
+    u.set_local_memory_instructions(local);
+  }
   return usage;
+}
+
+std::vector<std::string> performanceLosses(const std::vector<v1::ResourceUsage>& resources) {
+  std::vector<std::string> losses;
+  for (const v1::ResourceUsage& u : resources) {
+    const std::string& name = u.entry();
+    if (u.spill_store_bytes() + u.spill_load_bytes() > 0)
+      losses.push_back(name + " spills " + std::to_string(u.spill_store_bytes()) + " bytes and reloads " +
+                       std::to_string(u.spill_load_bytes()) + " (" + std::to_string(u.registers()) + " registers)");
+    if (u.stack_frame_bytes() > 0)
+      losses.push_back(name + " has a " + std::to_string(u.stack_frame_bytes()) + "-byte stack frame");
+    for (const std::string& note : u.performance_notes()) losses.push_back(name + ": ptxas " + note);
+    if (u.fp64_instructions() > 0)
+      losses.push_back(name + " computes in fp64 (" + std::to_string(u.fp64_instructions()) + " PTX instructions)");
+    if (u.local_memory_instructions() > 0)
+      losses.push_back(name + " uses local memory (" + std::to_string(u.local_memory_instructions()) +
+                       " PTX instructions)");
+  }
+  return losses;
 }
 
 NvrtcCompiler::NvrtcCompiler(std::string cacheDir) : cacheDir_(std::move(cacheDir)) {}
@@ -174,7 +240,7 @@ Result<std::shared_ptr<const Artifact>> NvrtcCompiler::compileUncached(const std
   nvrtcDestroyProgram(&program);
   artifact->arch = arch;
   artifact->key = key;
-  artifact->resources = parsePtxasReport(artifact->log);
+  artifact->resources = parsePtxasReport(artifact->log, artifact->ptx);
   artifact->compileSeconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return std::shared_ptr<const Artifact>(artifact);
 }
@@ -192,7 +258,7 @@ std::shared_ptr<const Artifact> NvrtcCompiler::readDisk(const std::string& key) 
   artifact->binaryKind = record.toolchain().find("ptx") != std::string::npos ? "ptx" : "cubin";
   artifact->ptx = readAll(base.string() + ".ptx");
   artifact->log = record.compile_log();
-  artifact->resources.assign(record.resources().begin(), record.resources().end());
+  artifact->resources = parsePtxasReport(artifact->log, artifact->ptx);  // today's reading of the stored log
   artifact->compileSeconds = record.compile_seconds();
   artifact->fromCache = true;
   artifact->key = key;

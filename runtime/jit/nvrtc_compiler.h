@@ -38,9 +38,12 @@ struct Artifact {
   bool usesWgmma() const;        // wgmma.mma_async
   bool usesTma() const;          // cp.async.bulk.tensor
   bool usesSetmaxnreg() const;   // setmaxnreg
-  // The log's warning lines (ptxas says here when it serialises wgmma or
-  // ignores setmaxnreg).
+  // The log's warnings and ptxas's C7xxx notes (it says there when it
+  // serialises wgmma or ignores setmaxnreg), as printed.
   std::vector<std::string> warnings() const;
+  // What costs this kernel speed, one line each: spills, stack frames,
+  // ptxas's performance notes, fp64 and local memory (performanceLosses).
+  std::vector<std::string> performanceLosses() const;
   int64_t spillBytes() const;    // spill stores + loads over all entries
 };
 
@@ -50,8 +53,15 @@ std::string nvrtcVersion();
 // Whether NVRTC can produce a cubin for `arch` (else PTX for its compute arch).
 bool nvrtcKnowsArch(const std::string& arch);
 
-// Parses ptxas's -v report (one entry per compiled function).
-std::vector<v1::ResourceUsage> parsePtxasReport(const std::string& log);
+// Parses ptxas's -v report (one entry per compiled function: registers,
+// spills, stack frame, shared memory, its C7xxx performance notes) and
+// reads each entry's PTX for fp64 and local-memory instructions.
+std::vector<v1::ResourceUsage> parsePtxasReport(const std::string& log, const std::string& ptx = "");
+
+// One line per performance loss of the entries: spill bytes, a stack frame,
+// each ptxas note, fp64 instructions, local memory. Empty: nothing ptxas or
+// the PTX shows costs speed.
+std::vector<std::string> performanceLosses(const std::vector<v1::ResourceUsage>& resources);
 
 class NvrtcCompiler {
  public:

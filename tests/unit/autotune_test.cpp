@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <set>
+#include <string_view>
 
 #include "autotune/cost_model.h"
 #include "autotune/space.h"
@@ -58,7 +59,7 @@ TEST(SearchSpace, PrunedByTheCompilersRulesAndTheDevice) {
     const int64_t limit = t.device().shared_memory_per_block() ? t.device().shared_memory_per_block()
                                                                : defaultSharedMemoryPerBlock(t.arch());
     for (const Candidate& c : space.candidates) {
-      EXPECT_EQ(c.schedule.block_m() % s.pseudo_heads(), 0) << c.key;
+      EXPECT_GE(c.schedule.block_m(), s.pseudo_heads()) << c.key;  // holds a token
       EXPECT_LE(attentionBytes(s, c.schedule), limit) << c.key;
       if (space.candidates.size() > 1) {  // a lone fallback may be large
         EXPECT_LE(fragmentRegisters(s, c.schedule), registerLimit(c.schedule)) << c.key;
@@ -112,7 +113,7 @@ TEST(SearchSpace, NeverEmpty) {
   const KernelSpec s = spec(9, 9, 9, 256, v1::flat_causal, 0, v1::global);
   const SearchSpace space = searchSpace(s, target("sm_86", 100 * 1024));
   ASSERT_EQ(space.candidates.size(), 1u);
-  EXPECT_EQ(space.candidates[0].key, "bm144.bn16.w1.s1.materialized.separate");
+  EXPECT_EQ(space.candidates[0].key, scheduleKey(*resolveSchedule(s, Schedule(), target("sm_86", 100 * 1024))));
   // ... and it compiles.
   EXPECT_TRUE(generateKernel(s, space.candidates[0].schedule, target("sm_86", 100 * 1024)));
 }
@@ -121,7 +122,9 @@ TEST(CostModel, BlockCountsMatchBruteForce) {
   std::mt19937_64 rng(testing::testSeed());
   for (int trial = 0; trial < 30; ++trial) {
     KernelSpec s = testing::randomSpec(rng);
-    const int64_t tokens = 1 + int64_t(rng() % 60), bm = 16 * s.pseudo_heads() * (1 + int64_t(rng() % 2)),
+    // block_m a multiple of 16 rows holding a token, a multiple of P or not.
+    const int64_t tokens = 1 + int64_t(rng() % 60),
+                  bm = std::max<int64_t>(16 * (1 + int64_t(rng() % 8)), (s.pseudo_heads() + 15) / 16 * 16),
                   bn = 16 << (rng() % 3);
     const auto [visited, masked] = testing::bruteForceBlocks(s, bm, bn, tokens);
     const BlockCounts counts = countBlocks(s, bm, bn, tokens);
@@ -231,8 +234,11 @@ TEST(Tuner, OfflineTuningIsRankedAndUntimed) {
   EXPECT_EQ(seen.back().emulated, 4);
   const CandidateResult& best = report->candidates.front();
   EXPECT_EQ(best.outcome, Outcome::unmeasured);
-  for (const CandidateResult& c : report->candidates)
-    if (c.outcome == Outcome::unmeasured) EXPECT_NE(c.reason.find("emulator"), std::string::npos) << c.reason;
+  for (const CandidateResult& c : report->candidates) {
+    if (c.outcome == Outcome::unmeasured) {
+      EXPECT_NE(c.reason.find("emulator"), std::string::npos) << c.reason;
+    }
+  }
   EXPECT_GT(best.registers, 0);
   EXPECT_EQ(best.spillBytes, 0);
   EXPECT_EQ(report->result.best().SerializeAsString(), best.candidate.schedule.SerializeAsString());
@@ -258,7 +264,7 @@ TEST(Tuner, OfflineTuningRejectsWhatTheEmulatorFindsWrong) {
   const std::string to = "      p[mt][2] = cuda::pack<C>(s.s[mt][2 * kk][2], s.s[mt][2 * kk][3]);\n"
                          "      p[mt][1] = cuda::pack<C>(s.s[mt][2 * kk + 1][0], s.s[mt][2 * kk + 1][1]);";
   for (const tile::EmbeddedFile& file : tile::embeddedHeaders())
-    if (file.path == "loom/tile/cuda.h") {
+    if (std::string_view(file.path) == "loom/tile/cuda.h") {
       std::string text = file.text;
       const size_t at = text.find(from);
       ASSERT_NE(at, std::string::npos);

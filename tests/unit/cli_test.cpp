@@ -245,7 +245,8 @@ TEST(Cli, BadScheduleNamesTheField) {
   const auto result = runLoom("run --case " + testing::casesDir() + "/h8p8-d64-fp16" + cpuFlags() + " --schedule " +
                               (dir / "schedule.json"));
   EXPECT_EQ(result.exitCode, 2) << result.output;
-  EXPECT_NE(result.output.find("schedule.block_m (20) must be a multiple of pseudo_heads (8)"), std::string::npos)
+  EXPECT_NE(result.output.find("schedule.block_m (20) must be a multiple of 16 rows per warp x 1 warps"),
+            std::string::npos)
       << result.output;
 }
 

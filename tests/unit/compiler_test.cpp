@@ -2,6 +2,10 @@
 // for specs and schedules the compiler cannot build.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <random>
+#include <regex>
+
 #include "loom/compiler.h"
 #include "test_util.h"
 
@@ -57,13 +61,28 @@ TEST(Compiler, PlanFollowsTheSchedule) {
   EXPECT_EQ(fused->schedule.warps(), 4);
 }
 
+// The default for every P: four warps of one 16-row tile each on the mma
+// engine (two consumer warpgroups on sm_90a), whatever P; the CTA owns the
+// whole tokens among its rows, and the attention grid steps by those.
 TEST(Compiler, DefaultScheduleAlwaysValid) {
   for (int P = 1; P <= 12; ++P) {
     KernelSpec spec = baseSpec();
     spec.set_pseudo_heads(P);
     auto plan = generateKernel(spec, Schedule(), *parseTarget("cpu"));
     ASSERT_TRUE(plan) << "P=" << P << ": " << plan.error().message;
-    EXPECT_EQ(plan->schedule.block_m() % P, 0);
+    EXPECT_EQ(plan->schedule.warps(), 4) << "P=" << P;
+    EXPECT_EQ(plan->schedule.block_m(), 64) << "P=" << P;
+    for (const LaunchPlan& launch : plan->launches) {
+      if (launch.name == "iha_attention") {
+        EXPECT_EQ(launch.rowsPerCta, 64 / P * P) << "P=" << P;
+      }
+    }
+    spec.set_head_dim(64);
+    spec.set_dtype(v1::bfloat16);
+    auto hopper = resolveSchedule(spec, Schedule(), *parseTarget("sm_90a"));
+    ASSERT_TRUE(hopper) << "P=" << P << ": " << hopper.error().message;
+    EXPECT_EQ(hopper->engine(), v1::engine_wgmma) << "P=" << P;
+    EXPECT_EQ(hopper->warps(), 8) << "P=" << P;
   }
 }
 
@@ -71,7 +90,12 @@ TEST(Compiler, DiagnosticsNameTheField) {
   Schedule schedule;
   schedule.set_block_m(18);
   schedule.set_warps(1);
-  EXPECT_NE(errorOf(baseSpec(), schedule).find("schedule.block_m (18) must be a multiple of pseudo_heads (4)"),
+  EXPECT_NE(errorOf(baseSpec(), schedule).find("schedule.block_m (18) must be a multiple of 16 rows per warp x 1 warps"),
+            std::string::npos);
+  KernelSpec many = baseSpec();
+  many.set_pseudo_heads(20);
+  schedule.set_block_m(16);
+  EXPECT_NE(errorOf(many, schedule).find("schedule.block_m (16) must hold at least one token (pseudo_heads = 20 rows)"),
             std::string::npos);
 
   schedule = Schedule();
@@ -90,6 +114,41 @@ TEST(Compiler, DiagnosticsNameTheField) {
   spec = baseSpec();
   spec.set_head_dim(20);
   EXPECT_NE(errorOf(spec, Schedule()).find("head_dim (20) is unsupported"), std::string::npos);
+}
+
+// The rotary table the device reads: each pair's frequency in turns per
+// position as a 64-bit fixed-point fraction. The device keeps the top 32 bits
+// of position * turns (a wrapping integer product) as the angle's fraction of
+// a turn; at every position up to 2^24 rows that is within 1e-6 rad of the
+// exact angle, where fp32 products would be off by whole radians.
+TEST(Compiler, RopeTurnsKeepThePhaseAtLongPositions) {
+  KernelSpec spec = baseSpec();
+  spec.set_head_dim(128);
+  spec.set_rope_theta(500000);
+  auto plan = generateKernel(spec, Schedule(), *parseTarget("sm_80"));
+  ASSERT_TRUE(plan) << plan.error().message;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(plan->source, m, std::regex(R"(rope_turns\[64\] = \{([^}]*)\})"))) << plan->source;
+  std::vector<unsigned long long> turns;
+  const std::string table = m[1];
+  const std::regex number(R"((\d+)ull)");
+  for (auto it = std::sregex_iterator(table.begin(), table.end(), number); it != std::sregex_iterator(); ++it)
+    turns.push_back(std::stoull((*it)[1]));
+  ASSERT_EQ(turns.size(), 64u);
+  std::mt19937_64 rng(testing::testSeed());
+  double worst = 0;
+  for (int trial = 0; trial < 20000; ++trial) {
+    const int64_t position = int64_t(rng() % (1ull << 24));
+    const int j = int(rng() % 64);
+    const unsigned long long product = static_cast<unsigned long long>(position) * turns[size_t(j)];
+    const double device = double(float(static_cast<int>(static_cast<unsigned>(product >> 32))) *
+                                 (6.2831853071795865f / 4294967296.0f));
+    const long double exact = (long double)position * std::pow((long double)500000, -2.0L * j / 128);
+    const long double reduced = std::remainder(exact, 6.283185307179586476925286766559L);
+    worst = std::max(worst, double(std::fabs(std::remainder((long double)device - reduced,
+                                                                6.283185307179586476925286766559L))));
+  }
+  EXPECT_LT(worst, 1e-6);
 }
 
 TEST(Compiler, ParsesTargets) {

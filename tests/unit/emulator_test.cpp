@@ -174,15 +174,23 @@ class ScheduleOnEmulator : public ::testing::TestWithParam<int> {};
 TEST_P(ScheduleOnEmulator, RunsAsGivenWithoutFindings) {
   const Variant v = variants()[size_t(GetParam())];
   std::mt19937_64 rng(testing::testSeed() + uint64_t(GetParam()) * 31);
-  KernelSpec spec = testing::randomSpec(rng);
-  spec.set_pseudo_heads(2);
-  spec.set_head_dim(64);
-  spec.set_collapse(v.collapse);
-  spec.set_dtype(GetParam() % 2 ? v1::bfloat16 : v1::float16);
-  testing::dropStaleOptions(spec);
+  // A spec the schedule fits: a fused global collapse keeps every head's
+  // output rows on chip, so some draws (many heads) are over the shared
+  // memory of the large tiles; those are drawn again, nothing else is.
+  KernelSpec spec;
+  Result<KernelPlan> plan = makeError("no spec drawn");
+  for (int draw = 0; draw < 50; ++draw) {
+    spec = testing::randomSpec(rng);
+    spec.set_pseudo_heads(2);
+    spec.set_head_dim(64);
+    spec.set_collapse(v.collapse);
+    spec.set_dtype(GetParam() % 2 ? v1::bfloat16 : v1::float16);
+    testing::dropStaleOptions(spec);
+    plan = generateKernel(spec, v.schedule, *parseTarget(v.target));
+    if (plan || plan.error().message.find("bytes of shared memory") == std::string::npos) break;
+  }
+  ASSERT_TRUE(plan) << spec.ShortDebugString() << ": " << plan.error().message;
   const IhaCase c = drawCase(spec, 1, 40 + int64_t(rng() % 60), rng());
-  auto plan = generateKernel(spec, v.schedule, *parseTarget(v.target));
-  ASSERT_TRUE(plan) << plan.error().message;
   EXPECT_EQ(plan->schedule.warps(), v.schedule.warps());
   EXPECT_EQ(plan->schedule.stages(), v.schedule.stages());
   EXPECT_EQ(plan->schedule.block_n(), v.schedule.block_n());
@@ -325,9 +333,8 @@ std::vector<Fault> faults() {
        "    hopper::mbarrierArrive(hopper::fullBarrier<C>(stage));", "sm_90a", hopperMixing,
        {FindingKind::proxyFence}},
       {"wgmma_wait_before_the_softmax_reads_s_removed", "loom/tile/hopper.h",
-       "    hopper::wgmmaWait<1>();  // groups retire in order: S is done, P V may run on\n  } else {\n"
-       "    hopper::wgmmaWait<0>();\n  }",
-       "  }", "sm_90a", hopper, {FindingKind::asyncAccess}},
+       "  hopper::wgmmaWait<1>();  // groups retire in order: S is done, P V may run on\n", "", "sm_90a", hopper,
+       {FindingKind::asyncAccess}},
   };
 }
 

@@ -134,9 +134,12 @@ inline KernelSpec randomSpec(std::mt19937_64& rng) {
 // with the reference's own mask.
 inline std::pair<int64_t, int64_t> bruteForceBlocks(const KernelSpec& spec, int64_t blockM, int64_t blockN,
                                                     int64_t tokens) {
+  // A query block computes blockM rows from r0 and owns the whole tokens
+  // among them, so the next starts there.
   const int64_t L = tokens * spec.pseudo_heads();
+  const int64_t owned = blockM / spec.pseudo_heads() * spec.pseudo_heads();
   int64_t visited = 0, masked = 0;
-  for (int64_t r0 = 0; r0 < L; r0 += blockM)
+  for (int64_t r0 = 0; r0 < L; r0 += owned)
     for (int64_t c0 = 0; c0 < L; c0 += blockN) {
       bool any = false, all = c0 + blockN <= L;
       for (int64_t i = r0; i < std::min(r0 + blockM, L); ++i)

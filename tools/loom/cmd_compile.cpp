@@ -39,6 +39,11 @@ nlohmann::json report(const KernelPlan& plan, const jit::Artifact& artifact) {
         entry["spill_load_bytes"] = usage.spill_load_bytes();
         entry["stack_frame_bytes"] = usage.stack_frame_bytes();
         entry["static_shared_memory_bytes"] = usage.shared_memory_bytes();
+        entry["performance_notes"] = std::vector<std::string>(usage.performance_notes().begin(),
+                                                              usage.performance_notes().end());
+        entry["serialized_wgmma"] = usage.serialized_wgmma();
+        entry["fp64_instructions"] = usage.fp64_instructions();
+        entry["local_memory_instructions"] = usage.local_memory_instructions();
       }
     entries.push_back(entry);
   }
@@ -54,6 +59,7 @@ nlohmann::json report(const KernelPlan& plan, const jit::Artifact& artifact) {
           {"uses_tma", artifact.usesTma()},
           {"uses_setmaxnreg", artifact.usesSetmaxnreg()},
           {"warnings", artifact.warnings()},
+          {"performance_losses", artifact.performanceLosses()},
           {"spill_bytes", artifact.spillBytes()},
           {"schedule", nlohmann::json::parse(toJson(plan.schedule))},
           {"source_hash", plan.sourceHash},
@@ -94,6 +100,10 @@ int compile(const CompileOptions& options) {
                                  a.usesSetmaxnreg() ? "yes" : "no");
   std::printf("\n");
   for (const std::string& warning : a.warnings()) std::printf("  %s\n", warning.c_str());
+  const std::vector<std::string> losses = a.performanceLosses();
+  std::printf("  performance losses: %s\n", losses.empty() ? "none (no spills, stack frame, ptxas notes, fp64 or local memory)"
+                                                            : std::to_string(losses.size()).c_str());
+  for (const std::string& loss : losses) std::printf("    %s\n", loss.c_str());
   for (const LaunchPlan& launch : plan->launches) {
     std::printf("  %-14s %4lld threads, %7lld B dynamic smem", launch.name.c_str(), (long long)launch.threads,
                 (long long)launch.sharedMemoryBytes);
@@ -111,7 +121,9 @@ void addCompileCommand(CLI::App& app, std::function<int()>* action) {
   auto options = std::make_shared<CompileOptions>();
   CLI::App* cmd = app.add_subcommand(
       "compile", "Generate and compile a spec's CUDA program with NVRTC (no GPU needed) and report registers,\n"
-                 "spills, shared memory, tensor-core and cp.async use, and the compile time.");
+                 "spills, stack frames, shared memory, tensor-core and cp.async use, the compile time, and every\n"
+                 "performance loss ptxas and the PTX show: spills, stack frames, ptxas's C7xxx notes (serialised\n"
+                 "wgmma, ...), fp64 instructions, local memory.");
   cmd->add_option("--spec", options->specPath, "KernelSpec JSON file")->required();
   cmd->add_option("--schedule", options->schedulePath, "Schedule JSON file (unset fields take defaults)");
   cmd->add_option("--target", options->target, "CUDA arch: sm_80, sm_86, sm_89, sm_90, sm_90a")->capture_default_str();

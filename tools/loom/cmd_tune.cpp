@@ -165,7 +165,7 @@ int tuneCommand(const TuneCliOptions& options) {
   }
   // The compiled candidates that were turned down, and why.
   for (const auto& r : report->candidates)
-    if (r.outcome == autotune::Outcome::wrong || r.outcome == autotune::Outcome::spilled ||
+    if (r.outcome == autotune::Outcome::wrong || r.outcome == autotune::Outcome::slow ||
         r.outcome == autotune::Outcome::compile_failed)
       std::printf("     %-50s rejected (%s): %s\n", r.candidate.key.c_str(), autotune::outcomeName(r.outcome),
                   r.reason.c_str());

@@ -82,7 +82,11 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
     const mlir::Location loc = kernel.getLoc();
     const int64_t P = spec.getPseudoHeads();
     const int64_t threads = chosen.getWarps() * kThreadsPerWarp;
+    // A CTA computes block_m query rows and owns the whole tokens among
+    // them: the block_m mod P rows after those are the next CTA's, computed
+    // again there (so block_m need not be a multiple of P).
     const int64_t tokensPerCta = chosen.getBlockM() / P;
+    const int64_t ownedRows = tokensPerCta * P;
 
     // Token-parallel launches: each CTA handles `tokensPerCta` tokens.
     auto tokenLaunch = [&](llvm::StringRef name, auto fillBody) {
@@ -97,11 +101,11 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
     });
 
     // The attention: one CTA per (query block, head, batch).
-    LaunchOp attention = createLaunch(builder, loc, kAttentionLaunch, P, chosen.getBlockM(), spec.getHeads(), threads);
+    LaunchOp attention = createLaunch(builder, loc, kAttentionLaunch, P, ownedRows, spec.getHeads(), threads);
     {
       mlir::OpBuilder body = mlir::OpBuilder::atBlockEnd(&attention.getBlock());
       IndexMath math(body, loc);
-      Value row0 = math.mul(attention.getBlockX(), math.c(chosen.getBlockM()));
+      Value row0 = math.mul(attention.getBlockX(), math.c(ownedRows));
       Value seqLen = body.create<SeqLenOp>(loc, body.getI64Type());
       Value zero = math.c(0);
       Value keyBlocks = math.ceilDiv(seqLen, math.c(chosen.getBlockN()));

@@ -54,6 +54,9 @@ std::string configStruct(SpecAttr spec, ScheduleAttr schedule) {
   text += line("bool", "window_token_aligned", spec.getWindowAlign() == WindowAlign::token ? "true" : "false");
   text += line("int", "window_rows", std::to_string(spec.getWindowRows()));
   text += line("int", "block_m", std::to_string(schedule.getBlockM()));
+  // The rows a CTA owns and stores: the whole tokens among its block_m.
+  text += line("int", "cta_rows",
+               std::to_string(schedule.getBlockM() / spec.getPseudoHeads() * spec.getPseudoHeads()));
   text += line("int", "block_n", std::to_string(schedule.getBlockN()));
   text += line("int", "warps", std::to_string(schedule.getWarps()));
   text += line("int", "stages", std::to_string(schedule.getStages()));
@@ -68,17 +71,22 @@ std::string configStruct(SpecAttr spec, ScheduleAttr schedule) {
     text += line("int", "consumer_registers",
                  std::to_string(loom::consumerRegisters(int(schedule.getWarps()), int(schedule.getProducerRegisters()))));
   }
-  // Rotary inverse frequencies theta^(-2j/d), computed here in double so
-  // device code needs no pow / exp2 of its own.
+  // Rotary frequencies theta^(-2j/d) as turns per position in 64-bit fixed
+  // point (f / 2pi * 2^64, computed here in long double): the device's
+  // integer product position * turns wraps at whole turns exactly, so a
+  // long sequence keeps its phase with no fp64 on the device.
   const double theta = spec.getRopeTheta().convertToDouble();
   if (theta > 0) {
     std::string table;
+    constexpr long double kTwoPi = 6.283185307179586476925286766559L;
     for (int64_t j = 0; j < spec.getHeadDim() / 2; ++j) {
+      const double frequency = std::pow(theta, -2.0 * double(j) / double(spec.getHeadDim()));
+      const auto turns = static_cast<unsigned long long>(std::llroundl(std::ldexp((long double)frequency / kTwoPi, 64)));
       char value[40];
-      std::snprintf(value, sizeof value, "%s%.17g", j ? ", " : "", std::pow(theta, -2.0 * double(j) / double(spec.getHeadDim())));
+      std::snprintf(value, sizeof value, "%s%lluull", j ? ", " : "", turns);
       table += value;
     }
-    text += line("double", "rope_inv_freq[" + std::to_string(spec.getHeadDim() / 2) + "]", "{" + table + "}");
+    text += line("unsigned long long", "rope_turns[" + std::to_string(spec.getHeadDim() / 2) + "]", "{" + table + "}");
   }
   return text + "};";
 }

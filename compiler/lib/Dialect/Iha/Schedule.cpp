@@ -2,13 +2,12 @@
 
 #include <algorithm>
 #include <iterator>
-#include <numeric>
 
 namespace loom::iha {
 namespace {
 
-constexpr int64_t kDefaultMaxBlockM = 128;
-constexpr int64_t kDefaultMinBlockM = 64;
+constexpr int64_t kDefaultWarps = 4;
+constexpr int64_t kDefaultWarpgroups = 2;
 constexpr int64_t kDefaultBlockNs[] = {64, 32, 16};
 // Per-thread f32 registers the default schedule lets the score, output and
 // Q fragments take: MT * (3/4 d + block_n / 2) with MT m-tiles per warp.
@@ -30,14 +29,13 @@ CollapseStrategy defaultCollapse(SpecAttr spec) {
 
 bool wgmmaHeadDim(int64_t d) { return d % kWarpgroupRows == 0 && d <= kMaxBlockRows; }
 
-// Consumer warpgroups for the wgmma engine: as given, else 2, 1 or 3,
-// whichever first gives a block_m that holds whole tokens; 0 if none does.
+// Consumer warpgroups for the wgmma engine: as given, else two (128 query
+// rows, as FlashAttention-3 runs; each warpgroup's accumulators fit the
+// registers setmaxnreg gives it), or enough for one token of a very large P.
 int64_t wgmmaWarpgroups(SpecAttr spec, const ScheduleFields& given) {
   if (given.warps) return given.warps / kWarpgroupWarps;
   if (given.blockM) return given.blockM / kWarpgroupRows;
-  for (int64_t groups : {2, 1, 3})
-    if ((groups * kWarpgroupRows) % spec.getPseudoHeads() == 0) return groups;
-  return 0;
+  return std::max(kDefaultWarpgroups, (spec.getPseudoHeads() + kWarpgroupRows - 1) / kWarpgroupRows);
 }
 
 // Stages of the wgmma engine by default: three where they fit in sm_90a's
@@ -78,9 +76,8 @@ std::optional<std::string> checkWgmma(SpecAttr spec, ScheduleAttr schedule) {
   if (blockM != warps * kMmaRows)
     return "schedule.block_m (" + str(blockM) + ") must be 64 rows per consumer warpgroup (" + str(warps * kMmaRows) +
            ") with engine wgmma";
-  if (blockM % P != 0)
-    return "schedule.block_m (" + str(blockM) + ") must be a multiple of pseudo_heads (" + str(P) +
-           ") so a query block holds whole tokens";
+  if (blockM < P)
+    return "schedule.block_m (" + str(blockM) + ") must hold at least one token (pseudo_heads = " + str(P) + " rows)";
   if (std::find(std::begin(loom::kWgmmaBlockNs), std::end(loom::kWgmmaBlockNs), blockN) == std::end(loom::kWgmmaBlockNs))
     return "schedule.block_n (" + str(blockN) + ") must be 64, 128, 192 or 256 with engine wgmma";
   // A consumer hands a stage back only when the next block's softmax
@@ -109,22 +106,22 @@ ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool h
     const ScheduleAttr wgmma = completeWgmma(spec, given);
     if (!checkWgmma(spec, wgmma)) return wgmma;
   }
+  // Four warps of one 16-row m-tile each (64 rows, FlashAttention-2's
+  // shape per warp), whatever P: a CTA owns the whole tokens among its
+  // rows, so block_m need not be a multiple of P and the fragments per warp
+  // do not grow with it.
   const int64_t P = spec.getPseudoHeads();
   int64_t warps = given.warps;
   int64_t blockM = given.blockM;
   if (warps == 0) {
     warps = 1;
-    for (int64_t candidate : {4, 2, 1}) {
-      if (blockM ? blockM % (kMmaRows * candidate) == 0 : std::lcm(P, kMmaRows * candidate) <= kDefaultMaxBlockM) {
+    for (int64_t candidate : {kDefaultWarps, int64_t(2), int64_t(1)})
+      if (!blockM || blockM % (kMmaRows * candidate) == 0) {
         warps = candidate;
         break;
       }
-    }
   }
-  if (blockM == 0) {
-    blockM = std::lcm(P, kMmaRows * warps);
-    while (blockM < kDefaultMinBlockM) blockM *= 2;
-  }
+  if (blockM == 0) blockM = (P + kMmaRows * warps - 1) / (kMmaRows * warps) * (kMmaRows * warps);
   int64_t blockN = given.blockN;
   if (blockN == 0) {
     const int64_t mTiles = blockM / (kMmaRows * warps);
@@ -156,9 +153,8 @@ std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule) {
     return "schedule.warps (" + str(warps) + ") must be 1, 2, 4 or 8";
   if (blockM < 1 || blockM > kMaxBlockRows)
     return "schedule.block_m (" + str(blockM) + ") must be in [1, " + str(kMaxBlockRows) + "]";
-  if (blockM % P != 0)
-    return "schedule.block_m (" + str(blockM) + ") must be a multiple of pseudo_heads (" + str(P) +
-           ") so a query block holds whole tokens";
+  if (blockM < P)
+    return "schedule.block_m (" + str(blockM) + ") must hold at least one token (pseudo_heads = " + str(P) + " rows)";
   if (blockM % (kMmaRows * warps) != 0)
     return "schedule.block_m (" + str(blockM) + ") must be a multiple of " + str(kMmaRows) + " rows per warp x " +
            str(warps) + " warps";

@@ -68,10 +68,12 @@ LOOM_HOST_DEVICE constexpr int64_t seq_len(const IhaArgs& args) {
 // docs/IHA.md step 4: may virtual row i attend to virtual row j? With the
 // options: window_rows (flat_causal, a window in virtual rows) and a window
 // aligned to tokens (0 <= tok(i) - tok(j) < W beside the mode's own rule).
-template <class C>
-LOOM_HOST_DEVICE constexpr bool allowed(int64_t i, int64_t j) {
-  const int64_t P = C::pseudo_heads, W = C::window;
-  const int64_t ti = i / P, tj = j / P;
+// `Int` is int64_t, or int where the caller knows L < 2^31 (the device's
+// masks: half the registers and no 64-bit division).
+template <class C, class Int = int64_t>
+LOOM_HOST_DEVICE constexpr bool allowed(Int i, Int j) {
+  const Int P = C::pseudo_heads, W = C::window;
+  const Int ti = i / P, tj = j / P;
   if (C::window_rows > 0) return j <= i && i - j < C::window_rows;
   if (C::window_token_aligned && W > 0) {
     const bool own = C::mask == Mask::flat_causal ? j <= i : C::mask == Mask::token_causal ? tj <= ti : true;

@@ -391,7 +391,8 @@ __device__ void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_
 template <class C>
 __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int64_t block) {
   using G = cuda::Geometry<C>;
-  const int64_t L = seq_len<C>(a);
+  // Rows fit in int (launches check L = N * P < 2^31).
+  const int L = int(seq_len<C>(a)), i0 = int(row0), j0 = int(block * C::block_n);
   const int l = cuda::lane();
   #pragma unroll
   for (int mt = 0; mt < G::MT; ++mt)
@@ -399,9 +400,9 @@ __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int
     for (int nt = 0; nt < G::NT; ++nt)
       #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int64_t i = row0 + cuda::tileRow<C>(mt) + fragment::accumulatorRow(l, e);
-        const int64_t j = block * C::block_n + nt * 8 + fragment::accumulatorColumn(l, e);
-        if (j >= L || !allowed<C>(i, j)) s.s[mt][nt][e] = cuda::negativeInfinity();
+        const int i = i0 + cuda::tileRow<C>(mt) + fragment::accumulatorRow(l, e);
+        const int j = j0 + nt * 8 + fragment::accumulatorColumn(l, e);
+        if (j >= L || !allowed<C, int>(i, j)) s.s[mt][nt][e] = cuda::negativeInfinity();
       }
 }
 
@@ -492,8 +493,9 @@ __device__ void storeLse(SoftmaxState<C>& state, const IhaArgs& a, int64_t row0,
   for (int mt = 0; mt < Geometry<C>::MT; ++mt)
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int64_t i = row0 + tileRow<C>(mt) + lane() / kQuadSize + h * 8;
-      if (i < L) a.lse[(b * C::heads + head) * L + i] = kLn2 * (state.m[mt][h] + log2f(state.l[mt][h]));
+      const int r = tileRow<C>(mt) + lane() / kQuadSize + h * 8;
+      const int64_t i = row0 + r;
+      if (r < C::cta_rows && i < L) a.lse[(b * C::heads + head) * L + i] = kLn2 * (state.m[mt][h] + log2f(state.l[mt][h]));
     }
 }
 
@@ -531,9 +533,10 @@ __device__ void store_rows(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArg
     for (int ot = 0; ot < G::OT; ++ot)
       #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int64_t i = row0 + cuda::tileRow<C>(mt) + l / kQuadSize + h * 8;
+        const int r = cuda::tileRow<C>(mt) + l / kQuadSize + h * 8;
+        const int64_t i = row0 + r;
         const int c = ot * 8 + (l % kQuadSize) * 2;
-        if (i >= L || c >= G::D) continue;
+        if (r >= C::cta_rows || i >= L || c >= G::D) continue;
         *reinterpret_cast<Bits32*>(o + ((b * C::heads + head) * L + i) * G::D + c) =
             cuda::pack<C>(acc.o[mt][ot][2 * h], acc.o[mt][ot][2 * h + 1]);
       }

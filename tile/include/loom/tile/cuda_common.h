@@ -64,14 +64,17 @@ __device__ __forceinline__ float quadSum(float x) {
 
 //===--- mixing and rotary embedding --------------------------------------===//
 
-// Rotary angle of pair j at virtual position `position`: the product and
-// its reduction to [-pi, pi] in double (long sequences keep their phase),
-// the sine and cosine of the small remainder in float.
+// Rotary angle of pair j at virtual position `position`, reduced to whole
+// turns without fp64: rope_turns[j] is the pair's frequency in turns per
+// position as a 64-bit fixed-point fraction, so the integer product wraps at
+// whole turns exactly and its top 32 bits are the angle's fraction of a turn
+// in [-1/2, 1/2) (about 1e-7 rad from the exact angle at any position); the
+// sine and cosine of that small angle in float.
 template <class C>
 __device__ __forceinline__ void ropeSinCos(int64_t position, int j, float* sine, float* cosine) {
-  constexpr double kTwoPi = 6.283185307179586;
-  const double angle = double(position) * C::rope_inv_freq[j];
-  const float reduced = float(angle - kTwoPi * rint(angle * (1.0 / kTwoPi)));
+  constexpr float kTwoPiOver2To32 = 6.2831853071795865f / 4294967296.0f;
+  const unsigned long long turns = static_cast<unsigned long long>(position) * C::rope_turns[j];
+  const float reduced = float(static_cast<int>(static_cast<unsigned>(turns >> 32))) * kTwoPiOver2To32;
   __sincosf(reduced, sine, cosine);  // |reduced| <= pi: the fast path is accurate to ~4e-7
 }
 

@@ -193,13 +193,15 @@ struct SoftmaxState {
 // The output accumulator and the P V product owed to it: P of the last
 // block, packed as wgmma's A operand, and the stage holding its V. The
 // product is issued by the next mma_qk (or kv_finish) and retired by the
-// next softmax_update (or kv_finish).
+// next softmax_update (or kv_finish). Every wgmma is issued on every path
+// (ptxas serialises all of a kernel's wgmma when one sits in a branch it
+// cannot prove warpgroup-uniform): before a tile's first block nothing is
+// owed, P is zero and the product adds nothing.
 template <class C>
 struct AccTile {
   float o[hopper::Geometry<C>::OT * 4];
   Bits32 p[hopper::Geometry<C>::PK][4];
-  int owedStage = -1;  // the stage of the P V not yet issued; -1: none
-  bool inFlight = false;  // a P V product was issued and has not retired
+  int owedStage = -1;  // the stage of the P V owed; -1: none (P is zero)
 };
 
 template <class C>
@@ -399,6 +401,11 @@ __device__ void softmax_init(SoftmaxState<C>& state, AccTile<C>& acc) {
   }
   #pragma unroll
   for (int i = 0; i < hopper::Geometry<C>::OT * 4; ++i) acc.o[i] = 0.0f;
+  #pragma unroll
+  for (int kk = 0; kk < hopper::Geometry<C>::PK; ++kk)
+    #pragma unroll
+    for (int r = 0; r < 4; ++r) acc.p[kk][r] = 0u;
+  acc.owedStage = -1;
 }
 
 // Consumer: waits until the next stage holds key block `block`.
@@ -411,27 +418,25 @@ __device__ void kv_wait(KvPipeline<C>& pipe, const IhaArgs&, int64_t, int64_t, i
 
 namespace hopper {
 
-// Issues the owed P V product of the last block: O += P V, V read N-major
-// from its stage. The caller has fenced and commits.
+// Issues the owed P V product: O += P V, V read N-major from `stage` (the
+// owed one, or with nothing owed any stage holding finite values: P is
+// zero). The caller has fenced and commits.
 template <class C>
-__device__ __forceinline__ void issueOwedPv(AccTile<C>& acc) {
+__device__ __forceinline__ void issueOwedPv(AccTile<C>& acc, int stage) {
   using G = Geometry<C>;
-  const unsigned char* v = smem() + layout<C>().v + acc.owedStage * G::kvTileBytes;
+  const unsigned char* v = smem() + layout<C>().v + stage * G::kvTileBytes;
   #pragma unroll
   for (int kk = 0; kk < G::PK; ++kk)
     wgmma::Wgmma<C::dtype, C::head_dim>::rs(
         acc.o, acc.p[kk], descriptor(v + kk * kWgmmaK * kSwizzleRowBytes, G::kvAtomBytes, kSwizzlePeriodBytes), true);
-  acc.inFlight = true;
 }
 
-// Waits for the P V product in flight, then hands its stage back.
+// Waits for the P V product in flight, then hands the owed stage back.
 template <class C>
 __device__ __forceinline__ void retirePv(AccTile<C>& acc) {
-  if (!acc.inFlight) return;
   wgmmaWait<0>();
   pinRegisters(acc.o);
-  mbarrierArrive(emptyBarrier<C>(acc.owedStage));
-  acc.inFlight = false;
+  if (acc.owedStage >= 0) mbarrierArrive(emptyBarrier<C>(acc.owedStage));
   acc.owedStage = -1;
 }
 
@@ -463,13 +468,9 @@ __device__ void mma_qk(ScoreTile<C>& s, QTile<C>&, KvPipeline<C>& pipe, int64_t,
                                            kt > 0);
   }
   hopper::wgmmaCommit();
-  if (acc.owedStage >= 0) {
-    hopper::issueOwedPv<C>(acc);
-    hopper::wgmmaCommit();
-    hopper::wgmmaWait<1>();  // groups retire in order: S is done, P V may run on
-  } else {
-    hopper::wgmmaWait<0>();
-  }
+  hopper::issueOwedPv<C>(acc, acc.owedStage >= 0 ? acc.owedStage : pipe.stage);
+  hopper::wgmmaCommit();
+  hopper::wgmmaWait<1>();  // groups retire in order: S is done, P V may run on
   hopper::pinRegisters(s.s);
   constexpr float scale = C::scale * kLog2e;
   #pragma unroll
@@ -480,15 +481,16 @@ __device__ void mma_qk(ScoreTile<C>& s, QTile<C>&, KvPipeline<C>& pipe, int64_t,
 template <class C>
 __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int64_t block) {
   using G = hopper::Geometry<C>;
-  const int64_t L = seq_len<C>(a);
+  // Rows fit in int (launches check L = N * P < 2^31).
+  const int L = int(seq_len<C>(a)), i0 = int(row0), j0 = int(block * C::block_n);
   const int l = cuda::lane();
   #pragma unroll
   for (int t = 0; t < G::NT; ++t)
     #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int64_t i = row0 + hopper::accumulatorRow(e);
-      const int64_t j = block * C::block_n + t * 8 + fragment::accumulatorColumn(l, e);
-      if (j >= L || !allowed<C>(i, j)) s.s[t * 4 + e] = cuda::negativeInfinity();
+      const int i = i0 + hopper::accumulatorRow(e);
+      const int j = j0 + t * 8 + fragment::accumulatorColumn(l, e);
+      if (j >= L || !allowed<C, int>(i, j)) s.s[t * 4 + e] = cuda::negativeInfinity();
     }
 }
 
@@ -544,13 +546,13 @@ __device__ void mma_pv(AccTile<C>& acc, ScoreTile<C>& s, KvPipeline<C>& pipe, in
 
 // After a consumer's last key block: its owed P V is issued and retired,
 // and its stage goes back to the producer (which may be streaming the next
-// head's blocks).
+// head's blocks). A tile always has a key block (its diagonal), so something
+// is owed; were nothing, P is zero and normalize() writes zero rows.
 template <class C>
-__device__ void kv_finish(KvPipeline<C>&, AccTile<C>& acc) {
-  if (acc.owedStage < 0) return;
+__device__ void kv_finish(KvPipeline<C>& pipe, AccTile<C>& acc) {
   hopper::pinRegisters(acc.o);
   hopper::wgmmaFence();
-  hopper::issueOwedPv<C>(acc);
+  hopper::issueOwedPv<C>(acc, acc.owedStage >= 0 ? acc.owedStage : pipe.stage);
   hopper::wgmmaCommit();
   hopper::retirePv<C>(acc);
 }
@@ -560,11 +562,12 @@ __device__ void normalize(SoftmaxState<C>& state, AccTile<C>& acc) {
   using G = hopper::Geometry<C>;
   #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float inverse = state.l[h] > 0.0f ? 1.0f / state.l[h] : 0.0f;
+    const bool empty = !(state.l[h] > 0.0f);
+    const float inverse = empty ? 0.0f : 1.0f / state.l[h];
     #pragma unroll
     for (int t = 0; t < G::OT; ++t) {
-      acc.o[t * 4 + 2 * h] *= inverse;
-      acc.o[t * 4 + 2 * h + 1] *= inverse;
+      acc.o[t * 4 + 2 * h] = empty ? 0.0f : acc.o[t * 4 + 2 * h] * inverse;
+      acc.o[t * 4 + 2 * h + 1] = empty ? 0.0f : acc.o[t * 4 + 2 * h + 1] * inverse;
     }
   }
 }
@@ -577,8 +580,9 @@ __device__ void storeLse(SoftmaxState<C>& state, const IhaArgs& a, int64_t row0,
   const int64_t L = seq_len<C>(a);
   #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int64_t i = row0 + accumulatorRow(2 * h);
-    if (i < L) a.lse[(b * C::heads + head) * L + i] = kLn2 * (state.m[h] + log2f(state.l[h]));
+    const int r = accumulatorRow(2 * h);
+    const int64_t i = row0 + r;
+    if (r < C::cta_rows && i < L) a.lse[(b * C::heads + head) * L + i] = kLn2 * (state.m[h] + log2f(state.l[h]));
   }
 }
 
@@ -612,9 +616,10 @@ __device__ void store_rows(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArg
   for (int t = 0; t < G::OT; ++t)
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int64_t i = row0 + hopper::accumulatorRow(2 * h);
+      const int r = hopper::accumulatorRow(2 * h);
+      const int64_t i = row0 + r;
       const int c = t * 8 + fragment::accumulatorColumn(l, 0);
-      if (i < L)
+      if (r < C::cta_rows && i < L)
         *reinterpret_cast<Bits32*>(o + ((b * C::heads + head) * L + i) * G::D + c) =
             cuda::pack<C>(acc.o[t * 4 + 2 * h], acc.o[t * 4 + 2 * h + 1]);
     }

@@ -401,7 +401,7 @@ template <class C>
 void storeLse(SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
   if (!a.lse) return;
   const int64_t L = seq_len<C>(a);
-  for (int r = 0; r < C::block_m && row0 + r < L; ++r)
+  for (int r = 0; r < C::cta_rows && row0 + r < L; ++r)
     a.lse[(b * C::heads + head) * L + row0 + r] = state.m[r] + std::log(state.l[r]);
 }
 }  // namespace host
@@ -409,13 +409,13 @@ void storeLse(SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t he
 template <class C>
 void store_rows(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
   const int64_t L = seq_len<C>(a);
-  for (int r = 0; r < C::block_m && row0 + r < L; ++r)
+  for (int r = 0; r < C::cta_rows && row0 + r < L; ++r)
     std::memcpy(static_cast<float*>(a.o_pseudo) + ((b * C::heads + head) * L + row0 + r) * C::head_dim, acc.row(r),
                 sizeof(float) * C::head_dim);
   host::storeLse<C>(state, a, row0, head, b);
 }
 
-// per_head collapse in the epilogue: the block holds whole tokens.
+// per_head collapse in the epilogue: over the whole tokens the block owns.
 template <class C>
 void store_collapsed(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head,
                      int64_t b) {
