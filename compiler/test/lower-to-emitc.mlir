@@ -3,9 +3,11 @@
 
 // CHECK: emitc.include "loom/tile/host.h"
 // CHECK: emitc.verbatim "struct IhaConfig {
-// CHECK-LABEL: emitc.func @iha_attention(%{{.*}}: !emitc.opaque<"loom::IhaArgs">) attributes {specifiers = ["LOOM_KERNEL"]}
+// CHECK-LABEL: emitc.func @iha_attention(
+// CHECK-SAME:    %[[ARGS:.*]]: !emitc.opaque<"loom::IhaArgs">) attributes {specifiers = ["LOOM_KERNEL"]}
 // CHECK:   emitc.variable
-// CHECK:   emitc.call_opaque "loom::block_x"()
+// CHECK:   emitc.call_opaque "loom::block_x"(%[[ARGS]])
+// CHECK:   emitc.call_opaque "loom::block_z"(%[[ARGS]])
 // CHECK:   emitc.call_opaque "loom::load_q"{{.*}}template_args = [#emitc.opaque<"IhaConfig">, #emitc.opaque<"true">]
 // CHECK:   emitc.for
 // CHECK:     emitc.call_opaque "loom::kv_produce"

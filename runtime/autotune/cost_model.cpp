@@ -10,33 +10,53 @@ namespace loom::autotune {
 namespace {
 
 constexpr double kLaunchSeconds = 3e-6;
+// Instructions a warp issues per key block besides its matrix products and
+// exponentials: the pipeline's wait, barrier and copy issue, the softmax
+// row reductions (quad shuffles), the loop and its addresses.
+constexpr double kLoopInstructionsPerWarp = 150;
+// What the warps' other work (exponentials, SIMT arithmetic) costs on top of
+// the matrix products they overlap with: about two thirds is hidden.
+constexpr double kExposedSimtShare = 0.35;
+// The warp-specialised wgmma engine overlaps the softmax with the tensor
+// cores by design (FlashAttention-3's ordering) and its producer loads by
+// TMA while the consumers compute: less of either stays exposed.
+constexpr double kWgmmaExposedSimtShare = 0.15;
+constexpr double kWgmmaExposedOverlapShare = 0.10;
+// Loads pipelined two or more stages deep overlap the math; what is left
+// exposed of the smaller of the two (latency, contention) is this share.
+constexpr double kExposedOverlapShare = 0.25;
+constexpr int kLaneCount = 32;
+constexpr int kCopyBytes = 16;  // cp.async chunk
 constexpr int kMaxCtasPerSm = 32;
 constexpr int kWarpsToSaturateTensorCores = 8;
-constexpr int kBaseRegisters = 64;  // addresses, loop state, softmax rows
+constexpr int kWgmmaBaseRegisters = 48;  // a consumer's addresses, barriers, softmax rows, the loop
 constexpr int kBytes16 = 2;
 constexpr int kMmaK = 16;
 
 }  // namespace
 
-int64_t fragmentRegisters(const KernelSpec& spec, const Schedule& s) {
+int64_t estimatedRegisters(const KernelSpec& spec, const Schedule& s) {
   // wgmma: a consumer thread holds S (block_n / 2), O (d / 2) and P as
   // 16-bit pairs (block_n / 4); Q stays in shared memory.
-  if (s.engine() == v1::engine_wgmma) return spec.head_dim() / 2 + 3 * s.block_n() / 4;
-  const int64_t mTiles = s.block_m() / (kMmaK * s.warps());
-  const int64_t paddedDim = (spec.head_dim() + kMmaK - 1) / kMmaK * kMmaK;
-  return mTiles * (paddedDim * 3 / 4 + s.block_n() / 2);
+  if (s.engine() == v1::engine_wgmma) return kWgmmaBaseRegisters + spec.head_dim() / 2 + 3 * s.block_n() / 4;
+  return mmaRegisterEstimate(int(s.block_m() / (kMmaK * s.warps())), int(spec.head_dim()), int(s.block_n()),
+                             s.mix() != v1::mix_materialized);
 }
 
 DeviceModel deviceModel(const v1::Target& target) {
   DeviceModel m;
   const std::string arch = target.arch();
   const v1::DeviceProperties& p = target.device();
+  // The efficiencies are the share of the dense matrix rate that published
+  // attention kernels of each engine reach on long sequences at d 128:
+  // FlashAttention-2 (mma.sync) about 70% on an A100 and 40% of an H100's
+  // ceiling, FlashAttention-3 (wgmma, warp-specialised) about 75%; the
+  // figures here are of the matrix work issued, diagonal blocks included.
   if (arch.rfind("sm_90", 0) == 0) {  // H100 / H200: bf16 GEMM measured at ~790 TFLOP/s, copy 4.3 TB/s
-    // wgmma: FlashAttention-3 reaches ~75% of the matrix rate.
-    m = {"hopper", 790e12, 0.40, 60e12, 4.2e12, 4.3e12, 12e12, 33e12, 132, 233472, 65536, 2048,
-         arch == "sm_90a" ? 0.70 : 0.0};
-  } else if (arch == "sm_80") {  // A100
-    m = {"ampere", 280e12, 0.65, 19e12, 1.7e12, 1.8e12, 5e12, 19e12, 108, 167936, 65536, 2048};
+    m = {"hopper", 790e12, 0.50, 60e12, 4.2e12, 4.3e12, 12e12, 33e12, 132, 233472, 65536, 2048,
+         arch == "sm_90a" ? 0.88 : 0.0};
+  } else if (arch == "sm_80") {  // A100: 312 TFLOP/s dense bf16, 2 TB/s
+    m = {"ampere", 312e12, 0.78, 19e12, 2.4e12, 1.8e12, 7e12, 19e12, 108, 167936, 65536, 2048};
   } else {  // sm_86 / sm_89 class
     m = {"ada", 150e12, 0.60, 40e12, 1.4e12, 0.9e12, 3e12, 18e12, 84, 102400, 65536, 1536};
   }
@@ -122,7 +142,7 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::T
   const bool wgmma = s.engine() == v1::engine_wgmma;
   const int threads = (s.warps() + (wgmma ? 4 : 0)) * 32;
   const int registers =
-      registersPerThread.value_or(int(std::min<int64_t>(255, kBaseRegisters + fragmentRegisters(spec, s))));
+      registersPerThread.value_or(int(std::min<int64_t>(kMaxThreadRegisters, estimatedRegisters(spec, s))));
   const int64_t smem = target.kind() != v1::Target::cuda
                            ? 0
                            : ctaSharedMemory(wgmma, int(bm), int(bn), int(d), s.stages(), int(H), int(G), int(P),
@@ -152,19 +172,38 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::T
   const double utilisation = std::min(1.0, double(gridCtas) / device.smCount) * e.waveEfficiency;
 
   const double tensorTime = e.matrixFlops / (device.tensorFlops * tensorShare);
+  const double paddedDim = double((d + 15) / 16 * 16);
   const double expTime = exps / device.expPerSecond;
   const double simtTime = (mixFlops + maskOps) / device.fmaFlops;
   // Every warp reads the whole K and V tile of each visited block through
   // ldmatrix: shared-memory traffic per FLOP falls as block_m per warp grows.
   // wgmma reads them once per warpgroup.
-  const double paddedDim = double((d + 15) / 16 * 16);
   const double readers = wgmma ? s.warps() / 4.0 : double(s.warps());
   const double sharedBytes = double(heads) * double(blocks.visited) * readers * 2.0 * bn * paddedDim * kBytes16;
   const double sharedTime = sharedBytes / device.sharedBytesPerSecond;
-  const double computeTime = std::max(tensorTime, sharedTime) + expTime + simtTime;  // issued in turn by each warp
+  // Per key block every warp also issues its loop: the pipeline, the
+  // softmax reductions, and its share of the block's copies (a CTA of few
+  // warps copies the whole tile with few threads). On the wgmma engine the
+  // producer copies; the consumers' loop remains.
+  const double copyInstructions =
+      wgmma ? 0.0 : 2.0 * double(bn) * paddedDim * kBytes16 / (kCopyBytes * kLaneCount * double(s.warps()));
+  const double loopOps = double(heads) * double(blocks.visited) * double(s.warps()) * kLaneCount *
+                         (kLoopInstructionsPerWarp + copyInstructions);
+  // The output is rescaled at every block: one multiply per element.
+  const double rescaleOps = double(heads) * double(blocks.visited) * double(bm) * paddedDim;
+  const double loopTime = (loopOps + rescaleOps) / device.fmaFlops;
+  const double computeTime = std::max(tensorTime, sharedTime) +
+                             (wgmma ? kWgmmaExposedSimtShare : kExposedSimtShare) * (expTime + simtTime + loopTime);
+  // q, k, v and out from DRAM once (more with workspaces), and every query
+  // block's re-reads of its K and V blocks from L2: a block of few rows reads
+  // the same keys many times over.
   const double memoryTime = bytes / device.dramBytesPerSecond + l2Bytes / device.l2BytesPerSecond;
-  // With one stage the loads are not overlapped with the math.
-  const double kernelTime = s.stages() > 1 ? std::max(computeTime, memoryTime) : computeTime + memoryTime;
+  // With one stage the loads are not overlapped with the math; with more,
+  // a share of the smaller stays exposed.
+  const double exposed = wgmma ? kWgmmaExposedOverlapShare : kExposedOverlapShare;
+  const double kernelTime = s.stages() > 1
+                                ? std::max(computeTime, memoryTime) + exposed * std::min(computeTime, memoryTime)
+                                : computeTime + memoryTime;
   const int launches = 1 + (fusedMix ? 0 : 1) + (s.collapse() == v1::collapse_separate ? 1 : 0);
   e.seconds = kernelTime / std::max(utilisation, 1e-3) + launches * kLaunchSeconds;
   const double parts[] = {tensorTime, memoryTime, expTime, simtTime, sharedTime};

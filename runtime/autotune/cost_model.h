@@ -54,9 +54,10 @@ struct CostEstimate {
 CostEstimate estimateCost(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target, int64_t batch,
                           int64_t tokens, std::optional<int> registersPerThread = std::nullopt);
 
-// Estimated f32 fragment registers per thread (score, output and Q
-// fragments) for a complete schedule.
-int64_t fragmentRegisters(const KernelSpec& spec, const Schedule& schedule);
+// Estimated registers per thread of the attention kernel for a complete
+// schedule: on the mma engine loom::mmaRegisterEstimate (fitted to ptxas),
+// on the wgmma engine a consumer's fragments (S, O, P) and its loop state.
+int64_t estimatedRegisters(const KernelSpec& spec, const Schedule& schedule);
 
 // Allowed (i, j) pairs of one head and batch entry.
 double allowedPairs(const KernelSpec& spec, int64_t tokens);

@@ -21,13 +21,12 @@ constexpr int kMmaRows = 16;
 constexpr int kWarpgroupChoices[] = {1, 2, 3};
 constexpr int kTmaProducerRegisters[] = {24};
 constexpr int kMixingProducerRegisters[] = {56, 88};
-constexpr int64_t kWgmmaBaseRegisters = 48;  // addresses, barriers, softmax rows, the loop
 
 }  // namespace
 
 int64_t registerLimit(const Schedule& s) {
-  if (s.engine() != v1::engine_wgmma) return kFragmentRegisterLimit;
-  return consumerRegisters(s.warps(), s.producer_registers()) - kWgmmaBaseRegisters;
+  if (s.engine() != v1::engine_wgmma) return kMaxThreadRegisters;
+  return consumerRegisters(s.warps(), s.producer_registers());
 }
 
 std::string scheduleKey(const Schedule& s) {
@@ -52,10 +51,10 @@ SearchSpace searchSpace(const KernelSpec& spec, const v1::Target& target) {
       return;
     }
     const int64_t limit = registerLimit(*resolved);
-    if (target.kind() == v1::Target::cuda && fragmentRegisters(spec, *resolved) > limit) {
+    if (target.kind() == v1::Target::cuda && estimatedRegisters(spec, *resolved) > limit) {
       space.pruned.push_back({*resolved, key,
-                              "fragments need about " + std::to_string(fragmentRegisters(spec, *resolved)) +
-                                  " registers per thread, over " + std::to_string(limit) + ": certain to spill"});
+                              "needs about " + std::to_string(estimatedRegisters(spec, *resolved)) +
+                                  " registers per thread, over " + std::to_string(limit) + ": likely to spill"});
       return;
     }
     space.candidates.push_back({*resolved, key});

@@ -11,14 +11,9 @@
 
 namespace loom::autotune {
 
-// Per-thread registers the score, output and Q fragments may take before a
-// candidate is pruned as certain to spill (255 is the hardware's cap; the
-// rest of the kernel needs some too).
-inline constexpr int64_t kFragmentRegisterLimit = 192;
-
-// Registers a candidate's fragments may take before it is certain to spill:
-// kFragmentRegisterLimit on the mma engine; on the wgmma engine what
-// setmaxnreg leaves a consumer thread, less addresses and loop state.
+// Registers a candidate's threads may take (estimatedRegisters) before it is
+// pruned as likely to spill: the hardware's 255 on the mma engine; on the
+// wgmma engine what setmaxnreg leaves a consumer thread.
 int64_t registerLimit(const Schedule& schedule);
 
 struct Candidate {

@@ -17,6 +17,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Offline, how many further compiles (times those asked for) may replace
+// candidates that failed or lost performance.
+constexpr size_t kBackfillFactor = 3;
+
 double secondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
 // Compiles candidates on a pool of threads; results land in `results`.
@@ -45,6 +49,16 @@ void compileAll(const KernelSpec& spec, const v1::Target& target, const std::vec
         r.spillBytes = artifact->spillBytes();
         for (const auto& usage : artifact->resources) r.registers = std::max(r.registers, usage.registers());
         for (const auto& entry : compiled->entries()) r.sharedMemory = std::max(r.sharedMemory, entry.shared_memory_bytes());
+        // The prediction again with ptxas's registers in place of the
+        // estimate: occupancy as the compiled kernel will really have it.
+        int attentionRegisters = 0;
+        for (const auto& usage : artifact->resources)
+          if (usage.entry() == "iha_attention") attentionRegisters = usage.registers();
+        if (attentionRegisters > 0)
+          r.predictedMs = estimateCost(spec, r.candidate.schedule, target, options.batch, options.tokens,
+                                       attentionRegisters)
+                              .seconds *
+                          1e3;
         // A kernel that ptxas or its PTX shows losing speed is no candidate.
         const std::vector<std::string> losses = artifact->performanceLosses();
         if (!losses.empty()) {
@@ -231,6 +245,36 @@ Result<TuneReport> tune(const KernelSpec& spec, const v1::Target& target, std::s
     ++state.compiled;
     report();
   });
+  // Offline, a candidate whose compile fails or loses performance is
+  // replaced by the next in predicted order (at most kBackfillFactor times
+  // the compiles asked for), so the ranking offers `offlineCompiles` clean
+  // kernels wherever the space holds them.
+  if (!measured) {
+    std::vector<bool> isChosen(results.size(), false);
+    for (size_t i : chosen) isChosen[i] = true;
+    size_t next = 0, extra = 0;
+    const size_t extraLimit = kBackfillFactor * limit;
+    while (extra < extraLimit) {
+      size_t clean = 0;
+      for (size_t i : chosen) clean += !kernels[i].binary().empty();
+      if (clean >= limit) break;
+      std::vector<size_t> more;
+      for (; next < results.size() && more.size() < limit - clean && extra + more.size() < extraLimit; ++next)
+        if (!isChosen[next]) {
+          isChosen[next] = true;
+          more.push_back(next);
+        }
+      if (more.empty()) break;
+      state.candidates += int(more.size());
+      extra += more.size();
+      compileAll(spec, target, more, results, kernels, compiler, options, start, [&] {
+        ++state.compiled;
+        report();
+      });
+      chosen.insert(chosen.end(), more.begin(), more.end());
+    }
+    std::sort(chosen.begin(), chosen.end());
+  }
 
   {
     std::vector<bool> isChosen(results.size(), false);

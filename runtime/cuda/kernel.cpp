@@ -10,6 +10,7 @@ namespace loom {
 namespace {
 
 constexpr int64_t kCopyAlignmentBytes = 16;  // cp.async moves 16-byte chunks
+constexpr int64_t kMaxGridZ = 65535;          // the grid's z limit: batch entries per launch
 
 int64_t elementBytes(ElementKind kind) { return kind == ElementKind::float32 ? 4 : 2; }
 
@@ -295,13 +296,16 @@ Status Kernel::launch(const IhaTensors& t, CUstream stream) {
     void** params = entry.tensor_maps() ? argsAndMaps : argsOnly;
     const int64_t rows = N * entry.rows_per_token();
     const unsigned gridX = unsigned((rows + entry.rows_per_cta() - 1) / entry.rows_per_cta());
-    if (Status ok = cuda::check(device_->api().cuLaunchKernel(functions_[e], gridX, unsigned(entry.grid_y()),
-                                                              unsigned(B), unsigned(entry.threads()), 1, 1,
-                                                              unsigned(entry.shared_memory_bytes()), stream, params,
-                                                              nullptr),
-                                "launch of " + entry.name());
-        !ok)
-      return ok;
+    for (int64_t b0 = 0; b0 < B; b0 += kMaxGridZ) {
+      args.batch_offset = b0;
+      if (Status ok = cuda::check(
+              device_->api().cuLaunchKernel(functions_[e], gridX, unsigned(entry.grid_y()),
+                                            unsigned(std::min(B - b0, kMaxGridZ)), unsigned(entry.threads()), 1, 1,
+                                            unsigned(entry.shared_memory_bytes()), stream, params, nullptr),
+              "launch of " + entry.name());
+          !ok)
+        return ok;
+    }
   }
   return Status::success();
 }

@@ -391,12 +391,15 @@ struct LowerToEmitC : impl::IhaLowerToEmitCBase<LowerToEmitC> {
     mlir::OpBuilder body = mlir::OpBuilder::atBlockEnd(entry);
     LaunchLowering lowering(body, kernel, entry->getArgument(0),
                             entry->getNumArguments() > 1 ? entry->getArgument(1) : Value{}, specialized);
+    // The CTA's coordinates, from the launch's arguments: block_z is the
+    // batch entry, blockIdx.z plus the batch offset of the launch (grids
+    // are at most 65535 deep in z, so larger batches take several launches).
     const char* coordinates[] = {"block_x", "block_y", "block_z"};
     for (int i = 0; i < 3; ++i) {
       Value coordinate = body
                              .create<mlir::emitc::CallOpaqueOp>(launch.getLoc(), mlir::TypeRange{body.getI64Type()},
                                                                 std::string("loom::") + coordinates[i],
-                                                                mlir::ValueRange{})
+                                                                mlir::ValueRange{entry->getArgument(0)})
                              .getResult(0);
       lowering.map.map(launch.getBlock().getArgument(i), coordinate);
     }

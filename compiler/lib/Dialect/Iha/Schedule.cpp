@@ -9,9 +9,6 @@ namespace {
 constexpr int64_t kDefaultWarps = 4;
 constexpr int64_t kDefaultWarpgroups = 2;
 constexpr int64_t kDefaultBlockNs[] = {64, 32, 16};
-// Per-thread f32 registers the default schedule lets the score, output and
-// Q fragments take: MT * (3/4 d + block_n / 2) with MT m-tiles per warp.
-constexpr int64_t kFragmentRegisterBudget = 128;
 constexpr int64_t kDefaultStages = 2;
 constexpr int64_t kMinWgmmaStages = 2;
 
@@ -124,11 +121,14 @@ ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool h
   if (blockM == 0) blockM = (P + kMmaRows * warps - 1) / (kMmaRows * warps) * (kMmaRows * warps);
   int64_t blockN = given.blockN;
   if (blockN == 0) {
-    const int64_t mTiles = blockM / (kMmaRows * warps);
-    const int64_t paddedDim = (spec.getHeadDim() + kMmaRows - 1) / kMmaRows * kMmaRows;
+    // The widest key block whose registers fit (loom::mmaRegisterEstimate):
+    // d 128 gets 64-key blocks, d 256 16 (fused mixing) or 32 (materialised).
+    const int mTiles = int(blockM / (kMmaRows * warps));
+    const bool fusedMix = given.mix.value_or(MixStrategy::fused) == MixStrategy::fused;
     blockN = kDefaultBlockNs[std::size(kDefaultBlockNs) - 1];
     for (int64_t candidate : kDefaultBlockNs)
-      if (mTiles * (paddedDim * 3 / 4 + candidate / 2) <= kFragmentRegisterBudget) {
+      if (loom::mmaRegisterEstimate(mTiles, int(spec.getHeadDim()), int(candidate), fusedMix) <=
+          loom::kMaxThreadRegisters) {
         blockN = candidate;
         break;
       }

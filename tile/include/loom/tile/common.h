@@ -49,6 +49,9 @@ struct IhaArgs {
   int64_t k_stride[3];
   int64_t v_stride[3];
   int64_t out_stride[3];
+  // The batch entry of blockIdx.z = 0: a launch covers at most 65535
+  // entries (the grid's z limit), so larger batches take several.
+  int64_t batch_offset;
 };
 
 // Integer helpers for block-range arithmetic (divisor > 0).

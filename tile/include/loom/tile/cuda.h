@@ -34,6 +34,9 @@ struct Geometry {
   static constexpr int KT = Dp / kMmaK;                    // k-steps of Q K^T
   static constexpr int OT = Dp / 8;                        // output n-tiles
   static constexpr int PK = C::block_n / kMmaK;            // k-steps of P V
+  // Q's A fragments stay in registers, or are read from the Q tile at every
+  // key block (layout.h, qInRegisters).
+  static constexpr bool qRegisters = qInRegisters(MT, C::head_dim, C::block_n);
   static constexpr int rawTokens = rawTokensPerBlock(C::block_n, C::pseudo_heads);
   static constexpr int rawRole = rawTokens * C::kv_heads * C::head_dim;  // elements per role per stage
 };
@@ -52,6 +55,16 @@ __device__ __forceinline__ AttentionSmem layout() {
 template <class C>
 __device__ __forceinline__ int tileRow(int mt) {
   return (mt * C::warps + warp()) * 16;
+}
+
+// Shared-window address of this lane's ldmatrix row of Q's A fragment
+// (m-tile `mt`, k-step `kt`).
+template <class C>
+__device__ __forceinline__ Bits32 qFragmentAddress(int mt, int kt) {
+  const Bits16* tile = reinterpret_cast<const Bits16*>(smem() + layout<C>().q);
+  const int l = lane();
+  return sharedAddress(tile + (tileRow<C>(mt) + fragment::aRow(l)) * Geometry<C>::pitch + kt * kMmaK +
+                       fragment::aColumn(l));
 }
 
 //===--- warp-level matrix instructions and copies (loom/tile/ptx.h) -------===//
@@ -85,7 +98,9 @@ __device__ __forceinline__ void waitCopies() {
 
 template <class C>
 struct QTile {
-  Bits32 a[cuda::Geometry<C>::MT][cuda::Geometry<C>::KT][4];  // A fragments of Q
+  // A fragments of Q: all k-steps, or the current one when Q is read from
+  // shared memory at every block.
+  Bits32 a[cuda::Geometry<C>::MT][cuda::Geometry<C>::qRegisters ? cuda::Geometry<C>::KT : 1][4];
 };
 
 template <class C>
@@ -152,14 +167,12 @@ __device__ void load_q(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head
     cuda::normalizeRows<C>(C::block_m, [&](int r, int c) { return tile + r * G::pitch + c; }, cuda::warp(), C::warps);
     __syncthreads();
   }
-  const int l = cuda::lane();
-  #pragma unroll
-  for (int mt = 0; mt < G::MT; ++mt)
+  if constexpr (G::qRegisters) {
     #pragma unroll
-    for (int kt = 0; kt < G::KT; ++kt) {
-      const int row = cuda::tileRow<C>(mt) + fragment::aRow(l), column = kt * kMmaK + fragment::aColumn(l);
-      cuda::ldmatrixX4(q.a[mt][kt], cuda::sharedAddress(tile + row * G::pitch + column));
-    }
+    for (int mt = 0; mt < G::MT; ++mt)
+      #pragma unroll
+      for (int kt = 0; kt < G::KT; ++kt) cuda::ldmatrixX4(q.a[mt][kt], cuda::qFragmentAddress<C>(mt, kt));
+  }
 }
 
 template <class C>
@@ -350,18 +363,24 @@ __device__ void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_
       #pragma unroll
       for (int e = 0; e < 4; ++e) s.s[mt][nt][e] = 0.0f;
   #pragma unroll
-  for (int pair = 0; pair < G::NT / 2; ++pair)
+  for (int kt = 0; kt < G::KT; ++kt) {
+    constexpr bool inRegisters = G::qRegisters;
+    if constexpr (!inRegisters) {
+      #pragma unroll
+      for (int mt = 0; mt < G::MT; ++mt) cuda::ldmatrixX4(q.a[mt][0], cuda::qFragmentAddress<C>(mt, kt));
+    }
     #pragma unroll
-    for (int kt = 0; kt < G::KT; ++kt) {
+    for (int pair = 0; pair < G::NT / 2; ++pair) {
       Bits32 b[4];
       const int row = pair * 16 + fragment::bRow(l), column = kt * kMmaK + fragment::bColumn(l);
       cuda::ldmatrixX4(b, cuda::sharedAddress(pipe.key + row * G::pitch + column));
       #pragma unroll
       for (int mt = 0; mt < G::MT; ++mt) {
-        cuda::mma16816<C>(s.s[mt][2 * pair], q.a[mt][kt], b[0], b[1]);
-        cuda::mma16816<C>(s.s[mt][2 * pair + 1], q.a[mt][kt], b[2], b[3]);
+        cuda::mma16816<C>(s.s[mt][2 * pair], q.a[mt][inRegisters ? kt : 0], b[0], b[1]);
+        cuda::mma16816<C>(s.s[mt][2 * pair + 1], q.a[mt][inRegisters ? kt : 0], b[2], b[3]);
       }
     }
+  }
   constexpr float scale = C::scale * kLog2e;
   if constexpr (cuda::kFusedKeyNorm<C>) {
     #pragma unroll
@@ -506,14 +525,15 @@ __device__ float* stageOutput(AccTile<C>& acc) {
   float* staging = reinterpret_cast<float*>(smem() + layout<C>().staging);
   __syncthreads();  // the staging area overlaps the Q / K / V tiles
   const int l = lane();
+  constexpr int pitch = stagingPitch(C::head_dim);
   #pragma unroll
   for (int mt = 0; mt < G::MT; ++mt)
     #pragma unroll
     for (int ot = 0; ot < G::OT; ++ot)
       #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        staging[(tileRow<C>(mt) + fragment::accumulatorRow(l, e)) * G::Dp + ot * 8 + fragment::accumulatorColumn(l, e)] =
-            acc.o[mt][ot][e];
+      for (int e = 0; e < 4; e += 2)  // elements e, e + 1: adjacent columns, one 8-byte store
+        *reinterpret_cast<float2*>(staging + (tileRow<C>(mt) + fragment::accumulatorRow(l, e)) * pitch + ot * 8 +
+                                   fragment::accumulatorColumn(l, e)) = make_float2(acc.o[mt][ot][e], acc.o[mt][ot][e + 1]);
   __syncthreads();
   return staging;
 }
@@ -548,7 +568,8 @@ template <class C>
 __device__ void store_collapsed(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0,
                                 int64_t head, int64_t b) {
   using G = cuda::Geometry<C>;
-  cuda::storeCollapsed<C>(cuda::stageOutput<C>(acc), G::Dp, a, row0, head, b, threadIdx.x, G::threads);
+  cuda::storeCollapsed<C>(cuda::stageOutput<C>(acc), stagingPitch(C::head_dim), a, row0, head, b, threadIdx.x,
+                          G::threads);
   cuda::storeLse<C>(state, a, row0, head, b);
 }
 
@@ -565,7 +586,8 @@ __device__ void accumulate_collapsed(OutTile<C>&, AccTile<C>& acc, SoftmaxState<
                                      int64_t row0, int64_t head, int64_t b) {
   using G = cuda::Geometry<C>;
   const float* staging = cuda::stageOutput<C>(acc);
-  cuda::accumulateCollapsed<C>(reinterpret_cast<float*>(cuda::smem() + cuda::layout<C>().out), staging, G::Dp, a, head,
+  cuda::accumulateCollapsed<C>(reinterpret_cast<float*>(cuda::smem() + cuda::layout<C>().out), G::Dp, staging,
+                               stagingPitch(C::head_dim), a, head,
                                threadIdx.x, G::threads);
   cuda::storeLse<C>(state, a, row0, head, b);
   __syncthreads();  // the next head's Q load reuses the staging area

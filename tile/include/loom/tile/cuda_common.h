@@ -213,14 +213,14 @@ __device__ void zeroOutTile(float* tile, int pitch, int thread, int threads) {
 
 // ...gathers every head's share: out[t, h] += sum_p collapse[h, head*P + p] * O[t*P + p]...
 template <class C>
-__device__ void accumulateCollapsed(float* tile, const float* staging, int pitch, const IhaArgs& a, int64_t head,
-                                    int thread, int threads) {
+__device__ void accumulateCollapsed(float* tile, int tilePitch, const float* staging, int pitch, const IhaArgs& a,
+                                    int64_t head, int thread, int threads) {
   constexpr int P = C::pseudo_heads, D = C::head_dim;
   for (int index = thread; index < (C::block_m / P) * C::heads * D; index += threads) {
     const int c = index % D, h = (index / D) % C::heads, t = index / D / C::heads;
     float sum = 0.0f;
     for (int p = 0; p < P; ++p) sum += a.collapse[(h * C::heads + head) * P + p] * staging[(t * P + p) * pitch + c];
-    tile[(t * C::heads + h) * pitch + c] += sum;
+    tile[(t * C::heads + h) * tilePitch + c] += sum;
   }
 }
 
@@ -240,9 +240,10 @@ __device__ void storeOutTile(const float* tile, int pitch, const IhaArgs& a, int
 
 }  // namespace cuda
 
-__device__ __forceinline__ int64_t block_x() { return blockIdx.x; }
-__device__ __forceinline__ int64_t block_y() { return blockIdx.y; }
-__device__ __forceinline__ int64_t block_z() { return blockIdx.z; }
+__device__ __forceinline__ int64_t block_x(const IhaArgs&) { return blockIdx.x; }
+__device__ __forceinline__ int64_t block_y(const IhaArgs&) { return blockIdx.y; }
+// The batch entry: launches of more than 65535 entries are split in z.
+__device__ __forceinline__ int64_t block_z(const IhaArgs& a) { return a.batch_offset + blockIdx.z; }
 
 //===----------------------------------------------------------------------===//
 // Pre-mix and collapse launches (token-parallel, no shared memory)

@@ -5,7 +5,7 @@
 //   - the CUDA qualifiers and built-ins: threadIdx, blockIdx, blockDim,
 //     gridDim (per CUDA thread: each runs as a fiber of the emulator),
 //     __syncthreads, the __shfl_*_sync family, the math intrinsics the tiles
-//     call (host libm), uint4;
+//     call (host libm), uint4, float2;
 //   - loom::ptx, the leaves of loom/tile/ptx.h: each instruction goes to the
 //     emulator with its call site;
 //   - the sanitizer-coverage hooks (clang -fsanitize-coverage=trace-loads,
@@ -93,6 +93,10 @@ LOOM_EMU_HOOK(store, 16, 1)
 struct alignas(16) uint4 {
   unsigned x, y, z, w;
 };
+struct alignas(8) float2 {
+  float x, y;
+};
+inline float2 make_float2(float x, float y) { return {x, y}; }
 
 //===--- synchronisation and warp intrinsics -------------------------------===//
 
@@ -201,7 +205,10 @@ LOOM_EMU_LEAF inline void redSharedAddF32(Bits32 address, float value) {
   emu::api->redSharedAddF32(address, value, LOOM_EMU_PC);
 }
 
-LOOM_EMU_LEAF inline void barSync(int id, int threads) { emu::api->barSync(id, threads, LOOM_EMU_PC); }
+template <int Id, int Threads>
+LOOM_EMU_LEAF inline void barSync() {
+  emu::api->barSync(Id, Threads, LOOM_EMU_PC);
+}
 LOOM_EMU_LEAF inline void mbarrierInit(Bits32 bar, unsigned count) { emu::api->mbarrierInit(bar, count, LOOM_EMU_PC); }
 LOOM_EMU_LEAF inline void mbarrierArrive(Bits32 bar) { emu::api->mbarrierArrive(bar, -1, LOOM_EMU_PC); }
 LOOM_EMU_LEAF inline void mbarrierArriveExpectTx(Bits32 bar, unsigned bytes) {

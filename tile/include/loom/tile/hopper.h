@@ -130,10 +130,24 @@ __device__ __forceinline__ void mbarrierExpectBytes(Bits64* bar, unsigned bytes)
 __device__ __forceinline__ void mbarrierWait(Bits64* bar, int parity) {
   ptx::mbarrierWaitParity(cuda::sharedAddress(bar), parity);
 }
-__device__ __forceinline__ void namedBarrier(int id, int threads) { ptx::barSync(id, threads); }
+template <int Id, int Threads>
+__device__ __forceinline__ void namedBarrier() {
+  ptx::barSync<Id, Threads>();
+}
 template <class C>
 __device__ __forceinline__ void consumerSync() {
-  namedBarrier(kConsumerBarrier, Geometry<C>::consumerThreads);
+  namedBarrier<kConsumerBarrier, Geometry<C>::consumerThreads>();
+}
+// The barrier of consumer warpgroup `wg`'s threads alone (warpgroup-uniform
+// `wg`; each warpgroup's bar.sync names its id as an immediate).
+__device__ __forceinline__ void warpgroupBarrier(int wg) {
+  static_assert(kMaxConsumerWarpgroups == 4, "one case per consumer warpgroup");
+  switch (wg) {
+    case 0: namedBarrier<kWarpgroupBarrier + 0, kWarpgroupThreads>(); break;
+    case 1: namedBarrier<kWarpgroupBarrier + 1, kWarpgroupThreads>(); break;
+    case 2: namedBarrier<kWarpgroupBarrier + 2, kWarpgroupThreads>(); break;
+    default: namedBarrier<kWarpgroupBarrier + 3, kWarpgroupThreads>(); break;
+  }
 }
 // Ordinary shared-memory stores become visible to wgmma and TMA.
 __device__ __forceinline__ void fenceAsyncProxy() { ptx::fenceProxyAsync(); }
@@ -309,7 +323,7 @@ __device__ void mixKvTile(const IhaArgs& a, int64_t g, int64_t b, int64_t block,
     cuda::storeChunk<C>(reinterpret_cast<Bits16*>(vTile + offset), values);
   }
   if constexpr (cuda::Normalized<C, Role::key>::value) {
-    namedBarrier(kProducerBarrier, kWarpgroupThreads);  // rows were written by other producer threads
+    namedBarrier<kProducerBarrier, kWarpgroupThreads>();  // rows were written by other producer threads
     cuda::normalizeRows<C>(
         C::block_n, [&](int r, int c) { return swizzledElement(kTile, G::kvAtomBytes, r, c); }, cuda::warp(),
         kWarpsPerWarpgroup);
@@ -371,13 +385,13 @@ __device__ void load_q(QTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int64
           reinterpret_cast<Bits16*>(tile + (chunk / 8) * G::qAtomBytes + swizzledChunk(r, chunk % 8)), values);
     }
     if constexpr (cuda::Normalized<C, Role::query>::value) {
-      hopper::namedBarrier(hopper::kWarpgroupBarrier + wg, hopper::kWarpgroupThreads);
+      hopper::warpgroupBarrier(wg);
       cuda::normalizeRows<C>(
           hopper::kWgmmaRows, [&](int r, int c) { return hopper::swizzledElement(tile, G::qAtomBytes, r, c); },
           cuda::warp() % hopper::kWarpsPerWarpgroup, hopper::kWarpsPerWarpgroup);
     }
     hopper::fenceAsyncProxy();
-    hopper::namedBarrier(hopper::kWarpgroupBarrier + wg, hopper::kWarpgroupThreads);
+    hopper::warpgroupBarrier(wg);
   } else {
     Bits64* bar = hopper::qBarrier<C>(wg);
     if (hopper::consumerThread() % hopper::kWarpgroupThreads == 0) {
@@ -594,11 +608,13 @@ __device__ float* stageOutput(AccTile<C>& acc) {
   float* staging = reinterpret_cast<float*>(smem() + layout<C>().staging);
   consumerSync<C>();
   const int l = cuda::lane();
+  constexpr int pitch = stagingPitch(C::head_dim);
   #pragma unroll
   for (int t = 0; t < G::OT; ++t)
     #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      staging[accumulatorRow(e) * G::D + t * 8 + fragment::accumulatorColumn(l, e)] = acc.o[t * 4 + e];
+    for (int e = 0; e < 4; e += 2)  // elements e, e + 1: adjacent columns, one 8-byte store
+      *reinterpret_cast<float2*>(staging + accumulatorRow(e) * pitch + t * 8 + fragment::accumulatorColumn(l, e)) =
+          make_float2(acc.o[t * 4 + e], acc.o[t * 4 + e + 1]);
   consumerSync<C>();
   return staging;
 }
@@ -631,7 +647,8 @@ template <class C>
 __device__ void store_collapsed(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0,
                                 int64_t head, int64_t b) {
   using G = hopper::Geometry<C>;
-  cuda::storeCollapsed<C>(hopper::stageOutput<C>(acc), G::D, a, row0, head, b, hopper::consumerThread(),
+  cuda::storeCollapsed<C>(hopper::stageOutput<C>(acc), stagingPitch(C::head_dim), a, row0, head, b,
+                          hopper::consumerThread(),
                           G::consumerThreads);
   hopper::storeLse<C>(state, a, row0, head, b);
 }
@@ -650,7 +667,8 @@ __device__ void accumulate_collapsed(OutTile<C>&, AccTile<C>& acc, SoftmaxState<
                                      int64_t row0, int64_t head, int64_t b) {
   using G = hopper::Geometry<C>;
   const float* staging = hopper::stageOutput<C>(acc);
-  cuda::accumulateCollapsed<C>(reinterpret_cast<float*>(hopper::smem() + hopper::layout<C>().out), staging, G::D, a,
+  cuda::accumulateCollapsed<C>(reinterpret_cast<float*>(hopper::smem() + hopper::layout<C>().out), G::D, staging,
+                               stagingPitch(C::head_dim), a,
                                head, hopper::consumerThread(), G::consumerThreads);
   hopper::storeLse<C>(state, a, row0, head, b);
   hopper::consumerSync<C>();  // the next head's staging reuses the tile

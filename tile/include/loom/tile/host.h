@@ -136,9 +136,9 @@ void virtualRow(const IhaArgs& a, int64_t b, int64_t h, int64_t i, float* out) {
 
 }  // namespace host
 
-inline int64_t block_x() { return host::cta.x; }
-inline int64_t block_y() { return host::cta.y; }
-inline int64_t block_z() { return host::cta.z; }
+inline int64_t block_x(const IhaArgs&) { return host::cta.x; }
+inline int64_t block_y(const IhaArgs&) { return host::cta.y; }
+inline int64_t block_z(const IhaArgs& a) { return a.batch_offset + host::cta.z; }
 
 //===----------------------------------------------------------------------===//
 // Tiles. On the GPU a QTile and the K/V pipeline live in shared memory, the

@@ -16,6 +16,42 @@ constexpr int kAccumulatorBytes = 4;      // f32
 
 constexpr int paddedHeadDim(int headDim) { return (headDim + kMmaK - 1) / kMmaK * kMmaK; }
 constexpr int tilePitch(int headDim) { return paddedHeadDim(headDim) + kRowPadElements; }
+// Row pitch (f32 elements) of the collapse epilogues' staging tile. An
+// accumulator fragment is stored as 8-byte pairs by 8 rows x 4 lanes; with a
+// pitch of d + 8 floats rows r and r + 4 alone share banks, so a warp's
+// 256 bytes take the two wavefronts they must (without the pad: 8-way).
+constexpr int kStagingPadFloats = 8;
+constexpr int stagingPitch(int headDim) { return paddedHeadDim(headDim) + kStagingPadFloats; }
+// Register fragments of one mma.sync thread over the key loop, in 32-bit
+// registers: per m-tile the output (Dp / 2), the scores (block_n / 2) and,
+// while they fit, Q's A fragments (Dp / 4). Past kQFragmentRegisterBudget
+// the Q fragments are read from the Q tile in shared memory at every key
+// block instead (head_dim 256 and the like: FlashAttention-2 does so too),
+// which costs one ldmatrix per k-step and spares MT * Dp / 4 registers.
+constexpr int kQFragmentRegisterBudget = 160;
+constexpr bool qInRegisters(int mTiles, int headDim, int blockN) {
+  return mTiles * (paddedHeadDim(headDim) * 3 / 4 + blockN / 2) <= kQFragmentRegisterBudget;
+}
+constexpr int mmaFragmentRegisters(int mTiles, int headDim, int blockN) {
+  return mTiles * (paddedHeadDim(headDim) / 2 + blockN / 2) +
+         (qInRegisters(mTiles, headDim, blockN) ? mTiles * paddedHeadDim(headDim) / 4 : 0);
+}
+
+// Registers ptxas gives an mma.sync attention thread: the fragments and the
+// rest (addresses, softmax rows, the pipeline, the epilogue), which grows
+// with the head dimension and, with fused mixing (raw rows mixed on chip),
+// with the key block. Fitted to ptxas 13's counts over head_dim 64-256,
+// block_n 16-128 and one to three m-tiles per warp (sm_80, both mixings):
+// every schedule it puts at or below kMaxThreadRegisters compiled without a
+// spill, every one that spilled is above it.
+constexpr int kMaxThreadRegisters = 255;
+constexpr int mmaRegisterEstimate(int mTiles, int headDim, int blockN, bool fusedMix) {
+  // The softmax rows (running max and sum of two rows) take 4 per m-tile.
+  const int rows = 76 + 4 * mTiles;
+  const int rest = fusedMix ? rows + paddedHeadDim(headDim) / 8 + blockN / 4 : rows + paddedHeadDim(headDim) / 16;
+  return mmaFragmentRegisters(mTiles, headDim, blockN) + rest;
+}
+
 // Tokens whose raw rows one key block of `blockN` virtual rows can touch.
 constexpr int rawTokensPerBlock(int blockN, int pseudoHeads) { return (blockN - 1) / pseudoHeads + 2; }
 
@@ -24,7 +60,7 @@ struct AttentionSmem {
   int k = 0;        // mixed: one [block_n][pitch] tile; else `stages` of them
   int v = 0;        // likewise
   int raw = 0;      // mixed only: `stages` x {k, v} x [raw tokens][G][d] raw rows
-  int staging = 0;  // collapse epilogues: [block_m][padded d] f32, overlapping q/k/v/raw
+  int staging = 0;  // collapse epilogues: [block_m][stagingPitch] f32, overlapping q/k/v/raw
   int out = 0;      // fused global collapse: [block_m / P][H][padded d] f32
   int total = 0;    // bytes of dynamic shared memory
 };
@@ -41,7 +77,7 @@ constexpr AttentionSmem attentionSmem(int blockM, int blockN, int headDim, int s
   const int rawBytes = mixed ? stages * 2 * rawTokensPerBlock(blockN, pseudoHeads) * kvHeads * headDim * kTileElementBytes : 0;
   const int operandsEnd = s.raw + rawBytes;
   s.staging = 0;
-  const int stagingEnd = collapseInEpilogue ? blockM * paddedHeadDim(headDim) * kAccumulatorBytes : 0;
+  const int stagingEnd = collapseInEpilogue ? blockM * stagingPitch(headDim) * kAccumulatorBytes : 0;
   s.out = operandsEnd > stagingEnd ? operandsEnd : stagingEnd;
   const int outBytes = outTile ? (blockM / pseudoHeads) * heads * paddedHeadDim(headDim) * kAccumulatorBytes : 0;
   s.total = s.out + outBytes;
@@ -84,7 +120,7 @@ struct HopperSmem {
   int q = 0;         // [atoms][block_m][64] query tile
   int k = 0;         // `stages` x [atoms][block_n][64]
   int v = 0;         // likewise
-  int staging = 0;   // collapse epilogues: [block_m][d] f32
+  int staging = 0;   // collapse epilogues: [block_m][stagingPitch] f32
   int out = 0;       // fused global collapse: [block_m / P][H][d] f32
   int barriers = 0;  // full[stages], empty[stages], q[consumer warpgroups]
   int total = 0;     // bytes of dynamic shared memory, alignment slack included
@@ -100,7 +136,7 @@ constexpr HopperSmem hopperSmem(int blockM, int blockN, int headDim, int stages,
   s.k = s.q + blockM * dPadded * kTileElementBytes;
   s.v = s.k + stages * blockN * dPadded * kTileElementBytes;
   const int operandsEnd = s.v + stages * blockN * dPadded * kTileElementBytes;
-  const int stagingBytes = collapseInEpilogue ? blockM * dPadded * kAccumulatorBytes : 0;
+  const int stagingBytes = collapseInEpilogue ? blockM * stagingPitch(dPadded) * kAccumulatorBytes : 0;
   // The staging tile overlaps the operands once the kv stream is drained;
   // with a fused global collapse the producer streams the next head's blocks
   // meanwhile, so it gets its own room.

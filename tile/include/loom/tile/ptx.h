@@ -117,8 +117,10 @@ __device__ __forceinline__ void redSharedAddF32(Bits32 address, float value) {
 
 //===--- barriers, mbarriers, fences (sm_90) --------------------------------===//
 
-__device__ __forceinline__ void barSync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+// Named barrier `Id` of `Threads` threads, both immediates.
+template <int Id, int Threads>
+__device__ __forceinline__ void barSync() {
+  asm volatile("bar.sync %0, %1;" ::"n"(Id), "n"(Threads) : "memory");
 }
 __device__ __forceinline__ void mbarrierInit(Bits32 bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");

@@ -1,0 +1,119 @@
+// loom-static-report: what can be said of a kernel's speed without a GPU,
+// for the paper's settings (H = 8 and 16, P = 2, 4, 8, d = 64 and 128, bf16,
+// causal): for the default schedule and the cost model's first choice, each
+// compiled by NVRTC, the registers and shared memory ptxas reports, the CTAs
+// per SM they allow, the performance losses (none expected), the cost
+// model's predicted time and TFLOP/s with ptxas's registers, and the share of
+// the measured H200 bf16 matrix ceiling (790 TFLOP/s) that prediction is.
+// The first GPU run puts its measurements beside these numbers.
+//
+//   loom-static-report [--target sm_90a] [--tokens 4096] [--batch 1]
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "api/compile.h"
+#include "autotune/cost_model.h"
+#include "autotune/space.h"
+#include "jit/nvrtc_compiler.h"
+#include "loom/compiler.h"
+
+namespace {
+
+constexpr double kMeasuredCeilingTflops = 790;  // H200 bf16 GEMM, docs/gpu-results.md
+
+struct Row {
+  std::string kind, key;
+  int registers = 0;
+  int64_t sharedMemory = 0;
+  int ctasPerSm = 0;
+  double predictedMs = 0, tflops = 0;
+  size_t losses = 0;
+};
+
+int usage(const char* self) {
+  std::fprintf(stderr, "usage: %s [--target sm_90a|sm_80|...] [--tokens N] [--batch B]\n", self);
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string arch = "sm_90a";
+  int64_t tokens = 4096, batch = 1;
+  for (int i = 1; i < argc; ++i) {
+    const bool hasValue = i + 1 < argc;
+    if (!std::strcmp(argv[i], "--target") && hasValue) arch = argv[++i];
+    else if (!std::strcmp(argv[i], "--tokens") && hasValue) tokens = std::atoll(argv[++i]);
+    else if (!std::strcmp(argv[i], "--batch") && hasValue) batch = std::atoll(argv[++i]);
+    else return usage(argv[0]);
+  }
+  auto target = loom::parseTarget(arch);
+  if (!target || target->kind() != loom::v1::Target::cuda) {
+    std::fprintf(stderr, "loom-static-report: --target %s is not a CUDA arch\n", arch.c_str());
+    return 2;
+  }
+  loom::jit::NvrtcCompiler compiler("");
+  std::printf("loom-static-report: %s, B=%lld N=%lld, bf16, causal; NVRTC %s; no GPU: every time is a prediction\n",
+              arch.c_str(), (long long)batch, (long long)tokens, loom::jit::nvrtcVersion().c_str());
+  std::printf("%-3s %-2s %-4s %-8s %-48s %5s %9s %8s %7s %11s %9s %8s\n", "H", "P", "d", "schedule", "key", "regs",
+              "smem KiB", "CTAs/SM", "losses", "model ms", "TFLOP/s", "of 790");
+  for (int H : {8, 16})
+    for (int P : {2, 4, 8})
+      for (int d : {64, 128}) {
+        loom::KernelSpec spec;
+        spec.set_heads(H);
+        spec.set_kv_heads(H);
+        spec.set_pseudo_heads(P);
+        spec.set_head_dim(d);
+        spec.set_dtype(loom::v1::bfloat16);
+        spec.set_mask(loom::v1::flat_causal);
+        spec.set_collapse(loom::v1::per_head);
+        spec.set_rope_theta(10000);
+        const double flops = loom::autotune::ihaFlops(spec, batch, tokens);
+        // The default schedule, and the best-predicted of the tuner's space.
+        std::vector<std::pair<std::string, loom::Schedule>> schedules;
+        auto resolved = loom::resolveSchedule(spec, loom::Schedule(), *target);
+        if (resolved) schedules.emplace_back("default", *resolved);
+        const loom::autotune::SearchSpace space = loom::autotune::searchSpace(spec, *target);
+        double bestSeconds = 0;
+        const loom::Schedule* best = nullptr;
+        for (const loom::autotune::Candidate& c : space.candidates) {
+          const double seconds = loom::autotune::estimateCost(spec, c.schedule, *target, batch, tokens).seconds;
+          if (!best || seconds < bestSeconds) {
+            best = &c.schedule;
+            bestSeconds = seconds;
+          }
+        }
+        if (best) schedules.emplace_back("model", *best);
+        for (const auto& [kind, schedule] : schedules) {
+          std::shared_ptr<const loom::jit::Artifact> artifact;
+          auto kernel = loom::compileKernel(spec, schedule, *target, compiler, &artifact);
+          if (!kernel) {
+            std::printf("%-3d %-2d %-4d %-8s %s: %s\n", H, P, d, kind.c_str(),
+                        loom::autotune::scheduleKey(schedule).c_str(), kernel.error().message.c_str());
+            continue;
+          }
+          Row row;
+          row.kind = kind;
+          row.key = loom::autotune::scheduleKey(schedule);
+          for (const auto& u : artifact->resources)
+            if (u.entry() == "iha_attention") row.registers = u.registers();
+          for (const auto& entry : kernel->entries())
+            if (entry.name() == "iha_attention") row.sharedMemory = entry.shared_memory_bytes();
+          row.losses = artifact->performanceLosses().size();
+          const loom::autotune::CostEstimate e =
+              loom::autotune::estimateCost(spec, schedule, *target, batch, tokens, row.registers);
+          row.ctasPerSm = e.ctasPerSm;
+          row.predictedMs = e.seconds * 1e3;
+          row.tflops = flops / e.seconds / 1e12;
+          std::printf("%-3d %-2d %-4d %-8s %-48s %5d %9.1f %8d %7zu %11.3f %9.0f %7.0f%%\n", H, P, d, row.kind.c_str(),
+                      row.key.c_str(), row.registers, row.sharedMemory / 1024.0, row.ctasPerSm, row.losses,
+                      row.predictedMs, row.tflops, 100.0 * row.tflops / kMeasuredCeilingTflops);
+          std::fflush(stdout);
+        }
+      }
+  return 0;
+}
