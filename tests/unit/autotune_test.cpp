@@ -294,6 +294,9 @@ TEST(Tuner, OfflineTuningIsRankedAndUntimed) {
   auto report = tune(s, target("sm_80"), nullptr, options, [&](const TuneProgress& p) { seen.push_back(p); });
   ASSERT_TRUE(report) << report.error().message;
   EXPECT_FALSE(report->result.measured());
+  // An untimed result is a prediction and says so: no median.
+  EXPECT_EQ(report->result.median_ms(), 0);
+  EXPECT_GT(report->result.predicted_ms(), 0);
   EXPECT_EQ(report->result.candidates_tried(), 4);
   // One report per compile, then one per emulator run of a compiled candidate.
   ASSERT_EQ(seen.size(), 8u);

@@ -5,6 +5,7 @@
 // the device code most likely to be subtly wrong and least likely to show it.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "loom/tile/layout.h"
@@ -116,6 +117,31 @@ TEST(Layout, PaddedRowsAreConflictFree) {
       used[group] = true;
     }
   }
+}
+
+// The collapse epilogues store each accumulator fragment into the f32
+// staging tile as 8-byte pairs (elements e and e + 1 of a lane). A warp's
+// 8-byte stores run as two phases of 16 lanes; with stagingPitch no two
+// lanes of a phase touch the same bank (32 banks of 4 bytes), for every
+// head_dim. Without the pad the same stores are 4-way conflicted.
+int worstBankConflict(int pitchFloats) {
+  int worst = 1;
+  for (int e = 0; e < 4; e += 2)
+    for (int phase = 0; phase < 2; ++phase) {
+      int hits[32] = {};
+      for (int lane = phase * 16; lane < phase * 16 + 16; ++lane) {
+        const int word = fragment::accumulatorRow(lane, e) * pitchFloats + fragment::accumulatorColumn(lane, e);
+        for (int half = 0; half < 2; ++half) worst = std::max(worst, ++hits[(word + half) % 32]);
+      }
+    }
+  return worst;
+}
+
+TEST(Layout, StagingStoresAreConflictFree) {
+  for (int d = 8; d <= 256; d += 8) {
+    EXPECT_EQ(worstBankConflict(stagingPitch(d)), 1) << "head_dim " << d;
+  }
+  EXPECT_EQ(worstBankConflict(paddedHeadDim(128)), 4);  // what the unpadded tile did
 }
 
 TEST(Layout, SharedMemoryRegionsDoNotOverlap) {

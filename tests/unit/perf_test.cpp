@@ -216,6 +216,10 @@ TEST(Report, ConditionalOwedProductSerialisesWgmma) {
     return v1::ResourceUsage();
   };
   EXPECT_FALSE(attention(**shipped).serialized_wgmma());
+  // Named barriers take their ids and thread counts as immediates.
+  EXPECT_EQ((*shipped)->ptx.find("bar.sync \t%r"), std::string::npos);
+  EXPECT_EQ((*shipped)->ptx.find("bar.sync %r"), std::string::npos);
+  EXPECT_NE((*shipped)->ptx.find("bar.sync"), std::string::npos);
   EXPECT_EQ((*shipped)->performanceLosses(), std::vector<std::string>{});
   EXPECT_TRUE(attention(**serialised).serialized_wgmma()) << (*serialised)->log;
   EXPECT_FALSE((*serialised)->performanceLosses().empty());
