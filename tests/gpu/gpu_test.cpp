@@ -138,6 +138,24 @@ TEST_F(Gpu, WgmmaOnLongSequences) {
   if (checked == 0) GTEST_SKIP() << "no sm_90a wgmma bundles (prepared for another arch)";
 }
 
+// More batch entries than a grid holds in z (65535): the launcher splits
+// the batch over several launches (IhaArgs::batch_offset); every entry,
+// the last ones included, must match the reference.
+TEST_F(Gpu, BatchesBeyondTheGridLimit) {
+  const Bundle* smallest = &all_.front();
+  for (const Bundle& b : all_) {
+    const KernelSpec& s = b.kernel.spec();
+    const KernelSpec& t = smallest->kernel.spec();
+    if (s.heads() * s.head_dim() < t.heads() * t.head_dim()) smallest = &b;
+  }
+  auto kernel = Kernel::load(device_, smallest->kernel);
+  ASSERT_TRUE(kernel) << kernel.error().message;
+  std::mt19937_64 rng(seed() + 3);
+  constexpr int64_t kBatch = 65535 + 3;
+  const IhaCase c = drawCase(smallest->kernel.spec(), kBatch, 2, rng());
+  check(**kernel, c, smallest->caseName + " " + smallest->dtype + " B=" + std::to_string(kBatch));
+}
+
 // Strided q and out (rows padded to d + 8 elements) through the same kernel.
 TEST_F(Gpu, StridedTensorsAndDlpack) {
   const Bundle& b = all_.front();
