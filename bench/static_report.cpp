@@ -17,6 +17,7 @@
 #include "api/compile.h"
 #include "autotune/cost_model.h"
 #include "autotune/space.h"
+#include "autotune/tuner.h"
 #include "jit/nvrtc_compiler.h"
 #include "loom/compiler.h"
 
@@ -77,17 +78,9 @@ int main(int argc, char** argv) {
         std::vector<std::pair<std::string, loom::Schedule>> schedules;
         auto resolved = loom::resolveSchedule(spec, loom::Schedule(), *target);
         if (resolved) schedules.emplace_back("default", *resolved);
-        const loom::autotune::SearchSpace space = loom::autotune::searchSpace(spec, *target);
-        double bestSeconds = 0;
-        const loom::Schedule* best = nullptr;
-        for (const loom::autotune::Candidate& c : space.candidates) {
-          const double seconds = loom::autotune::estimateCost(spec, c.schedule, *target, batch, tokens).seconds;
-          if (!best || seconds < bestSeconds) {
-            best = &c.schedule;
-            bestSeconds = seconds;
-          }
-        }
-        if (best) schedules.emplace_back("model", *best);
+        const std::vector<loom::autotune::CandidateResult> ranked =
+            loom::autotune::rankByModel(spec, *target, loom::autotune::searchSpace(spec, *target), batch, tokens);
+        if (!ranked.empty()) schedules.emplace_back("model", ranked.front().candidate.schedule);
         for (const auto& [kind, schedule] : schedules) {
           std::shared_ptr<const loom::jit::Artifact> artifact;
           auto kernel = loom::compileKernel(spec, schedule, *target, compiler, &artifact);
@@ -99,10 +92,9 @@ int main(int argc, char** argv) {
           Row row;
           row.kind = kind;
           row.key = loom::autotune::scheduleKey(schedule);
-          for (const auto& u : artifact->resources)
-            if (u.entry() == "iha_attention") row.registers = u.registers();
+          row.registers = loom::jit::registersOf(artifact->resources, loom::kAttentionEntry);
           for (const auto& entry : kernel->entries())
-            if (entry.name() == "iha_attention") row.sharedMemory = entry.shared_memory_bytes();
+            if (entry.name() == loom::kAttentionEntry) row.sharedMemory = entry.shared_memory_bytes();
           row.losses = artifact->performanceLosses().size();
           const loom::autotune::CostEstimate e =
               loom::autotune::estimateCost(spec, schedule, *target, batch, tokens, row.registers);

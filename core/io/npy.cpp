@@ -6,7 +6,7 @@
 #include <regex>
 #include <sstream>
 
-#include "io/float_bits.h"
+#include "loom/half.h"
 
 namespace loom {
 namespace {
@@ -157,10 +157,10 @@ std::vector<double> npyToDouble(const NpyArray& array, bool uint16IsBfloat16) {
     switch (array.type) {
       case NpyType::float64: values[i] = loadAt<double>(array.bytes, i); break;
       case NpyType::float32: values[i] = loadAt<float>(array.bytes, i); break;
-      case NpyType::float16: values[i] = halfToFloat(loadAt<uint16_t>(array.bytes, i)); break;
+      case NpyType::float16: values[i] = half::halfToFloat(loadAt<uint16_t>(array.bytes, i)); break;
       case NpyType::uint16: {
         const uint16_t bits = loadAt<uint16_t>(array.bytes, i);
-        values[i] = uint16IsBfloat16 ? bf16ToFloat(bits) : double(bits);
+        values[i] = uint16IsBfloat16 ? half::bfloat16ToFloat(bits) : double(bits);
         break;
       }
     }
@@ -177,8 +177,8 @@ NpyArray npyFromDouble(const std::vector<double>& values, std::vector<int64_t> s
     switch (type) {
       case NpyType::float64: storeAt<double>(array.bytes, int64_t(i), values[i]); break;
       case NpyType::float32: storeAt<float>(array.bytes, int64_t(i), float(values[i])); break;
-      case NpyType::float16: storeAt<uint16_t>(array.bytes, int64_t(i), floatToHalf(float(values[i]))); break;
-      case NpyType::uint16: storeAt<uint16_t>(array.bytes, int64_t(i), floatToBf16(float(values[i]))); break;
+      case NpyType::float16: storeAt<uint16_t>(array.bytes, int64_t(i), half::floatToHalf(float(values[i]))); break;
+      case NpyType::uint16: storeAt<uint16_t>(array.bytes, int64_t(i), half::floatToBfloat16(float(values[i]))); break;
     }
   }
   return array;

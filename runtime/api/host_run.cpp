@@ -81,34 +81,46 @@ Result<IhaCase> hostCase(const KernelSpec& spec, const IhaTensors& t) {
   return c;
 }
 
-}  // namespace
-
-Status runOnHost(const KernelSpec& spec, const IhaTensors& t, const Schedule& schedule, const cpu::CpuOptions& options) {
-  auto c = hostCase(spec, t);
-  if (!c) return c.error();
-  auto target = parseTarget("cpu");
-  if (!target) return target.error();
-  auto plan = generateKernel(spec, schedule, *target);
-  if (!plan) return plan.error();
-  auto outputs = cpu::runPlan(*plan, *c, options);
-  if (!outputs) return outputs.error();
-  scatter(outputs->out, t.out);
-  if (t.lse) scatter(outputs->lse, *t.lse);
-  return Status::success();
-}
-
-Result<emu::EmuRun> runOnEmulator(const KernelSpec& spec, const IhaTensors& t, const Schedule& schedule,
-                                  const std::string& arch, const emu::EmuOptions& options) {
+// The case of the host tensors and the spec's program for `arch`.
+struct HostProgram {
+  IhaCase c;
+  KernelPlan plan;
+};
+Result<HostProgram> hostProgram(const KernelSpec& spec, const IhaTensors& t, const Schedule& schedule,
+                                const std::string& arch) {
   auto c = hostCase(spec, t);
   if (!c) return c.error();
   auto target = parseTarget(arch);
   if (!target) return target.error();
   auto plan = generateKernel(spec, schedule, *target);
   if (!plan) return plan.error();
-  auto run = emu::runOnEmulator(*plan, *c, options);
+  return HostProgram{std::move(*c), std::move(*plan)};
+}
+
+// out (and lse) written back through their strides.
+void scatterOutputs(const std::vector<double>& out, const std::vector<double>& lse, const IhaTensors& t) {
+  scatter(out, t.out);
+  if (t.lse) scatter(lse, *t.lse);
+}
+
+}  // namespace
+
+Status runOnHost(const KernelSpec& spec, const IhaTensors& t, const Schedule& schedule, const cpu::CpuOptions& options) {
+  auto program = hostProgram(spec, t, schedule, "cpu");
+  if (!program) return program.error();
+  auto outputs = cpu::runPlan(program->plan, program->c, options);
+  if (!outputs) return outputs.error();
+  scatterOutputs(outputs->out, outputs->lse, t);
+  return Status::success();
+}
+
+Result<emu::EmuRun> runOnEmulator(const KernelSpec& spec, const IhaTensors& t, const Schedule& schedule,
+                                  const std::string& arch, const emu::EmuOptions& options) {
+  auto program = hostProgram(spec, t, schedule, arch);
+  if (!program) return program.error();
+  auto run = emu::runOnEmulator(program->plan, program->c, options);
   if (!run) return run.error();
-  scatter(run->out, t.out);
-  if (t.lse) scatter(run->lse, *t.lse);
+  scatterOutputs(run->out, run->lse, t);
   return run;
 }
 

@@ -10,6 +10,7 @@
 
 #include "api/compile.h"
 #include "emu/emulator.h"
+#include "loom/compiler.h"
 #include "reference/iha_reference.h"
 
 namespace loom::autotune {
@@ -23,60 +24,71 @@ constexpr size_t kBackfillFactor = 3;
 
 double secondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
-// Compiles candidates on a pool of threads; results land in `results`.
-void compileAll(const KernelSpec& spec, const v1::Target& target, const std::vector<size_t>& which,
-                std::vector<CandidateResult>& results, std::vector<v1::CompiledKernel>& kernels,
-                jit::NvrtcCompiler& compiler, const TuneOptions& options, Clock::time_point start,
-                const std::function<void()>& onCompiled) {
+// Runs work(i) for every i in [0, count) on the tuner's threads (the
+// caller's among them); done() follows each that returns true, one at a time
+// (progress).
+void onThreads(const TuneOptions& options, size_t count, const std::function<bool(size_t)>& work,
+               const std::function<void()>& done) {
   std::atomic<size_t> next{0};
   std::mutex mutex;
   auto worker = [&] {
-    for (size_t i = next++; i < which.size(); i = next++) {
-      CandidateResult& r = results[which[i]];
-      if (secondsSince(start) > options.budgetSeconds) {
-        r.outcome = Outcome::skipped;
-        r.reason = "not compiled: the time budget ran out";
-        continue;
-      }
-      std::shared_ptr<const jit::Artifact> artifact;
-      auto compiled = compileKernel(spec, r.candidate.schedule, target, compiler, &artifact);
+    for (size_t i = next++; i < count; i = next++) {
+      if (!work(i)) continue;
       std::lock_guard lock(mutex);
-      if (!compiled) {
-        r.outcome = Outcome::compile_failed;
-        r.reason = compiled.error().message;
-      } else {
-        r.compileSeconds = artifact->compileSeconds;
-        r.spillBytes = artifact->spillBytes();
-        for (const auto& usage : artifact->resources) r.registers = std::max(r.registers, usage.registers());
-        for (const auto& entry : compiled->entries()) r.sharedMemory = std::max(r.sharedMemory, entry.shared_memory_bytes());
-        // The prediction again with ptxas's registers in place of the
-        // estimate: occupancy as the compiled kernel will really have it.
-        int attentionRegisters = 0;
-        for (const auto& usage : artifact->resources)
-          if (usage.entry() == "iha_attention") attentionRegisters = usage.registers();
-        if (attentionRegisters > 0)
-          r.predictedMs = estimateCost(spec, r.candidate.schedule, target, options.batch, options.tokens,
-                                       attentionRegisters)
-                              .seconds *
-                          1e3;
-        // A kernel that ptxas or its PTX shows losing speed is no candidate.
-        const std::vector<std::string> losses = artifact->performanceLosses();
-        if (!losses.empty()) {
-          r.outcome = Outcome::slow;
-          r.reason = losses.front();
-          for (size_t k = 1; k < losses.size(); ++k) r.reason += "; " + losses[k];
-        } else {
-          kernels[which[i]] = *compiled;
-        }
-      }
-      onCompiled();
+      done();
     }
   };
-  const int threads = options.compileThreads > 0 ? options.compileThreads : int(std::max(1u, std::thread::hardware_concurrency()));
+  const int threads =
+      options.compileThreads > 0 ? options.compileThreads : int(std::max(1u, std::thread::hardware_concurrency()));
   std::vector<std::thread> pool;
   for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
   worker();
   for (auto& thread : pool) thread.join();
+}
+
+// Compiles candidates on the tuner's threads; results land in `results`
+// (each worker writes only its own candidates' entries).
+void compileAll(const KernelSpec& spec, const v1::Target& target, const std::vector<size_t>& which,
+                std::vector<CandidateResult>& results, std::vector<v1::CompiledKernel>& kernels,
+                jit::NvrtcCompiler& compiler, const TuneOptions& options, Clock::time_point start,
+                const std::function<void()>& onCompiled) {
+  onThreads(options, which.size(), [&](size_t i) {
+    CandidateResult& r = results[which[i]];
+    if (secondsSince(start) > options.budgetSeconds) {
+      r.outcome = Outcome::skipped;
+      r.reason = "not compiled: the time budget ran out";
+      return false;
+    }
+    std::shared_ptr<const jit::Artifact> artifact;
+    auto compiled = compileKernel(spec, r.candidate.schedule, target, compiler, &artifact);
+    if (!compiled) {
+      r.outcome = Outcome::compile_failed;
+      r.reason = compiled.error().message;
+    } else {
+      r.compileSeconds = artifact->compileSeconds;
+      r.spillBytes = artifact->spillBytes();
+      for (const auto& usage : artifact->resources) r.registers = std::max(r.registers, usage.registers());
+      for (const auto& entry : compiled->entries()) r.sharedMemory = std::max(r.sharedMemory, entry.shared_memory_bytes());
+      // The prediction again with ptxas's registers in place of the
+      // estimate: occupancy as the compiled kernel will really have it.
+      const int attentionRegisters = jit::registersOf(artifact->resources, kAttentionEntry);
+      if (attentionRegisters > 0)
+        r.predictedMs = estimateCost(spec, r.candidate.schedule, target, options.batch, options.tokens,
+                                     attentionRegisters)
+                            .seconds *
+                        1e3;
+      // A kernel that ptxas or its PTX shows losing speed is no candidate.
+      const std::vector<std::string> losses = artifact->performanceLosses();
+      if (!losses.empty()) {
+        r.outcome = Outcome::slow;
+        r.reason = losses.front();
+        for (size_t k = 1; k < losses.size(); ++k) r.reason += "; " + losses[k];
+      } else {
+        kernels[which[i]] = *compiled;
+      }
+    }
+    return true;
+  }, onCompiled);
 }
 
 // Without a GPU: every compiled candidate runs on the emulator on a small
@@ -86,60 +98,52 @@ void compileAll(const KernelSpec& spec, const v1::Target& target, const std::vec
 void emulateAll(const KernelSpec& spec, const v1::Target& target, const std::vector<size_t>& which,
                 std::vector<CandidateResult>& results, const std::vector<v1::CompiledKernel>& kernels,
                 const TuneOptions& options, const std::function<void()>& onEmulated) {
-  std::atomic<size_t> next{0};
-  std::mutex mutex;
-  auto worker = [&] {
-    for (size_t i = next++; i < which.size(); i = next++) {
-      const size_t at = which[i];
-      if (kernels[at].binary().empty()) continue;
-      CandidateResult& r = results[at];
-      const Schedule& schedule = r.candidate.schedule;
-      auto plan = generateKernel(spec, schedule, target);
-      std::string verdict;
-      bool wrong = false;
-      if (!plan) {
+  std::vector<size_t> compiled;
+  for (size_t at : which)
+    if (!kernels[at].binary().empty()) compiled.push_back(at);
+  onThreads(options, compiled.size(), [&](size_t i) {
+    const size_t at = compiled[i];
+    CandidateResult& r = results[at];
+    const Schedule& schedule = r.candidate.schedule;
+    auto plan = generateKernel(spec, schedule, target);
+    std::string verdict;
+    bool wrong = false;
+    if (!plan) {
+      wrong = true;
+      verdict = plan.error().message;
+    } else {
+      const int64_t P = spec.pseudo_heads();
+      const int64_t tokens = std::min<int64_t>(256, (3 * schedule.block_n() + P - 1) / P + 1);
+      const IhaCase c = drawCase(spec, 1, tokens, options.seed + at);
+      emu::EmuOptions emuOptions;
+      emuOptions.cacheDir = options.cacheDir;
+      emuOptions.threads = 1;
+      emuOptions.seed = options.seed + at;
+      emuOptions.maxCtas = 2 * spec.heads();
+      emuOptions.headers = options.emulatorHeaders;
+      for (const v1::ResourceUsage& usage : kernels[at].resources())
+        emuOptions.registers[usage.entry()] = usage.registers();
+      auto run = emu::runOnEmulator(*plan, c, emuOptions);
+      if (!run) {
+        verdict = "not checked on the emulator: " + run.error().message;
+      } else if (run->findingCount > 0 || run->deadlocked) {
         wrong = true;
-        verdict = plan.error().message;
+        verdict = "emulator: " + (run->findings.empty() ? std::string("deadlock") : emu::format(run->findings.front()));
       } else {
-        const int64_t P = spec.pseudo_heads();
-        const int64_t tokens = std::min<int64_t>(256, (3 * schedule.block_n() + P - 1) / P + 1);
-        const IhaCase c = drawCase(spec, 1, tokens, options.seed + at);
-        emu::EmuOptions emuOptions;
-        emuOptions.cacheDir = options.cacheDir;
-        emuOptions.threads = 1;
-        emuOptions.seed = options.seed + at;
-        emuOptions.maxCtas = 2 * spec.heads();
-        emuOptions.headers = options.emulatorHeaders;
-        for (const v1::ResourceUsage& usage : kernels[at].resources())
-          emuOptions.registers[usage.entry()] = usage.registers();
-        auto run = emu::runOnEmulator(*plan, c, emuOptions);
-        if (!run) {
-          verdict = "not checked on the emulator: " + run.error().message;
-        } else if (run->findingCount > 0 || run->deadlocked) {
-          wrong = true;
-          verdict = "emulator: " + (run->findings.empty() ? std::string("deadlock") : emu::format(run->findings.front()));
-        } else {
-          const auto reference = reference::ihaForward(c.spec, c.inputs);
-          const double error =
-              emu::coveredRelativeError(*run, reference.out, c.batch, c.tokens, spec.heads(), spec.head_dim());
-          char text[160];
-          std::snprintf(text, sizeof text, "emulator: relative error %.2e on N=%lld", error, (long long)tokens);
-          verdict = text;
-          wrong = !(error <= toleranceFor(spec.dtype()));
-          if (!wrong) r.error = error;
-        }
+        const auto reference = reference::ihaForward(c.spec, c.inputs);
+        const double error =
+            emu::coveredRelativeError(*run, reference.out, c.batch, c.tokens, spec.heads(), spec.head_dim());
+        char text[160];
+        std::snprintf(text, sizeof text, "emulator: relative error %.2e on N=%lld", error, (long long)tokens);
+        verdict = text;
+        wrong = !(error <= toleranceFor(spec.dtype()));
+        if (!wrong) r.error = error;
       }
-      std::lock_guard lock(mutex);
-      if (wrong) r.outcome = Outcome::wrong;
-      r.reason = verdict;
-      onEmulated();
     }
-  };
-  const int threads = options.compileThreads > 0 ? options.compileThreads : int(std::max(1u, std::thread::hardware_concurrency()));
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (auto& thread : pool) thread.join();
+    if (wrong) r.outcome = Outcome::wrong;
+    r.reason = verdict;
+    return true;
+  }, onEmulated);
 }
 
 }  // namespace
@@ -176,6 +180,19 @@ Result<Strategy> parseStrategy(const std::string& name) {
   return makeError("strategy '" + name + "' is not auto, exhaustive, random or halving");
 }
 
+std::vector<CandidateResult> rankByModel(const KernelSpec& spec, const v1::Target& target, const SearchSpace& space,
+                                        int64_t batch, int64_t tokens) {
+  std::vector<CandidateResult> results;
+  for (const Candidate& c : space.candidates) {
+    CandidateResult r;
+    r.candidate = c;
+    r.predictedMs = estimateCost(spec, c.schedule, target, batch, tokens).seconds * 1e3;
+    results.push_back(r);
+  }
+  rankResults(results);
+  return results;
+}
+
 Result<TuneReport> tune(const KernelSpec& spec, const v1::Target& target, std::shared_ptr<cuda::Device> device,
                         const TuneOptions& options, const std::function<void(const TuneProgress&)>& progress,
                         std::vector<v1::CompiledKernel>* compiledOut) {
@@ -186,14 +203,7 @@ Result<TuneReport> tune(const KernelSpec& spec, const v1::Target& target, std::s
 
   // Space and prediction.
   SearchSpace space = searchSpace(spec, target);
-  std::vector<CandidateResult> results;
-  for (const Candidate& c : space.candidates) {
-    CandidateResult r;
-    r.candidate = c;
-    r.predictedMs = estimateCost(spec, c.schedule, target, options.batch, options.tokens).seconds * 1e3;
-    results.push_back(r);
-  }
-  rankResults(results);  // by prediction
+  std::vector<CandidateResult> results = rankByModel(spec, target, space, options.batch, options.tokens);
 
   // Which candidates to compile.
   std::vector<size_t> chosen;

@@ -52,6 +52,11 @@ struct TuneReport {
   int pruned = 0;
 };
 
+// The candidates of `space` with the cost model's predictions, best first
+// (the tuner's order before anything is compiled).
+std::vector<CandidateResult> rankByModel(const KernelSpec& spec, const v1::Target& target, const SearchSpace& space,
+                                        int64_t batch, int64_t tokens);
+
 // Tunes `spec` for `target`. With `device` (a GPU) candidates are measured;
 // without, they are ranked by the cost model. `progress` is called as work
 // completes. `compiledOut`, when given, receives every compiled candidate.

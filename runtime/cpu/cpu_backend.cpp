@@ -83,12 +83,6 @@ void runGrid(const LoadedProgram& program, const LaunchPlan& launch, const IhaAr
   for (std::thread& thread : pool) thread.join();
 }
 
-void contiguousStrides(int64_t* stride, int64_t tokens, int64_t heads, int64_t d) {
-  stride[0] = tokens * heads * d;
-  stride[1] = heads * d;
-  stride[2] = d;
-}
-
 }  // namespace
 
 Result<CpuOutputs> runPlan(const KernelPlan& plan, const IhaCase& c, const CpuOptions& options) {
@@ -120,8 +114,7 @@ Result<CpuOutputs> runPlan(const KernelPlan& plan, const IhaCase& c, const CpuOp
   std::vector<float> lse(size_t(B * H * L), std::nanf(""));
   std::map<Workspace, std::vector<float>> workspaces;
   for (Workspace w : plan.workspaces)
-    workspaces[w].assign(size_t(B * (w == Workspace::k_mixed || w == Workspace::v_mixed ? G : H) * L * d),
-                         std::nanf(""));
+    workspaces[w].assign(size_t(workspaceElements(spec, w, B, N)), std::nanf(""));
   auto workspace = [&](Workspace w) { return workspaces.count(w) ? workspaces[w].data() : nullptr; };
 
   IhaArgs args{};
@@ -140,10 +133,7 @@ Result<CpuOutputs> runPlan(const KernelPlan& plan, const IhaCase& c, const CpuOp
   args.o_pseudo = workspace(Workspace::o_pseudo);
   args.batch = B;
   args.tokens = N;
-  contiguousStrides(args.q_stride, N, H, d);
-  contiguousStrides(args.k_stride, N, G, d);
-  contiguousStrides(args.v_stride, N, G, d);
-  contiguousStrides(args.out_stride, N, H, d);
+  setDenseStrides(args, N, H, G, d);
 
   const int threads = options.threads > 0 ? options.threads : int(std::max(1u, std::thread::hardware_concurrency()));
   CpuOutputs result;

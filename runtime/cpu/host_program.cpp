@@ -48,6 +48,18 @@ Result<fs::path> materializeHeaders(const fs::path& cacheDir, const std::map<std
 
 }  // namespace
 
+void setDenseStrides(IhaArgs& args, int64_t tokens, int64_t heads, int64_t kvHeads, int64_t headDim) {
+  auto dense = [&](int64_t* stride, int64_t rowHeads) {
+    stride[0] = tokens * rowHeads * headDim;
+    stride[1] = rowHeads * headDim;
+    stride[2] = headDim;
+  };
+  dense(args.q_stride, heads);
+  dense(args.k_stride, kvHeads);
+  dense(args.v_stride, kvHeads);
+  dense(args.out_stride, heads);
+}
+
 std::string compilerFrom(const char* variable, const std::string& fallback) {
   const char* value = std::getenv(variable);
   return value && *value ? value : fallback;

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "loom/result.h"
+#include "loom/tile/common.h"
 
 namespace loom::cpu {
 
@@ -37,6 +38,10 @@ Result<CompiledProgram> compileHostProgram(const HostProgram& program, const std
 
 // dlopen's an object once per process (handles stay open).
 Result<void*> loadHostProgram(const std::filesystem::path& object);
+
+// q, k, v and out of a host run are dense [B][N][heads][d]: their strides in
+// `args` (token-major, as loom's tensors are).
+void setDenseStrides(IhaArgs& args, int64_t tokens, int64_t heads, int64_t kvHeads, int64_t headDim);
 
 // The compiler a variable names (LOOM_EMU_CXX, CXX), else `fallback`.
 std::string compilerFrom(const char* variable, const std::string& fallback);

@@ -93,7 +93,7 @@ bool Cta::running() const { return gThread != nullptr; }
 Thread& Cta::self() { return *gThread; }
 
 void Cta::report(FindingKind kind, const std::string& instruction, const void* pc, const std::string& message,
-                 int thread) {
+                 int thread, int otherThread, const void* otherPc) {
   if (!config_.findings) return;
   Finding finding;
   finding.kind = kind;
@@ -104,6 +104,8 @@ void Cta::report(FindingKind kind, const std::string& instruction, const void* p
   finding.cta[1] = config_.blockIdx.y;
   finding.cta[2] = config_.blockIdx.z;
   finding.thread = thread == -2 ? (gThread ? gThread->index : -1) : thread;
+  finding.otherThread = otherThread;
+  finding.otherPc = otherPc;
   config_.findings->add(std::move(finding));
 }
 
@@ -347,19 +349,8 @@ void Cta::checkShared(int actor, const std::vector<Clock>& clock, int64_t offset
                      const void* otherPc = nullptr) {
     if (reported) return;
     reported = true;
-    if (!config_.findings) return;
-    Finding finding;
-    finding.kind = kind;
-    finding.instruction = instruction;
-    finding.message = message;
-    finding.pc = pc;
-    finding.cta[0] = config_.blockIdx.x;
-    finding.cta[1] = config_.blockIdx.y;
-    finding.cta[2] = config_.blockIdx.z;
-    finding.thread = actor == agent() ? -1 : actor;
-    finding.otherThread = otherThread == agent() ? -1 : otherThread;
-    finding.otherPc = otherPc;
-    config_.findings->add(std::move(finding));
+    report(kind, instruction, pc, message, actor == agent() ? -1 : actor, otherThread == agent() ? -1 : otherThread,
+           otherPc);
   };
   const std::string range = "shared [" + hex(config_.sharedWindowBase + offset) + ", +" + std::to_string(bytes) + ")";
   for (int64_t i = offset; i < offset + bytes; ++i) {
@@ -441,20 +432,11 @@ void Cta::checkAsyncProxyRead(int actor, const std::vector<Clock>& clock, int64_
     const std::vector<Clock>& fences = threads_[size_t(writer)].proxyFences;
     const auto fence = std::lower_bound(fences.begin(), fences.end(), shadow_.writeClock[b]);
     if (fence != fences.end() && *fence <= clock[size_t(writer)]) continue;
-    Finding finding;
-    finding.kind = FindingKind::proxyFence;
-    finding.instruction = instruction;
-    finding.message = "the async proxy reads shared [" + hex(config_.sharedWindowBase + i) + ", +" +
-                      std::to_string(offset + bytes - i) + ") that thread " + std::to_string(writer) +
-                      " wrote with generic stores and no fence.proxy.async between";
-    finding.pc = pc;
-    finding.cta[0] = config_.blockIdx.x;
-    finding.cta[1] = config_.blockIdx.y;
-    finding.cta[2] = config_.blockIdx.z;
-    finding.thread = actor < threadCount() ? actor : -1;
-    finding.otherThread = writer;
-    finding.otherPc = shadow_.writePc[b];
-    if (config_.findings) config_.findings->add(std::move(finding));
+    report(FindingKind::proxyFence, instruction, pc,
+           "the async proxy reads shared [" + hex(config_.sharedWindowBase + i) + ", +" +
+               std::to_string(offset + bytes - i) + ") that thread " + std::to_string(writer) +
+               " wrote with generic stores and no fence.proxy.async between",
+           actor < threadCount() ? actor : -1, writer, shadow_.writePc[b]);
     return;
   }
   checkShared(actor, clock, offset, bytes, Access::read, instruction, pc);

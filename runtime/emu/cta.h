@@ -123,8 +123,10 @@ class Cta {
 
   //===--- for the instructions (instructions.cpp) -------------------------===//
 
+  // `thread` -2: the running thread; -1: the CTA as a whole. A race names
+  // its other side (thread, call site).
   void report(FindingKind kind, const std::string& instruction, const void* pc, const std::string& message,
-              int thread = -2);
+              int thread = -2, int otherThread = -1, const void* otherPc = nullptr);
 
   // Blocks the running thread until wake() (from another thread or an
   // asynchronous completion).

@@ -11,7 +11,7 @@
 
 #include "emu/cta.h"
 #include "emu/tensor_map.h"
-#include "loom/tile/half.h"
+#include "loom/half.h"
 
 namespace loom::emu {
 

@@ -126,8 +126,8 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
   args.out = memory.allocate("out", outBytes, false, 0xff);
   args.lse = reinterpret_cast<float*>(memory.allocate("lse", size_t(B * H * L) * sizeof(float), false, 0xff));
   for (Workspace w : plan.workspaces) {
-    const int64_t heads = w == Workspace::k_mixed || w == Workspace::v_mixed ? G : H;
-    void* data = memory.allocate(workspaceName(w), size_t(B * heads * L * d) * size_t(plan.workspaceElementBytes), false,
+    void* data = memory.allocate(workspaceName(w),
+                                 size_t(workspaceElements(spec, w, B, N)) * size_t(plan.workspaceElementBytes), false,
                                  0xff);
     if (w == Workspace::q_mixed) args.q_mixed = data;
     if (w == Workspace::k_mixed) args.k_mixed = data;
@@ -136,15 +136,7 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
   }
   args.batch = B;
   args.tokens = N;
-  auto contiguous = [](int64_t* stride, int64_t tokens, int64_t heads, int64_t dim) {
-    stride[0] = tokens * heads * dim;
-    stride[1] = heads * dim;
-    stride[2] = dim;
-  };
-  contiguous(args.q_stride, N, H, d);
-  contiguous(args.k_stride, N, G, d);
-  contiguous(args.v_stride, N, G, d);
-  contiguous(args.out_stride, N, H, d);
+  cpu::setDenseStrides(args, N, H, G, d);
 
   cuda::TmaMaps maps{};
   const bool wantsMaps =
@@ -170,7 +162,7 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
     if (!symbol) return makeError(compiled->object.string() + ": entry point " + launch.name + " missing");
     const int64_t rows = N * launch.rowsPerToken;
     const int64_t gridX = (rows + launch.rowsPerCta - 1) / launch.rowsPerCta;
-    const bool attention = launch.name == "iha_attention";
+    const bool attention = launch.name == kAttentionEntry;
     std::vector<int64_t> blocks = attention ? chosenBlocks(gridX, launch.gridY * B, options.maxCtas)
                                             : chosenBlocks(gridX, 1, 0);
     if (attention) {

@@ -143,6 +143,12 @@ std::vector<v1::ResourceUsage> parsePtxasReport(const std::string& log, const st
   return usage;
 }
 
+int registersOf(const std::vector<v1::ResourceUsage>& resources, std::string_view entry) {
+  for (const v1::ResourceUsage& u : resources)
+    if (u.entry() == entry) return u.registers();
+  return 0;
+}
+
 std::vector<std::string> performanceLosses(const std::vector<v1::ResourceUsage>& resources) {
   std::vector<std::string> losses;
   for (const v1::ResourceUsage& u : resources) {

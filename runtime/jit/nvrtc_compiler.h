@@ -9,6 +9,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "loom/result.h"
@@ -57,6 +58,9 @@ bool nvrtcKnowsArch(const std::string& arch);
 // spills, stack frame, shared memory, its C7xxx performance notes) and
 // reads each entry's PTX for fp64 and local-memory instructions.
 std::vector<v1::ResourceUsage> parsePtxasReport(const std::string& log, const std::string& ptx = "");
+
+// ptxas's register count of `entry` among `resources`; 0 when it is absent.
+int registersOf(const std::vector<v1::ResourceUsage>& resources, std::string_view entry);
 
 // One line per performance loss of the entries: spill bytes, a stack frame,
 // each ptxas note, fp64 instructions, local memory. Empty: nothing ptxas or

@@ -17,7 +17,7 @@
 #include "emu/cta.h"
 #include "emu/instructions.h"
 #include "emu/tensor_map.h"
-#include "loom/tile/half.h"
+#include "loom/half.h"
 #include "test_util.h"
 
 namespace loom::emu {

@@ -2,7 +2,7 @@
 
 #include <cmath>
 
-#include "io/float_bits.h"
+#include "loom/half.h"
 #include "io/npy.h"
 #include "test_util.h"
 
@@ -78,29 +78,29 @@ TEST(Npy, RejectsMalformedFiles) {
 
 TEST(HalfFloat, EveryHalfSurvivesARoundTrip) {
   for (uint32_t bits = 0; bits < 0x10000u; ++bits) {
-    const float value = halfToFloat(uint16_t(bits));
+    const float value = half::halfToFloat(uint16_t(bits));
     if (std::isnan(value)) continue;
-    ASSERT_EQ(floatToHalf(value), bits) << "half bits " << bits;
+    ASSERT_EQ(half::floatToHalf(value), bits) << "half bits " << bits;
   }
 }
 
 TEST(HalfFloat, KnownValuesAndRounding) {
-  EXPECT_EQ(floatToHalf(1.0f), 0x3c00);
-  EXPECT_EQ(floatToHalf(-2.0f), 0xc000);
-  EXPECT_EQ(floatToHalf(65504.0f), 0x7bff);
-  EXPECT_EQ(floatToHalf(1e6f), 0x7c00);           // overflow to Inf
-  EXPECT_EQ(floatToHalf(5.960464477539063e-08f), 0x0001);  // smallest subnormal
-  EXPECT_EQ(floatToHalf(1.0f + 1.0f / 2048), 0x3c00);     // tie rounds to even
-  EXPECT_EQ(floatToHalf(1.0f + 3.0f / 2048), 0x3c02);
-  EXPECT_TRUE(std::isnan(halfToFloat(floatToHalf(std::nanf("")))));
+  EXPECT_EQ(half::floatToHalf(1.0f), 0x3c00);
+  EXPECT_EQ(half::floatToHalf(-2.0f), 0xc000);
+  EXPECT_EQ(half::floatToHalf(65504.0f), 0x7bff);
+  EXPECT_EQ(half::floatToHalf(1e6f), 0x7c00);           // overflow to Inf
+  EXPECT_EQ(half::floatToHalf(5.960464477539063e-08f), 0x0001);  // smallest subnormal
+  EXPECT_EQ(half::floatToHalf(1.0f + 1.0f / 2048), 0x3c00);     // tie rounds to even
+  EXPECT_EQ(half::floatToHalf(1.0f + 3.0f / 2048), 0x3c02);
+  EXPECT_TRUE(std::isnan(half::halfToFloat(half::floatToHalf(std::nanf("")))));
 }
 
 TEST(Bfloat16, KnownValuesAndRounding) {
-  EXPECT_EQ(floatToBf16(1.0f), 0x3f80);
-  EXPECT_EQ(bf16ToFloat(0xc000), -2.0f);
-  EXPECT_EQ(floatToBf16(1.0f + 1.0f / 256), 0x3f80);  // tie rounds to even
-  EXPECT_EQ(floatToBf16(1.0f + 3.0f / 256), 0x3f82);
-  EXPECT_TRUE(std::isnan(bf16ToFloat(floatToBf16(std::nanf("")))));
+  EXPECT_EQ(half::floatToBfloat16(1.0f), 0x3f80);
+  EXPECT_EQ(half::bfloat16ToFloat(0xc000), -2.0f);
+  EXPECT_EQ(half::floatToBfloat16(1.0f + 1.0f / 256), 0x3f80);  // tie rounds to even
+  EXPECT_EQ(half::floatToBfloat16(1.0f + 3.0f / 256), 0x3f82);
+  EXPECT_TRUE(std::isnan(half::bfloat16ToFloat(half::floatToBfloat16(std::nanf("")))));
 }
 
 }  // namespace

@@ -115,33 +115,26 @@ int run(const RunOptions& options) {
   }
   const IhaCase& c = *loaded;
 
+  // A backend's failure: its tool log (a compiler's) on stderr, then the message.
+  auto failed = [](const Error& error) {
+    if (!error.log.empty()) std::fprintf(stderr, "%s\n", error.log.c_str());
+    return badInput(error.message);
+  };
   std::vector<double> out;
   std::optional<emu::EmuRun> emulated;
   if (options.backend == "reference") {
     out = reference::ihaForward(c.spec, c.inputs).out;
   } else if (options.backend == "cpu") {
     auto result = runOnCpu(options, c);
-    if (!result) {
-      const Error& error = result.error();
-      if (!error.log.empty()) std::fprintf(stderr, "%s\n", error.log.c_str());
-      return badInput(error.message);
-    }
+    if (!result) return failed(result.error());
     out = std::move(*result);
   } else if (options.backend == "cuda") {
     auto result = runOnCuda(options, c);
-    if (!result) {
-      const Error& error = result.error();
-      if (!error.log.empty()) std::fprintf(stderr, "%s\n", error.log.c_str());
-      return badInput(error.message);
-    }
+    if (!result) return failed(result.error());
     out = std::move(*result);
   } else if (options.backend == "emu") {
     auto result = runOnEmulator(options, c);
-    if (!result) {
-      const Error& error = result.error();
-      if (!error.log.empty()) std::fprintf(stderr, "%s\n", error.log.c_str());
-      return badInput(error.message);
-    }
+    if (!result) return failed(result.error());
     emulated = std::move(*result);
     out = emulated->out;
   } else {

@@ -12,6 +12,10 @@
 
 namespace loom {
 
+// The attention launch's entry point (its resources are what the tuner and
+// the reports look at; the pre-mix and collapse launches are small).
+inline constexpr char kAttentionEntry[] = "iha_attention";
+
 // One entry point. Its grid is (ceil(N * rows_per_token / rows_per_cta),
 // grid_y, B) with `threads` threads per CTA.
 struct LaunchPlan {
@@ -60,6 +64,10 @@ Result<Schedule> resolveSchedule(const KernelSpec& spec, const Schedule& schedul
 Result<v1::Target> parseTarget(const std::string& name);
 
 std::string workspaceName(Workspace workspace);
+
+// Elements of a workspace for B = `batch`, N = `tokens`: [B][heads][N * P][d]
+// with the query heads (q_mixed, o_pseudo) or the key/value heads.
+int64_t workspaceElements(const KernelSpec& spec, Workspace workspace, int64_t batch, int64_t tokens);
 
 // The plan as the schema's CompiledKernel (no binary yet).
 v1::CompiledKernel toCompiledKernel(const KernelPlan& plan);

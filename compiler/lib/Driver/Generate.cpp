@@ -72,7 +72,7 @@ int64_t attentionSharedMemory(SpecAttr spec, ScheduleAttr schedule) {
 void readPlan(KernelOp kernel, KernelPlan& plan) {
   const bool cuda = plan.target.kind() == v1::Target::cuda;
   for (LaunchOp launch : kernel.getBlock().getOps<LaunchOp>()) {
-    const bool attention = launch.getSymName() == "iha_attention";
+    const bool attention = launch.getSymName() == kAttentionEntry;
     const bool specialized = !launch.getBlock().getOps<WarpSpecializeOp>().empty();
     plan.launches.push_back({launch.getSymName().str(), int64_t(launch.getRowsPerToken()),
                              int64_t(launch.getRowsPerCta()), int64_t(launch.getGridY()),
@@ -123,6 +123,12 @@ std::string workspaceName(Workspace workspace) {
     case Workspace::o_pseudo: return "o_pseudo";
   }
   return "?";
+}
+
+int64_t workspaceElements(const KernelSpec& spec, Workspace workspace, int64_t batch, int64_t tokens) {
+  const int64_t heads =
+      workspace == Workspace::k_mixed || workspace == Workspace::v_mixed ? spec.kv_heads() : spec.heads();
+  return batch * heads * tokens * spec.pseudo_heads() * spec.head_dim();
 }
 
 int64_t defaultSharedMemoryPerBlock(const std::string& arch) {

@@ -3,6 +3,7 @@
 
 #include "loom/Dialect/Iha/IhaOps.h"
 #include "loom/Dialect/Iha/Passes.h"
+#include "loom/compiler.h"
 #include "loom/mask_rule.h"
 #include "mlir/Dialect/Arith/IR/Arith.h"
 #include "mlir/IR/Builders.h"
@@ -11,7 +12,7 @@ namespace loom::iha {
 
 // Launch names the passes agree on.
 inline constexpr llvm::StringLiteral kPremixLaunch = "iha_premix";
-inline constexpr llvm::StringLiteral kAttentionLaunch = "iha_attention";
+inline constexpr llvm::StringLiteral kAttentionLaunch = loom::kAttentionEntry;
 inline constexpr llvm::StringLiteral kCollapseLaunch = "iha_collapse";
 
 inline LaunchOp findLaunch(KernelOp kernel, llvm::StringRef name) {

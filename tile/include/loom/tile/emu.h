@@ -23,7 +23,7 @@
 #include <cstring>
 
 #include "loom/tile/emu_abi.h"
-#include "loom/tile/half.h"
+#include "loom/half.h"
 
 namespace loom {
 typedef unsigned short Bits16;

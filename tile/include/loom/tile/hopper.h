@@ -432,12 +432,13 @@ __device__ void kv_wait(KvPipeline<C>& pipe, const IhaArgs&, int64_t, int64_t, i
 
 namespace hopper {
 
-// Issues the owed P V product: O += P V, V read N-major from `stage` (the
-// owed one, or with nothing owed any stage holding finite values: P is
-// zero). The caller has fenced and commits.
+// Issues the owed P V product: O += P V, V read N-major from the owed stage
+// (with nothing owed, from the stage being consumed: its values are finite
+// and P is zero). The caller has fenced and commits.
 template <class C>
-__device__ __forceinline__ void issueOwedPv(AccTile<C>& acc, int stage) {
+__device__ __forceinline__ void issueOwedPv(AccTile<C>& acc, const KvPipeline<C>& pipe) {
   using G = Geometry<C>;
+  const int stage = acc.owedStage >= 0 ? acc.owedStage : pipe.stage;
   const unsigned char* v = smem() + layout<C>().v + stage * G::kvTileBytes;
   #pragma unroll
   for (int kk = 0; kk < G::PK; ++kk)
@@ -482,7 +483,7 @@ __device__ void mma_qk(ScoreTile<C>& s, QTile<C>&, KvPipeline<C>& pipe, int64_t,
                                            kt > 0);
   }
   hopper::wgmmaCommit();
-  hopper::issueOwedPv<C>(acc, acc.owedStage >= 0 ? acc.owedStage : pipe.stage);
+  hopper::issueOwedPv<C>(acc, pipe);
   hopper::wgmmaCommit();
   hopper::wgmmaWait<1>();  // groups retire in order: S is done, P V may run on
   hopper::pinRegisters(s.s);
@@ -566,7 +567,7 @@ template <class C>
 __device__ void kv_finish(KvPipeline<C>& pipe, AccTile<C>& acc) {
   hopper::pinRegisters(acc.o);
   hopper::wgmmaFence();
-  hopper::issueOwedPv<C>(acc, acc.owedStage >= 0 ? acc.owedStage : pipe.stage);
+  hopper::issueOwedPv<C>(acc, pipe);
   hopper::wgmmaCommit();
   hopper::retirePv<C>(acc);
 }

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "loom/tile/common.h"
-#include "loom/tile/half.h"
+#include "loom/half.h"
 
 #define LOOM_KERNEL extern "C" __attribute__((visibility("default")))
 

@@ -1,7 +1,9 @@
 // float16 and bfloat16 on the host: bit patterns to float exactly, float to
-// bit patterns rounding to nearest even as the GPU's cvt.rn does. Used by the
-// host tile API (host.h) and by loom's emulator for the CUDA tiles (emu.h,
-// runtime/emu), so both convert exactly as the device would.
+// bit patterns rounding to nearest even as the GPU's cvt.rn does. The one
+// copy: .npy I/O (core/io), the host tile API (host.h) and loom's emulator of
+// the CUDA tiles (emu.h, runtime/emu) all convert with it, so each does
+// exactly what the device does. Header-only and self-contained: it is
+// embedded beside the tile headers for the programs compiled at run time.
 #pragma once
 
 #include <cstdint>
