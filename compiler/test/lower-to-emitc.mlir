@@ -8,7 +8,9 @@
 // CHECK:   emitc.variable
 // CHECK:   emitc.call_opaque "loom::block_x"(%[[ARGS]])
 // CHECK:   emitc.call_opaque "loom::block_z"(%[[ARGS]])
-// CHECK:   emitc.call_opaque "loom::load_q"{{.*}}template_args = [#emitc.opaque<"IhaConfig">, #emitc.opaque<"true">]
+// CHECK:   emitc.call_opaque "loom::q_begin"{{.*}}template_args = [#emitc.opaque<"IhaConfig">, #emitc.opaque<"true">]
+// CHECK:   emitc.call_opaque "loom::kv_begin"
+// CHECK:   emitc.call_opaque "loom::q_wait"{{.*}}template_args = [#emitc.opaque<"IhaConfig">, #emitc.opaque<"true">]
 // CHECK:   emitc.for
 // CHECK:     emitc.call_opaque "loom::kv_produce"
 // CHECK:     emitc.call_opaque "loom::kv_wait"
@@ -24,7 +26,9 @@
 // CPP: static constexpr int pseudo_heads = 3;
 // CPP: static constexpr loom::Mask mask = loom::Mask::token_causal;
 // CPP-LABEL: LOOM_KERNEL void iha_attention(loom::IhaArgs
+// CPP: loom::q_begin<IhaConfig, true>(
 // CPP: loom::kv_begin<IhaConfig, true>(
+// CPP: loom::q_wait<IhaConfig, true>(
 // CPP: for (int64_t
 // CPP:   loom::mask_scores<IhaConfig>(
 // CPP: for (int64_t

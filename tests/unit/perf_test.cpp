@@ -229,5 +229,41 @@ TEST(Report, ConditionalOwedProductSerialisesWgmma) {
   EXPECT_FALSE((*serialised)->performanceLosses().empty());
 }
 
+// The sm_80 program overlaps Q's load with the first K/V copies: Q's
+// cp.async group goes out, then the K/V prologue's stages - 1 groups, and
+// the first wait lets those stay in flight (wait_group stages - 1, not 0).
+// The emulator tests run these programs and would flag a read of a tile
+// whose copy has not landed.
+TEST(Report, QLoadOverlapsTheFirstKeyBlocks) {
+  const KernelSpec spec = testing::makeSpec({.heads = 4, .kvHeads = 2, .pseudoHeads = 2, .headDim = 64,
+                                             .dtype = v1::float16, .mask = v1::flat_causal, .window = 0,
+                                             .collapse = v1::per_head, .ropeTheta = 0});
+  jit::NvrtcCompiler compiler("");
+  for (int stages : {2, 3}) {
+    Schedule schedule;
+    schedule.set_mix(v1::mix_materialized);
+    schedule.set_stages(stages);
+    auto plan = generateKernel(spec, schedule, *parseTarget("sm_80"));
+    ASSERT_TRUE(plan) << plan.error().message;
+    auto artifact = compiler.compile(plan->source, "sm_80");
+    ASSERT_TRUE(artifact) << artifact.error().message;
+    const std::string& ptx = (*artifact)->ptx;
+    const size_t entry = ptx.find(std::string(".entry ") + kAttentionEntry);
+    ASSERT_NE(entry, std::string::npos);
+    const size_t end = ptx.find(".entry ", entry + 1);
+    const std::string body = ptx.substr(entry, end == std::string::npos ? std::string::npos : end - entry);
+    const size_t wait = body.find("cp.async.wait_group");
+    ASSERT_NE(wait, std::string::npos);
+    EXPECT_EQ(body.compare(wait, 22, "cp.async.wait_group " + std::to_string(stages - 1) + ";"), 0)
+        << body.substr(wait, 40);
+    int commits = 0;
+    for (size_t at = body.find("cp.async.commit_group"); at < wait; at = body.find("cp.async.commit_group", at + 1))
+      ++commits;
+    // Q's group and the prologue's (a loop over stages - 1 blocks, which
+    // ptxas may keep rolled) come before it.
+    EXPECT_GE(commits, 2);
+  }
+}
+
 }  // namespace
 }  // namespace loom

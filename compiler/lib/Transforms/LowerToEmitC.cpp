@@ -199,7 +199,14 @@ class LaunchLowering {
           llvm::SmallVector<Value> operands{state("QTile")};
           operands.append(launchArgs());
           operands.append({get(o.getRow0()), get(o.getHead()), get(o.getBatch())});
-          call("load_q", operands, {flag(o.getMixed())});
+          if (specialized_) {
+            call("load_q", operands, {flag(o.getMixed())});
+          } else {
+            // Q's copies go out first; q_wait follows the K/V prologue
+            // (kv_begin), so the first K/V copies overlap Q's load.
+            call("q_begin", operands, {flag(o.getMixed())});
+            pendingQ_ = QWait{std::move(operands), o.getMixed()};
+          }
           call("softmax_init", {state("SoftmaxState"), state("AccTile")});
           return mlir::success();
         })
@@ -209,9 +216,13 @@ class LaunchLowering {
                {state("KvPipeline"), args_, kvHead(get(o.getHead())), get(o.getBatch()), get(o.getLower()),
                 get(o.getUpper())},
                {flag(o.getMixed())});
+          finishQ();
           return mlir::success();
         })
-        .Case([&](KvLoopOp o) { return lowerKvLoop(o); })
+        .Case([&](KvLoopOp o) {
+          finishQ();  // a loop with no stream before it still needs Q
+          return lowerKvLoop(o);
+        })
         .Case([&](StoreRowsOp o) { return store("store_rows", o.getRow0(), o.getHead(), o.getBatch()); })
         .Case([&](StoreCollapsedOp o) { return store("store_collapsed", o.getRow0(), o.getHead(), o.getBatch()); })
         .Case([&](AccumulateCollapsedOp o) {
@@ -259,6 +270,13 @@ class LaunchLowering {
     call("normalize", {state("SoftmaxState"), state("AccTile")});
     call(name, {state("AccTile"), state("SoftmaxState"), args_, get(row0), get(head), get(batch)});
     return mlir::success();
+  }
+
+  // The q_wait owed by the last q_begin, if any.
+  void finishQ() {
+    if (!pendingQ_) return;
+    call("q_wait", pendingQ_->operands, {flag(pendingQ_->mixed)});
+    pendingQ_.reset();
   }
 
   // Warp-specialised consumers hand the last key block's stage back once its
@@ -351,6 +369,11 @@ class LaunchLowering {
   llvm::StringMap<Value> state_;
   llvm::DenseMap<int64_t, Value> constants_;
   llvm::DenseMap<Value, Value> kvHeads_;
+  struct QWait {
+    llvm::SmallVector<Value> operands;
+    bool mixed;
+  };
+  std::optional<QWait> pendingQ_;
 };
 
 struct LowerToEmitC : impl::IhaLowerToEmitCBase<LowerToEmitC> {

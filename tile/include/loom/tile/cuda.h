@@ -133,35 +133,56 @@ struct OutTile {};  // lives in shared memory (AttentionSmem::out)
 // The attention launch
 //===----------------------------------------------------------------------===//
 
-// Fills the Q tile (mixing on the fly, or by cp.async from q_mixed), then
-// each warp loads its A fragments with ldmatrix.
+// Q's load is split around the K/V prologue so that the two overlap:
+//   q_begin   (materialised) issues the cp.async copies of the Q tile from
+//             q_mixed as one commit group;
+//   kv_begin  issues the first stages - 1 K/V groups;
+//   q_wait    waits for Q's group alone (the stages - 1 younger K/V groups
+//             stay in flight), or, with fused mixing, mixes Q into the tile
+//             while those copies fly; then each warp loads its A fragments.
 template <class C, bool Mixed>
-__device__ void load_q(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
+__device__ void q_begin(QTile<C>&, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
+  if constexpr (!Mixed) {
+    using G = cuda::Geometry<C>;
+    const int64_t L = seq_len<C>(a);
+    Bits16* tile = reinterpret_cast<Bits16*>(cuda::smem() + cuda::layout<C>().q);
+    constexpr int chunks = G::Dp / kChunkElements;
+    for (int index = threadIdx.x; index < C::block_m * chunks; index += G::threads) {
+      const int r = index / chunks, chunk = index % chunks;
+      const int64_t i = row0 + r;
+      const bool inside = i < L && chunk * kChunkElements < G::D;
+      const Bits16* source = static_cast<const Bits16*>(a.q_mixed) + ((b * C::heads + head) * L + i) * G::D +
+                             chunk * kChunkElements;
+      cuda::copyAsync16(tile + r * G::pitch + chunk * kChunkElements,
+                        inside ? source : static_cast<const Bits16*>(a.q_mixed), inside);
+    }
+    cuda::commitCopies();
+  }
+}
+
+template <class C, bool Mixed>
+__device__ void q_wait(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
   using G = cuda::Geometry<C>;
-  const int64_t L = seq_len<C>(a);
   Bits16* tile = reinterpret_cast<Bits16*>(cuda::smem() + cuda::layout<C>().q);
-  constexpr int chunks = G::Dp / kChunkElements;
-  for (int index = threadIdx.x; index < C::block_m * chunks; index += G::threads) {
-    const int r = index / chunks, chunk = index % chunks;
-    const int64_t i = row0 + r;
-    const bool inside = i < L && chunk * kChunkElements < G::D;
-    Bits16* destination = tile + r * G::pitch + chunk * kChunkElements;
-    if constexpr (Mixed) {
+  if constexpr (Mixed) {
+    const int64_t L = seq_len<C>(a);
+    constexpr int chunks = G::Dp / kChunkElements;
+    for (int index = threadIdx.x; index < C::block_m * chunks; index += G::threads) {
+      const int r = index / chunks, chunk = index % chunks;
+      const int64_t i = row0 + r;
+      const bool inside = i < L && chunk * kChunkElements < G::D;
       float values[kChunkElements] = {};
       if (inside)
         #pragma unroll
         for (int e = 0; e < kChunkElements; ++e)
           values[e] = cuda::mixedElement<C, Role::query>(a, b, i / C::pseudo_heads, int(head), int(i % C::pseudo_heads),
                                                          chunk * kChunkElements + e);
-      cuda::storeChunk<C>(destination, values);
-    } else {
-      const Bits16* source = static_cast<const Bits16*>(a.q_mixed) + ((b * C::heads + head) * L + i) * G::D +
-                             chunk * kChunkElements;
-      cuda::copyAsync16(destination, inside ? source : static_cast<const Bits16*>(a.q_mixed), inside);
+      cuda::storeChunk<C>(tile + r * G::pitch + chunk * kChunkElements, values);
     }
+  } else {
+    // kv_begin committed exactly stages - 1 groups after Q's.
+    cuda::waitCopies<C::stages - 1>();
   }
-  cuda::commitCopies();
-  cuda::waitCopies<0>();
   __syncthreads();
   if constexpr (Mixed && cuda::Normalized<C, Role::query>::value) {  // the workspace rows are normalised already
     cuda::normalizeRows<C>(C::block_m, [&](int r, int c) { return tile + r * G::pitch + c; }, cuda::warp(), C::warps);

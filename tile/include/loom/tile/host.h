@@ -148,6 +148,8 @@ inline int64_t block_z(const IhaArgs& a) { return a.batch_offset + host::cta.z; 
 template <class C>
 struct QTile {
   std::vector<float> x = std::vector<float>(size_t(C::block_m) * C::head_dim);
+  bool issued = false;  // q_begin ran, q_wait not yet
+  bool ready = false;   // q_wait ran: mma_qk may read x
   float* row(int r) { return &x[size_t(r) * C::head_dim]; }
 };
 
@@ -226,10 +228,28 @@ void collapse_rows(const IhaArgs& a, int64_t token0, int64_t b) {
 // The attention launch
 //===----------------------------------------------------------------------===//
 
+// Q's load in two steps around the K/V prologue, as on the GPU: q_begin
+// starts it, q_wait completes it; mma_qk checks the order.
 template <class C, bool Mixed>
-void load_q(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
+void q_begin(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
   host::stats.ctas++;
   for (int r = 0; r < C::block_m; ++r) host::virtualRow<C, Role::query, Mixed>(a, b, head, row0 + r, q.row(r));
+  q.issued = true;
+  q.ready = false;
+}
+
+template <class C, bool Mixed>
+void q_wait(QTile<C>& q, const IhaArgs&, int64_t, int64_t, int64_t) {
+  if (!q.issued) host::fail("q_wait without a q_begin before it");
+  q.issued = false;
+  q.ready = true;
+}
+
+// Warp-specialised consumers load Q in one step.
+template <class C, bool Mixed>
+void load_q(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
+  q_begin<C, Mixed>(q, a, row0, head, b);
+  q_wait<C, Mixed>(q, a, row0, head, b);
 }
 
 template <class C>
@@ -328,6 +348,7 @@ void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_t block, Ac
 // S = scale * Q K^T for one key block.
 template <class C>
 void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_t block) {
+  if (!q.ready) host::fail("S = Q K^T before Q's load completed (q_wait)");
   host::stats.key_blocks++;
   for (int r = 0; r < C::block_m; ++r)
     for (int c = 0; c < C::block_n; ++c) {
