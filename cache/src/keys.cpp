@@ -2,6 +2,8 @@
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 
+#include <cstdio>
+
 #include "loom/cache.h"
 #include "loom/cache_dir.h"
 #include "loom/hash.h"
@@ -31,15 +33,60 @@ std::string artifactKey(const v1::CompiledKernel& kernel) {
       .hex();
 }
 
-std::string specKey(const KernelSpec& spec) {
+namespace {
+
+std::string deterministicBytes(const KernelSpec& spec) {
   std::string bytes;
   google::protobuf::io::StringOutputStream stream(&bytes);
   google::protobuf::io::CodedOutputStream coded(&stream);
   coded.SetSerializationDeterministic(true);
   spec.SerializeToCodedStream(&coded);
   coded.Trim();
-  return ContentHash().add(bytes).hex();
+  return bytes;
 }
+
+class Fnv {
+ public:
+  Fnv& add(std::string_view bytes) {
+    for (unsigned char c : bytes) state_ = (state_ ^ c) * kPrime;
+    state_ = (state_ ^ 0xff) * kPrime;
+    return *this;
+  }
+  std::string hex() const {
+    char text[17];
+    std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(state_));
+    return text;
+  }
+
+ private:
+  static constexpr uint64_t kPrime = 0x100000001b3ull;
+  uint64_t state_ = 0xcbf29ce484222325ull;
+};
+
+}  // namespace
+
+std::string specKey(const KernelSpec& spec) { return ContentHash().add(deterministicBytes(spec)).hex(); }
+
+namespace schema3 {
+
+std::string checksumOf(const std::string& blob) { return Fnv().add(blob).hex(); }
+
+std::string artifactKey(const v1::CompiledKernel& kernel) {
+  Fnv headers;
+  for (const tile::EmbeddedFile& file : tile::embeddedHeaders()) headers.add(file.path).add(file.text);
+  return Fnv()
+      .add(kernel.source())
+      .add(kernel.compile_options())
+      .add(kernel.target().arch())
+      .add(kernel.toolchain())
+      .add(headers.hex())
+      .add(kGeneratorVersion)
+      .hex();
+}
+
+std::string specKey(const KernelSpec& spec) { return Fnv().add(deterministicBytes(spec)).hex(); }
+
+}  // namespace schema3
 
 std::string storePath(const std::string& cacheDir) { return cacheDir + "/kernels.sqlite"; }
 

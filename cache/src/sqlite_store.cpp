@@ -5,7 +5,9 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include <google/protobuf/util/json_util.h>
@@ -17,7 +19,7 @@ namespace loom::cache {
 namespace fs = std::filesystem;
 namespace {
 
-constexpr int kSchemaVersion = 3;
+constexpr int kSchemaVersion = 4;
 
 int64_t now() {
   return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -132,15 +134,15 @@ Status migrateToV3(sqlite3* db) {
     while (rows.step() == SQLITE_ROW) {
       v1::CompiledKernel kernel;
       if (!kernel.ParseFromString(rows.blob(1)) || !kernel.compile_options().empty()) continue;
-      if (artifactKey(kernel) == rows.text(0)) continue;
+      if (schema3::artifactKey(kernel) == rows.text(0)) continue;
       kernel.set_compile_options(kOptionsBeforeSchemaThree);
-      if (artifactKey(kernel) == rows.text(0)) updates.emplace_back(rows.text(0), kernel.SerializeAsString());
+      if (schema3::artifactKey(kernel) == rows.text(0)) updates.emplace_back(rows.text(0), kernel.SerializeAsString());
     }
   }
   for (const auto& [key, blob] : updates) {
     Statement update(db, "UPDATE artifacts SET blob = ?1, checksum = ?2, bytes = ?3 WHERE key = ?4");
     if (Status ok = update.bindBlob(1, blob)
-                        .bind(2, checksumOf(blob))
+                        .bind(2, schema3::checksumOf(blob))
                         .bind(3, int64_t(blob.size()))
                         .bind(4, key)
                         .done("migration to schema 3");
@@ -175,6 +177,81 @@ Result<Decision> decisionFromJson(const std::string& text) {
   d.candidatesJson = json["candidates"].dump();
   d.artifactKey = json.value("artifact_key", "");
   return d;
+}
+
+// v4: SHA-256 content addresses and checksums (loom/hash.h) instead of
+// FNV-1a, and the rankings table. Every record a schema 3 reader would
+// have served (checksum and key right) is re-keyed and re-checksummed, and
+// each decision's spec key and artifact key follow; any other record could
+// never be served again and goes.
+Status migrateToV4(sqlite3* db) {
+  if (Status ok = exec(db, R"(
+        CREATE TABLE rankings(key TEXT PRIMARY KEY, blob BLOB NOT NULL, checksum TEXT NOT NULL,
+                              created INTEGER NOT NULL);
+      )", "migration to schema 4");
+      !ok)
+    return ok;
+  std::map<std::string, std::string> keys;  // old artifact key -> new
+  std::vector<std::string> dropped;
+  {
+    Statement rows(db, "SELECT key, blob, checksum FROM artifacts");
+    while (rows.step() == SQLITE_ROW) {
+      v1::CompiledKernel kernel;
+      const std::string key = rows.text(0), blob = rows.blob(1);
+      if (schema3::checksumOf(blob) == rows.text(2) && kernel.ParseFromString(blob) && schema3::artifactKey(kernel) == key)
+        keys[key] = artifactKey(kernel);
+      else
+        dropped.push_back(key);
+    }
+  }
+  for (const std::string& key : dropped) {
+    Statement drop(db, "DELETE FROM artifacts WHERE key = ?1");
+    if (Status ok = drop.bind(1, key).done("migration to schema 4"); !ok) return ok;
+  }
+  for (const auto& [from, to] : keys) {
+    Statement update(db, "UPDATE artifacts SET key = ?1, checksum = ?2 WHERE key = ?3");
+    Statement blob(db, "SELECT blob FROM artifacts WHERE key = ?1");
+    if (blob.bind(1, from).step() != SQLITE_ROW) continue;
+    if (Status ok = update.bind(1, to).bind(2, checksumOf(blob.blob(0))).bind(3, from).done("migration to schema 4"); !ok)
+      return ok;
+  }
+  struct Rekeyed {
+    int64_t rowid;
+    std::string specKey, blob;  // empty blob: drop the row
+  };
+  std::vector<Rekeyed> decisions;
+  {
+    Statement rows(db, "SELECT rowid, blob, checksum FROM decisions");
+    while (rows.step() == SQLITE_ROW) {
+      const std::string blob = rows.blob(1);
+      auto decision = schema3::checksumOf(blob) == rows.text(2) ? decisionFromJson(blob)
+                                                               : Result<Decision>(makeError("checksum"));
+      if (!decision) {
+        decisions.push_back({rows.integer(0), "", ""});
+        continue;
+      }
+      auto found = keys.find(decision->artifactKey);
+      decision->artifactKey = found == keys.end() ? "" : found->second;
+      decisions.push_back({rows.integer(0), specKey(decision->spec), decisionToJson(*decision)});
+    }
+  }
+  for (const Rekeyed& d : decisions) {
+    if (d.blob.empty()) {
+      Statement drop(db, "DELETE FROM decisions WHERE rowid = ?1");
+      if (Status ok = drop.bind(1, d.rowid).done("migration to schema 4"); !ok) return ok;
+      continue;
+    }
+    Statement update(db, "UPDATE decisions SET spec_key = ?1, blob = ?2, checksum = ?3, bytes = ?4 WHERE rowid = ?5");
+    if (Status ok = update.bind(1, d.specKey)
+                        .bindBlob(2, d.blob)
+                        .bind(3, checksumOf(d.blob))
+                        .bind(4, int64_t(d.blob.size()))
+                        .bind(5, d.rowid)
+                        .done("migration to schema 4");
+        !ok)
+      return ok;
+  }
+  return Status::success();
 }
 
 class SqliteStore final : public KernelStore {
@@ -270,6 +347,27 @@ class SqliteStore final : public KernelStore {
     return evict();
   }
 
+  Result<std::optional<Schedule>> getRanking(const std::string& key) override {
+    Statement select(db_, "SELECT blob, checksum FROM rankings WHERE key = ?1");
+    const int rc = select.bind(1, key).step();
+    if (rc == SQLITE_DONE) return std::optional<Schedule>();
+    if (rc != SQLITE_ROW) return makeError(std::string("kernel cache: ") + sqlite3_errmsg(db_));
+    Schedule schedule;
+    if (checksumOf(select.blob(0)) != select.text(1) || !schedule.ParseFromString(select.blob(0))) {
+      Statement drop(db_, "DELETE FROM rankings WHERE key = ?1");
+      (void)drop.bind(1, key).done("kernel cache: dropping a corrupt ranking");
+      return std::optional<Schedule>();
+    }
+    return std::optional<Schedule>(std::move(schedule));
+  }
+
+  Status putRanking(const std::string& key, const Schedule& schedule) override {
+    const std::string blob = schedule.SerializeAsString();
+    Statement insert(db_, "INSERT OR REPLACE INTO rankings(key, blob, checksum, created) VALUES(?1, ?2, ?3, ?4)");
+    return insert.bind(1, key).bindBlob(2, blob).bind(3, checksumOf(blob)).bind(4, now()).done(
+        "kernel cache: storing a ranking");
+  }
+
   Result<std::vector<Entry>> list() override {
     std::vector<Entry> entries;
     {
@@ -351,6 +449,21 @@ class SqliteStore final : public KernelStore {
         }
       }
     }
+    std::vector<std::string> corruptRankings;
+    {
+      Statement select(db_, "SELECT key, blob, checksum FROM rankings");
+      while (select.step() == SQLITE_ROW) {
+        ++report.checked;
+        Schedule schedule;
+        if (checksumOf(select.blob(1)) != select.text(2) || !schedule.ParseFromString(select.blob(1)))
+          corruptRankings.push_back(select.text(0));
+      }
+    }
+    for (const std::string& key : corruptRankings) {
+      Statement drop(db_, "DELETE FROM rankings WHERE key = ?1");
+      (void)drop.bind(1, key).done("kernel cache: dropping a corrupt ranking");
+      report.corrupt.push_back("ranking " + key);
+    }
     for (const std::string& key : corruptArtifacts) {
       (void)remove(key);
       report.corrupt.push_back(key);
@@ -393,7 +506,8 @@ class SqliteStore final : public KernelStore {
     Status copied = exec(db_,
                          "BEGIN IMMEDIATE; INSERT OR REPLACE INTO " + to + ".artifacts SELECT * FROM " + from +
                              ".artifacts; INSERT OR REPLACE INTO " + to + ".decisions SELECT * FROM " + from +
-                             ".decisions; COMMIT;",
+                             ".decisions; INSERT OR REPLACE INTO " + to + ".rankings SELECT * FROM " + from +
+                             ".rankings; COMMIT;",
                          what);
     if (!copied) (void)exec(db_, "ROLLBACK", "rollback");
     (void)exec(db_, "DETACH DATABASE other", what);
@@ -465,6 +579,7 @@ Result<sqlite3*> openAndMigrate(const std::string& path, const SqliteOptions& op
   if (version < 1) migrated = exec(db, kSchemaV1, "creating schema 1");
   if (migrated && version < 2) migrated = migrateToV2(db);
   if (migrated && version < 3) migrated = migrateToV3(db);
+  if (migrated && version < 4) migrated = migrateToV4(db);
   if (migrated) migrated = exec(db, "PRAGMA user_version = " + std::to_string(kSchemaVersion), path);
   if (!migrated) {
     (void)exec(db, "ROLLBACK", path);

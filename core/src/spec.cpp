@@ -57,8 +57,14 @@ Status validateSpec(const KernelSpec& spec) {
     return fail("pseudo_heads (" + std::to_string(spec.pseudo_heads()) + ") must be at least 1");
   if (spec.head_dim() < 1) return fail("head_dim (" + std::to_string(spec.head_dim()) + ") must be at least 1");
   if (spec.dtype() == v1::dtype_unspecified) return fail("dtype is missing (float32, float16 or bfloat16)");
+  if (!v1::DType_IsValid(spec.dtype()))
+    return fail("dtype (" + std::to_string(int(spec.dtype())) + ") is not float32, float16 or bfloat16");
   if (spec.mask() == v1::mask_unspecified) return fail("mask is missing (flat_causal, token_causal or none)");
+  if (!v1::MaskMode_IsValid(spec.mask()))
+    return fail("mask (" + std::to_string(int(spec.mask())) + ") is not flat_causal, token_causal or none");
   if (spec.collapse() == v1::collapse_unspecified) return fail("collapse is missing (per_head or global)");
+  if (!v1::CollapseMode_IsValid(spec.collapse()))
+    return fail("collapse (" + std::to_string(int(spec.collapse())) + ") is not per_head or global");
   if (spec.window() < 0) return fail("window (" + std::to_string(spec.window()) + ") must not be negative");
   if (!std::isfinite(spec.rope_theta()) || spec.rope_theta() < 0)
     return fail("rope_theta must be 0 (no rotary embedding) or positive");

@@ -1,5 +1,6 @@
 #include "api/provider.h"
 
+#include <chrono>
 #include <cstdio>
 
 #include "api/compile.h"
@@ -48,15 +49,19 @@ Result<ProvidedKernel> KernelProvider::provide(const KernelSpec& spec, const v1:
       return provided;
     }
   }
-  auto compiled = compileOnce(key, spec, chosen, target);
+  std::optional<double> seconds;
+  auto compiled = compileOnce(key, spec, chosen, target, &seconds);
   if (!compiled) return compiled.error();
   provided.kernel = *compiled;
   provided.origin = "compiled now";
+  provided.compiledHere = seconds.has_value();
+  provided.compileSeconds = seconds.value_or(0);
   return provided;
 }
 
 Result<v1::CompiledKernel> KernelProvider::compileOnce(const std::string& key, const KernelSpec& spec,
-                                                       const Schedule& schedule, const v1::Target& target) {
+                                                       const Schedule& schedule, const v1::Target& target,
+                                                       std::optional<double>* seconds) {
   std::shared_future<Result<v1::CompiledKernel>> future;
   std::promise<Result<v1::CompiledKernel>> promise;
   bool leader = false;
@@ -75,7 +80,9 @@ Result<v1::CompiledKernel> KernelProvider::compileOnce(const std::string& key, c
 
   compileSlots_.acquire();
   ++inFlightCount_;
+  const auto start = std::chrono::steady_clock::now();
   auto compiled = compileKernel(spec, schedule, target, compiler_);
+  *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   --inFlightCount_;
   compileSlots_.release();
   ++compiles_;

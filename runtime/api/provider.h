@@ -12,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <semaphore>
 #include <string>
 
@@ -26,6 +27,10 @@ struct ProvidedKernel {
   v1::CompiledKernel kernel;
   std::string origin;          // "kernel cache" or "compiled now"
   std::string scheduleSource;  // "tuned", "ranked (untimed)", "cost model", "default", "given", with any fallback note
+  // This call ran the NVRTC compile (false for a hit and for an identical
+  // miss that waited on another call's compile), and how long it took.
+  bool compiledHere = false;
+  double compileSeconds = 0;
 };
 
 class KernelProvider {
@@ -50,8 +55,9 @@ class KernelProvider {
   int compilesInFlight() const { return inFlightCount_; }
 
  private:
+  // `seconds` is set when this call ran the compile (it led the identical misses).
   Result<v1::CompiledKernel> compileOnce(const std::string& key, const KernelSpec& spec, const Schedule& schedule,
-                                         const v1::Target& target);
+                                         const v1::Target& target, std::optional<double>* seconds);
 
   std::unique_ptr<cache::KernelStore> store_;
   ScheduleChooser chooser_;

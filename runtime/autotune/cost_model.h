@@ -12,6 +12,11 @@
 
 namespace loom::autotune {
 
+// Names the model's ranking: a choice kept in the kernel cache under an
+// older version is ranked again. Change it with any change that can reorder
+// the model's candidates.
+inline constexpr const char* kCostModelVersion = "cost-model-2026-12-01";
+
 // Ceilings of a device, from measurements where the workplace has them
 // (docs/gpu-results.md) and vendor figures otherwise.
 struct DeviceModel {

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -19,8 +20,15 @@ class Metrics {
     compileSecondsSum_ += seconds;
     ++compileCount_;
   }
+  // The provider's own counts: compiles run (identical misses count once)
+  // and compiles running now.
+  void setCounters(std::function<int64_t()> compiles, std::function<int64_t()> compilesInFlight) {
+    std::lock_guard lock(mutex_);
+    compiles_ = std::move(compiles);
+    compilesInFlight_ = std::move(compilesInFlight);
+  }
   std::atomic<int64_t> cacheHits{0}, cacheMisses{0}, tunes{0};
-  std::atomic<int> compilesInFlight{0};
+  std::atomic<int64_t> rankings{0};  // cost-model rankings run (not those read back from the store)
 
   std::string text() {
     std::lock_guard lock(mutex_);
@@ -30,7 +38,11 @@ class Metrics {
     out += "# TYPE loom_cache_hits_total counter\nloom_cache_hits_total " + std::to_string(cacheHits) + "\n";
     out += "# TYPE loom_cache_misses_total counter\nloom_cache_misses_total " + std::to_string(cacheMisses) + "\n";
     out += "# TYPE loom_tunes_total counter\nloom_tunes_total " + std::to_string(tunes) + "\n";
-    out += "# TYPE loom_compiles_in_flight gauge\nloom_compiles_in_flight " + std::to_string(compilesInFlight) + "\n";
+    out += "# TYPE loom_rankings_total counter\nloom_rankings_total " + std::to_string(rankings) + "\n";
+    out += "# TYPE loom_compiles_total counter\nloom_compiles_total " +
+           std::to_string(compiles_ ? compiles_() : 0) + "\n";
+    out += "# TYPE loom_compiles_in_flight gauge\nloom_compiles_in_flight " +
+           std::to_string(compilesInFlight_ ? compilesInFlight_() : 0) + "\n";
     out += "# TYPE loom_compile_seconds summary\nloom_compile_seconds_sum " + std::to_string(compileSecondsSum_) +
            "\nloom_compile_seconds_count " + std::to_string(compileCount_) + "\n";
     return out;
@@ -39,6 +51,7 @@ class Metrics {
  private:
   std::mutex mutex_;
   std::map<std::string, int64_t> requests_;
+  std::function<int64_t()> compiles_, compilesInFlight_;
   double compileSecondsSum_ = 0;
   int64_t compileCount_ = 0;
 };

@@ -12,7 +12,6 @@
 #include <map>
 #include <set>
 #include <mutex>
-#include <regex>
 #include <thread>
 
 #include "api/provider.h"
@@ -26,6 +25,7 @@
 #include "loom/service.h"
 #include "loom/v1/service.grpc.pb.h"
 #include "metrics.h"
+#include "loom/request_checks.h"
 
 namespace loom::service {
 namespace {
@@ -34,31 +34,9 @@ using grpc::ServerContext;
 using grpc::Status;
 using grpc::StatusCode;
 
-// Requests beyond these sizes are refused before any work starts.
-constexpr int kMaxHeads = 1024;
-constexpr int kMaxPseudoHeads = 64;
-constexpr int kMaxWindow = 1 << 24;
-constexpr int64_t kMaxTuneTokens = 1 << 20;
+constexpr int kMaxRankings = 4096;  // remembered in memory; the store keeps them all
 
 Status invalid(const std::string& message) { return Status(StatusCode::INVALID_ARGUMENT, message); }
-
-Status checkSpec(const KernelSpec& spec) {
-  if (spec.heads() > kMaxHeads || spec.kv_heads() > kMaxHeads)
-    return invalid("spec.heads / spec.kv_heads over the limit of " + std::to_string(kMaxHeads));
-  if (spec.pseudo_heads() > kMaxPseudoHeads)
-    return invalid("spec.pseudo_heads over the limit of " + std::to_string(kMaxPseudoHeads));
-  if (spec.window() > kMaxWindow) return invalid("spec.window over the limit of " + std::to_string(kMaxWindow));
-  if (spec.window_rows() > kMaxWindow)
-    return invalid("spec.window_rows over the limit of " + std::to_string(kMaxWindow));
-  if (loom::Status valid = validateSpec(spec); !valid) return invalid("spec." + valid.error().message);
-  return Status::OK;
-}
-
-Status checkTarget(const v1::Target& target) {
-  if (target.kind() != v1::Target::cuda || !std::regex_match(target.arch(), std::regex("sm_[0-9]{2,3}a?")))
-    return invalid("target: kind must be cuda with an arch such as sm_90a, got '" + target.arch() + "'");
-  return Status::OK;
-}
 
 class KernelServiceImpl final : public v1::KernelService::Service {
  public:
@@ -66,48 +44,49 @@ class KernelServiceImpl final : public v1::KernelService::Service {
       : cacheDir_(options.cacheDir.empty() ? defaultCacheDir() : options.cacheDir),
         provider_(cacheDir_, options.maxConcurrentCompiles),
         token_(std::move(token)),
-        metrics_(metrics) {
-    // A miss with no decision compiles the cost model's best schedule
-    // (ranked once per spec and target, then remembered).
-    provider_.setScheduleChooser([this](const KernelSpec& spec, const v1::Target& target) -> Result<Schedule> {
-      const std::string key = cache::specKey(spec) + "/" + cache::DeviceModel::of(target).key();
-      {
-        std::lock_guard lock(rankedMutex_);
-        if (auto found = ranked_.find(key); found != ranked_.end()) return found->second;
-      }
-      const autotune::SearchSpace space = autotune::searchSpace(spec, target);
-      if (space.candidates.empty()) return makeError("no schedule fits");
-      const autotune::Candidate* best = nullptr;
-      double bestSeconds = 0;
-      for (const auto& c : space.candidates) {
-        const double seconds = autotune::estimateCost(spec, c.schedule, target, 1, kRankingTokens).seconds;
-        if (!best || seconds < bestSeconds) best = &c, bestSeconds = seconds;
-      }
-      std::lock_guard lock(rankedMutex_);
-      ranked_[key] = best->schedule;
-      return best->schedule;
-    });
+        metrics_(metrics),
+        log_(options.requestLog ? options.requestLog
+                                : [](const std::string& line) { std::fprintf(stderr, "%s\n", line.c_str()); }) {
+    // A miss with no decision compiles the cost model's best schedule.
+    provider_.setScheduleChooser(
+        [this](const KernelSpec& spec, const v1::Target& target) { return rankedSchedule(spec, target); });
+    metrics_.setCounters([this] { return provider_.compiles(); }, [this] { return provider_.compilesInFlight(); });
     if (auto device = cuda::Device::open(0); device) device_ = *device;
   }
 
   Status GetKernel(ServerContext* context, const v1::GetKernelRequest* request,
                    v1::GetKernelResponse* response) override {
     return count("GetKernel", [&]() -> Status {
-      if (Status ok = checkSpec(request->spec()); !ok.ok()) return ok;
-      if (Status ok = checkTarget(request->target()); !ok.ok()) return ok;
+      if (Status ok = checkRequest(*request); !ok.ok()) return ok;
       // The work runs apart from this call: past the deadline the caller gets
       // DEADLINE_EXCEEDED while the compile finishes into the cache.
-      auto promise = std::make_shared<std::promise<Result<ProvidedKernel>>>();
-      auto future = promise->get_future();
-      std::thread([this, promise, spec = request->spec(), target = request->target(), worker = Worker(*this)] {
-        ++metrics_.compilesInFlight;
-        const auto start = std::chrono::steady_clock::now();
-        auto provided = provider_.provide(spec, target);
-        --metrics_.compilesInFlight;
-        if (provided && provided->origin == "compiled now")
-          metrics_.compileSeconds(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
-        promise->set_value(std::move(provided));
-      }).detach();
+      // Identical requests in flight share one piece of work, so what
+      // outlives its callers is one thread per distinct (spec, target), at
+      // most kMaxOutstanding of them: past that the server sheds requests
+      // instead of queueing compiles without end.
+      const std::string key = cache::specKey(request->spec()) + "/" + request->target().SerializeAsString();
+      std::shared_future<Result<ProvidedKernel>> future;
+      {
+        std::lock_guard lock(pendingMutex_);
+        if (auto found = pending_.find(key); found != pending_.end()) {
+          future = found->second;
+        } else {
+          if (pending_.size() >= kMaxOutstanding)
+            return Status(StatusCode::RESOURCE_EXHAUSTED, "the server is working on " +
+                                                              std::to_string(kMaxOutstanding) +
+                                                              " distinct kernel requests; retry later");
+          auto promise = std::make_shared<std::promise<Result<ProvidedKernel>>>();
+          future = promise->get_future().share();
+          pending_.emplace(key, future);
+          std::thread([this, promise, key, spec = request->spec(), target = request->target(), worker = Worker(*this)] {
+            auto provided = provider_.provide(spec, target);
+            if (provided && provided->compiledHere) metrics_.compileSeconds(provided->compileSeconds);
+            promise->set_value(std::move(provided));
+            std::lock_guard lock(pendingMutex_);
+            pending_.erase(key);
+          }).detach();
+        }
+      }
       if (future.wait_until(context->deadline()) != std::future_status::ready)
         return Status(StatusCode::DEADLINE_EXCEEDED, "the kernel is still compiling; it will be in the cache");
       auto provided = future.get();
@@ -144,29 +123,30 @@ class KernelServiceImpl final : public v1::KernelService::Service {
       if (Status ok = authorize(*context); !ok.ok()) return ok;
       const v1::TuningResult& result = request->result();
       const v1::CompiledKernel& kernel = request->kernel();
-      if (Status ok = checkSpec(result.spec()); !ok.ok()) return ok;
-      if (Status ok = checkTarget(result.target()); !ok.ok()) return ok;
+      if (Status ok = checkRequest(*request); !ok.ok()) return ok;
       // Clients will execute this kernel on their GPUs: it must be what it claims.
       if (ContentHash().add(kernel.SerializeAsString()).hex() != request->kernel_checksum())
         return invalid("kernel_checksum does not match the kernel");
-      if (kernel.binary().empty() || kernel.entries().empty()) return invalid("kernel: no binary or entry points");
-      if (kernel.spec().SerializeAsString() != result.spec().SerializeAsString())
-        return invalid("kernel.spec differs from result.spec");
-      if (kernel.target().arch() != result.target().arch()) return invalid("kernel.target.arch differs from result.target.arch");
-      if (kernel.schedule().SerializeAsString() != result.best().SerializeAsString())
-        return invalid("kernel.schedule is not result.best");
       auto plan = generateKernel(result.spec(), result.best(), result.target());
       if (!plan || plan->source != kernel.source())
         return invalid("kernel.source is not what this server generates for result.spec and result.best");
       if (!provider_.store()) return Status(StatusCode::UNAVAILABLE, "the kernel cache is unavailable");
-      if (loom::Status ok = provider_.store()->putArtifact(kernel); !ok) return Status(StatusCode::INTERNAL, ok.error().message);
+      // The binary is a function of the source, the options and the
+      // toolchain: the server compiles the source itself (or has it cached),
+      // keeps its own binary and takes only the measurements, and only when
+      // the worker's binary is the same bytes.
+      auto own = provider_.provide(result.spec(), result.target(), result.best());
+      if (!own) return Status(StatusCode::INTERNAL, "compiling kernel.source here: " + own.error().message);
+      if (own->kernel.binary() != kernel.binary() || own->kernel.toolchain() != kernel.toolchain())
+        return invalid("kernel.binary is not what this server's NVRTC (" + own->kernel.toolchain() +
+                       ") builds from kernel.source: tune with the same toolchain as the server");
       cache::Decision decision;
       decision.spec = result.spec();
       decision.device = cache::DeviceModel::of(result.target());
       decision.toolchain = result.toolchain();
       decision.result = result;
       decision.candidatesJson = request->candidates_json().empty() ? "[]" : request->candidates_json();
-      decision.artifactKey = cache::artifactKey(kernel);
+      decision.artifactKey = cache::artifactKey(own->kernel);
       if (loom::Status ok = provider_.store()->putDecision(decision); !ok) return Status(StatusCode::INTERNAL, ok.error().message);
       response->set_artifact_key(decision.artifactKey);
       return Status::OK;
@@ -176,10 +156,7 @@ class KernelServiceImpl final : public v1::KernelService::Service {
   Status Tune(ServerContext* context, const v1::TuneRequest* request, grpc::ServerWriter<v1::TuneUpdate>* writer) override {
     return count("Tune", [&]() -> Status {
       if (Status ok = authorize(*context); !ok.ok()) return ok;
-      if (Status ok = checkSpec(request->spec()); !ok.ok()) return ok;
-      if (Status ok = checkTarget(request->target()); !ok.ok()) return ok;
-      if (request->tokens() < 0 || request->tokens() > kMaxTuneTokens || request->batch() < 0 || request->batch() > 64)
-        return invalid("tokens or batch out of range");
+      if (Status ok = checkRequest(*request); !ok.ok()) return ok;
       autotune::TuneOptions options;
       options.tokens = request->tokens() ? request->tokens() : options.tokens;
       options.batch = request->batch() ? request->batch() : options.batch;
@@ -215,8 +192,7 @@ class KernelServiceImpl final : public v1::KernelService::Service {
   Status LookupDecision(ServerContext*, const v1::LookupDecisionRequest* request,
                         v1::LookupDecisionResponse* response) override {
     return count("LookupDecision", [&]() -> Status {
-      if (Status ok = checkSpec(request->spec()); !ok.ok()) return ok;
-      if (Status ok = checkTarget(request->target()); !ok.ok()) return ok;
+      if (Status ok = checkRequest(*request); !ok.ok()) return ok;
       if (!provider_.store()) return Status(StatusCode::UNAVAILABLE, "the kernel cache is unavailable");
       auto found = provider_.store()->getDecision(request->spec(), cache::DeviceModel::of(request->target()),
                                                   jit::nvrtcVersion());
@@ -233,8 +209,7 @@ class KernelServiceImpl final : public v1::KernelService::Service {
   Status AcquireLease(ServerContext* context, const v1::LeaseRequest* request, v1::LeaseResponse* response) override {
     return count("AcquireLease", [&]() -> Status {
       if (Status ok = authorize(*context); !ok.ok()) return ok;
-      if (Status ok = checkSpec(request->spec()); !ok.ok()) return ok;
-      if (request->worker().empty()) return invalid("worker: name the worker taking the lease");
+      if (Status ok = checkRequest(*request); !ok.ok()) return ok;
       const std::string key = leaseKey(*request);
       const int64_t now = nowSeconds();
       std::lock_guard lock(leaseMutex_);
@@ -294,6 +269,9 @@ class KernelServiceImpl final : public v1::KernelService::Service {
   int workers_ = 0;
 
   static constexpr int64_t kRankingTokens = 4096;
+  static constexpr size_t kMaxOutstanding = 256;
+  std::mutex pendingMutex_;
+  std::map<std::string, std::shared_future<Result<ProvidedKernel>>> pending_;  // GetKernel work in flight
 
   // With the GPU a request asked for, an untuned spec is tuned in the
   // background (once) and its decision stored for the next request.
@@ -315,9 +293,38 @@ class KernelServiceImpl final : public v1::KernelService::Service {
     }).detach();
   }
 
+  // The cost model's best schedule for (spec, device model): ranked once
+  // however many requests ask at the same time, remembered, and kept in the
+  // store so a restarted server need not rank again.
+  Result<Schedule> rankedSchedule(const KernelSpec& spec, const v1::Target& target) {
+    const std::string key = cache::specKey(spec) + "/" + cache::DeviceModel::of(target).key() + "/" +
+                            autotune::kCostModelVersion + "/" + cache::kGeneratorVersion;
+    std::promise<Result<Schedule>> promise;
+    std::shared_future<Result<Schedule>> future;
+    {
+      std::lock_guard lock(rankedMutex_);
+      if (auto found = ranked_.find(key); found != ranked_.end()) return found->second.get();
+      if (ranked_.size() >= kMaxRankings) ranked_.clear();
+      future = promise.get_future().share();
+      ranked_.emplace(key, future);
+    }
+    Result<Schedule> best = [&]() -> Result<Schedule> {
+      if (provider_.store())
+        if (auto kept = provider_.store()->getRanking(key); kept && kept->has_value()) return **kept;
+      ++metrics_.rankings;
+      const autotune::SearchSpace space = autotune::searchSpace(spec, target);
+      auto ranked = autotune::rankByModel(spec, target, space, 1, kRankingTokens);
+      if (ranked.empty()) return makeError("no schedule fits");
+      if (provider_.store()) (void)provider_.store()->putRanking(key, ranked.front().candidate.schedule);
+      return ranked.front().candidate.schedule;
+    }();
+    promise.set_value(best);
+    return best;
+  }
+
   std::shared_ptr<cuda::Device> device_;  // this server's GPU, if any
   std::mutex rankedMutex_;
-  std::map<std::string, Schedule> ranked_;  // the cost model's choice per spec and device model
+  std::map<std::string, std::shared_future<Result<Schedule>>> ranked_;
   std::set<std::string> backgroundTunes_;
   static constexpr int kDefaultLeaseSeconds = 600;
   struct Lease {
@@ -335,13 +342,16 @@ class KernelServiceImpl final : public v1::KernelService::Service {
 
   template <typename Handler>
   Status count(const std::string& method, Handler handler) {
-    const Status status = handler();
+    Status status = handler();
     const char* code = statusCodeName(status.error_code());
     metrics_.request(method, code);
-    std::fprintf(stderr, "{\"method\": \"%s\", \"code\": \"%s\"%s%s%s}\n", method.c_str(), code,
-                 status.ok() ? "" : ", \"message\": \"", status.ok() ? "" : status.error_message().c_str(), status.ok() ? "" : "\"");
+    log_(requestLogLine(method, code, status.error_message()));
+    // No answer carries more than a bounded message, whatever went into it.
+    if (status.error_message().size() > kMaxErrorMessage)
+      status = Status(status.error_code(), status.error_message().substr(0, kMaxErrorMessage) + "...");
     return status;
   }
+  static constexpr size_t kMaxErrorMessage = 2048;
 
   Status authorize(const ServerContext& context) const {
     if (token_.empty()) return Status(StatusCode::PERMISSION_DENIED, "this server takes no writes: start it with --token-file");
@@ -357,6 +367,7 @@ class KernelServiceImpl final : public v1::KernelService::Service {
   KernelProvider provider_;
   std::string token_;
   Metrics& metrics_;
+  std::function<void(const std::string&)> log_;
 };
 
 bool isLoopback(const std::string& address) {
@@ -399,12 +410,15 @@ class Server final : public KernelServer {
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;
+    // A port another server holds is an error, not a share of its clients.
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     builder.AddListeningPort(options.listen, credentials, &port_);
     builder.RegisterService(service_.get());
     builder.SetMaxReceiveMessageSize(options.maxMessageBytes);
     builder.SetMaxSendMessageSize(256 << 20);
     server_ = builder.BuildAndStart();
-    if (!server_ || port_ == 0) return makeError("could not listen on " + options.listen);
+    if (!server_ || port_ == 0)
+      return makeError("could not listen on " + options.listen + " (is another server on that port?)");
     if (options.metricsPort >= 0) {
       http_ = std::make_unique<httplib::Server>();
       http_->Get("/metrics", [this](const httplib::Request&, httplib::Response& response) {

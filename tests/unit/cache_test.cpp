@@ -8,6 +8,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <set>
 
 #include "loom/cache.h"
@@ -239,7 +240,44 @@ TEST(Cache, OptionsArePartOfTheSpecKey) {
   EXPECT_EQ(specKey(explicitDefaults), specKey(base));
 }
 
-// A file written by the previous schema (1) opens, migrates and still answers.
+// Records the way schema 3 and before wrote them: FNV-1a keys and checksums
+// (cache::schema3), the decision as the store's JSON.
+std::string oldDecisionJson(const Decision& d) {
+  nlohmann::json json;
+  json["spec"] = nlohmann::json::parse(toJson(d.spec));
+  json["device"] = {{"name", d.device.name}, {"arch", d.device.arch}, {"sm_count", d.device.smCount}};
+  json["toolchain"] = d.toolchain;
+  json["result"] = nlohmann::json::parse(toJson(d.result));
+  json["candidates"] = nlohmann::json::parse(d.candidatesJson);
+  json["artifact_key"] = d.artifactKey;
+  return json.dump();
+}
+
+// Runs `sql` with parameters ?1, ?2, ... on a raw connection: text, but
+// ?2 (every record's blob column here) as a blob.
+void run(sqlite3* raw, const std::string& sql, const std::vector<std::string>& parameters) {
+  sqlite3_stmt* stmt = nullptr;
+  ASSERT_EQ(sqlite3_prepare_v2(raw, sql.c_str(), -1, &stmt, nullptr), SQLITE_OK) << sqlite3_errmsg(raw);
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    if (i == 1) sqlite3_bind_blob(stmt, 2, parameters[i].data(), int(parameters[i].size()), SQLITE_TRANSIENT);
+    else sqlite3_bind_text(stmt, int(i + 1), parameters[i].data(), int(parameters[i].size()), SQLITE_TRANSIENT);
+  }
+  EXPECT_EQ(sqlite3_step(stmt), SQLITE_DONE) << sqlite3_errmsg(raw);
+  sqlite3_finalize(stmt);
+}
+
+int userVersion(const std::string& path) {
+  sqlite3* raw = nullptr;
+  EXPECT_EQ(sqlite3_open(path.c_str(), &raw), SQLITE_OK);
+  sqlite3_stmt* stmt = nullptr;
+  sqlite3_prepare_v2(raw, "PRAGMA user_version", -1, &stmt, nullptr);
+  const int version = sqlite3_step(stmt) == SQLITE_ROW ? sqlite3_column_int(stmt, 0) : -1;
+  sqlite3_finalize(stmt);
+  sqlite3_close(raw);
+  return version;
+}
+
+// A file written by schema 1 opens, migrates through every schema and still answers.
 TEST(Cache, MigratesFromSchemaOne) {
   testing::TempDir dir;
   const std::string path = dir / "k.sqlite";
@@ -253,75 +291,149 @@ TEST(Cache, MigratesFromSchemaOne) {
                              PRIMARY KEY(spec_key, device, toolchain));
       PRAGMA user_version = 1;)";
     ASSERT_EQ(sqlite3_exec(raw, v1.c_str(), nullptr, nullptr, nullptr), SQLITE_OK);
-    sqlite3_close(raw);
-    // Records written the way schema 1 wrote them, through today's store on
-    // a scratch file, then copied across without the new columns.
-    const std::string scratch = dir / "scratch.sqlite";
-    {
-      auto today = open(scratch);
-      ASSERT_TRUE(today->putArtifact(kernel(5)));
-      ASSERT_TRUE(today->putDecision(decision(8, h200())));
-    }
-    ASSERT_EQ(sqlite3_open(path.c_str(), &raw), SQLITE_OK);
-    const std::string copy = "ATTACH DATABASE '" + scratch +
-                             "' AS s; INSERT INTO artifacts SELECT key, blob, checksum, created FROM s.artifacts; "
-                             "INSERT INTO decisions SELECT spec_key, device, toolchain, blob, checksum, created FROM "
-                             "s.decisions; DETACH DATABASE s;";
-    ASSERT_EQ(sqlite3_exec(raw, copy.c_str(), nullptr, nullptr, nullptr), SQLITE_OK);
+    v1::CompiledKernel k = kernel(5);
+    k.set_compile_options("-std=c++17 --ptxas-options=-v -default-device");
+    const std::string blob = k.SerializeAsString();
+    run(raw, "INSERT INTO artifacts VALUES(?1, ?2, ?3, 1)", {schema3::artifactKey(k), blob, schema3::checksumOf(blob)});
+    const Decision d = decision(8, h200());
+    const std::string json = oldDecisionJson(d);
+    run(raw, "INSERT INTO decisions(spec_key, blob, device, toolchain, checksum, created) VALUES(?1, ?2, ?3, ?4, ?5, 1)",
+        {schema3::specKey(d.spec), json, d.device.key(), d.toolchain, schema3::checksumOf(json)});
     sqlite3_close(raw);
   }
   auto store = open(path);
-  EXPECT_TRUE(store->getArtifact(artifactKey(kernel(5)))->has_value());
+  v1::CompiledKernel k = kernel(5);
+  k.set_compile_options("-std=c++17 --ptxas-options=-v -default-device");
+  EXPECT_TRUE(store->getArtifact(artifactKey(k))->has_value());
   // The device class was backfilled: the fallback lookup works on old rows.
   auto sibling = store->getDecision(spec(8), {"NVIDIA H100 80GB HBM3", "sm_90a", 132}, "nvrtc-13.0");
   ASSERT_TRUE(sibling && sibling->has_value());
   EXPECT_TRUE((*sibling)->fallback);
-  sqlite3* raw = nullptr;
-  ASSERT_EQ(sqlite3_open(path.c_str(), &raw), SQLITE_OK);
-  sqlite3_stmt* stmt = nullptr;
-  sqlite3_prepare_v2(raw, "PRAGMA user_version", -1, &stmt, nullptr);
-  ASSERT_EQ(sqlite3_step(stmt), SQLITE_ROW);
-  EXPECT_EQ(sqlite3_column_int(stmt, 0), schemaVersion());
-  sqlite3_finalize(stmt);
-  sqlite3_close(raw);
+  EXPECT_EQ(userVersion(path), schemaVersion());
 }
 
 // A schema-2 file: artifacts stored before records carried their compile
-// options open, gain the options every earlier loom compiled with, and still
-// answer under the keys they were stored with.
+// options open, gain the options every earlier loom compiled with, and are
+// found under today's key for them.
 TEST(Cache, MigratedArtifactsGainTheirCompileOptions) {
   testing::TempDir dir;
   const std::string path = dir / "k.sqlite";
-  { ASSERT_TRUE(open(path)->putArtifact(kernel(4))); }
+  { ASSERT_TRUE(open(path)); }
   v1::CompiledKernel compiled = kernel(3);
   compiled.set_compile_options("-std=c++17 --ptxas-options=-v -default-device");
-  const std::string key = artifactKey(compiled);
   const std::string blob = kernel(3).SerializeAsString();  // as schema 2 stored it: no options field
   {
     sqlite3* raw = nullptr;
     ASSERT_EQ(sqlite3_open(path.c_str(), &raw), SQLITE_OK);
-    sqlite3_stmt* insert = nullptr;
-    sqlite3_prepare_v2(raw, "INSERT INTO artifacts(key, blob, checksum, created, bytes, last_used) VALUES(?1, ?2, ?3, 1, ?4, 1)",
-                       -1, &insert, nullptr);
-    const std::string checksum = ContentHash().add(blob).hex();
-    sqlite3_bind_text(insert, 1, key.c_str(), -1, SQLITE_TRANSIENT);
-    sqlite3_bind_blob(insert, 2, blob.data(), int(blob.size()), SQLITE_TRANSIENT);
-    sqlite3_bind_text(insert, 3, checksum.c_str(), -1, SQLITE_TRANSIENT);
-    sqlite3_bind_int64(insert, 4, int64_t(blob.size()));
-    ASSERT_EQ(sqlite3_step(insert), SQLITE_DONE);
-    sqlite3_finalize(insert);
-    ASSERT_EQ(sqlite3_exec(raw, "PRAGMA user_version = 2", nullptr, nullptr, nullptr), SQLITE_OK);
+    ASSERT_EQ(sqlite3_exec(raw, "DROP TABLE rankings; PRAGMA user_version = 2", nullptr, nullptr, nullptr), SQLITE_OK);
+    run(raw, "INSERT INTO artifacts(key, blob, checksum, created, bytes, last_used) VALUES(?1, ?2, ?3, 1, 9, 1)",
+        {schema3::artifactKey(compiled), blob, schema3::checksumOf(blob)});
     sqlite3_close(raw);
   }
   auto store = open(path);
-  auto found = store->getArtifact(key);
-  ASSERT_TRUE(found && found->has_value()) << "the old record is found under its old key";
+  auto found = store->getArtifact(artifactKey(compiled));
+  ASSERT_TRUE(found && found->has_value()) << "the old record is found under today's key";
   EXPECT_EQ((*found)->compile_options(), compiled.compile_options());
   EXPECT_EQ((*found)->binary(), compiled.binary());
-  EXPECT_TRUE(store->getArtifact(artifactKey(kernel(4)))->has_value()) << "a record already consistent is untouched";
   auto report = store->verify();
   ASSERT_TRUE(report);
   EXPECT_TRUE(report->corrupt.empty());
+}
+
+// Schema 3 to 4: FNV-1a addresses become SHA-256 ones. Every record schema 3
+// would have served is re-keyed (a decision's spec key and artifact key
+// follow); a record whose old checksum fails goes.
+TEST(Cache, MigratesFnvAddressesToSha256) {
+  testing::TempDir dir;
+  const std::string path = dir / "k.sqlite";
+  { ASSERT_TRUE(open(path)); }
+  v1::CompiledKernel good = kernel(7), damaged = kernel(8);
+  good.set_compile_options("-std=c++17");
+  damaged.set_compile_options("-std=c++17");
+  Decision d = decision(8, h200());
+  d.artifactKey = schema3::artifactKey(good);
+  {
+    sqlite3* raw = nullptr;
+    ASSERT_EQ(sqlite3_open(path.c_str(), &raw), SQLITE_OK);
+    ASSERT_EQ(sqlite3_exec(raw, "DROP TABLE rankings; PRAGMA user_version = 3", nullptr, nullptr, nullptr), SQLITE_OK);
+    const std::string insert =
+        "INSERT INTO artifacts(key, blob, checksum, created, bytes, last_used) VALUES(?1, ?2, ?3, 1, 9, 1)";
+    const std::string blob = good.SerializeAsString(), other = damaged.SerializeAsString();
+    run(raw, insert, {schema3::artifactKey(good), blob, schema3::checksumOf(blob)});
+    run(raw, insert, {schema3::artifactKey(damaged), other, schema3::checksumOf(other + "x")});
+    const std::string json = oldDecisionJson(d);
+    run(raw,
+        "INSERT INTO decisions(spec_key, blob, device, toolchain, checksum, created, bytes, last_used, device_class) "
+        "VALUES(?1, ?2, ?3, ?4, ?5, 1, 9, 1, ?6)",
+        {schema3::specKey(d.spec), json, d.device.key(), d.toolchain, schema3::checksumOf(json), d.device.classKey()});
+    sqlite3_close(raw);
+  }
+  auto store = open(path);
+  EXPECT_EQ(userVersion(path), 4);
+  EXPECT_EQ(artifactKey(good).size(), 64u);
+  auto found = store->getArtifact(artifactKey(good));
+  ASSERT_TRUE(found && found->has_value());
+  EXPECT_EQ((*found)->binary(), good.binary());
+  EXPECT_FALSE(store->getArtifact(schema3::artifactKey(good))->has_value()) << "no record under the old key";
+  EXPECT_FALSE(store->getArtifact(artifactKey(damaged))->has_value());
+  auto lookup = store->getDecision(spec(8), h200(), "nvrtc-13.0");
+  ASSERT_TRUE(lookup && lookup->has_value());
+  EXPECT_EQ((*lookup)->decision.artifactKey, artifactKey(good));
+  EXPECT_EQ((*lookup)->decision.result.median_ms(), 1.25);
+  auto listed = store->list();
+  ASSERT_TRUE(listed);
+  EXPECT_EQ(listed->size(), 2u);
+  auto report = store->verify();
+  ASSERT_TRUE(report);
+  EXPECT_TRUE(report->corrupt.empty());
+}
+
+// Keys are SHA-256 over length-prefixed fields: the FIPS 180-2 vector, and
+// two kernels whose fields differ only in where a 0xff byte falls, which
+// the old FNV-1a key (a 0xff separator) could not tell apart.
+TEST(Cache, KeysAreSha256OverUnambiguousFields) {
+  EXPECT_EQ(sha256Hex("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  EXPECT_NE(ContentHash().add("ab").add("c").hex(), ContentHash().add("a").add("bc").hex());
+  v1::CompiledKernel a = kernel(1), b = kernel(1);
+  a.set_source("x\xff");
+  a.set_compile_options("y");
+  b.set_source("x");
+  b.set_compile_options("\xffy");
+  EXPECT_EQ(schema3::artifactKey(a), schema3::artifactKey(b)) << "the collision schema 3 had";
+  EXPECT_NE(artifactKey(a), artifactKey(b));
+  const ContentHash partial = ContentHash().add("a");
+  EXPECT_EQ(partial.hex(), partial.hex()) << "hex() leaves the hash as it was";
+  EXPECT_EQ(ContentHash(partial).add("b").hex(), ContentHash().add("a").add("b").hex());
+}
+
+// The cost model's choice is kept (a restarted service need not rank
+// again), checksummed like every record, and travels in exports.
+TEST(Cache, RankingsAreKeptCheckedAndExported) {
+  testing::TempDir dir;
+  const std::string path = dir / "k.sqlite";
+  Schedule s;
+  s.set_block_m(128);
+  s.set_block_n(64);
+  {
+    auto store = open(path);
+    EXPECT_FALSE(store->getRanking("spec/device/model")->has_value());
+    ASSERT_TRUE(store->putRanking("spec/device/model", s));
+  }
+  auto store = open(path);
+  auto found = store->getRanking("spec/device/model");
+  ASSERT_TRUE(found && found->has_value());
+  EXPECT_EQ((*found)->block_n(), 64);
+  ASSERT_TRUE(store->exportTo(dir / "bundle.sqlite"));
+  auto there = open(dir / "there.sqlite");
+  ASSERT_TRUE(there->importFrom(dir / "bundle.sqlite"));
+  EXPECT_TRUE(there->getRanking("spec/device/model")->has_value());
+  {
+    sqlite3* raw = nullptr;
+    ASSERT_EQ(sqlite3_open(path.c_str(), &raw), SQLITE_OK);
+    ASSERT_EQ(sqlite3_exec(raw, "UPDATE rankings SET blob = x'08ff'", nullptr, nullptr, nullptr), SQLITE_OK);
+    sqlite3_close(raw);
+  }
+  EXPECT_FALSE(store->getRanking("spec/device/model")->has_value()) << "a damaged ranking is a miss";
 }
 
 TEST(Cache, ExportAndImportMoveRecordsBetweenMachines) {

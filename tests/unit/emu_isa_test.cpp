@@ -436,7 +436,7 @@ TEST(EmuIsa, MbarrierPhasesParityAndTransactionCounts) {
 //===--- tensor maps and cp.async.bulk.tensor ----------------------------------===//
 
 TEST(EmuIsa, TensorMapEncodingFollowsTheDriversRules) {
-  alignas(64) CUtensorMap map;
+  CUtensorMap map;  // the type carries its own (128-byte) alignment
   alignas(16) static unsigned char data[1 << 16];
   const cuuint64_t dims[2] = {64, 100}, strides[1] = {128};
   const cuuint32_t box[2] = {64, 32}, ones[2] = {1, 1};
@@ -474,7 +474,7 @@ TEST(EmuIsa, TmaLoadsBoxesWithFillAndSwizzle) {
     for (bool nan : {false, true}) {
       const int boxColumns = swizzle ? swizzle / 2 : 64;  // inner box = the swizzle span (or 128 bytes)
       const int boxRows = 16;
-      alignas(64) CUtensorMap map;
+      CUtensorMap map;  // the type carries its own (128-byte) alignment
       const cuuint64_t dims[2] = {kColumns, kRows}, strides[1] = {128};
       const cuuint32_t box[2] = {cuuint32_t(boxColumns), cuuint32_t(boxRows)}, ones[2] = {1, 1};
       const auto mode = swizzle == 0    ? CU_TENSOR_MAP_SWIZZLE_NONE
@@ -522,7 +522,7 @@ TEST(EmuIsa, TmaLoadsBoxesWithFillAndSwizzle) {
 TEST(EmuIsa, TmaCompletesTransactionsAndAShortExpectationNeverCompletes) {
   GlobalMemory global;
   void* tensor = global.allocate("tensor", 64 * 64 * 2, true, 1);
-  alignas(64) CUtensorMap map;
+  CUtensorMap map;  // the type carries its own (128-byte) alignment
   const cuuint64_t dims[2] = {64, 64}, strides[1] = {128};
   const cuuint32_t box[2] = {64, 64}, ones[2] = {1, 1};
   ASSERT_EQ(encodeTensorMapTiled(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 2, tensor, dims, strides, box, ones,

@@ -10,6 +10,8 @@
 #include <sys/wait.h>
 
 #include <atomic>
+#include <mutex>
+#include <nlohmann/json.hpp>
 #include <fstream>
 #include <thread>
 
@@ -21,6 +23,7 @@
 #include "loom/hash.h"
 #include "loom/service.h"
 #include "test_util.h"
+#include "loom/request_checks.h"
 
 namespace loom::service {
 namespace {
@@ -130,6 +133,143 @@ TEST_F(Service, InvalidRequestsNameTheField) {
   EXPECT_EQ(server_->compiles(), 0);
 }
 
+std::string metricsText(const KernelServer& server) {
+  httplib::Client http("127.0.0.1", server.metricsPort());
+  auto response = http.Get("/metrics");
+  return response ? response->body : "";
+}
+
+// Many concurrent misses for one new spec: one ranking, one compile, and
+// the metrics say so (the waiters of a shared compile record nothing).
+TEST_F(Service, IdenticalMissesRankAndCompileOnceAndAreCountedOnce) {
+  constexpr int kClients = 12;
+  std::vector<std::thread> threads;
+  std::atomic<int> ok{0};
+  for (int t = 0; t < kClients; ++t)
+    threads.emplace_back([&] { ok += client()->getKernel(spec(2, 40), sm80()).ok(); });
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(ok, kClients);
+  EXPECT_EQ(server_->compiles(), 1);
+  const std::string metrics = metricsText(*server_);
+  EXPECT_NE(metrics.find("loom_compile_seconds_count 1\n"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("loom_compiles_total 1\n"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("loom_rankings_total 1\n"), std::string::npos) << metrics;
+  EXPECT_NE(metrics.find("loom_compiles_in_flight 0\n"), std::string::npos) << metrics;
+}
+
+// The cost model's choice is kept in the store: a restarted server serves
+// the first request for that spec from the cache without ranking again.
+TEST_F(Service, TheRankingSurvivesARestart) {
+  auto first = client()->getKernel(spec(2, 48), sm80());
+  ASSERT_TRUE(first) << first.error().message;
+  server_->shutdown(1000);
+  server_.reset();
+  SetUp();
+  auto again = client()->getKernel(spec(2, 48), sm80());
+  ASSERT_TRUE(again) << again.error().message;
+  EXPECT_EQ(again->origin(), "kernel cache");
+  EXPECT_EQ(again->schedule_source(), "cost model");
+  EXPECT_EQ(again->kernel().schedule().SerializeAsString(), first->kernel().schedule().SerializeAsString());
+  const std::string metrics = metricsText(*server_);
+  EXPECT_NE(metrics.find("loom_rankings_total 0\n"), std::string::npos) << metrics;
+  EXPECT_EQ(server_->compiles(), 0);
+}
+
+// A second server on a port the first holds fails to start (no
+// SO_REUSEPORT sharing of the first one's clients).
+TEST_F(Service, ABusyPortIsAnError) {
+  ServerOptions options;
+  options.listen = address_;
+  options.cacheDir = dir_ / "other";
+  auto second = KernelServer::start(options);
+  ASSERT_FALSE(second) << "a second server started on " << address_;
+  EXPECT_NE(second.error().message.find("could not listen on " + address_), std::string::npos)
+      << second.error().message;
+}
+
+// Archs and enum values the service cannot serve are refused by name,
+// before any ranking or compile.
+TEST_F(Service, UnsupportedArchsAndUnknownValuesAreNamed) {
+  auto c = client();
+  auto refused = [&](const KernelSpec& s, const v1::Target& t, const std::string& expected) {
+    auto r = c->getKernel(s, t);
+    ASSERT_FALSE(r);
+    EXPECT_NE(r.error().message.find("INVALID_ARGUMENT"), std::string::npos) << r.error().message;
+    EXPECT_NE(r.error().message.find(expected), std::string::npos) << r.error().message;
+  };
+  refused(spec(2), *parseTarget("sm_75"), "target.arch 'sm_75': unsupported arch (loom supports sm_80 and later");
+  refused(spec(2), *parseTarget("sm_999"), "target.arch 'sm_999' is not an arch this server's NVRTC");
+  refused(spec(2), *parseTarget("cpu"), "target.kind must be cuda: the service serves CUDA kernels (got cpu)");
+  KernelSpec bad = spec(2);
+  bad.set_dtype(static_cast<v1::DType>(99));
+  refused(bad, sm80(), "spec.dtype (99) is not float32, float16 or bfloat16");
+  bad = spec(2);
+  bad.set_mask(static_cast<v1::MaskMode>(42));
+  refused(bad, sm80(), "spec.mask (42) is not flat_causal, token_causal or none");
+  EXPECT_EQ(server_->compiles(), 0);
+  EXPECT_NE(metricsText(*server_).find("loom_rankings_total 0\n"), std::string::npos);
+}
+
+// Client text comes back as a short, escaped prefix, and the request log
+// is one JSON object per line whatever a field holds.
+TEST(ServiceInput, EchoesAreBoundedAndTheLogIsJson) {
+  testing::TempDir dir;
+  std::mutex mutex;
+  std::vector<std::string> lines;
+  ServerOptions options;
+  options.listen = "127.0.0.1:0";
+  options.cacheDir = dir / "cache";
+  options.requestLog = [&](const std::string& line) {
+    std::lock_guard lock(mutex);
+    lines.push_back(line);
+  };
+  auto server = KernelServer::start(options);
+  ASSERT_TRUE(server) << server.error().message;
+  auto c = KernelClient::connect("127.0.0.1:" + std::to_string((*server)->port()));
+  ASSERT_TRUE(c);
+  v1::Target huge = sm80();
+  huge.set_arch(std::string(1 << 20, 'x'));
+  auto r = (*c)->getKernel(spec(2), huge);
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.error().message.find("INVALID_ARGUMENT"), std::string::npos) << r.error().message.substr(0, 200);
+  EXPECT_LT(r.error().message.size(), 400u);
+  EXPECT_NE(r.error().message.find("(1048576 bytes)"), std::string::npos) << r.error().message;
+  v1::Target forged = sm80();
+  forged.set_arch("x\"}\n{\"method\": \"PutTuning\", \"code\": \"OK\"}");
+  r = (*c)->getKernel(spec(2), forged);
+  ASSERT_FALSE(r);
+  EXPECT_NE(r.error().message.find("'x\"}\\x0a{\"method\""), std::string::npos) << r.error().message;
+  (*server)->shutdown(1000);
+  std::lock_guard lock(mutex);
+  ASSERT_EQ(lines.size(), 2u);
+  for (const std::string& line : lines) {
+    EXPECT_EQ(line.find('\n'), std::string::npos);
+    EXPECT_LT(line.size(), 1400u);
+    const auto json = nlohmann::json::parse(line, nullptr, false);
+    ASSERT_FALSE(json.is_discarded()) << line;
+    EXPECT_EQ(json["method"], "GetKernel");
+    EXPECT_EQ(json["code"], "INVALID_ARGUMENT");
+  }
+}
+
+// Every request message's bytes go through the same checks without a
+// server (what the request fuzzer drives): garbage is INVALID_ARGUMENT.
+TEST(ServiceInput, RequestBytesAreCheckedWithoutAServer) {
+  v1::GetKernelRequest good;
+  *good.mutable_spec() = spec(2);
+  *good.mutable_target() = sm80();
+  EXPECT_TRUE(checkRequestBytes("GetKernel", good.SerializeAsString()).ok());
+  EXPECT_EQ(checkRequestBytes("GetKernel", "\xff\xff\xff").error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(checkRequestBytes("Nothing", "").error_code(), grpc::StatusCode::UNIMPLEMENTED);
+  v1::LeaseRequest lease;
+  *lease.mutable_spec() = spec(2);
+  lease.set_worker(std::string(300, 'w'));
+  EXPECT_EQ(checkRequestBytes("AcquireLease", lease.SerializeAsString()).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(shortQuote("a'b\\c\x01"), "'a\\'b\\\\c\\x01'");
+  EXPECT_EQ(shortQuote(std::string(50, 'z'), 4), "'zzzz'... (50 bytes)");
+}
+
 // The options of public IHA code are part of the spec: a spec with them is
 // its own kernel (compiled once, then a hit), and options where they mean
 // nothing are refused with the field named, before any compile.
@@ -202,6 +342,17 @@ TEST_F(Service, WritesNeedTheCredentialAndAreChecked) {
   auto rejected = writer->putTuning(result, tampered);
   ASSERT_FALSE(rejected);
   EXPECT_NE(rejected.error().message.find("kernel.source"), std::string::npos) << rejected.error().message;
+
+  // A binary other than the one the server's own NVRTC builds from that
+  // source is refused, however well its checksum matches.
+  v1::CompiledKernel swapped = kernel;
+  std::string binary = kernel.binary();
+  binary[binary.size() / 2] ^= 0x5a;
+  swapped.set_binary(binary);
+  rejected = writer->putTuning(result, swapped);
+  ASSERT_FALSE(rejected);
+  EXPECT_NE(rejected.error().message.find("kernel.binary is not what this server's NVRTC"), std::string::npos)
+      << rejected.error().message;
 
   auto stored = writer->putTuning(result, kernel);
   ASSERT_TRUE(stored) << stored.error().message;

@@ -73,6 +73,15 @@ struct VerifyReport {
   std::vector<std::string> corrupt;  // ids whose checksum failed (removed)
 };
 
+// Schema 3 and before keyed and checksummed records with 64-bit FNV-1a (a
+// 0xff byte after each field). Only the migration to schema 4 reads these,
+// and the tests that write files as those schemas did.
+namespace schema3 {
+std::string checksumOf(const std::string& blob);
+std::string artifactKey(const v1::CompiledKernel& kernel);
+std::string specKey(const KernelSpec& spec);
+}  // namespace schema3
+
 class KernelStore {
  public:
   virtual ~KernelStore() = default;
@@ -88,6 +97,12 @@ class KernelStore {
   virtual Result<std::optional<DecisionLookup>> getDecision(const KernelSpec& spec, const DeviceModel& device,
                                                             const std::string& toolchain) = 0;
   virtual Status putDecision(const Decision& decision) = 0;
+
+  // A schedule chosen without a measurement (the cost model's ranking),
+  // under a key its caller builds from everything the choice depends on;
+  // kept so a restarted service need not rank again. nullopt on a miss.
+  virtual Result<std::optional<Schedule>> getRanking(const std::string& key) = 0;
+  virtual Status putRanking(const std::string& key, const Schedule& schedule) = 0;
 
   virtual Result<std::vector<Entry>> list() = 0;
   // The record with this id as JSON (an artifact without its binary and

@@ -60,6 +60,10 @@ Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedu
 // and (for CUDA) the target's shared memory; the error names the field.
 Result<Schedule> resolveSchedule(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target);
 
+// CUDA archs loom generates for: sm_80 and later ("sm_90a" for wgmma).
+inline constexpr int kMinimumCudaArch = 80;
+Status checkCudaArch(const std::string& arch);
+
 // Parses "cpu", "sm_80", "sm_90a", ... into a Target.
 Result<v1::Target> parseTarget(const std::string& name);
 

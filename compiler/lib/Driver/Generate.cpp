@@ -165,6 +165,17 @@ std::string tileHeaderFor(const v1::Target& target, const Schedule& schedule) {
   return schedule.engine() == v1::engine_wgmma ? "loom/tile/hopper.h" : "loom/tile/cuda.h";
 }
 
+Status checkCudaArch(const std::string& arch) {
+  std::smatch match;
+  if (!std::regex_match(arch, match, std::regex("sm_([0-9]{2,3})(a?)")))
+    return makeError("not a CUDA arch like sm_80 or sm_90a");
+  const int number = std::stoi(match[1]);
+  if (number < kMinimumCudaArch)
+    return makeError("unsupported arch (loom supports sm_" + std::to_string(kMinimumCudaArch) +
+                     " and later: it needs cp.async and bfloat16 mma)");
+  return Status::success();
+}
+
 Result<v1::Target> parseTarget(const std::string& name) {
   v1::Target target;
   if (name == "cpu") {
@@ -199,6 +210,9 @@ struct CompilerContext {
 Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const KernelSpec& spec, const Schedule& schedule,
                                                   const v1::Target& target) {
   if (Status valid = validateSpec(spec); !valid) return valid.error();
+  if (target.kind() == v1::Target::cuda)
+    if (Status supported = checkCudaArch(target.arch()); !supported)
+      return makeError("target '" + target.arch().substr(0, 40) + "': " + supported.error().message);
   const mlir::Location loc = mlir::UnknownLoc::get(&c.context);
   SpecAttr specAttr = SpecAttr::getChecked(
       [&] { return mlir::emitError(loc); }, &c.context, int64_t(spec.heads()), int64_t(spec.kv_heads()),

@@ -1,9 +1,10 @@
-// Content hashes for cache keys: 64-bit FNV-1a over every input that
-// changes a binary, printed as 16 hex digits.
+// Content hashes for cache keys and blob checksums: SHA-256 (OpenSSL) over
+// length-prefixed fields, printed as 64 hex digits. The length prefix makes
+// the fields unambiguous: ("ab", "c") and ("a", "bc") differ whatever bytes
+// the fields hold.
 #pragma once
 
-#include <cstdint>
-#include <cstdio>
+#include <memory>
 #include <string>
 #include <string_view>
 
@@ -11,22 +12,22 @@ namespace loom {
 
 class ContentHash {
  public:
-  ContentHash& add(std::string_view bytes) {
-    for (unsigned char c : bytes) state_ = (state_ ^ c) * kPrime;
-    // A separator, so ("ab", "c") and ("a", "bc") differ.
-    state_ = (state_ ^ 0xff) * kPrime;
-    return *this;
-  }
-  std::string hex() const {
-    char text[17];
-    std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(state_));
-    return text;
-  }
+  ContentHash();
+  ~ContentHash();
+  ContentHash(const ContentHash& other);
+  ContentHash& operator=(const ContentHash&) = delete;
+
+  // Adds one field: its length (8 bytes, little-endian), then its bytes.
+  ContentHash& add(std::string_view bytes);
+  // The digest of the fields so far (the hash may take more fields after).
+  std::string hex() const;
 
  private:
-  static constexpr uint64_t kOffset = 0xcbf29ce484222325ull;
-  static constexpr uint64_t kPrime = 0x100000001b3ull;
-  uint64_t state_ = kOffset;
+  struct State;
+  std::unique_ptr<State> state_;
 };
+
+// SHA-256 of `bytes` as they are (no length prefix), 64 hex digits.
+std::string sha256Hex(std::string_view bytes);
 
 }  // namespace loom

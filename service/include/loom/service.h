@@ -3,6 +3,7 @@
 // Prometheus metrics on a port of their own.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -18,6 +19,9 @@ struct ServerOptions {
   int metricsPort = -1;                    // -1: off, 0: any free port
   int maxConcurrentCompiles = 4;
   int maxMessageBytes = 64 << 20;
+  // Each request's JSON log line (method, code, a bounded message); unset:
+  // standard error.
+  std::function<void(const std::string&)> requestLog;
 };
 
 class KernelServer {
