@@ -22,17 +22,6 @@ DeviceModel DeviceModel::of(const v1::Target& target) {
   return model;
 }
 
-std::string artifactKey(const v1::CompiledKernel& kernel) {
-  return ContentHash()
-      .add(kernel.source())
-      .add(kernel.compile_options())
-      .add(kernel.target().arch())
-      .add(kernel.toolchain())
-      .add(tile::embeddedHeadersHash())
-      .add(kGeneratorVersion)
-      .hex();
-}
-
 namespace {
 
 std::string deterministicBytes(const KernelSpec& spec) {
@@ -63,7 +52,31 @@ class Fnv {
   uint64_t state_ = 0xcbf29ce484222325ull;
 };
 
+// Every input that changes a binary, in one order, for either hash.
+template <class Hash>
+std::string addressOf(const v1::CompiledKernel& kernel, const std::string& headersHash) {
+  return Hash()
+      .add(kernel.source())
+      .add(kernel.compile_options())
+      .add(kernel.target().arch())
+      .add(kernel.toolchain())
+      .add(headersHash)
+      .add(kGeneratorVersion)
+      .hex();
+}
+
+template <class Hash>
+std::string headersHashOf() {
+  Hash hash;
+  for (const tile::EmbeddedFile& file : tile::embeddedHeaders()) hash.add(file.path).add(file.text);
+  return hash.hex();
+}
+
 }  // namespace
+
+std::string artifactKey(const v1::CompiledKernel& kernel) {
+  return addressOf<ContentHash>(kernel, tile::embeddedHeadersHash());
+}
 
 std::string specKey(const KernelSpec& spec) { return ContentHash().add(deterministicBytes(spec)).hex(); }
 
@@ -72,16 +85,8 @@ namespace schema3 {
 std::string checksumOf(const std::string& blob) { return Fnv().add(blob).hex(); }
 
 std::string artifactKey(const v1::CompiledKernel& kernel) {
-  Fnv headers;
-  for (const tile::EmbeddedFile& file : tile::embeddedHeaders()) headers.add(file.path).add(file.text);
-  return Fnv()
-      .add(kernel.source())
-      .add(kernel.compile_options())
-      .add(kernel.target().arch())
-      .add(kernel.toolchain())
-      .add(headers.hex())
-      .add(kGeneratorVersion)
-      .hex();
+  static const std::string headers = headersHashOf<Fnv>();  // once, not per record migrated
+  return addressOf<Fnv>(kernel, headers);
 }
 
 std::string specKey(const KernelSpec& spec) { return Fnv().add(deterministicBytes(spec)).hex(); }

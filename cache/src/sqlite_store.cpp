@@ -191,7 +191,10 @@ Status migrateToV4(sqlite3* db) {
       )", "migration to schema 4");
       !ok)
     return ok;
-  std::map<std::string, std::string> keys;  // old artifact key -> new
+  struct Address {
+    std::string key, checksum;
+  };
+  std::map<std::string, Address> keys;  // old artifact key -> new key and checksum
   std::vector<std::string> dropped;
   {
     Statement rows(db, "SELECT key, blob, checksum FROM artifacts");
@@ -199,7 +202,7 @@ Status migrateToV4(sqlite3* db) {
       v1::CompiledKernel kernel;
       const std::string key = rows.text(0), blob = rows.blob(1);
       if (schema3::checksumOf(blob) == rows.text(2) && kernel.ParseFromString(blob) && schema3::artifactKey(kernel) == key)
-        keys[key] = artifactKey(kernel);
+        keys[key] = {artifactKey(kernel), checksumOf(blob)};
       else
         dropped.push_back(key);
     }
@@ -210,9 +213,7 @@ Status migrateToV4(sqlite3* db) {
   }
   for (const auto& [from, to] : keys) {
     Statement update(db, "UPDATE artifacts SET key = ?1, checksum = ?2 WHERE key = ?3");
-    Statement blob(db, "SELECT blob FROM artifacts WHERE key = ?1");
-    if (blob.bind(1, from).step() != SQLITE_ROW) continue;
-    if (Status ok = update.bind(1, to).bind(2, checksumOf(blob.blob(0))).bind(3, from).done("migration to schema 4"); !ok)
+    if (Status ok = update.bind(1, to.key).bind(2, to.checksum).bind(3, from).done("migration to schema 4"); !ok)
       return ok;
   }
   struct Rekeyed {
@@ -231,7 +232,7 @@ Status migrateToV4(sqlite3* db) {
         continue;
       }
       auto found = keys.find(decision->artifactKey);
-      decision->artifactKey = found == keys.end() ? "" : found->second;
+      decision->artifactKey = found == keys.end() ? "" : found->second.key;
       decisions.push_back({rows.integer(0), specKey(decision->spec), decisionToJson(*decision)});
     }
   }

@@ -49,13 +49,10 @@ Result<ProvidedKernel> KernelProvider::provide(const KernelSpec& spec, const v1:
       return provided;
     }
   }
-  std::optional<double> seconds;
-  auto compiled = compileOnce(key, spec, chosen, target, &seconds);
+  auto compiled = compileOnce(key, spec, chosen, target, &provided.compileSeconds);
   if (!compiled) return compiled.error();
   provided.kernel = *compiled;
   provided.origin = "compiled now";
-  provided.compiledHere = seconds.has_value();
-  provided.compileSeconds = seconds.value_or(0);
   return provided;
 }
 

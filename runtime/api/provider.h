@@ -27,10 +27,9 @@ struct ProvidedKernel {
   v1::CompiledKernel kernel;
   std::string origin;          // "kernel cache" or "compiled now"
   std::string scheduleSource;  // "tuned", "ranked (untimed)", "cost model", "default", "given", with any fallback note
-  // This call ran the NVRTC compile (false for a hit and for an identical
-  // miss that waited on another call's compile), and how long it took.
-  bool compiledHere = false;
-  double compileSeconds = 0;
+  // How long the NVRTC compile took when this call ran it (unset for a hit
+  // and for an identical miss that waited on another call's compile).
+  std::optional<double> compileSeconds;
 };
 
 class KernelProvider {

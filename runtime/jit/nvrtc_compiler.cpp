@@ -64,12 +64,17 @@ std::string nvrtcVersion() {
 }
 
 bool nvrtcKnowsArch(const std::string& arch) {
-  int count = 0;
-  if (nvrtcGetNumSupportedArchs(&count) != NVRTC_SUCCESS) return false;
-  std::vector<int> archs(static_cast<size_t>(count));
-  nvrtcGetSupportedArchs(archs.data());
+  // Asked on every request the service takes: the list and the pattern once.
+  static const std::vector<int> archs = [] {
+    int count = 0;
+    if (nvrtcGetNumSupportedArchs(&count) != NVRTC_SUCCESS) return std::vector<int>();
+    std::vector<int> numbers(static_cast<size_t>(count));
+    nvrtcGetSupportedArchs(numbers.data());
+    return numbers;
+  }();
+  static const std::regex pattern("sm_([0-9]+)a?");
   std::smatch match;
-  if (!std::regex_match(arch, match, std::regex("sm_([0-9]+)a?"))) return false;
+  if (!std::regex_match(arch, match, pattern)) return false;
   const int number = std::stoi(match[1]);
   return std::find(archs.begin(), archs.end(), number) != archs.end();
 }

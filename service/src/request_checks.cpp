@@ -74,16 +74,21 @@ Status checkTarget(const v1::Target& target) {
   return Status::OK;
 }
 
+namespace {
+Status checkSpecAndTarget(const v1::KernelSpec& spec, const v1::Target& target) {
+  if (Status ok = checkSpec(spec); !ok.ok()) return ok;
+  return checkTarget(target);
+}
+}  // namespace
+
 Status checkRequest(const v1::GetKernelRequest& request) {
-  if (Status ok = checkSpec(request.spec()); !ok.ok()) return ok;
-  return checkTarget(request.target());
+  return checkSpecAndTarget(request.spec(), request.target());
 }
 
 Status checkRequest(const v1::PutTuningRequest& request) {
   const v1::TuningResult& result = request.result();
   const v1::CompiledKernel& kernel = request.kernel();
-  if (Status ok = checkSpec(result.spec()); !ok.ok()) return ok;
-  if (Status ok = checkTarget(result.target()); !ok.ok()) return ok;
+  if (Status ok = checkSpecAndTarget(result.spec(), result.target()); !ok.ok()) return ok;
   if (kernel.binary().empty() || kernel.entries().empty()) return invalid("kernel: no binary or entry points");
   if (kernel.spec().SerializeAsString() != result.spec().SerializeAsString())
     return invalid("kernel.spec differs from result.spec");
@@ -91,15 +96,13 @@ Status checkRequest(const v1::PutTuningRequest& request) {
     return invalid("kernel.target.arch differs from result.target.arch");
   if (kernel.schedule().SerializeAsString() != result.best().SerializeAsString())
     return invalid("kernel.schedule is not result.best");
-  if (!request.candidates_json().empty() &&
-      !nlohmann::json::accept(request.candidates_json()))
+  if (!request.candidates_json().empty() && !nlohmann::json::accept(request.candidates_json()))
     return invalid("candidates_json is not JSON");
   return Status::OK;
 }
 
 Status checkRequest(const v1::TuneRequest& request) {
-  if (Status ok = checkSpec(request.spec()); !ok.ok()) return ok;
-  if (Status ok = checkTarget(request.target()); !ok.ok()) return ok;
+  if (Status ok = checkSpecAndTarget(request.spec(), request.target()); !ok.ok()) return ok;
   if (request.tokens() < 0 || request.tokens() > kMaxTuneTokens)
     return invalid("tokens (" + std::to_string(request.tokens()) + ") must be 0 (the default) to " +
                    std::to_string(kMaxTuneTokens));
@@ -110,8 +113,7 @@ Status checkRequest(const v1::TuneRequest& request) {
 }
 
 Status checkRequest(const v1::LookupDecisionRequest& request) {
-  if (Status ok = checkSpec(request.spec()); !ok.ok()) return ok;
-  return checkTarget(request.target());
+  return checkSpecAndTarget(request.spec(), request.target());
 }
 
 Status checkRequest(const v1::LeaseRequest& request) {

@@ -80,7 +80,7 @@ class KernelServiceImpl final : public v1::KernelService::Service {
           pending_.emplace(key, future);
           std::thread([this, promise, key, spec = request->spec(), target = request->target(), worker = Worker(*this)] {
             auto provided = provider_.provide(spec, target);
-            if (provided && provided->compiledHere) metrics_.compileSeconds(provided->compileSeconds);
+            if (provided && provided->compileSeconds) metrics_.compileSeconds(*provided->compileSeconds);
             promise->set_value(std::move(provided));
             std::lock_guard lock(pendingMutex_);
             pending_.erase(key);
@@ -300,14 +300,17 @@ class KernelServiceImpl final : public v1::KernelService::Service {
     const std::string key = cache::specKey(spec) + "/" + cache::DeviceModel::of(target).key() + "/" +
                             autotune::kCostModelVersion + "/" + cache::kGeneratorVersion;
     std::promise<Result<Schedule>> promise;
-    std::shared_future<Result<Schedule>> future;
+    std::shared_future<Result<Schedule>> known;
     {
       std::lock_guard lock(rankedMutex_);
-      if (auto found = ranked_.find(key); found != ranked_.end()) return found->second.get();
-      if (ranked_.size() >= kMaxRankings) ranked_.clear();
-      future = promise.get_future().share();
-      ranked_.emplace(key, future);
+      if (auto found = ranked_.find(key); found != ranked_.end()) {
+        known = found->second;
+      } else {
+        if (ranked_.size() >= kMaxRankings) ranked_.clear();
+        ranked_.emplace(key, promise.get_future().share());
+      }
     }
+    if (known.valid()) return known.get();  // waits, outside the lock, for a ranking under way
     Result<Schedule> best = [&]() -> Result<Schedule> {
       if (provider_.store())
         if (auto kept = provider_.store()->getRanking(key); kept && kept->has_value()) return **kept;

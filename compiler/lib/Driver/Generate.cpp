@@ -165,12 +165,18 @@ std::string tileHeaderFor(const v1::Target& target, const Schedule& schedule) {
   return schedule.engine() == v1::engine_wgmma ? "loom/tile/hopper.h" : "loom/tile/cuda.h";
 }
 
+namespace {
+// "sm_" and two or three digits, "a" for the arch-specific features (sm_90a's wgmma).
+const std::regex& cudaArchPattern() {
+  static const std::regex pattern("sm_([0-9]{2,3})a?");
+  return pattern;
+}
+}  // namespace
+
 Status checkCudaArch(const std::string& arch) {
   std::smatch match;
-  if (!std::regex_match(arch, match, std::regex("sm_([0-9]{2,3})(a?)")))
-    return makeError("not a CUDA arch like sm_80 or sm_90a");
-  const int number = std::stoi(match[1]);
-  if (number < kMinimumCudaArch)
+  if (!std::regex_match(arch, match, cudaArchPattern())) return makeError("not a CUDA arch like sm_80 or sm_90a");
+  if (std::stoi(match[1]) < kMinimumCudaArch)
     return makeError("unsupported arch (loom supports sm_" + std::to_string(kMinimumCudaArch) +
                      " and later: it needs cp.async and bfloat16 mma)");
   return Status::success();
@@ -182,7 +188,7 @@ Result<v1::Target> parseTarget(const std::string& name) {
     target.set_kind(v1::Target::cpu);
     return target;
   }
-  if (!std::regex_match(name, std::regex("sm_[0-9]{2,3}a?")))
+  if (!std::regex_match(name, cudaArchPattern()))
     return makeError("target '" + name + "' is not cpu or a CUDA arch like sm_80, sm_90a");
   target.set_kind(v1::Target::cuda);
   target.set_arch(name);

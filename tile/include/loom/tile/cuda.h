@@ -51,6 +51,15 @@ __device__ __forceinline__ AttentionSmem layout() {
                        C::fused_mix, C::fused_collapse, C::fused_global_collapse);
 }
 
+// f(r, chunk) for every 16-byte chunk of a Rows x padded-d tile, the CTA's
+// threads striding over them (chunk counts padded columns: those past
+// head_dim are the caller's to fill with zeros).
+template <class C, int Rows, class F>
+__device__ __forceinline__ void forEachTileChunk(F&& f) {
+  constexpr int chunks = Geometry<C>::Dp / kChunkElements;
+  for (int index = threadIdx.x; index < Rows * chunks; index += Geometry<C>::threads) f(index / chunks, index % chunks);
+}
+
 // First row of m-tile `mt` of this warp inside the query block.
 template <class C>
 __device__ __forceinline__ int tileRow(int mt) {
@@ -146,16 +155,13 @@ __device__ void q_begin(QTile<C>&, const IhaArgs& a, int64_t row0, int64_t head,
     using G = cuda::Geometry<C>;
     const int64_t L = seq_len<C>(a);
     Bits16* tile = reinterpret_cast<Bits16*>(cuda::smem() + cuda::layout<C>().q);
-    constexpr int chunks = G::Dp / kChunkElements;
-    for (int index = threadIdx.x; index < C::block_m * chunks; index += G::threads) {
-      const int r = index / chunks, chunk = index % chunks;
+    const Bits16* q = static_cast<const Bits16*>(a.q_mixed);
+    cuda::forEachTileChunk<C, C::block_m>([&](int r, int chunk) {
       const int64_t i = row0 + r;
       const bool inside = i < L && chunk * kChunkElements < G::D;
-      const Bits16* source = static_cast<const Bits16*>(a.q_mixed) + ((b * C::heads + head) * L + i) * G::D +
-                             chunk * kChunkElements;
-      cuda::copyAsync16(tile + r * G::pitch + chunk * kChunkElements,
-                        inside ? source : static_cast<const Bits16*>(a.q_mixed), inside);
-    }
+      const Bits16* source = q + ((b * C::heads + head) * L + i) * G::D + chunk * kChunkElements;
+      cuda::copyAsync16(tile + r * G::pitch + chunk * kChunkElements, inside ? source : q, inside);
+    });
     cuda::commitCopies();
   }
 }
@@ -166,19 +172,16 @@ __device__ void q_wait(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head
   Bits16* tile = reinterpret_cast<Bits16*>(cuda::smem() + cuda::layout<C>().q);
   if constexpr (Mixed) {
     const int64_t L = seq_len<C>(a);
-    constexpr int chunks = G::Dp / kChunkElements;
-    for (int index = threadIdx.x; index < C::block_m * chunks; index += G::threads) {
-      const int r = index / chunks, chunk = index % chunks;
+    cuda::forEachTileChunk<C, C::block_m>([&](int r, int chunk) {
       const int64_t i = row0 + r;
-      const bool inside = i < L && chunk * kChunkElements < G::D;
       float values[kChunkElements] = {};
-      if (inside)
+      if (i < L && chunk * kChunkElements < G::D)
         #pragma unroll
         for (int e = 0; e < kChunkElements; ++e)
           values[e] = cuda::mixedElement<C, Role::query>(a, b, i / C::pseudo_heads, int(head), int(i % C::pseudo_heads),
                                                          chunk * kChunkElements + e);
       cuda::storeChunk<C>(tile + r * G::pitch + chunk * kChunkElements, values);
-    }
+    });
   } else {
     // kv_begin committed exactly stages - 1 groups after Q's.
     cuda::waitCopies<C::stages - 1>();
@@ -238,19 +241,17 @@ __device__ void issueKv(const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
     }
   } else {
     const int64_t L = seq_len<C>(a);
-    constexpr int chunks = G::Dp / kChunkElements;
     Bits16* kTile = reinterpret_cast<Bits16*>(smem() + s.k) + stage * C::block_n * G::pitch;
     Bits16* vTile = reinterpret_cast<Bits16*>(smem() + s.v) + stage * C::block_n * G::pitch;
     const Bits16* kSource = static_cast<const Bits16*>(a.k_mixed);
     const Bits16* vSource = static_cast<const Bits16*>(a.v_mixed);
-    for (int index = threadIdx.x; index < C::block_n * chunks; index += G::threads) {
-      const int r = index / chunks, chunk = index % chunks;
+    forEachTileChunk<C, C::block_n>([&](int r, int chunk) {
       const int64_t j = block * C::block_n + r;
       const bool inside = j < L && chunk < dChunks;
       const int64_t offset = ((b * C::kv_heads + g) * L + j) * G::D + chunk * kChunkElements;
       copyAsync16(kTile + r * G::pitch + chunk * kChunkElements, inside ? kSource + offset : kSource, inside);
       copyAsync16(vTile + r * G::pitch + chunk * kChunkElements, inside ? vSource + offset : vSource, inside);
-    }
+    });
   }
 }
 
@@ -290,15 +291,14 @@ __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t block) {
   Bits16* kTile = reinterpret_cast<Bits16*>(smem() + s.k);
   Bits16* vTile = reinterpret_cast<Bits16*>(smem() + s.v);
   const int64_t L = seq_len<C>(a), token0 = block * C::block_n / C::pseudo_heads;
-  constexpr int chunks = G::Dp / kChunkElements, half = C::head_dim / 2;
+  constexpr int half = C::head_dim / 2;
   auto mix = [&](const Bits16* rows, const float* alpha, int t, int p, int c) {
     float sum = 0.0f;
     for (int m = 0; m < C::kv_heads; ++m)
       sum += alpha[(m * C::kv_heads + g) * C::pseudo_heads + p] * toFloat<C>(rows[(t * C::kv_heads + m) * G::D + c]);
     return sum;
   };
-  for (int index = threadIdx.x; index < C::block_n * chunks; index += G::threads) {
-    const int r = index / chunks, chunk = index % chunks;
+  forEachTileChunk<C, C::block_n>([&](int r, int chunk) {
     const int64_t j = block * C::block_n + r;
     float keys[kChunkElements] = {}, values[kChunkElements] = {};
     if (j < L && chunk * kChunkElements < G::D) {
@@ -319,7 +319,7 @@ __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t block) {
     }
     storeChunk<C>(kTile + r * G::pitch + chunk * kChunkElements, keys);
     storeChunk<C>(vTile + r * G::pitch + chunk * kChunkElements, values);
-  }
+  });
 }
 
 }  // namespace cuda
