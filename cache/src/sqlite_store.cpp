@@ -21,6 +21,12 @@ namespace {
 
 constexpr int kSchemaVersion = 4;
 
+// Every column of each table at this schema (export and import copy by name).
+constexpr const char* kArtifactColumns = "key, blob, checksum, created, bytes, last_used";
+constexpr const char* kDecisionColumns =
+    "spec_key, device, toolchain, blob, checksum, created, bytes, last_used, device_class";
+constexpr const char* kRankingColumns = "key, blob, checksum, created";
+
 int64_t now() {
   return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
@@ -258,7 +264,7 @@ Status migrateToV4(sqlite3* db) {
 class SqliteStore final : public KernelStore {
  public:
   SqliteStore(sqlite3* db, SqliteOptions options) : db_(db), options_(options) {}
-  ~SqliteStore() override { sqlite3_close(db_); }
+  ~SqliteStore() override { sqlite3_close_v2(db_); }
 
   Result<std::optional<v1::CompiledKernel>> getArtifact(const std::string& key) override {
     std::string blob, checksum;
@@ -504,12 +510,26 @@ class SqliteStore final : public KernelStore {
     Statement attach(db_, "ATTACH DATABASE ?1 AS other");
     if (Status ok = attach.bind(1, path).done(what); !ok) return ok;
     const std::string from = into ? "other" : "main", to = into ? "main" : "other";
-    Status copied = exec(db_,
-                         "BEGIN IMMEDIATE; INSERT OR REPLACE INTO " + to + ".artifacts SELECT * FROM " + from +
-                             ".artifacts; INSERT OR REPLACE INTO " + to + ".decisions SELECT * FROM " + from +
-                             ".decisions; INSERT OR REPLACE INTO " + to + ".rankings SELECT * FROM " + from +
-                             ".rankings; COMMIT;",
-                         what);
+    // An imported file must be whole, indexes included: quick_check (on
+    // open) skips them, and a row its index cannot find escapes verify's
+    // removal and would be copied.
+    bool healthy = true;
+    if (into) {
+      Statement check(db_, "PRAGMA other.integrity_check(1)");
+      healthy = check.step() == SQLITE_ROW && check.text(0) == "ok";
+    }
+    if (!healthy) {
+      (void)exec(db_, "DETACH DATABASE other", what);
+      return makeError(std::string(what) + ": " + path + " is not a healthy database");
+    }
+    // By column name: a file's tables may hold their columns in another order.
+    std::string sql = "BEGIN IMMEDIATE;";
+    for (const auto& [table, columns] : {std::pair<const char*, const char*>{"artifacts", kArtifactColumns},
+                                         {"decisions", kDecisionColumns},
+                                         {"rankings", kRankingColumns}})
+      sql += std::string(" INSERT OR REPLACE INTO ") + to + "." + table + "(" + columns + ") SELECT " + columns +
+             " FROM " + from + "." + table + ";";
+    Status copied = exec(db_, sql + " COMMIT;", what);
     if (!copied) (void)exec(db_, "ROLLBACK", "rollback");
     (void)exec(db_, "DETACH DATABASE other", what);
     return copied;
@@ -551,12 +571,14 @@ Result<sqlite3*> openAndMigrate(const std::string& path, const SqliteOptions& op
   if (sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX, nullptr) !=
       SQLITE_OK) {
     std::string message = db ? sqlite3_errmsg(db) : "out of memory";
-    sqlite3_close(db);
+    sqlite3_close_v2(db);
     return makeError(path + ": " + message);
   }
   sqlite3_busy_timeout(db, options.busyTimeoutMs);
+  // close_v2: a statement still open on the way out (a failed check
+  // returns from inside its scope) does not keep the connection alive.
   auto fail = [&](const Status& status) -> Result<sqlite3*> {
-    sqlite3_close(db);
+    sqlite3_close_v2(db);
     return status.error();
   };
   // A damaged file fails here: quick_check reads every page once.

@@ -66,7 +66,8 @@ Status validateSpec(const KernelSpec& spec) {
   if (!v1::CollapseMode_IsValid(spec.collapse()))
     return fail("collapse (" + std::to_string(int(spec.collapse())) + ") is not per_head or global");
   if (spec.window() < 0) return fail("window (" + std::to_string(spec.window()) + ") must not be negative");
-  if (!std::isfinite(spec.rope_theta()) || spec.rope_theta() < 0)
+  // -0.0 too: it means 0 but is other bytes, so another cache key for one function.
+  if (!std::isfinite(spec.rope_theta()) || std::signbit(spec.rope_theta()))
     return fail("rope_theta must be 0 (no rotary embedding) or positive");
   if (spec.rope_theta() > 0 && spec.head_dim() % 2 != 0)
     return fail("head_dim (" + std::to_string(spec.head_dim()) + ") must be even when rope_theta > 0");

@@ -116,6 +116,39 @@ TEST(Compiler, DiagnosticsNameTheField) {
   EXPECT_NE(errorOf(spec, Schedule()).find("head_dim (20) is unsupported"), std::string::npos);
 }
 
+// Found by fuzz_schedule_json: a given field far out of range reached the
+// shared-memory arithmetic of the defaults (a signed overflow) before any
+// check. Each is refused first, naming it, on every target.
+TEST(Compiler, FieldsOutOfEveryRangeAreRefusedBeforeDefaulting) {
+  Schedule huge;
+  huge.set_block_m(12571251);
+  huge.set_mix(v1::mix_materialized);
+  for (const char* arch : {"cpu", "sm_80", "sm_90a"}) {
+    auto resolved = resolveSchedule(baseSpec(), huge, *parseTarget(arch));
+    ASSERT_FALSE(resolved) << arch;
+    EXPECT_NE(resolved.error().message.find("schedule.block_m (12571251) must be in [1, 256], or 0 for the default"),
+              std::string::npos)
+        << resolved.error().message;
+  }
+  Schedule negative;
+  negative.set_warps(-4);
+  EXPECT_NE(errorOf(baseSpec(), negative).find("schedule.warps (-4) must be in [1, 12]"), std::string::npos);
+  Schedule registers;
+  registers.set_producer_registers(100000);
+  EXPECT_NE(errorOf(baseSpec(), registers).find("schedule.producer_registers (100000)"), std::string::npos);
+}
+
+// Found by fuzz_spec_json: rope_theta -0.0 passed as "0" but is other bytes
+// (another cache key for the same function, and it printed back as +0).
+TEST(Compiler, NegativeZeroRopeThetaIsRefused) {
+  KernelSpec spec = baseSpec();
+  spec.set_rope_theta(-0.0);
+  EXPECT_NE(errorOf(spec, Schedule()).find("rope_theta must be 0 (no rotary embedding) or positive"),
+            std::string::npos);
+  spec.set_rope_theta(0.0);
+  EXPECT_TRUE(generateKernel(spec, Schedule(), *parseTarget("cpu")));
+}
+
 // The rotary table the device reads: each pair's frequency in turns per
 // position as a 64-bit fixed-point fraction. The device keeps the top 32 bits
 // of position * turns (a wrapping integer product) as the angle's fraction of

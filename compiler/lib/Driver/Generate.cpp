@@ -232,7 +232,9 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
       int64_t(spec.window_rows()));
   if (!specAttr) return makeError("spec: " + c.diagnostics);
   const bool hopper = target.kind() == v1::Target::cuda && target.arch() == "sm_90a";
-  ScheduleAttr scheduleAttr = completeSchedule(specAttr, fieldsOf(schedule), hopper);
+  const ScheduleFields given = fieldsOf(schedule);
+  if (auto why = checkScheduleFields(given)) return makeError(*why);
+  ScheduleAttr scheduleAttr = completeSchedule(specAttr, given, hopper);
   if (auto why = checkSchedule(specAttr, scheduleAttr)) return makeError(*why);
   if (target.kind() == v1::Target::cuda)
     if (auto why = fitCudaTarget(specAttr, scheduleAttr, schedule, target)) return makeError(*why);

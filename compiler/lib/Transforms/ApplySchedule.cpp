@@ -72,6 +72,7 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
       std::string error;
       auto fields = fieldsFromOptions(blockM, blockN, warps, stages, mix, collapse, engine, producerRegisters, &error);
       if (!fields) return kernel.emitError() << error;
+      if (auto why = checkScheduleFields(*fields)) return kernel.emitError() << *why;
       chosen = completeSchedule(spec, *fields);
     }
     if (auto why = checkSchedule(spec, chosen)) return kernel.emitError() << *why;

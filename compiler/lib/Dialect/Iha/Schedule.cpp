@@ -95,6 +95,21 @@ std::optional<std::string> checkWgmma(SpecAttr spec, ScheduleAttr schedule) {
 
 }  // namespace
 
+std::optional<std::string> checkScheduleFields(const ScheduleFields& given) {
+  const std::pair<const char*, std::pair<int64_t, int64_t>> fields[] = {
+      {"block_m", {given.blockM, kMaxBlockRows}},
+      {"block_n", {given.blockN, kMaxBlockRows}},
+      {"warps", {given.warps, kMaxWarps}},
+      {"stages", {given.stages, kMaxStages}},
+      {"producer_registers", {given.producerRegisters, kMaxWarpgroupRegisters}}};
+  for (const auto& [name, field] : fields) {
+    const auto [value, most] = field;
+    if (value < 0 || value > most)
+      return std::string("schedule.") + name + " (" + str(value) + ") must be in [1, " + str(most) + "], or 0 for the default";
+  }
+  return std::nullopt;
+}
+
 ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool hopper) {
   // wgmma when asked for; on Hopper also by default, where the spec and the
   // fields given allow it.

@@ -26,6 +26,7 @@ inline constexpr int64_t kWarpgroupWarps = 4;
 inline constexpr int64_t kWarpgroupRows = 64;
 inline constexpr int64_t kMinWarpgroupRegisters = 24;
 inline constexpr int64_t kMaxWarpgroupRegisters = 256;
+inline constexpr int64_t kMaxWarps = 3 * kWarpgroupWarps;  // three consumer warpgroups
 
 struct ScheduleFields {
   int64_t blockM = 0, blockN = 0, warps = 0, stages = 0;
@@ -36,6 +37,12 @@ struct ScheduleFields {
 };
 
 // Registers per consumer thread: loom::consumerRegisters (loom/tile/layout.h).
+
+// Why the given fields cannot be completed, naming the field: each must be
+// 0 (the default) or inside the widest range any engine takes, so no
+// default is derived from a value no schedule may have. Run before
+// completeSchedule; checkSchedule then checks the completed schedule.
+std::optional<std::string> checkScheduleFields(const ScheduleFields& given);
 
 // Fills every unset field with the default for this spec. The mma engine:
 // the largest warp count in {4, 2, 1} whose block_m = lcm(P, 16 * warps)
