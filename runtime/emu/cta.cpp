@@ -116,7 +116,7 @@ void Cta::run(const std::function<void()>& body) {
   gCta = this;
   boost::context::protected_fixedsize_stack stacks(config_.stackBytes);
   for (Thread& t : threads_) {
-    t.fiber = boost::context::fiber(std::allocator_arg, stacks, [this, &body, &t](boost::context::fiber&& back) {
+    t.fiber = boost::context::fiber(std::allocator_arg, stacks, [&body, &t](boost::context::fiber&& back) {
       t.back = std::move(back);
       body();
       t.state = Thread::State::finished;

@@ -66,8 +66,11 @@ extern "C" __attribute__((visibility("default"))) uint32_t loom_emu_abi_version(
 
 //===--- loads and stores ----------------------------------------------------===//
 
-#define LOOM_EMU_HOOK(kind, bytes, write)                                                                    \
-  extern "C" __attribute__((visibility("default"), no_sanitize("coverage"))) void __sanitizer_cov_##kind##bytes( \
+// Hidden: the program's own hooks, bound inside its shared object. Exported,
+// a host process built with a sanitizer (whose runtime defines these names
+// too) would take the calls, and the emulator would see no access.
+#define LOOM_EMU_HOOK(kind, bytes, write)                                                                   \
+  extern "C" __attribute__((visibility("hidden"), no_sanitize("coverage"))) void __sanitizer_cov_##kind##bytes( \
       void* address) {                                                                                      \
     if (loom::emu::current) loom::emu::api->access(address, bytes, write, LOOM_EMU_PC);                       \
   }
