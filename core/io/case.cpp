@@ -12,6 +12,9 @@ namespace {
 constexpr double kFloat32Tolerance = 1e-5;
 constexpr double kFloat16Tolerance = 2e-3;
 constexpr double kBfloat16Tolerance = 1e-2;
+constexpr double kFloat32GradientTolerance = 1e-5;
+constexpr double kFloat16GradientTolerance = 5e-3;
+constexpr double kBfloat16GradientTolerance = 3e-2;
 constexpr double kMixingNoise = 0.3;  // spread of drawn mixing weights around the identity
 
 struct ExpectedShape {
@@ -60,6 +63,14 @@ double toleranceFor(v1::DType dtype) {
   }
 }
 
+double gradientToleranceFor(v1::DType dtype) {
+  switch (dtype) {
+    case v1::float16: return kFloat16GradientTolerance;
+    case v1::bfloat16: return kBfloat16GradientTolerance;
+    default: return kFloat32GradientTolerance;
+  }
+}
+
 Result<IhaCase> loadCase(const std::string& dir) {
   if (!fs::is_directory(dir)) return makeError(dir + ": not a case folder");
   auto spec = readSpecFile((fs::path(dir) / "spec.json").string());
@@ -96,6 +107,34 @@ Result<IhaCase> loadCase(const std::string& dir) {
       return makeError(expectedPath.string() + ": shape " + shapeString(expected->shape) + " does not match q, want " +
                        shapeString(want[0]));
     c.expected = npyToDouble(*expected, false);
+  }
+
+  // float32 or float64 arrays of the given shape, checked as the weights are.
+  auto readFloats = [&](const fs::path& path, const std::vector<int64_t>& shape) -> Result<std::vector<double>> {
+    auto array = readNpy(path.string());
+    if (!array) return array.error();
+    if (Status ok = checkArray(path.string(), *array, shape, false, spec->dtype()); !ok) return ok.error();
+    return npyToDouble(*array, false);
+  };
+  if (const fs::path path = fs::path(dir) / "dout.npy"; fs::exists(path)) {
+    auto dout = readFloats(path, want[0]);
+    if (!dout) return dout.error();
+    c.dout = std::move(*dout);
+  }
+  reference::IhaGradients gradients;
+  const std::vector<std::vector<double>*> slots = reference::gradientsOf(gradients);
+  int present = 0;
+  for (const char* name : reference::kGradientNames) present += fs::exists(fs::path(dir) / ("expected_" + std::string(name) + ".npy"));
+  if (present > 0) {
+    for (size_t i = 0; i < slots.size(); ++i) {
+      const fs::path path = fs::path(dir) / ("expected_" + std::string(reference::kGradientNames[i]) + ".npy");
+      if (!fs::exists(path)) return makeError(path.string() + ": missing (a backward case has all seven expected gradients)");
+      auto values = readFloats(path, want[i]);
+      if (!values) return values.error();
+      *slots[i] = std::move(*values);
+    }
+    if (!c.dout) return makeError((fs::path(dir) / "dout.npy").string() + ": missing (the case has expected gradients)");
+    c.expectedGradients = std::move(gradients);
   }
   return c;
 }
@@ -161,6 +200,19 @@ IhaCase drawCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t
   return c;
 }
 
+IhaCase drawCheckableCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed) {
+  constexpr int kMaxDraws = 64;
+  IhaCase c;
+  for (int draw = 0; draw < kMaxDraws; ++draw) {
+    c = drawCase(spec, batch, tokens, seed + uint64_t(draw));
+    c.expected = reference::ihaForward(spec, c.inputs).out;
+    if (spec.dtype() == v1::float32) break;
+    const auto rounded = reference::ihaForwardWithRoundedMixing(spec, c.inputs, spec.dtype());
+    if (relativeError(rounded.out, *c.expected) <= kCheckableShare * toleranceFor(spec.dtype())) break;
+  }
+  return c;
+}
+
 IhaCase withDtype(const IhaCase& c, v1::DType dtype) {
   IhaCase converted = c;
   converted.spec.set_dtype(dtype);
@@ -168,6 +220,7 @@ IhaCase withDtype(const IhaCase& c, v1::DType dtype) {
   for (std::vector<double>* values : {&converted.inputs.q, &converted.inputs.k, &converted.inputs.v})
     *values = npyToDouble(npyFromDouble(*values, {int64_t(values->size())}, type), dtype == v1::bfloat16);
   converted.expected = reference::ihaForward(converted.spec, converted.inputs).out;
+  if (converted.dout) converted.expectedGradients = reference::ihaBackward(converted.spec, converted.inputs, *converted.dout);
   return converted;
 }
 

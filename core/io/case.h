@@ -10,6 +10,7 @@
 #include "io/npy.h"
 #include "loom/result.h"
 #include "loom/spec.h"
+#include "reference/iha_backward.h"
 #include "reference/iha_reference.h"
 
 namespace loom {
@@ -21,6 +22,10 @@ struct IhaCase {
   // Inputs widened to double (q, k, v hold exactly the stored fp16 / bf16 values).
   reference::IhaInputs inputs;
   std::optional<std::vector<double>> expected;  // [B, N, H, d]
+  // Backward cases (docs/IHA.md, "Backward"): dout.npy [B, N, H, d] and the
+  // expected_<name>.npy of every gradient, each shaped as its input.
+  std::optional<std::vector<double>> dout;
+  std::optional<reference::IhaGradients> expectedGradients;
 };
 
 // The names of a case's input arrays, in the order they are read.
@@ -30,7 +35,8 @@ inline constexpr const char* kCaseInputs[] = {"q", "k", "v", "alpha_q", "alpha_k
 std::vector<std::vector<int64_t>> inputShapes(const KernelSpec& spec, int64_t batch, int64_t tokens);
 
 // Loads and checks a case folder: every shape against the spec, q/k/v stored
-// in the spec's dtype, no NaN or Inf. Errors name the file or field.
+// in the spec's dtype, no NaN or Inf. Errors name the file or field. dout.npy
+// and the expected gradients are read when present (all seven or none).
 Result<IhaCase> loadCase(const std::string& dir);
 
 // Writes spec.json, the inputs (q/k/v in the spec's dtype, weights float32)
@@ -43,8 +49,21 @@ Status writeCase(const std::string& dir, const IhaCase& c);
 // case.
 IhaCase drawCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed);
 
-// The case with q, k, v rounded to `dtype` and expected recomputed by the
-// float64 reference on exactly those inputs.
+// A case for checking a 16-bit kernel against the contract's tolerance:
+// drawCase with seed, seed + 1, ... until the float64 reference with its
+// mixed rows rounded to the dtype (the least any such kernel loses) is
+// within kCheckableShare of the dtype's tolerance, at most 64 draws (then
+// the last); `expected` from the float64 reference. Draws are refused
+// where the collapse cancels: pseudo-head outputs nearly equal with weights
+// of opposite sign leave a small sum whose relative error is the rounding
+// of its large terms (docs/IHA.md, Numerics). float32 specs take the first
+// draw. The same seed gives the same case.
+inline constexpr double kCheckableShare = 0.5;
+IhaCase drawCheckableCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed);
+
+// The case with q, k, v rounded to `dtype` and expected (and, with a dout,
+// the expected gradients) recomputed by the float64 reference on exactly
+// those inputs.
 IhaCase withDtype(const IhaCase& c, v1::DType dtype);
 
 // ||out - ref|| / ||ref||; NaN when any element of `out` is not finite.
@@ -52,6 +71,9 @@ double relativeError(const std::vector<double>& out, const std::vector<double>& 
 
 // The contract's tolerance for a path whose inputs are `dtype`.
 double toleranceFor(v1::DType dtype);
+
+// The contract's tolerance for each gradient of the backward pass.
+double gradientToleranceFor(v1::DType dtype);
 
 NpyType storageTypeOf(v1::DType dtype);
 

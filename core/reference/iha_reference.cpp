@@ -3,6 +3,8 @@
 #include <cmath>
 #include <limits>
 
+#include "loom/half.h"
+
 namespace loom::reference {
 namespace {
 
@@ -34,8 +36,18 @@ void rotate(std::vector<double>& row, int64_t position, double theta, double dir
 // batch entry of q (heads = H) or k / v (heads = G).
 using Rows = std::vector<std::vector<std::vector<double>>>;
 
+// The value a 16-bit store of x keeps (float16 or bfloat16; float32 keeps
+// the double).
+double roundTo(double x, v1::DType dtype) {
+  switch (dtype) {
+    case v1::float16: return double(half::halfToFloat(half::floatToHalf(float(x))));
+    case v1::bfloat16: return double(half::bfloat16ToFloat(half::floatToBfloat16(float(x))));
+    default: return x;
+  }
+}
+
 Rows mixAndInterleave(const std::vector<double>& x, const std::vector<double>& alpha, int64_t b, int64_t tokens,
-                      int64_t heads, int64_t pseudo, int64_t d) {
+                      int64_t heads, int64_t pseudo, int64_t d, v1::DType rounding) {
   Rows rows(heads, std::vector<std::vector<double>>(tokens * pseudo, std::vector<double>(d, 0.0)));
   for (int64_t n = 0; n < tokens; ++n)
     for (int64_t h = 0; h < heads; ++h)
@@ -45,6 +57,10 @@ Rows mixAndInterleave(const std::vector<double>& x, const std::vector<double>& a
           const double* source = &x[((b * tokens + n) * heads + m) * d];
           for (int64_t c = 0; c < d; ++c) rows[h][n * pseudo + p][c] += weight * source[c];
         }
+  if (rounding != v1::float32)
+    for (auto& head : rows)
+      for (auto& row : head)
+        for (double& x : row) x = roundTo(x, rounding);
   return rows;
 }
 
@@ -67,7 +83,9 @@ bool allowed(const v1::KernelSpec& spec, int64_t i, int64_t j) {
   }
 }
 
-IhaOutputs ihaForward(const v1::KernelSpec& spec, const IhaInputs& in) {
+namespace {
+
+IhaOutputs forward(const v1::KernelSpec& spec, const IhaInputs& in, v1::DType rounding) {
   const int64_t B = in.batch, N = in.tokens;
   const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
   const int64_t L = N * P;
@@ -78,9 +96,9 @@ IhaOutputs ihaForward(const v1::KernelSpec& spec, const IhaInputs& in) {
   result.lse.assign(size_t(B * H * L), 0.0);
 
   for (int64_t b = 0; b < B; ++b) {
-    Rows qRows = mixAndInterleave(in.q, in.alpha_q, b, N, H, P, d);
-    Rows kRows = mixAndInterleave(in.k, in.alpha_k, b, N, G, P, d);
-    Rows vRows = mixAndInterleave(in.v, in.alpha_v, b, N, G, P, d);
+    Rows qRows = mixAndInterleave(in.q, in.alpha_q, b, N, H, P, d, rounding);
+    Rows kRows = mixAndInterleave(in.k, in.alpha_k, b, N, G, P, d, rounding);
+    Rows vRows = mixAndInterleave(in.v, in.alpha_v, b, N, G, P, d, rounding);
     if (spec.qk_norm() == v1::KernelSpec::rms) {
       const double eps = spec.has_qk_norm_eps() ? spec.qk_norm_eps() : 1e-6;
       for (Rows* rows : {&qRows, &kRows})
@@ -138,6 +156,16 @@ IhaOutputs ihaForward(const v1::KernelSpec& spec, const IhaInputs& in) {
       }
   }
   return result;
+}
+
+}  // namespace
+
+IhaOutputs ihaForward(const v1::KernelSpec& spec, const IhaInputs& inputs) {
+  return forward(spec, inputs, v1::float32);
+}
+
+IhaOutputs ihaForwardWithRoundedMixing(const v1::KernelSpec& spec, const IhaInputs& inputs, v1::DType dtype) {
+  return forward(spec, inputs, dtype);
 }
 
 }  // namespace loom::reference

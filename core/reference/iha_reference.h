@@ -35,4 +35,12 @@ bool allowed(const v1::KernelSpec& spec, int64_t i, int64_t j);
 // must match it; the caller checks both.
 IhaOutputs ihaForward(const v1::KernelSpec& spec, const IhaInputs& inputs);
 
+// ihaForward with every mixed q, k and v row rounded to `dtype` (float16 or
+// bfloat16) as soon as it is mixed, the rest in float64: the least any
+// 16-bit tensor-core kernel loses, since its matrix units take the mixed
+// rows in the dtype. How far this is from ihaForward says whether a case
+// can check such a kernel against the contract's tolerance at all
+// (docs/IHA.md, Numerics).
+IhaOutputs ihaForwardWithRoundedMixing(const v1::KernelSpec& spec, const IhaInputs& inputs, v1::DType dtype);
+
 }  // namespace loom::reference

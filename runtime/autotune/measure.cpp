@@ -100,8 +100,8 @@ Status measure(const KernelSpec& spec, std::shared_ptr<cuda::Device> device, con
     if (progress) progress(state);
   };
   // Trusted result: the float64 reference on a small fresh case.
-  const IhaCase verify = drawCase(spec, 1, std::min(options.tokens, kVerifyTokens), options.seed);
-  const std::vector<double> trusted = reference::ihaForward(spec, verify.inputs).out;
+  const IhaCase verify = drawCheckableCase(spec, 1, std::min(options.tokens, kVerifyTokens), options.seed);
+  const std::vector<double>& trusted = *verify.expected;
   std::vector<cuda::CaseBuffers> buffers;
   std::vector<IhaTensors> inputs;
   for (int set = 0; set < kInputSets; ++set) {

@@ -114,7 +114,7 @@ TEST_F(Gpu, EveryBundleMatchesTheReferenceOnSharedAndDrawnCases) {
     check(**kernel, converted, b.caseName + " " + b.dtype + " " + b.label);
     // A fresh case of the same spec, with a length off the block sizes.
     const int64_t tokens = 1 + int64_t(rng() % 150), batch = 1 + int64_t(rng() % 2);
-    const IhaCase drawn = drawCase(b.kernel.spec(), batch, tokens, rng());
+    const IhaCase drawn = drawCheckableCase(b.kernel.spec(), batch, tokens, rng());
     check(**kernel, drawn, b.caseName + " " + b.dtype + " " + b.label + " drawn N=" + std::to_string(tokens));
   }
 }
@@ -131,7 +131,7 @@ TEST_F(Gpu, WgmmaOnLongSequences) {
     auto kernel = Kernel::load(device_, b.kernel);
     ASSERT_TRUE(kernel) << b.file << ": " << kernel.error().message;
     const int64_t tokens = 2048 / b.kernel.spec().pseudo_heads() - int64_t(rng() % 7);
-    const IhaCase drawn = drawCase(b.kernel.spec(), 1, tokens, rng());
+    const IhaCase drawn = drawCheckableCase(b.kernel.spec(), 1, tokens, rng());
     check(**kernel, drawn, b.caseName + " " + b.dtype + " wgmma long N=" + std::to_string(tokens));
     ++checked;
   }
@@ -152,7 +152,7 @@ TEST_F(Gpu, BatchesBeyondTheGridLimit) {
   ASSERT_TRUE(kernel) << kernel.error().message;
   std::mt19937_64 rng(seed() + 3);
   constexpr int64_t kBatch = 65535 + 3;
-  const IhaCase c = drawCase(smallest->kernel.spec(), kBatch, 2, rng());
+  const IhaCase c = drawCheckableCase(smallest->kernel.spec(), kBatch, 2, rng());
   check(**kernel, c, smallest->caseName + " " + smallest->dtype + " B=" + std::to_string(kBatch));
 }
 
@@ -163,7 +163,7 @@ TEST_F(Gpu, StridedTensorsAndDlpack) {
   ASSERT_TRUE(kernel) << kernel.error().message;
   std::mt19937_64 rng(seed() + 1);
   const KernelSpec& spec = b.kernel.spec();
-  const IhaCase c = drawCase(spec, 2, 37, rng());
+  const IhaCase c = drawCheckableCase(spec, 2, 37, rng());
   auto buffers = cuda::CaseBuffers::upload(*device_, c);
   ASSERT_TRUE(buffers) << buffers.error().message;
   IhaTensors tensors = buffers->tensors();

@@ -339,5 +339,67 @@ TEST(Cli, CpuBackendTakesADtype) {
   EXPECT_NE(result.output.find("tolerance 1e-02 for bfloat16"), std::string::npos) << result.output;
 }
 
+//===--- loom run --backward ---------------------------------------------===//
+
+std::vector<std::string> backwardCases() {
+  std::vector<std::string> names;
+  for (const std::string& name : testing::sharedCaseNames())
+    if (name.rfind("bwd-", 0) == 0) names.push_back(name);
+  return names;
+}
+
+// Every shared backward case: seven gradients checked and written, float64,
+// each shaped as its input.
+TEST(Cli, BackwardOnEverySharedBackwardCase) {
+  ASSERT_FALSE(backwardCases().empty());
+  for (const std::string& name : backwardCases()) {
+    TempDir dir;
+    const std::string caseDir = testing::casesDir() + "/" + name;
+    const auto result = runLoom("run --case " + caseDir + " --backward --grad-out " + (dir / "grads"));
+    EXPECT_EQ(result.exitCode, 0) << name << ": " << result.output;
+    auto c = loadCase(caseDir);
+    ASSERT_TRUE(c) << c.error().message;
+    const auto shapes = inputShapes(c->spec, c->batch, c->tokens);
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      const std::string gradient = reference::kGradientNames[i];
+      EXPECT_NE(result.output.find(gradient + " "), std::string::npos) << result.output;
+      auto written = readNpy(dir / ("grads/" + gradient + ".npy"));
+      ASSERT_TRUE(written) << written.error().message;
+      EXPECT_EQ(written->type, NpyType::float64);
+      EXPECT_EQ(written->shape, shapes[i]) << gradient;
+    }
+    EXPECT_EQ(std::count(result.output.begin(), result.output.end(), '\n'), 8) << result.output;
+  }
+}
+
+// A gradient off by 1% fails the check and names itself; a case without
+// dout, an incomplete set of expected gradients and a backend without a
+// backward are bad input, each said in one line.
+TEST(Cli, BackwardChecksAndRefusals) {
+  TempDir dir;
+  const std::string original = testing::casesDir() + "/" + backwardCases().front();
+  const std::string copy = dir / "case";
+  fs::copy(original, copy);
+  auto dk = readNpy(copy + "/expected_dk.npy");
+  ASSERT_TRUE(dk);
+  std::vector<double> values = npyToDouble(*dk, false);
+  for (double& x : values) x *= 1.01;
+  ASSERT_TRUE(writeNpy(copy + "/expected_dk.npy", npyFromDouble(values, dk->shape, NpyType::float64)));
+  const auto wrong = runLoom("run --case " + copy + " --backward");
+  EXPECT_EQ(wrong.exitCode, 1) << wrong.output;
+  EXPECT_NE(wrong.output.find("dk        relative error"), std::string::npos) << wrong.output;
+  EXPECT_NE(wrong.output.find("FAILED"), std::string::npos) << wrong.output;
+
+  auto oneLine = [](const testing::CommandResult& r, const std::string& fragment) {
+    EXPECT_EQ(r.exitCode, 2) << r.output;
+    EXPECT_NE(r.output.find(fragment), std::string::npos) << r.output;
+    EXPECT_EQ(std::count(r.output.begin(), r.output.end(), '\n'), 1) << r.output;
+  };
+  oneLine(runLoom("run --case " + copy + " --backward --backend cpu"), "has no backward pass yet");
+  fs::remove(copy + "/expected_dalpha_v.npy");
+  oneLine(runLoom("run --case " + copy + " --backward"), "expected_dalpha_v.npy: missing");
+  oneLine(runLoom("run --case " + testing::casesDir() + "/gqa-rope --backward"), "dout.npy: missing");
+}
+
 }  // namespace
 }  // namespace loom

@@ -90,7 +90,7 @@ TEST_P(DrawnCaseOnCpu, MatchesTheReference) {
   const int dtypePick = GetParam() % 5;
   spec.set_dtype(dtypePick == 3 ? v1::float16 : dtypePick == 4 ? v1::bfloat16 : v1::float32);
   const int64_t B = 1 + int64_t(rng() % 2), N = 1 + int64_t(rng() % 40);
-  const IhaCase c = drawCase(spec, B, N, rng());
+  const IhaCase c = drawCheckableCase(spec, B, N, rng());
   const std::string what = spec.ShortDebugString() + " B=" + std::to_string(B) + " N=" + std::to_string(N);
   for (const Schedule& schedule : schedulesFor(spec)) checkAgainstReference(c, schedule, what);
 }
@@ -127,7 +127,7 @@ TEST_P(OptionsOnCpu, MatchTheReference) {
   const int dtypePick = combination % 3;
   spec.set_dtype(dtypePick == 1 ? v1::float16 : dtypePick == 2 ? v1::bfloat16 : v1::float32);
   const int64_t B = 1 + int64_t(rng() % 2), N = 1 + int64_t(rng() % 40);
-  const IhaCase c = drawCase(spec, B, N, rng());
+  const IhaCase c = drawCheckableCase(spec, B, N, rng());
   const std::string what = spec.ShortDebugString() + " B=" + std::to_string(B) + " N=" + std::to_string(N);
   checkAgainstReference(c, schedulesFor(spec)[size_t(combination % 3)], what);
 }
@@ -150,7 +150,7 @@ TEST_P(WarpSpecializedOnCpu, MatchesTheReference) {
   spec.set_pseudo_heads(1 << std::uniform_int_distribution<int>(0, 3)(rng));
   spec.set_dtype(GetParam() % 2 ? v1::bfloat16 : v1::float16);
   const int64_t B = 1 + int64_t(rng() % 2), N = 1 + int64_t(rng() % 80);
-  const IhaCase c = drawCase(spec, B, N, rng());
+  const IhaCase c = drawCheckableCase(spec, B, N, rng());
   const std::string what = spec.ShortDebugString() + " B=" + std::to_string(B) + " N=" + std::to_string(N);
   std::vector<Schedule> schedules(3);
   for (Schedule& s : schedules) s.set_engine(v1::engine_wgmma);  // [0]: the sm_90a defaults

@@ -2,6 +2,7 @@
 // and check it against expected.npy when the case has one.
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
 #include <map>
 #include <optional>
 #include <memory>
@@ -16,6 +17,7 @@
 #include "io/case.h"
 #include "jit/nvrtc_compiler.h"
 #include "loom/cache_dir.h"
+#include "reference/iha_backward.h"
 #include "reference/iha_reference.h"
 
 namespace loom::cli {
@@ -34,6 +36,8 @@ struct RunOptions {
   std::string target = "sm_80";  // --backend emu
   int64_t ctas = 0;
   uint64_t seed = 1;
+  bool backward = false;
+  std::string gradOut;
 };
 
 // The generated program through NVRTC on the GPU.
@@ -104,6 +108,45 @@ const std::map<std::string, NpyType> kOutTypes = {
     {"float32", NpyType::float32}, {"float64", NpyType::float64},
     {"float16", NpyType::float16}, {"bfloat16", NpyType::uint16}};
 
+// --backward: every gradient of sum(out * dout) from the backend, written to
+// --grad-out and compared with the case's expected_<name>.npy.
+int runBackward(const RunOptions& options, const IhaCase& c) {
+  if (!c.dout) return badInput(options.caseDir + "/dout.npy: missing (--backward needs the gradient of the output)");
+  if (options.backend != "reference")
+    return badInput("--backward: backend '" + options.backend +
+                    "' has no backward pass yet; the float64 reference (--backend reference) has");
+  reference::IhaGradients gradients = reference::ihaBackward(c.spec, c.inputs, *c.dout);
+  const std::vector<std::vector<int64_t>> shapes = inputShapes(c.spec, c.batch, c.tokens);
+  const auto got = reference::gradientsOf(gradients);
+  if (!options.gradOut.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(options.gradOut, ec);
+    if (ec) return badInput(options.gradOut + ": cannot create folder: " + ec.message());
+    for (size_t i = 0; i < got.size(); ++i) {
+      const std::string path = options.gradOut + "/" + reference::kGradientNames[i] + ".npy";
+      if (Status written = writeNpy(path, npyFromDouble(*got[i], shapes[i], NpyType::float64)); !written)
+        return badInput(written.error().message);
+    }
+    std::printf("wrote %zu gradients (float64) to %s\n", got.size(), options.gradOut.c_str());
+  }
+  if (!c.expectedGradients) {
+    std::printf("no expected gradients in %s: nothing to compare\n", options.caseDir.c_str());
+    return kExitOk;
+  }
+  reference::IhaGradients expected = *c.expectedGradients;
+  const auto want = reference::gradientsOf(expected);
+  const double tolerance = gradientToleranceFor(c.spec.dtype());
+  bool pass = true;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double error = relativeError(*got[i], *want[i]);
+    const bool ok = error <= tolerance;  // false for NaN
+    pass = pass && ok;
+    std::printf("%-9s relative error %.3e (tolerance %.0e for %s): %s\n", reference::kGradientNames[i], error,
+                tolerance, dtypeName(c.spec.dtype()).c_str(), ok ? "ok" : "FAILED");
+  }
+  return pass ? kExitOk : kExitCheckFailed;
+}
+
 int run(const RunOptions& options) {
   auto loaded = loadCase(options.caseDir);
   if (!loaded) return badInput(loaded.error().message);
@@ -114,6 +157,7 @@ int run(const RunOptions& options) {
     std::printf("inputs rounded to %s; expected recomputed by the float64 reference\n", options.dtype.c_str());
   }
   const IhaCase& c = *loaded;
+  if (options.backward) return runBackward(options, c);
 
   // A backend's failure: its tool log (a compiler's) on stderr, then the message.
   auto failed = [](const Error& error) {
@@ -201,6 +245,11 @@ void addRunCommand(CLI::App& app, std::function<int()>* action) {
                   "round the inputs to float16 or bfloat16 first (the CUDA backend needs 16-bit inputs);\n"
                   "expected.npy is then recomputed by the reference");
   cmd->add_option("--device", options->device, "CUDA device ordinal")->capture_default_str();
+  cmd->add_flag("--backward", options->backward,
+                "compute the gradients of sum(out * dout) instead (DIR/dout.npy; docs/IHA.md, Backward): dq, dk,\n"
+                "dv, dalpha_q, dalpha_k, dalpha_v, dcollapse, each compared with DIR/expected_<name>.npy when\n"
+                "present (tolerance float32 1e-5, float16 5e-3, bfloat16 3e-2); reference backend only so far");
+  cmd->add_option("--grad-out", options->gradOut, "with --backward: folder to write <name>.npy of every gradient to");
   cmd->callback([options, action] { *action = [options] { return run(*options); }; });
 }
 

@@ -1,0 +1,234 @@
+#include "reference/iha_backward.h"
+
+#include <cmath>
+#include <limits>
+
+namespace loom::reference {
+namespace {
+
+// rows[head][virtual row][d], as in the forward.
+using Rows = std::vector<std::vector<std::vector<double>>>;
+
+Rows zeroRows(int64_t heads, int64_t length, int64_t d) {
+  return Rows(heads, std::vector<std::vector<double>>(length, std::vector<double>(d, 0.0)));
+}
+
+// Step 1 for one batch entry: row n*P + p of head h is
+// sum_m alpha[m, h, p] * x[b, n, m, :].
+Rows mix(const std::vector<double>& x, const std::vector<double>& alpha, int64_t b, int64_t tokens, int64_t heads,
+         int64_t pseudo, int64_t d) {
+  Rows rows = zeroRows(heads, tokens * pseudo, d);
+  for (int64_t n = 0; n < tokens; ++n)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t p = 0; p < pseudo; ++p)
+        for (int64_t m = 0; m < heads; ++m) {
+          const double weight = alpha[(m * heads + h) * pseudo + p];
+          const double* source = &x[((b * tokens + n) * heads + m) * d];
+          for (int64_t c = 0; c < d; ++c) rows[h][n * pseudo + p][c] += weight * source[c];
+        }
+  return rows;
+}
+
+// The transposed mixing: dx[b, n, m, :] += sum_{h,p} alpha[m, h, p] *
+// drows[h][n*P + p], and dalpha[m, h, p] += sum_{n,c} x[b, n, m, c] *
+// drows[h][n*P + p][c].
+void unmix(const Rows& drows, const std::vector<double>& x, const std::vector<double>& alpha, int64_t b,
+           int64_t tokens, int64_t heads, int64_t pseudo, int64_t d, std::vector<double>& dx,
+           std::vector<double>& dalpha) {
+  for (int64_t n = 0; n < tokens; ++n)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t p = 0; p < pseudo; ++p) {
+        const std::vector<double>& g = drows[h][n * pseudo + p];
+        for (int64_t m = 0; m < heads; ++m) {
+          const int64_t at = (m * heads + h) * pseudo + p;
+          const double* source = &x[((b * tokens + n) * heads + m) * d];
+          double* target = &dx[((b * tokens + n) * heads + m) * d];
+          double dot = 0;
+          for (int64_t c = 0; c < d; ++c) {
+            target[c] += alpha[at] * g[c];
+            dot += source[c] * g[c];
+          }
+          dalpha[at] += dot;
+        }
+      }
+}
+
+// qk_norm "rms": y = x * r with r = (mean(x^2) + eps)^(-1/2). Returns r.
+double normalize(std::vector<double>& row, double eps) {
+  double squares = 0;
+  for (double x : row) squares += x * x;
+  const double r = 1.0 / std::sqrt(squares / double(row.size()) + eps);
+  for (double& x : row) x *= r;
+  return r;
+}
+
+// The gradient through that norm, from the row before it (x), its factor r
+// and the gradient of y: dx = r * dy - (r^3 / d) * (x . dy) * x.
+void unnormalize(std::vector<double>& grad, const std::vector<double>& x, double r) {
+  double dot = 0;
+  for (size_t c = 0; c < x.size(); ++c) dot += x[c] * grad[c];
+  const double k = r * r * r / double(x.size()) * dot;
+  for (size_t c = 0; c < x.size(); ++c) grad[c] = r * grad[c] - k * x[c];
+}
+
+// Half-split RoPE of a row at `position` by `sign` times the spec's angle
+// (sign -1 is the inverse rotation, which is also the rotation's gradient).
+void rotate(std::vector<double>& row, int64_t position, double theta, double sign) {
+  const int64_t d = int64_t(row.size());
+  for (int64_t j = 0; j < d / 2; ++j) {
+    const double angle = sign * double(position) * std::pow(theta, -2.0 * double(j) / double(d));
+    const double x0 = row[j], x1 = row[j + d / 2];
+    row[j] = x0 * std::cos(angle) - x1 * std::sin(angle);
+    row[j + d / 2] = x0 * std::sin(angle) + x1 * std::cos(angle);
+  }
+}
+
+// The collapse weight of pseudo-head p of source head `source` in output
+// head h; 0 where per_head collapse does not connect them.
+double collapseWeight(const v1::KernelSpec& spec, const std::vector<double>& collapse, int64_t h, int64_t source,
+                      int64_t p) {
+  const int64_t H = spec.heads(), P = spec.pseudo_heads();
+  if (spec.collapse() == v1::per_head) return source == h ? collapse[h * P + p] : 0.0;
+  return collapse[(h * H + source) * P + p];
+}
+
+int64_t collapseIndex(const v1::KernelSpec& spec, int64_t h, int64_t source, int64_t p) {
+  const int64_t H = spec.heads(), P = spec.pseudo_heads();
+  return spec.collapse() == v1::per_head ? h * P + p : (h * H + source) * P + p;
+}
+
+// q and k rows of one batch entry through steps 2 and 3, keeping what the
+// backward of each needs: the rows before the norm and its factors.
+struct Prepared {
+  Rows mixed;                               // after step 1
+  std::vector<std::vector<double>> factor;  // qk_norm's r per row
+  Rows rows;                                // after steps 2 and 3: what attention sees
+};
+
+Prepared prepare(const v1::KernelSpec& spec, Rows mixed) {
+  Prepared out;
+  out.rows = mixed;
+  out.mixed = std::move(mixed);
+  out.factor.assign(out.rows.size(), std::vector<double>(out.rows.empty() ? 0 : out.rows[0].size(), 1.0));
+  const double eps = spec.has_qk_norm_eps() ? spec.qk_norm_eps() : 1e-6;
+  const double sign = spec.rope_direction() == v1::KernelSpec::negative ? -1.0 : 1.0;
+  for (size_t h = 0; h < out.rows.size(); ++h)
+    for (size_t i = 0; i < out.rows[h].size(); ++i) {
+      if (spec.qk_norm() == v1::KernelSpec::rms) out.factor[h][i] = normalize(out.rows[h][i], eps);
+      if (spec.rope_theta() > 0) rotate(out.rows[h][i], int64_t(i), spec.rope_theta(), sign);
+    }
+  return out;
+}
+
+// Steps 3 and 2 backwards on the gradients of the attended rows, leaving
+// the gradients of the mixed rows.
+void unprepare(const v1::KernelSpec& spec, const Prepared& prepared, Rows& grads) {
+  const double sign = spec.rope_direction() == v1::KernelSpec::negative ? -1.0 : 1.0;
+  for (size_t h = 0; h < grads.size(); ++h)
+    for (size_t i = 0; i < grads[h].size(); ++i) {
+      if (spec.rope_theta() > 0) rotate(grads[h][i], int64_t(i), spec.rope_theta(), -sign);
+      if (spec.qk_norm() == v1::KernelSpec::rms) unnormalize(grads[h][i], prepared.mixed[h][i], prepared.factor[h][i]);
+    }
+}
+
+}  // namespace
+
+IhaGradients ihaBackward(const v1::KernelSpec& spec, const IhaInputs& in, const std::vector<double>& dout) {
+  const int64_t B = in.batch, N = in.tokens;
+  const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
+  const int64_t L = N * P;
+  const double scale = spec.has_scale() ? spec.scale() : 1.0 / std::sqrt(double(d));
+
+  IhaGradients g;
+  g.dq.assign(in.q.size(), 0.0);
+  g.dk.assign(in.k.size(), 0.0);
+  g.dv.assign(in.v.size(), 0.0);
+  g.dalpha_q.assign(in.alpha_q.size(), 0.0);
+  g.dalpha_k.assign(in.alpha_k.size(), 0.0);
+  g.dalpha_v.assign(in.alpha_v.size(), 0.0);
+  g.dcollapse.assign(in.collapse.size(), 0.0);
+
+  std::vector<double> weights(static_cast<size_t>(L), 0.0);
+  for (int64_t b = 0; b < B; ++b) {
+    const Prepared q = prepare(spec, mix(in.q, in.alpha_q, b, N, H, P, d));
+    const Prepared k = prepare(spec, mix(in.k, in.alpha_k, b, N, G, P, d));
+    const Rows v = mix(in.v, in.alpha_v, b, N, G, P, d);
+
+    // The softmax weights of row i of head h (the forward's step 4).
+    auto softmaxRow = [&](int64_t h, int64_t i) {
+      const int64_t kv = h / (H / G);
+      double top = -std::numeric_limits<double>::infinity();
+      for (int64_t j = 0; j < L; ++j) {
+        if (!allowed(spec, i, j)) continue;
+        double dot = 0;
+        for (int64_t c = 0; c < d; ++c) dot += q.rows[h][i][c] * k.rows[kv][j][c];
+        weights[j] = scale * dot;
+        top = std::max(top, weights[j]);
+      }
+      double sum = 0;
+      for (int64_t j = 0; j < L; ++j)
+        if (allowed(spec, i, j)) sum += (weights[j] = std::exp(weights[j] - top));
+      for (int64_t j = 0; j < L; ++j) weights[j] = allowed(spec, i, j) ? weights[j] / sum : 0.0;
+    };
+
+    // The pseudo outputs o, then the collapse backward: dcollapse and do.
+    Rows o = zeroRows(H, L, d);
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t kv = h / (H / G);
+      for (int64_t i = 0; i < L; ++i) {
+        softmaxRow(h, i);
+        for (int64_t j = 0; j < L; ++j)
+          if (weights[j] != 0.0)
+            for (int64_t c = 0; c < d; ++c) o[h][i][c] += weights[j] * v[kv][j][c];
+      }
+    }
+    Rows dO = zeroRows(H, L, d);
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t h = 0; h < H; ++h) {
+        const double* grad = &dout[((b * N + n) * H + h) * d];
+        for (int64_t source = 0; source < H; ++source)
+          for (int64_t p = 0; p < P; ++p) {
+            if (spec.collapse() == v1::per_head && source != h) continue;
+            const double weight = collapseWeight(spec, in.collapse, h, source, p);
+            const std::vector<double>& pseudo = o[source][n * P + p];
+            double dot = 0;
+            for (int64_t c = 0; c < d; ++c) {
+              dO[source][n * P + p][c] += weight * grad[c];
+              dot += grad[c] * pseudo[c];
+            }
+            g.dcollapse[collapseIndex(spec, h, source, p)] += dot;
+          }
+      }
+
+    // Attention backward per query head, as FlashAttention's: ds = w (dp - D).
+    Rows dqRows = zeroRows(H, L, d), dkRows = zeroRows(G, L, d), dvRows = zeroRows(G, L, d);
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t kv = h / (H / G);
+      for (int64_t i = 0; i < L; ++i) {
+        softmaxRow(h, i);
+        double D = 0;
+        for (int64_t c = 0; c < d; ++c) D += dO[h][i][c] * o[h][i][c];
+        for (int64_t j = 0; j < L; ++j) {
+          if (weights[j] == 0.0) continue;
+          double dp = 0;
+          for (int64_t c = 0; c < d; ++c) dp += dO[h][i][c] * v[kv][j][c];
+          const double ds = weights[j] * (dp - D);
+          for (int64_t c = 0; c < d; ++c) {
+            dvRows[kv][j][c] += weights[j] * dO[h][i][c];
+            dqRows[h][i][c] += scale * ds * k.rows[kv][j][c];
+            dkRows[kv][j][c] += scale * ds * q.rows[h][i][c];
+          }
+        }
+      }
+    }
+
+    unprepare(spec, q, dqRows);
+    unprepare(spec, k, dkRows);
+    unmix(dqRows, in.q, in.alpha_q, b, N, H, P, d, g.dq, g.dalpha_q);
+    unmix(dkRows, in.k, in.alpha_k, b, N, G, P, d, g.dk, g.dalpha_k);
+    unmix(dvRows, in.v, in.alpha_v, b, N, G, P, d, g.dv, g.dalpha_v);
+  }
+  return g;
+}
+
+}  // namespace loom::reference

@@ -1,0 +1,39 @@
+// The float64 oracle of IHA's backward pass (docs/IHA.md, "Backward").
+//
+// Plain loops again, in the forward's order reversed: collapse, attention
+// (FlashAttention's backward on each head's virtual sequence, the softmax
+// weights recomputed from q, k and lse), RoPE, qk_norm, mixing. It recomputes
+// the forward's intermediates itself and shares no code with the generated
+// kernels; tests check it against central finite differences of ihaForward.
+#pragma once
+
+#include <vector>
+
+#include "reference/iha_reference.h"
+
+namespace loom::reference {
+
+// Gradients of sum(out * dout) with respect to every input, widened to
+// double and in the layouts of IhaInputs: dq [B, N, H, d], dk and dv
+// [B, N, G, d], dalpha_q [H, H, P], dalpha_k and dalpha_v [G, G, P],
+// dcollapse [H, P] or [H, H*P].
+struct IhaGradients {
+  std::vector<double> dq, dk, dv;
+  std::vector<double> dalpha_q, dalpha_k, dalpha_v;
+  std::vector<double> dcollapse;
+};
+
+// The gradient names in the order of IhaGradients, as the backward case
+// files name them (expected_<name>.npy).
+inline constexpr const char* kGradientNames[] = {"dq", "dk", "dv", "dalpha_q", "dalpha_k", "dalpha_v", "dcollapse"};
+
+// Pointers to the members of `g`, in kGradientNames' order.
+inline std::vector<std::vector<double>*> gradientsOf(IhaGradients& g) {
+  return {&g.dq, &g.dk, &g.dv, &g.dalpha_q, &g.dalpha_k, &g.dalpha_v, &g.dcollapse};
+}
+
+// Computes the gradients for `dout` [B, N, H, d]. The spec must have passed
+// validateSpec and every size must match it; the caller checks both.
+IhaGradients ihaBackward(const v1::KernelSpec& spec, const IhaInputs& inputs, const std::vector<double>& dout);
+
+}  // namespace loom::reference
