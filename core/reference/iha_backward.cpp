@@ -6,27 +6,10 @@
 namespace loom::reference {
 namespace {
 
-// rows[head][virtual row][d], as in the forward.
-using Rows = std::vector<std::vector<std::vector<double>>>;
+using detail::Rows;
 
 Rows zeroRows(int64_t heads, int64_t length, int64_t d) {
   return Rows(heads, std::vector<std::vector<double>>(length, std::vector<double>(d, 0.0)));
-}
-
-// Step 1 for one batch entry: row n*P + p of head h is
-// sum_m alpha[m, h, p] * x[b, n, m, :].
-Rows mix(const std::vector<double>& x, const std::vector<double>& alpha, int64_t b, int64_t tokens, int64_t heads,
-         int64_t pseudo, int64_t d) {
-  Rows rows = zeroRows(heads, tokens * pseudo, d);
-  for (int64_t n = 0; n < tokens; ++n)
-    for (int64_t h = 0; h < heads; ++h)
-      for (int64_t p = 0; p < pseudo; ++p)
-        for (int64_t m = 0; m < heads; ++m) {
-          const double weight = alpha[(m * heads + h) * pseudo + p];
-          const double* source = &x[((b * tokens + n) * heads + m) * d];
-          for (int64_t c = 0; c < d; ++c) rows[h][n * pseudo + p][c] += weight * source[c];
-        }
-  return rows;
 }
 
 // The transposed mixing: dx[b, n, m, :] += sum_{h,p} alpha[m, h, p] *
@@ -53,15 +36,6 @@ void unmix(const Rows& drows, const std::vector<double>& x, const std::vector<do
       }
 }
 
-// qk_norm "rms": y = x * r with r = (mean(x^2) + eps)^(-1/2). Returns r.
-double normalize(std::vector<double>& row, double eps) {
-  double squares = 0;
-  for (double x : row) squares += x * x;
-  const double r = 1.0 / std::sqrt(squares / double(row.size()) + eps);
-  for (double& x : row) x *= r;
-  return r;
-}
-
 // The gradient through that norm, from the row before it (x), its factor r
 // and the gradient of y: dx = r * dy - (r^3 / d) * (x . dy) * x.
 void unnormalize(std::vector<double>& grad, const std::vector<double>& x, double r) {
@@ -69,18 +43,6 @@ void unnormalize(std::vector<double>& grad, const std::vector<double>& x, double
   for (size_t c = 0; c < x.size(); ++c) dot += x[c] * grad[c];
   const double k = r * r * r / double(x.size()) * dot;
   for (size_t c = 0; c < x.size(); ++c) grad[c] = r * grad[c] - k * x[c];
-}
-
-// Half-split RoPE of a row at `position` by `sign` times the spec's angle
-// (sign -1 is the inverse rotation, which is also the rotation's gradient).
-void rotate(std::vector<double>& row, int64_t position, double theta, double sign) {
-  const int64_t d = int64_t(row.size());
-  for (int64_t j = 0; j < d / 2; ++j) {
-    const double angle = sign * double(position) * std::pow(theta, -2.0 * double(j) / double(d));
-    const double x0 = row[j], x1 = row[j + d / 2];
-    row[j] = x0 * std::cos(angle) - x1 * std::sin(angle);
-    row[j + d / 2] = x0 * std::sin(angle) + x1 * std::cos(angle);
-  }
 }
 
 // The collapse weight of pseudo-head p of source head `source` in output
@@ -114,8 +76,8 @@ Prepared prepare(const v1::KernelSpec& spec, Rows mixed) {
   const double sign = spec.rope_direction() == v1::KernelSpec::negative ? -1.0 : 1.0;
   for (size_t h = 0; h < out.rows.size(); ++h)
     for (size_t i = 0; i < out.rows[h].size(); ++i) {
-      if (spec.qk_norm() == v1::KernelSpec::rms) out.factor[h][i] = normalize(out.rows[h][i], eps);
-      if (spec.rope_theta() > 0) rotate(out.rows[h][i], int64_t(i), spec.rope_theta(), sign);
+      if (spec.qk_norm() == v1::KernelSpec::rms) out.factor[h][i] = detail::rmsNormalize(out.rows[h][i], eps);
+      if (spec.rope_theta() > 0) detail::rotate(out.rows[h][i], int64_t(i), spec.rope_theta(), sign);
     }
   return out;
 }
@@ -126,7 +88,7 @@ void unprepare(const v1::KernelSpec& spec, const Prepared& prepared, Rows& grads
   const double sign = spec.rope_direction() == v1::KernelSpec::negative ? -1.0 : 1.0;
   for (size_t h = 0; h < grads.size(); ++h)
     for (size_t i = 0; i < grads[h].size(); ++i) {
-      if (spec.rope_theta() > 0) rotate(grads[h][i], int64_t(i), spec.rope_theta(), -sign);
+      if (spec.rope_theta() > 0) detail::rotate(grads[h][i], int64_t(i), spec.rope_theta(), -sign);
       if (spec.qk_norm() == v1::KernelSpec::rms) unnormalize(grads[h][i], prepared.mixed[h][i], prepared.factor[h][i]);
     }
 }
@@ -150,9 +112,9 @@ IhaGradients ihaBackward(const v1::KernelSpec& spec, const IhaInputs& in, const 
 
   std::vector<double> weights(static_cast<size_t>(L), 0.0);
   for (int64_t b = 0; b < B; ++b) {
-    const Prepared q = prepare(spec, mix(in.q, in.alpha_q, b, N, H, P, d));
-    const Prepared k = prepare(spec, mix(in.k, in.alpha_k, b, N, G, P, d));
-    const Rows v = mix(in.v, in.alpha_v, b, N, G, P, d);
+    const Prepared q = prepare(spec, detail::mixAndInterleave(in.q, in.alpha_q, b, N, H, P, d));
+    const Prepared k = prepare(spec, detail::mixAndInterleave(in.k, in.alpha_k, b, N, G, P, d));
+    const Rows v = detail::mixAndInterleave(in.v, in.alpha_v, b, N, G, P, d);
 
     // The softmax weights of row i of head h (the forward's step 4).
     auto softmaxRow = [&](int64_t h, int64_t i) {

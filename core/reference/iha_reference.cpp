@@ -12,30 +12,6 @@ double scaleOf(const v1::KernelSpec& spec) {
   return spec.has_scale() ? spec.scale() : 1.0 / std::sqrt(double(spec.head_dim()));
 }
 
-// qk_norm "rms": the row over its d elements becomes x / sqrt(mean(x^2) + eps).
-void rmsNormalize(std::vector<double>& row, double eps) {
-  double squares = 0;
-  for (double x : row) squares += x * x;
-  const double factor = 1.0 / std::sqrt(squares / double(row.size()) + eps);
-  for (double& x : row) x *= factor;
-}
-
-// Half-split rotary embedding of one row at virtual position `position`;
-// `direction` -1 turns by the opposite angle.
-void rotate(std::vector<double>& row, int64_t position, double theta, double direction) {
-  const int64_t d = int64_t(row.size());
-  for (int64_t j = 0; j < d / 2; ++j) {
-    const double angle = direction * double(position) * std::pow(theta, -2.0 * double(j) / double(d));
-    const double x0 = row[j], x1 = row[j + d / 2];
-    row[j] = x0 * std::cos(angle) - x1 * std::sin(angle);
-    row[j + d / 2] = x0 * std::sin(angle) + x1 * std::cos(angle);
-  }
-}
-
-// rows[head][virtual row][d]: step 1 (mix) and step 2 (interleave) for one
-// batch entry of q (heads = H) or k / v (heads = G).
-using Rows = std::vector<std::vector<std::vector<double>>>;
-
 // The value a 16-bit store of x keeps (float16 or bfloat16; float32 keeps
 // the double).
 double roundTo(double x, v1::DType dtype) {
@@ -43,6 +19,28 @@ double roundTo(double x, v1::DType dtype) {
     case v1::float16: return double(half::halfToFloat(half::floatToHalf(float(x))));
     case v1::bfloat16: return double(half::bfloat16ToFloat(half::floatToBfloat16(float(x))));
     default: return x;
+  }
+}
+
+}  // namespace
+
+namespace detail {
+
+double rmsNormalize(std::vector<double>& row, double eps) {
+  double squares = 0;
+  for (double x : row) squares += x * x;
+  const double factor = 1.0 / std::sqrt(squares / double(row.size()) + eps);
+  for (double& x : row) x *= factor;
+  return factor;
+}
+
+void rotate(std::vector<double>& row, int64_t position, double theta, double direction) {
+  const int64_t d = int64_t(row.size());
+  for (int64_t j = 0; j < d / 2; ++j) {
+    const double angle = direction * double(position) * std::pow(theta, -2.0 * double(j) / double(d));
+    const double x0 = row[j], x1 = row[j + d / 2];
+    row[j] = x0 * std::cos(angle) - x1 * std::sin(angle);
+    row[j + d / 2] = x0 * std::sin(angle) + x1 * std::cos(angle);
   }
 }
 
@@ -64,7 +62,11 @@ Rows mixAndInterleave(const std::vector<double>& x, const std::vector<double>& a
   return rows;
 }
 
-}  // namespace
+}  // namespace detail
+
+using detail::mixAndInterleave;
+using detail::Rows;
+using detail::rotate;
 
 bool allowed(const v1::KernelSpec& spec, int64_t i, int64_t j) {
   const int64_t P = spec.pseudo_heads();
@@ -103,7 +105,7 @@ IhaOutputs forward(const v1::KernelSpec& spec, const IhaInputs& in, v1::DType ro
       const double eps = spec.has_qk_norm_eps() ? spec.qk_norm_eps() : 1e-6;
       for (Rows* rows : {&qRows, &kRows})
         for (auto& head : *rows)
-          for (auto& row : head) rmsNormalize(row, eps);
+          for (auto& row : head) detail::rmsNormalize(row, eps);
     }
     if (spec.rope_theta() > 0) {
       const double direction = spec.rope_direction() == v1::KernelSpec::negative ? -1.0 : 1.0;

@@ -43,4 +43,25 @@ IhaOutputs ihaForward(const v1::KernelSpec& spec, const IhaInputs& inputs);
 // (docs/IHA.md, Numerics).
 IhaOutputs ihaForwardWithRoundedMixing(const v1::KernelSpec& spec, const IhaInputs& inputs, v1::DType dtype);
 
+// The forward's steps, shared with the backward reference (iha_backward.h).
+namespace detail {
+
+// rows[head][virtual row][d].
+using Rows = std::vector<std::vector<std::vector<double>>>;
+
+// Steps 1 and 2 for batch entry b of q (heads = H) or k / v (heads = G):
+// row n*P + p of head h is sum_m alpha[m, h, p] * x[b, n, m, :], rounded to
+// `rounding` unless float32.
+Rows mixAndInterleave(const std::vector<double>& x, const std::vector<double>& alpha, int64_t b, int64_t tokens,
+                      int64_t heads, int64_t pseudo, int64_t d, v1::DType rounding = v1::float32);
+
+// qk_norm "rms": the row becomes x * r, r = (mean(x^2) + eps)^(-1/2); returns r.
+double rmsNormalize(std::vector<double>& row, double eps);
+
+// Half-split rotary embedding of a row at virtual position `position`;
+// `direction` -1 turns by the opposite angle (and undoes a turn by +1).
+void rotate(std::vector<double>& row, int64_t position, double theta, double direction);
+
+}  // namespace detail
+
 }  // namespace loom::reference
