@@ -1,7 +1,6 @@
 #include "reference/iha_backward.h"
 
-#include <cmath>
-#include <limits>
+#include <algorithm>
 
 namespace loom::reference {
 namespace {
@@ -45,20 +44,6 @@ void unnormalize(std::vector<double>& grad, const std::vector<double>& x, double
   for (size_t c = 0; c < x.size(); ++c) grad[c] = r * grad[c] - k * x[c];
 }
 
-// The collapse weight of pseudo-head p of source head `source` in output
-// head h; 0 where per_head collapse does not connect them.
-double collapseWeight(const v1::KernelSpec& spec, const std::vector<double>& collapse, int64_t h, int64_t source,
-                      int64_t p) {
-  const int64_t H = spec.heads(), P = spec.pseudo_heads();
-  if (spec.collapse() == v1::per_head) return source == h ? collapse[h * P + p] : 0.0;
-  return collapse[(h * H + source) * P + p];
-}
-
-int64_t collapseIndex(const v1::KernelSpec& spec, int64_t h, int64_t source, int64_t p) {
-  const int64_t H = spec.heads(), P = spec.pseudo_heads();
-  return spec.collapse() == v1::per_head ? h * P + p : (h * H + source) * P + p;
-}
-
 // q and k rows of one batch entry through steps 2 and 3, keeping what the
 // backward of each needs: the rows before the norm and its factors.
 struct Prepared {
@@ -71,24 +56,16 @@ Prepared prepare(const v1::KernelSpec& spec, Rows mixed) {
   Prepared out;
   out.rows = mixed;
   out.mixed = std::move(mixed);
-  out.factor.assign(out.rows.size(), std::vector<double>(out.rows.empty() ? 0 : out.rows[0].size(), 1.0));
-  const double eps = spec.has_qk_norm_eps() ? spec.qk_norm_eps() : 1e-6;
-  const double sign = spec.rope_direction() == v1::KernelSpec::negative ? -1.0 : 1.0;
-  for (size_t h = 0; h < out.rows.size(); ++h)
-    for (size_t i = 0; i < out.rows[h].size(); ++i) {
-      if (spec.qk_norm() == v1::KernelSpec::rms) out.factor[h][i] = detail::rmsNormalize(out.rows[h][i], eps);
-      if (spec.rope_theta() > 0) detail::rotate(out.rows[h][i], int64_t(i), spec.rope_theta(), sign);
-    }
+  detail::normalizeAndRotate(spec, out.rows, &out.factor);
   return out;
 }
 
 // Steps 3 and 2 backwards on the gradients of the attended rows, leaving
 // the gradients of the mixed rows.
 void unprepare(const v1::KernelSpec& spec, const Prepared& prepared, Rows& grads) {
-  const double sign = spec.rope_direction() == v1::KernelSpec::negative ? -1.0 : 1.0;
   for (size_t h = 0; h < grads.size(); ++h)
     for (size_t i = 0; i < grads[h].size(); ++i) {
-      if (spec.rope_theta() > 0) detail::rotate(grads[h][i], int64_t(i), spec.rope_theta(), -sign);
+      if (spec.rope_theta() > 0) detail::rotate(grads[h][i], int64_t(i), spec.rope_theta(), -detail::ropeDirection(spec));
       if (spec.qk_norm() == v1::KernelSpec::rms) unnormalize(grads[h][i], prepared.mixed[h][i], prepared.factor[h][i]);
     }
 }
@@ -99,7 +76,7 @@ IhaGradients ihaBackward(const v1::KernelSpec& spec, const IhaInputs& in, const 
   const int64_t B = in.batch, N = in.tokens;
   const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
   const int64_t L = N * P;
-  const double scale = spec.has_scale() ? spec.scale() : 1.0 / std::sqrt(double(d));
+  const double scale = detail::scaleOf(spec);
 
   IhaGradients g;
   g.dq.assign(in.q.size(), 0.0);
@@ -110,73 +87,55 @@ IhaGradients ihaBackward(const v1::KernelSpec& spec, const IhaInputs& in, const 
   g.dalpha_v.assign(in.alpha_v.size(), 0.0);
   g.dcollapse.assign(in.collapse.size(), 0.0);
 
-  std::vector<double> weights(static_cast<size_t>(L), 0.0);
+  std::vector<double> weights, o(static_cast<size_t>(d));
   for (int64_t b = 0; b < B; ++b) {
     const Prepared q = prepare(spec, detail::mixAndInterleave(in.q, in.alpha_q, b, N, H, P, d));
     const Prepared k = prepare(spec, detail::mixAndInterleave(in.k, in.alpha_k, b, N, G, P, d));
     const Rows v = detail::mixAndInterleave(in.v, in.alpha_v, b, N, G, P, d);
 
-    // The softmax weights of row i of head h (the forward's step 4).
-    auto softmaxRow = [&](int64_t h, int64_t i) {
-      const int64_t kv = h / (H / G);
-      double top = -std::numeric_limits<double>::infinity();
-      for (int64_t j = 0; j < L; ++j) {
-        if (!allowed(spec, i, j)) continue;
-        double dot = 0;
-        for (int64_t c = 0; c < d; ++c) dot += q.rows[h][i][c] * k.rows[kv][j][c];
-        weights[j] = scale * dot;
-        top = std::max(top, weights[j]);
-      }
-      double sum = 0;
-      for (int64_t j = 0; j < L; ++j)
-        if (allowed(spec, i, j)) sum += (weights[j] = std::exp(weights[j] - top));
-      for (int64_t j = 0; j < L; ++j) weights[j] = allowed(spec, i, j) ? weights[j] / sum : 0.0;
-    };
-
-    // The pseudo outputs o, then the collapse backward: dcollapse and do.
-    Rows o = zeroRows(H, L, d);
-    for (int64_t h = 0; h < H; ++h) {
-      const int64_t kv = h / (H / G);
-      for (int64_t i = 0; i < L; ++i) {
-        softmaxRow(h, i);
-        for (int64_t j = 0; j < L; ++j)
-          if (weights[j] != 0.0)
-            for (int64_t c = 0; c < d; ++c) o[h][i][c] += weights[j] * v[kv][j][c];
-      }
-    }
+    // The collapse backward into the pseudo outputs: do = sum of collapse
+    // weights times dout (it needs no forward value).
     Rows dO = zeroRows(H, L, d);
     for (int64_t n = 0; n < N; ++n)
       for (int64_t h = 0; h < H; ++h) {
         const double* grad = &dout[((b * N + n) * H + h) * d];
         for (int64_t source = 0; source < H; ++source)
           for (int64_t p = 0; p < P; ++p) {
-            if (spec.collapse() == v1::per_head && source != h) continue;
-            const double weight = collapseWeight(spec, in.collapse, h, source, p);
-            const std::vector<double>& pseudo = o[source][n * P + p];
-            double dot = 0;
-            for (int64_t c = 0; c < d; ++c) {
-              dO[source][n * P + p][c] += weight * grad[c];
-              dot += grad[c] * pseudo[c];
-            }
-            g.dcollapse[collapseIndex(spec, h, source, p)] += dot;
+            const int64_t at = detail::collapseIndex(spec, h, source, p);
+            if (at < 0) continue;
+            for (int64_t c = 0; c < d; ++c) dO[source][n * P + p][c] += in.collapse[at] * grad[c];
           }
       }
 
-    // Attention backward per query head, as FlashAttention's: ds = w (dp - D).
+    // Per query head and virtual row, as FlashAttention's backward: w
+    // recomputed, the pseudo output o (for dcollapse and D = <do, o>), then
+    // ds = w (dp - D) into dq, dk, dv.
     Rows dqRows = zeroRows(H, L, d), dkRows = zeroRows(G, L, d), dvRows = zeroRows(G, L, d);
     for (int64_t h = 0; h < H; ++h) {
       const int64_t kv = h / (H / G);
       for (int64_t i = 0; i < L; ++i) {
-        softmaxRow(h, i);
+        detail::softmaxRow(spec, q.rows[h][i], k.rows[kv], i, weights);
+        std::fill(o.begin(), o.end(), 0.0);
+        for (int64_t j = 0; j < L; ++j)
+          if (weights[j] != 0.0)
+            for (int64_t c = 0; c < d; ++c) o[c] += weights[j] * v[kv][j][c];
+        const int64_t n = i / P, p = i % P;
+        for (int64_t target = 0; target < H; ++target) {
+          const int64_t at = detail::collapseIndex(spec, target, h, p);
+          if (at < 0) continue;
+          const double* grad = &dout[((b * N + n) * H + target) * d];
+          for (int64_t c = 0; c < d; ++c) g.dcollapse[at] += grad[c] * o[c];
+        }
+        const std::vector<double>& dOi = dO[h][i];
         double D = 0;
-        for (int64_t c = 0; c < d; ++c) D += dO[h][i][c] * o[h][i][c];
+        for (int64_t c = 0; c < d; ++c) D += dOi[c] * o[c];
         for (int64_t j = 0; j < L; ++j) {
           if (weights[j] == 0.0) continue;
           double dp = 0;
-          for (int64_t c = 0; c < d; ++c) dp += dO[h][i][c] * v[kv][j][c];
+          for (int64_t c = 0; c < d; ++c) dp += dOi[c] * v[kv][j][c];
           const double ds = weights[j] * (dp - D);
           for (int64_t c = 0; c < d; ++c) {
-            dvRows[kv][j][c] += weights[j] * dO[h][i][c];
+            dvRows[kv][j][c] += weights[j] * dOi[c];
             dqRows[h][i][c] += scale * ds * k.rows[kv][j][c];
             dkRows[kv][j][c] += scale * ds * q.rows[h][i][c];
           }

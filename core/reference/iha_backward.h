@@ -31,6 +31,9 @@ inline constexpr const char* kGradientNames[] = {"dq", "dk", "dv", "dalpha_q", "
 inline std::vector<std::vector<double>*> gradientsOf(IhaGradients& g) {
   return {&g.dq, &g.dk, &g.dv, &g.dalpha_q, &g.dalpha_k, &g.dalpha_v, &g.dcollapse};
 }
+inline std::vector<const std::vector<double>*> gradientsOf(const IhaGradients& g) {
+  return {&g.dq, &g.dk, &g.dv, &g.dalpha_q, &g.dalpha_k, &g.dalpha_v, &g.dcollapse};
+}
 
 // Computes the gradients for `dout` [B, N, H, d]. The spec must have passed
 // validateSpec and every size must match it; the caller checks both.

@@ -8,10 +8,6 @@
 namespace loom::reference {
 namespace {
 
-double scaleOf(const v1::KernelSpec& spec) {
-  return spec.has_scale() ? spec.scale() : 1.0 / std::sqrt(double(spec.head_dim()));
-}
-
 // The value a 16-bit store of x keeps (float16 or bfloat16; float32 keeps
 // the double).
 double roundTo(double x, v1::DType dtype) {
@@ -22,16 +18,25 @@ double roundTo(double x, v1::DType dtype) {
   }
 }
 
-}  // namespace
-
-namespace detail {
-
+// qk_norm "rms": the row becomes x * r, r = (mean(x^2) + eps)^(-1/2); returns r.
 double rmsNormalize(std::vector<double>& row, double eps) {
   double squares = 0;
   for (double x : row) squares += x * x;
   const double factor = 1.0 / std::sqrt(squares / double(row.size()) + eps);
   for (double& x : row) x *= factor;
   return factor;
+}
+
+}  // namespace
+
+namespace detail {
+
+double scaleOf(const v1::KernelSpec& spec) {
+  return spec.has_scale() ? spec.scale() : 1.0 / std::sqrt(double(spec.head_dim()));
+}
+
+double ropeDirection(const v1::KernelSpec& spec) {
+  return spec.rope_direction() == v1::KernelSpec::negative ? -1.0 : 1.0;
 }
 
 void rotate(std::vector<double>& row, int64_t position, double theta, double direction) {
@@ -62,11 +67,46 @@ Rows mixAndInterleave(const std::vector<double>& x, const std::vector<double>& a
   return rows;
 }
 
-}  // namespace detail
+void normalizeAndRotate(const v1::KernelSpec& spec, Rows& rows, std::vector<std::vector<double>>* factors) {
+  const double eps = spec.has_qk_norm_eps() ? spec.qk_norm_eps() : 1e-6;
+  if (factors) factors->assign(rows.size(), std::vector<double>(rows.empty() ? 0 : rows[0].size(), 1.0));
+  for (size_t h = 0; h < rows.size(); ++h)
+    for (size_t i = 0; i < rows[h].size(); ++i) {
+      if (spec.qk_norm() == v1::KernelSpec::rms) {
+        const double factor = rmsNormalize(rows[h][i], eps);
+        if (factors) (*factors)[h][i] = factor;
+      }
+      if (spec.rope_theta() > 0) rotate(rows[h][i], int64_t(i), spec.rope_theta(), ropeDirection(spec));
+    }
+}
 
-using detail::mixAndInterleave;
-using detail::Rows;
-using detail::rotate;
+double softmaxRow(const v1::KernelSpec& spec, const std::vector<double>& query,
+                  const std::vector<std::vector<double>>& keys, int64_t i, std::vector<double>& weights) {
+  const int64_t L = int64_t(keys.size()), d = int64_t(query.size());
+  const double scale = scaleOf(spec);
+  weights.assign(size_t(L), 0.0);
+  double top = -std::numeric_limits<double>::infinity();
+  for (int64_t j = 0; j < L; ++j) {
+    if (!allowed(spec, i, j)) continue;
+    double dot = 0;
+    for (int64_t c = 0; c < d; ++c) dot += query[c] * keys[j][c];
+    weights[j] = scale * dot;
+    top = std::max(top, weights[j]);
+  }
+  double sum = 0;
+  for (int64_t j = 0; j < L; ++j)
+    if (allowed(spec, i, j)) sum += (weights[j] = std::exp(weights[j] - top));
+  for (double& w : weights) w /= sum;  // masked entries stay 0
+  return top + std::log(sum);
+}
+
+int64_t collapseIndex(const v1::KernelSpec& spec, int64_t h, int64_t source, int64_t p) {
+  const int64_t H = spec.heads(), P = spec.pseudo_heads();
+  if (spec.collapse() == v1::per_head) return source == h ? h * P + p : -1;
+  return (h * H + source) * P + p;
+}
+
+}  // namespace detail
 
 bool allowed(const v1::KernelSpec& spec, int64_t i, int64_t j) {
   const int64_t P = spec.pseudo_heads();
@@ -88,55 +128,32 @@ bool allowed(const v1::KernelSpec& spec, int64_t i, int64_t j) {
 namespace {
 
 IhaOutputs forward(const v1::KernelSpec& spec, const IhaInputs& in, v1::DType rounding) {
+  using detail::Rows;
   const int64_t B = in.batch, N = in.tokens;
   const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
   const int64_t L = N * P;
-  const double scale = scaleOf(spec);
 
   IhaOutputs result;
   result.out.assign(size_t(B * N * H * d), 0.0);
   result.lse.assign(size_t(B * H * L), 0.0);
 
+  std::vector<double> weights;
   for (int64_t b = 0; b < B; ++b) {
-    Rows qRows = mixAndInterleave(in.q, in.alpha_q, b, N, H, P, d, rounding);
-    Rows kRows = mixAndInterleave(in.k, in.alpha_k, b, N, G, P, d, rounding);
-    Rows vRows = mixAndInterleave(in.v, in.alpha_v, b, N, G, P, d, rounding);
-    if (spec.qk_norm() == v1::KernelSpec::rms) {
-      const double eps = spec.has_qk_norm_eps() ? spec.qk_norm_eps() : 1e-6;
-      for (Rows* rows : {&qRows, &kRows})
-        for (auto& head : *rows)
-          for (auto& row : head) detail::rmsNormalize(row, eps);
-    }
-    if (spec.rope_theta() > 0) {
-      const double direction = spec.rope_direction() == v1::KernelSpec::negative ? -1.0 : 1.0;
-      for (Rows* rows : {&qRows, &kRows})
-        for (auto& head : *rows)
-          for (int64_t i = 0; i < L; ++i) rotate(head[i], i, spec.rope_theta(), direction);
-    }
+    Rows qRows = detail::mixAndInterleave(in.q, in.alpha_q, b, N, H, P, d, rounding);
+    Rows kRows = detail::mixAndInterleave(in.k, in.alpha_k, b, N, G, P, d, rounding);
+    const Rows vRows = detail::mixAndInterleave(in.v, in.alpha_v, b, N, G, P, d, rounding);
+    detail::normalizeAndRotate(spec, qRows);
+    detail::normalizeAndRotate(spec, kRows);
 
     // Step 4: softmax attention of every virtual row, per query head.
     Rows pseudoOut(H, std::vector<std::vector<double>>(L, std::vector<double>(d, 0.0)));
-    std::vector<double> scores(L);
     for (int64_t h = 0; h < H; ++h) {
       const int64_t g = h / (H / G);
       for (int64_t i = 0; i < L; ++i) {
-        double rowMax = -std::numeric_limits<double>::infinity();
-        for (int64_t j = 0; j < L; ++j) {
-          if (!allowed(spec, i, j)) continue;
-          double dot = 0;
-          for (int64_t c = 0; c < d; ++c) dot += qRows[h][i][c] * kRows[g][j][c];
-          scores[j] = scale * dot;
-          rowMax = std::max(rowMax, scores[j]);
-        }
-        double sum = 0;
+        result.lse[(b * H + h) * L + i] = detail::softmaxRow(spec, qRows[h][i], kRows[g], i, weights);
         for (int64_t j = 0; j < L; ++j)
-          if (allowed(spec, i, j)) sum += std::exp(scores[j] - rowMax);
-        for (int64_t j = 0; j < L; ++j) {
-          if (!allowed(spec, i, j)) continue;
-          const double weight = std::exp(scores[j] - rowMax) / sum;
-          for (int64_t c = 0; c < d; ++c) pseudoOut[h][i][c] += weight * vRows[g][j][c];
-        }
-        result.lse[(b * H + h) * L + i] = rowMax + std::log(sum);
+          if (weights[j] != 0.0)
+            for (int64_t c = 0; c < d; ++c) pseudoOut[h][i][c] += weights[j] * vRows[g][j][c];
       }
     }
 
@@ -146,14 +163,9 @@ IhaOutputs forward(const v1::KernelSpec& spec, const IhaInputs& in, v1::DType ro
         double* target = &result.out[((b * N + n) * H + h) * d];
         for (int64_t source = 0; source < H; ++source)
           for (int64_t p = 0; p < P; ++p) {
-            double weight;
-            if (spec.collapse() == v1::per_head) {
-              if (source != h) continue;
-              weight = in.collapse[h * P + p];
-            } else {
-              weight = in.collapse[h * H * P + source * P + p];
-            }
-            for (int64_t c = 0; c < d; ++c) target[c] += weight * pseudoOut[source][n * P + p][c];
+            const int64_t at = detail::collapseIndex(spec, h, source, p);
+            if (at < 0) continue;
+            for (int64_t c = 0; c < d; ++c) target[c] += in.collapse[at] * pseudoOut[source][n * P + p][c];
           }
       }
   }

@@ -49,18 +49,35 @@ namespace detail {
 // rows[head][virtual row][d].
 using Rows = std::vector<std::vector<std::vector<double>>>;
 
+// The score scale: spec.scale, or 1/sqrt(d).
+double scaleOf(const v1::KernelSpec& spec);
+
+// +1, or -1 for rope_direction "negative".
+double ropeDirection(const v1::KernelSpec& spec);
+
 // Steps 1 and 2 for batch entry b of q (heads = H) or k / v (heads = G):
 // row n*P + p of head h is sum_m alpha[m, h, p] * x[b, n, m, :], rounded to
 // `rounding` unless float32.
 Rows mixAndInterleave(const std::vector<double>& x, const std::vector<double>& alpha, int64_t b, int64_t tokens,
                       int64_t heads, int64_t pseudo, int64_t d, v1::DType rounding = v1::float32);
 
-// qk_norm "rms": the row becomes x * r, r = (mean(x^2) + eps)^(-1/2); returns r.
-double rmsNormalize(std::vector<double>& row, double eps);
+// qk_norm (when on) and RoPE (when rope_theta > 0) on q or k rows; with
+// `factors`, each row's norm factor r (y = x * r; 1 without qk_norm).
+void normalizeAndRotate(const v1::KernelSpec& spec, Rows& rows, std::vector<std::vector<double>>* factors = nullptr);
 
 // Half-split rotary embedding of a row at virtual position `position`;
 // `direction` -1 turns by the opposite angle (and undoes a turn by +1).
 void rotate(std::vector<double>& row, int64_t position, double theta, double direction);
+
+// Step 4 for virtual row i: the softmax weights of `query` against every
+// row of `keys` under the mask (0 where masked) into `weights`; returns the
+// row's lse.
+double softmaxRow(const v1::KernelSpec& spec, const std::vector<double>& query,
+                  const std::vector<std::vector<double>>& keys, int64_t i, std::vector<double>& weights);
+
+// Step 5: the index into collapse of pseudo-head p of source head `source`
+// in output head h, or -1 where per_head collapse does not connect them.
+int64_t collapseIndex(const v1::KernelSpec& spec, int64_t h, int64_t source, int64_t p);
 
 }  // namespace detail
 

@@ -115,7 +115,7 @@ int runBackward(const RunOptions& options, const IhaCase& c) {
   if (options.backend != "reference")
     return badInput("--backward: backend '" + options.backend +
                     "' has no backward pass yet; the float64 reference (--backend reference) has");
-  reference::IhaGradients gradients = reference::ihaBackward(c.spec, c.inputs, *c.dout);
+  const reference::IhaGradients gradients = reference::ihaBackward(c.spec, c.inputs, *c.dout);
   const std::vector<std::vector<int64_t>> shapes = inputShapes(c.spec, c.batch, c.tokens);
   const auto got = reference::gradientsOf(gradients);
   if (!options.gradOut.empty()) {
@@ -133,8 +133,7 @@ int runBackward(const RunOptions& options, const IhaCase& c) {
     std::printf("no expected gradients in %s: nothing to compare\n", options.caseDir.c_str());
     return kExitOk;
   }
-  reference::IhaGradients expected = *c.expectedGradients;
-  const auto want = reference::gradientsOf(expected);
+  const auto want = reference::gradientsOf(*c.expectedGradients);
   const double tolerance = gradientToleranceFor(c.spec.dtype());
   bool pass = true;
   for (size_t i = 0; i < got.size(); ++i) {
