@@ -55,14 +55,17 @@ class Fnv {
 // Every input that changes a binary, in one order, for either hash.
 template <class Hash>
 std::string addressOf(const v1::CompiledKernel& kernel, const std::string& headersHash) {
-  return Hash()
-      .add(kernel.source())
+  Hash hash;
+  hash.add(kernel.source())
       .add(kernel.compile_options())
       .add(kernel.target().arch())
       .add(kernel.toolchain())
       .add(headersHash)
-      .add(kGeneratorVersion)
-      .hex();
+      .add(kGeneratorVersion);
+  // A backward kernel's source differs anyway; its direction is named too
+  // (forward keys are unchanged from before there was a backward).
+  if (kernel.direction() == v1::direction_backward) hash.add("backward");
+  return hash.hex();
 }
 
 template <class Hash>
@@ -79,6 +82,10 @@ std::string artifactKey(const v1::CompiledKernel& kernel) {
 }
 
 std::string specKey(const KernelSpec& spec) { return ContentHash().add(deterministicBytes(spec)).hex(); }
+
+std::string decisionSpecKey(const KernelSpec& spec, v1::Direction direction) {
+  return direction == v1::direction_backward ? specKey(spec) + ".backward" : specKey(spec);
+}
 
 namespace schema3 {
 

@@ -239,7 +239,8 @@ Status migrateToV4(sqlite3* db) {
       }
       auto found = keys.find(decision->artifactKey);
       decision->artifactKey = found == keys.end() ? "" : found->second.key;
-      decisions.push_back({rows.integer(0), specKey(decision->spec), decisionToJson(*decision)});
+      decisions.push_back({rows.integer(0), decisionSpecKey(decision->spec, decision->result.direction()),
+                           decisionToJson(*decision)});
     }
   }
   for (const Rekeyed& d : decisions) {
@@ -302,7 +303,7 @@ class SqliteStore final : public KernelStore {
   }
 
   Result<std::optional<DecisionLookup>> getDecision(const KernelSpec& spec, const DeviceModel& device,
-                                                    const std::string& toolchain) override {
+                                                    const std::string& toolchain, v1::Direction direction) override {
     for (const bool fallback : {false, true}) {
       std::string blob, checksum, rowid;
       {
@@ -310,7 +311,7 @@ class SqliteStore final : public KernelStore {
                                          "device_class = ?2 AND toolchain = ?3 ORDER BY last_used DESC LIMIT 1"
                                        : "SELECT blob, checksum, rowid FROM decisions WHERE spec_key = ?1 AND "
                                          "device = ?2 AND toolchain = ?3");
-        const int rc = select.bind(1, specKey(spec))
+        const int rc = select.bind(1, decisionSpecKey(spec, direction))
                            .bind(2, fallback ? device.classKey() : device.key())
                            .bind(3, toolchain)
                            .step();
@@ -340,7 +341,7 @@ class SqliteStore final : public KernelStore {
     Statement insert(db_,
                      "INSERT OR REPLACE INTO decisions(spec_key, device, toolchain, blob, checksum, created, bytes, "
                      "last_used, device_class) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?6, ?8)");
-    if (Status ok = insert.bind(1, specKey(d.spec))
+    if (Status ok = insert.bind(1, decisionSpecKey(d.spec, d.result.direction()))
                         .bind(2, d.device.key())
                         .bind(3, d.toolchain)
                         .bindBlob(4, blob)

@@ -219,12 +219,70 @@ IhaCase drawCheckableCase(const KernelSpec& spec, int64_t batch, int64_t tokens,
   return c;
 }
 
+namespace {
+double norm2(const std::vector<double>& x) {
+  double sum = 0;
+  for (double v : x) sum += v * v;
+  return sum;
+}
+}  // namespace
+
+std::vector<double> gradientErrors(const KernelSpec& spec, const reference::IhaGradients& got,
+                                   const reference::IhaGradients& want) {
+  const auto gotSlots = reference::gradientsOf(got);
+  const auto wantSlots = reference::gradientsOf(want);
+  double total = 0;
+  for (const auto* g : wantSlots) total += norm2(*g);
+  std::vector<double> errors;
+  for (size_t i = 0; i < gotSlots.size(); ++i) {
+    if (gotSlots[i]->size() != wantSlots[i]->size()) {
+      errors.push_back(std::nan(""));
+      continue;
+    }
+    double difference = 0;
+    bool finite = true;
+    for (size_t k = 0; k < gotSlots[i]->size(); ++k) {
+      finite = finite && std::isfinite((*gotSlots[i])[k]);
+      const double e = (*gotSlots[i])[k] - (*wantSlots[i])[k];
+      difference += e * e;
+    }
+    const double scale = reference::vanishesButForEpsilon(spec, i) ? total : norm2(*wantSlots[i]);
+    errors.push_back(finite ? std::sqrt(difference) / std::max(std::sqrt(scale), 1e-300) : std::nan(""));
+  }
+  return errors;
+}
+
+IhaCase drawCheckableBackwardCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed) {
+  constexpr int kMaxDraws = 64;
+  const NpyType type = storageTypeOf(spec.dtype());
+  IhaCase c;
+  for (int draw = 0; draw < kMaxDraws; ++draw) {
+    c = drawCheckableCase(spec, batch, tokens, seed + uint64_t(draw) * 1000003);
+    std::mt19937_64 rng(seed ^ (0x9e3779b97f4a7c15ull * uint64_t(draw + 1)));
+    std::normal_distribution<double> normal(0.0, 1.0);
+    std::vector<double> dout(size_t(batch * tokens * spec.heads() * spec.head_dim()));
+    for (double& x : dout) x = normal(rng);
+    c.dout = npyToDouble(npyFromDouble(dout, {int64_t(dout.size())}, type), spec.dtype() == v1::bfloat16);
+    c.expectedGradients = reference::ihaBackward(spec, c.inputs, *c.dout);
+    if (spec.dtype() == v1::float32) break;
+    const auto rounded = reference::ihaBackwardWithRoundedMixing(spec, c.inputs, *c.dout, spec.dtype());
+    const std::vector<double> errors = gradientErrors(spec, rounded, *c.expectedGradients);
+    if (std::all_of(errors.begin(), errors.end(),
+                    [&](double e) { return e <= kCheckableShare * gradientToleranceFor(spec.dtype()); }))
+      break;
+  }
+  return c;
+}
+
 IhaCase withDtype(const IhaCase& c, v1::DType dtype) {
   IhaCase converted = c;
   converted.spec.set_dtype(dtype);
   const NpyType type = storageTypeOf(dtype);
-  for (std::vector<double>* values : {&converted.inputs.q, &converted.inputs.k, &converted.inputs.v})
-    *values = npyToDouble(npyFromDouble(*values, {int64_t(values->size())}, type), dtype == v1::bfloat16);
+  auto round = [&](std::vector<double>& values) {
+    values = npyToDouble(npyFromDouble(values, {int64_t(values.size())}, type), dtype == v1::bfloat16);
+  };
+  for (std::vector<double>* values : {&converted.inputs.q, &converted.inputs.k, &converted.inputs.v}) round(*values);
+  if (converted.dout) round(*converted.dout);  // a kernel reads dout in the dtype too
   converted.expected = reference::ihaForward(converted.spec, converted.inputs).out;
   if (converted.dout) converted.expectedGradients = reference::ihaBackward(converted.spec, converted.inputs, *converted.dout);
   return converted;

@@ -61,8 +61,8 @@ IhaCase drawCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t
 inline constexpr double kCheckableShare = 0.5;
 IhaCase drawCheckableCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed);
 
-// The case with q, k, v rounded to `dtype` and expected (and, with a dout,
-// the expected gradients) recomputed by the float64 reference on exactly
+// The case with q, k, v (and dout) rounded to `dtype` and expected (and,
+// with a dout, the expected gradients) recomputed by the float64 reference on exactly
 // those inputs.
 IhaCase withDtype(const IhaCase& c, v1::DType dtype);
 
@@ -74,6 +74,23 @@ double toleranceFor(v1::DType dtype);
 
 // The contract's tolerance for each gradient of the backward pass.
 double gradientToleranceFor(v1::DType dtype);
+
+// Each gradient's relative error against `want`, in kGradientNames' order;
+// one the function makes vanish but for qk_norm's epsilon
+// (reference::vanishesButForEpsilon) against all the gradients together,
+// the size of its terms. NaN where `got` is not finite.
+std::vector<double> gradientErrors(const KernelSpec& spec, const reference::IhaGradients& got,
+                                   const reference::IhaGradients& want);
+
+// drawCheckableCase plus dout ~ N(0, 1) rounded to the dtype and the
+// expected gradients; for 16-bit dtypes it draws again (seed + 1, ...) while
+// the backward with the roundings every 16-bit kernel makes
+// (reference::ihaBackwardWithRoundedMixing) is over kCheckableShare of the
+// gradient tolerance in any gradient: a reduction over tokens that cancels
+// (dalpha of one head), or dq of a row whose few keys nearly agree (dS
+// rounded no longer sums to zero), can lose more than the tolerance to those
+// roundings alone.
+IhaCase drawCheckableBackwardCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed);
 
 NpyType storageTypeOf(v1::DType dtype);
 

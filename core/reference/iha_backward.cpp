@@ -1,6 +1,7 @@
 #include "reference/iha_backward.h"
 
 #include <algorithm>
+#include <string>
 
 namespace loom::reference {
 namespace {
@@ -72,7 +73,20 @@ void unprepare(const v1::KernelSpec& spec, const Prepared& prepared, Rows& grads
 
 }  // namespace
 
-IhaGradients ihaBackward(const v1::KernelSpec& spec, const IhaInputs& in, const std::vector<double>& dout) {
+namespace {
+
+void roundRows(Rows& rows, v1::DType rounding) {
+  if (rounding == v1::float32) return;
+  for (auto& head : rows)
+    for (auto& row : head)
+      for (double& x : row) x = detail::roundTo(x, rounding);
+}
+
+// `rounding` (a 16-bit dtype, or float32 for none) rounds what a 16-bit
+// kernel stores or hands its tensor cores: the attended q, k, v rows, o, do,
+// P and dS.
+IhaGradients backward(const v1::KernelSpec& spec, const IhaInputs& in, const std::vector<double>& dout,
+                      v1::DType rounding) {
   const int64_t B = in.batch, N = in.tokens;
   const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
   const int64_t L = N * P;
@@ -89,9 +103,12 @@ IhaGradients ihaBackward(const v1::KernelSpec& spec, const IhaInputs& in, const 
 
   std::vector<double> weights, o(static_cast<size_t>(d));
   for (int64_t b = 0; b < B; ++b) {
-    const Prepared q = prepare(spec, detail::mixAndInterleave(in.q, in.alpha_q, b, N, H, P, d));
-    const Prepared k = prepare(spec, detail::mixAndInterleave(in.k, in.alpha_k, b, N, G, P, d));
-    const Rows v = detail::mixAndInterleave(in.v, in.alpha_v, b, N, G, P, d);
+    Prepared q = prepare(spec, detail::mixAndInterleave(in.q, in.alpha_q, b, N, H, P, d));
+    Prepared k = prepare(spec, detail::mixAndInterleave(in.k, in.alpha_k, b, N, G, P, d));
+    Rows v = detail::mixAndInterleave(in.v, in.alpha_v, b, N, G, P, d);
+    roundRows(q.rows, rounding);  // the workspaces the kernel's loops read
+    roundRows(k.rows, rounding);
+    roundRows(v, rounding);
 
     // The collapse backward into the pseudo outputs: do = sum of collapse
     // weights times dout (it needs no forward value).
@@ -107,6 +124,8 @@ IhaGradients ihaBackward(const v1::KernelSpec& spec, const IhaInputs& in, const 
           }
       }
 
+    roundRows(dO, rounding);
+
     // Per query head and virtual row, as FlashAttention's backward: w
     // recomputed, the pseudo output o (for dcollapse and D = <do, o>), then
     // ds = w (dp - D) into dq, dk, dv.
@@ -119,6 +138,7 @@ IhaGradients ihaBackward(const v1::KernelSpec& spec, const IhaInputs& in, const 
         for (int64_t j = 0; j < L; ++j)
           if (weights[j] != 0.0)
             for (int64_t c = 0; c < d; ++c) o[c] += weights[j] * v[kv][j][c];
+        for (double& x : o) x = detail::roundTo(x, rounding);  // o_pseudo
         const int64_t n = i / P, p = i % P;
         for (int64_t target = 0; target < H; ++target) {
           const int64_t at = detail::collapseIndex(spec, target, h, p);
@@ -133,9 +153,11 @@ IhaGradients ihaBackward(const v1::KernelSpec& spec, const IhaInputs& in, const 
           if (weights[j] == 0.0) continue;
           double dp = 0;
           for (int64_t c = 0; c < d; ++c) dp += dOi[c] * v[kv][j][c];
-          const double ds = weights[j] * (dp - D);
+          // The tensor cores take P and dS in the dtype.
+          const double ds = detail::roundTo(weights[j] * (dp - D), rounding);
+          const double w = detail::roundTo(weights[j], rounding);
           for (int64_t c = 0; c < d; ++c) {
-            dvRows[kv][j][c] += weights[j] * dOi[c];
+            dvRows[kv][j][c] += w * dOi[c];
             dqRows[h][i][c] += scale * ds * k.rows[kv][j][c];
             dkRows[kv][j][c] += scale * ds * q.rows[h][i][c];
           }
@@ -150,6 +172,28 @@ IhaGradients ihaBackward(const v1::KernelSpec& spec, const IhaInputs& in, const 
     unmix(dvRows, in.v, in.alpha_v, b, N, G, P, d, g.dv, g.dalpha_v);
   }
   return g;
+}
+
+}  // namespace
+
+IhaGradients ihaBackward(const v1::KernelSpec& spec, const IhaInputs& inputs, const std::vector<double>& dout) {
+  return backward(spec, inputs, dout, v1::float32);
+}
+
+IhaGradients ihaBackwardWithRoundedMixing(const v1::KernelSpec& spec, const IhaInputs& inputs,
+                                          const std::vector<double>& dout, v1::DType dtype) {
+  return backward(spec, inputs, dout, dtype);
+}
+
+bool vanishesButForEpsilon(const v1::KernelSpec& spec, size_t gradient) {
+  if (spec.qk_norm() != v1::KernelSpec::rms) return false;
+  const std::string name = kGradientNames[gradient];
+  const bool oneTokenWindow =
+      spec.window() == 1 && (spec.mask() != v1::flat_causal || spec.window_align() == v1::KernelSpec::token);
+  if (name == "dalpha_q") return spec.heads() == 1;
+  if (name == "dalpha_k") return spec.kv_heads() == 1;
+  if (name == "dq" || name == "dk") return spec.kv_heads() == 1 && oneTokenWindow;
+  return false;
 }
 
 }  // namespace loom::reference

@@ -39,4 +39,23 @@ inline std::vector<const std::vector<double>*> gradientsOf(const IhaGradients& g
 // validateSpec and every size must match it; the caller checks both.
 IhaGradients ihaBackward(const v1::KernelSpec& spec, const IhaInputs& inputs, const std::vector<double>& dout);
 
+// ihaBackward with what every 16-bit FlashAttention-style kernel rounds to
+// `dtype` (float16 or bfloat16): the attended q, k, v rows (its workspaces),
+// the pseudo outputs o and their gradients do, and P and dS (the tensor
+// cores' operands): how far it is from ihaBackward says whether a case can check such a
+// kernel against the gradient tolerance at all (docs/IHA.md, Numerics).
+IhaGradients ihaBackwardWithRoundedMixing(const v1::KernelSpec& spec, const IhaInputs& inputs,
+                                          const std::vector<double>& dout, v1::DType dtype);
+
+// Does the function make gradient `gradient` (kGradientNames' order) vanish
+// but for qk_norm's epsilon? With qk_norm a row mixed from one head is that
+// head's row normalised whatever its weight, so dalpha_q (one head) and
+// dalpha_k (one kv head) vanish; with one kv head a token's P keys are one
+// row normalised (up to sign), so under a one-token window every query sees
+// keys of equal score and softmax's shift invariance makes dq and dk vanish
+// too. Such a gradient has no relative error to speak of: a float32 kernel
+// leaves rounding noise of its terms' size where the exact value is
+// epsilon-sized.
+bool vanishesButForEpsilon(const v1::KernelSpec& spec, size_t gradient);
+
 }  // namespace loom::reference

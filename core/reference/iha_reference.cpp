@@ -6,17 +6,17 @@
 #include "loom/half.h"
 
 namespace loom::reference {
-namespace {
 
-// The value a 16-bit store of x keeps (float16 or bfloat16; float32 keeps
-// the double).
-double roundTo(double x, v1::DType dtype) {
+double detail::roundTo(double x, v1::DType dtype) {
   switch (dtype) {
     case v1::float16: return double(half::halfToFloat(half::floatToHalf(float(x))));
     case v1::bfloat16: return double(half::bfloat16ToFloat(half::floatToBfloat16(float(x))));
     default: return x;
   }
 }
+
+namespace {
+using detail::roundTo;
 
 // qk_norm "rms": the row becomes x * r, r = (mean(x^2) + eps)^(-1/2); returns r.
 double rmsNormalize(std::vector<double>& row, double eps) {

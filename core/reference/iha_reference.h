@@ -49,6 +49,10 @@ namespace detail {
 // rows[head][virtual row][d].
 using Rows = std::vector<std::vector<std::vector<double>>>;
 
+// The value a 16-bit store of x keeps (float16 or bfloat16; float32 keeps
+// the double).
+double roundTo(double x, v1::DType dtype);
+
 // The score scale: spec.scale, or 1/sqrt(d).
 double scaleOf(const v1::KernelSpec& spec);
 

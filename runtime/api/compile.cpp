@@ -10,9 +10,12 @@ void setCompilerIdentity(v1::CompiledKernel& kernel, const std::string& arch) {
 }
 
 Result<v1::CompiledKernel> compileKernel(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
-                                         jit::NvrtcCompiler& compiler, std::shared_ptr<const jit::Artifact>* artifact) {
+                                         jit::NvrtcCompiler& compiler, std::shared_ptr<const jit::Artifact>* artifact,
+                                         Direction direction) {
   if (target.kind() != v1::Target::cuda) return makeError("compileKernel needs a CUDA target");
-  auto plan = generateKernel(spec, schedule, target);
+  GenerateOptions options;
+  options.direction = direction;
+  auto plan = generateKernel(spec, schedule, target, options);
   if (!plan) return plan.error();
   auto compiled = compiler.compile(plan->source, target.arch());
   if (!compiled) return compiled.error();

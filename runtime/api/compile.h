@@ -4,6 +4,7 @@
 #pragma once
 
 #include "jit/nvrtc_compiler.h"
+#include "loom/compiler.h"
 #include "loom/result.h"
 #include "loom/spec.h"
 
@@ -15,7 +16,9 @@ namespace loom {
 // (cache::artifactKey), which knows no compiler.
 void setCompilerIdentity(v1::CompiledKernel& kernel, const std::string& arch);
 
+// `direction` backward: the backward plan (docs/compiler.md, "The backward").
 Result<v1::CompiledKernel> compileKernel(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
-                                         jit::NvrtcCompiler& compiler, std::shared_ptr<const jit::Artifact>* artifact = nullptr);
+                                         jit::NvrtcCompiler& compiler, std::shared_ptr<const jit::Artifact>* artifact = nullptr,
+                                         Direction direction = Direction::forward);
 
 }  // namespace loom

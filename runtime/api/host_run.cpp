@@ -124,4 +124,59 @@ Result<emu::EmuRun> runOnEmulator(const KernelSpec& spec, const IhaTensors& t, c
   return run;
 }
 
+namespace {
+
+// The host tensors and dout as a backward case, and the backward plan.
+Result<HostProgram> hostBackward(const KernelSpec& spec, const IhaTensors& t, const IhaGradTensors& g,
+                                 const Schedule& schedule, const std::string& arch) {
+  if (Status ok = validateSpec(spec); !ok) return ok.error();
+  if (Status ok = validateGradTensors(spec, t, g, kHostDevice); !ok) return ok.error();
+  IhaCase c;
+  c.spec = spec;
+  c.batch = t.q.shape[0];
+  c.tokens = t.q.shape[1];
+  c.inputs = {c.batch,           c.tokens,          hostValues(t.q),        hostValues(t.k),
+              hostValues(t.v),   hostValues(t.alpha_q), hostValues(t.alpha_k), hostValues(t.alpha_v),
+              hostValues(t.collapse)};
+  c.dout = hostValues(g.dout);
+  auto target = parseTarget(arch);
+  if (!target) return target.error();
+  GenerateOptions options;
+  options.direction = Direction::backward;
+  auto plan = generateKernel(spec, schedule, *target, options);
+  if (!plan) return plan.error();
+  return HostProgram{std::move(c), std::move(*plan)};
+}
+
+void scatterGradients(const reference::IhaGradients& gradients, const std::vector<double>& lse, const IhaTensors& t,
+                      const IhaGradTensors& g) {
+  const auto values = reference::gradientsOf(gradients);
+  const Tensor* targets[] = {&g.dq, &g.dk, &g.dv, &g.dalpha_q, &g.dalpha_k, &g.dalpha_v, &g.dcollapse};
+  for (size_t i = 0; i < values.size(); ++i) scatter(*values[i], *targets[i]);
+  if (t.lse) scatter(lse, *t.lse);
+}
+
+}  // namespace
+
+Status runBackwardOnHost(const KernelSpec& spec, const IhaTensors& t, const IhaGradTensors& g, const Schedule& schedule,
+                         const cpu::CpuOptions& options) {
+  auto program = hostBackward(spec, t, g, schedule, "cpu");
+  if (!program) return program.error();
+  auto outputs = cpu::runBackwardPlan(program->plan, program->c, options);
+  if (!outputs) return outputs.error();
+  scatterGradients(outputs->gradients, outputs->lse, t, g);
+  return Status::success();
+}
+
+Result<emu::EmuRun> runBackwardOnEmulator(const KernelSpec& spec, const IhaTensors& t, const IhaGradTensors& g,
+                                          const Schedule& schedule, const std::string& arch,
+                                          const emu::EmuOptions& options) {
+  auto program = hostBackward(spec, t, g, schedule, arch);
+  if (!program) return program.error();
+  auto run = emu::runOnEmulator(program->plan, program->c, options);
+  if (!run) return run.error();
+  scatterGradients(*run->gradients, run->lse, t, g);
+  return run;
+}
+
 }  // namespace loom

@@ -16,27 +16,30 @@ KernelProvider::KernelProvider(const std::string& cacheDir, int maxConcurrentCom
 }
 
 Result<ProvidedKernel> KernelProvider::provide(const KernelSpec& spec, const v1::Target& target,
-                                               const Schedule& schedule) {
+                                               const Schedule& schedule, v1::Direction direction) {
+  const bool backward = direction == v1::direction_backward;
   if (target.kind() != v1::Target::cuda) return makeError("target must be a CUDA arch (sm_80, sm_90a, ...)");
   ProvidedKernel provided;
   Schedule chosen = schedule;
   provided.scheduleSource = schedule.ByteSizeLong() ? "given" : "default";
   if (store_ && !schedule.ByteSizeLong()) {
-    auto decision = store_->getDecision(spec, cache::DeviceModel::of(target), jit::nvrtcVersion());
+    auto decision = store_->getDecision(spec, cache::DeviceModel::of(target), jit::nvrtcVersion(), direction);
     if (decision && decision->has_value()) {
       chosen = (*decision)->decision.result.best();
       provided.scheduleSource = (*decision)->decision.result.measured() ? "tuned" : "ranked (untimed)";
       if ((*decision)->fallback) provided.scheduleSource += " (" + (*decision)->note + ")";
     }
   }
-  if (provided.scheduleSource == "default" && chooser_) {
+  if (provided.scheduleSource == "default" && chooser_ && !backward) {  // the cost model ranks forward schedules
     if (auto best = chooser_(spec, target); best) {
       chosen = *best;
       provided.scheduleSource = "cost model";
     }
   }
   // The kernel's address needs the generated source; generating is cheap.
-  auto plan = generateKernel(spec, chosen, target);
+  GenerateOptions options;
+  options.direction = backward ? Direction::backward : Direction::forward;
+  auto plan = generateKernel(spec, chosen, target, options);
   if (!plan) return plan.error();
   v1::CompiledKernel probe = toCompiledKernel(*plan);
   setCompilerIdentity(probe, target.arch());
@@ -49,7 +52,7 @@ Result<ProvidedKernel> KernelProvider::provide(const KernelSpec& spec, const v1:
       return provided;
     }
   }
-  auto compiled = compileOnce(key, spec, chosen, target, &provided.compileSeconds);
+  auto compiled = compileOnce(key, spec, chosen, target, direction, &provided.compileSeconds);
   if (!compiled) return compiled.error();
   provided.kernel = *compiled;
   provided.origin = "compiled now";
@@ -58,7 +61,7 @@ Result<ProvidedKernel> KernelProvider::provide(const KernelSpec& spec, const v1:
 
 Result<v1::CompiledKernel> KernelProvider::compileOnce(const std::string& key, const KernelSpec& spec,
                                                        const Schedule& schedule, const v1::Target& target,
-                                                       std::optional<double>* seconds) {
+                                                       v1::Direction direction, std::optional<double>* seconds) {
   std::shared_future<Result<v1::CompiledKernel>> future;
   std::promise<Result<v1::CompiledKernel>> promise;
   bool leader = false;
@@ -78,7 +81,8 @@ Result<v1::CompiledKernel> KernelProvider::compileOnce(const std::string& key, c
   compileSlots_.acquire();
   ++inFlightCount_;
   const auto start = std::chrono::steady_clock::now();
-  auto compiled = compileKernel(spec, schedule, target, compiler_);
+  auto compiled = compileKernel(spec, schedule, target, compiler_, nullptr,
+                                direction == v1::direction_backward ? Direction::backward : Direction::forward);
   *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   --inFlightCount_;
   compileSlots_.release();

@@ -42,7 +42,10 @@ class KernelProvider {
 
   // An empty `schedule` means: the cache's decision for this device, else
   // the compiler's default.
-  Result<ProvidedKernel> provide(const KernelSpec& spec, const v1::Target& target, const Schedule& schedule = {});
+  // `direction` backward: the backward kernel, its decision and artifact
+  // keyed apart from the forward's.
+  Result<ProvidedKernel> provide(const KernelSpec& spec, const v1::Target& target, const Schedule& schedule = {},
+                                 v1::Direction direction = v1::direction_forward);
 
   // How a miss with no decision picks its schedule (default: the compiler's
   // default). The service installs the cost model's best here.
@@ -56,7 +59,8 @@ class KernelProvider {
  private:
   // `seconds` is set when this call ran the compile (it led the identical misses).
   Result<v1::CompiledKernel> compileOnce(const std::string& key, const KernelSpec& spec, const Schedule& schedule,
-                                         const v1::Target& target, std::optional<double>* seconds);
+                                         const v1::Target& target, v1::Direction direction,
+                                         std::optional<double>* seconds);
 
   std::unique_ptr<cache::KernelStore> store_;
   ScheduleChooser chooser_;

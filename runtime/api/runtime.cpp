@@ -42,6 +42,14 @@ Result<std::shared_ptr<Kernel>> Runtime::kernel(const KernelSpec& spec, const Sc
   return kernel;
 }
 
+Result<std::shared_ptr<Kernel>> Runtime::backwardKernel(const KernelSpec& spec, const Schedule& schedule) {
+  auto provided = state_->provider->provide(spec, target(), schedule, v1::direction_backward);
+  if (!provided) return provided.error();
+  auto kernel = load(provided->kernel);
+  if (kernel) (*kernel)->provenance_ = provided->origin + ", " + provided->scheduleSource + " schedule (backward)";
+  return kernel;
+}
+
 Result<std::shared_ptr<Kernel>> Runtime::load(const v1::CompiledKernel& compiled) {
   return Kernel::load(state_->device, compiled);
 }

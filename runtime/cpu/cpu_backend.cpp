@@ -85,7 +85,87 @@ void runGrid(const LoadedProgram& program, const LaunchPlan& launch, const IhaAr
 
 }  // namespace
 
-Result<CpuOutputs> runPlan(const KernelPlan& plan, const IhaCase& c, const CpuOptions& options) {
+namespace {
+
+// The case's tensors as a launch reads them, and the plan's workspaces, all
+// poisoned with NaN (0xff bytes) where the program writes.
+struct HostTensors {
+  std::vector<uint8_t> q, k, v, dout;
+  std::vector<float> alphaQ, alphaK, alphaV, collapse, lse;
+  NpyArray out;
+  std::map<Workspace, std::vector<float>> workspaces;
+  std::vector<float> dq, dk, dv, dalphaQ, dalphaK, dalphaV, dcollapse;
+  IhaArgs args{};
+};
+
+void prepareTensors(const KernelPlan& plan, const IhaCase& c, HostTensors& t) {
+  const KernelSpec& spec = plan.spec;
+  const int64_t B = c.batch, N = c.tokens, H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(),
+                d = spec.head_dim(), L = N * P;
+  const NpyType storage = storageTypeOf(spec.dtype());
+  auto bytesOf = [&](const std::vector<double>& values) { return npyFromDouble(values, {int64_t(values.size())}, storage).bytes; };
+  auto floats = [](const std::vector<double>& values) { return std::vector<float>(values.begin(), values.end()); };
+  t.q = bytesOf(c.inputs.q);
+  t.k = bytesOf(c.inputs.k);
+  t.v = bytesOf(c.inputs.v);
+  t.alphaQ = floats(c.inputs.alpha_q);
+  t.alphaK = floats(c.inputs.alpha_k);
+  t.alphaV = floats(c.inputs.alpha_v);
+  t.collapse = floats(c.inputs.collapse);
+  t.out.type = storage;
+  t.out.shape = {B, N, H, d};
+  t.out.bytes.assign(size_t(B * N * H * d * NpyArray::elementSize(storage)), 0xff);  // poison: NaN in every type
+  t.lse.assign(size_t(B * H * L), std::nanf(""));
+  for (Workspace w : plan.workspaces)
+    t.workspaces[w].assign(size_t(workspaceElements(plan, w, B, N)), std::nanf(""));
+  auto workspace = [&](Workspace w) { return t.workspaces.count(w) ? t.workspaces[w].data() : nullptr; };
+
+  IhaArgs& args = t.args;
+  args.q = t.q.data();
+  args.k = t.k.data();
+  args.v = t.v.data();
+  args.alpha_q = t.alphaQ.data();
+  args.alpha_k = t.alphaK.data();
+  args.alpha_v = t.alphaV.data();
+  args.collapse = t.collapse.data();
+  args.out = t.out.bytes.data();
+  args.lse = t.lse.data();
+  args.q_mixed = workspace(Workspace::q_mixed);
+  args.k_mixed = workspace(Workspace::k_mixed);
+  args.v_mixed = workspace(Workspace::v_mixed);
+  args.o_pseudo = workspace(Workspace::o_pseudo);
+  args.batch = B;
+  args.tokens = N;
+  setDenseStrides(args, N, H, G, d);
+  if (plan.direction != Direction::backward) return;
+
+  t.dout = bytesOf(*c.dout);
+  auto poisoned = [](const std::vector<double>& like) { return std::vector<float>(like.size(), std::nanf("")); };
+  t.dq = poisoned(c.inputs.q);
+  t.dk = poisoned(c.inputs.k);
+  t.dv = poisoned(c.inputs.v);
+  t.dalphaQ = poisoned(c.inputs.alpha_q);
+  t.dalphaK = poisoned(c.inputs.alpha_k);
+  t.dalphaV = poisoned(c.inputs.alpha_v);
+  t.dcollapse = poisoned(c.inputs.collapse);
+  args.dout = t.dout.data();
+  args.dq = t.dq.data();
+  args.dk = t.dk.data();
+  args.dv = t.dv.data();
+  args.dalpha_q = t.dalphaQ.data();
+  args.dalpha_k = t.dalphaK.data();
+  args.dalpha_v = t.dalphaV.data();
+  args.dcollapse = t.dcollapse.data();
+  args.do_pseudo = workspace(Workspace::do_pseudo);
+  args.delta = workspace(Workspace::delta);
+  args.dq_pseudo = workspace(Workspace::dq_pseudo);
+  args.dk_pseudo = workspace(Workspace::dk_pseudo);
+  args.dv_pseudo = workspace(Workspace::dv_pseudo);
+  args.partials = workspace(Workspace::partials);
+}
+
+// Compiles, loads and runs every launch of `plan` on `t`.
+Result<CpuRunStats> execute(const KernelPlan& plan, HostTensors& t, const CpuOptions& options) {
   const fs::path cacheDir = options.cacheDir.empty() ? defaultCacheDir() : options.cacheDir;
   if (plan.target.kind() == v1::Target::cuda) return makeError("the CPU backend needs a plan generated for target cpu");
   HostProgram source{plan.source, compilerFrom("CXX", "c++"), kCompileFlags, {}, "cpu"};
@@ -97,54 +177,46 @@ Result<CpuOutputs> runPlan(const KernelPlan& plan, const IhaCase& c, const CpuOp
   // The host tile API counts into the program's globals: one run at a time.
   static std::mutex running;
   std::lock_guard lock(running);
-
-  const KernelSpec& spec = plan.spec;
-  const int64_t B = c.batch, N = c.tokens, H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(),
-                d = spec.head_dim(), L = N * P;
-  const NpyType storage = storageTypeOf(spec.dtype());
-  auto bytesOf = [&](const std::vector<double>& values) { return npyFromDouble(values, {int64_t(values.size())}, storage).bytes; };
-  auto floats = [](const std::vector<double>& values) { return std::vector<float>(values.begin(), values.end()); };
-  std::vector<uint8_t> q = bytesOf(c.inputs.q), k = bytesOf(c.inputs.k), v = bytesOf(c.inputs.v);
-  std::vector<float> alphaQ = floats(c.inputs.alpha_q), alphaK = floats(c.inputs.alpha_k),
-                     alphaV = floats(c.inputs.alpha_v), collapse = floats(c.inputs.collapse);
-  NpyArray out;
-  out.type = storage;
-  out.shape = {B, N, H, d};
-  out.bytes.assign(size_t(B * N * H * d * NpyArray::elementSize(storage)), 0xff);  // poison: NaN in every type
-  std::vector<float> lse(size_t(B * H * L), std::nanf(""));
-  std::map<Workspace, std::vector<float>> workspaces;
-  for (Workspace w : plan.workspaces)
-    workspaces[w].assign(size_t(workspaceElements(spec, w, B, N)), std::nanf(""));
-  auto workspace = [&](Workspace w) { return workspaces.count(w) ? workspaces[w].data() : nullptr; };
-
-  IhaArgs args{};
-  args.q = q.data();
-  args.k = k.data();
-  args.v = v.data();
-  args.alpha_q = alphaQ.data();
-  args.alpha_k = alphaK.data();
-  args.alpha_v = alphaV.data();
-  args.collapse = collapse.data();
-  args.out = out.bytes.data();
-  args.lse = lse.data();
-  args.q_mixed = workspace(Workspace::q_mixed);
-  args.k_mixed = workspace(Workspace::k_mixed);
-  args.v_mixed = workspace(Workspace::v_mixed);
-  args.o_pseudo = workspace(Workspace::o_pseudo);
-  args.batch = B;
-  args.tokens = N;
-  setDenseStrides(args, N, H, G, d);
-
   const int threads = options.threads > 0 ? options.threads : int(std::max(1u, std::thread::hardware_concurrency()));
-  CpuOutputs result;
+  CpuRunStats stats;
   int64_t discard[3];
   program.stats(&discard[0], &discard[1], &discard[2]);  // reset counters
-  for (const LaunchPlan& launch : plan.launches) runGrid(program, launch, args, threads);
-  program.stats(&result.stats.keyBlocks, &result.stats.maskedBlocks, &result.stats.attentionCtas);
-  result.stats.compiled = compiled->compiled;
-  result.stats.compileSeconds = compiled->seconds;
-  result.out = npyToDouble(out, spec.dtype() == v1::bfloat16);
-  result.lse.assign(lse.begin(), lse.end());
+  for (const LaunchPlan& launch : plan.launches) runGrid(program, launch, t.args, threads);
+  program.stats(&stats.keyBlocks, &stats.maskedBlocks, &stats.attentionCtas);
+  stats.compiled = compiled->compiled;
+  stats.compileSeconds = compiled->seconds;
+  return stats;
+}
+
+std::vector<double> widen(const std::vector<float>& values) { return {values.begin(), values.end()}; }
+
+}  // namespace
+
+Result<CpuOutputs> runPlan(const KernelPlan& plan, const IhaCase& c, const CpuOptions& options) {
+  if (plan.direction != Direction::forward) return makeError("runPlan runs a forward plan; runBackwardPlan a backward one");
+  HostTensors t;
+  prepareTensors(plan, c, t);
+  auto stats = execute(plan, t, options);
+  if (!stats) return stats.error();
+  CpuOutputs result;
+  result.stats = *stats;
+  result.out = npyToDouble(t.out, plan.spec.dtype() == v1::bfloat16);
+  result.lse = widen(t.lse);
+  return result;
+}
+
+Result<CpuGradients> runBackwardPlan(const KernelPlan& plan, const IhaCase& c, const CpuOptions& options) {
+  if (plan.direction != Direction::backward) return makeError("runBackwardPlan needs a plan generated for the backward");
+  if (!c.dout) return makeError("the backward needs dout, the gradient of the output");
+  HostTensors t;
+  prepareTensors(plan, c, t);
+  auto stats = execute(plan, t, options);
+  if (!stats) return stats.error();
+  CpuGradients result;
+  result.stats = *stats;
+  result.gradients = {widen(t.dq),      widen(t.dk),      widen(t.dv),       widen(t.dalphaQ),
+                      widen(t.dalphaK), widen(t.dalphaV), widen(t.dcollapse)};
+  result.lse = widen(t.lse);
   return result;
 }
 

@@ -38,4 +38,14 @@ struct CpuOutputs {
 // Compiles (or finds in the cache) and runs `plan` on the case's inputs.
 Result<CpuOutputs> runPlan(const KernelPlan& plan, const IhaCase& c, const CpuOptions& options = {});
 
+struct CpuGradients {
+  reference::IhaGradients gradients;  // float32 results, widened
+  std::vector<double> lse;            // [B, H, N*P], the forward's, recomputed
+  CpuRunStats stats;
+};
+
+// The same for a backward plan (generateKernel with Direction::backward):
+// every gradient of sum(out * c.dout).
+Result<CpuGradients> runBackwardPlan(const KernelPlan& plan, const IhaCase& c, const CpuOptions& options = {});
+
 }  // namespace loom::cpu

@@ -1,10 +1,12 @@
 // Kernel: a CompiledKernel loaded on a device, validated and launched.
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 
 #include "cuda/driver.h"
 #include "loom/runtime.h"
 #include "loom/tile/common.h"
+#include "loom/tile/layout.h"
 
 namespace loom {
 namespace {
@@ -85,7 +87,10 @@ Result<Tensor> tensorFromDlpack(const char* name, const DLTensor* t) {
   return view;
 }
 
-Status validateTensors(const KernelSpec& spec, const IhaTensors& t, int device) {
+namespace {
+
+// q, k, v and the weights (and `out` when `withOut`), then lse when given.
+Status validateOperands(const KernelSpec& spec, const IhaTensors& t, int device, bool withOut) {
   if (t.q.shape.size() != 4) return makeError("q: want 4 dimensions [B, N, H, d], got " + shapeText(t.q.shape));
   const int64_t B = t.q.shape[0], N = t.q.shape[1], H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(),
                 d = spec.head_dim();
@@ -110,12 +115,53 @@ Status validateTensors(const KernelSpec& spec, const IhaTensors& t, int device) 
                                {"alpha_q", &t.alpha_q, {H, H, P}, f32, false},
                                {"alpha_k", &t.alpha_k, {G, G, P}, f32, false},
                                {"alpha_v", &t.alpha_v, {G, G, P}, f32, false},
-                               {"collapse", &t.collapse, collapse, f32, false},
-                               {"out", &t.out, {B, N, H, d}, act, true}};
+                               {"collapse", &t.collapse, collapse, f32, false}};
+  if (withOut) checks.push_back({"out", &t.out, {B, N, H, d}, act, true});
   if (t.lse) checks.push_back({"lse", &*t.lse, {B, H, N * P}, f32, false});
   for (const Check& c : checks)
     if (Status ok = checkTensor(c.name, *c.tensor, c.shape, c.element, device, c.activation); !ok) return ok;
   return Status::success();
+}
+
+}  // namespace
+
+Status validateTensors(const KernelSpec& spec, const IhaTensors& t, int device) {
+  return validateOperands(spec, t, device, /*withOut=*/true);
+}
+
+Status validateGradTensors(const KernelSpec& spec, const IhaTensors& inputs, const IhaGradTensors& g, int device) {
+  if (Status ok = validateOperands(spec, inputs, device, /*withOut=*/false); !ok) return ok;
+  const int64_t B = inputs.q.shape[0], N = inputs.q.shape[1], H = spec.heads(), G = spec.kv_heads(),
+                P = spec.pseudo_heads(), d = spec.head_dim();
+  const ElementKind f32 = ElementKind::float32;
+  const std::vector<int64_t> collapse =
+      spec.collapse() == v1::per_head ? std::vector<int64_t>{H, P} : std::vector<int64_t>{H, H * P};
+  if (Status ok = checkTensor("dout", g.dout, {B, N, H, d}, elementOf(spec.dtype()), device, true); !ok) return ok;
+  const std::tuple<const char*, const Tensor*, std::vector<int64_t>> gradients[] = {
+      {"dq", &g.dq, {B, N, H, d}},          {"dk", &g.dk, {B, N, G, d}},
+      {"dv", &g.dv, {B, N, G, d}},          {"dalpha_q", &g.dalpha_q, {H, H, P}},
+      {"dalpha_k", &g.dalpha_k, {G, G, P}}, {"dalpha_v", &g.dalpha_v, {G, G, P}},
+      {"dcollapse", &g.dcollapse, collapse}};
+  for (const auto& [name, tensor, shape] : gradients)
+    if (Status ok = checkTensor(name, *tensor, shape, f32, device, false); !ok) return ok;
+  return Status::success();
+}
+
+Result<IhaGradTensors> gradTensorsFromDlpack(const DLTensor* dout, const DLTensor* dq, const DLTensor* dk,
+                                             const DLTensor* dv, const DLTensor* dalphaQ, const DLTensor* dalphaK,
+                                             const DLTensor* dalphaV, const DLTensor* dcollapse) {
+  IhaGradTensors tensors;
+  const std::pair<const char*, std::pair<const DLTensor*, Tensor*>> all[] = {
+      {"dout", {dout, &tensors.dout}},         {"dq", {dq, &tensors.dq}},
+      {"dk", {dk, &tensors.dk}},               {"dv", {dv, &tensors.dv}},
+      {"dalpha_q", {dalphaQ, &tensors.dalpha_q}}, {"dalpha_k", {dalphaK, &tensors.dalpha_k}},
+      {"dalpha_v", {dalphaV, &tensors.dalpha_v}}, {"dcollapse", {dcollapse, &tensors.dcollapse}}};
+  for (const auto& [name, pair] : all) {
+    auto view = tensorFromDlpack(name, pair.first);
+    if (!view) return view.error();
+    *pair.second = *view;
+  }
+  return tensors;
 }
 
 Result<IhaTensors> tensorsFromDlpack(const DLTensor* q, const DLTensor* k, const DLTensor* v, const DLTensor* alphaQ,
@@ -181,17 +227,43 @@ Kernel::~Kernel() {
 
 namespace {
 
+// The lse a backward kernel's recomputation writes when the caller gives none.
+constexpr char kLseWorkspace[] = "lse";
+
+// A workspace's bytes (compiler.h's workspaceElements and
+// workspaceElementBytes, from the record's own fields: the runtime links no
+// compiler). The tiles the tensor cores read are 16-bit, the rest f32.
 int64_t workspaceBytes(const v1::CompiledKernel& kernel, const std::string& name, int64_t batch, int64_t tokens) {
   const KernelSpec& spec = kernel.spec();
-  const int64_t heads = name == "k_mixed" || name == "v_mixed" ? spec.kv_heads() : spec.heads();
-  return batch * tokens * spec.pseudo_heads() * heads * spec.head_dim() * kernel.workspace_element_bytes();
+  const int64_t rows = batch * tokens * spec.pseudo_heads();
+  const bool kv = name == "k_mixed" || name == "v_mixed" || name == "dk_pseudo" || name == "dv_pseudo";
+  const int64_t heads = kv ? spec.kv_heads() : spec.heads();
+  if (name == "q_mixed" || name == "k_mixed" || name == "v_mixed" || name == "o_pseudo" || name == "do_pseudo")
+    return rows * heads * spec.head_dim() * kernel.workspace_element_bytes();
+  if (name == "delta" || name == kLseWorkspace) return rows * heads * int64_t(sizeof(float));
+  if (name == "partials") {
+    for (const v1::EntryPoint& entry : kernel.entries())
+      if (entry.name() == "iha_bwd_prep")
+        return batch * ((tokens + entry.rows_per_cta() - 1) / entry.rows_per_cta()) *
+               backwardPartialEntries(spec.heads(), spec.kv_heads(), spec.pseudo_heads(), spec.collapse() == v1::global) *
+               int64_t(sizeof(float));
+    return 0;
+  }
+  return rows * heads * spec.head_dim() * int64_t(sizeof(float));  // dq_pseudo, dk_pseudo, dv_pseudo
+}
+
+// The workspaces a kernel allocates: its plan's, and lse for a backward.
+std::vector<std::string> workspaceNames(const v1::CompiledKernel& kernel) {
+  std::vector<std::string> names(kernel.workspaces().begin(), kernel.workspaces().end());
+  if (kernel.direction() == v1::direction_backward) names.push_back(kLseWorkspace);
+  return names;
 }
 
 }  // namespace
 
 int64_t workspaceBytes(const v1::CompiledKernel& kernel, int64_t batch, int64_t tokens) {
   int64_t bytes = 0;
-  for (const std::string& name : kernel.workspaces()) bytes += workspaceBytes(kernel, name, batch, tokens);
+  for (const std::string& name : workspaceNames(kernel)) bytes += workspaceBytes(kernel, name, batch, tokens);
   return bytes;
 }
 
@@ -201,7 +273,7 @@ Status Kernel::ensureWorkspaces(int64_t batch, int64_t tokens) {
   if (!workspaces_.empty())
     if (Status ok = cuda::check(device_->api().cuCtxSynchronize(), "cuCtxSynchronize"); !ok) return ok;
   workspaces_.clear();
-  for (const std::string& name : compiled_.workspaces()) {
+  for (const std::string& name : workspaceNames(compiled_)) {
     const int64_t bytes = workspaceBytes(compiled_, name, batch, tokens);
     auto buffer = cuda::DeviceBuffer::allocate(*device_, size_t(bytes));
     if (!buffer) return buffer.error();
@@ -249,6 +321,8 @@ Status Kernel::encodeTensorMaps(const IhaArgs& args, int64_t L, int64_t B, cuda:
 }
 
 Status Kernel::launch(const IhaTensors& t, CUstream stream) {
+  if (compiled_.direction() == v1::direction_backward)
+    return makeError("this is a backward kernel: call launchBackward with dout and the gradients");
   if (Status ok = validateTensors(compiled_.spec(), t, device_->info().ordinal); !ok) return ok;
   if (Status ok = device_->makeCurrent(); !ok) return ok;
   const int64_t B = t.q.shape[0], N = t.q.shape[1];
@@ -281,6 +355,11 @@ Status Kernel::launch(const IhaTensors& t, CUstream stream) {
     std::memcpy(targets[i], s.data(), 3 * sizeof(int64_t));
   }
 
+  return launchEntries(args, stream);
+}
+
+Status Kernel::launchEntries(IhaArgs& args, CUstream stream) {
+  const int64_t B = args.batch, N = args.tokens;
   const bool wantsMaps = std::any_of(compiled_.entries().begin(), compiled_.entries().end(),
                                      [](const v1::EntryPoint& entry) { return entry.tensor_maps(); });
   if (wantsMaps && mapsShape_ != std::make_pair(B, N)) {
@@ -308,6 +387,56 @@ Status Kernel::launch(const IhaTensors& t, CUstream stream) {
     }
   }
   return Status::success();
+}
+
+Status Kernel::launchBackward(const IhaTensors& t, const IhaGradTensors& g, CUstream stream) {
+  if (compiled_.direction() != v1::direction_backward)
+    return makeError("this is a forward kernel: Runtime::backwardKernel gives the backward's");
+  if (Status ok = validateGradTensors(compiled_.spec(), t, g, device_->info().ordinal); !ok) return ok;
+  if (Status ok = device_->makeCurrent(); !ok) return ok;
+  const int64_t B = t.q.shape[0], N = t.q.shape[1];
+  if (Status ok = ensureWorkspaces(B, N); !ok) return ok;
+  auto workspace = [&](const char* name) -> void* {
+    auto found = workspaces_.find(name);
+    return found == workspaces_.end() ? nullptr : found->second->data();
+  };
+  IhaArgs args{};
+  args.q = t.q.data;
+  args.k = t.k.data;
+  args.v = t.v.data;
+  args.alpha_q = static_cast<const float*>(t.alpha_q.data);
+  args.alpha_k = static_cast<const float*>(t.alpha_k.data);
+  args.alpha_v = static_cast<const float*>(t.alpha_v.data);
+  args.collapse = static_cast<const float*>(t.collapse.data);
+  args.lse = static_cast<float*>(t.lse ? t.lse->data : workspace(kLseWorkspace));
+  args.q_mixed = workspace("q_mixed");
+  args.k_mixed = workspace("k_mixed");
+  args.v_mixed = workspace("v_mixed");
+  args.o_pseudo = workspace("o_pseudo");
+  args.dout = g.dout.data;
+  args.dq = static_cast<float*>(g.dq.data);
+  args.dk = static_cast<float*>(g.dk.data);
+  args.dv = static_cast<float*>(g.dv.data);
+  args.dalpha_q = static_cast<float*>(g.dalpha_q.data);
+  args.dalpha_k = static_cast<float*>(g.dalpha_k.data);
+  args.dalpha_v = static_cast<float*>(g.dalpha_v.data);
+  args.dcollapse = static_cast<float*>(g.dcollapse.data);
+  args.do_pseudo = workspace("do_pseudo");
+  args.delta = static_cast<float*>(workspace("delta"));
+  args.dq_pseudo = static_cast<float*>(workspace("dq_pseudo"));
+  args.dk_pseudo = static_cast<float*>(workspace("dk_pseudo"));
+  args.dv_pseudo = static_cast<float*>(workspace("dv_pseudo"));
+  args.partials = static_cast<float*>(workspace("partials"));
+  args.batch = B;
+  args.tokens = N;
+  // dout is read with out's strides.
+  const Tensor* strided[] = {&t.q, &t.k, &t.v, &g.dout};
+  int64_t* targets[] = {args.q_stride, args.k_stride, args.v_stride, args.out_stride};
+  for (int i = 0; i < 4; ++i) {
+    const std::vector<int64_t> s = stridesOf(*strided[i]);
+    std::memcpy(targets[i], s.data(), 3 * sizeof(int64_t));
+  }
+  return launchEntries(args, stream);
 }
 
 Status Kernel::launch(const DLTensor* q, const DLTensor* k, const DLTensor* v, const DLTensor* alphaQ,

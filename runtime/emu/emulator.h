@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -56,11 +57,15 @@ struct EmuRun {
   bool deadlocked = false;
   bool compiled = false;  // false: the program came from the cache
   double compileSeconds = 0, runSeconds = 0;
+  // A backward plan's gradients of sum(out * dout) (float32, widened).
+  std::optional<reference::IhaGradients> gradients;
 };
 
 // Compiles (or finds in the cache) the plan's CUDA program for the
 // emulator and runs every launch of it on the case's inputs (rounded to the
-// spec's 16-bit dtype, as a GPU would take them). The plan must target a
+// spec's 16-bit dtype, as a GPU would take them). A backward plan takes
+// c.dout too and fills EmuRun::gradients (maxCtas must be 0: every launch
+// of the backward reads what the earlier ones wrote everywhere). The plan must target a
 // CUDA arch; the emulator needs clang (LOOM_EMU_CXX, else clang++-19).
 Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const EmuOptions& options = {});
 

@@ -76,6 +76,10 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
   const KernelSpec& spec = plan.spec;
   if (spec.dtype() == v1::float32)
     return makeError("the CUDA tiles take float16 or bfloat16 inputs (loom run --dtype converts a case)");
+  const bool backward = plan.direction == Direction::backward;
+  if (backward && !c.dout) return makeError("the backward needs dout, the gradient of the output");
+  if (backward && options.maxCtas > 0)
+    return makeError("the backward runs whole (its launches read each other's results everywhere): no --ctas");
   const fs::path cacheDir = options.cacheDir.empty() ? defaultCacheDir() : options.cacheDir;
   cpu::HostProgram program{options.source.empty() ? plan.source : options.source,
                            cpu::compilerFrom("LOOM_EMU_CXX", "clang++-19"), kEmuFlags, options.headers, "emu"};
@@ -127,12 +131,32 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
   args.lse = reinterpret_cast<float*>(memory.allocate("lse", size_t(B * H * L) * sizeof(float), false, 0xff));
   for (Workspace w : plan.workspaces) {
     void* data = memory.allocate(workspaceName(w),
-                                 size_t(workspaceElements(spec, w, B, N)) * size_t(plan.workspaceElementBytes), false,
-                                 0xff);
+                                 size_t(workspaceElements(plan, w, B, N)) * size_t(workspaceElementBytes(plan, w)),
+                                 false, 0xff);
     if (w == Workspace::q_mixed) args.q_mixed = data;
     if (w == Workspace::k_mixed) args.k_mixed = data;
     if (w == Workspace::v_mixed) args.v_mixed = data;
     if (w == Workspace::o_pseudo) args.o_pseudo = data;
+    if (w == Workspace::do_pseudo) args.do_pseudo = data;
+    if (w == Workspace::delta) args.delta = static_cast<float*>(data);
+    if (w == Workspace::dq_pseudo) args.dq_pseudo = static_cast<float*>(data);
+    if (w == Workspace::dk_pseudo) args.dk_pseudo = static_cast<float*>(data);
+    if (w == Workspace::dv_pseudo) args.dv_pseudo = static_cast<float*>(data);
+    if (w == Workspace::partials) args.partials = static_cast<float*>(data);
+  }
+  // The backward's dout (the dtype, out's layout) and its gradients (f32).
+  auto gradient = [&](const char* name, const std::vector<double>& like) {
+    return reinterpret_cast<float*>(memory.allocate(name, like.size() * sizeof(float), false, 0xff));
+  };
+  if (backward) {
+    args.dout = tensor16("dout", *c.dout);
+    args.dq = gradient("dq", c.inputs.q);
+    args.dk = gradient("dk", c.inputs.k);
+    args.dv = gradient("dv", c.inputs.v);
+    args.dalpha_q = gradient("dalpha_q", c.inputs.alpha_q);
+    args.dalpha_k = gradient("dalpha_k", c.inputs.alpha_k);
+    args.dalpha_v = gradient("dalpha_v", c.inputs.alpha_v);
+    args.dcollapse = gradient("dcollapse", c.inputs.collapse);
   }
   args.batch = B;
   args.tokens = N;
@@ -229,6 +253,15 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
   out.bytes.assign(static_cast<const uint8_t*>(args.out), static_cast<const uint8_t*>(args.out) + outBytes);
   run.out = npyToDouble(out, spec.dtype() == v1::bfloat16);
   run.lse.assign(args.lse, args.lse + B * H * L);
+  if (backward) {
+    auto widen = [](const float* values, const std::vector<double>& like) {
+      return std::vector<double>(values, values + like.size());
+    };
+    run.gradients = reference::IhaGradients{
+        widen(args.dq, c.inputs.q),           widen(args.dk, c.inputs.k),           widen(args.dv, c.inputs.v),
+        widen(args.dalpha_q, c.inputs.alpha_q), widen(args.dalpha_k, c.inputs.alpha_k),
+        widen(args.dalpha_v, c.inputs.alpha_v), widen(args.dcollapse, c.inputs.collapse)};
+  }
   return run;
 }
 

@@ -51,12 +51,13 @@ void KernelClient::authorize(grpc::ClientContext& context) const {
 }
 
 Result<v1::GetKernelResponse> KernelClient::getKernel(const v1::KernelSpec& spec, const v1::Target& target,
-                                                      int deadlineMs) {
+                                                      int deadlineMs, v1::Direction direction) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(deadlineMs));
   v1::GetKernelRequest request;
   *request.mutable_spec() = spec;
   *request.mutable_target() = target;
+  request.set_direction(direction);
   v1::GetKernelResponse response;
   const grpc::Status status = stub_->GetKernel(&context, request, &response);
   if (!status.ok()) return callError(status);

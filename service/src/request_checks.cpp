@@ -82,6 +82,8 @@ Status checkSpecAndTarget(const v1::KernelSpec& spec, const v1::Target& target) 
 }  // namespace
 
 Status checkRequest(const v1::GetKernelRequest& request) {
+  if (!v1::Direction_IsValid(request.direction()))
+    return invalid("direction " + std::to_string(int(request.direction())) + " is not forward or backward");
   return checkSpecAndTarget(request.spec(), request.target());
 }
 
@@ -96,6 +98,7 @@ Status checkRequest(const v1::PutTuningRequest& request) {
     return invalid("kernel.target.arch differs from result.target.arch");
   if (kernel.schedule().SerializeAsString() != result.best().SerializeAsString())
     return invalid("kernel.schedule is not result.best");
+  if (kernel.direction() != result.direction()) return invalid("kernel.direction differs from result.direction");
   if (!request.candidates_json().empty() && !nlohmann::json::accept(request.candidates_json()))
     return invalid("candidates_json is not JSON");
   return Status::OK;

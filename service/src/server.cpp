@@ -64,7 +64,8 @@ class KernelServiceImpl final : public v1::KernelService::Service {
       // outlives its callers is one thread per distinct (spec, target), at
       // most kMaxOutstanding of them: past that the server sheds requests
       // instead of queueing compiles without end.
-      const std::string key = cache::specKey(request->spec()) + "/" + request->target().SerializeAsString();
+      const std::string key = cache::decisionSpecKey(request->spec(), request->direction()) + "/" +
+                              request->target().SerializeAsString();
       std::shared_future<Result<ProvidedKernel>> future;
       {
         std::lock_guard lock(pendingMutex_);
@@ -78,8 +79,9 @@ class KernelServiceImpl final : public v1::KernelService::Service {
           auto promise = std::make_shared<std::promise<Result<ProvidedKernel>>>();
           future = promise->get_future().share();
           pending_.emplace(key, future);
-          std::thread([this, promise, key, spec = request->spec(), target = request->target(), worker = Worker(*this)] {
-            auto provided = provider_.provide(spec, target);
+          std::thread([this, promise, key, spec = request->spec(), target = request->target(),
+                       direction = request->direction(), worker = Worker(*this)] {
+            auto provided = provider_.provide(spec, target, {}, direction);
             if (provided && provided->compileSeconds) metrics_.compileSeconds(*provided->compileSeconds);
             promise->set_value(std::move(provided));
             std::lock_guard lock(pendingMutex_);
@@ -127,7 +129,9 @@ class KernelServiceImpl final : public v1::KernelService::Service {
       // Clients will execute this kernel on their GPUs: it must be what it claims.
       if (ContentHash().add(kernel.SerializeAsString()).hex() != request->kernel_checksum())
         return invalid("kernel_checksum does not match the kernel");
-      auto plan = generateKernel(result.spec(), result.best(), result.target());
+      GenerateOptions generate;
+      generate.direction = result.direction() == v1::direction_backward ? Direction::backward : Direction::forward;
+      auto plan = generateKernel(result.spec(), result.best(), result.target(), generate);
       if (!plan || plan->source != kernel.source())
         return invalid("kernel.source is not what this server generates for result.spec and result.best");
       if (!provider_.store()) return Status(StatusCode::UNAVAILABLE, "the kernel cache is unavailable");
@@ -135,7 +139,7 @@ class KernelServiceImpl final : public v1::KernelService::Service {
       // toolchain: the server compiles the source itself (or has it cached),
       // keeps its own binary and takes only the measurements, and only when
       // the worker's binary is the same bytes.
-      auto own = provider_.provide(result.spec(), result.target(), result.best());
+      auto own = provider_.provide(result.spec(), result.target(), result.best(), result.direction());
       if (!own) return Status(StatusCode::INTERNAL, "compiling kernel.source here: " + own.error().message);
       if (own->kernel.binary() != kernel.binary() || own->kernel.toolchain() != kernel.toolchain())
         return invalid("kernel.binary is not what this server's NVRTC (" + own->kernel.toolchain() +

@@ -77,6 +77,39 @@ TEST(Cache, StoresAndFindsArtifactsAndDecisions) {
   EXPECT_FALSE(store->getDecision(spec(8), h200(), "nvrtc-12.8")->has_value());
 }
 
+// The backward's kernels and decisions are keyed apart from the forward's
+// by their own direction field: the same spec on the same device holds one
+// decision per direction, and a backward artifact never answers a forward
+// lookup, even with the same source.
+TEST(Cache, BackwardKernelsAndDecisionsAreKeyedApart) {
+  testing::TempDir dir;
+  auto store = open(dir / "k.sqlite");
+  Decision forward = decision(8, h200());
+  Decision backward = decision(8, h200());
+  backward.result.set_direction(v1::direction_backward);
+  backward.result.mutable_best()->set_block_m(32);
+  ASSERT_TRUE(store->putDecision(forward));
+  EXPECT_FALSE(store->getDecision(spec(8), h200(), "nvrtc-13.0", v1::direction_backward)->has_value());
+  ASSERT_TRUE(store->putDecision(backward));
+  auto f = store->getDecision(spec(8), h200(), "nvrtc-13.0");
+  auto b = store->getDecision(spec(8), h200(), "nvrtc-13.0", v1::direction_backward);
+  ASSERT_TRUE(f && f->has_value() && b && b->has_value());
+  EXPECT_EQ((*f)->decision.result.best().block_m(), 128);
+  EXPECT_EQ((*b)->decision.result.best().block_m(), 32);
+  EXPECT_EQ((*b)->decision.result.direction(), v1::direction_backward);
+  EXPECT_NE(decisionSpecKey(spec(8), v1::direction_backward), decisionSpecKey(spec(8), v1::direction_forward));
+  EXPECT_EQ(decisionSpecKey(spec(8), v1::direction_forward), specKey(spec(8)));  // forward keys unchanged
+
+  v1::CompiledKernel fk = kernel(3), bk = kernel(3);
+  bk.set_direction(v1::direction_backward);
+  EXPECT_NE(artifactKey(fk), artifactKey(bk));
+  ASSERT_TRUE(store->putArtifact(bk));
+  EXPECT_FALSE(store->getArtifact(artifactKey(fk))->has_value());
+  auto found = store->getArtifact(artifactKey(bk));
+  ASSERT_TRUE(found && found->has_value());
+  EXPECT_EQ((*found)->direction(), v1::direction_backward);
+}
+
 TEST(Cache, FallsBackToTheSameDeviceClassAndSaysSo) {
   testing::TempDir dir;
   auto store = open(dir / "k.sqlite");

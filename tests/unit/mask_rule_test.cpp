@@ -94,5 +94,44 @@ TEST(MaskRule, BlockRangesAreExactForEveryRule) {
   std::printf("[ blocks   ] %lld (query block, key block) pairs checked\n", (long long)checked);
 }
 
+TEST(MaskRule, QueryBlockRangesAreExactForEveryRule) {
+  // The backward's key-block-outer loop: for each key block, the query
+  // blocks holding an allowed pair, and the ones every pair of which is
+  // allowed with both blocks whole (rows past the end hold no data).
+  IntegerMath math;
+  int64_t checked = 0;
+  for (int P = 1; P <= 4; ++P)
+    for (const KernelSpec& spec : maskSpecs(P)) {
+      const MaskRule rule = MaskRule::of(spec);
+      for (int64_t blockM : {int64_t(16), int64_t(32), int64_t(48), int64_t(std::lcm(P, 16))})
+        for (int64_t blockN : {int64_t(16), int64_t(32), int64_t(64)})
+          for (int64_t tokens : {1, 2, 5, 13, 31, 40}) {
+            const int64_t L = tokens * P;
+            for (int64_t c0 = 0; c0 < L; c0 += blockN) {
+              const BlockRanges<int64_t> r = queryBlockRanges(math, rule, blockM, blockN, c0, L);
+              ASSERT_LE(r.lo, r.ilo);
+              ASSERT_LE(r.ilo, r.ihi);
+              ASSERT_LE(r.ihi, r.hi);
+              for (int64_t block = 0; block * blockM < L; ++block) {
+                bool any = false, all = (block + 1) * blockM <= L && c0 + blockN <= L;
+                for (int64_t i = block * blockM; i < std::min((block + 1) * blockM, L); ++i)
+                  for (int64_t j = c0; j < std::min(c0 + blockN, L); ++j) {
+                    const bool ok = reference::allowed(spec, i, j);
+                    any |= ok;
+                    all &= ok;
+                  }
+                const std::string where = spec.ShortDebugString() + " block_m=" + std::to_string(blockM) +
+                                          " block_n=" + std::to_string(blockN) + " L=" + std::to_string(L) +
+                                          " c0=" + std::to_string(c0) + " query block " + std::to_string(block);
+                ASSERT_EQ(any, r.lo <= block && block < r.hi) << where << ": visited";
+                ASSERT_EQ(any && all, r.ilo <= block && block < r.ihi) << where << ": interior";
+                ++checked;
+              }
+            }
+          }
+    }
+  std::printf("[ blocks   ] %lld (key block, query block) pairs checked\n", (long long)checked);
+}
+
 }  // namespace
 }  // namespace loom

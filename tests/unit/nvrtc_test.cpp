@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <set>
 
 #include "api/compile.h"
 #include "jit/nvrtc_compiler.h"
@@ -224,6 +225,40 @@ TEST(Nvrtc, CompilesInParallel) {
   for (auto& t : threads) t.join();
   for (size_t i = 0; i < ok.size(); ++i) EXPECT_TRUE(ok[i]) << i;
 }
+
+// The backward plan (loom/tile/cuda_backward.h) for every spec, on sm_80 and
+// sm_90a (which runs the portable tiles for the backward): every entry point
+// compiles to a cubin with zero spills and no stack frame, and the PTX holds
+// the tensor-core products and the asynchronous copies.
+class BackwardCompiles : public ::testing::TestWithParam<std::tuple<int, std::string>> {};
+
+TEST_P(BackwardCompiles, WithoutSpillsUsingTensorCores) {
+  const Named named = specs()[size_t(std::get<0>(GetParam()))];
+  const std::string arch = std::get<1>(GetParam());
+  jit::NvrtcCompiler compiler("");
+  std::shared_ptr<const jit::Artifact> artifact;
+  auto kernel = compileKernel(named.spec, Schedule(), *parseTarget(arch), compiler, &artifact, Direction::backward);
+  ASSERT_TRUE(kernel) << kernel.error().message << "\n" << kernel.error().log;
+  EXPECT_EQ(kernel->direction(), v1::direction_backward);
+  EXPECT_EQ(artifact->binaryKind, "cubin");
+  EXPECT_TRUE(artifact->usesTensorCores()) << "no mma in the PTX";
+  EXPECT_TRUE(artifact->usesAsyncCopies()) << "no cp.async in the PTX";
+  std::set<std::string> entries;
+  for (const auto& usage : artifact->resources) {
+    entries.insert(usage.entry());
+    EXPECT_EQ(usage.spill_store_bytes() + usage.spill_load_bytes(), 0) << usage.ShortDebugString();
+    EXPECT_EQ(usage.stack_frame_bytes(), 0) << usage.ShortDebugString();
+    std::printf("[ nvrtc    ] backward %s %s %s: %d registers\n", named.name.c_str(), arch.c_str(),
+                usage.entry().c_str(), usage.registers());
+  }
+  for (const char* entry : {kBackwardPrepEntry, kBackwardKvEntry, kBackwardQEntry, kBackwardUnmixEntry,
+                            kBackwardReduceEntry, kAttentionEntry})
+    EXPECT_TRUE(entries.count(entry)) << entry << " missing from the ptxas report";
+}
+
+INSTANTIATE_TEST_SUITE_P(Specs, BackwardCompiles,
+                         ::testing::Combine(::testing::Range(0, int(specs().size())), ::testing::Values("sm_80", "sm_90a")),
+                         nameOf);
 
 TEST(Nvrtc, ParsesThePtxasReport) {
   const std::string log =

@@ -86,6 +86,38 @@ TEST_F(Service, MissCompilesThenHitsTheCache) {
   EXPECT_EQ(listed->entries_size(), 1);
 }
 
+// The backward kernel of the same spec: compiled apart (its own artifact),
+// a backward CompiledKernel with the backward's entry points, then a hit;
+// the forward's stays as it was.
+TEST_F(Service, ServesTheBackwardKernelApart) {
+  auto c = client();
+  auto forward = c->getKernel(spec(2), sm80());
+  ASSERT_TRUE(forward) << forward.error().message;
+  auto backward = c->getKernel(spec(2), sm80(), 60000, v1::direction_backward);
+  ASSERT_TRUE(backward) << backward.error().message;
+  EXPECT_EQ(backward->origin(), "compiled now");
+  EXPECT_EQ(backward->kernel().direction(), v1::direction_backward);
+  EXPECT_EQ(backward->kernel().schedule().dq(), v1::dq_separate);
+  EXPECT_NE(backward->kernel().source(), forward->kernel().source());
+  bool hasKv = false;
+  for (const v1::EntryPoint& entry : backward->kernel().entries()) hasKv |= entry.name() == "iha_bwd_kv";
+  EXPECT_TRUE(hasKv);
+  auto again = c->getKernel(spec(2), sm80(), 60000, v1::direction_backward);
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->origin(), "kernel cache");
+  auto forwardAgain = c->getKernel(spec(2), sm80());
+  ASSERT_TRUE(forwardAgain);
+  EXPECT_EQ(forwardAgain->kernel().direction(), v1::direction_forward);
+  EXPECT_EQ(forwardAgain->kernel().binary(), forward->kernel().binary());
+  auto listed = c->listKernels();
+  ASSERT_TRUE(listed);
+  EXPECT_EQ(listed->entries_size(), 2);
+  auto unknown = c->getKernel(spec(2), sm80(), 60000, v1::Direction(7));
+  ASSERT_FALSE(unknown);
+  EXPECT_NE(unknown.error().message.find("direction 7 is not forward or backward"), std::string::npos)
+      << unknown.error().message;
+}
+
 // Hundreds of requests from many threads over four specs: all answered,
 // and each spec compiled exactly once.
 TEST_F(Service, ConcurrentClientsAndIdenticalMissesCompiledOnce) {

@@ -9,6 +9,7 @@
 #include <unistd.h>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -17,6 +18,8 @@
 #include <vector>
 
 #include "io/case.h"
+#include "io/npy.h"
+#include "reference/iha_backward.h"
 #include "reference/iha_reference.h"
 
 namespace loom::testing {
@@ -188,5 +191,16 @@ class TempDir {
  private:
   std::string path_;
 };
+
+//===--- the backward ----------------------------------------------------===//
+
+// dout ~ N(0, 1), rounded to the spec's dtype as the kernel reads it.
+inline std::vector<double> drawDout(const IhaCase& c, std::mt19937_64& rng) {
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::vector<double> dout(size_t(c.batch * c.tokens * c.spec.heads() * c.spec.head_dim()));
+  for (double& x : dout) x = normal(rng);
+  return npyToDouble(npyFromDouble(dout, {int64_t(dout.size())}, storageTypeOf(c.spec.dtype())),
+                     c.spec.dtype() == v1::bfloat16);
+}
 
 }  // namespace loom::testing

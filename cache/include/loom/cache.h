@@ -44,6 +44,10 @@ struct DeviceModel {
 std::string artifactKey(const v1::CompiledKernel& kernel);
 // A stable key of a spec (its deterministic serialisation, hashed).
 std::string specKey(const KernelSpec& spec);
+// The key decisions of a spec are filed under: specKey, and ".backward"
+// after it for the backward kernel's (TuningResult::direction), so the two
+// directions are tuned and kept apart.
+std::string decisionSpecKey(const KernelSpec& spec, v1::Direction direction);
 
 struct Decision {
   KernelSpec spec;
@@ -92,10 +96,11 @@ class KernelStore {
   // Stores `kernel` under artifactKey(kernel); replaces an equal key.
   virtual Status putArtifact(const v1::CompiledKernel& kernel) = 0;
 
-  // The decision for (spec, device, toolchain); failing that, one tuned on a
+  // The decision for (spec, direction, device, toolchain); failing that, one tuned on a
   // device of the same class (flagged as a fallback); nullopt on a miss.
   virtual Result<std::optional<DecisionLookup>> getDecision(const KernelSpec& spec, const DeviceModel& device,
-                                                            const std::string& toolchain) = 0;
+                                                            const std::string& toolchain,
+                                                            v1::Direction direction = v1::direction_forward) = 0;
   virtual Status putDecision(const Decision& decision) = 0;
 
   // A schedule chosen without a measurement (the cost model's ranking),

@@ -16,6 +16,19 @@ namespace loom {
 // the reports look at; the pre-mix and collapse launches are small).
 inline constexpr char kAttentionEntry[] = "iha_attention";
 
+// A backward plan's entry points, in launch order after the pre-mix and the
+// forward's attention (recomputing the pseudo outputs and lse):
+inline constexpr char kBackwardPrepEntry[] = "iha_bwd_prep";      // do, D, dcollapse partials
+inline constexpr char kBackwardKvEntry[] = "iha_bwd_kv";          // key-block-outer: dK, dV (and dq, atomic)
+inline constexpr char kBackwardQEntry[] = "iha_bwd_q";            // query-block-outer: dq (dq separate)
+inline constexpr char kBackwardUnmixEntry[] = "iha_bwd_unmix";    // RoPE, qk_norm, mixing transposed
+inline constexpr char kBackwardReduceEntry[] = "iha_bwd_reduce";  // dalpha_*, dcollapse from the partials
+
+// The reduce launch's CTA covers the whole sequence (grid x is 1), and its
+// grid y splits the partial sums' entries into chunks (loom/tile/layout.h's
+// kReduceChunk).
+inline constexpr int64_t kWholeSequenceRows = int64_t(1) << 30;
+
 // One entry point. Its grid is (ceil(N * rows_per_token / rows_per_cta),
 // grid_y, B) with `threads` threads per CTA.
 struct LaunchPlan {
@@ -30,9 +43,16 @@ struct LaunchPlan {
 };
 
 // Float workspaces a plan needs between launches (see loom/tile/common.h).
-enum class Workspace { q_mixed, k_mixed, v_mixed, o_pseudo };
+// The backward's: do_pseudo [B, H, L, d] (the dtype on CUDA), delta [B, H, L],
+// dq_pseudo [B, H, L, d], dk_pseudo and dv_pseudo [B, G, L, d], and partials
+// [B * token CTAs][partialEntries] (all float).
+enum class Workspace { q_mixed, k_mixed, v_mixed, o_pseudo, do_pseudo, delta, dq_pseudo, dk_pseudo, dv_pseudo, partials };
+
+// Which function a plan computes.
+enum class Direction { forward, backward };
 
 struct KernelPlan {
+  Direction direction = Direction::forward;
   KernelSpec spec;
   Schedule schedule;  // complete: every field set
   v1::Target target;
@@ -46,6 +66,8 @@ struct KernelPlan {
 struct GenerateOptions {
   // When set, the IR after every pass is appended here (--print-ir-after-all).
   std::string* irLog = nullptr;
+  // backward: the gradients of sum(out * dout) (docs/IHA.md, Backward).
+  Direction direction = Direction::forward;
 };
 
 // The tile implementation a target's source includes.
@@ -72,6 +94,18 @@ std::string workspaceName(Workspace workspace);
 // Elements of a workspace for B = `batch`, N = `tokens`: [B][heads][N * P][d]
 // with the query heads (q_mixed, o_pseudo) or the key/value heads.
 int64_t workspaceElements(const KernelSpec& spec, Workspace workspace, int64_t batch, int64_t tokens);
+// Every workspace of a plan, the partial sums too (their count depends on
+// the plan's token CTAs).
+int64_t workspaceElements(const KernelPlan& plan, Workspace workspace, int64_t batch, int64_t tokens);
+
+// Bytes per element of a workspace: the 16-bit dtype on CUDA for the tiles
+// the tensor cores read (q_mixed, k_mixed, v_mixed, o_pseudo, do_pseudo),
+// float everywhere else and on the host.
+int workspaceElementBytes(const KernelPlan& plan, Workspace workspace);
+
+// Entries of one CTA's partial sums in a backward plan: dcollapse, then
+// dalpha_q, dalpha_k, dalpha_v (the layout loom/tile/host.h's backward uses).
+int64_t partialEntries(const KernelSpec& spec);
 
 // The plan as the schema's CompiledKernel (no binary yet).
 v1::CompiledKernel toCompiledKernel(const KernelPlan& plan);

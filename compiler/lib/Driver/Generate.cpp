@@ -43,10 +43,13 @@ ScheduleFields fieldsOf(const Schedule& schedule) {
   if (schedule.mix() == v1::mix_materialized) fields.mix = MixStrategy::materialized;
   if (schedule.collapse() == v1::collapse_fused) fields.collapse = CollapseStrategy::epilogue;
   if (schedule.collapse() == v1::collapse_separate) fields.collapse = CollapseStrategy::separate;
+  if (schedule.dq() == v1::dq_separate) fields.dq = DqStrategy::separate;
+  if (schedule.dq() == v1::dq_atomic) fields.dq = DqStrategy::atomic;
   return fields;
 }
 
-Schedule scheduleOf(ScheduleAttr attr) {
+// `backward`: the plan computes the gradients, so its schedule says how dq is done.
+Schedule scheduleOf(ScheduleAttr attr, bool backward) {
   Schedule schedule;
   schedule.set_block_m(int32_t(attr.getBlockM()));
   schedule.set_block_n(int32_t(attr.getBlockN()));
@@ -56,6 +59,7 @@ Schedule scheduleOf(ScheduleAttr attr) {
   schedule.set_collapse(attr.getCollapse() == CollapseStrategy::epilogue ? v1::collapse_fused : v1::collapse_separate);
   schedule.set_engine(attr.getEngine() == Engine::wgmma ? v1::engine_wgmma : v1::engine_mma);
   schedule.set_producer_registers(int32_t(attr.getProducerRegisters()));
+  if (backward) schedule.set_dq(attr.getDq() == DqStrategy::atomic ? v1::dq_atomic : v1::dq_separate);
   return schedule;
 }
 
@@ -69,23 +73,44 @@ int64_t attentionSharedMemory(SpecAttr spec, ScheduleAttr schedule) {
                          schedule.getCollapse() == CollapseStrategy::epilogue, fusedGlobal);
 }
 
+// The widest head the mma.sync backward keeps in registers.
+constexpr int64_t kMaxBackwardHeadDim = 128;
+
+// Dynamic shared memory of a backward launch on the mma.sync path
+// (layout.h: backwardSmem, collapseGradSmem, unmixSmem); 0 for the others.
+int64_t backwardSharedMemory(SpecAttr spec, ScheduleAttr schedule, llvm::StringRef launch) {
+  const int H = int(spec.getHeads()), P = int(spec.getPseudoHeads()), d = int(spec.getHeadDim());
+  if (launch == kBackwardKvEntry || launch == kBackwardQEntry)
+    return backwardSmem(int(schedule.getBlockM()), int(schedule.getBlockN()), d).total;
+  if (launch == kBackwardPrepEntry) return collapseGradSmem(H, P, spec.getCollapse() == CollapseMode::global);
+  if (launch == kBackwardUnmixEntry) return unmixSmem(H, P, d);
+  return 0;
+}
+
 void readPlan(KernelOp kernel, KernelPlan& plan) {
   const bool cuda = plan.target.kind() == v1::Target::cuda;
   for (LaunchOp launch : kernel.getBlock().getOps<LaunchOp>()) {
     const bool attention = launch.getSymName() == kAttentionEntry;
     const bool specialized = !launch.getBlock().getOps<WarpSpecializeOp>().empty();
+    const int64_t sharedBytes = !cuda      ? 0
+                                : attention ? attentionSharedMemory(kernel.getSpec(), kernel.getScheduleAttr())
+                                            : backwardSharedMemory(kernel.getSpec(), kernel.getScheduleAttr(),
+                                                                   launch.getSymName());
     plan.launches.push_back({launch.getSymName().str(), int64_t(launch.getRowsPerToken()),
                              int64_t(launch.getRowsPerCta()), int64_t(launch.getGridY()),
-                             int64_t(launch.getThreads()),
-                             cuda && attention ? attentionSharedMemory(kernel.getSpec(), kernel.getScheduleAttr()) : 0,
-                             specialized, cuda && specialized});
+                             int64_t(launch.getThreads()), sharedBytes, specialized, cuda && specialized});
     if (!launch.getBlock().getOps<PremixOp>().empty())
       plan.workspaces.insert(plan.workspaces.end(), {Workspace::q_mixed, Workspace::k_mixed, Workspace::v_mixed});
     bool storesRows = false;
     launch.walk([&](StoreRowsOp) { storesRows = true; });
     if (storesRows) plan.workspaces.push_back(Workspace::o_pseudo);
   }
-  plan.schedule = scheduleOf(kernel.getScheduleAttr());
+  if (kernel.getBackward()) {
+    plan.workspaces.insert(plan.workspaces.end(), {Workspace::do_pseudo, Workspace::delta, Workspace::dq_pseudo,
+                                                   Workspace::dk_pseudo, Workspace::dv_pseudo, Workspace::partials});
+  }
+  plan.direction = kernel.getBackward() ? Direction::backward : Direction::forward;
+  plan.schedule = scheduleOf(kernel.getScheduleAttr(), kernel.getBackward());
   plan.workspaceElementBytes = cuda ? kTileElementBytes : int(sizeof(float));
 }
 
@@ -104,7 +129,7 @@ std::optional<std::string> fitCudaTarget(SpecAttr spec, ScheduleAttr& schedule, 
   if (attentionSharedMemory(spec, schedule) > limit && requested.mix() == v1::mix_unspecified) {
     schedule = ScheduleAttr::get(spec.getContext(), schedule.getBlockM(), schedule.getBlockN(), schedule.getWarps(),
                                  schedule.getStages(), MixStrategy::materialized, schedule.getCollapse(),
-                                 schedule.getEngine(), schedule.getProducerRegisters());
+                                 schedule.getEngine(), schedule.getProducerRegisters(), schedule.getDq());
   }
   const int64_t bytes = attentionSharedMemory(spec, schedule);
   if (bytes > limit)
@@ -121,14 +146,40 @@ std::string workspaceName(Workspace workspace) {
     case Workspace::k_mixed: return "k_mixed";
     case Workspace::v_mixed: return "v_mixed";
     case Workspace::o_pseudo: return "o_pseudo";
+    case Workspace::do_pseudo: return "do_pseudo";
+    case Workspace::delta: return "delta";
+    case Workspace::dq_pseudo: return "dq_pseudo";
+    case Workspace::dk_pseudo: return "dk_pseudo";
+    case Workspace::dv_pseudo: return "dv_pseudo";
+    case Workspace::partials: return "partials";
   }
   return "?";
 }
 
+int workspaceElementBytes(const KernelPlan& plan, Workspace workspace) {
+  const bool tile = workspace == Workspace::q_mixed || workspace == Workspace::k_mixed ||
+                    workspace == Workspace::v_mixed || workspace == Workspace::o_pseudo ||
+                    workspace == Workspace::do_pseudo;
+  return tile ? plan.workspaceElementBytes : int(sizeof(float));
+}
+
+int64_t partialEntries(const KernelSpec& spec) {
+  return backwardPartialEntries(spec.heads(), spec.kv_heads(), spec.pseudo_heads(), spec.collapse() == v1::global);
+}
+
 int64_t workspaceElements(const KernelSpec& spec, Workspace workspace, int64_t batch, int64_t tokens) {
-  const int64_t heads =
-      workspace == Workspace::k_mixed || workspace == Workspace::v_mixed ? spec.kv_heads() : spec.heads();
-  return batch * heads * tokens * spec.pseudo_heads() * spec.head_dim();
+  const bool kv = workspace == Workspace::k_mixed || workspace == Workspace::v_mixed ||
+                  workspace == Workspace::dk_pseudo || workspace == Workspace::dv_pseudo;
+  const int64_t rows = batch * (kv ? spec.kv_heads() : spec.heads()) * tokens * spec.pseudo_heads();
+  return workspace == Workspace::delta ? rows : rows * spec.head_dim();
+}
+
+int64_t workspaceElements(const KernelPlan& plan, Workspace workspace, int64_t batch, int64_t tokens) {
+  if (workspace != Workspace::partials) return workspaceElements(plan.spec, workspace, batch, tokens);
+  for (const LaunchPlan& launch : plan.launches)
+    if (launch.name == kBackwardPrepEntry)
+      return batch * ((tokens + launch.rowsPerCta - 1) / launch.rowsPerCta) * partialEntries(plan.spec);
+  return 0;
 }
 
 int64_t defaultSharedMemoryPerBlock(const std::string& arch) {
@@ -157,6 +208,7 @@ v1::CompiledKernel toCompiledKernel(const KernelPlan& plan) {
   }
   for (Workspace w : plan.workspaces) kernel.add_workspaces(workspaceName(w));
   kernel.set_workspace_element_bytes(plan.workspaceElementBytes);
+  kernel.set_direction(plan.direction == Direction::backward ? v1::direction_backward : v1::direction_forward);
   return kernel;
 }
 
@@ -214,7 +266,7 @@ struct CompilerContext {
 
 // The spec and its complete, checked schedule as attributes.
 Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const KernelSpec& spec, const Schedule& schedule,
-                                                  const v1::Target& target) {
+                                                  const v1::Target& target, Direction direction) {
   if (Status valid = validateSpec(spec); !valid) return valid.error();
   if (target.kind() == v1::Target::cuda)
     if (Status supported = checkCudaArch(target.arch()); !supported)
@@ -232,10 +284,49 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
       int64_t(spec.window_rows()));
   if (!specAttr) return makeError("spec: " + c.diagnostics);
   const bool hopper = target.kind() == v1::Target::cuda && target.arch() == "sm_90a";
-  const ScheduleFields given = fieldsOf(schedule);
+  ScheduleFields given = fieldsOf(schedule);
   if (auto why = checkScheduleFields(given)) return makeError(*why);
+  if (direction == Direction::backward) {
+    if (target.kind() == v1::Target::cuda && spec.head_dim() > kMaxBackwardHeadDim)
+      return makeError("head_dim " + std::to_string(spec.head_dim()) + " has no CUDA backward yet: its dK and dV "
+                       "accumulators (2 x 16 rows x head_dim per warp) exceed the registers above head_dim " +
+                       std::to_string(kMaxBackwardHeadDim));
+    // Above head_dim 64 the key-block-outer CTA's dK and dV take 128
+    // registers a thread: two warps on 32-row blocks leave S^T and dS^T
+    // room (64-row query blocks spill).
+    if (spec.head_dim() > 64 && !given.warps && !given.blockM && !given.blockN) {
+      given.warps = 2;
+      given.blockM = (spec.pseudo_heads() + 31) / 32 * 32;
+      given.blockN = 32;
+    }
+    given.mix = given.mix.value_or(MixStrategy::materialized);
+    given.collapse = given.collapse.value_or(CollapseStrategy::separate);
+    given.engine = given.engine.value_or(Engine::mma);
+  }
   ScheduleAttr scheduleAttr = completeSchedule(specAttr, given, hopper);
   if (auto why = checkSchedule(specAttr, scheduleAttr)) return makeError(*why);
+  if (direction == Direction::backward) {
+    if (auto why = checkBackwardSchedule(scheduleAttr)) return makeError(*why);
+    if (target.kind() == v1::Target::cuda) {
+      // The mma.sync backward (loom/tile/cuda_backward.h): warps own 16 key
+      // rows each in the key-block-outer launch; dq has its own launch.
+      if (scheduleAttr.getDq() == DqStrategy::atomic)
+        return makeError("schedule.dq atomic has no CUDA tiles yet (the key-block launch would need global "
+                         "atomic adds): use dq separate");
+      if (scheduleAttr.getBlockN() % (kMmaRows * scheduleAttr.getWarps()) != 0)
+        return makeError("schedule.block_n (" + std::to_string(scheduleAttr.getBlockN()) +
+                         ") must be a multiple of 16 rows per warp x " + std::to_string(scheduleAttr.getWarps()) +
+                         " warps for a CUDA backward kernel (its warps own the key rows)");
+      const int64_t bytes = backwardSmem(int(scheduleAttr.getBlockM()), int(scheduleAttr.getBlockN()),
+                                         int(spec.head_dim())).total;
+      const int64_t limit = target.device().shared_memory_per_block() > 0 ? target.device().shared_memory_per_block()
+                                                                          : defaultSharedMemoryPerBlock(target.arch());
+      if (bytes > limit)
+        return makeError("schedule needs " + std::to_string(bytes) + " bytes of shared memory per block in the "
+                         "backward, over the " + target.arch() + " limit of " + std::to_string(limit) +
+                         " (lower block_m or block_n)");
+    }
+  }
   if (target.kind() == v1::Target::cuda)
     if (auto why = fitCudaTarget(specAttr, scheduleAttr, schedule, target)) return makeError(*why);
   return std::make_pair(specAttr, scheduleAttr);
@@ -245,9 +336,9 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
 
 Result<Schedule> resolveSchedule(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target) {
   CompilerContext c;
-  auto resolved = resolve(c, spec, schedule, target);
+  auto resolved = resolve(c, spec, schedule, target, Direction::forward);
   if (!resolved) return resolved.error();
-  return scheduleOf(resolved->second);
+  return scheduleOf(resolved->second, false);
 }
 
 Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
@@ -255,7 +346,7 @@ Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedu
   CompilerContext c;
   mlir::MLIRContext& context = c.context;
   std::string& diagnostics = c.diagnostics;
-  auto resolved = resolve(c, spec, schedule, target);
+  auto resolved = resolve(c, spec, schedule, target, options.direction);
   if (!resolved) return resolved.error();
   const auto [specAttr, scheduleAttr] = *resolved;
   const mlir::Location loc = mlir::UnknownLoc::get(&context);
@@ -263,7 +354,8 @@ Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedu
   mlir::OpBuilder builder(&context);
   mlir::OwningOpRef<mlir::ModuleOp> module = mlir::ModuleOp::create(loc);
   builder.setInsertionPointToEnd(module->getBody());
-  auto kernel = builder.create<KernelOp>(loc, "iha", specAttr, scheduleAttr);
+  auto kernel = builder.create<KernelOp>(loc, "iha", specAttr, scheduleAttr,
+                                         /*backward=*/options.direction == Direction::backward);
   kernel.getBody().push_back(new mlir::Block());
 
   std::string irText;

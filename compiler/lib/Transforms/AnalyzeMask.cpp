@@ -53,6 +53,51 @@ struct AnalyzeMask : impl::IhaAnalyzeMaskBase<AnalyzeMask> {
       emitLoop(r.ihi, r.hi, /*masked=*/true);
       loop.erase();
     }
+    splitBackwardLoops();
+  }
+
+  // The backward's loops, each alone and masked until analysed: a dq_loop
+  // over the key blocks of a query block (the forward's ranges), a q_loop
+  // over the query blocks of a key block (the transposed ranges,
+  // loom::queryBlockRanges).
+  void splitBackwardLoops() {
+    llvm::SmallVector<mlir::Operation*> loops;
+    getOperation().walk([&](mlir::Operation* op) {
+      if (llvm::isa<QLoopOp, DqLoopOp>(op)) loops.push_back(op);
+    });
+    for (mlir::Operation* op : loops) {
+      mlir::Block* block = op->getBlock();
+      auto siblings = [&](auto typed) {
+        using Loop = decltype(typed);
+        return llvm::count_if(*block, [](mlir::Operation& other) { return llvm::isa<Loop>(other); });
+      };
+      auto kernel = op->getParentOfType<KernelOp>();
+      const ScheduleAttr schedule = kernel.getScheduleAttr();
+      const MaskRule rule = maskRuleOf(kernel.getSpec());
+      // The ranges are computed once, before any head loop around the loop.
+      mlir::Operation* outer = op;
+      while (!llvm::isa<LaunchOp>(outer->getParentOp())) outer = outer->getParentOp();
+      mlir::OpBuilder hoisted(outer);
+      IndexMath math(hoisted, op->getLoc());
+      Value seqLen = hoisted.create<SeqLenOp>(op->getLoc(), hoisted.getI64Type());
+      mlir::OpBuilder builder(op);
+      if (auto loop = llvm::dyn_cast<QLoopOp>(op)) {
+        if (siblings(QLoopOp{}) != 1 || !loop.getMasked()) continue;
+        const BlockRanges<Value> r = queryBlockRanges(math, rule, schedule.getBlockM(), schedule.getBlockN(),
+                                                      Value(loop.getCol0()), seqLen);
+        for (auto [lower, upper, masked] : {std::tuple{r.lo, r.ilo, true}, {r.ilo, r.ihi, false}, {r.ihi, r.hi, true}})
+          builder.create<QLoopOp>(loop.getLoc(), lower, upper, loop.getCol0(), loop.getHead(), loop.getBatch(), masked,
+                                  loop.getAtomicDq());
+      } else {
+        auto dq = llvm::cast<DqLoopOp>(op);
+        if (siblings(DqLoopOp{}) != 1 || !dq.getMasked()) continue;
+        const BlockRanges<Value> r =
+            blockRanges(math, rule, schedule.getBlockM(), schedule.getBlockN(), Value(dq.getRow0()), seqLen);
+        for (auto [lower, upper, masked] : {std::tuple{r.lo, r.ilo, true}, {r.ilo, r.ihi, false}, {r.ihi, r.hi, true}})
+          builder.create<DqLoopOp>(dq.getLoc(), lower, upper, dq.getRow0(), dq.getHead(), dq.getBatch(), masked);
+      }
+      op->erase();
+    }
   }
 };
 

@@ -17,8 +17,15 @@ using mlir::Value;
 std::optional<ScheduleFields> fieldsFromOptions(int64_t blockM, int64_t blockN, int64_t warps, int64_t stages,
                                                 llvm::StringRef mix, llvm::StringRef collapse,
                                                 llvm::StringRef engine, int64_t producerRegisters,
-                                                std::string* error) {
+                                                llvm::StringRef dq, std::string* error) {
   ScheduleFields fields{blockM, blockN, warps, stages, std::nullopt, std::nullopt, std::nullopt, producerRegisters};
+  if (!dq.empty()) {
+    fields.dq = symbolizeDqStrategy(dq);
+    if (!fields.dq) {
+      *error = "dq option '" + dq.str() + "' is not separate or atomic";
+      return std::nullopt;
+    }
+  }
   if (!engine.empty()) {
     fields.engine = symbolizeEngine(engine);
     if (!fields.engine) {
@@ -70,12 +77,18 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
     ScheduleAttr chosen = kernel.getScheduleAttr();
     if (!chosen) {
       std::string error;
-      auto fields = fieldsFromOptions(blockM, blockN, warps, stages, mix, collapse, engine, producerRegisters, &error);
+      auto fields = fieldsFromOptions(blockM, blockN, warps, stages, mix, collapse, engine, producerRegisters, dq, &error);
       if (!fields) return kernel.emitError() << error;
       if (auto why = checkScheduleFields(*fields)) return kernel.emitError() << *why;
+      if (kernel.getBackward()) {  // the backward reads mixed rows from workspaces
+        fields->mix = fields->mix.value_or(MixStrategy::materialized);
+        fields->collapse = fields->collapse.value_or(CollapseStrategy::separate);
+      }
       chosen = completeSchedule(spec, *fields);
     }
     if (auto why = checkSchedule(spec, chosen)) return kernel.emitError() << *why;
+    if (kernel.getBackward())
+      if (auto why = checkBackwardSchedule(chosen)) return kernel.emitError() << *why;
     kernel.setScheduleAttr(chosen);
 
     for (mlir::Operation& op : llvm::make_early_inc_range(kernel.getBlock())) op.erase();
@@ -117,9 +130,61 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
       body.create<StoreRowsOp>(loc, row0, head, batch);
     }
 
-    tokenLaunch(kCollapseLaunch, [&](mlir::OpBuilder& body, Value token0, Value batch) {
-      body.create<CollapseRowsOp>(loc, token0, batch);
+    if (!kernel.getBackward()) {
+      tokenLaunch(kCollapseLaunch, [&](mlir::OpBuilder& body, Value token0, Value batch) {
+        body.create<CollapseRowsOp>(loc, token0, batch);
+      });
+      return mlir::success();
+    }
+
+    // The backward, after the forward's pseudo outputs and lse: dout
+    // through the collapse (and D = rowsum(do * o)), FlashAttention-2's
+    // backward over the interleaved sequence, then RoPE, qk_norm and
+    // mixing transposed, then the reductions over tokens.
+    tokenLaunch(kBwdPrepLaunch, [&](mlir::OpBuilder& body, Value token0, Value batch) {
+      body.create<CollapseGradOp>(loc, token0, batch);
     });
+    const bool atomicDq = chosen.getDq() == DqStrategy::atomic;
+    // Key-block-outer: one CTA per (key block, kv head, batch) runs every
+    // query head of its group, so dK and dV sum without atomics.
+    LaunchOp kv = createLaunch(builder, loc, kBwdKvLaunch, P, chosen.getBlockN(), spec.getKvHeads(), threads);
+    {
+      mlir::OpBuilder body = mlir::OpBuilder::atBlockEnd(&kv.getBlock());
+      IndexMath math(body, loc);
+      Value col0 = math.mul(kv.getBlockX(), math.c(chosen.getBlockN()));
+      Value seqLen = body.create<SeqLenOp>(loc, body.getI64Type());
+      Value queryBlocks = math.ceilDiv(seqLen, math.c(chosen.getBlockM()));
+      Value group = kv.getBlockY(), batch = kv.getBatch();
+      body.create<KvGradBeginOp>(loc, col0, group, batch);
+      auto heads = body.create<ForGroupHeadsOp>(loc, group);
+      mlir::Block* headBody = new mlir::Block();
+      heads.getBody().push_back(headBody);
+      Value head = headBody->addArgument(body.getI64Type(), loc);
+      mlir::OpBuilder inner = mlir::OpBuilder::atBlockEnd(headBody);
+      inner.create<QLoopOp>(loc, IndexMath(inner, loc).c(0), queryBlocks, col0, head, batch, /*masked=*/true, atomicDq);
+      body.create<KvGradStoreOp>(loc, col0, group, batch);
+    }
+    if (!atomicDq) {  // query-block-outer: dq with P and dS recomputed
+      LaunchOp q = createLaunch(builder, loc, kBwdQLaunch, P, chosen.getBlockM(), spec.getHeads(), threads);
+      mlir::OpBuilder body = mlir::OpBuilder::atBlockEnd(&q.getBlock());
+      IndexMath math(body, loc);
+      Value row0 = math.mul(q.getBlockX(), math.c(chosen.getBlockM()));
+      Value seqLen = body.create<SeqLenOp>(loc, body.getI64Type());
+      Value keyBlocks = math.ceilDiv(seqLen, math.c(chosen.getBlockN()));
+      body.create<DqBeginOp>(loc, row0, q.getBlockY(), q.getBatch());
+      body.create<DqLoopOp>(loc, math.c(0), keyBlocks, row0, q.getBlockY(), q.getBatch(), /*masked=*/true);
+      body.create<DqStoreOp>(loc, row0, q.getBlockY(), q.getBatch());
+    }
+    tokenLaunch(kBwdUnmixLaunch, [&](mlir::OpBuilder& body, Value token0, Value batch) {
+      for (Role role : {Role::query, Role::key, Role::value})
+        body.create<UnmixOp>(loc, RoleAttr::get(kernel.getContext(), role), token0, batch);
+    });
+    // One CTA row (grid x is 1) of chunks of the partial sums' entries.
+    const int64_t entries = loom::backwardPartialEntries(spec.getHeads(), spec.getKvHeads(), P, spec.getCollapse() == CollapseMode::global);
+    LaunchOp reduce = createLaunch(builder, loc, kBwdReduceLaunch, 1, kWholeSequenceRows,
+                                   (entries + kReduceChunk - 1) / kReduceChunk, threads);
+    mlir::OpBuilder body = mlir::OpBuilder::atBlockEnd(&reduce.getBlock());
+    body.create<ReduceGradsOp>(loc, reduce.getBlockY(), reduce.getBatch());
     return mlir::success();
   }
 };

@@ -1,4 +1,5 @@
-// iha-build-kernel: the spec-level program, one op per step of docs/IHA.md.
+// iha-build-kernel: the spec-level program, one op per step of docs/IHA.md
+// (and iha.backward after them in a backward kernel).
 #include "PassDetail.h"
 
 namespace loom::iha {
@@ -18,6 +19,7 @@ struct BuildKernel : impl::IhaBuildKernelBase<BuildKernel> {
         builder.create<MixOp>(loc, RoleAttr::get(kernel.getContext(), role));
       builder.create<AttendOp>(loc);
       builder.create<CollapseOp>(loc);
+      if (kernel.getBackward()) builder.create<BackwardOp>(loc);
     });
   }
 };

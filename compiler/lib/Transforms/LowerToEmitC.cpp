@@ -33,7 +33,7 @@ std::string floatLiteral(double value) {
   return text;
 }
 
-std::string configStruct(SpecAttr spec, ScheduleAttr schedule) {
+std::string configStruct(SpecAttr spec, ScheduleAttr schedule, bool backward) {
   auto line = [](llvm::StringRef type, llvm::StringRef name, const std::string& value) {
     return ("  static constexpr " + type + " " + name + " = " + value + ";\n").str();
   };
@@ -66,6 +66,7 @@ std::string configStruct(SpecAttr spec, ScheduleAttr schedule) {
   text += line("bool", "fused_mix", fusedMix ? "true" : "false");
   text += line("bool", "fused_collapse", schedule.getCollapse() == CollapseStrategy::epilogue ? "true" : "false");
   text += line("bool", "fused_global_collapse", fusedGlobal ? "true" : "false");
+  if (backward) text += line("bool", "atomic_dq", schedule.getDq() == DqStrategy::atomic ? "true" : "false");
   if (schedule.getEngine() == Engine::wgmma) {
     text += line("int", "producer_registers", std::to_string(schedule.getProducerRegisters()));
     text += line("int", "consumer_registers",
@@ -240,6 +241,50 @@ class LaunchLowering {
           call("store_out", {state("OutTile"), args_, get(o.getRow0()), get(o.getBatch())});
           return mlir::success();
         })
+        .Case([&](CollapseGradOp o) {
+          call("collapse_grad", {args_, get(o.getToken0()), get(o.getBatch())});
+          return mlir::success();
+        })
+        .Case([&](UnmixOp o) {
+          call("unmix", {args_, get(o.getToken0()), get(o.getBatch())},
+               {"loom::Role::" + stringifyRole(o.getRole()).str()});
+          return mlir::success();
+        })
+        .Case([&](ReduceGradsOp o) {
+          call("reduce_grads", {args_, get(o.getChunk()), get(o.getBatch())});
+          return mlir::success();
+        })
+        .Case([&](KvGradBeginOp o) {
+          call("kv_grad_begin", {state("KvGradTile"), args_, get(o.getCol0()), get(o.getHead()), get(o.getBatch())});
+          return mlir::success();
+        })
+        .Case([&](ForGroupHeadsOp o) {
+          // Query heads g * (H / G) .. (g + 1) * (H / G) - 1.
+          const int64_t group = kernel_.getSpec().getHeads() / kernel_.getSpec().getKvHeads();
+          Value first = group == 1 ? get(o.getHead())
+                                   : b_.create<mlir::emitc::MulOp>(loc_, b_.getI64Type(), get(o.getHead()), constant(group));
+          Value last = b_.create<mlir::emitc::AddOp>(loc_, b_.getI64Type(), first, constant(group));
+          auto loop = b_.create<mlir::emitc::ForOp>(loc_, first, last, constant(1));
+          map.map(o.getBody().front().getArgument(0), loop.getInductionVar());
+          mlir::OpBuilder::InsertionGuard guard(b_);
+          b_.setInsertionPointToStart(loop.getBody());
+          return lowerBlock(o.getBody().front());
+        })
+        .Case([&](QLoopOp o) { return lowerQLoop(o); })
+        .Case([&](KvGradStoreOp o) {
+          call("kv_grad_store", {state("KvGradTile"), args_, get(o.getCol0()), get(o.getHead()), get(o.getBatch())});
+          return mlir::success();
+        })
+        .Case([&](DqBeginOp o) {
+          call("load_q_grad", {state("QGradTile"), args_, get(o.getRow0()), get(o.getHead()), get(o.getBatch())});
+          call("dq_init", {state("DqTile")});
+          return mlir::success();
+        })
+        .Case([&](DqLoopOp o) { return lowerDqLoop(o); })
+        .Case([&](DqStoreOp o) {
+          call("dq_store", {state("DqTile"), args_, get(o.getRow0()), get(o.getHead()), get(o.getBatch())});
+          return mlir::success();
+        })
         .Case([&](WarpSpecializeOp o) { return lowerWarpSpecialize(o); })
         .Case([&](ForEachHeadOp o) {
           auto loop = b_.create<mlir::emitc::ForOp>(loc_, constant(0), constant(kernel_.getSpec().getHeads()),
@@ -352,6 +397,54 @@ class LaunchLowering {
     return mlir::success();
   }
 
+  // The backward's shared steps on a (query block, key block) pair: S, its
+  // mask, P = exp(S - lse) and dS = P * (do V^T - D).
+  // `outer` names the loop (loom::Outer): the CUDA tiles compute S^T with
+  // warps over key rows in the key-block-outer launch, S with warps over
+  // query rows in the dq launch.
+  void backwardScores(bool masked, llvm::StringRef outer) {
+    Value scores = state("BwdScores"), q = state("QGradTile"), kv = state("KvGradTile");
+    call("bwd_scores", {scores, q, kv}, {outer});
+    if (masked) call("bwd_mask", {scores, args_, q, kv}, {outer});
+    call("bwd_probs", {scores, q}, {outer});
+  }
+  static constexpr llvm::StringLiteral kKeysOuter = "loom::Outer::keys";
+  static constexpr llvm::StringLiteral kQueriesOuter = "loom::Outer::queries";
+
+  // One key block's step over a query block: dV += P^T do, dK += dS^T Q
+  // (and dq += dS K by atomic adds).
+  mlir::LogicalResult lowerQLoop(QLoopOp o) {
+    auto loop = b_.create<mlir::emitc::ForOp>(loc_, get(o.getLower()), get(o.getUpper()), constant(1));
+    mlir::OpBuilder::InsertionGuard guard(b_);
+    b_.setInsertionPointToStart(loop.getBody());
+    Value row0 = b_.create<mlir::emitc::MulOp>(loc_, b_.getI64Type(), loop.getInductionVar(),
+                                               constant(kernel_.getScheduleAttr().getBlockM()));
+    Value scores = state("BwdScores"), q = state("QGradTile"), kv = state("KvGradTile");
+    call("load_q_grad", {q, args_, row0, get(o.getHead()), get(o.getBatch())});
+    backwardScores(o.getMasked(), kKeysOuter);
+    call("bwd_dv", {kv, scores, q});
+    call("bwd_ds", {scores, q, kv}, {kKeysOuter});
+    call("bwd_dk", {kv, scores, q});
+    if (o.getAtomicDq()) call("bwd_dq_atomic", {scores, q, kv, args_});
+    return mlir::success();
+  }
+
+  // One query block's dq step over a key block: dq += dS K.
+  mlir::LogicalResult lowerDqLoop(DqLoopOp o) {
+    Value head = kvHead(get(o.getHead()));
+    auto loop = b_.create<mlir::emitc::ForOp>(loc_, get(o.getLower()), get(o.getUpper()), constant(1));
+    mlir::OpBuilder::InsertionGuard guard(b_);
+    b_.setInsertionPointToStart(loop.getBody());
+    Value col0 = b_.create<mlir::emitc::MulOp>(loc_, b_.getI64Type(), loop.getInductionVar(),
+                                               constant(kernel_.getScheduleAttr().getBlockN()));
+    Value scores = state("BwdScores"), q = state("QGradTile"), kv = state("KvGradTile");
+    call("load_kv_grad", {kv, args_, col0, head, get(o.getBatch())});
+    backwardScores(o.getMasked(), kQueriesOuter);
+    call("bwd_ds", {scores, q, kv}, {kQueriesOuter});
+    call("dq_accumulate", {state("DqTile"), scores, kv});
+    return mlir::success();
+  }
+
   // The end of the range the launch's kv_stream opened.
   Value streamUpper(KvLoopOp o) {
     for (mlir::Operation* op = o->getPrevNode(); op; op = op->getPrevNode())
@@ -390,7 +483,7 @@ struct LowerToEmitC : impl::IhaLowerToEmitCBase<LowerToEmitC> {
       mlir::OpBuilder builder(kernel);
       builder.create<mlir::emitc::IncludeOp>(kernel.getLoc(), tileHeader, /*is_standard_include=*/false);
       builder.create<mlir::emitc::VerbatimOp>(kernel.getLoc(),
-                                              configStruct(kernel.getSpec(), kernel.getScheduleAttr()));
+                                              configStruct(kernel.getSpec(), kernel.getScheduleAttr(), kernel.getBackward()));
       for (LaunchOp launch : kernel.getBlock().getOps<LaunchOp>())
         if (mlir::failed(lowerLaunch(builder, kernel, launch))) return signalPassFailure();
       kernel.erase();

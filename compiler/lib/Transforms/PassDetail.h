@@ -14,6 +14,12 @@ namespace loom::iha {
 inline constexpr llvm::StringLiteral kPremixLaunch = "iha_premix";
 inline constexpr llvm::StringLiteral kAttentionLaunch = loom::kAttentionEntry;
 inline constexpr llvm::StringLiteral kCollapseLaunch = "iha_collapse";
+// The backward's (docs/compiler.md, "The backward").
+inline constexpr llvm::StringLiteral kBwdPrepLaunch = loom::kBackwardPrepEntry;
+inline constexpr llvm::StringLiteral kBwdKvLaunch = loom::kBackwardKvEntry;
+inline constexpr llvm::StringLiteral kBwdQLaunch = loom::kBackwardQEntry;
+inline constexpr llvm::StringLiteral kBwdUnmixLaunch = loom::kBackwardUnmixEntry;
+inline constexpr llvm::StringLiteral kBwdReduceLaunch = loom::kBackwardReduceEntry;
 
 inline LaunchOp findLaunch(KernelOp kernel, llvm::StringRef name) {
   for (auto launch : kernel.getBlock().getOps<LaunchOp>())

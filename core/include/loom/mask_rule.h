@@ -182,4 +182,65 @@ BlockRanges<Value> blockRanges(Math& m, const MaskRule& rule, int64_t blockM, in
   return r;
 }
 
+
+// The transposed ranges, for a backward kernel whose CTA owns a key block and
+// loops over query blocks: for the key block starting at col0 (blockN rows,
+// cut at seqLen), the query blocks (blockM rows from multiples of blockM)
+// [lo, hi) holding an allowed pair, and [ilo, ihi) whose every pair is
+// allowed with both blocks whole (query rows past the end need the mask too:
+// they hold no data). Since first(i) and last(i) never decrease, the rows
+// seeing any key of [c0, c1] are [start(c0), end(c1)], with start(c) the
+// first row whose last(i) >= c and end(c) the last row whose first(i) <= c:
+//
+//   upper end    start(c)                    lower end   end(c)
+//   row          c                           none        L - 1
+//   token        P*tok(c)                    rows R      c + R - 1
+//   token ahead  P*max(0, tok(c) - W + 1)    tokens W    P*(tok(c) + W) - 1
+//   all          0
+//
+// lo = start(c0)/bm, hi = end(cLast)/bm + 1, ilo = ceil(start(cLast)/bm),
+// ihi = (end(c0) + 1)/bm, empty for a partial key block; then clamped as
+// blockRanges is: hi <= ceil(L/bm), ihi <= floor(L/bm), lo <= ilo <= ihi <= hi.
+template <class Math, class Value>
+BlockRanges<Value> queryBlockRanges(Math& m, const MaskRule& rule, int64_t blockM, int64_t blockN, Value col0,
+                                    Value seqLen) {
+  using Upper = MaskRule::Upper;
+  using Lower = MaskRule::Lower;
+  Value zero = m.c(0), one = m.c(1), bm = m.c(blockM), p = m.c(rule.pseudoHeads);
+  Value colEnd = m.min(m.add(col0, m.c(blockN)), seqLen);
+  Value colLast = m.sub(colEnd, one);
+  Value allBlocks = m.ceilDiv(seqLen, bm), fullBlocks = m.floorDiv(seqLen, bm);
+  auto tokenOf = [&](Value row) { return m.floorDiv(row, p); };
+  auto start = [&](Value c) -> Value {
+    switch (rule.upper) {
+      case Upper::row: return c;
+      case Upper::token: return m.mul(p, tokenOf(c));
+      case Upper::tokenAhead: return m.mul(p, m.max(zero, m.sub(tokenOf(c), m.c(rule.ahead - 1))));
+      case Upper::all: break;
+    }
+    return zero;
+  };
+  // end(c), or nothing for Lower::none (every later row).
+  auto end = [&](Value c) -> Value {
+    if (rule.lower == Lower::rows) return m.add(c, m.c(rule.span - 1));
+    return m.sub(m.mul(p, m.add(tokenOf(c), m.c(rule.span))), one);
+  };
+  BlockRanges<Value> r{zero, zero, fullBlocks, allBlocks};
+  if (rule.upper != Upper::all) {
+    r.lo = m.floorDiv(start(col0), bm);
+    r.ilo = m.ceilDiv(start(colLast), bm);
+  }
+  if (rule.lower != Lower::none) {
+    r.hi = m.min(m.add(m.floorDiv(end(colLast), bm), one), allBlocks);
+    r.ihi = m.min(m.floorDiv(m.add(end(col0), one), bm), fullBlocks);
+  }
+  r.lo = m.min(r.lo, r.hi);
+  r.ilo = m.clamp(r.ilo, r.lo, r.hi);
+  r.ihi = m.clamp(r.ihi, r.ilo, r.hi);
+  // A partial key block (the last one) has no interior: 1 when whole, else 0.
+  Value whole = m.floorDiv(m.sub(colEnd, col0), m.c(blockN));
+  r.ihi = m.add(r.ilo, m.mul(m.sub(r.ihi, r.ilo), whole));
+  return r;
+}
+
 }  // namespace loom

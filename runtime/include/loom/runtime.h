@@ -61,6 +61,27 @@ struct IhaTensors {
 // before anything is launched; the error names the tensor.
 Status validateTensors(const KernelSpec& spec, const IhaTensors& tensors, int device);
 
+// The backward's operands (docs/IHA.md, Backward): dout, the gradient of
+// out (the spec's dtype, out's shape, strided like an activation), and the
+// gradients it returns, float32 and contiguous, each the shape of its input.
+// The inputs are the forward's, in IhaTensors; out and lse there are not
+// read (the backward recomputes the pseudo outputs and lse, which the
+// collapsed out cannot give back), and lse, when given, receives them.
+struct IhaGradTensors {
+  Tensor dout;
+  Tensor dq, dk, dv;
+  Tensor dalpha_q, dalpha_k, dalpha_v, dcollapse;
+};
+
+// validateTensors' checks for the inputs (q, k, v, the weights, lse when
+// given) and the backward's own tensors; the error names the tensor.
+Status validateGradTensors(const KernelSpec& spec, const IhaTensors& inputs, const IhaGradTensors& grads, int device);
+
+// Views DLPack tensors as IhaGradTensors (errors begin with the name).
+Result<IhaGradTensors> gradTensorsFromDlpack(const DLTensor* dout, const DLTensor* dq, const DLTensor* dk,
+                                             const DLTensor* dv, const DLTensor* dalphaQ, const DLTensor* dalphaK,
+                                             const DLTensor* dalphaV, const DLTensor* dcollapse);
+
 // Views one DLPack tensor (float32, float16 or bfloat16; CUDA or host);
 // errors begin with `name`.
 Result<Tensor> tensorFromDlpack(const char* name, const DLTensor* tensor);
@@ -94,8 +115,20 @@ Status runOnHost(const KernelSpec& spec, const IhaTensors& tensors, const Schedu
 Result<emu::EmuRun> runOnEmulator(const KernelSpec& spec, const IhaTensors& tensors, const Schedule& schedule,
                                   const std::string& arch, const emu::EmuOptions& options);
 
+// The backward on host tensors: the spec's generated backward on the host
+// tile API, writing every gradient (and lse, when given) in place.
+Status runBackwardOnHost(const KernelSpec& spec, const IhaTensors& inputs, const IhaGradTensors& grads,
+                         const Schedule& schedule, const cpu::CpuOptions& options);
+
+// The backward on host tensors through the CUDA backward of `arch` on the
+// emulator; the run's report holds its findings (any finding fails it).
+Result<emu::EmuRun> runBackwardOnEmulator(const KernelSpec& spec, const IhaTensors& inputs, const IhaGradTensors& grads,
+                                          const Schedule& schedule, const std::string& arch,
+                                          const emu::EmuOptions& options);
+
 // Bytes of the workspaces a compiled kernel's launches need for B x N
-// tokens (its plan's q_mixed, k_mixed, v_mixed, o_pseudo).
+// tokens (its plan's q_mixed, k_mixed, v_mixed, o_pseudo; a backward's
+// do_pseudo, delta, dq_pseudo, dk_pseudo, dv_pseudo, partials and lse).
 int64_t workspaceBytes(const v1::CompiledKernel& kernel, int64_t batch, int64_t tokens);
 
 // A host tensor's elements widened to double, in C order.
@@ -113,6 +146,10 @@ class Kernel {
                 const DLTensor* alphaK, const DLTensor* alphaV, const DLTensor* collapse, const DLTensor* out,
                 const DLTensor* lse = nullptr, CUstream stream = nullptr);
 
+  // A backward kernel (CompiledKernel::direction backward): every gradient
+  // of sum(out * dout) into `grads`, validated like launch.
+  Status launchBackward(const IhaTensors& inputs, const IhaGradTensors& grads, CUstream stream = nullptr);
+
   const v1::CompiledKernel& compiled() const { return compiled_; }
   // Where the kernel came from: "compiled now", "kernel cache", and whether
   // its schedule was tuned (and on which device) or the default.
@@ -122,6 +159,8 @@ class Kernel {
   friend class Runtime;
   Kernel() = default;
   Status ensureWorkspaces(int64_t batch, int64_t tokens);
+  // Runs every entry point on `args` (B = args.batch, N = args.tokens).
+  Status launchEntries(IhaArgs& args, CUstream stream);
   Status encodeTensorMaps(const IhaArgs& args, int64_t L, int64_t B, cuda::TmaMaps& maps) const;
 
   std::shared_ptr<cuda::Device> device_;
@@ -162,6 +201,9 @@ class Runtime {
   // compiled kernel from the cache, else generated and compiled by NVRTC
   // (and stored).
   Result<std::shared_ptr<Kernel>> kernel(const KernelSpec& spec, const Schedule& schedule = {});
+  // The spec's backward kernel (Kernel::launchBackward), cached apart from
+  // the forward's.
+  Result<std::shared_ptr<Kernel>> backwardKernel(const KernelSpec& spec, const Schedule& schedule = {});
   // Loads an already compiled kernel (from the cache or the service).
   Result<std::shared_ptr<Kernel>> load(const v1::CompiledKernel& compiled);
 

@@ -17,7 +17,8 @@ class KernelClient {
   static Result<std::unique_ptr<KernelClient>> connect(const std::string& address, const std::string& tokenFile = "",
                                                        const std::string& tlsRoots = "");
 
-  Result<v1::GetKernelResponse> getKernel(const v1::KernelSpec& spec, const v1::Target& target, int deadlineMs = 60000);
+  Result<v1::GetKernelResponse> getKernel(const v1::KernelSpec& spec, const v1::Target& target, int deadlineMs = 60000,
+                                          v1::Direction direction = v1::direction_forward);
   Result<v1::ListKernelsResponse> listKernels();
   Result<v1::PutTuningResponse> putTuning(const v1::TuningResult& result, const v1::CompiledKernel& kernel,
                                           const std::string& candidatesJson = "[]");

@@ -16,7 +16,8 @@ LogicalResult KernelOp::verify() {
   }
   bool specLevel = false, launchLevel = false;
   for (Operation& op : getBlock()) {
-    specLevel |= isa<MixOp, AttendOp, CollapseOp>(op);
+    specLevel |= isa<MixOp, AttendOp, CollapseOp, BackwardOp>(op);
+    if (isa<BackwardOp>(op) && !getBackward()) return emitOpError() << "holds iha.backward but is not a backward kernel";
     launchLevel |= isa<LaunchOp>(op);
   }
   if (specLevel && launchLevel) return emitOpError() << "mixes spec-level steps with launches";
@@ -43,11 +44,21 @@ LogicalResult ForEachHeadOp::verify() {
   return verifyIndexArguments(*this, getBody().front(), 1, "head");
 }
 
-LogicalResult KvLoopOp::canonicalize(KvLoopOp op, PatternRewriter& rewriter) {
+LogicalResult ForGroupHeadsOp::verify() {
+  if (!(*this)->getParentOfType<LaunchOp>()) return emitOpError() << "must be inside an iha.launch";
+  return verifyIndexArguments(*this, getBody().front(), 1, "query head");
+}
+
+// A loop whose bounds are one value runs no step.
+template <class LoopOp>
+static LogicalResult eraseEmptyLoop(LoopOp op, PatternRewriter& rewriter) {
   if (op.getLower() != op.getUpper()) return failure();
   rewriter.eraseOp(op);
   return success();
 }
+LogicalResult KvLoopOp::canonicalize(KvLoopOp op, PatternRewriter& rewriter) { return eraseEmptyLoop(op, rewriter); }
+LogicalResult QLoopOp::canonicalize(QLoopOp op, PatternRewriter& rewriter) { return eraseEmptyLoop(op, rewriter); }
+LogicalResult DqLoopOp::canonicalize(DqLoopOp op, PatternRewriter& rewriter) { return eraseEmptyLoop(op, rewriter); }
 
 //===----------------------------------------------------------------------===//
 // Block ops: each belongs to a launch; a few check more.
@@ -71,6 +82,12 @@ IHA_BLOCK_OP_VERIFIER(OutInitOp)
 IHA_BLOCK_OP_VERIFIER(AccumulateCollapsedOp)
 IHA_BLOCK_OP_VERIFIER(StoreOutOp)
 IHA_BLOCK_OP_VERIFIER(WarpSpecializeOp)
+IHA_BLOCK_OP_VERIFIER(CollapseGradOp)
+IHA_BLOCK_OP_VERIFIER(KvGradStoreOp)
+IHA_BLOCK_OP_VERIFIER(DqBeginOp)
+IHA_BLOCK_OP_VERIFIER(DqStoreOp)
+IHA_BLOCK_OP_VERIFIER(UnmixOp)
+IHA_BLOCK_OP_VERIFIER(ReduceGradsOp)
 #undef IHA_BLOCK_OP_VERIFIER
 
 // A key-block loop consumes a K/V stream opened earlier in its block (or,
@@ -87,4 +104,25 @@ LogicalResult KvLoopOp::verify() {
   if (stream.getMixed() != getMixed())
     return emitOpError() << "mixed (" << getMixed() << ") differs from its iha.kv_stream's (" << stream.getMixed() << ")";
   return success();
+}
+
+// The key-block-outer backward: a q_loop runs after its block's K/V load.
+static LogicalResult verifyAfter(Operation* op, StringRef opener, function_ref<bool(Operation*)> opens) {
+  if (failed(verifyInLaunch(op))) return failure();
+  for (Operation* at = op; at; at = at->getParentOp()) {
+    if (isa<LaunchOp>(at)) break;
+    for (Operation* previous = at->getPrevNode(); previous; previous = previous->getPrevNode())
+      if (opens(previous)) return success();
+  }
+  return op->emitOpError() << "needs an " << opener << " before it";
+}
+
+LogicalResult KvGradBeginOp::verify() { return verifyInLaunch(*this); }
+
+LogicalResult QLoopOp::verify() {
+  return verifyAfter(*this, "iha.kv_grad_begin", [](Operation* op) { return isa<KvGradBeginOp>(op); });
+}
+
+LogicalResult DqLoopOp::verify() {
+  return verifyAfter(*this, "iha.dq_begin", [](Operation* op) { return isa<DqBeginOp>(op); });
 }

@@ -59,7 +59,8 @@ ScheduleAttr completeWgmma(SpecAttr spec, const ScheduleFields& given) {
           ? given.producerRegisters
           : (mix != MixStrategy::fused                ? kTmaProducerRegisters
              : spec.getQkNorm() == QkNorm::rms ? kNormalizingProducerRegisters
-                                               : kMixingProducerRegisters));
+                                               : kMixingProducerRegisters),
+      given.dq.value_or(DqStrategy::separate));
 }
 
 std::optional<std::string> checkWgmma(SpecAttr spec, ScheduleAttr schedule) {
@@ -150,10 +151,19 @@ ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool h
   }
   return ScheduleAttr::get(spec.getContext(), blockM, blockN, warps, given.stages ? given.stages : kDefaultStages,
                            given.mix.value_or(MixStrategy::fused), given.collapse.value_or(defaultCollapse(spec)),
-                           Engine::mma, given.producerRegisters);
+                           Engine::mma, given.producerRegisters, given.dq.value_or(DqStrategy::separate));
 }
 
 
+
+std::optional<std::string> checkBackwardSchedule(ScheduleAttr schedule) {
+  if (schedule.getEngine() != Engine::mma) return "schedule.engine must be mma for a backward kernel (no wgmma backward yet)";
+  if (schedule.getMix() != MixStrategy::materialized)
+    return "schedule.mix must be materialized for a backward kernel: its loops read every mixed row many times";
+  if (schedule.getCollapse() != CollapseStrategy::separate)
+    return "schedule.collapse must be separate for a backward kernel: it needs the pseudo outputs";
+  return std::nullopt;
+}
 
 std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule) {
   const int64_t P = spec.getPseudoHeads();

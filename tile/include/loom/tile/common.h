@@ -22,6 +22,9 @@ enum class DType { f32, f16, bf16 };
 enum class Mask { flat_causal, token_causal, none };
 enum class Collapse { per_head, global };
 enum class Role { query, key, value };
+// Which loop of the backward a step belongs to: a key block's CTA over
+// query blocks (dK, dV), or a query block's CTA over key blocks (dq).
+enum class Outer { keys, queries };
 
 // Everything a launch reads and writes. q, k, v and out hold the spec's
 // dtype; strides are in elements for (batch, token, head), the head
@@ -52,7 +55,29 @@ struct IhaArgs {
   // The batch entry of blockIdx.z = 0: a launch covers at most 65535
   // entries (the grid's z limit), so larger batches take several.
   int64_t batch_offset;
+
+  // The backward (docs/IHA.md, Backward), null in a forward plan. dout has
+  // out's dtype and strides; the gradients are float, dense [B, N, H|G, d]
+  // and the weights' shapes. The workspaces: do_pseudo [B, H, L, d] (the
+  // implementation's element type), delta [B, H, L], dq_pseudo [B, H, L, d],
+  // dk_pseudo and dv_pseudo [B, G, L, d] and partials [B * token CTAs]
+  // [partial_entries] (float). lse holds the forward's.
+  const void* dout;
+  float* dq;
+  float* dk;
+  float* dv;
+  float* dalpha_q;
+  float* dalpha_k;
+  float* dalpha_v;
+  float* dcollapse;
+  void* do_pseudo;
+  float* delta;
+  float* dq_pseudo;
+  float* dk_pseudo;
+  float* dv_pseudo;
+  float* partials;
 };
+
 
 // Integer helpers for block-range arithmetic (divisor > 0).
 LOOM_HOST_DEVICE constexpr int64_t floordiv(int64_t a, int64_t b) {

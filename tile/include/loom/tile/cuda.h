@@ -622,3 +622,5 @@ __device__ void store_out(OutTile<C>&, const IhaArgs& a, int64_t row0, int64_t b
 }
 
 }  // namespace loom
+
+#include "loom/tile/cuda_backward.h"

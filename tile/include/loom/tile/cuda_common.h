@@ -256,31 +256,50 @@ __device__ void premix(const IhaArgs& a, int64_t token0, int64_t b) {
   constexpr int chunks = C::head_dim / kChunkElements;
   const int64_t L = seq_len<C>(a);
   Bits16* ws = static_cast<Bits16*>(Role_::workspace(a));
-  for (int index = threadIdx.x; index < tokens * Role_::heads * C::pseudo_heads * chunks; index += blockDim.x) {
-    const int chunk = index % chunks;
-    const int p = (index / chunks) % C::pseudo_heads;
-    const int h = (index / chunks / C::pseudo_heads) % Role_::heads;
-    const int64_t n = token0 + index / chunks / C::pseudo_heads / Role_::heads;
-    if (n >= a.tokens) continue;
-    float values[kChunkElements];
-    #pragma unroll
-    for (int e = 0; e < kChunkElements; ++e)
-      values[e] = cuda::mixedElement<C, R>(a, b, n, h, p, chunk * kChunkElements + e);
-    cuda::storeChunk<C>(ws + ((b * Role_::heads + h) * L + n * C::pseudo_heads + p) * C::head_dim + chunk * kChunkElements,
-                        values);
-  }
   if constexpr (cuda::Normalized<C, R>::value) {
-    __syncthreads();  // the rows' chunks were written by other threads
+    // qk_norm: one warp per row, each lane one 16-byte chunk (head_dim <=
+    // 256 is at most 32 of them), mixed, rotated and normalised in f32 and
+    // rounded once. (Rounding the mixed row, then the normalised one, costs
+    // 10-25% more error, and leaves the rows a backward's qk_norm Jacobian
+    // sees further from the ones it differentiates.)
+    static_assert(chunks <= kWarpSize, "one chunk per lane");
     constexpr int rowsPerToken = Role_::heads * C::pseudo_heads;
-    cuda::normalizeRows<C>(
-        tokens * rowsPerToken,
-        [&](int row, int c) -> Bits16* {
-          const int64_t n = token0 + row / rowsPerToken;
-          const int h = (row / C::pseudo_heads) % Role_::heads, p = row % C::pseudo_heads;
-          if (n >= a.tokens) return nullptr;
-          return ws + ((b * Role_::heads + h) * L + n * C::pseudo_heads + p) * C::head_dim + c;
-        },
-        cuda::warp(), int(blockDim.x) / kWarpSize);
+    for (int row = cuda::warp(); row < tokens * rowsPerToken; row += int(blockDim.x) / kWarpSize) {
+      const int64_t n = token0 + row / rowsPerToken;
+      const int h = (row / C::pseudo_heads) % Role_::heads, p = row % C::pseudo_heads;
+      if (n >= a.tokens) continue;  // the whole warp
+      const int chunk = cuda::lane();
+      float values[kChunkElements] = {};
+      float squares = 0.0f;
+      if (chunk < chunks)
+        #pragma unroll
+        for (int e = 0; e < kChunkElements; ++e) {
+          values[e] = cuda::mixedElement<C, R>(a, b, n, h, p, chunk * kChunkElements + e);
+          squares += values[e] * values[e];
+        }
+      const float factor = rsqrtf(cuda::warpSum(squares) * (1.0f / C::head_dim) + C::qk_norm_eps);
+      if (chunk < chunks) {
+        #pragma unroll
+        for (int e = 0; e < kChunkElements; ++e) values[e] *= factor;
+        cuda::storeChunk<C>(ws + ((b * Role_::heads + h) * L + n * C::pseudo_heads + p) * C::head_dim +
+                                chunk * kChunkElements,
+                            values);
+      }
+    }
+  } else {
+    for (int index = threadIdx.x; index < tokens * Role_::heads * C::pseudo_heads * chunks; index += blockDim.x) {
+      const int chunk = index % chunks;
+      const int p = (index / chunks) % C::pseudo_heads;
+      const int h = (index / chunks / C::pseudo_heads) % Role_::heads;
+      const int64_t n = token0 + index / chunks / C::pseudo_heads / Role_::heads;
+      if (n >= a.tokens) continue;
+      float values[kChunkElements];
+      #pragma unroll
+      for (int e = 0; e < kChunkElements; ++e)
+        values[e] = cuda::mixedElement<C, R>(a, b, n, h, p, chunk * kChunkElements + e);
+      cuda::storeChunk<C>(ws + ((b * Role_::heads + h) * L + n * C::pseudo_heads + p) * C::head_dim + chunk * kChunkElements,
+                          values);
+    }
   }
 }
 

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "loom/tile/common.h"
+#include "loom/tile/layout.h"
 #include "loom/half.h"
 
 #define LOOM_KERNEL extern "C" __attribute__((visibility("default")))
@@ -85,12 +86,12 @@ void normalize(float* row) {
 }
 
 // Half-split rotary embedding at virtual position `position` (by the opposite
-// angle when rope_direction is negative); angles in double so long sequences
-// keep their phase.
+// angle when rope_direction is negative, and back with `inverse`); angles in
+// double so long sequences keep their phase.
 template <class C>
-void rotate(float* row, int64_t position) {
+void rotate(float* row, int64_t position, bool inverse = false) {
   constexpr int half = C::head_dim / 2;
-  constexpr double direction = C::rope_negative ? -1.0 : 1.0;
+  const double direction = (C::rope_negative ? -1.0 : 1.0) * (inverse ? -1.0 : 1.0);
   for (int j = 0; j < half; ++j) {
     const double angle = direction * double(position) * std::pow(double(C::rope_theta), -2.0 * j / C::head_dim);
     const double c = std::cos(angle), s = std::sin(angle);
@@ -101,9 +102,9 @@ void rotate(float* row, int64_t position) {
 }
 
 // Steps 1-3 for one virtual row: row n*P + p of head `h` of the role, mixed,
-// normalised (qk_norm) and rotated.
+// normalised (qk_norm) and rotated; `mixOnly` stops after the mixing.
 template <class C, Role R>
-void mixedRow(const IhaArgs& a, int64_t b, int64_t n, int64_t h, int64_t p, float* out) {
+void mixedRow(const IhaArgs& a, int64_t b, int64_t n, int64_t h, int64_t p, float* out, bool mixOnly = false) {
   constexpr int heads = R == Role::query ? C::heads : C::kv_heads;
   const void* x = R == Role::query ? a.q : R == Role::key ? a.k : a.v;
   const float* alpha = R == Role::query ? a.alpha_q : R == Role::key ? a.alpha_k : a.alpha_v;
@@ -114,6 +115,7 @@ void mixedRow(const IhaArgs& a, int64_t b, int64_t n, int64_t h, int64_t p, floa
     const int64_t base = b * stride[0] + n * stride[1] + m * stride[2];
     for (int c = 0; c < C::head_dim; ++c) out[c] += weight * loadElement<C>(x, base + c);
   }
+  if (mixOnly) return;
   if (C::qk_norm && R != Role::value) normalize<C>(out);
   if (C::rope_theta > 0 && R != Role::value) rotate<C>(out, n * C::pseudo_heads + p);
 }
@@ -486,6 +488,393 @@ void store_out(OutTile<C>& out, const IhaArgs& a, int64_t row0, int64_t b) {
       const int64_t base = b * a.out_stride[0] + n * a.out_stride[1] + h * a.out_stride[2];
       for (int d = 0; d < C::head_dim; ++d) host::storeElement<C>(a.out, base + d, out.at(t, h)[d]);
     }
+  }
+}
+
+
+//===----------------------------------------------------------------------===//
+// The backward (docs/IHA.md, Backward; docs/compiler.md, The backward). Its
+// launches run after the pre-mix and the forward's attention, which leave
+// the mixed rows, the pseudo outputs o and lse in their workspaces.
+//===----------------------------------------------------------------------===//
+
+namespace host {
+
+// Row i of head h of a float workspace [B, heads, L, width].
+inline float* workspaceRow(void* base, int64_t b, int64_t heads, int64_t h, int64_t L, int64_t i, int64_t width) {
+  return static_cast<float*>(base) + ((b * heads + h) * L + i) * width;
+}
+
+// The token CTAs of a token-parallel launch, and a CTA's partial sums
+// (loom::backwardPartialEntries: dcollapse, dalpha_q, dalpha_k, dalpha_v).
+template <class C>
+constexpr int64_t tokensPerCta() {
+  return C::block_m / C::pseudo_heads;
+}
+template <class C>
+int64_t tokenCtas(const IhaArgs& a) {
+  return (a.tokens + tokensPerCta<C>() - 1) / tokensPerCta<C>();
+}
+template <class C>
+constexpr int64_t partialEntries() {
+  return backwardPartialEntries(C::heads, C::kv_heads, C::pseudo_heads, C::collapse == Collapse::global);
+}
+template <class C>
+constexpr int64_t collapseEntries() {
+  return (C::collapse == Collapse::global ? C::heads : 1) * C::heads * C::pseudo_heads;
+}
+// Where a role's dalpha starts in the partial sums.
+template <class C, Role R>
+constexpr int64_t alphaOffset() {
+  constexpr int64_t q = collapseEntries<C>(), k = q + int64_t(C::heads) * C::heads * C::pseudo_heads;
+  return R == Role::query ? q : R == Role::key ? k : k + int64_t(C::kv_heads) * C::kv_heads * C::pseudo_heads;
+}
+template <class C>
+float* partialsOf(const IhaArgs& a, int64_t token0, int64_t b) {
+  return a.partials + (b * tokenCtas<C>(a) + token0 / tokensPerCta<C>()) * partialEntries<C>();
+}
+
+// The collapse weight from pseudo output (source, p) to output head
+// target, or -1 where they are not connected (per_head, other heads).
+template <class C>
+int64_t collapseIndex(int64_t target, int64_t source, int64_t p) {
+  if (C::collapse == Collapse::per_head) return source == target ? target * C::pseudo_heads + p : -1;
+  return (target * C::heads + source) * C::pseudo_heads + p;
+}
+
+// Rows [first, first + count) of head h of a float workspace; zeros past L.
+inline void loadRows(void* base, int64_t b, int64_t heads, int64_t h, int64_t L, int64_t first, int count, int width,
+                     float* out) {
+  for (int r = 0; r < count; ++r) {
+    if (first + r < L) std::memcpy(out + size_t(r) * width, workspaceRow(base, b, heads, h, L, first + r, width),
+                                   sizeof(float) * width);
+    else std::fill(out + size_t(r) * width, out + size_t(r + 1) * width, 0.0f);
+  }
+}
+
+// *target += value, atomically: CTAs of other key blocks add to the same
+// dq rows at once (atomicAdd on the GPU).
+inline void atomicAdd(float* target, float value) {
+  auto* word = reinterpret_cast<uint32_t*>(target);
+  uint32_t seen = __atomic_load_n(word, __ATOMIC_RELAXED);
+  for (;;) {
+    float current;
+    std::memcpy(&current, &seen, sizeof current);
+    const float sum = current + value;
+    uint32_t next;
+    std::memcpy(&next, &sum, sizeof next);
+    if (__atomic_compare_exchange_n(word, &seen, next, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return;
+  }
+}
+
+}  // namespace host
+
+// The collapse backward for the CTA's tokens: do = collapse^T dout per
+// pseudo row, D = rowsum(do * o), and this CTA's dcollapse[target, source,
+// p] = sum over its tokens of dout[n, target] . o[source][n*P + p].
+template <class C>
+void collapse_grad(const IhaArgs& a, int64_t token0, int64_t b) {
+  constexpr int P = C::pseudo_heads, D = C::head_dim;
+  const int64_t L = seq_len<C>(a);
+  float* partial = host::partialsOf<C>(a, token0, b);
+  std::fill(partial, partial + host::collapseEntries<C>(), 0.0f);
+  for (int64_t n = token0; n < token0 + host::tokensPerCta<C>() && n < a.tokens; ++n)
+    for (int source = 0; source < C::heads; ++source)
+      for (int p = 0; p < P; ++p) {
+        const int64_t i = n * P + p;
+        float* dO = host::workspaceRow(a.do_pseudo, b, C::heads, source, L, i, D);
+        const float* o = host::workspaceRow(a.o_pseudo, b, C::heads, source, L, i, D);
+        std::fill(dO, dO + D, 0.0f);
+        for (int target = 0; target < C::heads; ++target) {
+          const int64_t at = host::collapseIndex<C>(target, source, p);
+          if (at < 0) continue;
+          const int64_t base = b * a.out_stride[0] + n * a.out_stride[1] + target * a.out_stride[2];
+          float dot = 0.0f;
+          for (int c = 0; c < D; ++c) {
+            const float g = host::loadElement<C>(a.dout, base + c);
+            dO[c] += a.collapse[at] * g;
+            dot += g * o[c];
+          }
+          partial[at] += dot;
+        }
+        float delta = 0.0f;
+        for (int c = 0; c < D; ++c) delta += dO[c] * o[c];
+        a.delta[(b * C::heads + source) * L + i] = delta;
+        if (C::atomic_dq) std::fill_n(host::workspaceRow(a.dq_pseudo, b, C::heads, source, L, i, D), D, 0.0f);
+      }
+}
+
+// A key block's K and V rows, and its dK and dV accumulators.
+template <class C>
+struct KvGradTile {
+  int64_t col0 = 0;
+  std::vector<float> k = std::vector<float>(size_t(C::block_n) * C::head_dim);
+  std::vector<float> v = std::vector<float>(size_t(C::block_n) * C::head_dim);
+  std::vector<float> dk = std::vector<float>(size_t(C::block_n) * C::head_dim);
+  std::vector<float> dv = std::vector<float>(size_t(C::block_n) * C::head_dim);
+};
+
+// A query block's Q and do rows, lse and D.
+template <class C>
+struct QGradTile {
+  int64_t row0 = 0, head = 0, batch = 0;
+  std::vector<float> q = std::vector<float>(size_t(C::block_m) * C::head_dim);
+  std::vector<float> dO = std::vector<float>(size_t(C::block_m) * C::head_dim);
+  float lse[C::block_m];
+  float delta[C::block_m];
+};
+
+// P and dS of one (query block, key block) pair (registers on the GPU).
+template <class C>
+struct BwdScores {
+  std::vector<float> p = std::vector<float>(size_t(C::block_m) * C::block_n);
+  std::vector<float> ds = std::vector<float>(size_t(C::block_m) * C::block_n);
+  float& at(int r, int c) { return p[size_t(r) * C::block_n + c]; }
+  float& dsAt(int r, int c) { return ds[size_t(r) * C::block_n + c]; }
+};
+
+// The dq accumulator of a query block (dq separate).
+template <class C>
+struct DqTile {
+  std::vector<float> dq = std::vector<float>(size_t(C::block_m) * C::head_dim);
+};
+
+template <class C>
+void load_kv_grad(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g, int64_t b) {
+  const int64_t L = seq_len<C>(a);
+  kv.col0 = col0;
+  host::loadRows(a.k_mixed, b, C::kv_heads, g, L, col0, C::block_n, C::head_dim, kv.k.data());
+  host::loadRows(a.v_mixed, b, C::kv_heads, g, L, col0, C::block_n, C::head_dim, kv.v.data());
+}
+
+template <class C>
+void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g, int64_t b) {
+  host::stats.ctas++;
+  load_kv_grad<C>(kv, a, col0, g, b);
+  std::fill(kv.dk.begin(), kv.dk.end(), 0.0f);
+  std::fill(kv.dv.begin(), kv.dv.end(), 0.0f);
+}
+
+template <class C>
+void load_q_grad(QGradTile<C>& q, const IhaArgs& a, int64_t row0, int64_t h, int64_t b) {
+  const int64_t L = seq_len<C>(a);
+  q.row0 = row0;
+  q.head = h;
+  q.batch = b;
+  host::loadRows(a.q_mixed, b, C::heads, h, L, row0, C::block_m, C::head_dim, q.q.data());
+  host::loadRows(a.do_pseudo, b, C::heads, h, L, row0, C::block_m, C::head_dim, q.dO.data());
+  for (int r = 0; r < C::block_m; ++r) {
+    const bool in = row0 + r < L;
+    q.lse[r] = in ? a.lse[(b * C::heads + h) * L + row0 + r] : 0.0f;
+    q.delta[r] = in ? a.delta[(b * C::heads + h) * L + row0 + r] : 0.0f;
+  }
+}
+
+// S = scale * Q K^T (the same on the host in either loop: loom::Outer only
+// says which rows the GPU's warps own).
+template <class C, Outer>
+void bwd_scores(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) {
+  host::stats.key_blocks++;
+  for (int r = 0; r < C::block_m; ++r)
+    for (int c = 0; c < C::block_n; ++c) {
+      const float* qr = &q.q[size_t(r) * C::head_dim];
+      const float* kr = &kv.k[size_t(c) * C::head_dim];
+      float dot = 0.0f;
+      for (int d = 0; d < C::head_dim; ++d) dot += qr[d] * kr[d];
+      s.at(r, c) = dot * C::scale;
+    }
+}
+
+// Disallowed pairs, and rows or columns past the end, get -inf.
+template <class C, Outer>
+void bwd_mask(BwdScores<C>& s, const IhaArgs& a, QGradTile<C>& q, KvGradTile<C>& kv) {
+  host::stats.masked_blocks++;
+  const int64_t L = seq_len<C>(a);
+  for (int r = 0; r < C::block_m; ++r)
+    for (int c = 0; c < C::block_n; ++c) {
+      const int64_t i = q.row0 + r, j = kv.col0 + c;
+      if (i >= L || j >= L || !allowed<C>(i, j)) s.at(r, c) = -std::numeric_limits<float>::infinity();
+    }
+}
+
+// P = exp(S - lse): the forward's probabilities, recomputed.
+template <class C, Outer>
+void bwd_probs(BwdScores<C>& s, QGradTile<C>& q) {
+  for (int r = 0; r < C::block_m; ++r)
+    for (int c = 0; c < C::block_n; ++c) s.at(r, c) = std::exp(s.at(r, c) - q.lse[r]);
+}
+
+// dV += P^T do.
+template <class C>
+void bwd_dv(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
+  for (int c = 0; c < C::block_n; ++c) {
+    float* dv = &kv.dv[size_t(c) * C::head_dim];
+    for (int r = 0; r < C::block_m; ++r) {
+      const float p = s.at(r, c);
+      if (p == 0.0f) continue;
+      const float* dO = &q.dO[size_t(r) * C::head_dim];
+      for (int d = 0; d < C::head_dim; ++d) dv[d] += p * dO[d];
+    }
+  }
+}
+
+// dS = P * (do V^T - D).
+template <class C, Outer>
+void bwd_ds(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) {
+  for (int r = 0; r < C::block_m; ++r)
+    for (int c = 0; c < C::block_n; ++c) {
+      const float p = s.at(r, c);
+      if (p == 0.0f) {
+        s.dsAt(r, c) = 0.0f;
+        continue;
+      }
+      const float* dO = &q.dO[size_t(r) * C::head_dim];
+      const float* vr = &kv.v[size_t(c) * C::head_dim];
+      float dp = 0.0f;
+      for (int d = 0; d < C::head_dim; ++d) dp += dO[d] * vr[d];
+      s.dsAt(r, c) = p * (dp - q.delta[r]);
+    }
+}
+
+// dK += scale * dS^T Q.
+template <class C>
+void bwd_dk(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
+  for (int c = 0; c < C::block_n; ++c) {
+    float* dk = &kv.dk[size_t(c) * C::head_dim];
+    for (int r = 0; r < C::block_m; ++r) {
+      const float ds = s.dsAt(r, c) * C::scale;
+      if (ds == 0.0f) continue;
+      const float* qr = &q.q[size_t(r) * C::head_dim];
+      for (int d = 0; d < C::head_dim; ++d) dk[d] += ds * qr[d];
+    }
+  }
+}
+
+namespace host {
+// dq rows += scale * dS K, into `rows` (block_m x d).
+template <class C>
+void addDq(float* rows, BwdScores<C>& s, KvGradTile<C>& kv) {
+  for (int r = 0; r < C::block_m; ++r) {
+    float* dq = rows + size_t(r) * C::head_dim;
+    for (int c = 0; c < C::block_n; ++c) {
+      const float ds = s.dsAt(r, c) * C::scale;
+      if (ds == 0.0f) continue;
+      const float* kr = &kv.k[size_t(c) * C::head_dim];
+      for (int d = 0; d < C::head_dim; ++d) dq[d] += ds * kr[d];
+    }
+  }
+}
+}  // namespace host
+
+// dq += scale * dS K by atomic adds into dq's workspace (dq atomic).
+template <class C>
+void bwd_dq_atomic(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv, const IhaArgs& a) {
+  std::vector<float> rows(size_t(C::block_m) * C::head_dim, 0.0f);
+  host::addDq<C>(rows.data(), s, kv);
+  const int64_t L = seq_len<C>(a);
+  const int64_t h = q.head;
+  for (int r = 0; r < C::block_m && q.row0 + r < L; ++r) {
+    float* target = host::workspaceRow(a.dq_pseudo, q.batch, C::heads, h, L, q.row0 + r, C::head_dim);
+    for (int d = 0; d < C::head_dim; ++d) host::atomicAdd(target + d, rows[size_t(r) * C::head_dim + d]);
+  }
+}
+
+template <class C>
+void kv_grad_store(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g, int64_t b) {
+  const int64_t L = seq_len<C>(a);
+  for (int r = 0; r < C::block_n && col0 + r < L; ++r) {
+    std::memcpy(host::workspaceRow(a.dk_pseudo, b, C::kv_heads, g, L, col0 + r, C::head_dim),
+                &kv.dk[size_t(r) * C::head_dim], sizeof(float) * C::head_dim);
+    std::memcpy(host::workspaceRow(a.dv_pseudo, b, C::kv_heads, g, L, col0 + r, C::head_dim),
+                &kv.dv[size_t(r) * C::head_dim], sizeof(float) * C::head_dim);
+  }
+}
+
+template <class C>
+void dq_init(DqTile<C>& dq) {
+  host::stats.ctas++;
+  std::fill(dq.dq.begin(), dq.dq.end(), 0.0f);
+}
+
+template <class C>
+void dq_accumulate(DqTile<C>& dq, BwdScores<C>& s, KvGradTile<C>& kv) {
+  host::addDq<C>(dq.dq.data(), s, kv);
+}
+
+template <class C>
+void dq_store(DqTile<C>& dq, const IhaArgs& a, int64_t row0, int64_t h, int64_t b) {
+  const int64_t L = seq_len<C>(a);
+  for (int r = 0; r < C::block_m && row0 + r < L; ++r)
+    std::memcpy(host::workspaceRow(a.dq_pseudo, b, C::heads, h, L, row0 + r, C::head_dim),
+                &dq.dq[size_t(r) * C::head_dim], sizeof(float) * C::head_dim);
+}
+
+// A role's pseudo-row gradients back to its input for the CTA's tokens:
+// RoPE turned back, qk_norm's Jacobian (from the re-mixed row), then the
+// transposed mixing into dx (whole rows: the CTA owns its tokens) and this
+// CTA's share of dalpha.
+template <class C, Role R>
+void unmix(const IhaArgs& a, int64_t token0, int64_t b) {
+  constexpr int heads = R == Role::query ? C::heads : C::kv_heads;
+  constexpr int P = C::pseudo_heads, D = C::head_dim;
+  const void* x = R == Role::query ? a.q : R == Role::key ? a.k : a.v;
+  const float* alpha = R == Role::query ? a.alpha_q : R == Role::key ? a.alpha_k : a.alpha_v;
+  const int64_t* stride = R == Role::query ? a.q_stride : R == Role::key ? a.k_stride : a.v_stride;
+  float* dx = R == Role::query ? a.dq : R == Role::key ? a.dk : a.dv;
+  void* grads = R == Role::query ? a.dq_pseudo : R == Role::key ? a.dk_pseudo : a.dv_pseudo;
+  const int64_t L = seq_len<C>(a);
+  float* partial = host::partialsOf<C>(a, token0, b) + host::alphaOffset<C, R>();
+  std::fill(partial, partial + heads * heads * P, 0.0f);
+  float g[D], mixed[D];
+  for (int64_t n = token0; n < token0 + host::tokensPerCta<C>() && n < a.tokens; ++n) {
+    float* rows = dx + (b * a.tokens + n) * heads * D;
+    std::fill(rows, rows + heads * D, 0.0f);
+    for (int h = 0; h < heads; ++h)
+      for (int p = 0; p < P; ++p) {
+        const int64_t i = n * P + p;
+        std::memcpy(g, host::workspaceRow(grads, b, heads, h, L, i, D), sizeof g);
+        if (R != Role::value) {
+          if (C::rope_theta > 0) host::rotate<C>(g, i, /*inverse=*/true);
+          if (C::qk_norm) {  // dx = r g - (r^3 / d) (x . g) x
+            host::mixedRow<C, R>(a, b, n, h, p, mixed, /*mixOnly=*/true);
+            float squares = 0.0f, dot = 0.0f;
+            for (int c = 0; c < D; ++c) {
+              squares += mixed[c] * mixed[c];
+              dot += mixed[c] * g[c];
+            }
+            const float r = 1.0f / std::sqrt(squares / D + C::qk_norm_eps);
+            const float k = r * r * r / D * dot;
+            for (int c = 0; c < D; ++c) g[c] = r * g[c] - k * mixed[c];
+          }
+        }
+        for (int m = 0; m < heads; ++m) {
+          const int64_t at = (int64_t(m) * heads + h) * P + p;
+          const int64_t base = b * stride[0] + n * stride[1] + m * stride[2];
+          float dot = 0.0f;
+          for (int c = 0; c < D; ++c) {
+            rows[m * D + c] += alpha[at] * g[c];
+            dot += host::loadElement<C>(x, base + c) * g[c];
+          }
+          partial[at] += dot;
+        }
+      }
+  }
+}
+
+// Chunk `chunk` of the partial sums, over every token CTA of every batch
+// entry in order, into dcollapse and dalpha_q, dalpha_k, dalpha_v.
+template <class C>
+void reduce_grads(const IhaArgs& a, int64_t chunk, int64_t b) {
+  if (b != 0) return;  // one CTA row does it
+  constexpr int64_t entries = host::partialEntries<C>();
+  const int64_t slots = a.batch * host::tokenCtas<C>(a);
+  for (int64_t e = chunk * kReduceChunk; e < (chunk + 1) * kReduceChunk && e < entries; ++e) {
+    float sum = 0.0f;
+    for (int64_t slot = 0; slot < slots; ++slot) sum += a.partials[slot * entries + e];
+    if (e < host::alphaOffset<C, Role::query>()) a.dcollapse[e] = sum;
+    else if (e < host::alphaOffset<C, Role::key>()) a.dalpha_q[e - host::alphaOffset<C, Role::query>()] = sum;
+    else if (e < host::alphaOffset<C, Role::value>()) a.dalpha_k[e - host::alphaOffset<C, Role::key>()] = sum;
+    else a.dalpha_v[e - host::alphaOffset<C, Role::value>()] = sum;
   }
 }
 

@@ -14,6 +14,16 @@ constexpr int kMmaK = 16;                 // k extent of mma.m16n8k16
 constexpr int kTileElementBytes = 2;      // f16 / bf16
 constexpr int kAccumulatorBytes = 4;      // f32
 
+// One token CTA's partial sums in a backward plan: dcollapse (H*P, or H*H*P
+// for a global collapse), then dalpha_q (H*H*P), dalpha_k and dalpha_v
+// (G*G*P each).
+// The backward's reduce launch sums this many partial entries per CTA.
+constexpr int kReduceChunk = 256;
+
+constexpr long long backwardPartialEntries(long long heads, long long kvHeads, long long pseudo, bool global) {
+  return (global ? heads : 1) * heads * pseudo + heads * heads * pseudo + 2 * kvHeads * kvHeads * pseudo;
+}
+
 constexpr int paddedHeadDim(int headDim) { return (headDim + kMmaK - 1) / kMmaK * kMmaK; }
 constexpr int tilePitch(int headDim) { return paddedHeadDim(headDim) + kRowPadElements; }
 // Row pitch (f32 elements) of the collapse epilogues' staging tile. An
@@ -157,6 +167,40 @@ constexpr int ctaSharedMemory(bool wgmma, int blockM, int blockN, int headDim, i
                : attentionSmem(blockM, blockN, headDim, stages, heads, kvHeads, pseudoHeads, mixed, collapseInEpilogue,
                                outTile)
                      .total;
+}
+
+// Shared memory of the backward's launches on the mma.sync path. The
+// key-block-outer and dq launches hold K and V (block_n rows), Q and do
+// (block_m rows) as padded 16-bit tiles, then lse (log2 domain) and D of the
+// query block as f32.
+struct BackwardSmem {
+  int k, v, q, dO, lse, delta, total;
+};
+constexpr BackwardSmem backwardSmem(int blockM, int blockN, int headDim) {
+  const int kv = blockN * tilePitch(headDim) * kTileElementBytes;
+  const int rows = blockM * tilePitch(headDim) * kTileElementBytes;
+  BackwardSmem s{};
+  s.k = 0;
+  s.v = kv;
+  s.q = 2 * kv;
+  s.dO = 2 * kv + rows;
+  s.lse = 2 * kv + 2 * rows;
+  s.delta = s.lse + blockM * kAccumulatorBytes;
+  s.total = s.delta + blockM * kAccumulatorBytes;
+  return s;
+}
+// The collapse backward's CTA: its dcollapse partial sums (f32).
+constexpr int collapseGradSmem(int heads, int pseudo, bool global) {
+  return (global ? heads : 1) * heads * pseudo * kAccumulatorBytes;
+}
+// The transposed mixing's CTA: a group of a token's pseudo-row gradients
+// (f32, at most kUnmixStagedFloats) and the role's dalpha partial sums.
+constexpr int kUnmixStagedFloats = 8192;
+constexpr int unmixGroupRows(int heads, int pseudo, int headDim) {
+  return heads * pseudo * headDim <= kUnmixStagedFloats ? heads * pseudo : kUnmixStagedFloats / headDim;
+}
+constexpr int unmixSmem(int heads, int pseudo, int headDim) {
+  return (unmixGroupRows(heads, pseudo, headDim) * headDim + heads * heads * pseudo) * kAccumulatorBytes;
 }
 
 // Fragment geometry of mma.sync.m16n8k16 and ldmatrix.x4, as lane

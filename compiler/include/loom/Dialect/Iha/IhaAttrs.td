@@ -47,6 +47,10 @@ def Iha_Engine : I32EnumAttr<"Engine", "which tensor-core instructions the tiles
     I32EnumAttrCase<"mma", 1>, I32EnumAttrCase<"wgmma", 2>]> {
   let cppNamespace = "::loom::iha";
 }
+def Iha_DqStrategy : I32EnumAttr<"DqStrategy", "how the backward computes dq", [
+    I32EnumAttrCase<"separate", 1>, I32EnumAttrCase<"atomic", 2>]> {
+  let cppNamespace = "::loom::iha";
+}
 def Iha_RoleAttr : EnumAttr<Iha_Dialect, Iha_Role, "role">;
 
 // A double-precision float written as a plain float literal.
@@ -103,7 +107,9 @@ def Iha_ScheduleAttr : AttrDef<Iha_Dialect, "Schedule"> {
     where mixing and collapse happen. `engine = wgmma` (sm_90a) specialises
     warps: a producer warpgroup streams K/V (its registers capped at
     `producer_registers`) to `warps / 4` consumer warpgroups of 64 rows each;
-    both default away (mma, 0) and are then not printed.
+    both default away (mma, 0) and are then not printed. `dq` is how a
+    backward kernel computes dq (a query-block-outer kernel of its own, or
+    atomic adds from the key-block-outer one); it defaults to `separate`.
 
     Example:
     ```mlir
@@ -114,7 +120,8 @@ def Iha_ScheduleAttr : AttrDef<Iha_Dialect, "Schedule"> {
   let parameters = (ins "int64_t":$block_m, "int64_t":$block_n, "int64_t":$warps,
                         "int64_t":$stages, "MixStrategy":$mix, "CollapseStrategy":$collapse,
                         DefaultValuedParameter<"Engine", "Engine::mma">:$engine,
-                        DefaultValuedParameter<"int64_t", "0">:$producer_registers);
+                        DefaultValuedParameter<"int64_t", "0">:$producer_registers,
+                        DefaultValuedParameter<"DqStrategy", "DqStrategy::separate">:$dq);
   let assemblyFormat = "`<` struct(params) `>`";
 }
 

@@ -25,7 +25,8 @@ def Iha_KernelOp : Iha_Op<"kernel", [IsolatedFromAbove, Symbol, SingleBlock, NoT
   let summary = "one IHA computation: its spec, its schedule, and its program";
   let description = [{
     The root of a loom program. `spec` fixes the function; `schedule`, once
-    iha-apply-schedule has run, fixes how it is computed. The body holds
+    iha-apply-schedule has run, fixes how it is computed. A `backward` kernel
+    computes the gradients of sum(out * dout) instead of out. The body holds
     spec-level ops before scheduling and `iha.launch` ops after.
 
     Example:
@@ -42,10 +43,11 @@ def Iha_KernelOp : Iha_Op<"kernel", [IsolatedFromAbove, Symbol, SingleBlock, NoT
     ```
   }];
   let arguments = (ins SymbolNameAttr:$sym_name, Iha_SpecAttr:$spec,
-                       OptionalAttr<Iha_ScheduleAttr>:$schedule);
+                       OptionalAttr<Iha_ScheduleAttr>:$schedule, UnitAttr:$backward);
   let regions = (region SizedRegion<1>:$body);
   let assemblyFormat = [{
-    $sym_name `spec` `(` $spec `)` (`schedule` `(` $schedule^ `)`)? attr-dict-with-keyword $body
+    $sym_name (`backward` $backward^)? `spec` `(` $spec `)` (`schedule` `(` $schedule^ `)`)?
+    attr-dict-with-keyword $body
   }];
   let hasVerifier = 1;
   let extraClassDeclaration = [{
@@ -85,6 +87,19 @@ def Iha_CollapseOp : Iha_Op<"collapse", [HasParent<"KernelOp">]> {
     global:   out[n, h] = sum_{h', p} collapse[h, h'*P + p] * o_h'[n*P + p].
 
     Example: `iha.collapse`
+  }];
+  let assemblyFormat = "attr-dict";
+}
+
+def Iha_BackwardOp : Iha_Op<"backward", [HasParent<"KernelOp">]> {
+  let summary = "the gradients of sum(out * dout) through the five steps, in reverse";
+  let description = [{
+    After the forward steps of a `backward` kernel: dout through the
+    collapse (do, dcollapse), the attention (FlashAttention-2's backward on
+    the interleaved sequence, with P recomputed from the forward's lse), and
+    RoPE, qk_norm and mixing transposed (dq, dk, dv, dalpha_*).
+
+    Example: `iha.backward`
   }];
   let assemblyFormat = "attr-dict";
 }
@@ -288,6 +303,132 @@ def Iha_StoreOutOp : Iha_BlockOp<"store_out"> {
   let description = [{ Example: `iha.store_out rows %r0 batch %b` }];
   let arguments = (ins I64:$row0, I64:$batch);
   let assemblyFormat = "`rows` $row0 `batch` $batch attr-dict";
+}
+
+//===----------------------------------------------------------------------===//
+// Launch level, backward (docs/compiler.md, "The backward")
+//===----------------------------------------------------------------------===//
+
+def Iha_CollapseGradOp : Iha_BlockOp<"collapse_grad"> {
+  let summary = "dout through the collapse for a block of tokens: do, D = rowsum(do * o), dcollapse";
+  let description = [{
+    For the CTA's tokens: the pseudo-output gradients do [B, H, L, d], the
+    FlashAttention pre-pass D = rowsum(do * o) [B, H, L] from the forward's
+    pseudo outputs, and this CTA's share of dcollapse (a per-CTA partial
+    sum, reduced by `iha.reduce_grads`). Zeroes dq's workspace rows when dq
+    is accumulated by atomic adds.
+
+    Example: `iha.collapse_grad tokens %t0 batch %b`
+  }];
+  let arguments = (ins I64:$token0, I64:$batch);
+  let assemblyFormat = "`tokens` $token0 `batch` $batch attr-dict";
+}
+
+def Iha_KvGradBeginOp : Iha_BlockOp<"kv_grad_begin"> {
+  let summary = "load a key block's K and V rows and zero its dK, dV accumulators";
+  let description = [{ Example: `iha.kv_grad_begin cols %c0 head %g batch %b` }];
+  let arguments = (ins I64:$col0, I64:$head, I64:$batch);
+  let assemblyFormat = "`cols` $col0 `head` $head `batch` $batch attr-dict";
+}
+
+def Iha_ForGroupHeadsOp : Iha_BlockOp<"for_group_heads", [SingleBlock, NoTerminator]> {
+  let summary = "run the body once per query head reading kv head `head` (GQA)";
+  let description = [{
+    dK and dV of a kv head sum over the H / G query heads of its group: one
+    CTA runs them all, so the sum needs no atomics. The block argument is
+    the query head.
+
+    Example:
+    ```mlir
+    iha.for_group_heads %g {
+    ^bb0(%h: i64):
+      ...
+    }
+    ```
+  }];
+  let arguments = (ins I64:$head);
+  let regions = (region SizedRegion<1>:$body);
+  let assemblyFormat = "$head attr-dict-with-keyword $body";
+  let hasVerifier = 1;
+}
+
+def Iha_QLoopOp : Iha_BlockOp<"q_loop"> {
+  let summary = "backward steps of a key block over query blocks [lower, upper)";
+  let description = [{
+    For each query block of `block_m` rows: load Q, do, lse and D; S =
+    scale * Q K^T, masked if `masked`; P = exp(S - lse); dV += P^T do;
+    dS = P * (do V^T - D); dK += scale * dS^T Q; with `atomic_dq`, dq +=
+    scale * dS K by atomic adds. Only `masked` loops apply a mask;
+    iha-analyze-mask proves the others need none.
+
+    Example: `iha.q_loop %lo to %hi cols %c0 head %h batch %b {masked}`
+  }];
+  let arguments = (ins I64:$lower, I64:$upper, I64:$col0, I64:$head, I64:$batch,
+                       UnitAttr:$masked, UnitAttr:$atomic_dq);
+  let assemblyFormat = "$lower `to` $upper `cols` $col0 `head` $head `batch` $batch attr-dict";
+  let hasCanonicalizeMethod = 1;
+}
+
+def Iha_KvGradStoreOp : Iha_BlockOp<"kv_grad_store"> {
+  let summary = "write the key block's dK and dV pseudo rows";
+  let description = [{ Example: `iha.kv_grad_store cols %c0 head %g batch %b` }];
+  let arguments = (ins I64:$col0, I64:$head, I64:$batch);
+  let assemblyFormat = "`cols` $col0 `head` $head `batch` $batch attr-dict";
+}
+
+def Iha_DqBeginOp : Iha_BlockOp<"dq_begin"> {
+  let summary = "load a query block's Q, do, lse and D and zero its dq accumulator";
+  let description = [{ Example: `iha.dq_begin rows %r0 head %h batch %b` }];
+  let arguments = (ins I64:$row0, I64:$head, I64:$batch);
+  let assemblyFormat = "`rows` $row0 `head` $head `batch` $batch attr-dict";
+}
+
+def Iha_DqLoopOp : Iha_BlockOp<"dq_loop"> {
+  let summary = "dq steps of a query block over key blocks [lower, upper)";
+  let description = [{
+    For each key block: load K and V, S = scale * Q K^T (masked if
+    `masked`), P = exp(S - lse), dS = P * (do V^T - D), dq += scale * dS K.
+
+    Example: `iha.dq_loop %lo to %hi rows %r0 head %h batch %b {masked}`
+  }];
+  let arguments = (ins I64:$lower, I64:$upper, I64:$row0, I64:$head, I64:$batch, UnitAttr:$masked);
+  let assemblyFormat = "$lower `to` $upper `rows` $row0 `head` $head `batch` $batch attr-dict";
+  let hasCanonicalizeMethod = 1;
+}
+
+def Iha_DqStoreOp : Iha_BlockOp<"dq_store"> {
+  let summary = "write the query block's dq pseudo rows";
+  let description = [{ Example: `iha.dq_store rows %r0 head %h batch %b` }];
+  let arguments = (ins I64:$row0, I64:$head, I64:$batch);
+  let assemblyFormat = "`rows` $row0 `head` $head `batch` $batch attr-dict";
+}
+
+def Iha_UnmixOp : Iha_BlockOp<"unmix"> {
+  let summary = "a role's pseudo-row gradients back through RoPE, qk_norm and mixing";
+  let description = [{
+    For the CTA's tokens: each pseudo-row gradient is rotated back (query
+    and key), taken through qk_norm's Jacobian from the re-mixed row
+    (query and key, with qk_norm rms), then spread over the heads it was
+    mixed from: dx[n, m] = sum_{h,p} alpha[m, h, p] * g[h][n*P + p], written
+    whole for the CTA's tokens, and its share of dalpha[m, h, p] = sum_{n,c}
+    x[n, m, c] * g[h][n*P + p, c] as a per-CTA partial sum.
+
+    Example: `iha.unmix key tokens %t0 batch %b`
+  }];
+  let arguments = (ins Iha_RoleAttr:$role, I64:$token0, I64:$batch);
+  let assemblyFormat = "$role `tokens` $token0 `batch` $batch attr-dict";
+}
+
+def Iha_ReduceGradsOp : Iha_BlockOp<"reduce_grads"> {
+  let summary = "sum the per-CTA partials of dalpha_q, dalpha_k, dalpha_v and dcollapse";
+  let description = [{
+    Chunk `chunk` of the partial sums' entries, over every token CTA of every
+    batch entry, in a fixed order (deterministic). Only batch 0 works.
+
+    Example: `iha.reduce_grads chunk %y batch %b`
+  }];
+  let arguments = (ins I64:$chunk, I64:$batch);
+  let assemblyFormat = "`chunk` $chunk `batch` $batch attr-dict";
 }
 
 #endif // LOOM_IHA_OPS

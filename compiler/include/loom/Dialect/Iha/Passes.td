@@ -20,6 +20,15 @@ def IhaApplySchedule : Pass<"iha-apply-schedule", "::mlir::ModuleOp"> {
     spec-level steps into launches: a pre-mix launch, an attention launch
     over query blocks of block_m virtual rows that loops over every key block
     with a mask, and a collapse launch. Later passes narrow and fuse.
+
+    A `backward` kernel keeps the pre-mix and the attention (which stores the
+    pseudo outputs and lse the backward needs) and adds the backward's
+    launches: the collapse backward (do, D, dcollapse partials), the
+    key-block-outer dK / dV loop over the query blocks of each key block
+    (every query head of a kv head's group in one CTA), a query-block-outer
+    dq loop (dq separate; with dq atomic the key-block loop adds into dq),
+    the transposed mixing, and the reduction of the partial sums. Its
+    schedule defaults to materialised mixing and a separate collapse.
   }];
   let options = [
     Option<"blockM", "block-m", "int64_t", "0", "virtual query rows per CTA (0: default)">,
@@ -30,7 +39,8 @@ def IhaApplySchedule : Pass<"iha-apply-schedule", "::mlir::ModuleOp"> {
     Option<"collapse", "collapse", "std::string", "\"\"", "epilogue | separate (empty: default)">,
     Option<"engine", "engine", "std::string", "\"\"", "mma | wgmma (empty: mma)">,
     Option<"producerRegisters", "producer-registers", "int64_t", "0",
-           "registers of the wgmma engine's producer warpgroup (0: default)">
+           "registers of the wgmma engine's producer warpgroup (0: default)">,
+    Option<"dq", "dq", "std::string", "\"\"", "separate | atomic: how a backward kernel computes dq (empty: separate)">
   ];
   let dependentDialects = ["::mlir::arith::ArithDialect"];
 }

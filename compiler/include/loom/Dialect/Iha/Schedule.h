@@ -34,6 +34,7 @@ struct ScheduleFields {
   std::optional<CollapseStrategy> collapse;
   std::optional<Engine> engine;
   int64_t producerRegisters = 0;
+  std::optional<DqStrategy> dq;
 };
 
 // Registers per consumer thread: loom::consumerRegisters (loom/tile/layout.h).
@@ -57,6 +58,12 @@ std::optional<std::string> checkScheduleFields(const ScheduleFields& given);
 // registers 24 (56 when the producer mixes on chip, 72 when it also applies
 // qk_norm).
 ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool hopper = false);
+
+// Why a complete schedule cannot compute a backward kernel, naming the
+// field: the backward reads the mixed rows from workspaces (mix
+// materialized), needs the pseudo outputs (collapse separate) and has the
+// mma engine's tiles only.
+std::optional<std::string> checkBackwardSchedule(ScheduleAttr schedule);
 
 // Why `schedule` cannot compute `spec`, naming the field; nullopt when fine.
 std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule);

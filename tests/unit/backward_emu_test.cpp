@@ -1,0 +1,239 @@
+// The generated backward's CUDA program (mma.sync, loom/tile/cuda_backward.h)
+// on the emulator, for sm_80 and for sm_90a (which runs the portable tiles
+// for the backward), in float16 and bfloat16: every shared backward case and
+// freshly drawn specs, against the float64 backward reference on the same
+// rounded inputs and dout, with zero findings (races, bounds, uninitialised
+// or misaligned accesses, barrier misuse).
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include <cstring>
+
+#include "cpu/cpu_backend.h"
+#include "emu/emulator.h"
+#include "io/case.h"
+#include "io/npy.h"
+#include "loom/runtime.h"
+#include "loom/compiler.h"
+#include "reference/iha_backward.h"
+#include "test_util.h"
+
+namespace loom::emu {
+namespace {
+
+EmuOptions options(uint64_t seed) {
+  EmuOptions o;
+  o.cacheDir = LOOM_TEST_CACHE;
+  o.threads = 2;
+  o.seed = seed;
+  return o;
+}
+
+Result<KernelPlan> backwardPlan(const KernelSpec& spec, const Schedule& schedule, const std::string& arch) {
+  GenerateOptions generate;
+  generate.direction = Direction::backward;
+  return generateKernel(spec, schedule, *parseTarget(arch), generate);
+}
+
+// The defaults, and smaller blocks on fewer warps (more CTAs, several query
+// and key blocks per sequence, every loop kind).
+Schedule scheduleFor(const KernelSpec& spec, int pick) {
+  const int P = spec.pseudo_heads();
+  Schedule s;
+  if (pick % 3 == 1) {
+    s.set_warps(1);
+    s.set_block_m(std::lcm(P, 16));
+    s.set_block_n(16);
+  } else if (pick % 3 == 2) {
+    s.set_warps(2);
+    s.set_block_m(std::lcm(P, 32));
+    s.set_block_n(32);
+  }
+  return s;
+}
+
+// The run is clean and every gradient within the dtype's tolerance of `want`.
+void expectClean(const IhaCase& c, const reference::IhaGradients& want, const Schedule& schedule,
+                 const std::string& arch, const std::string& what, uint64_t seed) {
+  auto plan = backwardPlan(c.spec, schedule, arch);
+  ASSERT_TRUE(plan) << what << ": " << plan.error().message;
+  auto run = runOnEmulator(*plan, c, options(seed));
+  ASSERT_TRUE(run) << what << ": " << run.error().message << "\n" << run.error().log;
+  std::printf("[ emu bwd  ] %s %s %s: %.2f s, %lld CTAs\n", what.c_str(), arch.c_str(),
+              plan->schedule.ShortDebugString().c_str(), run->runSeconds, (long long)run->coverage.ctas);
+  EXPECT_EQ(run->findingCount, 0) << what << " " << arch << "\n" << summary(*run);
+  EXPECT_FALSE(run->deadlocked);
+  ASSERT_TRUE(run->gradients);
+  const std::vector<double> errors = gradientErrors(c.spec, *run->gradients, want);
+  std::string figures;
+  for (size_t i = 0; i < errors.size(); ++i) {
+    char text[48];
+    std::snprintf(text, sizeof text, " %s %.1e", reference::kGradientNames[i], errors[i]);
+    figures += text;
+    EXPECT_LE(errors[i], gradientToleranceFor(c.spec.dtype()))
+        << what << " " << arch << " " << reference::kGradientNames[i] << " " << plan->schedule.ShortDebugString();
+  }
+  std::printf("[ emu bwd  ]  %s\n", figures.c_str());
+}
+
+const char* const kArchs[] = {"sm_80", "sm_90a"};
+
+std::vector<std::string> backwardCases() {
+  std::vector<std::string> names;
+  for (const std::string& name : testing::sharedCaseNames())
+    if (name.rfind("bwd-", 0) == 0) names.push_back(name);
+  return names;
+}
+
+// Each shared backward case in both 16-bit dtypes (inputs and dout rounded,
+// the expected gradients recomputed on them) on both archs.
+class SharedBackwardOnEmulator : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(SharedBackwardOnEmulator, BothArchsBothDtypesWithoutFindings) {
+  auto loaded = loadCase(testing::casesDir() + "/" + GetParam());
+  ASSERT_TRUE(loaded) << loaded.error().message;
+  ASSERT_TRUE(loaded->dout);
+  int pick = 0;
+  for (v1::DType dtype : {v1::float16, v1::bfloat16})
+    for (const char* arch : kArchs) {
+      const IhaCase c = withDtype(*loaded, dtype);
+      expectClean(c, *c.expectedGradients, scheduleFor(c.spec, pick), arch,
+                  GetParam() + " " + dtypeName(dtype), testing::testSeed() + uint64_t(pick));
+      ++pick;
+    }
+}
+
+INSTANTIATE_TEST_SUITE_P(Vectors, SharedBackwardOnEmulator, ::testing::ValuesIn(backwardCases()),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
+
+// Fresh specs every run (every mask, windows, both collapses, RoPE, GQA and
+// the options of public IHA code), small enough to emulate, drawn where the
+// roundings every 16-bit kernel makes leave the gradients checkable
+// (drawCheckableBackwardCase).
+class DrawnBackwardOnEmulator : public ::testing::TestWithParam<int> {};
+
+TEST_P(DrawnBackwardOnEmulator, MatchesTheReferenceWithoutFindings) {
+  std::mt19937_64 rng(testing::testSeed() + uint64_t(GetParam()) * 7877);
+  KernelSpec spec = testing::randomSpec(rng);
+  spec.set_head_dim(8 * std::uniform_int_distribution<int>(1, 4)(rng));
+  spec.set_dtype(GetParam() % 2 ? v1::bfloat16 : v1::float16);
+  const int64_t B = 1 + int64_t(rng() % 2), N = 1 + int64_t(rng() % 24);
+  const IhaCase c = drawCheckableBackwardCase(spec, B, N, rng());
+  const reference::IhaGradients& want = *c.expectedGradients;
+  const std::string what = spec.ShortDebugString() + " B=" + std::to_string(B) + " N=" + std::to_string(N);
+  expectClean(c, want, scheduleFor(spec, GetParam()), kArchs[GetParam() % 2], what, rng());
+}
+
+INSTANTIATE_TEST_SUITE_P(Random, DrawnBackwardOnEmulator, ::testing::Range(0, 6));
+
+// The host API's backward on host tensors (q strided, a padded buffer of
+// H + 3 heads per token), through the host tile API and through the CUDA
+// program on the emulator: every gradient written in place within the
+// tolerance, lse too; tensors that do not fit are refused by name.
+TEST(HostApiBackward, StridedHostTensorsOnTheHostAndTheEmulator) {
+  std::mt19937_64 rng(testing::testSeed() + 505);
+  KernelSpec spec = testing::randomSpec(rng);
+  spec.set_head_dim(16);
+  spec.set_dtype(v1::float16);
+  const int64_t B = 1 + int64_t(rng() % 2), N = 5 + int64_t(rng() % 20), H = spec.heads(), G = spec.kv_heads(),
+                d = spec.head_dim(), P = spec.pseudo_heads();
+  const IhaCase c = drawCheckableBackwardCase(spec, B, N, rng());
+  auto bytesOf = [&](const std::vector<double>& values, NpyType type) {
+    return npyFromDouble(values, {int64_t(values.size())}, type).bytes;
+  };
+  const int64_t qTokenStride = (H + 3) * d;
+  std::vector<uint8_t> q(size_t(B * N * qTokenStride * 2), 0x7f);
+  const std::vector<uint8_t> qDense = bytesOf(c.inputs.q, NpyType::float16);
+  for (int64_t n = 0; n < B * N; ++n)
+    std::memcpy(&q[size_t(n * qTokenStride * 2)], &qDense[size_t(n * H * d * 2)], size_t(H * d * 2));
+  std::vector<uint8_t> k = bytesOf(c.inputs.k, NpyType::float16), v = bytesOf(c.inputs.v, NpyType::float16),
+                       dout = bytesOf(*c.dout, NpyType::float16);
+  std::vector<uint8_t> aq = bytesOf(c.inputs.alpha_q, NpyType::float32), ak = bytesOf(c.inputs.alpha_k, NpyType::float32),
+                       av = bytesOf(c.inputs.alpha_v, NpyType::float32),
+                       collapse = bytesOf(c.inputs.collapse, NpyType::float32);
+  std::vector<uint8_t> lse(size_t(B * H * N * P * 4), 0xff);
+  auto tensor = [](std::vector<uint8_t>& bytes, ElementKind element, std::vector<int64_t> shape,
+                   std::vector<int64_t> strides = {}) {
+    return Tensor{bytes.data(), element, std::move(shape), std::move(strides), kHostDevice};
+  };
+  IhaTensors t;
+  t.q = tensor(q, ElementKind::float16, {B, N, H, d}, {N * qTokenStride, qTokenStride, d, 1});
+  t.k = tensor(k, ElementKind::float16, {B, N, G, d});
+  t.v = tensor(v, ElementKind::float16, {B, N, G, d});
+  t.alpha_q = tensor(aq, ElementKind::float32, {H, H, P});
+  t.alpha_k = tensor(ak, ElementKind::float32, {G, G, P});
+  t.alpha_v = tensor(av, ElementKind::float32, {G, G, P});
+  const std::vector<int64_t> collapseShape = spec.collapse() == v1::global ? std::vector<int64_t>{H, H * P}
+                                                                           : std::vector<int64_t>{H, P};
+  t.collapse = tensor(collapse, ElementKind::float32, collapseShape);
+  t.lse = tensor(lse, ElementKind::float32, {B, H, N * P});
+  const reference::IhaGradients& want = *c.expectedGradients;
+  std::vector<std::vector<uint8_t>> buffers;
+  for (const auto* g : reference::gradientsOf(want)) buffers.emplace_back(g->size() * 4, 0xff);
+  IhaGradTensors g;
+  g.dout = tensor(dout, ElementKind::float16, {B, N, H, d});
+  g.dq = tensor(buffers[0], ElementKind::float32, {B, N, H, d});
+  g.dk = tensor(buffers[1], ElementKind::float32, {B, N, G, d});
+  g.dv = tensor(buffers[2], ElementKind::float32, {B, N, G, d});
+  g.dalpha_q = tensor(buffers[3], ElementKind::float32, {H, H, P});
+  g.dalpha_k = tensor(buffers[4], ElementKind::float32, {G, G, P});
+  g.dalpha_v = tensor(buffers[5], ElementKind::float32, {G, G, P});
+  g.dcollapse = tensor(buffers[6], ElementKind::float32, collapseShape);
+  auto gathered = [&] {
+    return reference::IhaGradients{hostValues(g.dq),       hostValues(g.dk),       hostValues(g.dv),
+                                   hostValues(g.dalpha_q), hostValues(g.dalpha_k), hostValues(g.dalpha_v),
+                                   hostValues(g.dcollapse)};
+  };
+  const std::string what = spec.ShortDebugString() + " B=" + std::to_string(B) + " N=" + std::to_string(N);
+  const auto lseWant = reference::ihaForward(spec, c.inputs).lse;
+
+  ASSERT_TRUE(runBackwardOnHost(spec, t, g, Schedule(), cpu::CpuOptions{LOOM_TEST_CACHE, 2})) << what;
+  for (double e : gradientErrors(spec, gathered(), want)) EXPECT_LE(e, gradientToleranceFor(v1::float32)) << what;
+  EXPECT_LE(relativeError(hostValues(*t.lse), lseWant), toleranceFor(v1::float32)) << what;
+
+  for (auto& buffer : buffers) std::fill(buffer.begin(), buffer.end(), 0xff);
+  auto run = runBackwardOnEmulator(spec, t, g, Schedule(), "sm_80", options(rng()));
+  ASSERT_TRUE(run) << run.error().message;
+  EXPECT_EQ(run->findingCount, 0) << summary(*run);
+  for (double e : gradientErrors(spec, gathered(), want)) EXPECT_LE(e, gradientToleranceFor(v1::float16)) << what;
+  EXPECT_LE(relativeError(hostValues(*t.lse), lseWant), toleranceFor(v1::float16)) << what;
+
+  IhaGradTensors wrong = g;
+  wrong.dk.shape = {B, N, H + 1, d};
+  Status refused = runBackwardOnHost(spec, t, wrong, Schedule(), cpu::CpuOptions{LOOM_TEST_CACHE, 2});
+  ASSERT_FALSE(refused);
+  EXPECT_EQ(refused.error().message.rfind("dk: shape", 0), 0u) << refused.error().message;
+  wrong = g;
+  wrong.dout.element = ElementKind::bfloat16;
+  refused = runBackwardOnHost(spec, t, wrong, Schedule(), cpu::CpuOptions{LOOM_TEST_CACHE, 2});
+  ASSERT_FALSE(refused);
+  EXPECT_EQ(refused.error().message.rfind("dout: element type bfloat16, want float16", 0), 0u)
+      << refused.error().message;
+}
+
+// What the CUDA backward refuses, each naming the field.
+TEST(BackwardOnEmulator, RefusesWhatItHasNoTilesFor) {
+  KernelSpec spec = testing::makeSpec({.heads = 2, .pseudoHeads = 2, .headDim = 16});
+  Schedule atomic;
+  atomic.set_dq(v1::dq_atomic);
+  auto refused = backwardPlan(spec, atomic, "sm_80");
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message.find("schedule.dq atomic"), std::string::npos) << refused.error().message;
+  Schedule narrow;
+  narrow.set_warps(4);
+  narrow.set_block_m(64);
+  narrow.set_block_n(32);
+  refused = backwardPlan(spec, narrow, "sm_80");
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message.find("schedule.block_n (32) must be a multiple of 16 rows per warp x 4"),
+            std::string::npos)
+      << refused.error().message;
+}
+
+}  // namespace
+}  // namespace loom::emu

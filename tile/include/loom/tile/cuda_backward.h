@@ -1,0 +1,711 @@
+// The backward's tiles on the mma.sync path (sm_80 and later; included by
+// cuda.h), FlashAttention-2's backward on the interleaved sequence:
+//   - the collapse backward (do, D = rowsum(do * o), dcollapse partials), one
+//     warp per pseudo row;
+//   - the key-block-outer launch: a CTA holds one key block's K and V and,
+//     for every query block and every query head of its group, computes
+//     S^T = K Q^T with warps over key rows, P^T = exp2(S^T - lse), dV +=
+//     P^T do, dP^T = V do^T, dS^T = P^T (dP^T - D) and dK += dS^T Q, all
+//     by mma.sync.m16n8k16 with the C fragments of one product re-packed as
+//     the A fragments of the next (FlashAttention-2's trick) and the other
+//     operand by ldmatrix (.trans where it is the [k][n] tile);
+//   - the dq launch: a CTA holds one query block and, per key block, S = Q
+//     K^T, P, dP = do V^T, dS and dq += dS K, with warps over query rows;
+//   - the transposed mixing (RoPE turned back, qk_norm's Jacobian, the
+//     mixing's transpose) and the reduction of the partial sums.
+// Q, K, V, o and do are 16-bit (the workspaces' element type); D, lse, the
+// pseudo-row gradients and the partial sums are f32. Softmax is in the log2
+// domain, as in the forward: lse is kept as lse * log2(e).
+#pragma once
+
+namespace loom {
+
+namespace cuda {
+
+template <class C>
+struct BackwardGeometry {
+  using G = Geometry<C>;
+  static_assert(C::block_n % (16 * C::warps) == 0, "the backward's key block holds 16 rows per warp");
+  static constexpr int KMT = C::block_n / (16 * C::warps);  // key m-tiles per warp (key-block-outer)
+  static constexpr int QNT = C::block_m / 8;                // query n-tiles of S^T
+  static constexpr int QK = C::block_m / kMmaK;             // k-steps over query rows (dV, dK)
+};
+
+template <class C>
+__device__ __forceinline__ BackwardSmem bwdSmem() {
+  return backwardSmem(C::block_m, C::block_n, C::head_dim);
+}
+template <class C>
+__device__ __forceinline__ Bits16* bwdTile(int offset) {
+  return reinterpret_cast<Bits16*>(smem() + offset);
+}
+template <class C>
+__device__ __forceinline__ float* bwdFloats(int offset) {
+  return reinterpret_cast<float*>(smem() + offset);
+}
+
+// First key row of key m-tile `mt` of this warp (key-block-outer launch).
+template <class C>
+__device__ __forceinline__ int keyRow(int mt) {
+  return (mt * C::warps + warp()) * 16;
+}
+
+// Rows [first, first + Rows) of head h of a 16-bit workspace [B, heads, L, d]
+// into a padded tile by cp.async, zeros past L and past d.
+template <class C, int Rows>
+__device__ void copyRows(Bits16* tile, const void* workspace, int heads, int64_t b, int64_t h, int64_t first,
+                         int64_t L) {
+  using G = Geometry<C>;
+  const Bits16* rows = static_cast<const Bits16*>(workspace);
+  forEachTileChunk<C, Rows>([&](int r, int chunk) {
+    const int64_t i = first + r;
+    const bool inside = i < L && chunk * kChunkElements < G::D;
+    const Bits16* source = rows + ((b * heads + h) * L + i) * G::D + chunk * kChunkElements;
+    copyAsync16(tile + r * G::pitch + chunk * kChunkElements, inside ? source : rows, inside);
+  });
+}
+
+// Rows [row0, row0 + Rows) of an A operand (row-major [row][k] tile) for
+// m-tile rows starting at `first`, k-step kt.
+template <class C>
+__device__ __forceinline__ void loadA(Bits32 (&a)[4], const Bits16* tile, int first, int kt) {
+  const int l = lane();
+  ldmatrixX4(a, sharedAddress(tile + (first + fragment::aRow(l)) * Geometry<C>::pitch + kt * kMmaK + fragment::aColumn(l)));
+}
+// B operand pair (n-tiles 2*pair, 2*pair + 1) from a [n][k] tile.
+template <class C>
+__device__ __forceinline__ void loadB(Bits32 (&b)[4], const Bits16* tile, int pair, int kt) {
+  const int l = lane();
+  ldmatrixX4(b, sharedAddress(tile + (pair * 16 + fragment::bRow(l)) * Geometry<C>::pitch + kt * kMmaK + fragment::bColumn(l)));
+}
+// B operand pair from a [k][n] tile, by ldmatrix.trans.
+template <class C>
+__device__ __forceinline__ void loadBTrans(Bits32 (&b)[4], const Bits16* tile, int kk, int pair) {
+  const int l = lane();
+  ldmatrixX4Trans(b, sharedAddress(tile + (kk * kMmaK + fragment::bTransRow(l)) * Geometry<C>::pitch + pair * 16 +
+                                   fragment::bTransColumn(l)));
+}
+
+// The A fragments of k-step kk of a product whose left operand is the C
+// fragments `t` (two n-tiles per k-step of 16).
+template <class C, int N>
+__device__ __forceinline__ void repack(Bits32 (&a)[4], const float (&t)[N][4], int kk) {
+  a[0] = pack<C>(t[2 * kk][0], t[2 * kk][1]);
+  a[1] = pack<C>(t[2 * kk][2], t[2 * kk][3]);
+  a[2] = pack<C>(t[2 * kk + 1][0], t[2 * kk + 1][1]);
+  a[3] = pack<C>(t[2 * kk + 1][2], t[2 * kk + 1][3]);
+}
+
+template <class C, int M, int N>
+__device__ __forceinline__ void zero(float (&t)[M][N][4]) {
+  #pragma unroll
+  for (int m = 0; m < M; ++m)
+    #pragma unroll
+    for (int n = 0; n < N; ++n)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) t[m][n][e] = 0.0f;
+}
+
+// Reverses the rotary embedding of element c (the rotation by -angle).
+template <class C>
+__device__ __forceinline__ float unrotate(float x, float partner, int64_t position, int c) {
+  constexpr int half = C::head_dim / 2;
+  float sine, cosine;
+  ropeSinCos<C>(position, c % half, &sine, &cosine);
+  if constexpr (!C::rope_negative) sine = -sine;
+  return c < half ? x * cosine - partner * sine : partner * sine + x * cosine;
+}
+
+template <class C>
+constexpr int64_t collapseEntries() {
+  return (C::collapse == Collapse::global ? C::heads : 1) * C::heads * C::pseudo_heads;
+}
+template <class C>
+constexpr int64_t partialEntries() {
+  return backwardPartialEntries(C::heads, C::kv_heads, C::pseudo_heads, C::collapse == Collapse::global);
+}
+template <class C, Role R>
+constexpr int64_t alphaOffset() {
+  constexpr int64_t q = collapseEntries<C>(), k = q + int64_t(C::heads) * C::heads * C::pseudo_heads;
+  return R == Role::query ? q : R == Role::key ? k : k + int64_t(C::kv_heads) * C::kv_heads * C::pseudo_heads;
+}
+template <class C>
+__device__ __forceinline__ float* partialsOf(const IhaArgs& a, int64_t token0, int64_t b) {
+  constexpr int64_t tokens = C::block_m / C::pseudo_heads;
+  return a.partials + (b * ((a.tokens + tokens - 1) / tokens) + token0 / tokens) * partialEntries<C>();
+}
+template <class C>
+__device__ __forceinline__ int64_t collapseIndex(int target, int source, int p) {
+  if constexpr (C::collapse == Collapse::per_head) return source == target ? target * C::pseudo_heads + p : -1;
+  else return (int64_t(target) * C::heads + source) * C::pseudo_heads + p;
+}
+
+}  // namespace cuda
+
+//===----------------------------------------------------------------------===//
+// Tiles (registers; K, V, Q, do, lse and D live in shared memory)
+//===----------------------------------------------------------------------===//
+
+template <class C>
+struct KvGradTile {
+  float dk[cuda::BackwardGeometry<C>::KMT][cuda::Geometry<C>::OT][4];
+  float dv[cuda::BackwardGeometry<C>::KMT][cuda::Geometry<C>::OT][4];
+  int64_t col0;
+};
+
+template <class C>
+struct QGradTile {
+  int64_t row0;
+};
+
+// The key-block-outer launch uses t (S^T, then P^T) and dt (dS^T), the dq
+// launch s (S, then P) and ds (dS); each launch's unused pair is never
+// touched and takes no registers.
+template <class C>
+struct BwdScores {
+  float t[cuda::BackwardGeometry<C>::KMT][cuda::BackwardGeometry<C>::QNT][4];
+  float dt[cuda::BackwardGeometry<C>::KMT][cuda::BackwardGeometry<C>::QNT][4];
+  float s[cuda::Geometry<C>::MT][cuda::Geometry<C>::NT][4];
+  float ds[cuda::Geometry<C>::MT][cuda::Geometry<C>::NT][4];
+};
+
+template <class C>
+struct DqTile {
+  float dq[cuda::Geometry<C>::MT][cuda::Geometry<C>::OT][4];
+};
+
+//===----------------------------------------------------------------------===//
+// The collapse backward (token-parallel)
+//===----------------------------------------------------------------------===//
+
+// One warp per pseudo row (token, source head, p): do = sum over output
+// heads of collapse * dout (stored 16-bit), D = rowsum(do * o) from the
+// stored (rounded) do, and each connected output head's dout . o into the
+// CTA's dcollapse partial sums in shared memory.
+template <class C>
+__device__ void collapse_grad(const IhaArgs& a, int64_t token0, int64_t b) {
+  constexpr int P = C::pseudo_heads, D = C::head_dim, tokens = C::block_m / P;
+  constexpr int64_t entries = cuda::collapseEntries<C>();
+  const int64_t L = seq_len<C>(a);
+  float* partial = reinterpret_cast<float*>(cuda::smem());
+  for (int e = threadIdx.x; e < entries; e += blockDim.x) partial[e] = 0.0f;
+  __syncthreads();
+  const Bits16* o = static_cast<const Bits16*>(a.o_pseudo);
+  Bits16* dO = static_cast<Bits16*>(a.do_pseudo);
+  const int warps = int(blockDim.x) / kWarpSize;
+  for (int row = cuda::warp(); row < tokens * C::heads * P; row += warps) {
+    const int t = row / (C::heads * P), source = (row / P) % C::heads, p = row % P;
+    const int64_t n = token0 + t;
+    if (n >= a.tokens) continue;  // the whole warp
+    const int64_t i = n * P + p, at = ((b * C::heads + source) * L + i) * D;
+    float delta = 0.0f;
+    for (int c = cuda::lane(); c < D; c += kWarpSize) {
+      float sum = 0.0f;
+      for (int target = 0; target < C::heads; ++target) {
+        const int64_t w = cuda::collapseIndex<C>(target, source, p);
+        if (w < 0) continue;
+        sum += a.collapse[w] * cuda::loadElement<C>(a.dout, b * a.out_stride[0] + n * a.out_stride[1] +
+                                                                 target * a.out_stride[2] + c);
+      }
+      const Bits16 rounded = cuda::toBits<C>(sum);
+      dO[at + c] = rounded;
+      delta += cuda::toFloat<C>(rounded) * cuda::toFloat<C>(o[at + c]);
+    }
+    delta = cuda::warpSum(delta);
+    if (cuda::lane() == 0) a.delta[(b * C::heads + source) * L + i] = delta;
+    for (int target = 0; target < C::heads; ++target) {
+      const int64_t w = cuda::collapseIndex<C>(target, source, p);
+      if (w < 0) continue;
+      float dot = 0.0f;
+      for (int c = cuda::lane(); c < D; c += kWarpSize)
+        dot += cuda::loadElement<C>(a.dout, b * a.out_stride[0] + n * a.out_stride[1] + target * a.out_stride[2] + c) *
+               cuda::toFloat<C>(o[at + c]);
+      dot = cuda::warpSum(dot);
+      if (cuda::lane() == 0) ptx::redSharedAddF32(cuda::sharedAddress(partial + w), dot);
+    }
+  }
+  __syncthreads();
+  float* out = cuda::partialsOf<C>(a, token0, b);
+  for (int e = threadIdx.x; e < entries; e += blockDim.x) out[e] = partial[e];
+}
+
+//===----------------------------------------------------------------------===//
+// Loads shared by both loops
+//===----------------------------------------------------------------------===//
+
+// K and V rows [col0, col0 + block_n) of kv head g (after every warp is
+// done with the previous ones).
+template <class C>
+__device__ void load_kv_grad(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g, int64_t b) {
+  const BackwardSmem s = cuda::bwdSmem<C>();
+  const int64_t L = seq_len<C>(a);
+  __syncthreads();
+  cuda::copyRows<C, C::block_n>(cuda::bwdTile<C>(s.k), a.k_mixed, C::kv_heads, b, g, col0, L);
+  cuda::copyRows<C, C::block_n>(cuda::bwdTile<C>(s.v), a.v_mixed, C::kv_heads, b, g, col0, L);
+  cuda::commitCopies();
+  cuda::waitCopies<0>();
+  __syncthreads();
+  kv.col0 = col0;
+}
+
+template <class C>
+__device__ void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g, int64_t b) {
+  load_kv_grad<C>(kv, a, col0, g, b);
+  cuda::zero<C>(kv.dk);
+  cuda::zero<C>(kv.dv);
+}
+
+// Q and do rows [row0, row0 + block_m) of query head h, with lse (log2
+// domain) and D; zeros past L.
+template <class C>
+__device__ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, int64_t row0, int64_t h, int64_t b) {
+  const BackwardSmem s = cuda::bwdSmem<C>();
+  const int64_t L = seq_len<C>(a);
+  __syncthreads();
+  cuda::copyRows<C, C::block_m>(cuda::bwdTile<C>(s.q), a.q_mixed, C::heads, b, h, row0, L);
+  cuda::copyRows<C, C::block_m>(cuda::bwdTile<C>(s.dO), a.do_pseudo, C::heads, b, h, row0, L);
+  cuda::commitCopies();
+  float* lse = cuda::bwdFloats<C>(s.lse);
+  float* delta = cuda::bwdFloats<C>(s.delta);
+  for (int r = threadIdx.x; r < C::block_m; r += cuda::Geometry<C>::threads) {
+    const int64_t i = row0 + r;
+    lse[r] = i < L ? a.lse[(b * C::heads + h) * L + i] * kLog2e : 0.0f;
+    delta[r] = i < L ? a.delta[(b * C::heads + h) * L + i] : 0.0f;
+  }
+  cuda::waitCopies<0>();
+  __syncthreads();
+  q.row0 = row0;
+}
+
+//===----------------------------------------------------------------------===//
+// The steps of a (query block, key block) pair
+//===----------------------------------------------------------------------===//
+
+// Outer::keys: S^T = K Q^T * scale * log2(e), warps over key rows.
+// Outer::queries: S = Q K^T * scale * log2(e), warps over query rows.
+template <class C, Outer O>
+__device__ void bwd_scores(BwdScores<C>& s, QGradTile<C>&, KvGradTile<C>&) {
+  using G = cuda::Geometry<C>;
+  using BG = cuda::BackwardGeometry<C>;
+  const BackwardSmem smem = cuda::bwdSmem<C>();
+  const Bits16* kTile = cuda::bwdTile<C>(smem.k);
+  const Bits16* qTile = cuda::bwdTile<C>(smem.q);
+  constexpr float scale = C::scale * kLog2e;
+  if constexpr (O == Outer::keys) {
+    cuda::zero<C>(s.t);
+    #pragma unroll
+    for (int kt = 0; kt < G::KT; ++kt) {
+      Bits32 a[BG::KMT][4];
+      #pragma unroll
+      for (int mt = 0; mt < BG::KMT; ++mt) cuda::loadA<C>(a[mt], kTile, cuda::keyRow<C>(mt), kt);
+      #pragma unroll
+      for (int pair = 0; pair < BG::QNT / 2; ++pair) {
+        Bits32 bq[4];
+        cuda::loadB<C>(bq, qTile, pair, kt);
+        #pragma unroll
+        for (int mt = 0; mt < BG::KMT; ++mt) {
+          cuda::mma16816<C>(s.t[mt][2 * pair], a[mt], bq[0], bq[1]);
+          cuda::mma16816<C>(s.t[mt][2 * pair + 1], a[mt], bq[2], bq[3]);
+        }
+      }
+    }
+    #pragma unroll
+    for (int mt = 0; mt < BG::KMT; ++mt)
+      #pragma unroll
+      for (int nt = 0; nt < BG::QNT; ++nt)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) s.t[mt][nt][e] *= scale;
+  } else {
+    cuda::zero<C>(s.s);
+    #pragma unroll
+    for (int kt = 0; kt < G::KT; ++kt) {
+      Bits32 a[G::MT][4];
+      #pragma unroll
+      for (int mt = 0; mt < G::MT; ++mt) cuda::loadA<C>(a[mt], qTile, cuda::tileRow<C>(mt), kt);
+      #pragma unroll
+      for (int pair = 0; pair < G::NT / 2; ++pair) {
+        Bits32 bk[4];
+        cuda::loadB<C>(bk, kTile, pair, kt);
+        #pragma unroll
+        for (int mt = 0; mt < G::MT; ++mt) {
+          cuda::mma16816<C>(s.s[mt][2 * pair], a[mt], bk[0], bk[1]);
+          cuda::mma16816<C>(s.s[mt][2 * pair + 1], a[mt], bk[2], bk[3]);
+        }
+      }
+    }
+    #pragma unroll
+    for (int mt = 0; mt < G::MT; ++mt)
+      #pragma unroll
+      for (int nt = 0; nt < G::NT; ++nt)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) s.s[mt][nt][e] *= scale;
+  }
+}
+
+// -inf for pairs the mask forbids and rows or columns past the end.
+template <class C, Outer O>
+__device__ void bwd_mask(BwdScores<C>& s, const IhaArgs& a, QGradTile<C>& q, KvGradTile<C>& kv) {
+  using G = cuda::Geometry<C>;
+  using BG = cuda::BackwardGeometry<C>;
+  const int L = int(seq_len<C>(a)), i0 = int(q.row0), j0 = int(kv.col0), l = cuda::lane();
+  if constexpr (O == Outer::keys) {
+    #pragma unroll
+    for (int mt = 0; mt < BG::KMT; ++mt)
+      #pragma unroll
+      for (int nt = 0; nt < BG::QNT; ++nt)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = j0 + cuda::keyRow<C>(mt) + fragment::accumulatorRow(l, e);
+          const int i = i0 + nt * 8 + fragment::accumulatorColumn(l, e);
+          if (i >= L || j >= L || !allowed<C, int>(i, j)) s.t[mt][nt][e] = cuda::negativeInfinity();
+        }
+  } else {
+    #pragma unroll
+    for (int mt = 0; mt < G::MT; ++mt)
+      #pragma unroll
+      for (int nt = 0; nt < G::NT; ++nt)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = i0 + cuda::tileRow<C>(mt) + fragment::accumulatorRow(l, e);
+          const int j = j0 + nt * 8 + fragment::accumulatorColumn(l, e);
+          if (i >= L || j >= L || !allowed<C, int>(i, j)) s.s[mt][nt][e] = cuda::negativeInfinity();
+        }
+  }
+}
+
+// P = exp2(S - lse): the forward's probabilities, recomputed.
+template <class C, Outer O>
+__device__ void bwd_probs(BwdScores<C>& s, QGradTile<C>&) {
+  using G = cuda::Geometry<C>;
+  using BG = cuda::BackwardGeometry<C>;
+  const float* lse = cuda::bwdFloats<C>(cuda::bwdSmem<C>().lse);
+  const int l = cuda::lane();
+  if constexpr (O == Outer::keys) {
+    #pragma unroll
+    for (int nt = 0; nt < BG::QNT; ++nt)
+      #pragma unroll
+      for (int column = 0; column < 2; ++column) {
+        const float m = lse[nt * 8 + fragment::accumulatorColumn(l, column)];
+        #pragma unroll
+        for (int mt = 0; mt < BG::KMT; ++mt) {
+          s.t[mt][nt][column] = exp2f(s.t[mt][nt][column] - m);
+          s.t[mt][nt][column + 2] = exp2f(s.t[mt][nt][column + 2] - m);
+        }
+      }
+  } else {
+    #pragma unroll
+    for (int mt = 0; mt < G::MT; ++mt)
+      #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float m = lse[cuda::tileRow<C>(mt) + fragment::accumulatorRow(l, 2 * h)];
+        #pragma unroll
+        for (int nt = 0; nt < G::NT; ++nt) {
+          s.s[mt][nt][2 * h] = exp2f(s.s[mt][nt][2 * h] - m);
+          s.s[mt][nt][2 * h + 1] = exp2f(s.s[mt][nt][2 * h + 1] - m);
+        }
+      }
+  }
+}
+
+// dV += P^T do: P^T's C fragments re-packed as A, do by ldmatrix.trans.
+template <class C>
+__device__ void bwd_dv(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>&) {
+  using G = cuda::Geometry<C>;
+  using BG = cuda::BackwardGeometry<C>;
+  const Bits16* dO = cuda::bwdTile<C>(cuda::bwdSmem<C>().dO);
+  #pragma unroll
+  for (int kk = 0; kk < BG::QK; ++kk) {
+    Bits32 p[BG::KMT][4];
+    #pragma unroll
+    for (int mt = 0; mt < BG::KMT; ++mt) cuda::repack<C>(p[mt], s.t[mt], kk);
+    #pragma unroll
+    for (int pair = 0; pair < G::OT / 2; ++pair) {
+      Bits32 b[4];
+      cuda::loadBTrans<C>(b, dO, kk, pair);
+      #pragma unroll
+      for (int mt = 0; mt < BG::KMT; ++mt) {
+        cuda::mma16816<C>(kv.dv[mt][2 * pair], p[mt], b[0], b[1]);
+        cuda::mma16816<C>(kv.dv[mt][2 * pair + 1], p[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// Outer::keys: dP^T = V do^T, dS^T = P^T (dP^T - D).
+// Outer::queries: dP = do V^T, dS = P (dP - D).
+template <class C, Outer O>
+__device__ void bwd_ds(BwdScores<C>& s, QGradTile<C>&, KvGradTile<C>&) {
+  using G = cuda::Geometry<C>;
+  using BG = cuda::BackwardGeometry<C>;
+  const BackwardSmem smem = cuda::bwdSmem<C>();
+  const Bits16* vTile = cuda::bwdTile<C>(smem.v);
+  const Bits16* dOTile = cuda::bwdTile<C>(smem.dO);
+  const float* delta = cuda::bwdFloats<C>(smem.delta);
+  const int l = cuda::lane();
+  if constexpr (O == Outer::keys) {
+    cuda::zero<C>(s.dt);
+    #pragma unroll
+    for (int kt = 0; kt < G::KT; ++kt) {
+      Bits32 a[BG::KMT][4];
+      #pragma unroll
+      for (int mt = 0; mt < BG::KMT; ++mt) cuda::loadA<C>(a[mt], vTile, cuda::keyRow<C>(mt), kt);
+      #pragma unroll
+      for (int pair = 0; pair < BG::QNT / 2; ++pair) {
+        Bits32 b[4];
+        cuda::loadB<C>(b, dOTile, pair, kt);
+        #pragma unroll
+        for (int mt = 0; mt < BG::KMT; ++mt) {
+          cuda::mma16816<C>(s.dt[mt][2 * pair], a[mt], b[0], b[1]);
+          cuda::mma16816<C>(s.dt[mt][2 * pair + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+    #pragma unroll
+    for (int nt = 0; nt < BG::QNT; ++nt)
+      #pragma unroll
+      for (int column = 0; column < 2; ++column) {
+        const float d = delta[nt * 8 + fragment::accumulatorColumn(l, column)];
+        #pragma unroll
+        for (int mt = 0; mt < BG::KMT; ++mt) {
+          s.dt[mt][nt][column] = s.t[mt][nt][column] * (s.dt[mt][nt][column] - d);
+          s.dt[mt][nt][column + 2] = s.t[mt][nt][column + 2] * (s.dt[mt][nt][column + 2] - d);
+        }
+      }
+  } else {
+    cuda::zero<C>(s.ds);
+    #pragma unroll
+    for (int kt = 0; kt < G::KT; ++kt) {
+      Bits32 a[G::MT][4];
+      #pragma unroll
+      for (int mt = 0; mt < G::MT; ++mt) cuda::loadA<C>(a[mt], dOTile, cuda::tileRow<C>(mt), kt);
+      #pragma unroll
+      for (int pair = 0; pair < G::NT / 2; ++pair) {
+        Bits32 b[4];
+        cuda::loadB<C>(b, vTile, pair, kt);
+        #pragma unroll
+        for (int mt = 0; mt < G::MT; ++mt) {
+          cuda::mma16816<C>(s.ds[mt][2 * pair], a[mt], b[0], b[1]);
+          cuda::mma16816<C>(s.ds[mt][2 * pair + 1], a[mt], b[2], b[3]);
+        }
+      }
+    }
+    #pragma unroll
+    for (int mt = 0; mt < G::MT; ++mt)
+      #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float d = delta[cuda::tileRow<C>(mt) + fragment::accumulatorRow(l, 2 * h)];
+        #pragma unroll
+        for (int nt = 0; nt < G::NT; ++nt) {
+          s.ds[mt][nt][2 * h] = s.s[mt][nt][2 * h] * (s.ds[mt][nt][2 * h] - d);
+          s.ds[mt][nt][2 * h + 1] = s.s[mt][nt][2 * h + 1] * (s.ds[mt][nt][2 * h + 1] - d);
+        }
+      }
+  }
+}
+
+// dK += dS^T Q (the scale is applied when stored).
+template <class C>
+__device__ void bwd_dk(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>&) {
+  using G = cuda::Geometry<C>;
+  using BG = cuda::BackwardGeometry<C>;
+  const Bits16* qTile = cuda::bwdTile<C>(cuda::bwdSmem<C>().q);
+  #pragma unroll
+  for (int kk = 0; kk < BG::QK; ++kk) {
+    Bits32 ds[BG::KMT][4];
+    #pragma unroll
+    for (int mt = 0; mt < BG::KMT; ++mt) cuda::repack<C>(ds[mt], s.dt[mt], kk);
+    #pragma unroll
+    for (int pair = 0; pair < G::OT / 2; ++pair) {
+      Bits32 b[4];
+      cuda::loadBTrans<C>(b, qTile, kk, pair);
+      #pragma unroll
+      for (int mt = 0; mt < BG::KMT; ++mt) {
+        cuda::mma16816<C>(kv.dk[mt][2 * pair], ds[mt], b[0], b[1]);
+        cuda::mma16816<C>(kv.dk[mt][2 * pair + 1], ds[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+namespace cuda {
+// A thread's accumulator fragments of rows first(mt) + fragment rows as f32
+// rows of a workspace [B, heads, L, d], times `scale`; rows past L skipped.
+template <class C, int MTiles, class FirstRow>
+__device__ void storeFragments(const float (&acc)[MTiles][Geometry<C>::OT][4], float* workspace, int heads, int64_t b,
+                               int64_t h, int64_t row0, int64_t L, float scale, FirstRow first) {
+  using G = Geometry<C>;
+  const int l = lane();
+  #pragma unroll
+  for (int mt = 0; mt < MTiles; ++mt)
+    #pragma unroll
+    for (int ot = 0; ot < G::OT; ++ot)
+      #pragma unroll
+      for (int e = 0; e < 4; e += 2) {
+        const int64_t i = row0 + first(mt) + fragment::accumulatorRow(l, e);
+        const int c = ot * 8 + fragment::accumulatorColumn(l, e);
+        if (i >= L || c >= G::D) continue;
+        *reinterpret_cast<float2*>(workspace + ((b * heads + h) * L + i) * G::D + c) =
+            make_float2(acc[mt][ot][e] * scale, acc[mt][ot][e + 1] * scale);
+      }
+}
+}  // namespace cuda
+
+template <class C>
+__device__ void kv_grad_store(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g, int64_t b) {
+  const int64_t L = seq_len<C>(a);
+  auto first = [](int mt) { return cuda::keyRow<C>(mt); };
+  cuda::storeFragments<C>(kv.dk, a.dk_pseudo, C::kv_heads, b, g, col0, L, C::scale, first);
+  cuda::storeFragments<C>(kv.dv, a.dv_pseudo, C::kv_heads, b, g, col0, L, 1.0f, first);
+}
+
+template <class C>
+__device__ void bwd_dq_atomic(BwdScores<C>&, QGradTile<C>&, KvGradTile<C>&, const IhaArgs&) {
+  static_assert(!C::atomic_dq, "dq by atomic adds has no mma.sync tiles yet: use dq separate");
+}
+
+template <class C>
+__device__ void dq_init(DqTile<C>& dq) {
+  cuda::zero<C>(dq.dq);
+}
+
+// dq += dS K: dS's C fragments re-packed as A, K by ldmatrix.trans.
+template <class C>
+__device__ void dq_accumulate(DqTile<C>& dq, BwdScores<C>& s, KvGradTile<C>&) {
+  using G = cuda::Geometry<C>;
+  const Bits16* kTile = cuda::bwdTile<C>(cuda::bwdSmem<C>().k);
+  #pragma unroll
+  for (int kk = 0; kk < G::PK; ++kk) {
+    Bits32 ds[G::MT][4];
+    #pragma unroll
+    for (int mt = 0; mt < G::MT; ++mt) cuda::repack<C>(ds[mt], s.ds[mt], kk);
+    #pragma unroll
+    for (int pair = 0; pair < G::OT / 2; ++pair) {
+      Bits32 b[4];
+      cuda::loadBTrans<C>(b, kTile, kk, pair);
+      #pragma unroll
+      for (int mt = 0; mt < G::MT; ++mt) {
+        cuda::mma16816<C>(dq.dq[mt][2 * pair], ds[mt], b[0], b[1]);
+        cuda::mma16816<C>(dq.dq[mt][2 * pair + 1], ds[mt], b[2], b[3]);
+      }
+    }
+  }
+}
+
+template <class C>
+__device__ void dq_store(DqTile<C>& dq, const IhaArgs& a, int64_t row0, int64_t h, int64_t b) {
+  cuda::storeFragments<C>(dq.dq, a.dq_pseudo, C::heads, b, h, row0, seq_len<C>(a), C::scale,
+                          [](int mt) { return cuda::tileRow<C>(mt); });
+}
+
+//===----------------------------------------------------------------------===//
+// The transposed mixing and the reduction (token-parallel)
+//===----------------------------------------------------------------------===//
+
+// For each token of the CTA, the role's pseudo-row gradients in groups of
+// rows: one warp per row turns RoPE back and applies qk_norm's Jacobian
+// (dx = r g - (r^3 / d)(x . g) x with x re-mixed from the inputs), adds x_m .
+// g into dalpha[m, h, p] for every source head m, and stages the row in
+// shared memory; then each thread adds sum_{h,p} alpha[m, h, p] g[h, p][c]
+// into its elements (m, c) of the token's dx, written once at the end.
+template <class C, Role R>
+__device__ void unmix(const IhaArgs& a, int64_t token0, int64_t b) {
+  using Role_ = cuda::RoleOf<C, R>;
+  constexpr int heads = Role_::heads, P = C::pseudo_heads, D = C::head_dim, tokens = C::block_m / P;
+  constexpr int rows = heads * P, groupRows = unmixGroupRows(C::heads, P, D);
+  constexpr int threads = cuda::Geometry<C>::threads;
+  constexpr int perThread = (heads * D + threads - 1) / threads;
+  const int64_t L = seq_len<C>(a);
+  float* staged = reinterpret_cast<float*>(cuda::smem());
+  float* partial = staged + groupRows * D;
+  for (int e = threadIdx.x; e < heads * heads * P; e += threads) partial[e] = 0.0f;
+  const float* grads = R == Role::query ? a.dq_pseudo : R == Role::key ? a.dk_pseudo : a.dv_pseudo;
+  float* dx = R == Role::query ? a.dq : R == Role::key ? a.dk : a.dv;
+  const float* alpha = Role_::alpha(a);
+  const void* x = Role_::source(a);
+  const int64_t* stride = Role_::stride(a);
+  #pragma unroll 1
+  for (int64_t n = token0; n < token0 + tokens && n < a.tokens; ++n) {
+    float acc[perThread];
+    #pragma unroll
+    for (int k = 0; k < perThread; ++k) acc[k] = 0.0f;
+    #pragma unroll 1
+    for (int first = 0; first < rows; first += groupRows) {
+      __syncthreads();  // the previous group's rows are read
+      #pragma unroll 1
+      for (int row = first + cuda::warp(); row < first + groupRows && row < rows; row += C::warps) {
+        const int h = row / P, p = row % P;
+        const int64_t i = n * P + p;
+        const float* g = grads + ((b * heads + h) * L + i) * D;
+        float* out = staged + (row - first) * D;
+        for (int c = cuda::lane(); c < D; c += kWarpSize) {
+          float value = g[c];
+          if constexpr (Role_::rotated) {
+            constexpr int half = D / 2;
+            value = cuda::unrotate<C>(value, g[c < half ? c + half : c - half], i, c);
+          }
+          out[c] = value;
+        }
+        if constexpr (cuda::Normalized<C, R>::value) {
+          float squares = 0.0f, dot = 0.0f;
+          for (int c = cuda::lane(); c < D; c += kWarpSize) {
+            const float mixed = cuda::mixFromGlobal<C, R>(a, b, n, h, p, c);
+            squares += mixed * mixed;
+            dot += mixed * out[c];
+          }
+          const float r = rsqrtf(cuda::warpSum(squares) * (1.0f / D) + C::qk_norm_eps);
+          const float k = r * r * r * (1.0f / D) * cuda::warpSum(dot);
+          for (int c = cuda::lane(); c < D; c += kWarpSize)
+            out[c] = r * out[c] - k * cuda::mixFromGlobal<C, R>(a, b, n, h, p, c);
+        }
+        #pragma unroll 1
+        for (int m = 0; m < heads; ++m) {
+          float dot = 0.0f;
+          for (int c = cuda::lane(); c < D; c += kWarpSize)
+            dot += cuda::loadElement<C>(x, b * stride[0] + n * stride[1] + m * stride[2] + c) * out[c];
+          dot = cuda::warpSum(dot);
+          if (cuda::lane() == 0) partial[(m * heads + h) * P + p] += dot;  // one warp owns the row
+        }
+      }
+      __syncthreads();
+      #pragma unroll
+      for (int k = 0; k < perThread; ++k) {
+        const int e = threadIdx.x + k * threads;
+        if (e >= heads * D) continue;
+        const int m = e / D, c = e % D;
+        float sum = 0.0f;
+        #pragma unroll 1
+        for (int row = first; row < first + groupRows && row < rows; ++row)
+          sum += alpha[(m * heads + row / P) * P + row % P] * staged[(row - first) * D + c];
+        acc[k] += sum;
+      }
+    }
+    #pragma unroll
+    for (int k = 0; k < perThread; ++k) {
+      const int e = threadIdx.x + k * threads;
+      if (e < heads * D) dx[(b * a.tokens + n) * heads * D + e] = acc[k];
+    }
+  }
+  __syncthreads();
+  float* out = cuda::partialsOf<C>(a, token0, b) + cuda::alphaOffset<C, R>();
+  for (int e = threadIdx.x; e < heads * heads * P; e += threads) out[e] = partial[e];
+}
+
+// Chunk `chunk` of the partial sums over every token CTA of every batch
+// entry, in order, into dcollapse and the dalphas; one CTA row does it.
+template <class C>
+__device__ void reduce_grads(const IhaArgs& a, int64_t chunk, int64_t b) {
+  if (b != 0) return;
+  constexpr int64_t entries = cuda::partialEntries<C>();
+  constexpr int64_t tokens = C::block_m / C::pseudo_heads;
+  const int64_t slots = a.batch * ((a.tokens + tokens - 1) / tokens);
+  for (int64_t e = chunk * kReduceChunk + threadIdx.x; e < (chunk + 1) * kReduceChunk && e < entries; e += blockDim.x) {
+    float sum = 0.0f;
+    for (int64_t slot = 0; slot < slots; ++slot) sum += a.partials[slot * entries + e];
+    if (e < cuda::alphaOffset<C, Role::query>()) a.dcollapse[e] = sum;
+    else if (e < cuda::alphaOffset<C, Role::key>()) a.dalpha_q[e - cuda::alphaOffset<C, Role::query>()] = sum;
+    else if (e < cuda::alphaOffset<C, Role::value>()) a.dalpha_k[e - cuda::alphaOffset<C, Role::key>()] = sum;
+    else a.dalpha_v[e - cuda::alphaOffset<C, Role::value>()] = sum;
+  }
+}
+
+}  // namespace loom
