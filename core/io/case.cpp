@@ -264,7 +264,6 @@ IhaCase drawCheckableBackwardCase(const KernelSpec& spec, int64_t batch, int64_t
     for (double& x : dout) x = normal(rng);
     c.dout = npyToDouble(npyFromDouble(dout, {int64_t(dout.size())}, type), spec.dtype() == v1::bfloat16);
     c.expectedGradients = reference::ihaBackward(spec, c.inputs, *c.dout);
-    if (spec.dtype() == v1::float32) break;
     const auto rounded = reference::ihaBackwardWithRoundedMixing(spec, c.inputs, *c.dout, spec.dtype());
     const std::vector<double> errors = gradientErrors(spec, rounded, *c.expectedGradients);
     if (std::all_of(errors.begin(), errors.end(),

@@ -83,12 +83,13 @@ std::vector<double> gradientErrors(const KernelSpec& spec, const reference::IhaG
                                    const reference::IhaGradients& want);
 
 // drawCheckableCase plus dout ~ N(0, 1) rounded to the dtype and the
-// expected gradients; for 16-bit dtypes it draws again (seed + 1, ...) while
-// the backward with the roundings every 16-bit kernel makes
+// expected gradients; it draws again (seed + 1, ...) while the backward with
+// the roundings every kernel of the dtype makes
 // (reference::ihaBackwardWithRoundedMixing) is over kCheckableShare of the
 // gradient tolerance in any gradient: a reduction over tokens that cancels
 // (dalpha of one head), or dq of a row whose few keys nearly agree (dS
-// rounded no longer sums to zero), can lose more than the tolerance to those
+// rounded no longer sums to zero; in float32 dP - D cancelling for one
+// token of collinear keys) can lose more than the tolerance to those
 // roundings alone.
 IhaCase drawCheckableBackwardCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed);
 

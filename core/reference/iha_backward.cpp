@@ -75,18 +75,29 @@ void unprepare(const v1::KernelSpec& spec, const Prepared& prepared, Rows& grads
 
 namespace {
 
-void roundRows(Rows& rows, v1::DType rounding) {
-  if (rounding == v1::float32) return;
+// What a kernel stores: nothing rounded (the exact backward), every value
+// it keeps rounded to a 16-bit dtype where the tensor cores take it, or to
+// float32 where a float32 kernel keeps it (its accumulators too).
+struct Rounding {
+  bool on = false;
+  v1::DType dtype = v1::float32;
+  double operator()(double x) const {
+    if (!on) return x;
+    return dtype == v1::float32 ? double(float(x)) : detail::roundTo(x, dtype);
+  }
+  // Values a 16-bit kernel accumulates in f32: rounded only by a float32 kernel.
+  double accumulator(double x) const { return on && dtype == v1::float32 ? double(float(x)) : x; }
+};
+
+void roundRows(Rows& rows, const Rounding& round) {
+  if (!round.on) return;
   for (auto& head : rows)
     for (auto& row : head)
-      for (double& x : row) x = detail::roundTo(x, rounding);
+      for (double& x : row) x = round(x);
 }
 
-// `rounding` (a 16-bit dtype, or float32 for none) rounds what a 16-bit
-// kernel stores or hands its tensor cores: the attended q, k, v rows, o, do,
-// P and dS.
 IhaGradients backward(const v1::KernelSpec& spec, const IhaInputs& in, const std::vector<double>& dout,
-                      v1::DType rounding) {
+                      const Rounding& rounding) {
   const int64_t B = in.batch, N = in.tokens;
   const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
   const int64_t L = N * P;
@@ -138,7 +149,7 @@ IhaGradients backward(const v1::KernelSpec& spec, const IhaInputs& in, const std
         for (int64_t j = 0; j < L; ++j)
           if (weights[j] != 0.0)
             for (int64_t c = 0; c < d; ++c) o[c] += weights[j] * v[kv][j][c];
-        for (double& x : o) x = detail::roundTo(x, rounding);  // o_pseudo
+        for (double& x : o) x = rounding(x);  // o_pseudo
         const int64_t n = i / P, p = i % P;
         for (int64_t target = 0; target < H; ++target) {
           const int64_t at = detail::collapseIndex(spec, target, h, p);
@@ -149,13 +160,14 @@ IhaGradients backward(const v1::KernelSpec& spec, const IhaInputs& in, const std
         const std::vector<double>& dOi = dO[h][i];
         double D = 0;
         for (int64_t c = 0; c < d; ++c) D += dOi[c] * o[c];
+        D = rounding.accumulator(D);
         for (int64_t j = 0; j < L; ++j) {
           if (weights[j] == 0.0) continue;
           double dp = 0;
           for (int64_t c = 0; c < d; ++c) dp += dOi[c] * v[kv][j][c];
           // The tensor cores take P and dS in the dtype.
-          const double ds = detail::roundTo(weights[j] * (dp - D), rounding);
-          const double w = detail::roundTo(weights[j], rounding);
+          const double ds = rounding(weights[j] * (rounding.accumulator(dp) - D));
+          const double w = rounding(weights[j]);
           for (int64_t c = 0; c < d; ++c) {
             dvRows[kv][j][c] += w * dOi[c];
             dqRows[h][i][c] += scale * ds * k.rows[kv][j][c];
@@ -177,12 +189,12 @@ IhaGradients backward(const v1::KernelSpec& spec, const IhaInputs& in, const std
 }  // namespace
 
 IhaGradients ihaBackward(const v1::KernelSpec& spec, const IhaInputs& inputs, const std::vector<double>& dout) {
-  return backward(spec, inputs, dout, v1::float32);
+  return backward(spec, inputs, dout, Rounding{});
 }
 
 IhaGradients ihaBackwardWithRoundedMixing(const v1::KernelSpec& spec, const IhaInputs& inputs,
                                           const std::vector<double>& dout, v1::DType dtype) {
-  return backward(spec, inputs, dout, dtype);
+  return backward(spec, inputs, dout, Rounding{true, dtype});
 }
 
 bool vanishesButForEpsilon(const v1::KernelSpec& spec, size_t gradient) {

@@ -39,10 +39,11 @@ inline std::vector<const std::vector<double>*> gradientsOf(const IhaGradients& g
 // validateSpec and every size must match it; the caller checks both.
 IhaGradients ihaBackward(const v1::KernelSpec& spec, const IhaInputs& inputs, const std::vector<double>& dout);
 
-// ihaBackward with what every 16-bit FlashAttention-style kernel rounds to
-// `dtype` (float16 or bfloat16): the attended q, k, v rows (its workspaces),
-// the pseudo outputs o and their gradients do, and P and dS (the tensor
-// cores' operands): how far it is from ihaBackward says whether a case can check such a
+// ihaBackward with what every FlashAttention-style kernel rounds to `dtype`:
+// for float16 or bfloat16 the attended q, k, v rows (its workspaces), the
+// pseudo outputs o and their gradients do, and P and dS (the tensor cores'
+// operands); for float32 those and the f32 dP and D whose difference dS
+// takes: how far it is from ihaBackward says whether a case can check such a
 // kernel against the gradient tolerance at all (docs/IHA.md, Numerics).
 IhaGradients ihaBackwardWithRoundedMixing(const v1::KernelSpec& spec, const IhaInputs& inputs,
                                           const std::vector<double>& dout, v1::DType dtype);

@@ -15,6 +15,10 @@ struct DeviceRun {
 
 Result<DeviceRun> runCase(Kernel& kernel, const Device& device, const IhaCase& c);
 
+// A backward kernel on the case's inputs and c.dout: the gradients (poisoned
+// with NaN before the launch) read back, float32 widened.
+Result<reference::IhaGradients> runBackwardCase(Kernel& kernel, const Device& device, const IhaCase& c);
+
 // The device buffers of one case's operands, for repeated launches.
 class CaseBuffers {
  public:

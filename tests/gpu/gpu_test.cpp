@@ -106,6 +106,7 @@ class Gpu : public ::testing::Test {
 TEST_F(Gpu, EveryBundleMatchesTheReferenceOnSharedAndDrawnCases) {
   std::mt19937_64 rng(seed());
   for (const Bundle& b : all_) {
+    if (b.kernel.direction() == v1::direction_backward) continue;  // EveryBackwardBundle*
     auto kernel = Kernel::load(device_, b.kernel);
     ASSERT_TRUE(kernel) << b.file << ": " << kernel.error().message;
     auto shared = loadCase(casesDir() + "/" + b.caseName);
@@ -117,6 +118,48 @@ TEST_F(Gpu, EveryBundleMatchesTheReferenceOnSharedAndDrawnCases) {
     const IhaCase drawn = drawCheckableCase(b.kernel.spec(), batch, tokens, rng());
     check(**kernel, drawn, b.caseName + " " + b.dtype + " " + b.label + " drawn N=" + std::to_string(tokens));
   }
+}
+
+// The backward kernels (tests/gpu/prepare.sh's "backward" bundles of the
+// shared backward cases): every gradient within the dtype's tolerance of
+// the float64 backward, on the shared case rounded to the dtype and on a
+// fresh draw, gradients poisoned before each launch, and two runs equal bit
+// for bit (its reductions run in a fixed order).
+TEST_F(Gpu, EveryBackwardBundleMatchesTheReference) {
+  std::mt19937_64 rng(seed() + 1);
+  int checked = 0;
+  for (const Bundle& b : all_) {
+    if (b.kernel.direction() != v1::direction_backward) continue;
+    auto kernel = Kernel::load(device_, b.kernel);
+    ASSERT_TRUE(kernel) << b.file << ": " << kernel.error().message;
+    auto shared = loadCase(casesDir() + "/" + b.caseName);
+    ASSERT_TRUE(shared) << shared.error().message;
+    const IhaCase converted = withDtype(*shared, b.kernel.spec().dtype());
+    const int64_t tokens = 1 + int64_t(rng() % 150), batch = 1 + int64_t(rng() % 2);
+    const IhaCase drawn = drawCheckableBackwardCase(b.kernel.spec(), batch, tokens, rng());
+    for (const IhaCase* c : {&converted, &drawn}) {
+      const std::string what = b.caseName + " " + b.dtype + " backward" +
+                               (c == &drawn ? " drawn N=" + std::to_string(tokens) : std::string());
+      auto first = cuda::runBackwardCase(**kernel, *device_, *c);
+      ASSERT_TRUE(first) << what << ": " << first.error().message;
+      auto second = cuda::runBackwardCase(**kernel, *device_, *c);
+      ASSERT_TRUE(second) << what << ": " << second.error().message;
+      const std::vector<double> errors = gradientErrors(c->spec, *first, *c->expectedGradients);
+      std::string figures;
+      for (size_t i = 0; i < errors.size(); ++i) {
+        EXPECT_LE(errors[i], gradientToleranceFor(c->spec.dtype())) << what << " " << reference::kGradientNames[i];
+        char text[40];
+        std::snprintf(text, sizeof text, " %s %.1e", reference::kGradientNames[i], errors[i]);
+        figures += text;
+      }
+      const auto once = reference::gradientsOf(*first), twice = reference::gradientsOf(*second);
+      for (size_t i = 0; i < once.size(); ++i)
+        EXPECT_EQ(*once[i], *twice[i]) << what << " " << reference::kGradientNames[i] << ": two runs differ";
+      std::printf("[ gpu bwd  ] %-40s%s\n", what.c_str(), figures.c_str());
+    }
+    ++checked;
+  }
+  if (checked == 0) GTEST_SKIP() << "no backward bundles (tests/gpu/prepare.sh writes them)";
 }
 
 // The sm_90a path on long sequences: many key blocks stream through the

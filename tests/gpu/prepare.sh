@@ -52,6 +52,16 @@ for case in tests/data/cases/*/; do
     done
   done
 done
+# The backward (mma.sync on every arch) of each shared backward case.
+for case in tests/data/cases/bwd-*/; do
+  name=$(basename "$case")
+  for dtype in float16 bfloat16; do
+    build/bin/loom compile --spec "$case/spec.json" --dtype "$dtype" --backward --target "$arch" \
+      --out "$out/$name.$dtype.backward.pb" >/dev/null &
+    jobs+=($!)
+    if ((${#jobs[@]} >= $(nproc))); then wait "${jobs[0]}"; jobs=("${jobs[@]:1}"); fi
+  done
+done
 for job in "${jobs[@]}"; do wait "$job"; done
 
 # Benchmarks: the paper's setting (H = P = 8, d = 64) at two lengths, and a

@@ -21,6 +21,7 @@ struct CompileOptions {
   std::string schedulePath;
   std::string target = "sm_90";
   std::string dtype;
+  bool backward = false;
   std::string cacheDir;
   std::string outPath;
   bool json = false;
@@ -79,7 +80,8 @@ int compile(const CompileOptions& options) {
   if (!plan) return badInput(plan.error().message);
   jit::NvrtcCompiler compiler(options.cacheDir);
   std::shared_ptr<const jit::Artifact> artifact;
-  auto kernel = compileKernel(*spec, *schedule, *target, compiler, &artifact);
+  auto kernel = compileKernel(*spec, *schedule, *target, compiler, &artifact,
+                              options.backward ? Direction::backward : Direction::forward);
   if (!kernel) {
     std::fprintf(stderr, "%s\n", kernel.error().log.c_str());
     return badInput(kernel.error().message);
@@ -131,6 +133,8 @@ void addCompileCommand(CLI::App& app, std::function<int()>* action) {
   cmd->add_option("--cache-dir", options->cacheDir, "keep compiled artifacts here (default: none)");
   cmd->add_option("--out", options->outPath, "write the CompiledKernel (plan + binary) as binary protobuf");
   cmd->add_flag("--json", options->json, "print the report as JSON");
+  cmd->add_flag("--backward", options->backward,
+                "compile the backward plan (every gradient of sum(out * dout); Kernel::launchBackward) instead");
   cmd->callback([options, action] { *action = [options] { return compile(*options); }; });
 }
 
