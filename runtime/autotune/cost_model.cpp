@@ -212,4 +212,76 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::T
   return e;
 }
 
+CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& s, const v1::Target& target, int64_t batch,
+                                  int64_t tokens, std::optional<int> registersPerThread) {
+  const DeviceModel device = deviceModel(target);
+  const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
+  const int64_t L = tokens * P, heads = batch * H;
+  const int64_t bm = s.block_m(), bn = s.block_n();
+  const double paddedDim = double((d + 15) / 16 * 16);
+  const BlockCounts blocks = countBlocks(spec, bm, bn, tokens);
+  constexpr double kProducts = 2 + 4 + 3;  // forward recomputed, key-block-outer, dq
+  constexpr double kExps = 3;
+
+  CostEstimate e;
+  e.usefulFlops = 2.5 * ihaFlops(spec, batch, tokens);  // FlashAttention's count: the backward is 2.5 forwards
+  e.matrixFlops = 2.0 * kProducts * double(heads) * double(blocks.visited) * double(bm * bn) * paddedDim;
+  const double exps = kExps * double(heads) * double(blocks.visited) * double(bm * bn);
+  const double maskOps = 3.0 * double(heads) * double(blocks.masked) * double(bm * bn) * 8;
+  // Mixing (pre-mix), its transpose (dx and dalpha: twice the work), and qk_norm's Jacobian.
+  const double rope = spec.rope_theta() > 0 ? 2.0 : 1.0;
+  double mixFlops = 3.0 * double(batch) * double(L * d) * 2.0 * (double(H * H) + 2.0 * G * G) * rope;
+  if (spec.qk_norm() == v1::KernelSpec::rms) mixFlops += double(batch) * double(L * d) * 9.0 * double(H + G);
+
+  const double rowBytes16 = double(batch) * L * d * kBytes16, rowBytes32 = double(batch) * L * d * 4.0;
+  double bytes = operandBytes(spec, batch, tokens) + double(batch) * tokens * H * d * kBytes16;  // + dout
+  bytes += 2.0 * rowBytes16 * (H + 2.0 * G);   // mixed rows written, read
+  bytes += 4.0 * rowBytes16 * H;               // o and do, each written and read
+  bytes += 2.0 * rowBytes32 * (H + 2.0 * G);   // pseudo-row gradients written, read
+  bytes += double(batch) * tokens * (H + 2.0 * G) * d * 4.0;  // dq, dk, dv
+  e.dramBytes = bytes;
+  // Re-reads: the forward's and the dq loop's K and V per visit, the
+  // key-block loop's Q and do per visit.
+  const double l2Bytes = double(heads) * double(blocks.visited) * 2.0 * (2.0 * bn + bm) * d * kBytes16;
+
+  const int threads = s.warps() * 32;
+  const int registers = registersPerThread.value_or(int(std::min<int64_t>(kMaxThreadRegisters, 200)));
+  const int64_t smem = target.kind() != v1::Target::cuda ? 0 : backwardSmem(int(bm), int(bn), int(d)).total;
+  int ctas = kMaxCtasPerSm;
+  if (smem > 0) ctas = std::min<int64_t>(ctas, device.sharedMemoryPerSm / smem);
+  ctas = std::min(ctas, device.registersPerSm / std::max(1, registers * threads));
+  ctas = std::min(ctas, device.maxThreadsPerSm / threads);
+  e.ctasPerSm = std::max(ctas, 0);
+  if (e.ctasPerSm == 0) {
+    e.seconds = 1e9;
+    e.bound = "resources";
+    return e;
+  }
+  const int64_t gridCtas = (L + bn - 1) / bn * G * batch;  // the key-block-outer launch, the longest
+  const double slots = double(device.smCount) * e.ctasPerSm;
+  e.waveEfficiency = double(gridCtas) / (std::ceil(double(gridCtas) / slots) * slots);
+  const double activeWarps = std::min<double>(double(e.ctasPerSm) * s.warps(), double(gridCtas) / device.smCount * s.warps());
+  const double tensorShare = device.mmaSyncEfficiency * std::min(1.0, activeWarps / kWarpsToSaturateTensorCores);
+  const double utilisation = std::min(1.0, double(gridCtas) / device.smCount) * e.waveEfficiency;
+  const double tensorTime = e.matrixFlops / (device.tensorFlops * tensorShare);
+  const double expTime = exps / device.expPerSecond;
+  const double simtTime = (mixFlops + maskOps) / device.fmaFlops;
+  // Every warp reads its operand tiles through ldmatrix: about four tile
+  // reads per product.
+  const double sharedBytes =
+      double(heads) * double(blocks.visited) * kProducts * double(s.warps()) * (bm + bn) / 2.0 * paddedDim * kBytes16;
+  const double sharedTime = sharedBytes / device.sharedBytesPerSecond;
+  const double computeTime = std::max(tensorTime, sharedTime) + kExposedSimtShare * (expTime + simtTime);
+  const double memoryTime = bytes / device.dramBytesPerSecond + l2Bytes / device.l2BytesPerSecond;
+  // The backward's loads are not pipelined (cp.async, then wait): the
+  // smaller of the two stays exposed whole.
+  const double kernelTime = computeTime + memoryTime;
+  constexpr int kLaunches = 7;
+  e.seconds = kernelTime / std::max(utilisation, 1e-3) + kLaunches * kLaunchSeconds;
+  const double parts[] = {tensorTime, memoryTime, expTime, simtTime, sharedTime};
+  const char* names[] = {"tensor", "memory", "exp", "mixing", "shared memory"};
+  e.bound = names[std::max_element(parts, parts + 5) - parts];
+  return e;
+}
+
 }  // namespace loom::autotune

@@ -59,6 +59,18 @@ struct CostEstimate {
 CostEstimate estimateCost(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target, int64_t batch,
                           int64_t tokens, std::optional<int> registersPerThread = std::nullopt);
 
+// The backward plan (docs/compiler.md, The backward): the forward's
+// attention recomputed (two products per visited block pair), the
+// key-block-outer launch (four: S^T, dV, dP^T, dK) and the dq launch
+// (three: S, dP, dq), with three exponentials per pair; the workspaces
+// (mixed rows, o and do 16-bit; the pseudo-row gradients f32) written and
+// read once, each loop's re-reads of the other side's blocks from L2; the
+// key-block-outer launch's grid (key blocks x kv heads x batch) and
+// occupancy (its shared memory, `registersPerThread` from ptxas when known)
+// set the utilisation. A model to order candidates, never a measurement.
+CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
+                                  int64_t batch, int64_t tokens, std::optional<int> registersPerThread = std::nullopt);
+
 // Estimated registers per thread of the attention kernel for a complete
 // schedule: on the mma engine loom::mmaRegisterEstimate (fitted to ptxas),
 // on the wgmma engine a consumer's fragments (S, O, P) and its loop state.

@@ -122,4 +122,34 @@ SearchSpace searchSpace(const KernelSpec& spec, const v1::Target& target) {
   return space;
 }
 
+SearchSpace backwardSearchSpace(const KernelSpec& spec, const v1::Target& target) {
+  SearchSpace space;
+  std::set<std::string> seen;
+  const int P = spec.pseudo_heads();
+  constexpr int kBackwardMaxBlockM = 128;
+  for (int warps : {1, 2, 4})
+    for (int rowsPerWarp : {16, 32}) {
+      const int blockN = rowsPerWarp * warps;
+      if (blockN > kBackwardMaxBlockM) continue;
+      const int quantum = kMmaRows * warps;
+      for (int blockM = (P + quantum - 1) / quantum * quantum; blockM <= kBackwardMaxBlockM; blockM += quantum) {
+        Schedule s;
+        s.set_warps(warps);
+        s.set_block_m(blockM);
+        s.set_block_n(blockN);
+        s.set_stages(2);
+        s.set_mix(v1::mix_materialized);
+        s.set_collapse(v1::collapse_separate);
+        s.set_engine(v1::engine_mma);
+        s.set_dq(v1::dq_separate);
+        auto resolved = resolveSchedule(spec, s, target, Direction::backward);
+        const std::string key = scheduleKey(resolved ? *resolved : s) + ".backward";
+        if (!seen.insert(key).second) continue;
+        if (!resolved) space.pruned.push_back({s, key, resolved.error().message});
+        else space.candidates.push_back({*resolved, key});
+      }
+    }
+  return space;
+}
+
 }  // namespace loom::autotune

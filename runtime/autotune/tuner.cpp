@@ -60,7 +60,8 @@ void compileAll(const KernelSpec& spec, const v1::Target& target, const std::vec
       return false;
     }
     std::shared_ptr<const jit::Artifact> artifact;
-    auto compiled = compileKernel(spec, r.candidate.schedule, target, compiler, &artifact);
+    const bool backward = options.direction == Direction::backward;
+    auto compiled = compileKernel(spec, r.candidate.schedule, target, compiler, &artifact, options.direction);
     if (!compiled) {
       r.outcome = Outcome::compile_failed;
       r.reason = compiled.error().message;
@@ -71,10 +72,13 @@ void compileAll(const KernelSpec& spec, const v1::Target& target, const std::vec
       for (const auto& entry : compiled->entries()) r.sharedMemory = std::max(r.sharedMemory, entry.shared_memory_bytes());
       // The prediction again with ptxas's registers in place of the
       // estimate: occupancy as the compiled kernel will really have it.
-      const int attentionRegisters = jit::registersOf(artifact->resources, kAttentionEntry);
+      const int attentionRegisters =
+          jit::registersOf(artifact->resources, backward ? kBackwardKvEntry : kAttentionEntry);
       if (attentionRegisters > 0)
-        r.predictedMs = estimateCost(spec, r.candidate.schedule, target, options.batch, options.tokens,
-                                     attentionRegisters)
+        r.predictedMs = (backward ? estimateBackwardCost(spec, r.candidate.schedule, target, options.batch,
+                                                         options.tokens, attentionRegisters)
+                                  : estimateCost(spec, r.candidate.schedule, target, options.batch, options.tokens,
+                                                 attentionRegisters))
                             .seconds *
                         1e3;
       // A kernel that ptxas or its PTX shows losing speed is no candidate.
@@ -105,12 +109,42 @@ void emulateAll(const KernelSpec& spec, const v1::Target& target, const std::vec
     const size_t at = compiled[i];
     CandidateResult& r = results[at];
     const Schedule& schedule = r.candidate.schedule;
-    auto plan = generateKernel(spec, schedule, target);
+    GenerateOptions generate;
+    generate.direction = options.direction;
+    auto plan = generateKernel(spec, schedule, target, generate);
     std::string verdict;
     bool wrong = false;
     if (!plan) {
       wrong = true;
       verdict = plan.error().message;
+    } else if (options.direction == Direction::backward) {
+      // The whole backward on a small case: enough tokens for three key
+      // blocks, the last cut short; every gradient within the tolerance.
+      const int64_t P = spec.pseudo_heads();
+      const int64_t tokens = std::min<int64_t>(128, (3 * schedule.block_n() + P - 1) / P + 1);
+      const IhaCase c = drawCheckableBackwardCase(spec, 1, tokens, options.seed + at);
+      emu::EmuOptions emuOptions;
+      emuOptions.cacheDir = options.cacheDir;
+      emuOptions.threads = 1;
+      emuOptions.seed = options.seed + at;
+      emuOptions.headers = options.emulatorHeaders;
+      auto run = emu::runOnEmulator(*plan, c, emuOptions);
+      if (!run) {
+        verdict = "not checked on the emulator: " + run.error().message;
+      } else if (run->findingCount > 0 || run->deadlocked) {
+        wrong = true;
+        verdict = "emulator: " + (run->findings.empty() ? std::string("deadlock") : emu::format(run->findings.front()));
+      } else {
+        const std::vector<double> errors = gradientErrors(spec, *run->gradients, *c.expectedGradients);
+        const double worst = *std::max_element(errors.begin(), errors.end(), [](double a, double b) {
+          return !(a >= b);  // NaN counts as the worst
+        });
+        char text[160];
+        std::snprintf(text, sizeof text, "emulator: worst gradient error %.2e on N=%lld", worst, (long long)tokens);
+        verdict = text;
+        wrong = !(worst <= gradientToleranceFor(spec.dtype()));
+        if (!wrong) r.error = worst;
+      }
     } else {
       const int64_t P = spec.pseudo_heads();
       const int64_t tokens = std::min<int64_t>(256, (3 * schedule.block_n() + P - 1) / P + 1);
@@ -180,12 +214,15 @@ Result<Strategy> parseStrategy(const std::string& name) {
 }
 
 std::vector<CandidateResult> rankByModel(const KernelSpec& spec, const v1::Target& target, const SearchSpace& space,
-                                        int64_t batch, int64_t tokens) {
+                                        int64_t batch, int64_t tokens, Direction direction) {
   std::vector<CandidateResult> results;
   for (const Candidate& c : space.candidates) {
     CandidateResult r;
     r.candidate = c;
-    r.predictedMs = estimateCost(spec, c.schedule, target, batch, tokens).seconds * 1e3;
+    r.predictedMs = (direction == Direction::backward ? estimateBackwardCost(spec, c.schedule, target, batch, tokens)
+                                                      : estimateCost(spec, c.schedule, target, batch, tokens))
+                        .seconds *
+                    1e3;
     results.push_back(r);
   }
   rankResults(results);
@@ -199,10 +236,15 @@ Result<TuneReport> tune(const KernelSpec& spec, const v1::Target& target, std::s
   if (target.kind() != v1::Target::cuda) return makeError("tuning needs a CUDA target (sm_80, sm_90a, ...)");
   const Clock::time_point start = Clock::now();
   const bool measured = device != nullptr;
+  const bool backward = options.direction == Direction::backward;
+  if (backward && measured)
+    return makeError("measured tuning of the backward is not built yet (no timing of launchBackward): it is "
+                     "ranked by the cost model and checked on the emulator where no GPU is given");
 
   // Space and prediction.
-  SearchSpace space = searchSpace(spec, target);
-  std::vector<CandidateResult> results = rankByModel(spec, target, space, options.batch, options.tokens);
+  SearchSpace space = backward ? backwardSearchSpace(spec, target) : searchSpace(spec, target);
+  std::vector<CandidateResult> results =
+      rankByModel(spec, target, space, options.batch, options.tokens, options.direction);
 
   // Which candidates to compile.
   std::vector<size_t> chosen;
@@ -322,7 +364,9 @@ Result<TuneReport> tune(const KernelSpec& spec, const v1::Target& target, std::s
     r.reason = p.reason;
     results.push_back(r);
   }
-  return summarize(spec, target, std::move(results), int(space.pruned.size()));
+  auto summary = summarize(spec, target, std::move(results), int(space.pruned.size()));
+  if (summary && backward) summary->result.set_direction(v1::direction_backward);
+  return summary;
 }
 
 Result<TuneReport> summarize(const KernelSpec& spec, const v1::Target& target, std::vector<CandidateResult> results,

@@ -21,6 +21,7 @@
 #include "loom/result.h"
 #include "cuda/driver.h"
 #include "loom/cache.h"
+#include "loom/compiler.h"
 #include "loom/runtime.h"
 
 namespace loom::autotune {
@@ -44,6 +45,10 @@ struct TuneOptions {
   int compileThreads = 0;           // 0: one per hardware thread
   std::string cacheDir;             // NVRTC artifacts
   uint64_t seed = 1;                // random sampling and inputs
+  // backward: tune the backward kernel (its own space and cost model; ranked
+  // and checked on the emulator without a GPU; measured tuning of the
+  // backward is not built yet).
+  Direction direction = Direction::forward;
 };
 
 struct TuneReport {
@@ -55,7 +60,7 @@ struct TuneReport {
 // The candidates of `space` with the cost model's predictions, best first
 // (the tuner's order before anything is compiled).
 std::vector<CandidateResult> rankByModel(const KernelSpec& spec, const v1::Target& target, const SearchSpace& space,
-                                        int64_t batch, int64_t tokens);
+                                        int64_t batch, int64_t tokens, Direction direction = Direction::forward);
 
 // Tunes `spec` for `target`. With `device` (a GPU) candidates are measured;
 // without, they are ranked by the cost model. `progress` is called as work

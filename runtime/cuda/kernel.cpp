@@ -147,20 +147,34 @@ Status validateGradTensors(const KernelSpec& spec, const IhaTensors& inputs, con
   return Status::success();
 }
 
-Result<IhaGradTensors> gradTensorsFromDlpack(const DLTensor* dout, const DLTensor* dq, const DLTensor* dk,
-                                             const DLTensor* dv, const DLTensor* dalphaQ, const DLTensor* dalphaK,
-                                             const DLTensor* dalphaV, const DLTensor* dcollapse) {
-  IhaGradTensors tensors;
-  const std::pair<const char*, std::pair<const DLTensor*, Tensor*>> all[] = {
-      {"dout", {dout, &tensors.dout}},         {"dq", {dq, &tensors.dq}},
-      {"dk", {dk, &tensors.dk}},               {"dv", {dv, &tensors.dv}},
-      {"dalpha_q", {dalphaQ, &tensors.dalpha_q}}, {"dalpha_k", {dalphaK, &tensors.dalpha_k}},
-      {"dalpha_v", {dalphaV, &tensors.dalpha_v}}, {"dcollapse", {dcollapse, &tensors.dcollapse}}};
+namespace {
+
+// Views each named DLPack tensor into its Tensor; the first that fails names itself.
+Status viewAll(std::initializer_list<std::pair<const char*, std::pair<const DLTensor*, Tensor*>>> all) {
   for (const auto& [name, pair] : all) {
     auto view = tensorFromDlpack(name, pair.first);
     if (!view) return view.error();
     *pair.second = *view;
   }
+  return Status::success();
+}
+
+}  // namespace
+
+Result<IhaGradTensors> gradTensorsFromDlpack(const DLTensor* dout, const DLTensor* dq, const DLTensor* dk,
+                                             const DLTensor* dv, const DLTensor* dalphaQ, const DLTensor* dalphaK,
+                                             const DLTensor* dalphaV, const DLTensor* dcollapse) {
+  IhaGradTensors tensors;
+  if (Status ok = viewAll({{"dout", {dout, &tensors.dout}},
+                           {"dq", {dq, &tensors.dq}},
+                           {"dk", {dk, &tensors.dk}},
+                           {"dv", {dv, &tensors.dv}},
+                           {"dalpha_q", {dalphaQ, &tensors.dalpha_q}},
+                           {"dalpha_k", {dalphaK, &tensors.dalpha_k}},
+                           {"dalpha_v", {dalphaV, &tensors.dalpha_v}},
+                           {"dcollapse", {dcollapse, &tensors.dcollapse}}});
+      !ok)
+    return ok.error();
   return tensors;
 }
 
@@ -168,16 +182,16 @@ Result<IhaTensors> tensorsFromDlpack(const DLTensor* q, const DLTensor* k, const
                                      const DLTensor* alphaK, const DLTensor* alphaV, const DLTensor* collapse,
                                      const DLTensor* out, const DLTensor* lse) {
   IhaTensors tensors;
-  const std::pair<const char*, std::pair<const DLTensor*, Tensor*>> all[] = {
-      {"q", {q, &tensors.q}},           {"k", {k, &tensors.k}},
-      {"v", {v, &tensors.v}},           {"alpha_q", {alphaQ, &tensors.alpha_q}},
-      {"alpha_k", {alphaK, &tensors.alpha_k}}, {"alpha_v", {alphaV, &tensors.alpha_v}},
-      {"collapse", {collapse, &tensors.collapse}}, {"out", {out, &tensors.out}}};
-  for (const auto& [name, pair] : all) {
-    auto view = tensorFromDlpack(name, pair.first);
-    if (!view) return view.error();
-    *pair.second = *view;
-  }
+  if (Status ok = viewAll({{"q", {q, &tensors.q}},
+                           {"k", {k, &tensors.k}},
+                           {"v", {v, &tensors.v}},
+                           {"alpha_q", {alphaQ, &tensors.alpha_q}},
+                           {"alpha_k", {alphaK, &tensors.alpha_k}},
+                           {"alpha_v", {alphaV, &tensors.alpha_v}},
+                           {"collapse", {collapse, &tensors.collapse}},
+                           {"out", {out, &tensors.out}}});
+      !ok)
+    return ok.error();
   if (lse) {
     auto view = tensorFromDlpack("lse", lse);
     if (!view) return view.error();

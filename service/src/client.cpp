@@ -89,12 +89,14 @@ Result<v1::PutTuningResponse> KernelClient::putTuning(const v1::TuningResult& re
   return response;
 }
 
-Result<v1::LookupDecisionResponse> KernelClient::lookupDecision(const v1::KernelSpec& spec, const v1::Target& target) {
+Result<v1::LookupDecisionResponse> KernelClient::lookupDecision(const v1::KernelSpec& spec, const v1::Target& target,
+                                                              v1::Direction direction) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   v1::LookupDecisionRequest request;
   *request.mutable_spec() = spec;
   *request.mutable_target() = target;
+  request.set_direction(direction);
   v1::LookupDecisionResponse response;
   const grpc::Status status = stub_->LookupDecision(&context, request, &response);
   if (!status.ok()) return callError(status);
@@ -103,8 +105,9 @@ Result<v1::LookupDecisionResponse> KernelClient::lookupDecision(const v1::Kernel
 
 namespace {
 v1::LeaseRequest leaseRequest(const v1::KernelSpec& spec, const v1::Target& target, const std::string& worker,
-                              int seconds) {
+                              int seconds, v1::Direction direction) {
   v1::LeaseRequest request;
+  request.set_direction(direction);
   *request.mutable_spec() = spec;
   *request.mutable_target() = target;
   request.set_worker(worker);
@@ -114,23 +117,23 @@ v1::LeaseRequest leaseRequest(const v1::KernelSpec& spec, const v1::Target& targ
 }  // namespace
 
 Result<v1::LeaseResponse> KernelClient::acquireLease(const v1::KernelSpec& spec, const v1::Target& target,
-                                                     const std::string& worker, int seconds) {
+                                                     const std::string& worker, int seconds, v1::Direction direction) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   authorize(context);
   v1::LeaseResponse response;
-  const grpc::Status status = stub_->AcquireLease(&context, leaseRequest(spec, target, worker, seconds), &response);
+  const grpc::Status status = stub_->AcquireLease(&context, leaseRequest(spec, target, worker, seconds, direction), &response);
   if (!status.ok()) return callError(status);
   return response;
 }
 
 Result<v1::LeaseResponse> KernelClient::releaseLease(const v1::KernelSpec& spec, const v1::Target& target,
-                                                     const std::string& worker) {
+                                                     const std::string& worker, v1::Direction direction) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   authorize(context);
   v1::LeaseResponse response;
-  const grpc::Status status = stub_->ReleaseLease(&context, leaseRequest(spec, target, worker, 0), &response);
+  const grpc::Status status = stub_->ReleaseLease(&context, leaseRequest(spec, target, worker, 0, direction), &response);
   if (!status.ok()) return callError(status);
   return response;
 }

@@ -199,7 +199,7 @@ class KernelServiceImpl final : public v1::KernelService::Service {
       if (Status ok = checkRequest(*request); !ok.ok()) return ok;
       if (!provider_.store()) return Status(StatusCode::UNAVAILABLE, "the kernel cache is unavailable");
       auto found = provider_.store()->getDecision(request->spec(), cache::DeviceModel::of(request->target()),
-                                                  jit::nvrtcVersion());
+                                                  jit::nvrtcVersion(), request->direction());
       if (!found) return Status(StatusCode::INTERNAL, found.error().message);
       if (found->has_value()) {
         response->set_found(!(*found)->fallback);
@@ -342,7 +342,8 @@ class KernelServiceImpl final : public v1::KernelService::Service {
     return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
   }
   static std::string leaseKey(const v1::LeaseRequest& request) {
-    return cache::specKey(request.spec()) + "/" + cache::DeviceModel::of(request.target()).key();
+    return cache::decisionSpecKey(request.spec(), request.direction()) + "/" +
+           cache::DeviceModel::of(request.target()).key();
   }
   std::mutex leaseMutex_;
   std::map<std::string, Lease> leases_;

@@ -319,6 +319,73 @@ TEST(Tuner, OfflineTuningIsRankedAndUntimed) {
   EXPECT_EQ(again->result.best().SerializeAsString(), report->result.best().SerializeAsString());
 }
 
+// The backward tuned offline: its own space (every candidate a valid
+// backward schedule, dq in its own launch), ranked by the backward's cost
+// model, each compiled candidate run whole on the emulator against the
+// float64 backward; the result says backward, and stored it answers the
+// backward's lookup and the provider's backward kernel, never the forward's.
+TEST(Tuner, BackwardIsRankedCheckedOnTheEmulatorAndKeptApart) {
+  testing::TempDir cache;
+  const KernelSpec s = spec(4, 2, 2, 32, v1::flat_causal, 16);
+  const SearchSpace space = backwardSearchSpace(s, target("sm_80"));
+  ASSERT_GT(space.candidates.size(), 4u);
+  for (const Candidate& c : space.candidates) {
+    EXPECT_TRUE(resolveSchedule(s, c.schedule, target("sm_80"), Direction::backward)) << c.key;
+    EXPECT_EQ(c.schedule.dq(), v1::dq_separate) << c.key;
+    EXPECT_EQ(c.schedule.block_n() % (16 * c.schedule.warps()), 0) << c.key;
+  }
+  // Twice the work of the same blocks costs more than once; a larger N more.
+  const Schedule first = space.candidates.front().schedule;
+  EXPECT_GT(estimateBackwardCost(s, first, target("sm_80"), 1, 4096).seconds,
+            estimateCost(s, *resolveSchedule(s, first, target("sm_80")), target("sm_80"), 1, 4096).seconds);
+  EXPECT_GT(estimateBackwardCost(s, first, target("sm_80"), 1, 8192).seconds,
+            estimateBackwardCost(s, first, target("sm_80"), 1, 4096).seconds);
+
+  TuneOptions options;
+  options.tokens = 512;
+  options.offlineCompiles = 2;
+  options.compileThreads = 2;
+  options.cacheDir = cache.path();
+  options.direction = Direction::backward;
+  std::vector<v1::CompiledKernel> compiled;
+  auto report = tune(s, target("sm_80"), nullptr, options, {}, &compiled);
+  ASSERT_TRUE(report) << report.error().message;
+  EXPECT_EQ(report->result.direction(), v1::direction_backward);
+  EXPECT_FALSE(report->result.measured());
+  EXPECT_GT(report->result.predicted_ms(), 0);
+  const CandidateResult& best = report->candidates.front();
+  EXPECT_EQ(best.outcome, Outcome::unmeasured);
+  EXPECT_NE(best.reason.find("emulator: worst gradient error"), std::string::npos) << best.reason;
+  EXPECT_EQ(best.spillBytes, 0);
+  const v1::CompiledKernel* winner = winnerOf(*report, compiled);
+  ASSERT_NE(winner, nullptr);
+  EXPECT_EQ(winner->direction(), v1::direction_backward);
+
+  auto store = cache::openSqliteStore(cache::storePath(cache.path()));
+  ASSERT_TRUE(store);
+  ASSERT_TRUE(storeTuning(**store, s, target("sm_80"), *report, compiled));
+  const cache::DeviceModel model = cache::DeviceModel::of(target("sm_80"));
+  auto backward = (*store)->getDecision(s, model, jit::nvrtcVersion(), v1::direction_backward);
+  ASSERT_TRUE(backward && backward->has_value());
+  EXPECT_EQ((*backward)->decision.result.best().SerializeAsString(), report->result.best().SerializeAsString());
+  EXPECT_FALSE((*store)->getDecision(s, model, jit::nvrtcVersion())->has_value());
+  store->reset();  // the provider opens the file itself
+  KernelProvider provider(cache.path());
+  auto served = provider.provide(s, target("sm_80"), {}, v1::direction_backward);
+  ASSERT_TRUE(served) << served.error().message;
+  EXPECT_EQ(served->scheduleSource, "ranked (untimed)");
+  EXPECT_EQ(served->origin, "kernel cache");
+  EXPECT_EQ(served->kernel.schedule().SerializeAsString(), report->result.best().SerializeAsString());
+
+  // Measured tuning of the backward is not built: said plainly.
+  auto device = cuda::Device::open(0);
+  if (device) {
+    auto refused = tune(s, target("sm_80"), *device, options);
+    ASSERT_FALSE(refused);
+    EXPECT_NE(refused.error().message.find("measured tuning of the backward is not built yet"), std::string::npos);
+  }
+}
+
 // Without a GPU the emulator is the judge: with a fault in the device code
 // (two A-fragment registers of P @ V swapped, which no check can see but the
 // output) every compiled candidate is rejected as wrong, with its error, and

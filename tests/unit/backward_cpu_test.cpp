@@ -48,28 +48,6 @@ std::vector<Schedule> schedulesFor(const KernelSpec& spec) {
   return schedules;
 }
 
-// (query block, key block) pairs one (batch entry, query head) visits in
-// the backward's key-block-outer loops, and of those the ones masked: a
-// pair is visited when any of its pairs is allowed, and runs unmasked only
-// when every pair is allowed with both blocks whole.
-std::pair<int64_t, int64_t> transposedBlocks(const KernelSpec& spec, int64_t blockM, int64_t blockN, int64_t N) {
-  const int64_t L = N * spec.pseudo_heads();
-  int64_t visited = 0, masked = 0;
-  for (int64_t c0 = 0; c0 < L; c0 += blockN)
-    for (int64_t r0 = 0; r0 < L; r0 += blockM) {
-      bool any = false, all = r0 + blockM <= L && c0 + blockN <= L;
-      for (int64_t i = r0; i < std::min(r0 + blockM, L); ++i)
-        for (int64_t j = c0; j < std::min(c0 + blockN, L); ++j) {
-          const bool ok = reference::allowed(spec, i, j);
-          any |= ok;
-          all &= ok;
-        }
-      visited += any;
-      masked += any && !all;
-    }
-  return {visited, masked};
-}
-
 // The generated backward on `c` with `dout` against `want`, and its block
 // accounting: the forward's recomputation, the key-block-outer loops and
 // (dq separate) the query-block-outer loops visit exactly the pairs holding
@@ -92,13 +70,17 @@ void checkBackward(const IhaCase& c, const std::vector<double>& dout, const refe
 
   const Schedule& s = plan->schedule;
   const int64_t rows = c.batch * c.spec.heads();
+  // The forward's attention, the key-block-outer loops (query blocks cut at
+  // the end masked) and the dq launch (query blocks from multiples of block_m).
   const auto [forwardVisited, forwardMasked] = testing::bruteForceBlocks(c.spec, s.block_m(), s.block_n(), c.tokens);
-  const auto [kvVisited, kvMasked] = transposedBlocks(c.spec, s.block_m(), s.block_n(), c.tokens);
-  const bool separate = s.dq() == v1::dq_separate;
-  EXPECT_EQ(result->stats.keyBlocks, rows * (forwardVisited * (separate ? 2 : 1) + kvVisited))
-      << what << ": visited block pairs";
-  EXPECT_EQ(result->stats.maskedBlocks, rows * (forwardMasked * (separate ? 2 : 1) + kvMasked))
-      << what << ": masked block pairs";
+  const auto [kvVisited, kvMasked] =
+      testing::bruteForcePairs(c.spec, s.block_m(), s.block_m(), s.block_n(), c.tokens, /*wholeQueryBlocks=*/true);
+  const auto [dqVisited, dqMasked] = s.dq() == v1::dq_separate
+                                         ? testing::bruteForcePairs(c.spec, s.block_m(), s.block_m(), s.block_n(),
+                                                                    c.tokens, /*wholeQueryBlocks=*/false)
+                                         : std::pair<int64_t, int64_t>{0, 0};
+  EXPECT_EQ(result->stats.keyBlocks, rows * (forwardVisited + kvVisited + dqVisited)) << what << ": visited block pairs";
+  EXPECT_EQ(result->stats.maskedBlocks, rows * (forwardMasked + kvMasked + dqMasked)) << what << ": masked block pairs";
 }
 
 std::string testName(std::string name) {

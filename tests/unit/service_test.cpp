@@ -428,13 +428,20 @@ TEST_F(Service, PretuneTunesWhatIsMissingOnce) {
   std::ofstream(dir_ / "specs.json") << "[" << toJson(spec(2, 4)) << "," << toJson(options) << "]";
   const std::string command = "LOOM_CACHE_DIR=" + (dir_ / "worker") + " " + LOOM_BINARY + " pretune --server " +
                               address_ + " --specs " + (dir_ / "specs.json") + " --token-file " + (dir_ / "token") +
-                              " --target sm_80 --tokens 256";
+                              " --target sm_80 --tokens 256 --compile-top 2";
   const auto first = testing::runCommand(command);
   ASSERT_EQ(first.exitCode, 0) << first.output;
-  EXPECT_NE(first.output.find("pretune: 2 tuned, 0 skipped, 0 failed"), std::string::npos) << first.output;
+  // Both directions of both specs: the backward ranked offline too.
+  EXPECT_NE(first.output.find("pretune: 4 tuned, 0 skipped, 0 failed"), std::string::npos) << first.output;
+  EXPECT_NE(first.output.find("spec 1 (backward): tuned (untimed) and uploaded"), std::string::npos) << first.output;
   const auto second = testing::runCommand(command);
   ASSERT_EQ(second.exitCode, 0) << second.output;
-  EXPECT_NE(second.output.find("pretune: 0 tuned, 2 skipped, 0 failed"), std::string::npos) << second.output;
+  EXPECT_NE(second.output.find("pretune: 0 tuned, 4 skipped, 0 failed"), std::string::npos) << second.output;
+  auto backward = client()->lookupDecision(options, *parseTarget("sm_80"), v1::direction_backward);
+  ASSERT_TRUE(backward);
+  EXPECT_TRUE(backward->found());
+  EXPECT_EQ(backward->result().direction(), v1::direction_backward);
+  EXPECT_EQ(backward->result().best().dq(), v1::dq_separate);
   auto decision = client()->lookupDecision(options, *parseTarget("sm_80"));
   ASSERT_TRUE(decision);
   EXPECT_TRUE(decision->found());

@@ -131,20 +131,20 @@ inline KernelSpec randomSpec(std::mt19937_64& rng) {
   return spec;
 }
 
-// Key blocks of one (batch entry, head) holding any allowed pair among the
-// real rows of their query block, and of those the ones not wholly allowed
-// and in bounds (they need an element-wise mask), counted by brute force
-// with the reference's own mask.
-inline std::pair<int64_t, int64_t> bruteForceBlocks(const KernelSpec& spec, int64_t blockM, int64_t blockN,
-                                                    int64_t tokens) {
-  // A query block computes blockM rows from r0 and owns the whole tokens
-  // among them, so the next starts there.
+// (query block, key block) pairs of one (batch entry, head) holding any
+// allowed pair among the real rows of the query block, and of those the ones
+// not wholly allowed and in bounds (they need an element-wise mask), counted
+// by brute force with the reference's own mask. Query blocks of blockM rows
+// start every rowStep rows; with `wholeQueryBlocks` a query block cut at the
+// end needs the mask too (the backward's key-block-outer loop, whose rows
+// past the end hold no data).
+inline std::pair<int64_t, int64_t> bruteForcePairs(const KernelSpec& spec, int64_t rowStep, int64_t blockM,
+                                                   int64_t blockN, int64_t tokens, bool wholeQueryBlocks) {
   const int64_t L = tokens * spec.pseudo_heads();
-  const int64_t owned = blockM / spec.pseudo_heads() * spec.pseudo_heads();
   int64_t visited = 0, masked = 0;
-  for (int64_t r0 = 0; r0 < L; r0 += owned)
+  for (int64_t r0 = 0; r0 < L; r0 += rowStep)
     for (int64_t c0 = 0; c0 < L; c0 += blockN) {
-      bool any = false, all = c0 + blockN <= L;
+      bool any = false, all = c0 + blockN <= L && (!wholeQueryBlocks || r0 + blockM <= L);
       for (int64_t i = r0; i < std::min(r0 + blockM, L); ++i)
         for (int64_t j = c0; j < std::min(c0 + blockN, L); ++j) {
           const bool ok = reference::allowed(spec, i, j);
@@ -155,6 +155,14 @@ inline std::pair<int64_t, int64_t> bruteForceBlocks(const KernelSpec& spec, int6
       masked += any && !all;
     }
   return {visited, masked};
+}
+
+// The forward's attention: a query block computes blockM rows from r0 and
+// owns the whole tokens among them, so the next starts there.
+inline std::pair<int64_t, int64_t> bruteForceBlocks(const KernelSpec& spec, int64_t blockM, int64_t blockN,
+                                                    int64_t tokens) {
+  const int64_t owned = blockM / spec.pseudo_heads() * spec.pseudo_heads();
+  return bruteForcePairs(spec, owned, blockM, blockN, tokens, false);
 }
 
 struct CommandResult {

@@ -15,6 +15,7 @@ struct GenOptions {
   std::string target = "cpu";
   bool printIrAfterAll = false;
   bool plan = false;
+  bool backward = false;
 };
 
 int gen(const GenOptions& options) {
@@ -28,6 +29,7 @@ int gen(const GenOptions& options) {
   std::string ir;
   GenerateOptions generateOptions;
   if (options.printIrAfterAll) generateOptions.irLog = &ir;
+  if (options.backward) generateOptions.direction = Direction::backward;
   auto plan = generateKernel(*spec, *schedule, *target, generateOptions);
   if (!plan) return badInput(plan.error().message);
   if (options.printIrAfterAll) std::fputs(ir.c_str(), stdout);
@@ -61,6 +63,8 @@ void addGenCommand(CLI::App& app, std::function<int()>* action) {
   cmd->add_option("--target", options->target, "cpu, or a CUDA arch such as sm_80, sm_90a")->capture_default_str();
   cmd->add_flag("--print-ir-after-all", options->printIrAfterAll, "print the IR after every pass, then the source");
   cmd->add_flag("--plan", options->plan, "print the launches and workspaces before the source");
+  cmd->add_flag("--backward", options->backward,
+                "the backward plan instead (every gradient of sum(out * dout); docs/compiler.md, The backward)");
   cmd->callback([options, action] { *action = [options] { return gen(*options); }; });
 }
 

@@ -33,6 +33,7 @@ struct TuneCliOptions {
   int compileTop = 8;
   std::string bundlesDir;
   bool json = false;
+  bool backward = false;
   bool noEmulate = false;
 };
 
@@ -96,6 +97,7 @@ int tuneCommand(const TuneCliOptions& options) {
   tuneOptions.cacheDir = options.cacheDir.empty() ? defaultCacheDir() : options.cacheDir;
   tuneOptions.offlineCompiles = options.compileTop;
   tuneOptions.emulate = !options.noEmulate;
+  if (options.backward) tuneOptions.direction = Direction::backward;
   const bool live = ::isatty(STDERR_FILENO);
   auto progress = [&](const autotune::TuneProgress& p) {
     if (!live) return;
@@ -199,6 +201,9 @@ void addTuneCommand(CLI::App& app, std::function<int()>* action) {
                 "without a GPU: do not run the compiled candidates on the emulator (by default each runs on a\n"
                 "small drawn case there, and any with a finding or a wrong output is rejected)");
   cmd->add_flag("--json", options->json, "print the full result as JSON");
+  cmd->add_flag("--backward", options->backward,
+                "tune the backward kernel instead (its own space and cost model; without a GPU ranked and each\n"
+                "compiled one run whole on the emulator; kept apart from the forward's decision)");
   cmd->callback([options, action] { *action = [options] { return tuneCommand(*options); }; });
 }
 

@@ -80,7 +80,8 @@ Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedu
 
 // The schedule with every unset field defaulted, checked against the spec
 // and (for CUDA) the target's shared memory; the error names the field.
-Result<Schedule> resolveSchedule(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target);
+Result<Schedule> resolveSchedule(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
+                                 Direction direction = Direction::forward);
 
 // CUDA archs loom generates for: sm_80 and later ("sm_90a" for wgmma).
 inline constexpr int kMinimumCudaArch = 80;

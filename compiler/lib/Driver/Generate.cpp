@@ -334,11 +334,12 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
 
 }  // namespace
 
-Result<Schedule> resolveSchedule(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target) {
+Result<Schedule> resolveSchedule(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
+                                 Direction direction) {
   CompilerContext c;
-  auto resolved = resolve(c, spec, schedule, target, Direction::forward);
+  auto resolved = resolve(c, spec, schedule, target, direction);
   if (!resolved) return resolved.error();
-  return scheduleOf(resolved->second, false);
+  return scheduleOf(resolved->second, direction == Direction::backward);
 }
 
 Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,

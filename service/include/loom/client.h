@@ -23,11 +23,13 @@ class KernelClient {
   Result<v1::PutTuningResponse> putTuning(const v1::TuningResult& result, const v1::CompiledKernel& kernel,
                                           const std::string& candidatesJson = "[]");
 
-  Result<v1::LookupDecisionResponse> lookupDecision(const v1::KernelSpec& spec, const v1::Target& target);
+  Result<v1::LookupDecisionResponse> lookupDecision(const v1::KernelSpec& spec, const v1::Target& target,
+                                                    v1::Direction direction = v1::direction_forward);
   // Leases for fleet pre-tuning (need the credential).
   Result<v1::LeaseResponse> acquireLease(const v1::KernelSpec& spec, const v1::Target& target, const std::string& worker,
-                                         int seconds = 600);
-  Result<v1::LeaseResponse> releaseLease(const v1::KernelSpec& spec, const v1::Target& target, const std::string& worker);
+                                         int seconds = 600, v1::Direction direction = v1::direction_forward);
+  Result<v1::LeaseResponse> releaseLease(const v1::KernelSpec& spec, const v1::Target& target, const std::string& worker,
+                                         v1::Direction direction = v1::direction_forward);
 
   v1::KernelService::Stub& stub() { return *stub_; }
   // Adds the bearer token to a call's metadata.
