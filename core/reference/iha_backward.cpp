@@ -8,6 +8,29 @@ namespace {
 
 using detail::Rows;
 
+// What a kernel stores: nothing rounded (the exact backward), every value
+// it keeps rounded to a 16-bit dtype where the tensor cores take it, or to
+// float32 where a float32 kernel keeps it (its accumulators too).
+struct Rounding {
+  bool on = false;
+  v1::DType dtype = v1::float32;
+  double operator()(double x) const {
+    if (!on) return x;
+    return dtype == v1::float32 ? double(float(x)) : detail::roundTo(x, dtype);
+  }
+  // Values a 16-bit kernel accumulates in f32 (every partial sum): rounded
+  // only for a float32 kernel, where a sum that cancels keeps its terms'
+  // rounding.
+  double accumulator(double x) const { return on && dtype == v1::float32 ? double(float(x)) : x; }
+};
+
+void roundRows(Rows& rows, const Rounding& round) {
+  if (!round.on) return;
+  for (auto& head : rows)
+    for (auto& row : head)
+      for (double& x : row) x = round(x);
+}
+
 Rows zeroRows(int64_t heads, int64_t length, int64_t d) {
   return Rows(heads, std::vector<std::vector<double>>(length, std::vector<double>(d, 0.0)));
 }
@@ -17,7 +40,7 @@ Rows zeroRows(int64_t heads, int64_t length, int64_t d) {
 // drows[h][n*P + p][c].
 void unmix(const Rows& drows, const std::vector<double>& x, const std::vector<double>& alpha, int64_t b,
            int64_t tokens, int64_t heads, int64_t pseudo, int64_t d, std::vector<double>& dx,
-           std::vector<double>& dalpha) {
+           std::vector<double>& dalpha, const Rounding& acc) {
   for (int64_t n = 0; n < tokens; ++n)
     for (int64_t h = 0; h < heads; ++h)
       for (int64_t p = 0; p < pseudo; ++p) {
@@ -28,10 +51,10 @@ void unmix(const Rows& drows, const std::vector<double>& x, const std::vector<do
           double* target = &dx[((b * tokens + n) * heads + m) * d];
           double dot = 0;
           for (int64_t c = 0; c < d; ++c) {
-            target[c] += alpha[at] * g[c];
-            dot += source[c] * g[c];
+            target[c] = acc.accumulator(target[c] + alpha[at] * g[c]);
+            dot = acc.accumulator(dot + source[c] * g[c]);
           }
-          dalpha[at] += dot;
+          dalpha[at] = acc.accumulator(dalpha[at] + dot);
         }
       }
 }
@@ -75,27 +98,8 @@ void unprepare(const v1::KernelSpec& spec, const Prepared& prepared, Rows& grads
 
 namespace {
 
-// What a kernel stores: nothing rounded (the exact backward), every value
-// it keeps rounded to a 16-bit dtype where the tensor cores take it, or to
-// float32 where a float32 kernel keeps it (its accumulators too).
-struct Rounding {
-  bool on = false;
-  v1::DType dtype = v1::float32;
-  double operator()(double x) const {
-    if (!on) return x;
-    return dtype == v1::float32 ? double(float(x)) : detail::roundTo(x, dtype);
-  }
-  // Values a 16-bit kernel accumulates in f32: rounded only by a float32 kernel.
-  double accumulator(double x) const { return on && dtype == v1::float32 ? double(float(x)) : x; }
-};
-
-void roundRows(Rows& rows, const Rounding& round) {
-  if (!round.on) return;
-  for (auto& head : rows)
-    for (auto& row : head)
-      for (double& x : row) x = round(x);
-}
-
+// `rounding` rounds what a kernel stores or hands its tensor cores (and, for
+// float32, every partial sum it keeps).
 IhaGradients backward(const v1::KernelSpec& spec, const IhaInputs& in, const std::vector<double>& dout,
                       const Rounding& rounding) {
   const int64_t B = in.batch, N = in.tokens;
@@ -148,30 +152,29 @@ IhaGradients backward(const v1::KernelSpec& spec, const IhaInputs& in, const std
         std::fill(o.begin(), o.end(), 0.0);
         for (int64_t j = 0; j < L; ++j)
           if (weights[j] != 0.0)
-            for (int64_t c = 0; c < d; ++c) o[c] += weights[j] * v[kv][j][c];
+            for (int64_t c = 0; c < d; ++c) o[c] = rounding.accumulator(o[c] + weights[j] * v[kv][j][c]);
         for (double& x : o) x = rounding(x);  // o_pseudo
         const int64_t n = i / P, p = i % P;
         for (int64_t target = 0; target < H; ++target) {
           const int64_t at = detail::collapseIndex(spec, target, h, p);
           if (at < 0) continue;
           const double* grad = &dout[((b * N + n) * H + target) * d];
-          for (int64_t c = 0; c < d; ++c) g.dcollapse[at] += grad[c] * o[c];
+          for (int64_t c = 0; c < d; ++c) g.dcollapse[at] = rounding.accumulator(g.dcollapse[at] + grad[c] * o[c]);
         }
         const std::vector<double>& dOi = dO[h][i];
         double D = 0;
-        for (int64_t c = 0; c < d; ++c) D += dOi[c] * o[c];
-        D = rounding.accumulator(D);
+        for (int64_t c = 0; c < d; ++c) D = rounding.accumulator(D + dOi[c] * o[c]);
         for (int64_t j = 0; j < L; ++j) {
           if (weights[j] == 0.0) continue;
           double dp = 0;
-          for (int64_t c = 0; c < d; ++c) dp += dOi[c] * v[kv][j][c];
+          for (int64_t c = 0; c < d; ++c) dp = rounding.accumulator(dp + dOi[c] * v[kv][j][c]);
           // The tensor cores take P and dS in the dtype.
-          const double ds = rounding(weights[j] * (rounding.accumulator(dp) - D));
+          const double ds = rounding(weights[j] * (dp - D));
           const double w = rounding(weights[j]);
           for (int64_t c = 0; c < d; ++c) {
-            dvRows[kv][j][c] += w * dOi[c];
-            dqRows[h][i][c] += scale * ds * k.rows[kv][j][c];
-            dkRows[kv][j][c] += scale * ds * q.rows[h][i][c];
+            dvRows[kv][j][c] = rounding.accumulator(dvRows[kv][j][c] + w * dOi[c]);
+            dqRows[h][i][c] = rounding.accumulator(dqRows[h][i][c] + scale * ds * k.rows[kv][j][c]);
+            dkRows[kv][j][c] = rounding.accumulator(dkRows[kv][j][c] + scale * ds * q.rows[h][i][c]);
           }
         }
       }
@@ -179,9 +182,9 @@ IhaGradients backward(const v1::KernelSpec& spec, const IhaInputs& in, const std
 
     unprepare(spec, q, dqRows);
     unprepare(spec, k, dkRows);
-    unmix(dqRows, in.q, in.alpha_q, b, N, H, P, d, g.dq, g.dalpha_q);
-    unmix(dkRows, in.k, in.alpha_k, b, N, G, P, d, g.dk, g.dalpha_k);
-    unmix(dvRows, in.v, in.alpha_v, b, N, G, P, d, g.dv, g.dalpha_v);
+    unmix(dqRows, in.q, in.alpha_q, b, N, H, P, d, g.dq, g.dalpha_q, rounding);
+    unmix(dkRows, in.k, in.alpha_k, b, N, G, P, d, g.dk, g.dalpha_k, rounding);
+    unmix(dvRows, in.v, in.alpha_v, b, N, G, P, d, g.dv, g.dalpha_v, rounding);
   }
   return g;
 }
@@ -202,9 +205,11 @@ bool vanishesButForEpsilon(const v1::KernelSpec& spec, size_t gradient) {
   const std::string name = kGradientNames[gradient];
   const bool oneTokenWindow =
       spec.window() == 1 && (spec.mask() != v1::flat_causal || spec.window_align() == v1::KernelSpec::token);
-  if (name == "dalpha_q") return spec.heads() == 1;
+  // dq and dk vanish, and with them the dalphas built from their rows.
+  const bool keysAgree = spec.kv_heads() == 1 && oneTokenWindow;
+  if (name == "dalpha_q") return spec.heads() == 1 || keysAgree;
   if (name == "dalpha_k") return spec.kv_heads() == 1;
-  if (name == "dq" || name == "dk") return spec.kv_heads() == 1 && oneTokenWindow;
+  if (name == "dq" || name == "dk") return keysAgree;
   return false;
 }
 

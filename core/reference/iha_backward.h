@@ -42,8 +42,9 @@ IhaGradients ihaBackward(const v1::KernelSpec& spec, const IhaInputs& inputs, co
 // ihaBackward with what every FlashAttention-style kernel rounds to `dtype`:
 // for float16 or bfloat16 the attended q, k, v rows (its workspaces), the
 // pseudo outputs o and their gradients do, and P and dS (the tensor cores'
-// operands); for float32 those and the f32 dP and D whose difference dS
-// takes: how far it is from ihaBackward says whether a case can check such a
+// operands); for float32 those and every partial sum (dP, D, o, the
+// pseudo-row gradients, dcollapse, the transposed mixing's sums), as a
+// float32 kernel accumulates them: how far it is from ihaBackward says whether a case can check such a
 // kernel against the gradient tolerance at all (docs/IHA.md, Numerics).
 IhaGradients ihaBackwardWithRoundedMixing(const v1::KernelSpec& spec, const IhaInputs& inputs,
                                           const std::vector<double>& dout, v1::DType dtype);
@@ -53,8 +54,8 @@ IhaGradients ihaBackwardWithRoundedMixing(const v1::KernelSpec& spec, const IhaI
 // head's row normalised whatever its weight, so dalpha_q (one head) and
 // dalpha_k (one kv head) vanish; with one kv head a token's P keys are one
 // row normalised (up to sign), so under a one-token window every query sees
-// keys of equal score and softmax's shift invariance makes dq and dk vanish
-// too. Such a gradient has no relative error to speak of: a float32 kernel
+// keys of equal score and softmax's shift invariance makes dq and dk (and
+// dalpha_q, built from dq's rows) vanish too. Such a gradient has no relative error to speak of: a float32 kernel
 // leaves rounding noise of its terms' size where the exact value is
 // epsilon-sized.
 bool vanishesButForEpsilon(const v1::KernelSpec& spec, size_t gradient);
