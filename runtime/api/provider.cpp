@@ -38,7 +38,7 @@ Result<ProvidedKernel> KernelProvider::provide(const KernelSpec& spec, const v1:
   }
   // The kernel's address needs the generated source; generating is cheap.
   GenerateOptions options;
-  options.direction = backward ? Direction::backward : Direction::forward;
+  options.direction = directionOf(direction);
   auto plan = generateKernel(spec, chosen, target, options);
   if (!plan) return plan.error();
   v1::CompiledKernel probe = toCompiledKernel(*plan);
@@ -82,7 +82,7 @@ Result<v1::CompiledKernel> KernelProvider::compileOnce(const std::string& key, c
   ++inFlightCount_;
   const auto start = std::chrono::steady_clock::now();
   auto compiled = compileKernel(spec, schedule, target, compiler_, nullptr,
-                                direction == v1::direction_backward ? Direction::backward : Direction::forward);
+                                directionOf(direction));
   *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   --inFlightCount_;
   compileSlots_.release();

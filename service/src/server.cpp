@@ -130,7 +130,7 @@ class KernelServiceImpl final : public v1::KernelService::Service {
       if (ContentHash().add(kernel.SerializeAsString()).hex() != request->kernel_checksum())
         return invalid("kernel_checksum does not match the kernel");
       GenerateOptions generate;
-      generate.direction = result.direction() == v1::direction_backward ? Direction::backward : Direction::forward;
+      generate.direction = directionOf(result.direction());
       auto plan = generateKernel(result.spec(), result.best(), result.target(), generate);
       if (!plan || plan->source != kernel.source())
         return invalid("kernel.source is not what this server generates for result.spec and result.best");

@@ -93,7 +93,7 @@ int pretune(const PretuneOptions& options) {
       tuneOptions.tokens = options.tokens;
       tuneOptions.cacheDir = defaultCacheDir();
       tuneOptions.offlineCompiles = options.compileTop;
-      tuneOptions.direction = backward ? Direction::backward : Direction::forward;
+      tuneOptions.direction = directionOf(direction);
       std::vector<v1::CompiledKernel> compiled;
       auto report = autotune::tune(spec, target, device, tuneOptions, {}, &compiled);
       bool uploaded = false;

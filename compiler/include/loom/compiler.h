@@ -48,8 +48,11 @@ struct LaunchPlan {
 // [B * token CTAs][partialEntries] (all float).
 enum class Workspace { q_mixed, k_mixed, v_mixed, o_pseudo, do_pseudo, delta, dq_pseudo, dk_pseudo, dv_pseudo, partials };
 
-// Which function a plan computes.
+// Which function a plan computes (the schema's v1::Direction).
 enum class Direction { forward, backward };
+inline Direction directionOf(v1::Direction direction) {
+  return direction == v1::direction_backward ? Direction::backward : Direction::forward;
+}
 
 struct KernelPlan {
   Direction direction = Direction::forward;

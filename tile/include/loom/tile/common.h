@@ -16,6 +16,8 @@ typedef int int32_t;
 #define LOOM_HOST_DEVICE
 #endif
 
+#include "loom/tile/layout.h"
+
 namespace loom {
 
 enum class DType { f32, f16, bf16 };
@@ -111,5 +113,56 @@ LOOM_HOST_DEVICE constexpr bool allowed(Int i, Int j) {
   if (C::mask == Mask::token_causal) return tj <= ti && (W == 0 || ti - tj < W);
   return W == 0 || (ti > tj ? ti - tj : tj - ti) < W;
 }
+
+// The backward's partial sums: one slot per token CTA (block_m / P tokens) of
+// each batch entry, laid out as loom::backwardPartialEntries says (dcollapse,
+// then dalpha_q, dalpha_k, dalpha_v); both tile implementations use these.
+namespace partials {
+
+template <class C>
+LOOM_HOST_DEVICE constexpr int64_t tokens_per_cta() {
+  return C::block_m / C::pseudo_heads;
+}
+template <class C>
+LOOM_HOST_DEVICE constexpr int64_t token_ctas(const IhaArgs& a) {
+  return (a.tokens + tokens_per_cta<C>() - 1) / tokens_per_cta<C>();
+}
+template <class C>
+LOOM_HOST_DEVICE constexpr int64_t entries() {
+  return backwardPartialEntries(C::heads, C::kv_heads, C::pseudo_heads, C::collapse == Collapse::global);
+}
+template <class C>
+LOOM_HOST_DEVICE constexpr int64_t collapse_entries() {
+  return (C::collapse == Collapse::global ? C::heads : 1) * C::heads * C::pseudo_heads;
+}
+// Where a role's dalpha starts.
+template <class C, Role R>
+LOOM_HOST_DEVICE constexpr int64_t alpha_offset() {
+  constexpr int64_t q = collapse_entries<C>(), k = q + int64_t(C::heads) * C::heads * C::pseudo_heads;
+  return R == Role::query ? q : R == Role::key ? k : k + int64_t(C::kv_heads) * C::kv_heads * C::pseudo_heads;
+}
+// The slot of the token CTA starting at token0 of batch entry b.
+template <class C>
+LOOM_HOST_DEVICE float* slot(const IhaArgs& a, int64_t token0, int64_t b) {
+  return a.partials + (b * token_ctas<C>(a) + token0 / tokens_per_cta<C>()) * entries<C>();
+}
+// The collapse weight from pseudo output (source, p) to output head target,
+// or -1 where they are not connected (per_head, other heads).
+template <class C>
+LOOM_HOST_DEVICE constexpr int64_t collapse_index(int64_t target, int64_t source, int64_t p) {
+  if (C::collapse == Collapse::per_head) return source == target ? target * C::pseudo_heads + p : -1;
+  return (target * C::heads + source) * C::pseudo_heads + p;
+}
+
+// Where reduced entry e of the partial sums goes.
+template <class C>
+LOOM_HOST_DEVICE float* destination(const IhaArgs& a, int64_t e) {
+  if (e < alpha_offset<C, Role::query>()) return a.dcollapse + e;
+  if (e < alpha_offset<C, Role::key>()) return a.dalpha_q + (e - alpha_offset<C, Role::query>());
+  if (e < alpha_offset<C, Role::value>()) return a.dalpha_k + (e - alpha_offset<C, Role::key>());
+  return a.dalpha_v + (e - alpha_offset<C, Role::value>());
+}
+
+}  // namespace partials
 
 }  // namespace loom

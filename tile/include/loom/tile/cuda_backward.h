@@ -116,30 +116,6 @@ __device__ __forceinline__ float unrotate(float x, float partner, int64_t positi
   return c < half ? x * cosine - partner * sine : partner * sine + x * cosine;
 }
 
-template <class C>
-constexpr int64_t collapseEntries() {
-  return (C::collapse == Collapse::global ? C::heads : 1) * C::heads * C::pseudo_heads;
-}
-template <class C>
-constexpr int64_t partialEntries() {
-  return backwardPartialEntries(C::heads, C::kv_heads, C::pseudo_heads, C::collapse == Collapse::global);
-}
-template <class C, Role R>
-constexpr int64_t alphaOffset() {
-  constexpr int64_t q = collapseEntries<C>(), k = q + int64_t(C::heads) * C::heads * C::pseudo_heads;
-  return R == Role::query ? q : R == Role::key ? k : k + int64_t(C::kv_heads) * C::kv_heads * C::pseudo_heads;
-}
-template <class C>
-__device__ __forceinline__ float* partialsOf(const IhaArgs& a, int64_t token0, int64_t b) {
-  constexpr int64_t tokens = C::block_m / C::pseudo_heads;
-  return a.partials + (b * ((a.tokens + tokens - 1) / tokens) + token0 / tokens) * partialEntries<C>();
-}
-template <class C>
-__device__ __forceinline__ int64_t collapseIndex(int target, int source, int p) {
-  if constexpr (C::collapse == Collapse::per_head) return source == target ? target * C::pseudo_heads + p : -1;
-  else return (int64_t(target) * C::heads + source) * C::pseudo_heads + p;
-}
-
 }  // namespace cuda
 
 //===----------------------------------------------------------------------===//
@@ -185,7 +161,7 @@ struct DqTile {
 template <class C>
 __device__ void collapse_grad(const IhaArgs& a, int64_t token0, int64_t b) {
   constexpr int P = C::pseudo_heads, D = C::head_dim, tokens = C::block_m / P;
-  constexpr int64_t entries = cuda::collapseEntries<C>();
+  constexpr int64_t entries = partials::collapse_entries<C>();
   const int64_t L = seq_len<C>(a);
   float* partial = reinterpret_cast<float*>(cuda::smem());
   for (int e = threadIdx.x; e < entries; e += blockDim.x) partial[e] = 0.0f;
@@ -202,7 +178,7 @@ __device__ void collapse_grad(const IhaArgs& a, int64_t token0, int64_t b) {
     for (int c = cuda::lane(); c < D; c += kWarpSize) {
       float sum = 0.0f;
       for (int target = 0; target < C::heads; ++target) {
-        const int64_t w = cuda::collapseIndex<C>(target, source, p);
+        const int64_t w = partials::collapse_index<C>(target, source, p);
         if (w < 0) continue;
         sum += a.collapse[w] * cuda::loadElement<C>(a.dout, b * a.out_stride[0] + n * a.out_stride[1] +
                                                                  target * a.out_stride[2] + c);
@@ -214,7 +190,7 @@ __device__ void collapse_grad(const IhaArgs& a, int64_t token0, int64_t b) {
     delta = cuda::warpSum(delta);
     if (cuda::lane() == 0) a.delta[(b * C::heads + source) * L + i] = delta;
     for (int target = 0; target < C::heads; ++target) {
-      const int64_t w = cuda::collapseIndex<C>(target, source, p);
+      const int64_t w = partials::collapse_index<C>(target, source, p);
       if (w < 0) continue;
       float dot = 0.0f;
       for (int c = cuda::lane(); c < D; c += kWarpSize)
@@ -225,7 +201,7 @@ __device__ void collapse_grad(const IhaArgs& a, int64_t token0, int64_t b) {
     }
   }
   __syncthreads();
-  float* out = cuda::partialsOf<C>(a, token0, b);
+  float* out = partials::slot<C>(a, token0, b);
   for (int e = threadIdx.x; e < entries; e += blockDim.x) out[e] = partial[e];
 }
 
@@ -686,7 +662,7 @@ __device__ void unmix(const IhaArgs& a, int64_t token0, int64_t b) {
     }
   }
   __syncthreads();
-  float* out = cuda::partialsOf<C>(a, token0, b) + cuda::alphaOffset<C, R>();
+  float* out = partials::slot<C>(a, token0, b) + partials::alpha_offset<C, R>();
   for (int e = threadIdx.x; e < heads * heads * P; e += threads) out[e] = partial[e];
 }
 
@@ -695,16 +671,12 @@ __device__ void unmix(const IhaArgs& a, int64_t token0, int64_t b) {
 template <class C>
 __device__ void reduce_grads(const IhaArgs& a, int64_t chunk, int64_t b) {
   if (b != 0) return;
-  constexpr int64_t entries = cuda::partialEntries<C>();
-  constexpr int64_t tokens = C::block_m / C::pseudo_heads;
-  const int64_t slots = a.batch * ((a.tokens + tokens - 1) / tokens);
+  constexpr int64_t entries = partials::entries<C>();
+  const int64_t slots = a.batch * partials::token_ctas<C>(a);
   for (int64_t e = chunk * kReduceChunk + threadIdx.x; e < (chunk + 1) * kReduceChunk && e < entries; e += blockDim.x) {
     float sum = 0.0f;
     for (int64_t slot = 0; slot < slots; ++slot) sum += a.partials[slot * entries + e];
-    if (e < cuda::alphaOffset<C, Role::query>()) a.dcollapse[e] = sum;
-    else if (e < cuda::alphaOffset<C, Role::key>()) a.dalpha_q[e - cuda::alphaOffset<C, Role::query>()] = sum;
-    else if (e < cuda::alphaOffset<C, Role::value>()) a.dalpha_k[e - cuda::alphaOffset<C, Role::key>()] = sum;
-    else a.dalpha_v[e - cuda::alphaOffset<C, Role::value>()] = sum;
+    *partials::destination<C>(a, e) = sum;
   }
 }
 

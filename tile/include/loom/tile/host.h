@@ -505,43 +505,6 @@ inline float* workspaceRow(void* base, int64_t b, int64_t heads, int64_t h, int6
   return static_cast<float*>(base) + ((b * heads + h) * L + i) * width;
 }
 
-// The token CTAs of a token-parallel launch, and a CTA's partial sums
-// (loom::backwardPartialEntries: dcollapse, dalpha_q, dalpha_k, dalpha_v).
-template <class C>
-constexpr int64_t tokensPerCta() {
-  return C::block_m / C::pseudo_heads;
-}
-template <class C>
-int64_t tokenCtas(const IhaArgs& a) {
-  return (a.tokens + tokensPerCta<C>() - 1) / tokensPerCta<C>();
-}
-template <class C>
-constexpr int64_t partialEntries() {
-  return backwardPartialEntries(C::heads, C::kv_heads, C::pseudo_heads, C::collapse == Collapse::global);
-}
-template <class C>
-constexpr int64_t collapseEntries() {
-  return (C::collapse == Collapse::global ? C::heads : 1) * C::heads * C::pseudo_heads;
-}
-// Where a role's dalpha starts in the partial sums.
-template <class C, Role R>
-constexpr int64_t alphaOffset() {
-  constexpr int64_t q = collapseEntries<C>(), k = q + int64_t(C::heads) * C::heads * C::pseudo_heads;
-  return R == Role::query ? q : R == Role::key ? k : k + int64_t(C::kv_heads) * C::kv_heads * C::pseudo_heads;
-}
-template <class C>
-float* partialsOf(const IhaArgs& a, int64_t token0, int64_t b) {
-  return a.partials + (b * tokenCtas<C>(a) + token0 / tokensPerCta<C>()) * partialEntries<C>();
-}
-
-// The collapse weight from pseudo output (source, p) to output head
-// target, or -1 where they are not connected (per_head, other heads).
-template <class C>
-int64_t collapseIndex(int64_t target, int64_t source, int64_t p) {
-  if (C::collapse == Collapse::per_head) return source == target ? target * C::pseudo_heads + p : -1;
-  return (target * C::heads + source) * C::pseudo_heads + p;
-}
-
 // Rows [first, first + count) of head h of a float workspace; zeros past L.
 inline void loadRows(void* base, int64_t b, int64_t heads, int64_t h, int64_t L, int64_t first, int count, int width,
                      float* out) {
@@ -576,9 +539,9 @@ template <class C>
 void collapse_grad(const IhaArgs& a, int64_t token0, int64_t b) {
   constexpr int P = C::pseudo_heads, D = C::head_dim;
   const int64_t L = seq_len<C>(a);
-  float* partial = host::partialsOf<C>(a, token0, b);
-  std::fill(partial, partial + host::collapseEntries<C>(), 0.0f);
-  for (int64_t n = token0; n < token0 + host::tokensPerCta<C>() && n < a.tokens; ++n)
+  float* partial = partials::slot<C>(a, token0, b);
+  std::fill(partial, partial + partials::collapse_entries<C>(), 0.0f);
+  for (int64_t n = token0; n < token0 + partials::tokens_per_cta<C>() && n < a.tokens; ++n)
     for (int source = 0; source < C::heads; ++source)
       for (int p = 0; p < P; ++p) {
         const int64_t i = n * P + p;
@@ -586,7 +549,7 @@ void collapse_grad(const IhaArgs& a, int64_t token0, int64_t b) {
         const float* o = host::workspaceRow(a.o_pseudo, b, C::heads, source, L, i, D);
         std::fill(dO, dO + D, 0.0f);
         for (int target = 0; target < C::heads; ++target) {
-          const int64_t at = host::collapseIndex<C>(target, source, p);
+          const int64_t at = partials::collapse_index<C>(target, source, p);
           if (at < 0) continue;
           const int64_t base = b * a.out_stride[0] + n * a.out_stride[1] + target * a.out_stride[2];
           float dot = 0.0f;
@@ -823,10 +786,10 @@ void unmix(const IhaArgs& a, int64_t token0, int64_t b) {
   float* dx = R == Role::query ? a.dq : R == Role::key ? a.dk : a.dv;
   void* grads = R == Role::query ? a.dq_pseudo : R == Role::key ? a.dk_pseudo : a.dv_pseudo;
   const int64_t L = seq_len<C>(a);
-  float* partial = host::partialsOf<C>(a, token0, b) + host::alphaOffset<C, R>();
+  float* partial = partials::slot<C>(a, token0, b) + partials::alpha_offset<C, R>();
   std::fill(partial, partial + heads * heads * P, 0.0f);
   float g[D], mixed[D];
-  for (int64_t n = token0; n < token0 + host::tokensPerCta<C>() && n < a.tokens; ++n) {
+  for (int64_t n = token0; n < token0 + partials::tokens_per_cta<C>() && n < a.tokens; ++n) {
     float* rows = dx + (b * a.tokens + n) * heads * D;
     std::fill(rows, rows + heads * D, 0.0f);
     for (int h = 0; h < heads; ++h)
@@ -866,15 +829,12 @@ void unmix(const IhaArgs& a, int64_t token0, int64_t b) {
 template <class C>
 void reduce_grads(const IhaArgs& a, int64_t chunk, int64_t b) {
   if (b != 0) return;  // one CTA row does it
-  constexpr int64_t entries = host::partialEntries<C>();
-  const int64_t slots = a.batch * host::tokenCtas<C>(a);
+  constexpr int64_t entries = partials::entries<C>();
+  const int64_t slots = a.batch * partials::token_ctas<C>(a);
   for (int64_t e = chunk * kReduceChunk; e < (chunk + 1) * kReduceChunk && e < entries; ++e) {
     float sum = 0.0f;
     for (int64_t slot = 0; slot < slots; ++slot) sum += a.partials[slot * entries + e];
-    if (e < host::alphaOffset<C, Role::query>()) a.dcollapse[e] = sum;
-    else if (e < host::alphaOffset<C, Role::key>()) a.dalpha_q[e - host::alphaOffset<C, Role::query>()] = sum;
-    else if (e < host::alphaOffset<C, Role::value>()) a.dalpha_k[e - host::alphaOffset<C, Role::key>()] = sum;
-    else a.dalpha_v[e - host::alphaOffset<C, Role::value>()] = sum;
+    *partials::destination<C>(a, e) = sum;
   }
 }
 
