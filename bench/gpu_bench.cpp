@@ -1,8 +1,11 @@
 // loom-gpu-bench: times precompiled kernels on the GPU. Each bundle named
 // bench.n<N>b<B>.<label>.pb is run on fresh random inputs of that size:
 // warm-up, then CUDA-event timings with the L2 flushed before every run,
-// and the median reported with TFLOP/s (docs/IHA.md's FLOP count) and the
-// bandwidth of the operands moved once. Prints a table; with a second
+// and the median reported with TFLOP/s (docs/IHA.md's FLOP count; a
+// backward bundle's by FlashAttention's count, 2.5 forwards) and the
+// bandwidth of the operands moved once. A backward bundle is timed whole
+// (pre-mix, recomputed attention, prep, dK/dV, dQ, un-mix, reduce) on a
+// fresh dout as well. Prints a table; with a second
 // argument also writes it as JSON there (bench/report.py reads it).
 //
 //   loom-gpu-bench build/gpu-bundles [results.json]
@@ -68,17 +71,28 @@ int main(int argc, char** argv) {
       continue;
     }
     const KernelSpec& spec = compiled.spec();
-    const IhaCase c = drawCase(spec, batch, tokens, rng());
+    const bool backward = compiled.direction() == v1::direction_backward;
+    IhaCase c = drawCase(spec, batch, tokens, rng());
+    if (backward) c.dout = drawDout(spec, batch, tokens, rng());
     auto buffers = cuda::CaseBuffers::upload(**device, c);
     if (!buffers) return 2;
-    auto timing = autotune::timeLaunches(**kernel, **device, {buffers->tensors()}, *flush, kPlan);
+    Result<autotune::Timing> timing = makeError("not timed");
+    if (backward) {
+      auto grads = cuda::GradBuffers::upload(**device, c);
+      if (!grads) return 2;
+      timing = autotune::timeRuns([&](int) { return (*kernel)->launchBackward(buffers->tensors(), grads->tensors()); },
+                                  **device, *flush, kPlan);
+    } else {
+      timing = autotune::timeLaunches(**kernel, **device, {buffers->tensors()}, *flush, kPlan);
+    }
     if (!timing) {
       std::printf("%-34s launch failed: %s\n", m[3].str().c_str(), timing.error().message.c_str());
       ++failures;
       continue;
     }
     const double median = timing->medianMs, p90 = timing->p90Ms;
-    const double flops = autotune::ihaFlops(spec, batch, tokens);
+    const double flops =
+        backward ? autotune::ihaBackwardFlops(spec, batch, tokens) : autotune::ihaFlops(spec, batch, tokens);
     const double bytes = autotune::operandBytes(spec, batch, tokens);
     std::printf("%-34s %4lld %6lld %10.3f %10.3f %9.1f %9.1f\n", m[3].str().c_str(), (long long)batch,
                 (long long)tokens, median, p90, flops / (median * 1e-3) / 1e12, bytes / (median * 1e-3) / 1e9);
@@ -88,6 +102,7 @@ int main(int argc, char** argv) {
                        {"median_ms", median},
                        {"p90_ms", p90},
                        {"tflops", flops / (median * 1e-3) / 1e12},
+                       {"direction", backward ? "backward" : "forward"},
                        {"engine", compiled.schedule().engine() == v1::engine_wgmma ? "wgmma" : "mma"},
                        {"workspace_bytes", workspaceBytes(compiled, batch, tokens)}});
     // Rewritten after every kernel: a later hang (killed by a timeout) keeps what was measured.

@@ -1,7 +1,8 @@
 // loom-gpu-tune: the tuner's measurement stage on precompiled candidates
 // (loom tune --target ARCH --bundles DIR writes them where the compiler
-// lives): every tune.*.pb of one spec is verified against the float64
-// reference and timed; prints the ranked table. No compiler linked.
+// lives): every tune.*.pb of one spec and direction is verified against the
+// float64 reference (every gradient, for backward bundles) and timed;
+// prints the ranked table. No compiler linked.
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -15,7 +16,7 @@ using namespace loom;
 
 int main(int argc, char** argv) {
   if (argc < 2 || std::string(argv[1]) == "--help") {
-    std::printf("usage: loom-gpu-tune BUNDLE_DIR [TOKENS] [BATCH]\n");
+    std::printf("usage: loom-gpu-tune BUNDLE_DIR [TOKENS] [BATCH] [DEADLINE_SECONDS]\n");
     return argc < 2 ? 2 : 0;
   }
   const std::string dir = argv[1];
@@ -23,7 +24,7 @@ int main(int argc, char** argv) {
   options.tokens = argc > 2 ? std::stoll(argv[2]) : 4096;
   options.batch = argc > 3 ? std::stoll(argv[3]) : 1;
   options.halving = false;
-  options.deadlineSeconds = 240;
+  options.deadlineSeconds = argc > 4 ? std::stod(argv[4]) : 240;
   auto device = cuda::Device::open(0);
   if (!device) return std::fprintf(stderr, "loom-gpu-tune: %s\n", device.error().message.c_str()), 2;
   const v1::Target target = cuda::targetOf((*device)->info());
@@ -38,10 +39,19 @@ int main(int argc, char** argv) {
     v1::CompiledKernel kernel;
     std::ifstream in(path, std::ios::binary);
     if (!kernel.ParseFromIstream(&in)) continue;
-    if (!kernels.empty() && kernel.spec().SerializeAsString() != kernels.front().spec().SerializeAsString()) continue;
+    if (!kernels.empty() && (kernel.spec().SerializeAsString() != kernels.front().spec().SerializeAsString() ||
+                             kernel.direction() != kernels.front().direction()))
+      continue;
+    const bool backward = kernel.direction() == v1::direction_backward;
+    options.direction = kernel.direction();
     autotune::CandidateResult r;
     r.candidate = {kernel.schedule(), path.stem().string().substr(5)};
-    r.predictedMs = autotune::estimateCost(kernel.spec(), kernel.schedule(), target, options.batch, options.tokens).seconds * 1e3;
+    r.predictedMs = (backward ? autotune::estimateBackwardCost(kernel.spec(), kernel.schedule(), target, options.batch,
+                                                              options.tokens)
+                              : autotune::estimateCost(kernel.spec(), kernel.schedule(), target, options.batch,
+                                                       options.tokens))
+                        .seconds *
+                    1e3;
     for (const auto& usage : kernel.resources()) r.registers = std::max(r.registers, usage.registers());
     for (const auto& entry : kernel.entries()) r.sharedMemory = std::max(r.sharedMemory, entry.shared_memory_bytes());
     kernels.push_back(kernel);

@@ -8,7 +8,7 @@ Two modes:
       per problem of the grid and DIR/problems.txt ("name tokens batch" lines),
       from which loom's kernels are compiled as bench bundles.
 
-  python3 bench/peers.py --run OUT.json [--grid quick|full]
+  python3 bench/peers.py --run OUT.json [--grid quick|full] [--backward]
       (on the GPU machine, PyTorch with CUDA) times, per problem, on fresh
       random inputs drawn as loom's cases are:
         eager    mixing, interleave, RoPE, torch SDPA with the IHA mask as a
@@ -20,6 +20,10 @@ Two modes:
                  collapse timed too
       CUDA events, warm-up, median of repeated runs, the L2 flushed before
       each; TFLOP/s with docs/IHA.md's FLOP count; peak memory per method.
+      --backward times a training step instead: each method's forward and
+      its autograd backward (every gradient: q, k, v, the three mixings and
+      collapse, from a fresh dout), counted as 3.5 forwards (FlashAttention's
+      count: the backward is 2.5).
 
 bench/report.py joins OUT.json with loom-gpu-bench's JSON into the table.
 """
@@ -89,7 +93,7 @@ def emit(directory, problems):
     print(f"{len(problems)} problems written to {directory}")
 
 
-def run(out_path, problems):
+def run(out_path, problems, backward=False):
     import torch
     import torch.nn.functional as F
 
@@ -125,6 +129,11 @@ def run(out_path, problems):
                                    + 0.3 * torch.randn(n, n, P, device=device, generator=gen))
         aq, ak, av = near_identity(H), near_identity(G), near_identity(G)
         collapse = torch.randn(H, P, device=device, generator=gen) / math.sqrt(P)
+        leaves = (q, k, v, aq, ak, av, collapse)
+        if backward:
+            for leaf in leaves:
+                leaf.requires_grad_(True)
+            dout = torch.randn(B, N, H, d, device=device, dtype=dtype, generator=gen)
         half = d // 2
         inv = spec["rope_theta"] ** (-2.0 * torch.arange(half, device=device, dtype=torch.float64) / d)
         angle = torch.arange(L, device=device, dtype=torch.float64)[:, None] * inv
@@ -153,9 +162,12 @@ def run(out_path, problems):
             ok = tj <= ti
             return ok & (ti - tj < W) if W else ok
 
-        row = {"name": problem["name"], "tokens": N, "batch": B, "flops": flops(spec, N, B), "methods": {}}
+        work = flops(spec, N, B) * (3.5 if backward else 1.0)
+        row = {"name": problem["name"], "tokens": N, "batch": B, "flops": work, "methods": {}}
 
-        def measure(method, fn):
+        def measure(method, forward):
+            # A training step: the forward, then every gradient from dout.
+            fn = (lambda: torch.autograd.grad(forward(), leaves, dout)) if backward else forward
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
@@ -196,7 +208,8 @@ def run(out_path, problems):
             f"{m} {t:.1f}" if t else f"{m} -" for m, t in best.items()), flush=True)
 
     with open(out_path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "results": results}, f, indent=2)
+        json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                   "direction": "forward+backward" if backward else "forward", "results": results}, f, indent=2)
     return 0
 
 
@@ -206,12 +219,14 @@ def main():
     mode.add_argument("--emit", metavar="DIR", help="write the grid's specs for loom's bench bundles")
     mode.add_argument("--run", metavar="OUT.json", help="time the peers (PyTorch with CUDA)")
     parser.add_argument("--grid", choices=("quick", "full"), default="quick")
+    parser.add_argument("--backward", action="store_true",
+                        help="with --run: time forward + backward (a training step) instead of the forward")
     args = parser.parse_args()
     problems = grid(args.grid)
     if args.emit:
         emit(args.emit, problems)
         return 0
-    return run(args.run, problems)
+    return run(args.run, problems, args.backward)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ each peer (docs/IHA.md's FLOP count), loom's ratio to the fastest peer, to
 FlexAttention and to the bf16 matrix-product ceiling, peak extra memory, and
 whether issue 8's targets hold (N*P >= 8192: at least the fastest peer and
 1.2x FlexAttention; N*P >= 16384, d = 128, no window: 60% of the ceiling).
+With a training-step peers.json (bench/peers.py --run --backward) loom's
+time is its forward kernel's plus its backward kernel's (the bundle named
+NAME-backward), against each peer's forward and autograd backward; the
+FLOPs are 3.5 forwards and the target is the fastest peer.
 No third-party package is needed; the plot needs matplotlib and is skipped
 (with a note) without it.
 """
@@ -38,9 +42,11 @@ def main():
     args = parser.parse_args()
     loom = {r["name"]: r for r in json.load(open(args.loom))["results"]}
     peers = json.load(open(args.peers))
+    training = peers.get("direction") == 'forward+backward'
     ceiling = json.load(open(args.ceilings))["bf16_matmul_tflops"] if args.ceilings else None
 
-    print(f"Device: {peers['device']}, PyTorch {peers['torch']}"
+    print(("Training step (forward + backward). " if training else "")
+          + f"Device: {peers['device']}, PyTorch {peers['torch']}"
           + (f"; measured bf16 matmul ceiling {ceiling:.0f} TFLOP/s" if ceiling else ""))
     print()
     print("| problem | loom TFLOP/s | " + " | ".join(PEERS) + " | vs fastest peer | vs flex | vs ceiling | "
@@ -51,6 +57,12 @@ def main():
     for row in peers["results"]:
         name, shape = row["name"], shape_of(row["name"])
         mine = loom.get(name)
+        if training and mine:
+            step = loom.get(name + "-backward")
+            mine = step and {**step, "median_ms": mine["median_ms"] + step["median_ms"],
+                             "workspace_bytes": max(mine["workspace_bytes"], step["workspace_bytes"])}
+            if mine:
+                mine["tflops"] = row["flops"] / (mine["median_ms"] * 1e-3) / 1e12
         cells = []
         fastest, fastest_memory = None, None
         for peer in PEERS:
@@ -74,9 +86,9 @@ def main():
         if shape and shape["N"] * shape["P"] >= 8192:
             if fastest and tflops < fastest:
                 notes.append("slower than the fastest peer")
-            if flex and tflops < 1.2 * flex:
+            if flex and tflops < 1.2 * flex and not training:
                 notes.append("under 1.2x flex")
-        if ceiling and shape and shape["N"] * shape["P"] >= 16384 and shape["d"] == 128 and not shape["window"]:
+        if ceiling and not training and shape and shape["N"] * shape["P"] >= 16384 and shape["d"] == 128 and not shape["window"]:
             if tflops < 0.6 * ceiling:
                 notes.append("under 60% of the ceiling")
         missed += bool(notes)
@@ -103,7 +115,7 @@ def main():
         axis.set_xscale("log", base=2)
         axis.set_xlabel("N * P (virtual sequence length)")
         axis.set_ylabel("TFLOP/s")
-        axis.set_title(f"IHA on {peers['device']}")
+        axis.set_title(f"IHA {'training step ' if training else ''}on {peers['device']}")
         axis.legend()
         figure.savefig(args.plot, dpi=120, bbox_inches="tight")
     return 0

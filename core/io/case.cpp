@@ -252,17 +252,31 @@ std::vector<double> gradientErrors(const KernelSpec& spec, const reference::IhaG
   return errors;
 }
 
+double worstGradientError(const KernelSpec& spec, const reference::IhaGradients& got,
+                          const reference::IhaGradients& want) {
+  double worst = 0;
+  for (double e : gradientErrors(spec, got, want)) {
+    if (std::isnan(e)) return e;
+    worst = std::max(worst, e);
+  }
+  return worst;
+}
+
+std::vector<double> drawDout(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> normal(0.0, 1.0);
+  std::vector<double> dout(size_t(batch * tokens * spec.heads() * spec.head_dim()));
+  for (double& x : dout) x = normal(rng);
+  return npyToDouble(npyFromDouble(dout, {int64_t(dout.size())}, storageTypeOf(spec.dtype())),
+                     spec.dtype() == v1::bfloat16);
+}
+
 IhaCase drawCheckableBackwardCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed) {
   constexpr int kMaxDraws = 64;
-  const NpyType type = storageTypeOf(spec.dtype());
   IhaCase c;
   for (int draw = 0; draw < kMaxDraws; ++draw) {
     c = drawCheckableCase(spec, batch, tokens, seed + uint64_t(draw) * 1000003);
-    std::mt19937_64 rng(seed ^ (0x9e3779b97f4a7c15ull * uint64_t(draw + 1)));
-    std::normal_distribution<double> normal(0.0, 1.0);
-    std::vector<double> dout(size_t(batch * tokens * spec.heads() * spec.head_dim()));
-    for (double& x : dout) x = normal(rng);
-    c.dout = npyToDouble(npyFromDouble(dout, {int64_t(dout.size())}, type), spec.dtype() == v1::bfloat16);
+    c.dout = drawDout(spec, batch, tokens, seed ^ (0x9e3779b97f4a7c15ull * uint64_t(draw + 1)));
     c.expectedGradients = reference::ihaBackward(spec, c.inputs, *c.dout);
     const auto rounded = reference::ihaBackwardWithRoundedMixing(spec, c.inputs, *c.dout, spec.dtype());
     const std::vector<double> errors = gradientErrors(spec, rounded, *c.expectedGradients);

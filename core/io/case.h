@@ -81,6 +81,13 @@ double gradientToleranceFor(v1::DType dtype);
 // the size of its terms. NaN where `got` is not finite.
 std::vector<double> gradientErrors(const KernelSpec& spec, const reference::IhaGradients& got,
                                    const reference::IhaGradients& want);
+// The largest of gradientErrors; NaN when any is.
+double worstGradientError(const KernelSpec& spec, const reference::IhaGradients& got,
+                          const reference::IhaGradients& want);
+
+// dout [B, N, H, d] ~ N(0, 1), rounded to the spec's dtype as a kernel
+// reads it. The same seed gives the same dout.
+std::vector<double> drawDout(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed);
 
 // drawCheckableCase plus dout ~ N(0, 1) rounded to the dtype and the
 // expected gradients; it draws again (seed + 1, ...) while the backward with

@@ -81,6 +81,10 @@ double ihaFlops(const KernelSpec& spec, int64_t batch, int64_t tokens) {
   return 4.0 * double(batch * spec.heads()) * double(spec.head_dim()) * allowedPairs(spec, tokens);
 }
 
+double ihaBackwardFlops(const KernelSpec& spec, int64_t batch, int64_t tokens) {
+  return 2.5 * ihaFlops(spec, batch, tokens);
+}
+
 double operandBytes(const KernelSpec& spec, int64_t batch, int64_t tokens) {
   return double(batch) * double(tokens) * (2.0 * spec.heads() + 2.0 * spec.kv_heads()) * double(spec.head_dim()) * kBytes16;
 }
@@ -220,14 +224,18 @@ CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& s, con
   const int64_t bm = s.block_m(), bn = s.block_n();
   const double paddedDim = double((d + 15) / 16 * 16);
   const BlockCounts blocks = countBlocks(spec, bm, bn, tokens);
-  constexpr double kProducts = 2 + 4 + 3;  // forward recomputed, key-block-outer, dq
-  constexpr double kExps = 3;
+  // The forward recomputed (2 products), the key-block-outer launch (4), and
+  // dq: its own launch recomputing S, P and dP (3), or one product added to
+  // the key-block-outer launch (dq atomic).
+  const bool atomicDq = s.dq() == v1::dq_atomic;
+  const double kProducts = atomicDq ? 2 + 4 + 1 : 2 + 4 + 3;
+  const double kExps = atomicDq ? 2 : 3;
 
   CostEstimate e;
-  e.usefulFlops = 2.5 * ihaFlops(spec, batch, tokens);  // FlashAttention's count: the backward is 2.5 forwards
+  e.usefulFlops = ihaBackwardFlops(spec, batch, tokens);
   e.matrixFlops = 2.0 * kProducts * double(heads) * double(blocks.visited) * double(bm * bn) * paddedDim;
   const double exps = kExps * double(heads) * double(blocks.visited) * double(bm * bn);
-  const double maskOps = 3.0 * double(heads) * double(blocks.masked) * double(bm * bn) * 8;
+  const double maskOps = kExps * double(heads) * double(blocks.masked) * double(bm * bn) * 8;
   // Mixing (pre-mix), its transpose (dx and dalpha: twice the work), and qk_norm's Jacobian.
   const double rope = spec.rope_theta() > 0 ? 2.0 : 1.0;
   double mixFlops = 3.0 * double(batch) * double(L * d) * 2.0 * (double(H * H) + 2.0 * G * G) * rope;
@@ -240,13 +248,16 @@ CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& s, con
   bytes += 2.0 * rowBytes32 * (H + 2.0 * G);   // pseudo-row gradients written, read
   bytes += double(batch) * tokens * (H + 2.0 * G) * d * 4.0;  // dq, dk, dv
   e.dramBytes = bytes;
-  // Re-reads: the forward's and the dq loop's K and V per visit, the
-  // key-block loop's Q and do per visit.
-  const double l2Bytes = double(heads) * double(blocks.visited) * 2.0 * (2.0 * bn + bm) * d * kBytes16;
+  // Re-reads: the forward's (and the dq loop's) K and V per visit, the
+  // key-block loop's Q and do per visit; dq atomic adds block_m x d f32 per
+  // visit in L2 (a read-modify-write: counted twice).
+  double l2Bytes = double(heads) * double(blocks.visited) * 2.0 * ((atomicDq ? 1.0 : 2.0) * bn + bm) * d * kBytes16;
+  if (atomicDq) l2Bytes += double(heads) * double(blocks.visited) * double(bm) * d * 4.0 * 2.0;
 
   const int threads = s.warps() * 32;
   const int registers = registersPerThread.value_or(int(std::min<int64_t>(kMaxThreadRegisters, 200)));
-  const int64_t smem = target.kind() != v1::Target::cuda ? 0 : backwardSmem(int(bm), int(bn), int(d)).total;
+  const int64_t smem =
+      target.kind() != v1::Target::cuda ? 0 : backwardSmem(int(bm), int(bn), int(d), atomicDq).total;
   int ctas = kMaxCtasPerSm;
   if (smem > 0) ctas = std::min<int64_t>(ctas, device.sharedMemoryPerSm / smem);
   ctas = std::min(ctas, device.registersPerSm / std::max(1, registers * threads));
@@ -276,7 +287,7 @@ CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& s, con
   // The backward's loads are not pipelined (cp.async, then wait): the
   // smaller of the two stays exposed whole.
   const double kernelTime = computeTime + memoryTime;
-  constexpr int kLaunches = 7;
+  const int kLaunches = atomicDq ? 6 : 7;
   e.seconds = kernelTime / std::max(utilisation, 1e-3) + kLaunches * kLaunchSeconds;
   const double parts[] = {tensorTime, memoryTime, expTime, simtTime, sharedTime};
   const char* names[] = {"tensor", "memory", "exp", "mixing", "shared memory"};

@@ -82,6 +82,9 @@ double allowedPairs(const KernelSpec& spec, int64_t tokens);
 // The useful work of a forward pass, docs/IHA.md: 4 d H B times the allowed
 // pairs. Every TFLOP/s loom reports divides this.
 double ihaFlops(const KernelSpec& spec, int64_t batch, int64_t tokens);
+// The backward's useful work by FlashAttention's count (five products of
+// the forward's two: 2.5 forwards), whatever a schedule recomputes.
+double ihaBackwardFlops(const KernelSpec& spec, int64_t batch, int64_t tokens);
 
 // q, k, v read and out written once, 16-bit: the bytes a pass must move.
 double operandBytes(const KernelSpec& spec, int64_t batch, int64_t tokens);

@@ -23,6 +23,11 @@ constexpr double kNoiseFraction = 0.02;     // medians closer than this are ties
 
 Result<Timing> timeLaunches(Kernel& kernel, const cuda::Device& device, const std::vector<IhaTensors>& inputs,
                             const cuda::DeviceBuffer& flush, const TimingPlan& plan) {
+  return timeRuns([&](int run) { return kernel.launch(inputs[size_t(run) % inputs.size()]); }, device, flush, plan);
+}
+
+Result<Timing> timeRuns(const std::function<Status(int run)>& launch, const cuda::Device& device,
+                        const cuda::DeviceBuffer& flush, const TimingPlan& plan) {
   const cuda::DriverApi& api = device.api();
   CUevent start, stop;
   api.cuEventCreate(&start, CU_EVENT_DEFAULT);
@@ -33,7 +38,7 @@ Result<Timing> timeLaunches(Kernel& kernel, const cuda::Device& device, const st
   for (int run = 0; run < plan.warmupRuns + plan.maxRuns; ++run) {
     api.cuMemsetD8(flush.get(), uint8_t(run), flush.size());
     api.cuEventRecord(start, nullptr);
-    status = kernel.launch(inputs[size_t(run) % inputs.size()]);
+    status = launch(run);
     api.cuEventRecord(stop, nullptr);
     if (!status) break;
     if (status = cuda::check(api.cuEventSynchronize(stop), "timed run"); !status) break;
@@ -99,16 +104,28 @@ Status measure(const KernelSpec& spec, std::shared_ptr<cuda::Device> device, con
   auto report = [&] {
     if (progress) progress(state);
   };
-  // Trusted result: the float64 reference on a small fresh case.
-  const IhaCase verify = drawCheckableCase(spec, 1, std::min(options.tokens, kVerifyTokens), options.seed);
-  const std::vector<double>& trusted = *verify.expected;
+  const bool backward = options.direction == v1::direction_backward;
+  // Trusted result: the float64 reference (forward or backward) on a small fresh case.
+  const int64_t verifyTokens = std::min(options.tokens, kVerifyTokens);
+  const IhaCase verify = backward ? drawCheckableBackwardCase(spec, 1, verifyTokens, options.seed)
+                                  : drawCheckableCase(spec, 1, verifyTokens, options.seed);
   std::vector<cuda::CaseBuffers> buffers;
+  std::vector<cuda::GradBuffers> gradBuffers;
   std::vector<IhaTensors> inputs;
+  std::vector<IhaGradTensors> grads;
   for (int set = 0; set < kInputSets; ++set) {
-    auto uploaded = cuda::CaseBuffers::upload(*device, drawCase(spec, options.batch, options.tokens, options.seed + 1 + set));
+    IhaCase drawn = drawCase(spec, options.batch, options.tokens, options.seed + 1 + set);
+    if (backward) drawn.dout = drawDout(spec, options.batch, options.tokens, options.seed + 101 + set);
+    auto uploaded = cuda::CaseBuffers::upload(*device, drawn);
     if (!uploaded) return uploaded.error();
     buffers.push_back(std::move(*uploaded));
     inputs.push_back(buffers.back().tensors());
+    if (backward) {
+      auto gradients = cuda::GradBuffers::upload(*device, drawn);
+      if (!gradients) return gradients.error();
+      gradBuffers.push_back(std::move(*gradients));
+      grads.push_back(gradBuffers.back().tensors());
+    }
   }
   auto flush = cuda::DeviceBuffer::allocate(*device, kL2FlushBytes);
   if (!flush) return flush.error();
@@ -123,11 +140,21 @@ Status measure(const KernelSpec& spec, std::shared_ptr<cuda::Device> device, con
       r.reason = kernel.error().message;
       continue;
     }
-    auto run = cuda::runCase(**kernel, *device, verify);
-    r.error = run ? relativeError(run->out, trusted) : std::nan("");
-    if (!run || !(r.error <= toleranceFor(spec.dtype()))) {  // NaN fails too
+    Status ran = Status::success();
+    if (backward) {
+      auto run = cuda::runBackwardCase(**kernel, *device, verify);
+      if (!run) ran = run.error();
+      r.error = run ? worstGradientError(spec, *run, *verify.expectedGradients) : std::nan("");
+    } else {
+      auto run = cuda::runCase(**kernel, *device, verify);
+      if (!run) ran = run.error();
+      r.error = run ? relativeError(run->out, *verify.expected) : std::nan("");
+    }
+    const double tolerance = backward ? gradientToleranceFor(spec.dtype()) : toleranceFor(spec.dtype());
+    if (!ran || !(r.error <= tolerance)) {  // NaN fails too
       r.outcome = Outcome::wrong;
-      r.reason = run ? "relative error " + std::to_string(r.error) : run.error().message;
+      r.reason = ran ? std::string(backward ? "worst gradient error " : "relative error ") + std::to_string(r.error)
+                     : ran.error().message;
       continue;
     }
     ++state.verified;
@@ -143,7 +170,14 @@ Status measure(const KernelSpec& spec, std::shared_ptr<cuda::Device> device, con
       if (overDeadline() && results[i].outcome == Outcome::timed) continue;
       TimingPlan plan;
       plan.budgetMs = budgetMs;
-      auto timing = timeLaunches(*loaded[i], *device, inputs, *flush, plan);
+      Kernel& kernel = *loaded[i];
+      auto timing = backward ? timeRuns(
+                                   [&](int run) {
+                                     const size_t set = size_t(run) % inputs.size();
+                                     return kernel.launchBackward(inputs[set], grads[set]);
+                                   },
+                                   *device, *flush, plan)
+                             : timeLaunches(kernel, *device, inputs, *flush, plan);
       if (!timing) {
         results[i].outcome = Outcome::wrong;
         results[i].reason = timing.error().message;
@@ -167,7 +201,8 @@ Status measure(const KernelSpec& spec, std::shared_ptr<cuda::Device> device, con
   }
 
   // Throughput of what was timed.
-  const double flops = ihaFlops(spec, options.batch, options.tokens);
+  const double flops = backward ? ihaBackwardFlops(spec, options.batch, options.tokens)
+                                : ihaFlops(spec, options.batch, options.tokens);
   const double bytes = operandBytes(spec, options.batch, options.tokens);
   for (CandidateResult& r : results)
     if (r.outcome == Outcome::timed) {

@@ -69,6 +69,11 @@ inline constexpr size_t kL2FlushBytes = size_t(256) << 20;
 // cache does not flatter small problems.
 Result<Timing> timeLaunches(Kernel& kernel, const cuda::Device& device, const std::vector<IhaTensors>& inputs,
                             const cuda::DeviceBuffer& flush, const TimingPlan& plan);
+// The same loop around any launch sequence (`launch(run)` enqueues run
+// number `run` on the default stream): a backward, or a forward and its
+// backward together.
+Result<Timing> timeRuns(const std::function<Status(int run)>& launch, const cuda::Device& device,
+                        const cuda::DeviceBuffer& flush, const TimingPlan& plan);
 
 struct MeasureOptions {
   int64_t batch = 1;
@@ -77,6 +82,9 @@ struct MeasureOptions {
   double deadlineSeconds = 60;     // stop starting new rounds after this (from `start`)
   bool halving = false;            // successive halving: the faster half again, twice the budget
   uint64_t seed = 1;
+  // backward: the kernels are backward plans, verified on every gradient
+  // against the float64 backward and timed whole by launchBackward.
+  v1::Direction direction = v1::direction_forward;
 };
 
 // Verifies and times `kernels[i]` for every i in `which` (empty binaries are

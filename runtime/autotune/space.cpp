@@ -35,6 +35,7 @@ std::string scheduleKey(const Schedule& s) {
                     (s.mix() == v1::mix_materialized ? ".materialized" : ".fused") +
                     (s.collapse() == v1::collapse_separate ? ".separate" : ".epilogue");
   if (s.engine() == v1::engine_wgmma) key += ".wgmma.p" + std::to_string(s.producer_registers());
+  if (s.dq() == v1::dq_atomic) key += ".dq-atomic";
   return key;
 }
 
@@ -133,20 +134,22 @@ SearchSpace backwardSearchSpace(const KernelSpec& spec, const v1::Target& target
       if (blockN > kBackwardMaxBlockM) continue;
       const int quantum = kMmaRows * warps;
       for (int blockM = (P + quantum - 1) / quantum * quantum; blockM <= kBackwardMaxBlockM; blockM += quantum) {
-        Schedule s;
-        s.set_warps(warps);
-        s.set_block_m(blockM);
-        s.set_block_n(blockN);
-        s.set_stages(2);
-        s.set_mix(v1::mix_materialized);
-        s.set_collapse(v1::collapse_separate);
-        s.set_engine(v1::engine_mma);
-        s.set_dq(v1::dq_separate);
-        auto resolved = resolveSchedule(spec, s, target, Direction::backward);
-        const std::string key = scheduleKey(resolved ? *resolved : s) + ".backward";
-        if (!seen.insert(key).second) continue;
-        if (!resolved) space.pruned.push_back({s, key, resolved.error().message});
-        else space.candidates.push_back({*resolved, key});
+        for (v1::DqStrategy dq : {v1::dq_separate, v1::dq_atomic}) {
+          Schedule s;
+          s.set_warps(warps);
+          s.set_block_m(blockM);
+          s.set_block_n(blockN);
+          s.set_stages(2);
+          s.set_mix(v1::mix_materialized);
+          s.set_collapse(v1::collapse_separate);
+          s.set_engine(v1::engine_mma);
+          s.set_dq(dq);
+          auto resolved = resolveSchedule(spec, s, target, Direction::backward);
+          const std::string key = scheduleKey(resolved ? *resolved : s) + ".backward";
+          if (!seen.insert(key).second) continue;
+          if (!resolved) space.pruned.push_back({s, key, resolved.error().message});
+          else space.candidates.push_back({*resolved, key});
+        }
       }
     }
   return space;

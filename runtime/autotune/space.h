@@ -39,7 +39,8 @@ SearchSpace searchSpace(const KernelSpec& spec, const v1::Target& target);
 // The backward's space (docs/compiler.md, The backward): warps in {1, 2, 4},
 // key blocks of 16 or 32 rows per warp, query blocks any multiple of 16
 // rows per warp holding a token (up to 128), mixing materialised, the
-// collapse separate, dq in its own launch; what the compiler refuses is
+// collapse separate, dq in its own launch or by atomic adds in the
+// key-block-outer one; what the compiler refuses is
 // pruned with its reason (head_dim over 128, shared memory).
 SearchSpace backwardSearchSpace(const KernelSpec& spec, const v1::Target& target);
 

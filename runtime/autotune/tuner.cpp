@@ -142,9 +142,8 @@ void emulateAll(const KernelSpec& spec, const v1::Target& target, const std::vec
         verdict = "emulator: " + (run->findings.empty() ? std::string("deadlock") : emu::format(run->findings.front()));
       } else {
         double error = 0;
-        if (backward) {  // the worst gradient; NaN counts as the worst
-          const std::vector<double> errors = gradientErrors(spec, *run->gradients, *c.expectedGradients);
-          error = *std::max_element(errors.begin(), errors.end(), [](double a, double b) { return !(a >= b); });
+        if (backward) {
+          error = worstGradientError(spec, *run->gradients, *c.expectedGradients);
         } else {
           error = emu::coveredRelativeError(*run, *c.expected, c.batch, c.tokens, spec.heads(), spec.head_dim());
         }
@@ -220,9 +219,6 @@ Result<TuneReport> tune(const KernelSpec& spec, const v1::Target& target, std::s
   const Clock::time_point start = Clock::now();
   const bool measured = device != nullptr;
   const bool backward = options.direction == Direction::backward;
-  if (backward && measured)
-    return makeError("measured tuning of the backward is not built yet (no timing of launchBackward): it is "
-                     "ranked by the cost model and checked on the emulator where no GPU is given");
 
   // Space and prediction.
   SearchSpace space = backward ? backwardSearchSpace(spec, target) : searchSpace(spec, target);
@@ -335,6 +331,7 @@ Result<TuneReport> tune(const KernelSpec& spec, const v1::Target& target, std::s
     measureOptions.deadlineSeconds = options.budgetSeconds - secondsSince(start);
     measureOptions.halving = strategy == Strategy::halving;
     measureOptions.seed = options.seed;
+    measureOptions.direction = backward ? v1::direction_backward : v1::direction_forward;
     if (Status ok = measure(spec, device, chosen, kernels, results, measureOptions, state, progress); !ok)
       return ok.error();
   }

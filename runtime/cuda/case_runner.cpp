@@ -91,10 +91,9 @@ Result<DeviceRun> runCase(Kernel& kernel, const Device& device, const IhaCase& c
   return buffers->download(device, c);
 }
 
-Result<reference::IhaGradients> runBackwardCase(Kernel& kernel, const Device& device, const IhaCase& c) {
+Result<GradBuffers> GradBuffers::upload(const Device& device, const IhaCase& c) {
   if (!c.dout) return makeError("the backward needs dout, the gradient of the output");
-  auto buffers = CaseBuffers::upload(device, c);
-  if (!buffers) return buffers.error();
+  if (Status ok = device.makeCurrent(); !ok) return ok.error();
   const KernelSpec& spec = c.spec;
   const std::vector<std::vector<int64_t>> shapes = inputShapes(spec, c.batch, c.tokens);
   auto allocate = [&](size_t bytes) -> Result<std::shared_ptr<DeviceBuffer>> {
@@ -102,40 +101,59 @@ Result<reference::IhaGradients> runBackwardCase(Kernel& kernel, const Device& de
     if (!buffer) return buffer.error();
     return std::make_shared<DeviceBuffer>(std::move(*buffer));
   };
+  GradBuffers buffers;
   const NpyArray dout = npyFromDouble(*c.dout, shapes[0], storageTypeOf(spec.dtype()));
   auto doutBuffer = allocate(dout.bytes.size());
   if (!doutBuffer) return doutBuffer.error();
-  if (Status ok = check(device.api().cuMemcpyHtoD((*doutBuffer)->get(), dout.bytes.data(), dout.bytes.size()),
+  buffers.dout_ = *doutBuffer;
+  if (Status ok = check(device.api().cuMemcpyHtoD(buffers.dout_->get(), dout.bytes.data(), dout.bytes.size()),
                         "cuMemcpyHtoD");
       !ok)
     return ok.error();
-  IhaGradTensors g;
-  g.dout = Tensor{(*doutBuffer)->data(), elementOf(spec.dtype()), shapes[0], {}, device.info().ordinal};
+  IhaGradTensors& g = buffers.tensors_;
+  g.dout = Tensor{buffers.dout_->data(), elementOf(spec.dtype()), shapes[0], {}, device.info().ordinal};
   Tensor* targets[] = {&g.dq, &g.dk, &g.dv, &g.dalpha_q, &g.dalpha_k, &g.dalpha_v, &g.dcollapse};
-  std::vector<std::shared_ptr<DeviceBuffer>> gradients;
   for (size_t i = 0; i < shapes.size(); ++i) {
     int64_t count = 1;
     for (int64_t extent : shapes[i]) count *= extent;
     auto buffer = allocate(size_t(count) * sizeof(float));
     if (!buffer) return buffer.error();
-    if (Status ok = check(device.api().cuMemsetD8((*buffer)->get(), kPoisonByte, (*buffer)->size()), "cuMemsetD8"); !ok)
-      return ok.error();
     *targets[i] = Tensor{(*buffer)->data(), ElementKind::float32, shapes[i], {}, device.info().ordinal};
-    gradients.push_back(*buffer);
+    buffers.gradients_.push_back(*buffer);
   }
-  if (Status ok = kernel.launchBackward(buffers->tensors(), g); !ok) return ok.error();
+  return buffers;
+}
+
+Status GradBuffers::poison(const Device& device) const {
+  for (const auto& buffer : gradients_)
+    if (Status ok = check(device.api().cuMemsetD8(buffer->get(), kPoisonByte, buffer->size()), "cuMemsetD8"); !ok)
+      return ok;
+  return Status::success();
+}
+
+Result<reference::IhaGradients> GradBuffers::download(const Device& device) const {
   if (Status ok = check(device.api().cuCtxSynchronize(), "kernel execution"); !ok) return ok.error();
   reference::IhaGradients result;
   const auto slots = reference::gradientsOf(result);
-  for (size_t i = 0; i < gradients.size(); ++i) {
-    std::vector<float> values(gradients[i]->size() / sizeof(float));
-    if (Status ok = check(device.api().cuMemcpyDtoH(values.data(), gradients[i]->get(), gradients[i]->size()),
+  for (size_t i = 0; i < gradients_.size(); ++i) {
+    std::vector<float> values(gradients_[i]->size() / sizeof(float));
+    if (Status ok = check(device.api().cuMemcpyDtoH(values.data(), gradients_[i]->get(), gradients_[i]->size()),
                           "cuMemcpyDtoH");
         !ok)
       return ok.error();
     slots[i]->assign(values.begin(), values.end());
   }
   return result;
+}
+
+Result<reference::IhaGradients> runBackwardCase(Kernel& kernel, const Device& device, const IhaCase& c) {
+  auto buffers = CaseBuffers::upload(device, c);
+  if (!buffers) return buffers.error();
+  auto grads = GradBuffers::upload(device, c);
+  if (!grads) return grads.error();
+  if (Status ok = grads->poison(device); !ok) return ok.error();
+  if (Status ok = kernel.launchBackward(buffers->tensors(), grads->tensors()); !ok) return ok.error();
+  return grads->download(device);
 }
 
 }  // namespace loom::cuda

@@ -33,4 +33,20 @@ class CaseBuffers {
   IhaTensors tensors_;
 };
 
+// The device buffers of a backward launch beyond the forward's inputs: dout
+// (the case's, in the spec's dtype) and the seven float32 gradients.
+class GradBuffers {
+ public:
+  static Result<GradBuffers> upload(const Device& device, const IhaCase& c);
+  IhaGradTensors tensors() const { return tensors_; }
+  // Fills every gradient with NaN bit patterns so an unwritten element fails.
+  Status poison(const Device& device) const;
+  Result<reference::IhaGradients> download(const Device& device) const;
+
+ private:
+  std::shared_ptr<DeviceBuffer> dout_;
+  std::vector<std::shared_ptr<DeviceBuffer>> gradients_;  // dq dk dv dalpha_q dalpha_k dalpha_v dcollapse
+  IhaGradTensors tensors_;
+};
+
 }  // namespace loom::cuda

@@ -467,24 +467,9 @@ void Cta::access(const void* address, uint32_t size, bool write, const void* pc)
     return;
   }
   if (config_.global && config_.global->mayContain(address)) {
-    ++coverage_.globalAccesses;
-    const GlobalMemory::Buffer* buffer = nullptr;
-    const auto where = config_.global->locate(address, size, &buffer);
-    const std::string instruction = std::string(write ? "st.global." : "ld.global.") + widthName(size);
-    if (where == GlobalMemory::Where::redZone) {
-      const int64_t from = int64_t(a) - int64_t(reinterpret_cast<uintptr_t>(buffer->data));
-      report(FindingKind::outOfBounds, instruction, pc,
-             std::to_string(size) + "-byte " + (write ? "store" : "load") + " at byte " + std::to_string(from) +
-                 " of " + buffer->name + ", which has " + std::to_string(buffer->bytes) + " bytes");
-      return;
-    }
-    if (where == GlobalMemory::Where::inside) {
-      if (a % size != 0)
-        report(FindingKind::misaligned, instruction, pc,
-               std::to_string(size) + "-byte access into " + buffer->name + " not aligned to its size");
-      if (write && buffer->readOnly)
-        report(FindingKind::readOnly, instruction, pc, "a store into the input " + buffer->name);
-    }
+    // Between the buffers lies other memory (a thread's stack): left alone.
+    checkGlobal(address, size, write, std::string(write ? "st.global." : "ld.global.") + widthName(size), pc,
+                /*mustBeInABuffer=*/false);
     return;
   }
   for (const Thread::RegisterRange& r : t.pendingRegisters)
@@ -498,6 +483,38 @@ void Cta::access(const void* address, uint32_t size, bool write, const void* pc)
     }
   for (const auto& [begin, end] : t.wgmmaRegisters)
     if (a < end && a + size > begin) t.touchedSinceFence = true;
+}
+
+bool Cta::checkGlobal(const void* address, uint32_t size, bool write, const std::string& instruction,
+                      const void* pc, bool mustBeInABuffer) {
+  ++coverage_.globalAccesses;
+  const auto a = reinterpret_cast<uintptr_t>(address);
+  const GlobalMemory::Buffer* buffer = nullptr;
+  const auto where = config_.global ? config_.global->locate(address, size, &buffer) : GlobalMemory::Where::elsewhere;
+  if (where == GlobalMemory::Where::elsewhere) {
+    if (!mustBeInABuffer) return true;
+    report(FindingKind::outOfBounds, instruction, pc,
+           std::to_string(size) + "-byte access at " + hex(int64_t(a)) + ", in none of the launch's buffers");
+    return false;
+  }
+  if (where == GlobalMemory::Where::redZone) {
+    const int64_t from = int64_t(a) - int64_t(reinterpret_cast<uintptr_t>(buffer->data));
+    report(FindingKind::outOfBounds, instruction, pc,
+           std::to_string(size) + "-byte " + (write ? "store" : "load") + " at byte " + std::to_string(from) +
+               " of " + buffer->name + ", which has " + std::to_string(buffer->bytes) + " bytes");
+    return false;
+  }
+  bool ok = true;
+  if (a % size != 0) {
+    report(FindingKind::misaligned, instruction, pc,
+           std::to_string(size) + "-byte access into " + buffer->name + " not aligned to its size");
+    ok = false;
+  }
+  if (write && buffer->readOnly) {
+    report(FindingKind::readOnly, instruction, pc, "a store into the input " + buffer->name);
+    ok = false;
+  }
+  return ok;
 }
 
 //===--- asynchronous operations ------------------------------------------===//

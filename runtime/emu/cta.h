@@ -181,6 +181,11 @@ class Cta {
   //===--- device code's own loads and stores (the coverage hooks) ------------===//
 
   void access(const void* address, uint32_t size, bool write, const void* pc);
+  // A global access: false (reported) when it touches a red zone, is
+  // misaligned or stores into an input, or, `mustBeInABuffer` (an atomic),
+  // lies in none of the launch's buffers; true when it may proceed.
+  bool checkGlobal(const void* address, uint32_t size, bool write, const std::string& instruction, const void* pc,
+                   bool mustBeInABuffer = true);
 
   //===--- asynchronous operations in flight ----------------------------------===//
 

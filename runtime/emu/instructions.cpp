@@ -310,6 +310,24 @@ void redSharedAddF32(uint32_t address, float value, const void* pc) {
   std::memcpy(x.shared() + *offset, &old, 4);
 }
 
+// CTAs run on several OS threads at once: the add is a compare-and-swap
+// loop, as atomic against other CTAs as the GPU's.
+void redGlobalAddF32(float* address, float value, const void* pc) {
+  Cta& x = cta();
+  x.maybeLand();
+  if (!x.checkGlobal(address, 4, true, "red.global.add.f32", pc)) return;
+  auto* word = reinterpret_cast<uint32_t*>(address);
+  uint32_t seen = __atomic_load_n(word, __ATOMIC_RELAXED);
+  for (;;) {
+    float old;
+    std::memcpy(&old, &seen, 4);
+    const float sum = old + value;
+    uint32_t next;
+    std::memcpy(&next, &sum, 4);
+    if (__atomic_compare_exchange_n(word, &seen, next, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return;
+  }
+}
+
 //===--- mbarriers and fences -------------------------------------------------===//
 
 Cta::Mbarrier* mbarrierAt(Cta& x, uint32_t address, const char* name, const void* pc, int64_t* offset) {
@@ -770,6 +788,7 @@ const Api& api() {
       .wgmmaWait = wgmmaWait,
       .wgmmaMmaAsync = wgmmaMmaAsync,
       .setmaxnreg = setmaxnreg,
+      .redGlobalAddF32 = redGlobalAddF32,
   };
   return table;
 }

@@ -2,9 +2,10 @@
 # Run ON THE GPU MACHINE (a second device call after tests/gpu/run.sh, with
 # the same carried files): loom against what an IHA user would otherwise run.
 # Measures the ceilings, times PyTorch eager, FlexAttention and SDPA's flash
-# and cuDNN backends on bench/peers.py's grid, times loom's kernels for the
-# same problems, and writes the table (and a plot when matplotlib is there)
-# to $OUT (or /tmp/loom-gpu). About 5 minutes on one GPU.
+# and cuDNN backends on bench/peers.py's grid, forward and then a training
+# step (forward + autograd backward), times loom's forward and backward
+# kernels for the same problems, and writes both tables (and plots when
+# matplotlib is there) to $OUT (or /tmp/loom-gpu). About 9 minutes on one GPU.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export LD_LIBRARY_PATH="$PWD/build/gpu-libs:${LD_LIBRARY_PATH:-}"
@@ -14,9 +15,13 @@ mkdir -p "$out"
 timeout 45 python3 bench/ceilings.py "$out/ceilings.json" 2>&1 | tee "$out/ceilings.log"
 timeout 240 python3 bench/peers.py --run "$out/peers.json" 2>&1 | tee "$out/peers.log"
 peers=${PIPESTATUS[0]}
-timeout 90 build/bin/loom-gpu-bench build/gpu-bundles "$out/bench.json" 2>&1 | tee "$out/bench.log"
+timeout 240 python3 bench/peers.py --run "$out/peers-backward.json" --backward 2>&1 | tee "$out/peers-backward.log"
+((peers |= PIPESTATUS[0]))
+timeout 150 build/bin/loom-gpu-bench build/gpu-bundles "$out/bench.json" 2>&1 | tee "$out/bench.log"
 bench=${PIPESTATUS[0]}
 python3 bench/report.py --loom "$out/bench.json" --peers "$out/peers.json" --ceilings "$out/ceilings.json" \
   --plot "$out/tflops.png" | tee "$out/report.md"
+python3 bench/report.py --loom "$out/bench.json" --peers "$out/peers-backward.json" --ceilings "$out/ceilings.json" \
+  --plot "$out/tflops-training.png" | tee "$out/report-training.md"
 echo "peers exit $peers, loom-gpu-bench exit $bench"
 exit $((peers != 0 || bench != 0))

@@ -52,14 +52,19 @@ for case in tests/data/cases/*/; do
     done
   done
 done
-# The backward (mma.sync on every arch) of each shared backward case.
+# The backward (mma.sync on every arch) of each shared backward case, dq in
+# its own launch and by atomic adds.
+echo '{}' >"$schedules/backward.json"
+echo '{"dq": "dq_atomic"}' >"$schedules/backward-atomic.json"
 for case in tests/data/cases/bwd-*/; do
   name=$(basename "$case")
   for dtype in float16 bfloat16; do
-    build/bin/loom compile --spec "$case/spec.json" --dtype "$dtype" --backward --target "$arch" \
-      --out "$out/$name.$dtype.backward.pb" >/dev/null &
-    jobs+=($!)
-    if ((${#jobs[@]} >= $(nproc))); then wait "${jobs[0]}"; jobs=("${jobs[@]:1}"); fi
+    for label in backward backward-atomic; do
+      build/bin/loom compile --spec "$case/spec.json" --dtype "$dtype" --backward --target "$arch" \
+        --schedule "$schedules/$label.json" --out "$out/$name.$dtype.$label.pb" >/dev/null &
+      jobs+=($!)
+      if ((${#jobs[@]} >= $(nproc))); then wait "${jobs[0]}"; jobs=("${jobs[@]:1}"); fi
+    done
   done
 done
 for job in "${jobs[@]}"; do wait "$job"; done
@@ -68,11 +73,11 @@ for job in "${jobs[@]}"; do wait "$job"; done
 # grouped-query spec with a sliding window; on sm_90a each beside its
 # portable-path twin, and the long, windowless d = 128 setting (N * P =
 # 16384) the Hopper path is judged on.
-bench() {  # name tokens batch spec-json [schedule-json]
-  echo "$4" >"$schedules/bench.json"
-  echo "${5:-{\}}" >"$schedules/bench-schedule.json"
-  build/bin/loom compile --spec "$schedules/bench.json" --schedule "$schedules/bench-schedule.json" --target "$arch" \
-    --out "$out/bench.n$2b$3.$1.pb" >/dev/null
+bench() {  # name tokens batch spec-json [schedule-json [extra flags]]
+  echo "$4" >"$schedules/bench-$1.json"
+  echo "${5:-{\}}" >"$schedules/bench-schedule-$1.json"
+  build/bin/loom compile --spec "$schedules/bench-$1.json" --schedule "$schedules/bench-schedule-$1.json" \
+    --target "$arch" ${6:-} --out "$out/bench.n$2b$3.$1.pb" >/dev/null
 }
 paper='{"heads": 8, "kv_heads": 8, "pseudo_heads": 8, "head_dim": 64, "mask": "flat_causal", "collapse": "per_head", "rope_theta": 10000, "dtype": "bfloat16"}'
 d128='{"heads": 8, "kv_heads": 8, "pseudo_heads": 4, "head_dim": 128, "mask": "flat_causal", "collapse": "per_head", "rope_theta": 10000, "dtype": "bfloat16"}'
@@ -83,6 +88,11 @@ bench h8p8d64-bf16-causal-mma 4096 1 "$paper" "$mma"
 bench h8p8d64-bf16-causal-mma-materialized 4096 1 "$paper" '{"engine": "engine_mma", "mix": "mix_materialized"}'
 bench gqa-h16g4p4d128-fp16-w512-mma 4096 2 "$gqa" "$mma"
 bench h8p4d128-bf16-causal-mma 4096 1 "$d128" "$mma"
+# The backward (mma.sync on every arch; timed whole, recomputation included).
+bench h8p8d64-bf16-causal-backward 4096 1 "$paper" '{}' --backward
+bench h8p8d64-bf16-causal-backward-atomic 4096 1 "$paper" '{"dq": "dq_atomic"}' --backward
+bench h8p4d128-bf16-causal-backward 4096 1 "$d128" '{}' --backward
+bench gqa-h16g4p4d128-fp16-w512-backward 4096 2 "$gqa" '{}' --backward
 if [[ $arch == sm_90a ]]; then
   bench h8p8d64-bf16-causal-wgmma 1024 4 "$paper"
   bench h8p8d64-bf16-causal-wgmma 4096 1 "$paper"
@@ -93,16 +103,31 @@ if [[ $arch == sm_90a ]]; then
   bench h8p4d128-fp16-causal-wgmma 4096 1 "${d128/bfloat16/float16}"
 fi
 
-# The peer comparison's grid (bench/peers.py): loom's kernel for each
-# problem, with the schedule the compiler picks for the arch.
+# The peer comparison's grid (bench/peers.py): loom's forward and backward
+# kernels for each problem, with the schedules the compiler picks for the
+# arch (bench/report.py adds the two for a training step).
 python3 bench/peers.py --emit "$schedules/peers" >/dev/null
+jobs=()
 while read -r name tokens batch; do
-  bench "$name" "$tokens" "$batch" "$(cat "$schedules/peers/$name.json")"
+  for direction in forward backward; do
+    if [[ $direction == forward ]]; then
+      bench "$name" "$tokens" "$batch" "$(cat "$schedules/peers/$name.json")" &
+    else
+      bench "$name-backward" "$tokens" "$batch" "$(cat "$schedules/peers/$name.json")" '{}' --backward &
+    fi
+    jobs+=($!)
+    if ((${#jobs[@]} >= $(nproc))); then wait "${jobs[0]}"; jobs=("${jobs[@]:1}"); fi
+  done
 done <"$schedules/peers/problems.txt"
+for job in "${jobs[@]}"; do wait "$job"; done
 
 # A full tuning run on a realistic spec (the paper's setting at N = 4096):
 # the 24 candidates the cost model ranks best, compiled here, measured there.
 echo "$paper" >"$schedules/tune-spec.json"
+# The backward's tuning on the same spec: its 8 best candidates (dq separate
+# and atomic among them).
+build/bin/loom tune --spec "$schedules/tune-spec.json" --backward --target "$arch" --tokens 4096 --compile-top 8 \
+  --bundles "$out/tune-backward" --out build/gpu-bundles/tune-backward-offline.json >/dev/null
 build/bin/loom tune --spec "$schedules/tune-spec.json" --target "$arch" --tokens 4096 --compile-top 24 \
   --bundles "$out/tune" --out build/gpu-bundles/tune-offline.json >/dev/null
 

@@ -30,7 +30,7 @@ LOOM_GPU_LABELS='default|materialized|single' timeout 130 build/bin/gpu_test --g
 portable=${PIPESTATUS[0]}
 LOOM_GPU_LABELS='hopper.*' timeout 90 build/bin/gpu_test --gtest_color=no 2>&1 | tee "$out/gpu_test_hopper.log"
 hopper=${PIPESTATUS[0]}
-LOOM_GPU_LABELS='backward' timeout 60 build/bin/gpu_test --gtest_color=no --gtest_filter='Gpu.EveryBackward*' 2>&1 |
+LOOM_GPU_LABELS='backward.*' timeout 60 build/bin/gpu_test --gtest_color=no --gtest_filter='Gpu.EveryBackward*' 2>&1 |
   tee "$out/gpu_test_backward.log"
 backward=${PIPESTATUS[0]}
 tests=$((portable != 0 || hopper != 0 || backward != 0))
@@ -38,6 +38,8 @@ timeout 130 build/bin/loom-gpu-bench build/gpu-bundles "$out/bench.json" 2>&1 | 
 bench=${PIPESTATUS[0]}
 timeout 110 build/bin/loom-gpu-tune build/gpu-bundles/tune 4096 1 2>&1 | tee "$out/tune.log"
 tune=${PIPESTATUS[0]}
+timeout 50 build/bin/loom-gpu-tune build/gpu-bundles/tune-backward 4096 1 35 2>&1 | tee "$out/tune-backward.log"
+((tune |= PIPESTATUS[0]))
 # Out-of-bounds and misaligned accesses of the sm_90a kernels, on one case.
 memcheck=0
 if command -v compute-sanitizer >/dev/null; then

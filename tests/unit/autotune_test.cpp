@@ -320,7 +320,7 @@ TEST(Tuner, OfflineTuningIsRankedAndUntimed) {
 }
 
 // The backward tuned offline: its own space (every candidate a valid
-// backward schedule, dq in its own launch), ranked by the backward's cost
+// backward schedule, dq in its own launch or by atomic adds), ranked by the backward's cost
 // model, each compiled candidate run whole on the emulator against the
 // float64 backward; the result says backward, and stored it answers the
 // backward's lookup and the provider's backward kernel, never the forward's.
@@ -329,11 +329,21 @@ TEST(Tuner, BackwardIsRankedCheckedOnTheEmulatorAndKeptApart) {
   const KernelSpec s = spec(4, 2, 2, 32, v1::flat_causal, 16);
   const SearchSpace space = backwardSearchSpace(s, target("sm_80"));
   ASSERT_GT(space.candidates.size(), 4u);
+  std::set<int> strategies;
   for (const Candidate& c : space.candidates) {
     EXPECT_TRUE(resolveSchedule(s, c.schedule, target("sm_80"), Direction::backward)) << c.key;
-    EXPECT_EQ(c.schedule.dq(), v1::dq_separate) << c.key;
+    strategies.insert(c.schedule.dq());
+    EXPECT_EQ(c.key.find(".dq-atomic") != std::string::npos, c.schedule.dq() == v1::dq_atomic) << c.key;
     EXPECT_EQ(c.schedule.block_n() % (16 * c.schedule.warps()), 0) << c.key;
   }
+  // dq is searched: its own launch, or atomic adds in the key-block launch,
+  // which the cost model finds cheaper in work (one product, not three).
+  EXPECT_EQ(strategies, (std::set<int>{v1::dq_separate, v1::dq_atomic}));
+  Schedule own = space.candidates.front().schedule, atomic = own;
+  own.set_dq(v1::dq_separate);
+  atomic.set_dq(v1::dq_atomic);
+  EXPECT_LT(estimateBackwardCost(s, atomic, target("sm_80"), 1, 4096).matrixFlops,
+            estimateBackwardCost(s, own, target("sm_80"), 1, 4096).matrixFlops);
   // Twice the work of the same blocks costs more than once; a larger N more.
   const Schedule first = space.candidates.front().schedule;
   EXPECT_GT(estimateBackwardCost(s, first, target("sm_80"), 1, 4096).seconds,
@@ -376,14 +386,6 @@ TEST(Tuner, BackwardIsRankedCheckedOnTheEmulatorAndKeptApart) {
   EXPECT_EQ(served->scheduleSource, "ranked (untimed)");
   EXPECT_EQ(served->origin, "kernel cache");
   EXPECT_EQ(served->kernel.schedule().SerializeAsString(), report->result.best().SerializeAsString());
-
-  // Measured tuning of the backward is not built: said plainly.
-  auto device = cuda::Device::open(0);
-  if (device) {
-    auto refused = tune(s, target("sm_80"), *device, options);
-    ASSERT_FALSE(refused);
-    EXPECT_NE(refused.error().message.find("measured tuning of the backward is not built yet"), std::string::npos);
-  }
 }
 
 // Without a GPU the emulator is the judge: with a fault in the device code

@@ -17,6 +17,7 @@
 #include "loom/runtime.h"
 #include "loom/compiler.h"
 #include "reference/iha_backward.h"
+#include "mutate.h"
 #include "test_util.h"
 
 namespace loom::emu {
@@ -37,10 +38,12 @@ Result<KernelPlan> backwardPlan(const KernelSpec& spec, const Schedule& schedule
 }
 
 // The defaults, and smaller blocks on fewer warps (more CTAs, several query
-// and key blocks per sequence, every loop kind).
+// and key blocks per sequence, every loop kind); dq in its own launch or by
+// atomic adds, across both archs and dtypes.
 Schedule scheduleFor(const KernelSpec& spec, int pick) {
   const int P = spec.pseudo_heads();
   Schedule s;
+  if (pick % 4 == 1 || pick % 4 == 2) s.set_dq(v1::dq_atomic);
   if (pick % 3 == 1) {
     s.set_warps(1);
     s.set_block_m(std::lcm(P, 16));
@@ -216,24 +219,114 @@ TEST(HostApiBackward, StridedHostTensorsOnTheHostAndTheEmulator) {
       << refused.error().message;
 }
 
-// What the CUDA backward refuses, each naming the field.
+// What the CUDA backward refuses, naming the field.
 TEST(BackwardOnEmulator, RefusesWhatItHasNoTilesFor) {
   KernelSpec spec = testing::makeSpec({.heads = 2, .pseudoHeads = 2, .headDim = 16});
-  Schedule atomic;
-  atomic.set_dq(v1::dq_atomic);
-  auto refused = backwardPlan(spec, atomic, "sm_80");
-  ASSERT_FALSE(refused);
-  EXPECT_NE(refused.error().message.find("schedule.dq atomic"), std::string::npos) << refused.error().message;
   Schedule narrow;
   narrow.set_warps(4);
   narrow.set_block_m(64);
   narrow.set_block_n(32);
-  refused = backwardPlan(spec, narrow, "sm_80");
+  auto refused = backwardPlan(spec, narrow, "sm_80");
   ASSERT_FALSE(refused);
   EXPECT_NE(refused.error().message.find("schedule.block_n (32) must be a multiple of 16 rows per warp x 4"),
             std::string::npos)
       << refused.error().message;
 }
+
+// A grouped-query spec whose last query block is cut short (L = 74 rows of
+// 64-row blocks), several key blocks adding to each dq row.
+IhaCase atomicCase(v1::DType dtype, uint64_t seed) {
+  KernelSpec spec = testing::makeSpec({.heads = 2, .kvHeads = 1, .pseudoHeads = 2, .headDim = 16, .dtype = dtype,
+                                       .mask = v1::flat_causal, .collapse = v1::per_head, .ropeTheta = 10000});
+  return drawCheckableBackwardCase(spec, 1, 37, seed);
+}
+
+Schedule atomicSchedule() {
+  Schedule s;
+  s.set_warps(2);
+  s.set_block_m(64);
+  s.set_block_n(32);
+  s.set_dq(v1::dq_atomic);
+  return s;
+}
+
+// dq by red.global.add.f32 in the key-block-outer launch: one launch fewer
+// than dq in its own, no findings (the adds of concurrent CTAs are atomic,
+// bounds checked), and dq within the tolerance of the reference and of the
+// separate launch's.
+TEST(BackwardOnEmulator, DqByAtomicAddsMatchesItsOwnLaunch) {
+  const IhaCase c = atomicCase(v1::float16, testing::testSeed() + 71);
+  Schedule separate = atomicSchedule();
+  separate.set_dq(v1::dq_separate);
+  auto own = backwardPlan(c.spec, separate, "sm_80");
+  auto atomic = backwardPlan(c.spec, atomicSchedule(), "sm_80");
+  ASSERT_TRUE(own) << own.error().message;
+  ASSERT_TRUE(atomic) << atomic.error().message;
+  EXPECT_EQ(atomic->launches.size() + 1, own->launches.size());
+  EXPECT_NE(atomic->source.find("bwd_dq_atomic"), std::string::npos);
+  EXPECT_EQ(atomic->source.find("dq_accumulate"), std::string::npos);
+  auto a = runOnEmulator(*atomic, c, options(testing::testSeed()));
+  auto o = runOnEmulator(*own, c, options(testing::testSeed()));
+  ASSERT_TRUE(a) << a.error().message << "\n" << a.error().log;
+  ASSERT_TRUE(o) << o.error().message << "\n" << o.error().log;
+  EXPECT_EQ(a->findingCount, 0) << summary(*a);
+  EXPECT_EQ(o->findingCount, 0) << summary(*o);
+  ASSERT_TRUE(a->gradients && o->gradients);
+  const double tolerance = gradientToleranceFor(v1::float16);
+  EXPECT_LE(relativeError(a->gradients->dq, c.expectedGradients->dq), tolerance);
+  EXPECT_LE(relativeError(a->gradients->dq, o->gradients->dq), tolerance);
+  const std::vector<double> errors = gradientErrors(c.spec, *a->gradients, *c.expectedGradients);
+  for (size_t i = 0; i < errors.size(); ++i) EXPECT_LE(errors[i], tolerance) << reference::kGradientNames[i];
+}
+
+// Faults put into copies of dq atomic's device code, each reported as the
+// finding it deserves, or a wrong dq where it is a wrong value.
+struct BackwardFault {
+  const char* name;
+  const char* from;
+  const char* to;
+  std::vector<FindingKind> kinds;  // none: dq must be wrong instead
+};
+
+class BackwardFaultOnEmulator : public ::testing::TestWithParam<int> {};
+
+const std::vector<BackwardFault>& backwardFaults() {
+  static const std::vector<BackwardFault> faults = {
+      {"ds_staging_barrier_removed", "          }\n      __syncthreads();\n    }\n  } else {",
+       "          }\n    }\n  } else {", {FindingKind::race}},
+      {"dq_row_bound_removed", "if (i + row < L && c + column < G::D)", "if (c + column < G::D)",
+       {FindingKind::outOfBounds}},
+      {"dq_zeroing_removed", "      if constexpr (C::atomic_dq) a.dq_pseudo[at + c] = 0.0f;", "", {}},
+  };
+  return faults;
+}
+
+TEST_P(BackwardFaultOnEmulator, FailsWithTheMatchingFinding) {
+  const BackwardFault& fault = backwardFaults()[size_t(GetParam())];
+  const IhaCase c = atomicCase(GetParam() % 2 ? v1::bfloat16 : v1::float16, testing::testSeed() + 72);
+  auto plan = backwardPlan(c.spec, atomicSchedule(), "sm_80");
+  ASSERT_TRUE(plan) << plan.error().message;
+  EmuOptions o = options(testing::testSeed());
+  o.headers = testing::mutatedHeader("loom/tile/cuda_backward.h", fault.from, fault.to);
+  auto faulty = runOnEmulator(*plan, c, o);
+  ASSERT_TRUE(faulty) << faulty.error().message << "\n" << faulty.error().log;
+  if (fault.kinds.empty()) {
+    ASSERT_TRUE(faulty->gradients);
+    EXPECT_FALSE(relativeError(faulty->gradients->dq, c.expectedGradients->dq) <=
+                 gradientToleranceFor(c.spec.dtype()))
+        << fault.name << ": dq should be wrong\n" << summary(*faulty);
+  }
+  for (FindingKind kind : fault.kinds) {
+    const bool found = std::any_of(faulty->findings.begin(), faulty->findings.end(),
+                                   [&](const Finding& f) { return f.kind == kind; });
+    EXPECT_TRUE(found) << fault.name << ": no " << kindName(kind) << " finding\n" << summary(*faulty);
+  }
+  std::printf("[ fault    ] %s: %s\n", fault.name,
+              faulty->findings.empty() ? "wrong dq" : format(faulty->findings.front()).c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(Mutations, BackwardFaultOnEmulator, ::testing::Range(0, int(backwardFaults().size())),
+                         [](const auto& info) { return std::string(backwardFaults()[size_t(info.param)].name); });
 
 }  // namespace
 }  // namespace loom::emu

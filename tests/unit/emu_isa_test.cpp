@@ -4,15 +4,16 @@
 // intrinsics define their lanes, bar.sync with thread counts, cp.async
 // groups, mbarrier phases and transaction counts, tensor-map loads with
 // out-of-bounds fill and swizzles, wgmma through matrix descriptors in every
-// canonical layout, fences, setmaxnreg and elect.sync. Each test runs a small
-// CTA on the emulator, calling the instructions through the same table the
-// emulated programs call.
+// canonical layout, fences, setmaxnreg, elect.sync and global reductions.
+// Each test runs a small CTA on the emulator, calling the instructions
+// through the same table the emulated programs call.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <random>
+#include <thread>
 
 #include "emu/cta.h"
 #include "emu/instructions.h"
@@ -783,6 +784,49 @@ TEST(EmuIsa, SharedMemoryChecks) {
     isa().redSharedAddF32(sharedAddress(0), 1.0f, nullptr);
   });
   EXPECT_TRUE(atomics.log.empty()) << atomics.text();
+}
+
+// red.global.add.f32 from four CTAs on four OS threads at once, every thread
+// adding to the same words: the sums are exact (small integers, any order),
+// so an add lost to a race shows; out of bounds, into an input, misaligned
+// and outside every buffer are each found and change nothing.
+TEST(EmuIsa, GlobalReductionsAreAtomicAcrossCtasAndChecked) {
+  GlobalMemory global;
+  auto* sums = reinterpret_cast<float*>(global.allocate("sums", 8 * sizeof(float), false));
+  auto* input = reinterpret_cast<float*>(global.allocate("input", 4 * sizeof(float), true));
+  constexpr int kCtas = 4, kThreads = 64, kRounds = 50;
+  std::vector<Outcome> runs(kCtas);
+  std::vector<std::thread> workers;
+  for (int c = 0; c < kCtas; ++c)
+    workers.emplace_back([&, c] {
+      runCta(runs[size_t(c)], kThreads, 0, [&] {
+        for (int round = 0; round < kRounds; ++round) isa().redGlobalAddF32(sums + (tid() + round) % 8, 1.0f, nullptr);
+      }, &global, uint64_t(c + 1));
+    });
+  for (std::thread& w : workers) w.join();
+  for (const Outcome& run : runs) EXPECT_TRUE(run.log.empty()) << run.text();
+  float total = 0;
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_EQ(sums[i], float(kCtas * kThreads * kRounds / 8)) << i;
+    total += sums[i];
+  }
+  EXPECT_EQ(total, float(kCtas * kThreads * kRounds));
+
+  Outcome wrong;
+  float local = 0;
+  runCta(wrong, 32, 0, [&] {
+    if (tid() == 0) isa().redGlobalAddF32(sums + 8, 1.0f, nullptr);  // just past the end
+    if (tid() == 1) isa().redGlobalAddF32(input, 1.0f, nullptr);     // an input
+    if (tid() == 2)
+      isa().redGlobalAddF32(reinterpret_cast<float*>(reinterpret_cast<unsigned char*>(sums) + 2), 1.0f, nullptr);
+    if (tid() == 3) isa().redGlobalAddF32(&local, 1.0f, nullptr);    // no launch buffer
+  }, &global);
+  EXPECT_TRUE(wrong.has(FindingKind::outOfBounds)) << wrong.text();
+  EXPECT_TRUE(wrong.has(FindingKind::readOnly)) << wrong.text();
+  EXPECT_TRUE(wrong.has(FindingKind::misaligned)) << wrong.text();
+  EXPECT_EQ(input[0], 0.0f);
+  EXPECT_EQ(local, 0.0f);
+  EXPECT_EQ(sums[0], float(kCtas * kThreads * kRounds / 8));
 }
 
 //===--- conversions -------------------------------------------------------------===//

@@ -14,6 +14,7 @@
 #include "loom/runtime.h"
 #include "loom/tile_headers.h"
 #include "reference/iha_reference.h"
+#include "mutate.h"
 #include "test_util.h"
 
 namespace loom::emu {
@@ -265,23 +266,6 @@ TEST(HostApi, RunsStridedHostTensorsOnTheEmulator) {
 
 //===--- faults put into copies of the device code --------------------------===//
 
-// The embedded text of a tile header with `from` replaced by `to` (which
-// must occur exactly once).
-std::map<std::string, std::string> mutated(const std::string& header, const std::string& from, const std::string& to) {
-  for (const tile::EmbeddedFile& file : tile::embeddedHeaders()) {
-    if (file.path != header) continue;
-    std::string text = file.text;
-    const size_t at = text.find(from);
-    EXPECT_NE(at, std::string::npos) << header << " has no '" << from << "'";
-    EXPECT_EQ(text.find(from, at + 1), std::string::npos) << header << " has '" << from << "' twice";
-    if (at == std::string::npos) return {};
-    text.replace(at, from.size(), to);
-    return {{header, text}};
-  }
-  ADD_FAILURE() << "no embedded header " << header;
-  return {};
-}
-
 // A case with several key blocks per query block and a last block cut short.
 IhaCase faultCase(v1::DType dtype) {
   KernelSpec spec = testing::makeSpec({.heads = 2, .kvHeads = 2, .pseudoHeads = 2, .headDim = 64, .dtype = dtype,
@@ -356,7 +340,7 @@ TEST_P(FaultOnEmulator, FailsWithTheMatchingFinding) {
   const auto reference = reference::ihaForward(c.spec, c.inputs);
   EXPECT_LE(relativeError(clean->out, reference.out), toleranceFor(c.spec.dtype()));
   // ... and the fault does not.
-  o.headers = mutated(fault.header, fault.from, fault.to);
+  o.headers = testing::mutatedHeader(fault.header, fault.from, fault.to);
   ASSERT_FALSE(o.headers.empty());
   auto faulty = runOnEmulator(*plan, c, o);
   ASSERT_TRUE(faulty) << faulty.error().message << "\n" << faulty.error().log;

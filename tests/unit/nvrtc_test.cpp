@@ -227,17 +227,22 @@ TEST(Nvrtc, CompilesInParallel) {
 }
 
 // The backward plan (loom/tile/cuda_backward.h) for every spec, on sm_80 and
-// sm_90a (which runs the portable tiles for the backward): every entry point
-// compiles to a cubin with zero spills and no stack frame, and the PTX holds
-// the tensor-core products and the asynchronous copies.
+// sm_90a (which runs the portable tiles for the backward), dq in its own
+// launch on one arch and by atomic adds on the other (alternating by spec):
+// every entry point compiles to a cubin with zero spills and no stack frame,
+// and the PTX holds the tensor-core products, the asynchronous copies and,
+// for dq atomic, red.global.add.f32 instead of a dq launch.
 class BackwardCompiles : public ::testing::TestWithParam<std::tuple<int, std::string>> {};
 
 TEST_P(BackwardCompiles, WithoutSpillsUsingTensorCores) {
   const Named named = specs()[size_t(std::get<0>(GetParam()))];
   const std::string arch = std::get<1>(GetParam());
+  const bool atomic = (std::get<0>(GetParam()) + (arch == "sm_90a")) % 2 == 1;
+  Schedule schedule;
+  if (atomic) schedule.set_dq(v1::dq_atomic);
   jit::NvrtcCompiler compiler("");
   std::shared_ptr<const jit::Artifact> artifact;
-  auto kernel = compileKernel(named.spec, Schedule(), *parseTarget(arch), compiler, &artifact, Direction::backward);
+  auto kernel = compileKernel(named.spec, schedule, *parseTarget(arch), compiler, &artifact, Direction::backward);
   ASSERT_TRUE(kernel) << kernel.error().message << "\n" << kernel.error().log;
   EXPECT_EQ(kernel->direction(), v1::direction_backward);
   EXPECT_EQ(artifact->binaryKind, "cubin");
@@ -248,12 +253,14 @@ TEST_P(BackwardCompiles, WithoutSpillsUsingTensorCores) {
     entries.insert(usage.entry());
     EXPECT_EQ(usage.spill_store_bytes() + usage.spill_load_bytes(), 0) << usage.ShortDebugString();
     EXPECT_EQ(usage.stack_frame_bytes(), 0) << usage.ShortDebugString();
-    std::printf("[ nvrtc    ] backward %s %s %s: %d registers\n", named.name.c_str(), arch.c_str(),
-                usage.entry().c_str(), usage.registers());
+    std::printf("[ nvrtc    ] backward %s %s dq %s %s: %d registers\n", named.name.c_str(), arch.c_str(),
+                atomic ? "atomic" : "separate", usage.entry().c_str(), usage.registers());
   }
-  for (const char* entry : {kBackwardPrepEntry, kBackwardKvEntry, kBackwardQEntry, kBackwardUnmixEntry,
-                            kBackwardReduceEntry, kAttentionEntry})
+  for (const char* entry : {kBackwardPrepEntry, kBackwardKvEntry, kBackwardUnmixEntry, kBackwardReduceEntry,
+                            kAttentionEntry})
     EXPECT_TRUE(entries.count(entry)) << entry << " missing from the ptxas report";
+  EXPECT_EQ(entries.count(kBackwardQEntry), atomic ? 0u : 1u);
+  EXPECT_EQ(artifact->ptx.find("red.global.add.f32") != std::string::npos, atomic);
 }
 
 INSTANTIATE_TEST_SUITE_P(Specs, BackwardCompiles,

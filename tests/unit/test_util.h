@@ -204,11 +204,7 @@ class TempDir {
 
 // dout ~ N(0, 1), rounded to the spec's dtype as the kernel reads it.
 inline std::vector<double> drawDout(const IhaCase& c, std::mt19937_64& rng) {
-  std::normal_distribution<double> normal(0.0, 1.0);
-  std::vector<double> dout(size_t(c.batch * c.tokens * c.spec.heads() * c.spec.head_dim()));
-  for (double& x : dout) x = normal(rng);
-  return npyToDouble(npyFromDouble(dout, {int64_t(dout.size())}, storageTypeOf(c.spec.dtype())),
-                     c.spec.dtype() == v1::bfloat16);
+  return loom::drawDout(c.spec, c.batch, c.tokens, rng());
 }
 
 }  // namespace loom::testing

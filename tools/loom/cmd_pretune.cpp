@@ -68,12 +68,6 @@ int pretune(const PretuneOptions& options) {
       const KernelSpec& spec = specs[i];
       const bool backward = direction == v1::direction_backward;
       const std::string name = "spec " + std::to_string(i) + (backward ? " (backward)" : "");
-      if (backward && device) {  // tune() refuses it: say so once per spec and go on
-        std::printf("%s: skipped: measured tuning of the backward is not built yet (rank it offline with --target)\n",
-                    name.c_str());
-        ++skipped;
-        continue;
-      }
       auto known = (*client)->lookupDecision(spec, target, direction);
       if (!known) return badInput(known.error().message);
       if (known->found()) {
@@ -127,7 +121,7 @@ void addPretuneCommand(CLI::App& app, std::function<int()>* action) {
       "pretune", "Fleet pre-tuning, run on each GPU node: for every spec in SPECS (a JSON array of KernelSpec)\n"
                  "and each direction (the forward kernel, then the backward one) with no decision for this node's\n"
                  "device model, lease it from the service, tune it here and upload the result and winning kernel.\n"
-                 "Two workers never tune the same pair at once. The backward is ranked offline (--target) only so far.");
+                 "Two workers never tune the same pair at once.");
   cmd->add_option("--server", options->server, "HOST:PORT of the loom service")->required();
   cmd->add_option("--specs", options->specsPath, "JSON array of KernelSpec objects")->required();
   cmd->add_option("--token-file", options->tokenFile, "the service's bearer token")->required();

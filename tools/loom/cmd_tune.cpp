@@ -202,8 +202,10 @@ void addTuneCommand(CLI::App& app, std::function<int()>* action) {
                 "small drawn case there, and any with a finding or a wrong output is rejected)");
   cmd->add_flag("--json", options->json, "print the full result as JSON");
   cmd->add_flag("--backward", options->backward,
-                "tune the backward kernel instead (its own space and cost model; without a GPU ranked and each\n"
-                "compiled one run whole on the emulator; kept apart from the forward's decision)");
+                "tune the backward kernel instead (its own space and cost model, dq in its own launch or by\n"
+                "atomic adds; on a GPU each candidate is checked on every gradient and launchBackward timed\n"
+                "whole; without one ranked and each compiled one run whole on the emulator; kept apart from\n"
+                "the forward's decision)");
   cmd->callback([options, action] { *action = [options] { return tuneCommand(*options); }; });
 }
 

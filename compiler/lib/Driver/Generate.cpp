@@ -81,7 +81,9 @@ constexpr int64_t kMaxBackwardHeadDim = 128;
 int64_t backwardSharedMemory(SpecAttr spec, ScheduleAttr schedule, llvm::StringRef launch) {
   const int H = int(spec.getHeads()), P = int(spec.getPseudoHeads()), d = int(spec.getHeadDim());
   if (launch == kBackwardKvEntry || launch == kBackwardQEntry)
-    return backwardSmem(int(schedule.getBlockM()), int(schedule.getBlockN()), d).total;
+    return backwardSmem(int(schedule.getBlockM()), int(schedule.getBlockN()), d,
+                        launch == kBackwardKvEntry && schedule.getDq() == DqStrategy::atomic)
+        .total;
   if (launch == kBackwardPrepEntry) return collapseGradSmem(H, P, spec.getCollapse() == CollapseMode::global);
   if (launch == kBackwardUnmixEntry) return unmixSmem(H, P, d);
   return 0;
@@ -293,11 +295,14 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
                        std::to_string(kMaxBackwardHeadDim));
     // Above head_dim 64 the key-block-outer CTA's dK and dV take 128
     // registers a thread: two warps on 32-row blocks leave S^T and dS^T
-    // room (64-row query blocks spill).
+    // room (64-row query blocks spill); dq atomic's product on top of them
+    // fits one warp on 16-row blocks (32-row ones spill 8 to 20 bytes).
     if (spec.head_dim() > 64 && !given.warps && !given.blockM && !given.blockN) {
-      given.warps = 2;
-      given.blockM = (spec.pseudo_heads() + 31) / 32 * 32;
-      given.blockN = 32;
+      const bool atomic = given.dq == DqStrategy::atomic;
+      const int64_t rows = atomic ? 16 : 32;
+      given.warps = atomic ? 1 : 2;
+      given.blockM = (spec.pseudo_heads() + rows - 1) / rows * rows;
+      given.blockN = rows;
     }
     given.mix = given.mix.value_or(MixStrategy::materialized);
     given.collapse = given.collapse.value_or(CollapseStrategy::separate);
@@ -309,16 +314,15 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
     if (auto why = checkBackwardSchedule(scheduleAttr)) return makeError(*why);
     if (target.kind() == v1::Target::cuda) {
       // The mma.sync backward (loom/tile/cuda_backward.h): warps own 16 key
-      // rows each in the key-block-outer launch; dq has its own launch.
-      if (scheduleAttr.getDq() == DqStrategy::atomic)
-        return makeError("schedule.dq atomic has no CUDA tiles yet (the key-block launch would need global "
-                         "atomic adds): use dq separate");
+      // rows each in the key-block-outer launch; dq has its own launch or is
+      // added there by red.global.add.f32.
       if (scheduleAttr.getBlockN() % (kMmaRows * scheduleAttr.getWarps()) != 0)
         return makeError("schedule.block_n (" + std::to_string(scheduleAttr.getBlockN()) +
                          ") must be a multiple of 16 rows per warp x " + std::to_string(scheduleAttr.getWarps()) +
                          " warps for a CUDA backward kernel (its warps own the key rows)");
       const int64_t bytes = backwardSmem(int(scheduleAttr.getBlockM()), int(scheduleAttr.getBlockN()),
-                                         int(spec.head_dim())).total;
+                                         int(spec.head_dim()), scheduleAttr.getDq() == DqStrategy::atomic)
+                                .total;
       const int64_t limit = target.device().shared_memory_per_block() > 0 ? target.device().shared_memory_per_block()
                                                                           : defaultSharedMemoryPerBlock(target.arch());
       if (bytes > limit)

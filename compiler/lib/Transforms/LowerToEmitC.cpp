@@ -425,7 +425,7 @@ class LaunchLowering {
     call("bwd_dv", {kv, scores, q});
     call("bwd_ds", {scores, q, kv}, {kKeysOuter});
     call("bwd_dk", {kv, scores, q});
-    if (o.getAtomicDq()) call("bwd_dq_atomic", {scores, q, kv, args_});
+    if (o.getAtomicDq()) call("bwd_dq_atomic", {scores, q, kv, args_, get(o.getHead()), get(o.getBatch())});
     return mlir::success();
   }
 

@@ -9,8 +9,13 @@
 //     by mma.sync.m16n8k16 with the C fragments of one product re-packed as
 //     the A fragments of the next (FlashAttention-2's trick) and the other
 //     operand by ldmatrix (.trans where it is the [k][n] tile);
-//   - the dq launch: a CTA holds one query block and, per key block, S = Q
-//     K^T, P, dP = do V^T, dS and dq += dS K, with warps over query rows;
+//   - dq, a schedule choice: its own launch, where a CTA holds one query
+//     block and, per key block, S = Q K^T, P, dP = do V^T, dS and dq += dS
+//     K, with warps over query rows; or added in the key-block-outer launch
+//     (dq atomic): dS^T staged in shared memory (dK reads it there too),
+//     dq += dS K with warps over (query m-tile, head-dim pair) items and
+//     red.global.add.f32 into dq's f32 workspace, which the collapse
+//     backward zeroes;
 //   - the transposed mixing (RoPE turned back, qk_norm's Jacobian, the
 //     mixing's transpose) and the reduction of the partial sums.
 // Q, K, V, o and do are 16-bit (the workspaces' element type); D, lse, the
@@ -33,7 +38,7 @@ struct BackwardGeometry {
 
 template <class C>
 __device__ __forceinline__ BackwardSmem bwdSmem() {
-  return backwardSmem(C::block_m, C::block_n, C::head_dim);
+  return backwardSmem(C::block_m, C::block_n, C::head_dim, C::atomic_dq);
 }
 template <class C>
 __device__ __forceinline__ Bits16* bwdTile(int offset) {
@@ -185,6 +190,7 @@ __device__ void collapse_grad(const IhaArgs& a, int64_t token0, int64_t b) {
       }
       const Bits16 rounded = cuda::toBits<C>(sum);
       dO[at + c] = rounded;
+      if constexpr (C::atomic_dq) a.dq_pseudo[at + c] = 0.0f;  // the key-block launch adds into it
       delta += cuda::toFloat<C>(rounded) * cuda::toFloat<C>(o[at + c]);
     }
     delta = cuda::warpSum(delta);
@@ -447,6 +453,25 @@ __device__ void bwd_ds(BwdScores<C>& s, QGradTile<C>&, KvGradTile<C>&) {
           s.dt[mt][nt][column + 2] = s.t[mt][nt][column + 2] * (s.dt[mt][nt][column + 2] - d);
         }
       }
+    // dq atomic: dS^T (16-bit, as the products read it) to shared memory,
+    // where bwd_dk takes its warp's rows and bwd_dq_atomic every row; dS^T
+    // leaves the registers here.
+    if constexpr (C::atomic_dq) {
+      constexpr int pitch = tilePitch(C::block_m);
+      Bits16* dsTile = cuda::bwdTile<C>(smem.ds);
+      #pragma unroll
+      for (int mt = 0; mt < BG::KMT; ++mt)
+        #pragma unroll
+        for (int nt = 0; nt < BG::QNT; ++nt)
+          #pragma unroll
+          for (int e = 0; e < 4; e += 2) {
+            const int row = cuda::keyRow<C>(mt) + fragment::accumulatorRow(l, e);
+            const int column = nt * 8 + fragment::accumulatorColumn(l, e);
+            *reinterpret_cast<Bits32*>(dsTile + row * pitch + column) =
+                cuda::pack<C>(s.dt[mt][nt][e], s.dt[mt][nt][e + 1]);
+          }
+      __syncthreads();
+    }
   } else {
     cuda::zero<C>(s.ds);
     #pragma unroll
@@ -479,7 +504,8 @@ __device__ void bwd_ds(BwdScores<C>& s, QGradTile<C>&, KvGradTile<C>&) {
   }
 }
 
-// dK += dS^T Q (the scale is applied when stored).
+// dK += dS^T Q (the scale is applied when stored); dS^T re-packed from its
+// C fragments, or under dq atomic read back from where bwd_ds staged it.
 template <class C>
 __device__ void bwd_dk(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>&) {
   using G = cuda::Geometry<C>;
@@ -489,7 +515,17 @@ __device__ void bwd_dk(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>&) {
   for (int kk = 0; kk < BG::QK; ++kk) {
     Bits32 ds[BG::KMT][4];
     #pragma unroll
-    for (int mt = 0; mt < BG::KMT; ++mt) cuda::repack<C>(ds[mt], s.dt[mt], kk);
+    for (int mt = 0; mt < BG::KMT; ++mt) {
+      if constexpr (C::atomic_dq) {  // from the staged dS^T (bwd_ds)
+        const Bits16* dsTile = cuda::bwdTile<C>(cuda::bwdSmem<C>().ds);
+        const int l = cuda::lane();
+        cuda::ldmatrixX4(ds[mt], cuda::sharedAddress(dsTile + (cuda::keyRow<C>(mt) + fragment::aRow(l)) *
+                                                                  tilePitch(C::block_m) +
+                                                              kk * kMmaK + fragment::aColumn(l)));
+      } else {
+        cuda::repack<C>(ds[mt], s.dt[mt], kk);
+      }
+    }
     #pragma unroll
     for (int pair = 0; pair < G::OT / 2; ++pair) {
       Bits32 b[4];
@@ -534,9 +570,50 @@ __device__ void kv_grad_store(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0,
   cuda::storeFragments<C>(kv.dv, a.dv_pseudo, C::kv_heads, b, g, col0, L, 1.0f, first);
 }
 
+// dq += scale * dS K by atomic adds (dq atomic), from the dS^T bwd_ds
+// staged: each (query m-tile, head-dim pair) item is an mma over the
+// block's key rows, dS as the A operand by ldmatrix.trans of the staged
+// dS^T, K by ldmatrix.trans, added into dq's workspace by
+// red.global.add.f32 (other key blocks' CTAs add to the same rows). The
+// next query block's load_q_grad synchronises before bwd_ds stages again.
 template <class C>
-__device__ void bwd_dq_atomic(BwdScores<C>&, QGradTile<C>&, KvGradTile<C>&, const IhaArgs&) {
-  static_assert(!C::atomic_dq, "dq by atomic adds has no mma.sync tiles yet: use dq separate");
+__device__ void bwd_dq_atomic(BwdScores<C>&, QGradTile<C>& q, KvGradTile<C>&, const IhaArgs& a, int64_t h,
+                              int64_t b) {
+  using G = cuda::Geometry<C>;
+  static_assert(C::block_m % 16 == 0, "dq atomic takes 16-row query m-tiles");
+  constexpr int pitch = tilePitch(C::block_m);
+  const BackwardSmem smem = cuda::bwdSmem<C>();
+  Bits16* dsTile = cuda::bwdTile<C>(smem.ds);
+  const Bits16* kTile = cuda::bwdTile<C>(smem.k);
+  const int l = cuda::lane();
+  constexpr int pairs = G::OT / 2, items = C::block_m / 16 * pairs;
+  const int L = int(seq_len<C>(a)), row0 = int(q.row0);
+  float* dq = a.dq_pseudo + (b * C::heads + h) * L * G::D;
+  #pragma unroll 1
+  for (int item = cuda::warp(); item < items; item += C::warps) {
+    const int m0 = item / pairs * 16, pair = item % pairs;
+    float acc[2][4] = {};
+    #pragma unroll 1
+    for (int kk = 0; kk < C::block_n / kMmaK; ++kk) {
+      Bits32 ds[4], b[4];
+      cuda::ldmatrixX4Trans(ds, cuda::sharedAddress(dsTile + (kk * kMmaK + fragment::aTransRow(l)) * pitch + m0 +
+                                                   fragment::aTransColumn(l)));
+      cuda::loadBTrans<C>(b, kTile, kk, pair);
+      cuda::mma16816<C>(acc[0], ds, b[0], b[1]);
+      cuda::mma16816<C>(acc[1], ds, b[2], b[3]);
+    }
+    // Rows i and i + 8 of the m-tile, columns c, c + 1 of each n-tile.
+    const int i = row0 + m0 + fragment::accumulatorRow(l, 0);
+    const int c = 2 * pair * 8 + fragment::accumulatorColumn(l, 0);
+    float* at = dq + (i * G::D + c);
+    #pragma unroll
+    for (int half = 0; half < 2; ++half)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = (e / 2) * 8, column = half * 8 + e % 2;
+        if (i + row < L && c + column < G::D) ptx::redGlobalAddF32(at + row * G::D + column, acc[half][e] * C::scale);
+      }
+  }
 }
 
 template <class C>

@@ -207,6 +207,9 @@ LOOM_EMU_LEAF void cpAsyncWait() {
 LOOM_EMU_LEAF inline void redSharedAddF32(Bits32 address, float value) {
   emu::api->redSharedAddF32(address, value, LOOM_EMU_PC);
 }
+LOOM_EMU_LEAF inline void redGlobalAddF32(float* address, float value) {
+  emu::api->redGlobalAddF32(address, value, LOOM_EMU_PC);
+}
 
 template <int Id, int Threads>
 LOOM_EMU_LEAF inline void barSync() {

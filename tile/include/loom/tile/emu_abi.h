@@ -13,7 +13,7 @@
 
 namespace loom::emu {
 
-constexpr uint32_t kAbiVersion = 1;
+constexpr uint32_t kAbiVersion = 2;
 
 struct Dim3 {
   unsigned x, y, z;
@@ -77,6 +77,9 @@ struct Api {
                         int scaleD, int transposeA, int transposeB, const void* pc);
   // setmaxnreg.{inc,dec}.sync.aligned.u32 count.
   void (*setmaxnreg)(int increase, int count, const void* pc);
+
+  // red.global.add.f32 [address], value: atomic against every CTA's.
+  void (*redGlobalAddF32)(float* address, float value, const void* pc);
 };
 
 }  // namespace loom::emu

@@ -731,13 +731,12 @@ void addDq(float* rows, BwdScores<C>& s, KvGradTile<C>& kv) {
 
 // dq += scale * dS K by atomic adds into dq's workspace (dq atomic).
 template <class C>
-void bwd_dq_atomic(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv, const IhaArgs& a) {
+void bwd_dq_atomic(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv, const IhaArgs& a, int64_t h, int64_t b) {
   std::vector<float> rows(size_t(C::block_m) * C::head_dim, 0.0f);
   host::addDq<C>(rows.data(), s, kv);
   const int64_t L = seq_len<C>(a);
-  const int64_t h = q.head;
   for (int r = 0; r < C::block_m && q.row0 + r < L; ++r) {
-    float* target = host::workspaceRow(a.dq_pseudo, q.batch, C::heads, h, L, q.row0 + r, C::head_dim);
+    float* target = host::workspaceRow(a.dq_pseudo, b, C::heads, h, L, q.row0 + r, C::head_dim);
     for (int d = 0; d < C::head_dim; ++d) host::atomicAdd(target + d, rows[size_t(r) * C::head_dim + d]);
   }
 }

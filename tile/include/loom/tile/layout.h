@@ -172,11 +172,12 @@ constexpr int ctaSharedMemory(bool wgmma, int blockM, int blockN, int headDim, i
 // Shared memory of the backward's launches on the mma.sync path. The
 // key-block-outer and dq launches hold K and V (block_n rows), Q and do
 // (block_m rows) as padded 16-bit tiles, then lse (log2 domain) and D of the
-// query block as f32.
+// query block as f32; with dq by atomic adds the key-block-outer launch also
+// stages dS^T (block_n rows of block_m, 16-bit) for the dq product.
 struct BackwardSmem {
-  int k, v, q, dO, lse, delta, total;
+  int k, v, q, dO, lse, delta, ds, total;
 };
-constexpr BackwardSmem backwardSmem(int blockM, int blockN, int headDim) {
+constexpr BackwardSmem backwardSmem(int blockM, int blockN, int headDim, bool atomicDq = false) {
   const int kv = blockN * tilePitch(headDim) * kTileElementBytes;
   const int rows = blockM * tilePitch(headDim) * kTileElementBytes;
   BackwardSmem s{};
@@ -186,7 +187,8 @@ constexpr BackwardSmem backwardSmem(int blockM, int blockN, int headDim) {
   s.dO = 2 * kv + rows;
   s.lse = 2 * kv + 2 * rows;
   s.delta = s.lse + blockM * kAccumulatorBytes;
-  s.total = s.delta + blockM * kAccumulatorBytes;
+  s.ds = s.delta + blockM * kAccumulatorBytes;
+  s.total = s.ds + (atomicDq ? blockN * tilePitch(blockM) * kTileElementBytes : 0);
   return s;
 }
 // The collapse backward's CTA: its dcollapse partial sums (f32).
@@ -222,6 +224,9 @@ constexpr int bColumn(int lane) { return ((lane / 8) % 2) * 8; }
 // B from a [k][n] tile (V rows) with .trans: b0, b1 of n-tile 0, then of n-tile 1.
 constexpr int bTransRow(int lane) { return lane % 8 + ((lane / 8) % 2) * 8; }
 constexpr int bTransColumn(int lane) { return (lane / 16) * 8; }
+// A (16x16) from a [k][row] tile (its transpose stored) with .trans: a0..a3.
+constexpr int aTransRow(int lane) { return lane % 8 + (lane / 16) * 8; }
+constexpr int aTransColumn(int lane) { return ((lane / 8) % 2) * 8; }
 
 }  // namespace fragment
 

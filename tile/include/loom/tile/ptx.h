@@ -99,7 +99,7 @@ __device__ __forceinline__ void mmaBf16(float (&d)[4], const Bits32 (&a)[4], Bit
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-//===--- asynchronous copies and shared-memory atomics ----------------------===//
+//===--- asynchronous copies and atomics -----------------------------------===//
 
 // 16 bytes global -> shared; `valid` false zero-fills the destination.
 __device__ __forceinline__ void cpAsyncCg16(void* destination, const void* source, bool valid) {
@@ -113,6 +113,9 @@ __device__ __forceinline__ void cpAsyncWait() {
 }
 __device__ __forceinline__ void redSharedAddF32(Bits32 address, float value) {
   asm volatile("red.shared.add.f32 [%0], %1;" ::"r"(address), "f"(value) : "memory");
+}
+__device__ __forceinline__ void redGlobalAddF32(float* address, float value) {
+  asm volatile("red.global.add.f32 [%0], %1;" ::"l"(address), "f"(value) : "memory");
 }
 
 //===--- barriers, mbarriers, fences (sm_90) --------------------------------===//
