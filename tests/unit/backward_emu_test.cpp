@@ -308,6 +308,7 @@ TEST_P(BackwardFaultOnEmulator, FailsWithTheMatchingFinding) {
   ASSERT_TRUE(plan) << plan.error().message;
   EmuOptions o = options(testing::testSeed());
   o.headers = testing::mutatedHeader("loom/tile/cuda_backward.h", fault.from, fault.to);
+  ASSERT_FALSE(o.headers.empty());
   auto faulty = runOnEmulator(*plan, c, o);
   ASSERT_TRUE(faulty) << faulty.error().message << "\n" << faulty.error().log;
   if (fault.kinds.empty()) {
@@ -316,13 +317,7 @@ TEST_P(BackwardFaultOnEmulator, FailsWithTheMatchingFinding) {
                  gradientToleranceFor(c.spec.dtype()))
         << fault.name << ": dq should be wrong\n" << summary(*faulty);
   }
-  for (FindingKind kind : fault.kinds) {
-    const bool found = std::any_of(faulty->findings.begin(), faulty->findings.end(),
-                                   [&](const Finding& f) { return f.kind == kind; });
-    EXPECT_TRUE(found) << fault.name << ": no " << kindName(kind) << " finding\n" << summary(*faulty);
-  }
-  std::printf("[ fault    ] %s: %s\n", fault.name,
-              faulty->findings.empty() ? "wrong dq" : format(faulty->findings.front()).c_str());
+  testing::expectEachFinding(*faulty, fault.kinds, fault.name, "wrong dq");
 }
 
 INSTANTIATE_TEST_SUITE_P(Mutations, BackwardFaultOnEmulator, ::testing::Range(0, int(backwardFaults().size())),

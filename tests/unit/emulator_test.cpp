@@ -348,13 +348,7 @@ TEST_P(FaultOnEmulator, FailsWithTheMatchingFinding) {
     EXPECT_GT(relativeError(faulty->out, reference.out), toleranceFor(c.spec.dtype()))
         << fault.name << ": the output should be wrong\n" << summary(*faulty);
   }
-  for (FindingKind kind : fault.kinds) {
-    const bool found = std::any_of(faulty->findings.begin(), faulty->findings.end(),
-                                   [&](const Finding& f) { return f.kind == kind; });
-    EXPECT_TRUE(found) << fault.name << ": no " << kindName(kind) << " finding\n" << summary(*faulty);
-  }
-  std::printf("[ fault    ] %s: %s\n", fault.name,
-              faulty->findings.empty() ? "wrong output" : format(faulty->findings.front()).c_str());
+  testing::expectEachFinding(*faulty, fault.kinds, fault.name, "wrong output");
 }
 
 INSTANTIATE_TEST_SUITE_P(Mutations, FaultOnEmulator, ::testing::Range(0, int(faults().size())),

@@ -1,13 +1,17 @@
 // Faults put into copies of the device code: the emulator tests run a plan
-// against a tile header with one line changed and expect the finding (or
+// against a tile header with one line changed and expect the findings (or
 // the wrong result) the change deserves.
 #pragma once
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <map>
 #include <string>
+#include <vector>
 
+#include "emu/emulator.h"
 #include "loom/tile_headers.h"
 
 namespace loom::testing {
@@ -28,6 +32,19 @@ inline std::map<std::string, std::string> mutatedHeader(const std::string& heade
   }
   ADD_FAILURE() << "no embedded header " << header;
   return {};
+}
+
+// The faulty run reported a finding of each of `kinds`; prints the first
+// finding (or `otherwise`, where a wrong value is what the fault leaves).
+inline void expectEachFinding(const emu::EmuRun& faulty, const std::vector<emu::FindingKind>& kinds,
+                              const std::string& fault, const std::string& otherwise) {
+  for (emu::FindingKind kind : kinds) {
+    const bool found = std::any_of(faulty.findings.begin(), faulty.findings.end(),
+                                   [&](const emu::Finding& f) { return f.kind == kind; });
+    EXPECT_TRUE(found) << fault << ": no " << emu::kindName(kind) << " finding\n" << emu::summary(faulty);
+  }
+  std::printf("[ fault    ] %s: %s\n", fault.c_str(),
+              faulty.findings.empty() ? otherwise.c_str() : emu::format(faulty.findings.front()).c_str());
 }
 
 }  // namespace loom::testing
