@@ -227,7 +227,7 @@ double norm2(const std::vector<double>& x) {
 }
 }  // namespace
 
-std::vector<double> gradientErrors(const KernelSpec& spec, const reference::IhaGradients& got,
+std::vector<double> gradientErrors(const KernelSpec& spec, int64_t tokens, const reference::IhaGradients& got,
                                    const reference::IhaGradients& want) {
   const auto gotSlots = reference::gradientsOf(got);
   const auto wantSlots = reference::gradientsOf(want);
@@ -246,16 +246,16 @@ std::vector<double> gradientErrors(const KernelSpec& spec, const reference::IhaG
       const double e = (*gotSlots[i])[k] - (*wantSlots[i])[k];
       difference += e * e;
     }
-    const double scale = reference::vanishesButForEpsilon(spec, i) ? total : norm2(*wantSlots[i]);
+    const double scale = reference::vanishesButForEpsilon(spec, tokens, i) ? total : norm2(*wantSlots[i]);
     errors.push_back(finite ? std::sqrt(difference) / std::max(std::sqrt(scale), 1e-300) : std::nan(""));
   }
   return errors;
 }
 
-double worstGradientError(const KernelSpec& spec, const reference::IhaGradients& got,
+double worstGradientError(const KernelSpec& spec, int64_t tokens, const reference::IhaGradients& got,
                           const reference::IhaGradients& want) {
   double worst = 0;
-  for (double e : gradientErrors(spec, got, want)) {
+  for (double e : gradientErrors(spec, tokens, got, want)) {
     if (std::isnan(e)) return e;
     worst = std::max(worst, e);
   }
@@ -279,7 +279,7 @@ IhaCase drawCheckableBackwardCase(const KernelSpec& spec, int64_t batch, int64_t
     c.dout = drawDout(spec, batch, tokens, seed ^ (0x9e3779b97f4a7c15ull * uint64_t(draw + 1)));
     c.expectedGradients = reference::ihaBackward(spec, c.inputs, *c.dout);
     const auto rounded = reference::ihaBackwardWithRoundedMixing(spec, c.inputs, *c.dout, spec.dtype());
-    const std::vector<double> errors = gradientErrors(spec, rounded, *c.expectedGradients);
+    const std::vector<double> errors = gradientErrors(spec, tokens, rounded, *c.expectedGradients);
     if (std::all_of(errors.begin(), errors.end(),
                     [&](double e) { return e <= kCheckableShare * gradientToleranceFor(spec.dtype()); }))
       break;

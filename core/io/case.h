@@ -79,10 +79,10 @@ double gradientToleranceFor(v1::DType dtype);
 // one the function makes vanish but for qk_norm's epsilon
 // (reference::vanishesButForEpsilon) against all the gradients together,
 // the size of its terms. NaN where `got` is not finite.
-std::vector<double> gradientErrors(const KernelSpec& spec, const reference::IhaGradients& got,
+std::vector<double> gradientErrors(const KernelSpec& spec, int64_t tokens, const reference::IhaGradients& got,
                                    const reference::IhaGradients& want);
 // The largest of gradientErrors; NaN when any is.
-double worstGradientError(const KernelSpec& spec, const reference::IhaGradients& got,
+double worstGradientError(const KernelSpec& spec, int64_t tokens, const reference::IhaGradients& got,
                           const reference::IhaGradients& want);
 
 // dout [B, N, H, d] ~ N(0, 1), rounded to the spec's dtype as a kernel

@@ -200,13 +200,21 @@ IhaGradients ihaBackwardWithRoundedMixing(const v1::KernelSpec& spec, const IhaI
   return backward(spec, inputs, dout, Rounding{true, dtype});
 }
 
-bool vanishesButForEpsilon(const v1::KernelSpec& spec, size_t gradient) {
-  if (spec.qk_norm() != v1::KernelSpec::rms) return false;
+bool vanishesButForEpsilon(const v1::KernelSpec& spec, int64_t tokens, size_t gradient) {
   const std::string name = kGradientNames[gradient];
-  const bool oneTokenWindow =
-      spec.window() == 1 && (spec.mask() != v1::flat_causal || spec.window_align() == v1::KernelSpec::token);
+  const bool fromRows = name == "dq" || name == "dk" || name == "dalpha_q" || name == "dalpha_k";
+  const bool onePseudoHead = spec.pseudo_heads() == 1;
+  // The keys every query sees come from its own token: a one-token window
+  // (a flat one only when a token is one row), or a single token.
+  const bool oneToken = (spec.window() == 1 && (spec.mask() != v1::flat_causal ||
+                                                spec.window_align() == v1::KernelSpec::token || onePseudoHead)) ||
+                        tokens == 1;
+  // A row that sees only itself has P = 1, so dS = P (dP - D) = 0: dq, dk and
+  // the dalphas built from their rows vanish, qk_norm or not.
+  if (oneToken && onePseudoHead && fromRows) return true;
+  if (spec.qk_norm() != v1::KernelSpec::rms) return false;
   // dq and dk vanish, and with them the dalphas built from their rows.
-  const bool keysAgree = spec.kv_heads() == 1 && oneTokenWindow;
+  const bool keysAgree = spec.kv_heads() == 1 && oneToken;
   if (name == "dalpha_q") return spec.heads() == 1 || keysAgree;
   if (name == "dalpha_k") return spec.kv_heads() == 1;
   if (name == "dq" || name == "dk") return keysAgree;

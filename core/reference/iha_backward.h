@@ -58,6 +58,9 @@ IhaGradients ihaBackwardWithRoundedMixing(const v1::KernelSpec& spec, const IhaI
 // dalpha_q, built from dq's rows) vanish too. Such a gradient has no relative error to speak of: a float32 kernel
 // leaves rounding noise of its terms' size where the exact value is
 // epsilon-sized.
-bool vanishesButForEpsilon(const v1::KernelSpec& spec, size_t gradient);
+// `tokens`: N of the case (a single token is a one-token window); also,
+// with one pseudo head under a one-token window every row sees only itself
+// and dq, dk, dalpha_q and dalpha_k vanish exactly.
+bool vanishesButForEpsilon(const v1::KernelSpec& spec, int64_t tokens, size_t gradient);
 
 }  // namespace loom::reference

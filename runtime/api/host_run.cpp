@@ -2,6 +2,7 @@
 // gathered into the doubles the CPU backend and the emulator take, the
 // spec's program runs on the host tile API or its CUDA program on the
 // emulator, and out (and lse) are written back through their strides.
+#include <algorithm>
 #include <cstring>
 
 #include "cpu/cpu_backend.h"
@@ -86,15 +87,55 @@ struct HostProgram {
   IhaCase c;
   KernelPlan plan;
 };
+// With `keep`, an unset mixing and collapse default to what keeping needs.
 Result<HostProgram> hostProgram(const KernelSpec& spec, const IhaTensors& t, const Schedule& schedule,
-                                const std::string& arch) {
+                                const std::string& arch, const IhaSaved* keep) {
   auto c = hostCase(spec, t);
   if (!c) return c.error();
   auto target = parseTarget(arch);
   if (!target) return target.error();
-  auto plan = generateKernel(spec, schedule, *target);
+  Schedule chosen = schedule;
+  if (keep) {
+    if (Status ok = validateSaved(spec, *keep, c->batch, c->tokens, arch != "cpu", kHostDevice); !ok) return ok.error();
+    if (chosen.mix() == v1::mix_unspecified) chosen.set_mix(v1::mix_materialized);
+    if (chosen.collapse() == v1::collapse_unspecified) chosen.set_collapse(v1::collapse_separate);
+  }
+  auto plan = generateKernel(spec, chosen, *target);
   if (!plan) return plan.error();
   return HostProgram{std::move(*c), std::move(*plan)};
+}
+
+// The saved tensors (dense, validated) as the backends hold a kept forward, and back.
+const Tensor* savedRows(const IhaSaved& s, Workspace w) {
+  return w == Workspace::q_mixed ? &s.q_mixed : w == Workspace::k_mixed ? &s.k_mixed
+                                         : w == Workspace::v_mixed ? &s.v_mixed : &s.o_pseudo;
+}
+size_t bytesOf(const Tensor& t) {
+  size_t count = 1;
+  for (int64_t extent : t.shape) count *= size_t(extent);
+  return count * (t.element == ElementKind::float32 ? 4 : 2);
+}
+KeptForward keptFrom(const IhaSaved& s) {
+  KeptForward kept;
+  for (Workspace w : kKeptWorkspaces) {
+    const Tensor& t = *savedRows(s, w);
+    const auto* bytes = static_cast<const uint8_t*>(t.data);
+    kept.rows[w].assign(bytes, bytes + bytesOf(t));
+  }
+  const auto* lse = static_cast<const float*>(s.lse.data);
+  kept.lse.assign(lse, lse + bytesOf(s.lse) / sizeof(float));
+  return kept;
+}
+Status writeKept(const KeptForward& kept, const IhaSaved& s) {
+  for (Workspace w : kKeptWorkspaces) {
+    const Tensor& t = *savedRows(s, w);
+    auto found = kept.rows.find(w);
+    if (found == kept.rows.end() || found->second.size() != bytesOf(t))
+      return makeError("the forward kept no " + workspaceName(w) + " of the saved tensor's size");
+    std::memcpy(t.data, found->second.data(), found->second.size());
+  }
+  std::memcpy(s.lse.data, kept.lse.data(), std::min(kept.lse.size() * sizeof(float), bytesOf(s.lse)));
+  return Status::success();
 }
 
 // out (and lse) written back through their strides.
@@ -105,22 +146,30 @@ void scatterOutputs(const std::vector<double>& out, const std::vector<double>& l
 
 }  // namespace
 
-Status runOnHost(const KernelSpec& spec, const IhaTensors& t, const Schedule& schedule, const cpu::CpuOptions& options) {
-  auto program = hostProgram(spec, t, schedule, "cpu");
+Status runOnHost(const KernelSpec& spec, const IhaTensors& t, const Schedule& schedule, const cpu::CpuOptions& options,
+                 const IhaSaved* keep) {
+  auto program = hostProgram(spec, t, schedule, "cpu", keep);
   if (!program) return program.error();
-  auto outputs = cpu::runPlan(program->plan, program->c, options);
+  KeptForward kept;
+  auto outputs = cpu::runPlan(program->plan, program->c, options, keep ? &kept : nullptr);
   if (!outputs) return outputs.error();
   scatterOutputs(outputs->out, outputs->lse, t);
+  if (keep) return writeKept(kept, *keep);
   return Status::success();
 }
 
 Result<emu::EmuRun> runOnEmulator(const KernelSpec& spec, const IhaTensors& t, const Schedule& schedule,
-                                  const std::string& arch, const emu::EmuOptions& options) {
-  auto program = hostProgram(spec, t, schedule, arch);
+                                  const std::string& arch, const emu::EmuOptions& options, const IhaSaved* keep) {
+  auto program = hostProgram(spec, t, schedule, arch, keep);
   if (!program) return program.error();
-  auto run = emu::runOnEmulator(program->plan, program->c, options);
+  KeptForward kept;
+  emu::EmuOptions withKeep = options;
+  if (keep) withKeep.keep = &kept;
+  auto run = emu::runOnEmulator(program->plan, program->c, withKeep);
   if (!run) return run.error();
   scatterOutputs(run->out, run->lse, t);
+  if (keep)
+    if (Status ok = writeKept(kept, *keep); !ok) return ok.error();
   return run;
 }
 
@@ -128,9 +177,12 @@ namespace {
 
 // The host tensors and dout as a backward case, and the backward plan.
 Result<HostProgram> hostBackward(const KernelSpec& spec, const IhaTensors& t, const IhaGradTensors& g,
-                                 const Schedule& schedule, const std::string& arch) {
+                                 const Schedule& schedule, const std::string& arch, const IhaSaved* saved) {
   if (Status ok = validateSpec(spec); !ok) return ok.error();
   if (Status ok = validateGradTensors(spec, t, g, kHostDevice); !ok) return ok.error();
+  if (saved)
+    if (Status ok = validateSaved(spec, *saved, t.q.shape[0], t.q.shape[1], arch != "cpu", kHostDevice); !ok)
+      return ok.error();
   IhaCase c;
   c.spec = spec;
   c.batch = t.q.shape[0];
@@ -159,10 +211,11 @@ void scatterGradients(const reference::IhaGradients& gradients, const std::vecto
 }  // namespace
 
 Status runBackwardOnHost(const KernelSpec& spec, const IhaTensors& t, const IhaGradTensors& g, const Schedule& schedule,
-                         const cpu::CpuOptions& options) {
-  auto program = hostBackward(spec, t, g, schedule, "cpu");
+                         const cpu::CpuOptions& options, const IhaSaved* saved) {
+  auto program = hostBackward(spec, t, g, schedule, "cpu", saved);
   if (!program) return program.error();
-  auto outputs = cpu::runBackwardPlan(program->plan, program->c, options);
+  const KeptForward kept = saved ? keptFrom(*saved) : KeptForward{};
+  auto outputs = cpu::runBackwardPlan(program->plan, program->c, options, saved ? &kept : nullptr);
   if (!outputs) return outputs.error();
   scatterGradients(outputs->gradients, outputs->lse, t, g);
   return Status::success();
@@ -170,10 +223,13 @@ Status runBackwardOnHost(const KernelSpec& spec, const IhaTensors& t, const IhaG
 
 Result<emu::EmuRun> runBackwardOnEmulator(const KernelSpec& spec, const IhaTensors& t, const IhaGradTensors& g,
                                           const Schedule& schedule, const std::string& arch,
-                                          const emu::EmuOptions& options) {
-  auto program = hostBackward(spec, t, g, schedule, arch);
+                                          const emu::EmuOptions& options, const IhaSaved* saved) {
+  auto program = hostBackward(spec, t, g, schedule, arch, saved);
   if (!program) return program.error();
-  auto run = emu::runOnEmulator(program->plan, program->c, options);
+  const KeptForward kept = saved ? keptFrom(*saved) : KeptForward{};
+  emu::EmuOptions withKept = options;
+  if (saved) withKept.kept = &kept;
+  auto run = emu::runOnEmulator(program->plan, program->c, withKept);
   if (!run) return run.error();
   scatterGradients(*run->gradients, run->lse, t, g);
   return run;

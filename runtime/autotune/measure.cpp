@@ -144,7 +144,7 @@ Status measure(const KernelSpec& spec, std::shared_ptr<cuda::Device> device, con
     if (backward) {
       auto run = cuda::runBackwardCase(**kernel, *device, verify);
       if (!run) ran = run.error();
-      r.error = run ? worstGradientError(spec, *run, *verify.expectedGradients) : std::nan("");
+      r.error = run ? worstGradientError(spec, verify.tokens, *run, *verify.expectedGradients) : std::nan("");
     } else {
       auto run = cuda::runCase(**kernel, *device, verify);
       if (!run) ran = run.error();

@@ -143,7 +143,7 @@ void emulateAll(const KernelSpec& spec, const v1::Target& target, const std::vec
       } else {
         double error = 0;
         if (backward) {
-          error = worstGradientError(spec, *run->gradients, *c.expectedGradients);
+          error = worstGradientError(spec, c.tokens, *run->gradients, *c.expectedGradients);
         } else {
           error = emu::coveredRelativeError(*run, *c.expected, c.batch, c.tokens, spec.heads(), spec.head_dim());
         }

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -164,8 +165,10 @@ void prepareTensors(const KernelPlan& plan, const IhaCase& c, HostTensors& t) {
   args.partials = workspace(Workspace::partials);
 }
 
-// Compiles, loads and runs every launch of `plan` on `t`.
-Result<CpuRunStats> execute(const KernelPlan& plan, HostTensors& t, const CpuOptions& options) {
+// Compiles, loads and runs every launch of `plan` on `t` (but the pre-mix and
+// the attention where `skipForward`).
+Result<CpuRunStats> execute(const KernelPlan& plan, HostTensors& t, const CpuOptions& options,
+                            bool skipForward = false) {
   const fs::path cacheDir = options.cacheDir.empty() ? defaultCacheDir() : options.cacheDir;
   if (plan.target.kind() == v1::Target::cuda) return makeError("the CPU backend needs a plan generated for target cpu");
   HostProgram source{plan.source, compilerFrom("CXX", "c++"), kCompileFlags, {}, "cpu"};
@@ -181,7 +184,8 @@ Result<CpuRunStats> execute(const KernelPlan& plan, HostTensors& t, const CpuOpt
   CpuRunStats stats;
   int64_t discard[3];
   program.stats(&discard[0], &discard[1], &discard[2]);  // reset counters
-  for (const LaunchPlan& launch : plan.launches) runGrid(program, launch, t.args, threads);
+  for (const LaunchPlan& launch : plan.launches)
+    if (!(skipForward && recomputesForward(launch))) runGrid(program, launch, t.args, threads);
   program.stats(&stats.keyBlocks, &stats.maskedBlocks, &stats.attentionCtas);
   stats.compiled = compiled->compiled;
   stats.compileSeconds = compiled->seconds;
@@ -190,10 +194,36 @@ Result<CpuRunStats> execute(const KernelPlan& plan, HostTensors& t, const CpuOpt
 
 std::vector<double> widen(const std::vector<float>& values) { return {values.begin(), values.end()}; }
 
+std::vector<uint8_t> bytesOf(const std::vector<float>& values) {
+  std::vector<uint8_t> bytes(values.size() * sizeof(float));
+  std::memcpy(bytes.data(), values.data(), bytes.size());
+  return bytes;
+}
+
+// A forward's kept state into the backward's workspaces and lse, checked
+// against their sizes.
+Status restoreKept(const KeptForward& kept, HostTensors& t) {
+  for (Workspace w : kKeptWorkspaces) {
+    auto found = kept.rows.find(w);
+    std::vector<float>& target = t.workspaces[w];
+    if (found == kept.rows.end() || found->second.size() != target.size() * sizeof(float))
+      return makeError("the kept forward's " + workspaceName(w) + " does not fit this backward (" +
+                       std::to_string(found == kept.rows.end() ? 0 : found->second.size()) + " bytes, want " +
+                       std::to_string(target.size() * sizeof(float)) + ")");
+    std::memcpy(target.data(), found->second.data(), found->second.size());
+  }
+  if (kept.lse.size() != t.lse.size()) return makeError("the kept forward's lse does not fit this backward");
+  t.lse = kept.lse;
+  t.args.lse = t.lse.data();
+  return Status::success();
+}
+
 }  // namespace
 
-Result<CpuOutputs> runPlan(const KernelPlan& plan, const IhaCase& c, const CpuOptions& options) {
+Result<CpuOutputs> runPlan(const KernelPlan& plan, const IhaCase& c, const CpuOptions& options, KeptForward* keep) {
   if (plan.direction != Direction::forward) return makeError("runPlan runs a forward plan; runBackwardPlan a backward one");
+  if (keep)
+    if (Status ok = canKeepForward(plan); !ok) return ok.error();
   HostTensors t;
   prepareTensors(plan, c, t);
   auto stats = execute(plan, t, options);
@@ -202,15 +232,22 @@ Result<CpuOutputs> runPlan(const KernelPlan& plan, const IhaCase& c, const CpuOp
   result.stats = *stats;
   result.out = npyToDouble(t.out, plan.spec.dtype() == v1::bfloat16);
   result.lse = widen(t.lse);
+  if (keep) {
+    for (Workspace w : kKeptWorkspaces) keep->rows[w] = bytesOf(t.workspaces[w]);
+    keep->lse = t.lse;
+  }
   return result;
 }
 
-Result<CpuGradients> runBackwardPlan(const KernelPlan& plan, const IhaCase& c, const CpuOptions& options) {
+Result<CpuGradients> runBackwardPlan(const KernelPlan& plan, const IhaCase& c, const CpuOptions& options,
+                                     const KeptForward* kept) {
   if (plan.direction != Direction::backward) return makeError("runBackwardPlan needs a plan generated for the backward");
   if (!c.dout) return makeError("the backward needs dout, the gradient of the output");
   HostTensors t;
   prepareTensors(plan, c, t);
-  auto stats = execute(plan, t, options);
+  if (kept)
+    if (Status ok = restoreKept(*kept, t); !ok) return ok.error();
+  auto stats = execute(plan, t, options, kept != nullptr);
   if (!stats) return stats.error();
   CpuGradients result;
   result.stats = *stats;

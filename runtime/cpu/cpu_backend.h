@@ -35,8 +35,11 @@ struct CpuOutputs {
   CpuRunStats stats;
 };
 
-// Compiles (or finds in the cache) and runs `plan` on the case's inputs.
-Result<CpuOutputs> runPlan(const KernelPlan& plan, const IhaCase& c, const CpuOptions& options = {});
+// Compiles (or finds in the cache) and runs `plan` on the case's inputs;
+// with `keep`, also what its backward needs (canKeepForward says which
+// plans can).
+Result<CpuOutputs> runPlan(const KernelPlan& plan, const IhaCase& c, const CpuOptions& options = {},
+                           KeptForward* keep = nullptr);
 
 struct CpuGradients {
   reference::IhaGradients gradients;  // float32 results, widened
@@ -45,7 +48,9 @@ struct CpuGradients {
 };
 
 // The same for a backward plan (generateKernel with Direction::backward):
-// every gradient of sum(out * c.dout).
-Result<CpuGradients> runBackwardPlan(const KernelPlan& plan, const IhaCase& c, const CpuOptions& options = {});
+// every gradient of sum(out * c.dout). Given what a forward of the same
+// case kept, it starts from there (no pre-mix, no attention).
+Result<CpuGradients> runBackwardPlan(const KernelPlan& plan, const IhaCase& c, const CpuOptions& options = {},
+                                     const KeptForward* kept = nullptr);
 
 }  // namespace loom::cpu

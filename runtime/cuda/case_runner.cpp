@@ -156,4 +156,42 @@ Result<reference::IhaGradients> runBackwardCase(Kernel& kernel, const Device& de
   return grads->download(device);
 }
 
+Result<reference::IhaGradients> runKeptBackwardCase(Kernel& forward, Kernel& backward, const Device& device,
+                                                    const IhaCase& c) {
+  auto buffers = CaseBuffers::upload(device, c);
+  if (!buffers) return buffers.error();
+  auto grads = GradBuffers::upload(device, c);
+  if (!grads) return grads.error();
+  const KernelSpec& spec = c.spec;
+  const int64_t B = c.batch, L = c.tokens * spec.pseudo_heads(), H = spec.heads(), G = spec.kv_heads(),
+                d = spec.head_dim();
+  std::vector<std::shared_ptr<DeviceBuffer>> owned;
+  auto poisoned = [&](ElementKind element, std::vector<int64_t> shape) -> Result<Tensor> {
+    int64_t count = 1;
+    for (int64_t extent : shape) count *= extent;
+    auto buffer = DeviceBuffer::allocate(device, size_t(count) * (element == ElementKind::float32 ? 4 : 2));
+    if (!buffer) return buffer.error();
+    owned.push_back(std::make_shared<DeviceBuffer>(std::move(*buffer)));
+    if (Status ok = check(device.api().cuMemsetD8(owned.back()->get(), kPoisonByte, owned.back()->size()), "cuMemsetD8");
+        !ok)
+      return ok.error();
+    return Tensor{owned.back()->data(), element, std::move(shape), {}, device.info().ordinal};
+  };
+  const ElementKind rows = savedRowElement(spec, true);
+  IhaSaved saved;
+  const std::pair<Tensor*, Result<Tensor>> made[] = {{&saved.q_mixed, poisoned(rows, {B, H, L, d})},
+                                                     {&saved.k_mixed, poisoned(rows, {B, G, L, d})},
+                                                     {&saved.v_mixed, poisoned(rows, {B, G, L, d})},
+                                                     {&saved.o_pseudo, poisoned(rows, {B, H, L, d})},
+                                                     {&saved.lse, poisoned(ElementKind::float32, {B, H, L})}};
+  for (const auto& [target, tensor] : made) {
+    if (!tensor) return tensor.error();
+    *target = *tensor;
+  }
+  if (Status ok = grads->poison(device); !ok) return ok.error();
+  if (Status ok = forward.launch(buffers->tensors(), nullptr, &saved); !ok) return ok.error();
+  if (Status ok = backward.launchBackward(buffers->tensors(), grads->tensors(), nullptr, &saved); !ok) return ok.error();
+  return grads->download(device);
+}
+
 }  // namespace loom::cuda

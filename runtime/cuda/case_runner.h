@@ -19,6 +19,12 @@ Result<DeviceRun> runCase(Kernel& kernel, const Device& device, const IhaCase& c
 // with NaN before the launch) read back, float32 widened.
 Result<reference::IhaGradients> runBackwardCase(Kernel& kernel, const Device& device, const IhaCase& c);
 
+// A forward kernel (mixing materialised, collapse separate) keeping its
+// state in device buffers (IhaSaved, poisoned first), then the backward
+// kernel from them: the gradients read back.
+Result<reference::IhaGradients> runKeptBackwardCase(Kernel& forward, Kernel& backward, const Device& device,
+                                                    const IhaCase& c);
+
 // The device buffers of one case's operands, for repeated launches.
 class CaseBuffers {
  public:

@@ -147,6 +147,24 @@ Status validateGradTensors(const KernelSpec& spec, const IhaTensors& inputs, con
   return Status::success();
 }
 
+ElementKind savedRowElement(const KernelSpec& spec, bool cudaKernel) {
+  return cudaKernel ? elementOf(spec.dtype()) : ElementKind::float32;
+}
+
+Status validateSaved(const KernelSpec& spec, const IhaSaved& s, int64_t B, int64_t N, bool cudaKernel, int device) {
+  const int64_t H = spec.heads(), G = spec.kv_heads(), L = N * spec.pseudo_heads(), d = spec.head_dim();
+  const ElementKind rows = savedRowElement(spec, cudaKernel);
+  const std::tuple<const char*, const Tensor*, std::vector<int64_t>, ElementKind> saved[] = {
+      {"q_mixed", &s.q_mixed, {B, H, L, d}, rows},
+      {"k_mixed", &s.k_mixed, {B, G, L, d}, rows},
+      {"v_mixed", &s.v_mixed, {B, G, L, d}, rows},
+      {"o_pseudo", &s.o_pseudo, {B, H, L, d}, rows},
+      {"lse", &s.lse, {B, H, L}, ElementKind::float32}};
+  for (const auto& [name, tensor, shape, element] : saved)
+    if (Status ok = checkTensor(name, *tensor, shape, element, device, false); !ok) return ok;
+  return Status::success();
+}
+
 namespace {
 
 // Views each named DLPack tensor into its Tensor; the first that fails names itself.
@@ -334,10 +352,19 @@ Status Kernel::encodeTensorMaps(const IhaArgs& args, int64_t L, int64_t B, cuda:
   return cuda::encodeWorkspaceMaps(device_->api().cuTensorMapEncodeTiled, cuda::check, compiled_, args, L, B, maps);
 }
 
-Status Kernel::launch(const IhaTensors& t, CUstream stream) {
+Status Kernel::launch(const IhaTensors& t, CUstream stream, const IhaSaved* keep) {
   if (compiled_.direction() == v1::direction_backward)
     return makeError("this is a backward kernel: call launchBackward with dout and the gradients");
   if (Status ok = validateTensors(compiled_.spec(), t, device_->info().ordinal); !ok) return ok;
+  if (keep) {
+    for (const char* name : {"q_mixed", "k_mixed", "v_mixed", "o_pseudo"})
+      if (std::find(compiled_.workspaces().begin(), compiled_.workspaces().end(), name) == compiled_.workspaces().end())
+        return makeError(std::string("this forward kernel keeps no ") + name + " for the backward: compile it with "
+                         "schedule.mix mix_materialized and schedule.collapse collapse_separate");
+    if (Status ok = validateSaved(compiled_.spec(), *keep, t.q.shape[0], t.q.shape[1], true, device_->info().ordinal);
+        !ok)
+      return ok;
+  }
   if (Status ok = device_->makeCurrent(); !ok) return ok;
   const int64_t B = t.q.shape[0], N = t.q.shape[1];
   if (Status ok = ensureWorkspaces(B, N); !ok) return ok;
@@ -360,6 +387,13 @@ Status Kernel::launch(const IhaTensors& t, CUstream stream) {
   args.k_mixed = workspace("k_mixed");
   args.v_mixed = workspace("v_mixed");
   args.o_pseudo = workspace("o_pseudo");
+  if (keep) {  // the launches write the caller's buffers instead of the kernel's own
+    args.q_mixed = keep->q_mixed.data;
+    args.k_mixed = keep->k_mixed.data;
+    args.v_mixed = keep->v_mixed.data;
+    args.o_pseudo = keep->o_pseudo.data;
+    args.lse = static_cast<float*>(keep->lse.data);
+  }
   args.batch = B;
   args.tokens = N;
   const Tensor* strided[] = {&t.q, &t.k, &t.v, &t.out};
@@ -369,21 +403,25 @@ Status Kernel::launch(const IhaTensors& t, CUstream stream) {
     std::memcpy(targets[i], s.data(), 3 * sizeof(int64_t));
   }
 
-  return launchEntries(args, stream);
+  return launchEntries(args, stream, /*skipForward=*/false);
 }
 
-Status Kernel::launchEntries(IhaArgs& args, CUstream stream) {
+Status Kernel::launchEntries(IhaArgs& args, CUstream stream, bool skipForward) {
   const int64_t B = args.batch, N = args.tokens;
   const bool wantsMaps = std::any_of(compiled_.entries().begin(), compiled_.entries().end(),
                                      [](const v1::EntryPoint& entry) { return entry.tensor_maps(); });
-  if (wantsMaps && mapsShape_ != std::make_pair(B, N)) {
+  const std::array<const void*, 3> buffers = {args.q_mixed, args.k_mixed, args.v_mixed};
+  if (wantsMaps && (mapsShape_ != std::make_pair(B, N) || mapsBuffers_ != buffers)) {
     if (!maps_) maps_ = std::make_unique<cuda::TmaMaps>();
     if (Status ok = encodeTensorMaps(args, N * compiled_.spec().pseudo_heads(), B, *maps_); !ok) return ok;
     mapsShape_ = {B, N};
+    mapsBuffers_ = buffers;
   }
 
   for (int e = 0; e < compiled_.entries_size(); ++e) {
     const v1::EntryPoint& entry = compiled_.entries(e);
+    // compiler.h's kPremixEntry and kAttentionEntry (loom_cuda links no compiler).
+    if (skipForward && (entry.name() == "iha_premix" || entry.name() == "iha_attention")) continue;
     void* argsOnly[] = {&args};
     void* argsAndMaps[] = {&args, maps_.get()};
     void** params = entry.tensor_maps() ? argsAndMaps : argsOnly;
@@ -403,10 +441,14 @@ Status Kernel::launchEntries(IhaArgs& args, CUstream stream) {
   return Status::success();
 }
 
-Status Kernel::launchBackward(const IhaTensors& t, const IhaGradTensors& g, CUstream stream) {
+Status Kernel::launchBackward(const IhaTensors& t, const IhaGradTensors& g, CUstream stream, const IhaSaved* saved) {
   if (compiled_.direction() != v1::direction_backward)
     return makeError("this is a forward kernel: Runtime::backwardKernel gives the backward's");
   if (Status ok = validateGradTensors(compiled_.spec(), t, g, device_->info().ordinal); !ok) return ok;
+  if (saved)
+    if (Status ok = validateSaved(compiled_.spec(), *saved, t.q.shape[0], t.q.shape[1], true, device_->info().ordinal);
+        !ok)
+      return ok;
   if (Status ok = device_->makeCurrent(); !ok) return ok;
   const int64_t B = t.q.shape[0], N = t.q.shape[1];
   if (Status ok = ensureWorkspaces(B, N); !ok) return ok;
@@ -441,6 +483,13 @@ Status Kernel::launchBackward(const IhaTensors& t, const IhaGradTensors& g, CUst
   args.dk_pseudo = static_cast<float*>(workspace("dk_pseudo"));
   args.dv_pseudo = static_cast<float*>(workspace("dv_pseudo"));
   args.partials = static_cast<float*>(workspace("partials"));
+  if (saved) {  // the forward's rows and lse: no pre-mix, no recomputed attention
+    args.q_mixed = saved->q_mixed.data;
+    args.k_mixed = saved->k_mixed.data;
+    args.v_mixed = saved->v_mixed.data;
+    args.o_pseudo = saved->o_pseudo.data;
+    args.lse = static_cast<float*>(saved->lse.data);
+  }
   args.batch = B;
   args.tokens = N;
   // dout is read with out's strides.
@@ -450,7 +499,7 @@ Status Kernel::launchBackward(const IhaTensors& t, const IhaGradTensors& g, CUst
     const std::vector<int64_t> s = stridesOf(*strided[i]);
     std::memcpy(targets[i], s.data(), 3 * sizeof(int64_t));
   }
-  return launchEntries(args, stream);
+  return launchEntries(args, stream, /*skipForward=*/saved != nullptr);
 }
 
 Status Kernel::launch(const DLTensor* q, const DLTensor* k, const DLTensor* v, const DLTensor* alphaQ,

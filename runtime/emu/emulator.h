@@ -43,6 +43,11 @@ struct EmuOptions {
   // them (what setmaxnreg starts from); entries not named take CtaConfig's
   // default.
   std::map<std::string, int> registers;
+  // A forward with `keep` also returns what its backward needs (it must run
+  // whole: no maxCtas); a backward given `kept` (a forward of the same case
+  // kept it) skips its pre-mix and attention launches.
+  KeptForward* keep = nullptr;
+  const KeptForward* kept = nullptr;
 };
 
 struct EmuRun {

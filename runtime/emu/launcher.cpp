@@ -80,6 +80,11 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
   if (backward && !c.dout) return makeError("the backward needs dout, the gradient of the output");
   if (backward && options.maxCtas > 0)
     return makeError("the backward runs whole (its launches read each other's results everywhere): no --ctas");
+  if (options.keep) {
+    if (Status ok = canKeepForward(plan); !ok) return ok.error();
+    if (options.maxCtas > 0) return makeError("a forward that keeps its state for the backward runs whole: no --ctas");
+  }
+  if (options.kept && !backward) return makeError("only a backward starts from a kept forward");
   const fs::path cacheDir = options.cacheDir.empty() ? defaultCacheDir() : options.cacheDir;
   cpu::HostProgram program{options.source.empty() ? plan.source : options.source,
                            cpu::compilerFrom("LOOM_EMU_CXX", "clang++-19"), kEmuFlags, options.headers, "emu"};
@@ -161,6 +166,21 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
   args.batch = B;
   args.tokens = N;
   cpu::setDenseStrides(args, N, H, G, d);
+  if (options.kept) {  // the forward's rows and lse in place of the pre-mix's and the attention's
+    void* const targets[] = {args.q_mixed, args.k_mixed, args.v_mixed, args.o_pseudo};
+    for (size_t i = 0; i < std::size(kKeptWorkspaces); ++i) {
+      const Workspace w = kKeptWorkspaces[i];
+      const size_t bytes = size_t(workspaceElements(plan, w, B, N)) * size_t(workspaceElementBytes(plan, w));
+      auto found = options.kept->rows.find(w);
+      if (found == options.kept->rows.end() || found->second.size() != bytes)
+        return makeError("the kept forward's " + workspaceName(w) + " does not fit this backward (" +
+                         std::to_string(found == options.kept->rows.end() ? 0 : found->second.size()) +
+                         " bytes, want " + std::to_string(bytes) + ")");
+      std::memcpy(targets[i], found->second.data(), bytes);
+    }
+    if (options.kept->lse.size() != size_t(B * H * L)) return makeError("the kept forward's lse does not fit this backward");
+    std::memcpy(args.lse, options.kept->lse.data(), options.kept->lse.size() * sizeof(float));
+  }
 
   cuda::TmaMaps maps{};
   const bool wantsMaps =
@@ -182,6 +202,7 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
   run.covered.assign(size_t(N), true);
   std::mutex merge;
   for (const LaunchPlan& launch : plan.launches) {
+    if (options.kept && recomputesForward(launch)) continue;
     void* symbol = ::dlsym(*handle, launch.name.c_str());
     if (!symbol) return makeError(compiled->object.string() + ": entry point " + launch.name + " missing");
     const int64_t rows = N * launch.rowsPerToken;
@@ -253,6 +274,16 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
   out.bytes.assign(static_cast<const uint8_t*>(args.out), static_cast<const uint8_t*>(args.out) + outBytes);
   run.out = npyToDouble(out, spec.dtype() == v1::bfloat16);
   run.lse.assign(args.lse, args.lse + B * H * L);
+  if (options.keep) {
+    const void* const sources[] = {args.q_mixed, args.k_mixed, args.v_mixed, args.o_pseudo};
+    for (size_t i = 0; i < std::size(kKeptWorkspaces); ++i) {
+      const Workspace w = kKeptWorkspaces[i];
+      const auto* bytes = static_cast<const uint8_t*>(sources[i]);
+      options.keep->rows[w].assign(
+          bytes, bytes + size_t(workspaceElements(plan, w, B, N)) * size_t(workspaceElementBytes(plan, w)));
+    }
+    options.keep->lse.assign(args.lse, args.lse + B * H * L);
+  }
   if (backward) {
     auto widen = [](const float* values, const std::vector<double>& like) {
       return std::vector<double>(values, values + like.size());

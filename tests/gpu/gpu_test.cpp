@@ -147,7 +147,7 @@ TEST_F(Gpu, EveryBackwardBundleMatchesTheReference) {
       ASSERT_TRUE(first) << what << ": " << first.error().message;
       auto second = cuda::runBackwardCase(**kernel, *device_, *c);
       ASSERT_TRUE(second) << what << ": " << second.error().message;
-      const std::vector<double> errors = gradientErrors(c->spec, *first, *c->expectedGradients);
+      const std::vector<double> errors = gradientErrors(c->spec, c->tokens, *first, *c->expectedGradients);
       std::string figures;
       for (size_t i = 0; i < errors.size(); ++i) {
         EXPECT_LE(errors[i], gradientToleranceFor(c->spec.dtype())) << what << " " << reference::kGradientNames[i];
@@ -166,6 +166,37 @@ TEST_F(Gpu, EveryBackwardBundleMatchesTheReference) {
     ++checked;
   }
   if (checked == 0) GTEST_SKIP() << "no backward bundles (tests/gpu/prepare.sh writes them)";
+}
+
+// What the forward keeps feeds the backward: the "materialized" forward
+// bundle of each backward case keeps its mixed rows, pseudo outputs and
+// lse in device buffers (poisoned first), the "backward" bundle starts from
+// them without its pre-mix and attention launches; every gradient within
+// the tolerance of the float64 backward.
+TEST_F(Gpu, KeptForwardFeedsTheBackward) {
+  int checked = 0;
+  for (const Bundle& b : all_) {
+    if (b.label != "backward") continue;
+    const auto forward = std::find_if(all_.begin(), all_.end(), [&](const Bundle& f) {
+      return f.caseName == b.caseName && f.dtype == b.dtype && f.label == "materialized";
+    });
+    if (forward == all_.end()) continue;
+    auto backwardKernel = Kernel::load(device_, b.kernel);
+    auto forwardKernel = Kernel::load(device_, forward->kernel);
+    ASSERT_TRUE(backwardKernel && forwardKernel) << b.file;
+    auto shared = loadCase(casesDir() + "/" + b.caseName);
+    ASSERT_TRUE(shared) << shared.error().message;
+    const IhaCase c = withDtype(*shared, b.kernel.spec().dtype());
+    auto gradients = cuda::runKeptBackwardCase(**forwardKernel, **backwardKernel, *device_, c);
+    ASSERT_TRUE(gradients) << b.file << ": " << gradients.error().message;
+    const std::vector<double> errors = gradientErrors(c.spec, c.tokens, *gradients, *c.expectedGradients);
+    for (size_t i = 0; i < errors.size(); ++i)
+      EXPECT_LE(errors[i], gradientToleranceFor(c.spec.dtype())) << b.file << " " << reference::kGradientNames[i];
+    std::printf("[ gpu kept ] %-40s worst gradient error %.2e\n", (b.caseName + " " + b.dtype).c_str(),
+                worstGradientError(c.spec, c.tokens, *gradients, *c.expectedGradients));
+    ++checked;
+  }
+  if (checked == 0) GTEST_SKIP() << "no backward bundle with a materialized forward twin (tests/gpu/prepare.sh)";
 }
 
 // The sm_90a path on long sequences: many key blocks stream through the

@@ -30,7 +30,8 @@ LOOM_GPU_LABELS='default|materialized|single' timeout 130 build/bin/gpu_test --g
 portable=${PIPESTATUS[0]}
 LOOM_GPU_LABELS='hopper.*' timeout 90 build/bin/gpu_test --gtest_color=no 2>&1 | tee "$out/gpu_test_hopper.log"
 hopper=${PIPESTATUS[0]}
-LOOM_GPU_LABELS='backward.*' timeout 60 build/bin/gpu_test --gtest_color=no --gtest_filter='Gpu.EveryBackward*' 2>&1 |
+LOOM_GPU_LABELS='backward.*|materialized' timeout 60 build/bin/gpu_test --gtest_color=no \
+  --gtest_filter='Gpu.EveryBackward*:Gpu.KeptForward*' 2>&1 |
   tee "$out/gpu_test_backward.log"
 backward=${PIPESTATUS[0]}
 tests=$((portable != 0 || hopper != 0 || backward != 0))

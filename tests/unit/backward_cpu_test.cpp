@@ -60,7 +60,7 @@ void checkBackward(const IhaCase& c, const std::vector<double>& dout, const refe
   withDout.dout = dout;
   auto result = cpu::runBackwardPlan(*plan, withDout, cpuOptions());
   ASSERT_TRUE(result) << what << ": " << result.error().message << "\n" << result.error().log;
-  const std::vector<double> errors = gradientErrors(c.spec, result->gradients, want);
+  const std::vector<double> errors = gradientErrors(c.spec, c.tokens, result->gradients, want);
   const double tolerance = gradientToleranceFor(c.spec.dtype());
   for (size_t i = 0; i < errors.size(); ++i)
     EXPECT_LE(errors[i], tolerance) << what << " " << reference::kGradientNames[i] << " schedule "

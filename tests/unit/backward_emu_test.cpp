@@ -17,6 +17,7 @@
 #include "loom/runtime.h"
 #include "loom/compiler.h"
 #include "reference/iha_backward.h"
+#include "host_tensors.h"
 #include "mutate.h"
 #include "test_util.h"
 
@@ -68,7 +69,7 @@ void expectClean(const IhaCase& c, const reference::IhaGradients& want, const Sc
   EXPECT_EQ(run->findingCount, 0) << what << " " << arch << "\n" << summary(*run);
   EXPECT_FALSE(run->deadlocked);
   ASSERT_TRUE(run->gradients);
-  const std::vector<double> errors = gradientErrors(c.spec, *run->gradients, want);
+  const std::vector<double> errors = gradientErrors(c.spec, c.tokens, *run->gradients, want);
   std::string figures;
   for (size_t i = 0; i < errors.size(); ++i) {
     char text[48];
@@ -196,14 +197,14 @@ TEST(HostApiBackward, StridedHostTensorsOnTheHostAndTheEmulator) {
   const auto lseWant = reference::ihaForward(spec, c.inputs).lse;
 
   ASSERT_TRUE(runBackwardOnHost(spec, t, g, Schedule(), cpu::CpuOptions{LOOM_TEST_CACHE, 2})) << what;
-  for (double e : gradientErrors(spec, gathered(), want)) EXPECT_LE(e, gradientToleranceFor(v1::float32)) << what;
+  for (double e : gradientErrors(spec, N, gathered(), want)) EXPECT_LE(e, gradientToleranceFor(v1::float32)) << what;
   EXPECT_LE(relativeError(hostValues(*t.lse), lseWant), toleranceFor(v1::float32)) << what;
 
   for (auto& buffer : buffers) std::fill(buffer.begin(), buffer.end(), 0xff);
   auto run = runBackwardOnEmulator(spec, t, g, Schedule(), "sm_80", options(rng()));
   ASSERT_TRUE(run) << run.error().message;
   EXPECT_EQ(run->findingCount, 0) << summary(*run);
-  for (double e : gradientErrors(spec, gathered(), want)) EXPECT_LE(e, gradientToleranceFor(v1::float16)) << what;
+  for (double e : gradientErrors(spec, N, gathered(), want)) EXPECT_LE(e, gradientToleranceFor(v1::float16)) << what;
   EXPECT_LE(relativeError(hostValues(*t.lse), lseWant), toleranceFor(v1::float16)) << what;
 
   IhaGradTensors wrong = g;
@@ -275,7 +276,7 @@ TEST(BackwardOnEmulator, DqByAtomicAddsMatchesItsOwnLaunch) {
   const double tolerance = gradientToleranceFor(v1::float16);
   EXPECT_LE(relativeError(a->gradients->dq, c.expectedGradients->dq), tolerance);
   EXPECT_LE(relativeError(a->gradients->dq, o->gradients->dq), tolerance);
-  const std::vector<double> errors = gradientErrors(c.spec, *a->gradients, *c.expectedGradients);
+  const std::vector<double> errors = gradientErrors(c.spec, c.tokens, *a->gradients, *c.expectedGradients);
   for (size_t i = 0; i < errors.size(); ++i) EXPECT_LE(errors[i], tolerance) << reference::kGradientNames[i];
 }
 
@@ -322,6 +323,127 @@ TEST_P(BackwardFaultOnEmulator, FailsWithTheMatchingFinding) {
 
 INSTANTIATE_TEST_SUITE_P(Mutations, BackwardFaultOnEmulator, ::testing::Range(0, int(backwardFaults().size())),
                          [](const auto& info) { return std::string(backwardFaults()[size_t(info.param)].name); });
+
+//===--- what the forward keeps for the backward ---------------------------===//
+
+// A forward that keeps its mixed rows, pseudo outputs and lse, then a
+// backward from them: on the host backend (float32 rows) and on the
+// emulator (16-bit rows; on sm_90a also from the wgmma forward, whose
+// pre-mix and pseudo outputs the mma.sync backward reads), through the host
+// API. The kept tensors are
+// written whole (poisoned before), the backward runs no attention CTA, and
+// every gradient is within the tolerance of the float64 backward and of the
+// recomputing backward's.
+class KeptForwardBackward : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(KeptForwardBackward, BackwardFromItSkipsTheRecomputedAttention) {
+  const bool wgmma = GetParam() == "sm_90a-wgmma";
+  const std::string arch = wgmma ? "sm_90a" : GetParam();
+  std::mt19937_64 rng(testing::testSeed() + (arch == "cpu" ? 801 : 802) + (wgmma ? 1 : 0));
+  KernelSpec spec = testing::randomSpec(rng);
+  spec.set_head_dim(wgmma ? 64 : 8 * std::uniform_int_distribution<int>(1, 3)(rng));
+  Schedule forwardSchedule;
+  if (wgmma) forwardSchedule.set_engine(v1::engine_wgmma);
+  spec.set_dtype(arch == "cpu" ? v1::float32 : (rng() % 2 ? v1::bfloat16 : v1::float16));
+  const int64_t B = 1 + int64_t(rng() % 2), N = 3 + int64_t(rng() % (wgmma ? 10 : 20));
+  const IhaCase c = drawCheckableBackwardCase(spec, B, N, rng());
+  const std::string what = spec.ShortDebugString() + " B=" + std::to_string(B) + " N=" + std::to_string(N) + " " + arch;
+  const bool host = arch == "cpu";
+  const double tolerance = gradientToleranceFor(spec.dtype());
+
+  testing::HostTensors kept(c), recomputed(c);
+  const IhaSaved saved = kept.saved(savedRowElement(spec, !host));
+  Result<emu::EmuRun> forwardRun = emu::EmuRun{};
+  if (host) {
+    Status ok = runOnHost(spec, kept.inputs(), Schedule(), cpu::CpuOptions{LOOM_TEST_CACHE, 2}, &saved);
+    ASSERT_TRUE(ok) << what << ": " << ok.error().message;
+  } else {
+    forwardRun = runOnEmulator(spec, kept.inputs(), forwardSchedule, arch, options(rng()), &saved);
+    ASSERT_TRUE(forwardRun) << what << ": " << forwardRun.error().message;
+    EXPECT_EQ(forwardRun->findingCount, 0) << summary(*forwardRun);
+  }
+  for (const Tensor* t : {&saved.q_mixed, &saved.k_mixed, &saved.v_mixed, &saved.o_pseudo, &saved.lse}) {
+    const std::vector<double> values = hostValues(*t);
+    EXPECT_TRUE(std::all_of(values.begin(), values.end(), [](double x) { return std::isfinite(x); }))
+        << what << ": a kept tensor has unwritten elements";
+  }
+  EXPECT_LE(relativeError(hostValues(saved.lse), reference::ihaForward(spec, c.inputs).lse), toleranceFor(spec.dtype()));
+
+  if (host) {
+    Status ok = runBackwardOnHost(spec, kept.inputs(), kept.grads(), Schedule(), cpu::CpuOptions{LOOM_TEST_CACHE, 2},
+                                  &saved);
+    ASSERT_TRUE(ok) << what << ": " << ok.error().message;
+    ok = runBackwardOnHost(spec, recomputed.inputs(), recomputed.grads(), Schedule(),
+                           cpu::CpuOptions{LOOM_TEST_CACHE, 2});
+    ASSERT_TRUE(ok) << what << ": " << ok.error().message;
+  } else {
+    auto run = runBackwardOnEmulator(spec, kept.inputs(), kept.grads(), Schedule(), arch, options(rng()), &saved);
+    ASSERT_TRUE(run) << what << ": " << run.error().message;
+    EXPECT_EQ(run->findingCount, 0) << summary(*run);
+    EXPECT_EQ(run->attentionCtas, 0) << what << ": the backward recomputed the attention";
+    auto again = runBackwardOnEmulator(spec, recomputed.inputs(), recomputed.grads(), Schedule(), arch, options(rng()));
+    ASSERT_TRUE(again) << what << ": " << again.error().message;
+    EXPECT_GT(again->attentionCtas, 0);
+  }
+  const reference::IhaGradients fromKept = kept.gradients(), fromScratch = recomputed.gradients();
+  const std::vector<double> errors = gradientErrors(spec, N, fromKept, *c.expectedGradients);
+  const std::vector<double> apart = gradientErrors(spec, N, fromKept, fromScratch);
+  for (size_t i = 0; i < errors.size(); ++i) {
+    EXPECT_LE(errors[i], tolerance) << what << " " << reference::kGradientNames[i];
+    EXPECT_LE(apart[i], tolerance) << what << " " << reference::kGradientNames[i] << " against the recomputing backward";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Backends, KeptForwardBackward, ::testing::Values("cpu", "sm_80", "sm_90a", "sm_90a-wgmma"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
+
+// The host backend's stats show what the kept backward skips; what cannot be
+// kept, and saved tensors that do not fit, are refused by name.
+TEST(KeptForwardOnCpu, SkipsThePremixAndAttentionAndRefusesWhatDoesNotFit) {
+  std::mt19937_64 rng(testing::testSeed() + 803);
+  KernelSpec spec = testing::randomSpec(rng);
+  spec.set_head_dim(16);
+  const IhaCase c = drawCheckableBackwardCase(spec, 1, 9, rng());
+  Schedule materialized;
+  materialized.set_mix(v1::mix_materialized);
+  materialized.set_collapse(v1::collapse_separate);
+  auto forward = generateKernel(spec, materialized, *parseTarget("cpu"));
+  auto backward = backwardPlan(spec, Schedule(), "cpu");
+  ASSERT_TRUE(forward && backward);
+  KeptForward kept;
+  auto out = cpu::runPlan(*forward, c, {LOOM_TEST_CACHE, 2}, &kept);
+  ASSERT_TRUE(out) << out.error().message;
+  auto fromKept = cpu::runBackwardPlan(*backward, c, {LOOM_TEST_CACHE, 2}, &kept);
+  auto fromScratch = cpu::runBackwardPlan(*backward, c, {LOOM_TEST_CACHE, 2});
+  ASSERT_TRUE(fromKept && fromScratch);
+  // Without the attention launch's CTAs and its key blocks.
+  EXPECT_LT(fromKept->stats.attentionCtas, fromScratch->stats.attentionCtas);
+  EXPECT_LT(fromKept->stats.keyBlocks, fromScratch->stats.keyBlocks);
+
+  Schedule fused = materialized;
+  fused.set_collapse(v1::collapse_fused);
+  auto epilogue = generateKernel(spec, fused, *parseTarget("cpu"));
+  ASSERT_TRUE(epilogue);
+  auto refused = cpu::runPlan(*epilogue, c, {LOOM_TEST_CACHE, 2}, &kept);
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message.find("keeps no o_pseudo"), std::string::npos) << refused.error().message;
+
+  testing::HostTensors host(c);
+  IhaSaved wrong = host.saved(ElementKind::float32);
+  wrong.o_pseudo.shape[2] += 1;
+  Status status = runOnHost(spec, host.inputs(), Schedule(), cpu::CpuOptions{LOOM_TEST_CACHE, 2}, &wrong);
+  ASSERT_FALSE(status);
+  EXPECT_EQ(status.error().message.rfind("o_pseudo: shape", 0), 0u) << status.error().message;
+  wrong = host.saved(ElementKind::float16);
+  status = runBackwardOnHost(spec, host.inputs(), host.grads(), Schedule(), cpu::CpuOptions{LOOM_TEST_CACHE, 2}, &wrong);
+  ASSERT_FALSE(status);
+  EXPECT_EQ(status.error().message.rfind("q_mixed: element type float16, want float32", 0), 0u)
+      << status.error().message;
+}
 
 }  // namespace
 }  // namespace loom::emu

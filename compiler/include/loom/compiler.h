@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,8 @@ namespace loom {
 // The attention launch's entry point (its resources are what the tuner and
 // the reports look at; the pre-mix and collapse launches are small).
 inline constexpr char kAttentionEntry[] = "iha_attention";
+// The pre-mix launch of a plan with the mixing materialised.
+inline constexpr char kPremixEntry[] = "iha_premix";
 
 // A backward plan's entry points, in launch order after the pre-mix and the
 // forward's attention (recomputing the pseudo outputs and lse):
@@ -106,6 +109,23 @@ int64_t workspaceElements(const KernelPlan& plan, Workspace workspace, int64_t b
 // the tensor cores read (q_mixed, k_mixed, v_mixed, o_pseudo, do_pseudo),
 // float everywhere else and on the host.
 int workspaceElementBytes(const KernelPlan& plan, Workspace workspace);
+
+// What a forward keeps for its backward (docs/compiler.md, The backward):
+// the mixed rows and the pseudo outputs, each workspace's bytes in the
+// plan's element type (workspaceElementBytes), and lse [B, H, L]. A forward
+// plan keeps them when its mixing is materialised and its collapse
+// separate; a backward given them skips its pre-mix and attention launches,
+// which would compute exactly these.
+inline constexpr Workspace kKeptWorkspaces[] = {Workspace::q_mixed, Workspace::k_mixed, Workspace::v_mixed,
+                                                Workspace::o_pseudo};
+struct KeptForward {
+  std::map<Workspace, std::vector<uint8_t>> rows;
+  std::vector<float> lse;
+};
+// Whether the forward plan writes everything a KeptForward holds; else why not.
+Status canKeepForward(const KernelPlan& forward);
+// The launches of a backward plan a KeptForward replaces (the pre-mix and the attention).
+bool recomputesForward(const LaunchPlan& launch);
 
 // Entries of one CTA's partial sums in a backward plan: dcollapse, then
 // dalpha_q, dalpha_k, dalpha_v (the layout loom/tile/host.h's backward uses).

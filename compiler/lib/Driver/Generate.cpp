@@ -1,4 +1,5 @@
 // generateKernel: KernelSpec -> iha.kernel -> pipeline -> plan + C++ source.
+#include <algorithm>
 #include <regex>
 
 #include "loom/Dialect/Iha/IhaOps.h"
@@ -163,6 +164,20 @@ int workspaceElementBytes(const KernelPlan& plan, Workspace workspace) {
                     workspace == Workspace::v_mixed || workspace == Workspace::o_pseudo ||
                     workspace == Workspace::do_pseudo;
   return tile ? plan.workspaceElementBytes : int(sizeof(float));
+}
+
+Status canKeepForward(const KernelPlan& forward) {
+  if (forward.direction != Direction::forward) return makeError("only a forward plan keeps its state for a backward");
+  for (Workspace w : kKeptWorkspaces)
+    if (std::find(forward.workspaces.begin(), forward.workspaces.end(), w) == forward.workspaces.end())
+      return makeError("this forward keeps no " + workspaceName(w) + " for the backward: it needs schedule.mix "
+                       "mix_materialized and schedule.collapse collapse_separate (the plan has " +
+                       forward.schedule.ShortDebugString() + ")");
+  return Status::success();
+}
+
+bool recomputesForward(const LaunchPlan& launch) {
+  return launch.name == kPremixEntry || launch.name == kAttentionEntry;
 }
 
 int64_t partialEntries(const KernelSpec& spec) {

@@ -10,6 +10,7 @@
 #include <cuda.h>
 #include <dlpack/dlpack.h>
 
+#include <array>
 #include <map>
 #include <memory>
 #include <optional>
@@ -73,6 +74,22 @@ struct IhaGradTensors {
   Tensor dalpha_q, dalpha_k, dalpha_v, dcollapse;
 };
 
+// What a forward keeps for its backward (docs/compiler.md, The backward),
+// in caller-owned dense tensors: q_mixed and o_pseudo [B, H, N*P, d],
+// k_mixed and v_mixed [B, G, N*P, d] in the kernel's workspace element type
+// (the spec's 16-bit dtype for CUDA kernels and the emulator, float32 on the
+// host backend: savedRowElement), lse [B, H, N*P] float32. A forward given
+// them (its mixing materialised, its collapse separate) fills them; a
+// backward given them starts from there, skipping the pre-mix and the
+// recomputed attention (one attention pass of work).
+struct IhaSaved {
+  Tensor q_mixed, k_mixed, v_mixed, o_pseudo, lse;
+};
+ElementKind savedRowElement(const KernelSpec& spec, bool cudaKernel);
+// Checks the saved tensors against the spec, B and N; the error names the tensor.
+Status validateSaved(const KernelSpec& spec, const IhaSaved& saved, int64_t batch, int64_t tokens, bool cudaKernel,
+                     int device);
+
 // validateTensors' checks for the inputs (q, k, v, the weights, lse when
 // given) and the backward's own tensors; the error names the tensor.
 Status validateGradTensors(const KernelSpec& spec, const IhaTensors& inputs, const IhaGradTensors& grads, int device);
@@ -101,10 +118,12 @@ struct EmuRun;
 }
 
 // IHA on host tensors: the spec's generated program run on the host tile
-// API (runtime/cpu), reading the inputs and writing out (and lse) in place.
+// API (runtime/cpu), reading the inputs and writing out (and lse) in place;
+// with `keep` (float32 rows), also what the backward needs (an unset
+// schedule.mix and collapse then default to materialised and separate).
 // Slow: for checking and for machines without a GPU.
 Status runOnHost(const KernelSpec& spec, const IhaTensors& tensors, const Schedule& schedule,
-                 const cpu::CpuOptions& options);
+                 const cpu::CpuOptions& options, const IhaSaved* keep = nullptr);
 
 // IHA on host tensors through the CUDA program of `arch` (sm_80 ... sm_90a)
 // run on the emulator (runtime/emu, "emu/emulator.h"): the device code as a
@@ -113,18 +132,20 @@ Status runOnHost(const KernelSpec& spec, const IhaTensors& tensors, const Schedu
 // report says what was covered and holds the findings: a run with any
 // finding, or deadlocked, has failed whatever its numbers.
 Result<emu::EmuRun> runOnEmulator(const KernelSpec& spec, const IhaTensors& tensors, const Schedule& schedule,
-                                  const std::string& arch, const emu::EmuOptions& options);
+                                  const std::string& arch, const emu::EmuOptions& options,
+                                  const IhaSaved* keep = nullptr);
 
 // The backward on host tensors: the spec's generated backward on the host
-// tile API, writing every gradient (and lse, when given) in place.
+// tile API, writing every gradient (and lse, when given) in place; from
+// `saved` when a forward of the same inputs kept them.
 Status runBackwardOnHost(const KernelSpec& spec, const IhaTensors& inputs, const IhaGradTensors& grads,
-                         const Schedule& schedule, const cpu::CpuOptions& options);
+                         const Schedule& schedule, const cpu::CpuOptions& options, const IhaSaved* saved = nullptr);
 
 // The backward on host tensors through the CUDA backward of `arch` on the
 // emulator; the run's report holds its findings (any finding fails it).
 Result<emu::EmuRun> runBackwardOnEmulator(const KernelSpec& spec, const IhaTensors& inputs, const IhaGradTensors& grads,
                                           const Schedule& schedule, const std::string& arch,
-                                          const emu::EmuOptions& options);
+                                          const emu::EmuOptions& options, const IhaSaved* saved = nullptr);
 
 // Bytes of the workspaces a compiled kernel's launches need for B x N
 // tokens (its plan's q_mixed, k_mixed, v_mixed, o_pseudo; a backward's
@@ -141,14 +162,19 @@ class Kernel {
   static Result<std::shared_ptr<Kernel>> load(std::shared_ptr<cuda::Device> device, const v1::CompiledKernel& compiled);
   ~Kernel();
 
-  Status launch(const IhaTensors& tensors, CUstream stream = nullptr);
+  // With `keep` (device tensors, IhaSaved), also what the backward needs:
+  // the kernel must materialise the mixing and keep the collapse separate.
+  Status launch(const IhaTensors& tensors, CUstream stream = nullptr, const IhaSaved* keep = nullptr);
   Status launch(const DLTensor* q, const DLTensor* k, const DLTensor* v, const DLTensor* alphaQ,
                 const DLTensor* alphaK, const DLTensor* alphaV, const DLTensor* collapse, const DLTensor* out,
                 const DLTensor* lse = nullptr, CUstream stream = nullptr);
 
   // A backward kernel (CompiledKernel::direction backward): every gradient
-  // of sum(out * dout) into `grads`, validated like launch.
-  Status launchBackward(const IhaTensors& inputs, const IhaGradTensors& grads, CUstream stream = nullptr);
+  // of sum(out * dout) into `grads`, validated like launch; from `saved`
+  // (what a forward launch of the same inputs kept) without its pre-mix and
+  // attention launches.
+  Status launchBackward(const IhaTensors& inputs, const IhaGradTensors& grads, CUstream stream = nullptr,
+                        const IhaSaved* saved = nullptr);
 
   const v1::CompiledKernel& compiled() const { return compiled_; }
   // Where the kernel came from: "compiled now", "kernel cache", and whether
@@ -160,7 +186,8 @@ class Kernel {
   Kernel() = default;
   Status ensureWorkspaces(int64_t batch, int64_t tokens);
   // Runs every entry point on `args` (B = args.batch, N = args.tokens).
-  Status launchEntries(IhaArgs& args, CUstream stream);
+  // skipForward: not the pre-mix and attention launches (a backward from a kept forward).
+  Status launchEntries(IhaArgs& args, CUstream stream, bool skipForward);
   Status encodeTensorMaps(const IhaArgs& args, int64_t L, int64_t B, cuda::TmaMaps& maps) const;
 
   std::shared_ptr<cuda::Device> device_;
@@ -173,6 +200,7 @@ class Kernel {
   // and kept until either changes or the workspaces move.
   std::unique_ptr<cuda::TmaMaps> maps_;
   std::pair<int64_t, int64_t> mapsShape_{0, 0};
+  std::array<const void*, 3> mapsBuffers_{};  // the mixed rows the maps point at (a kept forward's, or the workspaces)
   std::string provenance_ = "loaded";
 };
 

@@ -583,7 +583,7 @@ __device__ void bwd_dq_atomic(BwdScores<C>&, QGradTile<C>& q, KvGradTile<C>&, co
   static_assert(C::block_m % 16 == 0, "dq atomic takes 16-row query m-tiles");
   constexpr int pitch = tilePitch(C::block_m);
   const BackwardSmem smem = cuda::bwdSmem<C>();
-  Bits16* dsTile = cuda::bwdTile<C>(smem.ds);
+  const Bits16* dsTile = cuda::bwdTile<C>(smem.ds);
   const Bits16* kTile = cuda::bwdTile<C>(smem.k);
   const int l = cuda::lane();
   constexpr int pairs = G::OT / 2, items = C::block_m / 16 * pairs;
@@ -595,12 +595,12 @@ __device__ void bwd_dq_atomic(BwdScores<C>&, QGradTile<C>& q, KvGradTile<C>&, co
     float acc[2][4] = {};
     #pragma unroll 1
     for (int kk = 0; kk < C::block_n / kMmaK; ++kk) {
-      Bits32 ds[4], b[4];
+      Bits32 ds[4], k[4];
       cuda::ldmatrixX4Trans(ds, cuda::sharedAddress(dsTile + (kk * kMmaK + fragment::aTransRow(l)) * pitch + m0 +
                                                    fragment::aTransColumn(l)));
-      cuda::loadBTrans<C>(b, kTile, kk, pair);
-      cuda::mma16816<C>(acc[0], ds, b[0], b[1]);
-      cuda::mma16816<C>(acc[1], ds, b[2], b[3]);
+      cuda::loadBTrans<C>(k, kTile, kk, pair);
+      cuda::mma16816<C>(acc[0], ds, k[0], k[1]);
+      cuda::mma16816<C>(acc[1], ds, k[2], k[3]);
     }
     // Rows i and i + 8 of the m-tile, columns c, c + 1 of each n-tile.
     const int i = row0 + m0 + fragment::accumulatorRow(l, 0);
