@@ -83,9 +83,14 @@ class KernelServiceImpl final : public v1::KernelService::Service {
                        direction = request->direction(), worker = Worker(*this)] {
             auto provided = provider_.provide(spec, target, {}, direction);
             if (provided && provided->compileSeconds) metrics_.compileSeconds(*provided->compileSeconds);
+            {
+              // Forgotten before it is answered: a request that comes after the answer must not
+              // join this finished work and hear "compiled now" again (the kernel is in the
+              // store by now, so it finds it there).
+              std::lock_guard lock(pendingMutex_);
+              pending_.erase(key);
+            }
             promise->set_value(std::move(provided));
-            std::lock_guard lock(pendingMutex_);
-            pending_.erase(key);
           }).detach();
         }
       }
