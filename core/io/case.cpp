@@ -281,7 +281,7 @@ IhaCase drawCheckableBackwardCase(const KernelSpec& spec, int64_t batch, int64_t
     const auto rounded = reference::ihaBackwardWithRoundedMixing(spec, c.inputs, *c.dout, spec.dtype());
     const std::vector<double> errors = gradientErrors(spec, tokens, rounded, *c.expectedGradients);
     if (std::all_of(errors.begin(), errors.end(),
-                    [&](double e) { return e <= kCheckableShare * gradientToleranceFor(spec.dtype()); }))
+                    [&](double e) { return e <= kCheckableBackwardShare * gradientToleranceFor(spec.dtype()); }))
       break;
   }
   return c;
