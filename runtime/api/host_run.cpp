@@ -113,7 +113,7 @@ const Tensor* savedRows(const IhaSaved& s, Workspace w) {
 size_t bytesOf(const Tensor& t) {
   size_t count = 1;
   for (int64_t extent : t.shape) count *= size_t(extent);
-  return count * (t.element == ElementKind::float32 ? 4 : 2);
+  return count * size_t(elementBytes(t.element));
 }
 KeptForward keptFrom(const IhaSaved& s) {
   KeptForward kept;

@@ -200,22 +200,11 @@ std::vector<uint8_t> bytesOf(const std::vector<float>& values) {
   return bytes;
 }
 
-// A forward's kept state into the backward's workspaces and lse, checked
-// against their sizes.
-Status restoreKept(const KeptForward& kept, HostTensors& t) {
-  for (Workspace w : kKeptWorkspaces) {
-    auto found = kept.rows.find(w);
-    std::vector<float>& target = t.workspaces[w];
-    if (found == kept.rows.end() || found->second.size() != target.size() * sizeof(float))
-      return makeError("the kept forward's " + workspaceName(w) + " does not fit this backward (" +
-                       std::to_string(found == kept.rows.end() ? 0 : found->second.size()) + " bytes, want " +
-                       std::to_string(target.size() * sizeof(float)) + ")");
-    std::memcpy(target.data(), found->second.data(), found->second.size());
-  }
-  if (kept.lse.size() != t.lse.size()) return makeError("the kept forward's lse does not fit this backward");
+// A forward's kept state (checkKeptFits) into the backward's workspaces and lse.
+void restoreKept(const KeptForward& kept, HostTensors& t) {
+  for (Workspace w : kKeptWorkspaces) std::memcpy(t.workspaces[w].data(), kept.rows.at(w).data(), kept.rows.at(w).size());
   t.lse = kept.lse;
   t.args.lse = t.lse.data();
-  return Status::success();
 }
 
 }  // namespace
@@ -243,10 +232,11 @@ Result<CpuGradients> runBackwardPlan(const KernelPlan& plan, const IhaCase& c, c
                                      const KeptForward* kept) {
   if (plan.direction != Direction::backward) return makeError("runBackwardPlan needs a plan generated for the backward");
   if (!c.dout) return makeError("the backward needs dout, the gradient of the output");
+  if (kept)
+    if (Status ok = checkKeptFits(*kept, plan, c.batch, c.tokens); !ok) return ok.error();
   HostTensors t;
   prepareTensors(plan, c, t);
-  if (kept)
-    if (Status ok = restoreKept(*kept, t); !ok) return ok.error();
+  if (kept) restoreKept(*kept, t);
   auto stats = execute(plan, t, options, kept != nullptr);
   if (!stats) return stats.error();
   CpuGradients result;

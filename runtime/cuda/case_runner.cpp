@@ -169,7 +169,7 @@ Result<reference::IhaGradients> runKeptBackwardCase(Kernel& forward, Kernel& bac
   auto poisoned = [&](ElementKind element, std::vector<int64_t> shape) -> Result<Tensor> {
     int64_t count = 1;
     for (int64_t extent : shape) count *= extent;
-    auto buffer = DeviceBuffer::allocate(device, size_t(count) * (element == ElementKind::float32 ? 4 : 2));
+    auto buffer = DeviceBuffer::allocate(device, size_t(count * elementBytes(element)));
     if (!buffer) return buffer.error();
     owned.push_back(std::make_shared<DeviceBuffer>(std::move(*buffer)));
     if (Status ok = check(device.api().cuMemsetD8(owned.back()->get(), kPoisonByte, owned.back()->size()), "cuMemsetD8");

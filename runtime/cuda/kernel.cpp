@@ -14,8 +14,6 @@ namespace {
 constexpr int64_t kCopyAlignmentBytes = 16;  // cp.async moves 16-byte chunks
 constexpr int64_t kMaxGridZ = 65535;          // the grid's z limit: batch entries per launch
 
-int64_t elementBytes(ElementKind kind) { return kind == ElementKind::float32 ? 4 : 2; }
-
 ElementKind elementOf(v1::DType dtype) {
   return dtype == v1::float16 ? ElementKind::float16 : dtype == v1::bfloat16 ? ElementKind::bfloat16 : ElementKind::float32;
 }
@@ -25,6 +23,8 @@ const char* nameOf(ElementKind kind) {
 }
 
 }  // namespace
+
+int64_t elementBytes(ElementKind kind) { return kind == ElementKind::float32 ? 4 : 2; }
 
 std::vector<int64_t> stridesOf(const Tensor& t) {
   if (!t.strides.empty()) return t.strides;

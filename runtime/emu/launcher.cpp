@@ -85,6 +85,8 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
     if (options.maxCtas > 0) return makeError("a forward that keeps its state for the backward runs whole: no --ctas");
   }
   if (options.kept && !backward) return makeError("only a backward starts from a kept forward");
+  if (options.kept)
+    if (Status ok = checkKeptFits(*options.kept, plan, c.batch, c.tokens); !ok) return ok.error();
   const fs::path cacheDir = options.cacheDir.empty() ? defaultCacheDir() : options.cacheDir;
   cpu::HostProgram program{options.source.empty() ? plan.source : options.source,
                            cpu::compilerFrom("LOOM_EMU_CXX", "clang++-19"), kEmuFlags, options.headers, "emu"};
@@ -169,16 +171,9 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
   if (options.kept) {  // the forward's rows and lse in place of the pre-mix's and the attention's
     void* const targets[] = {args.q_mixed, args.k_mixed, args.v_mixed, args.o_pseudo};
     for (size_t i = 0; i < std::size(kKeptWorkspaces); ++i) {
-      const Workspace w = kKeptWorkspaces[i];
-      const size_t bytes = size_t(workspaceElements(plan, w, B, N)) * size_t(workspaceElementBytes(plan, w));
-      auto found = options.kept->rows.find(w);
-      if (found == options.kept->rows.end() || found->second.size() != bytes)
-        return makeError("the kept forward's " + workspaceName(w) + " does not fit this backward (" +
-                         std::to_string(found == options.kept->rows.end() ? 0 : found->second.size()) +
-                         " bytes, want " + std::to_string(bytes) + ")");
-      std::memcpy(targets[i], found->second.data(), bytes);
+      const std::vector<uint8_t>& rows = options.kept->rows.at(kKeptWorkspaces[i]);
+      std::memcpy(targets[i], rows.data(), rows.size());
     }
-    if (options.kept->lse.size() != size_t(B * H * L)) return makeError("the kept forward's lse does not fit this backward");
     std::memcpy(args.lse, options.kept->lse.data(), options.kept->lse.size() * sizeof(float));
   }
 

@@ -75,7 +75,7 @@ class HostTensors {
   Tensor poisoned(ElementKind element, std::vector<int64_t> shape) {
     int64_t count = 1;
     for (int64_t extent : shape) count *= extent;
-    std::vector<uint8_t>& bytes = storage_.emplace_back(size_t(count) * (element == ElementKind::float32 ? 4 : 2), 0xff);
+    std::vector<uint8_t>& bytes = storage_.emplace_back(size_t(count * elementBytes(element)), 0xff);
     return Tensor{bytes.data(), element, std::move(shape), {}, kHostDevice};
   }
 

@@ -124,6 +124,9 @@ struct KeptForward {
 };
 // Whether the forward plan writes everything a KeptForward holds; else why not.
 Status canKeepForward(const KernelPlan& forward);
+// Whether `kept` fits the backward plan's workspaces and lse for B x N; else
+// which part does not.
+Status checkKeptFits(const KeptForward& kept, const KernelPlan& backward, int64_t batch, int64_t tokens);
 // The launches of a backward plan a KeptForward replaces (the pre-mix and the attention).
 bool recomputesForward(const LaunchPlan& launch);
 

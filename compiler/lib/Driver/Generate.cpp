@@ -176,6 +176,20 @@ Status canKeepForward(const KernelPlan& forward) {
   return Status::success();
 }
 
+Status checkKeptFits(const KeptForward& kept, const KernelPlan& backward, int64_t batch, int64_t tokens) {
+  for (Workspace w : kKeptWorkspaces) {
+    const size_t want = size_t(workspaceElements(backward, w, batch, tokens)) * size_t(workspaceElementBytes(backward, w));
+    auto found = kept.rows.find(w);
+    const size_t have = found == kept.rows.end() ? 0 : found->second.size();
+    if (have != want)
+      return makeError("the kept forward's " + workspaceName(w) + " does not fit this backward (" +
+                       std::to_string(have) + " bytes, want " + std::to_string(want) + ")");
+  }
+  if (kept.lse.size() != size_t(batch * backward.spec.heads() * tokens * backward.spec.pseudo_heads()))
+    return makeError("the kept forward's lse does not fit this backward");
+  return Status::success();
+}
+
 bool recomputesForward(const LaunchPlan& launch) {
   return launch.name == kPremixEntry || launch.name == kAttentionEntry;
 }

@@ -46,6 +46,9 @@ struct Tensor {
 
 inline constexpr int kHostDevice = -1;
 
+// Bytes of one element of `kind`.
+int64_t elementBytes(ElementKind kind);
+
 // A tensor's strides in elements: its own, or C order when it has none.
 std::vector<int64_t> stridesOf(const Tensor& tensor);
 
