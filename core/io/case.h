@@ -52,14 +52,18 @@ IhaCase drawCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t
 // A case for checking a 16-bit kernel against the contract's tolerance:
 // drawCase with seed, seed + 1, ... until the float64 reference with its
 // mixed rows rounded to the dtype (the least any such kernel loses) is
-// within kCheckableShare of the dtype's tolerance, at most 64 draws (then
-// the last); `expected` from the float64 reference. Draws are refused
+// within kCheckableShare of the dtype's tolerance, at most 64 draws;
+// `expected` from the float64 reference. A spec may have no such draw (its
+// function ill-conditioned in the dtype): findCheckableCase then gives none,
+// so that a test draws another spec, and drawCheckableCase the draw the
+// roundings hurt least (what the tuner verifies on). Draws are refused
 // where the collapse cancels: pseudo-head outputs nearly equal with weights
 // of opposite sign leave a small sum whose relative error is the rounding
 // of its large terms (docs/IHA.md, Numerics). float32 specs take the first
 // draw. The same seed gives the same case.
 inline constexpr double kCheckableShare = 0.5;
 inline constexpr double kCheckableBackwardShare = 0.25;
+std::optional<IhaCase> findCheckableCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed);
 IhaCase drawCheckableCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed);
 
 // The case with q, k, v (and dout) rounded to `dtype` and expected (and,
@@ -100,7 +104,13 @@ std::vector<double> drawDout(const KernelSpec& spec, int64_t batch, int64_t toke
 // (dalpha of one head), or dq of a row whose few keys nearly agree (dS
 // rounded no longer sums to zero; in float32 dP - D cancelling for one
 // token of collinear keys) can lose more than the tolerance to those
-// roundings alone.
+// roundings alone. Some specs have no such draw in a 16-bit dtype (one kv
+// head under a one-token window: a query's P keys are multiples of one row,
+// their scores nearly agree, and every draw loses several times the
+// tolerance to the roundings): findCheckableBackwardCase then gives none,
+// drawCheckableBackwardCase the draw they hurt least.
+std::optional<IhaCase> findCheckableBackwardCase(const KernelSpec& spec, int64_t batch, int64_t tokens,
+                                                 uint64_t seed);
 IhaCase drawCheckableBackwardCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed);
 
 NpyType storageTypeOf(v1::DType dtype);

@@ -149,11 +149,18 @@ IhaGradients backward(const v1::KernelSpec& spec, const IhaInputs& in, const std
       const int64_t kv = h / (H / G);
       for (int64_t i = 0; i < L; ++i) {
         detail::softmaxRow(spec, q.rows[h][i], k.rows[kv], i, weights);
+        // o_pseudo as the forward's attention makes it: its tensor cores
+        // take the unnormalised weights exp(s - max) in the dtype, and the
+        // row's sum divides after (the error it leaves in D = <do, o> is
+        // in every dS of the row).
+        const double top = *std::max_element(weights.begin(), weights.end());
         std::fill(o.begin(), o.end(), 0.0);
-        for (int64_t j = 0; j < L; ++j)
-          if (weights[j] != 0.0)
-            for (int64_t c = 0; c < d; ++c) o[c] = rounding.accumulator(o[c] + weights[j] * v[kv][j][c]);
-        for (double& x : o) x = rounding(x);  // o_pseudo
+        for (int64_t j = 0; j < L; ++j) {
+          if (weights[j] == 0.0) continue;
+          const double taken = rounding.on ? rounding(weights[j] / top) * top : weights[j];
+          for (int64_t c = 0; c < d; ++c) o[c] = rounding.accumulator(o[c] + taken * v[kv][j][c]);
+        }
+        for (double& x : o) x = rounding(x);
         const int64_t n = i / P, p = i % P;
         for (int64_t target = 0; target < H; ++target) {
           const int64_t at = detail::collapseIndex(spec, target, h, p);
@@ -210,11 +217,19 @@ bool vanishesButForEpsilon(const v1::KernelSpec& spec, int64_t tokens, size_t gr
                                                 spec.window_align() == v1::KernelSpec::token || onePseudoHead)) ||
                         tokens == 1;
   // A row that sees only itself has P = 1, so dS = P (dP - D) = 0: dq, dk and
-  // the dalphas built from their rows vanish, qk_norm or not.
-  if (oneToken && onePseudoHead && fromRows) return true;
+  // the dalphas built from their rows vanish, qk_norm or not. Every rule
+  // lets a row see an interval of rows around itself, so its neighbours say.
+  auto everyRowSeesOnlyItself = [&] {
+    const int64_t L = tokens * spec.pseudo_heads();
+    for (int64_t i = 0; i < L; ++i)
+      if ((i > 0 && allowed(spec, i, i - 1)) || (i + 1 < L && allowed(spec, i, i + 1))) return false;
+    return true;
+  };
+  if (fromRows && everyRowSeesOnlyItself()) return true;
   if (spec.qk_norm() != v1::KernelSpec::rms) return false;
-  // dq and dk vanish, and with them the dalphas built from their rows.
-  const bool keysAgree = spec.kv_heads() == 1 && oneToken;
+  // dq and dk vanish, and with them the dalphas built from their rows,
+  // unless RoPE turns each of the token's rows by its own angle.
+  const bool keysAgree = spec.kv_heads() == 1 && oneToken && spec.rope_theta() == 0;
   if (name == "dalpha_q") return spec.heads() == 1 || keysAgree;
   if (name == "dalpha_k") return spec.kv_heads() == 1;
   if (name == "dq" || name == "dk") return keysAgree;

@@ -42,7 +42,8 @@ IhaGradients ihaBackward(const v1::KernelSpec& spec, const IhaInputs& inputs, co
 // ihaBackward with what every FlashAttention-style kernel rounds to `dtype`:
 // for float16 or bfloat16 the attended q, k, v rows (its workspaces), the
 // pseudo outputs o and their gradients do, and P and dS (the tensor cores'
-// operands); for float32 those and every partial sum (dP, D, o, the
+// operands; o from the forward's unnormalised weights exp(s - max) rounded,
+// as its tensor cores take them); for float32 those and every partial sum (dP, D, o, the
 // pseudo-row gradients, dcollapse, the transposed mixing's sums), as a
 // float32 kernel accumulates them: how far it is from ihaBackward says whether a case can check such a
 // kernel against the gradient tolerance at all (docs/IHA.md, Numerics).
@@ -59,8 +60,9 @@ IhaGradients ihaBackwardWithRoundedMixing(const v1::KernelSpec& spec, const IhaI
 // leaves rounding noise of its terms' size where the exact value is
 // epsilon-sized.
 // `tokens`: N of the case (a single token is a one-token window); also,
-// with one pseudo head under a one-token window every row sees only itself
-// and dq, dk, dalpha_q and dalpha_k vanish exactly.
+// where every row sees only itself (one pseudo head under a one-token
+// window, a flat window of one row) dq, dk, dalpha_q and dalpha_k vanish
+// exactly.
 bool vanishesButForEpsilon(const v1::KernelSpec& spec, int64_t tokens, size_t gradient);
 
 }  // namespace loom::reference

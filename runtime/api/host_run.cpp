@@ -98,7 +98,7 @@ Result<HostProgram> hostProgram(const KernelSpec& spec, const IhaTensors& t, con
   if (keep) {
     if (Status ok = validateSaved(spec, *keep, c->batch, c->tokens, arch != "cpu", kHostDevice); !ok) return ok.error();
     if (chosen.mix() == v1::mix_unspecified) chosen.set_mix(v1::mix_materialized);
-    if (chosen.collapse() == v1::collapse_unspecified) chosen.set_collapse(v1::collapse_separate);
+    if (chosen.collapse() == v1::collapse_strategy_unspecified) chosen.set_collapse(v1::collapse_separate);
   }
   auto plan = generateKernel(spec, chosen, *target);
   if (!plan) return plan.error();

@@ -135,16 +135,16 @@ class DrawnBackwardOnCpu : public ::testing::TestWithParam<int> {};
 
 TEST_P(DrawnBackwardOnCpu, MatchesTheReference) {
   std::mt19937_64 rng(testing::testSeed() + uint64_t(GetParam()) * 104729);
-  KernelSpec spec = testing::randomSpec(rng);
-  spec.set_head_dim(8 * std::uniform_int_distribution<int>(1, 3)(rng));
-  const int dtypePick = GetParam() % 4;
-  spec.set_dtype(dtypePick == 2 ? v1::float16 : dtypePick == 3 ? v1::bfloat16 : v1::float32);
-  const int64_t B = 1 + int64_t(rng() % 2), N = 1 + int64_t(rng() % 48);
-  const IhaCase c = drawCheckableBackwardCase(spec, B, N, rng());
+  const IhaCase c = testing::drawCheckableShape(rng, true, [&] {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_head_dim(8 * std::uniform_int_distribution<int>(1, 3)(rng));
+    const int dtypePick = GetParam() % 4;
+    spec.set_dtype(dtypePick == 2 ? v1::float16 : dtypePick == 3 ? v1::bfloat16 : v1::float32);
+    return testing::DrawnShape{spec, 1 + int64_t(rng() % 2), 1 + int64_t(rng() % 48)};
+  });
   const std::vector<double>& dout = *c.dout;
   const reference::IhaGradients& want = *c.expectedGradients;
-  const std::string what = spec.ShortDebugString() + " B=" + std::to_string(B) + " N=" + std::to_string(N);
-  for (const Schedule& schedule : schedulesFor(spec)) checkBackward(c, dout, want, schedule, what);
+  for (const Schedule& schedule : schedulesFor(c.spec)) checkBackward(c, dout, want, schedule, testing::describe(c));
 }
 
 INSTANTIATE_TEST_SUITE_P(Random, DrawnBackwardOnCpu, ::testing::Range(0, kRandomSpecs));
@@ -215,9 +215,11 @@ TEST(BackwardPlan, LaunchesWorkspacesAndRefusals) {
   EXPECT_EQ(workspaceElementBytes(*cuda, Workspace::do_pseudo), 2);
   EXPECT_EQ(workspaceElementBytes(*cuda, Workspace::dq_pseudo), 4);
   EXPECT_EQ(workspaceElementBytes(*plan, Workspace::do_pseudo), 4);
-  for (const LaunchPlan& launch : cuda->launches)
-    if (launch.name != "iha_premix" && launch.name != kBackwardReduceEntry)
+  for (const LaunchPlan& launch : cuda->launches) {
+    if (launch.name != "iha_premix" && launch.name != kBackwardReduceEntry) {
       EXPECT_GT(launch.sharedMemoryBytes, 0) << launch.name;
+    }
+  }
   half.set_head_dim(256);
   auto wide = generateKernel(half, {}, *parseTarget("sm_80"), options);
   ASSERT_FALSE(wide);

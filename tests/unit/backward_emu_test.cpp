@@ -123,14 +123,14 @@ class DrawnBackwardOnEmulator : public ::testing::TestWithParam<int> {};
 
 TEST_P(DrawnBackwardOnEmulator, MatchesTheReferenceWithoutFindings) {
   std::mt19937_64 rng(testing::testSeed() + uint64_t(GetParam()) * 7877);
-  KernelSpec spec = testing::randomSpec(rng);
-  spec.set_head_dim(8 * std::uniform_int_distribution<int>(1, 4)(rng));
-  spec.set_dtype(GetParam() % 2 ? v1::bfloat16 : v1::float16);
-  const int64_t B = 1 + int64_t(rng() % 2), N = 1 + int64_t(rng() % 24);
-  const IhaCase c = drawCheckableBackwardCase(spec, B, N, rng());
-  const reference::IhaGradients& want = *c.expectedGradients;
-  const std::string what = spec.ShortDebugString() + " B=" + std::to_string(B) + " N=" + std::to_string(N);
-  expectClean(c, want, scheduleFor(spec, GetParam()), kArchs[GetParam() % 2], what, rng());
+  const IhaCase c = testing::drawCheckableShape(rng, true, [&] {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_head_dim(8 * std::uniform_int_distribution<int>(1, 4)(rng));
+    spec.set_dtype(GetParam() % 2 ? v1::bfloat16 : v1::float16);
+    return testing::DrawnShape{spec, 1 + int64_t(rng() % 2), 1 + int64_t(rng() % 24)};
+  });
+  expectClean(c, *c.expectedGradients, scheduleFor(c.spec, GetParam()), kArchs[GetParam() % 2], testing::describe(c),
+              rng());
 }
 
 INSTANTIATE_TEST_SUITE_P(Random, DrawnBackwardOnEmulator, ::testing::Range(0, 6));
@@ -141,12 +141,15 @@ INSTANTIATE_TEST_SUITE_P(Random, DrawnBackwardOnEmulator, ::testing::Range(0, 6)
 // tolerance, lse too; tensors that do not fit are refused by name.
 TEST(HostApiBackward, StridedHostTensorsOnTheHostAndTheEmulator) {
   std::mt19937_64 rng(testing::testSeed() + 505);
-  KernelSpec spec = testing::randomSpec(rng);
-  spec.set_head_dim(16);
-  spec.set_dtype(v1::float16);
-  const int64_t B = 1 + int64_t(rng() % 2), N = 5 + int64_t(rng() % 20), H = spec.heads(), G = spec.kv_heads(),
-                d = spec.head_dim(), P = spec.pseudo_heads();
-  const IhaCase c = drawCheckableBackwardCase(spec, B, N, rng());
+  const IhaCase c = testing::drawCheckableShape(rng, true, [&] {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_head_dim(16);
+    spec.set_dtype(v1::float16);
+    return testing::DrawnShape{spec, 1 + int64_t(rng() % 2), 5 + int64_t(rng() % 20)};
+  });
+  const KernelSpec& spec = c.spec;
+  const int64_t B = c.batch, N = c.tokens, H = spec.heads(), G = spec.kv_heads(), d = spec.head_dim(),
+                P = spec.pseudo_heads();
   auto bytesOf = [&](const std::vector<double>& values, NpyType type) {
     return npyFromDouble(values, {int64_t(values.size())}, type).bytes;
   };
@@ -340,14 +343,17 @@ TEST_P(KeptForwardBackward, BackwardFromItSkipsTheRecomputedAttention) {
   const bool wgmma = GetParam() == "sm_90a-wgmma";
   const std::string arch = wgmma ? "sm_90a" : GetParam();
   std::mt19937_64 rng(testing::testSeed() + (arch == "cpu" ? 801 : 802) + (wgmma ? 1 : 0));
-  KernelSpec spec = testing::randomSpec(rng);
-  spec.set_head_dim(wgmma ? 64 : 8 * std::uniform_int_distribution<int>(1, 3)(rng));
+  const IhaCase c = testing::drawCheckableShape(rng, true, [&] {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_head_dim(wgmma ? 64 : 8 * std::uniform_int_distribution<int>(1, 3)(rng));
+    spec.set_dtype(arch == "cpu" ? v1::float32 : (rng() % 2 ? v1::bfloat16 : v1::float16));
+    return testing::DrawnShape{spec, 1 + int64_t(rng() % 2), 3 + int64_t(rng() % (wgmma ? 10 : 20))};
+  });
+  const KernelSpec& spec = c.spec;
+  const int64_t N = c.tokens;
   Schedule forwardSchedule;
   if (wgmma) forwardSchedule.set_engine(v1::engine_wgmma);
-  spec.set_dtype(arch == "cpu" ? v1::float32 : (rng() % 2 ? v1::bfloat16 : v1::float16));
-  const int64_t B = 1 + int64_t(rng() % 2), N = 3 + int64_t(rng() % (wgmma ? 10 : 20));
-  const IhaCase c = drawCheckableBackwardCase(spec, B, N, rng());
-  const std::string what = spec.ShortDebugString() + " B=" + std::to_string(B) + " N=" + std::to_string(N) + " " + arch;
+  const std::string what = testing::describe(c) + " " + arch;
   const bool host = arch == "cpu";
   const double tolerance = gradientToleranceFor(spec.dtype());
 
@@ -405,9 +411,12 @@ INSTANTIATE_TEST_SUITE_P(Backends, KeptForwardBackward, ::testing::Values("cpu",
 // kept, and saved tensors that do not fit, are refused by name.
 TEST(KeptForwardOnCpu, SkipsThePremixAndAttentionAndRefusesWhatDoesNotFit) {
   std::mt19937_64 rng(testing::testSeed() + 803);
-  KernelSpec spec = testing::randomSpec(rng);
-  spec.set_head_dim(16);
-  const IhaCase c = drawCheckableBackwardCase(spec, 1, 9, rng());
+  const IhaCase c = testing::drawCheckableShape(rng, true, [&] {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_head_dim(16);
+    return testing::DrawnShape{spec, 1, 9};
+  });
+  const KernelSpec& spec = c.spec;
   Schedule materialized;
   materialized.set_mix(v1::mix_materialized);
   materialized.set_collapse(v1::collapse_separate);

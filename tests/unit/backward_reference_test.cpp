@@ -175,5 +175,77 @@ TEST(BackwardReference, IsLinearInDout) {
     for (double x : *g) ASSERT_EQ(x, 0.0);
 }
 
+// vanishesButForEpsilon names the gradients the function makes vanish: on
+// drawn specs (windows of one token and of one row made likely) each it
+// names is an exact zero (under 1e-9 of all the gradients together) or,
+// with qk_norm, epsilon-sized (under 100 epsilons), and none it does not
+// name is an exact zero.
+TEST(BackwardReference, VanishingGradientsAreTheOnesNamed) {
+  std::mt19937_64 rng(testing::testSeed() + 6);
+  int vanished = 0;
+  for (int draw = 0; draw < 48; ++draw) {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_head_dim(2 * std::uniform_int_distribution<int>(1, 4)(rng));
+    if (draw % 4 == 0) spec.set_pseudo_heads(1);
+    if (draw % 3 == 0 && spec.window() > 0) spec.set_window(1);
+    if (draw % 5 == 0 && spec.mask() == v1::flat_causal) {
+      spec.clear_window();
+      spec.clear_window_align();
+      spec.set_window_rows(1);
+    }
+    testing::dropStaleOptions(spec);
+    ASSERT_TRUE(validateSpec(spec)) << spec.ShortDebugString();
+    const int64_t N = 1 + int64_t(rng() % 5);
+    const IhaCase c = drawCase(spec, 1, N, rng());
+    const reference::IhaGradients g = reference::ihaBackward(spec, c.inputs, drawDout(c, rng));
+    double total = 0;
+    for (const auto* slot : reference::gradientsOf(g))
+      for (double x : *slot) total += x * x;
+    const auto slots = reference::gradientsOf(g);
+    for (size_t i = 0; i < slots.size(); ++i) {
+      double norm = 0;
+      for (double x : *slots[i]) norm += x * x;
+      const double share = std::sqrt(norm / total);
+      const bool named = reference::vanishesButForEpsilon(spec, N, i);
+      vanished += named;
+      const std::string what = spec.ShortDebugString() + " N=" + std::to_string(N) + " " +
+                               reference::kGradientNames[i] + ": " + std::to_string(share) + " of all the gradients";
+      if (named) {
+        EXPECT_LT(share, std::max(1e-9, spec.qk_norm() == v1::KernelSpec::rms ? 100 * effectiveQkNormEps(spec) : 0.0))
+            << what;
+      } else {
+        EXPECT_GT(share, 1e-9) << what;
+      }
+    }
+  }
+  EXPECT_GT(vanished, 0);
+}
+
+// findCheckableBackwardCase gives a case whose rounding model is within a
+// quarter of the tolerance, and none for a spec ill-conditioned in its dtype
+// (one kv head under a one-token window in bfloat16: a query's keys are
+// multiples of one row), where drawCheckableBackwardCase still gives one.
+TEST(BackwardReference, CheckableCasesOrNone) {
+  std::mt19937_64 rng(testing::testSeed() + 7);
+  auto modelShare = [](const IhaCase& c) {
+    const auto rounded = reference::ihaBackwardWithRoundedMixing(c.spec, c.inputs, *c.dout, c.spec.dtype());
+    return worstGradientError(c.spec, c.tokens, rounded, *c.expectedGradients) / gradientToleranceFor(c.spec.dtype());
+  };
+  const KernelSpec good = testing::makeSpec({.heads = 4, .kvHeads = 2, .pseudoHeads = 2, .headDim = 16});
+  auto found = findCheckableBackwardCase(good, 1, 12, rng());
+  ASSERT_TRUE(found);
+  EXPECT_LE(modelShare(*found), kCheckableBackwardShare);
+
+  KernelSpec ill = testing::makeSpec({.heads = 3, .kvHeads = 1, .pseudoHeads = 3, .headDim = 8, .mask = v1::none,
+                                      .window = 1});
+  ill.set_window_align(v1::KernelSpec::token);
+  ASSERT_TRUE(validateSpec(ill));
+  const uint64_t seed = rng();
+  EXPECT_FALSE(findCheckableBackwardCase(ill, 1, 17, seed));
+  const IhaCase best = drawCheckableBackwardCase(ill, 1, 17, seed);
+  ASSERT_TRUE(best.expectedGradients);
+  EXPECT_GT(modelShare(best), kCheckableBackwardShare);
+}
+
 }  // namespace
 }  // namespace loom

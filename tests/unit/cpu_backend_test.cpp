@@ -85,14 +85,14 @@ class DrawnCaseOnCpu : public ::testing::TestWithParam<int> {};
 // any block), both collapses, RoPE, G < H, N and N*P off the block sizes.
 TEST_P(DrawnCaseOnCpu, MatchesTheReference) {
   std::mt19937_64 rng(testing::testSeed() + uint64_t(GetParam()) * 7919);
-  KernelSpec spec = testing::randomSpec(rng);
-  spec.set_head_dim(8 * std::uniform_int_distribution<int>(1, 4)(rng));
-  const int dtypePick = GetParam() % 5;
-  spec.set_dtype(dtypePick == 3 ? v1::float16 : dtypePick == 4 ? v1::bfloat16 : v1::float32);
-  const int64_t B = 1 + int64_t(rng() % 2), N = 1 + int64_t(rng() % 40);
-  const IhaCase c = drawCheckableCase(spec, B, N, rng());
-  const std::string what = spec.ShortDebugString() + " B=" + std::to_string(B) + " N=" + std::to_string(N);
-  for (const Schedule& schedule : schedulesFor(spec)) checkAgainstReference(c, schedule, what);
+  const IhaCase c = testing::drawCheckableShape(rng, false, [&] {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_head_dim(8 * std::uniform_int_distribution<int>(1, 4)(rng));
+    const int dtypePick = GetParam() % 5;
+    spec.set_dtype(dtypePick == 3 ? v1::float16 : dtypePick == 4 ? v1::bfloat16 : v1::float32);
+    return testing::DrawnShape{spec, 1 + int64_t(rng() % 2), 1 + int64_t(rng() % 40)};
+  });
+  for (const Schedule& schedule : schedulesFor(c.spec)) checkAgainstReference(c, schedule, testing::describe(c));
 }
 
 INSTANTIATE_TEST_SUITE_P(Random, DrawnCaseOnCpu, ::testing::Range(0, kRandomSpecs));
@@ -145,13 +145,15 @@ class WarpSpecializedOnCpu : public ::testing::TestWithParam<int> {};
 
 TEST_P(WarpSpecializedOnCpu, MatchesTheReference) {
   std::mt19937_64 rng(testing::testSeed() + uint64_t(GetParam()) * 104729);
-  KernelSpec spec = testing::randomSpec(rng);
-  spec.set_head_dim(64 * std::uniform_int_distribution<int>(1, 2)(rng));
-  spec.set_pseudo_heads(1 << std::uniform_int_distribution<int>(0, 3)(rng));
-  spec.set_dtype(GetParam() % 2 ? v1::bfloat16 : v1::float16);
-  const int64_t B = 1 + int64_t(rng() % 2), N = 1 + int64_t(rng() % 80);
-  const IhaCase c = drawCheckableCase(spec, B, N, rng());
-  const std::string what = spec.ShortDebugString() + " B=" + std::to_string(B) + " N=" + std::to_string(N);
+  const IhaCase c = testing::drawCheckableShape(rng, false, [&] {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_head_dim(64 * std::uniform_int_distribution<int>(1, 2)(rng));
+    spec.set_pseudo_heads(1 << std::uniform_int_distribution<int>(0, 3)(rng));
+    spec.set_dtype(GetParam() % 2 ? v1::bfloat16 : v1::float16);
+    return testing::DrawnShape{spec, 1 + int64_t(rng() % 2), 1 + int64_t(rng() % 80)};
+  });
+  const KernelSpec& spec = c.spec;
+  const std::string what = testing::describe(c);
   std::vector<Schedule> schedules(3);
   for (Schedule& s : schedules) s.set_engine(v1::engine_wgmma);  // [0]: the sm_90a defaults
   schedules[1].set_warps(4);

@@ -132,12 +132,14 @@ class DrawnCaseOnEmulator : public ::testing::TestWithParam<int> {};
 
 TEST_P(DrawnCaseOnEmulator, BothEnginesWithoutFindings) {
   std::mt19937_64 rng(testing::testSeed() + uint64_t(GetParam()) * 7727);
-  KernelSpec spec = testing::randomSpec(rng);
-  spec.set_head_dim(64 * std::uniform_int_distribution<int>(1, 2)(rng));
-  spec.set_dtype(GetParam() % 2 ? v1::bfloat16 : v1::float16);
-  const int64_t B = 1 + int64_t(rng() % 2), N = 8 + int64_t(rng() % 90);
-  const IhaCase c = drawCheckableCase(spec, B, N, rng());
-  const std::string what = spec.ShortDebugString() + " B=" + std::to_string(B) + " N=" + std::to_string(N);
+  const IhaCase c = testing::drawCheckableShape(rng, false, [&] {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_head_dim(64 * std::uniform_int_distribution<int>(1, 2)(rng));
+    spec.set_dtype(GetParam() % 2 ? v1::bfloat16 : v1::float16);
+    return testing::DrawnShape{spec, 1 + int64_t(rng() % 2), 8 + int64_t(rng() % 90)};
+  });
+  const KernelSpec& spec = c.spec;
+  const std::string what = testing::describe(c);
   expectClean(planFor(spec, portableSchedule(spec, GetParam() + 1), "sm_80"), c, what + " sm_80", rng());
   expectClean(planFor(spec, hopperSchedule(GetParam() + 1), "sm_90a"), c, what + " sm_90a", rng());
 }
@@ -212,12 +214,14 @@ INSTANTIATE_TEST_SUITE_P(Space, ScheduleOnEmulator, ::testing::Range(0, int(vari
 // their own strides and match the reference, with zero findings.
 TEST(HostApi, RunsStridedHostTensorsOnTheEmulator) {
   std::mt19937_64 rng(testing::testSeed() + 404);
-  KernelSpec spec = testing::randomSpec(rng);
-  spec.set_head_dim(64);
-  spec.set_dtype(v1::bfloat16);
-  const int64_t B = 1, N = 20 + int64_t(rng() % 40), H = spec.heads(), G = spec.kv_heads(), d = 64,
-                P = spec.pseudo_heads();
-  const IhaCase c = drawCheckableCase(spec, B, N, rng());
+  const IhaCase c = testing::drawCheckableShape(rng, false, [&] {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_head_dim(64);
+    spec.set_dtype(v1::bfloat16);
+    return testing::DrawnShape{spec, 1, 20 + int64_t(rng() % 40)};
+  });
+  const KernelSpec& spec = c.spec;
+  const int64_t B = c.batch, N = c.tokens, H = spec.heads(), G = spec.kv_heads(), d = 64, P = spec.pseudo_heads();
   const NpyType storage = storageTypeOf(spec.dtype());
   auto bytesOf = [&](const std::vector<double>& values, NpyType type) {
     return npyFromDouble(values, {int64_t(values.size())}, type).bytes;

@@ -17,6 +17,8 @@
 #include <sys/wait.h>
 #include <vector>
 
+#include <gtest/gtest.h>
+
 #include "io/case.h"
 #include "io/npy.h"
 #include "reference/iha_backward.h"
@@ -129,6 +131,39 @@ inline KernelSpec randomSpec(std::mt19937_64& rng) {
   if (pick(0, 3) == 0) spec.set_scale(0.05 + 0.3 * std::uniform_real_distribution<double>()(rng));
   drawOptions(spec, rng);
   return spec;
+}
+
+// A spec, batch and token count a test drew.
+struct DrawnShape {
+  KernelSpec spec;
+  int64_t batch = 1, tokens = 1;
+};
+
+// "<spec> B=<batch> N=<tokens>", how tests name a drawn case.
+inline std::string describe(const IhaCase& c) {
+  return c.spec.ShortDebugString() + " B=" + std::to_string(c.batch) + " N=" + std::to_string(c.tokens);
+}
+
+// A checkable case (findCheckableCase, or findCheckableBackwardCase with
+// `backward`) of a shape drawn by `drawShape()`: a spec that has none in its
+// dtype (ill-conditioned there) is said and another drawn, at most 16.
+template <class DrawShape>
+IhaCase drawCheckableShape(std::mt19937_64& rng, bool backward, DrawShape drawShape) {
+  constexpr int kMaxSpecs = 16;
+  for (int attempt = 1;; ++attempt) {
+    const DrawnShape shape = drawShape();
+    const uint64_t seed = rng();
+    std::optional<IhaCase> c = backward ? findCheckableBackwardCase(shape.spec, shape.batch, shape.tokens, seed)
+                                        : findCheckableCase(shape.spec, shape.batch, shape.tokens, seed);
+    if (c) return std::move(*c);
+    std::printf("[ redrawn  ] %s B=%lld N=%lld: no draw the roundings of its dtype leave checkable, another spec\n",
+                shape.spec.ShortDebugString().c_str(), (long long)shape.batch, (long long)shape.tokens);
+    if (attempt == kMaxSpecs) {
+      ADD_FAILURE() << kMaxSpecs << " drawn specs in a row without a checkable case";
+      return backward ? drawCheckableBackwardCase(shape.spec, shape.batch, shape.tokens, seed)
+                      : drawCheckableCase(shape.spec, shape.batch, shape.tokens, seed);
+    }
+  }
 }
 
 // (query block, key block) pairs of one (batch entry, head) holding any
