@@ -236,13 +236,15 @@ TEST(BackwardReference, CheckableCasesOrNone) {
   ASSERT_TRUE(found);
   EXPECT_LE(modelShare(*found), kCheckableBackwardShare);
 
-  KernelSpec ill = testing::makeSpec({.heads = 3, .kvHeads = 1, .pseudoHeads = 3, .headDim = 8, .mask = v1::none,
+  // Of 200 draws of this spec the least the roundings cost was 0.73 of the
+  // tolerance (H = 3, P = 3, N = 17 had one draw in 200 under a quarter).
+  KernelSpec ill = testing::makeSpec({.heads = 4, .kvHeads = 1, .pseudoHeads = 8, .headDim = 8, .mask = v1::none,
                                       .window = 1});
   ill.set_window_align(v1::KernelSpec::token);
   ASSERT_TRUE(validateSpec(ill));
   const uint64_t seed = rng();
-  EXPECT_FALSE(findCheckableBackwardCase(ill, 1, 17, seed));
-  const IhaCase best = drawCheckableBackwardCase(ill, 1, 17, seed);
+  EXPECT_FALSE(findCheckableBackwardCase(ill, 1, 24, seed));
+  const IhaCase best = drawCheckableBackwardCase(ill, 1, 24, seed);
   ASSERT_TRUE(best.expectedGradients);
   EXPECT_GT(modelShare(best), kCheckableBackwardShare);
 }
