@@ -3,6 +3,10 @@
 //   import loom, torch
 //   out = loom.iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec)   # any DLPack tensors
 //   out = torch.from_dlpack(out)
+//   dq, dk, dv, dalpha_q, dalpha_k, dalpha_v, dcollapse = loom.iha_backward(..., dout, spec)
+//
+// Built as loom._loom; python/loom/__init__.py re-exports it, and
+// python/loom/torch.py builds autograd and a layer on top (loom.torch).
 //
 // CUDA tensors run the spec's kernel (tuned schedule and compiled kernel from
 // the kernel cache or a loom service, else compiled now); host tensors run
@@ -32,6 +36,7 @@
 #include "loom/compiler.h"
 #include "loom/runtime.h"
 #include "loom/spec.h"
+#include "reference/iha_backward.h"
 #include "reference/iha_reference.h"
 
 namespace py = pybind11;
@@ -228,14 +233,34 @@ std::shared_ptr<Runtime> runtimeFor(int device, const std::string& cacheDir) {
 }
 
 std::shared_ptr<Kernel> kernelFor(Runtime& runtime, const KernelSpec& spec, const Schedule& schedule,
-                                  const std::string& service) {
-  if (service.empty()) return valueOr(runtime.kernel(spec, schedule), false);
+                                  const std::string& service, v1::Direction direction = v1::direction_forward) {
+  const bool backward = direction == v1::direction_backward;
+  if (service.empty())
+    return valueOr(backward ? runtime.backwardKernel(spec, schedule) : runtime.kernel(spec, schedule), false);
   auto client = valueOr(service::KernelClient::connect(service), false);
-  v1::GetKernelResponse response = valueOr(client->getKernel(spec, runtime.target()), false);
+  v1::GetKernelResponse response = valueOr(client->getKernel(spec, runtime.target(), 60000, direction), false);
   return valueOr(runtime.load(response.kernel()), false);
 }
 
 //===--- loom.iha --------------------------------------------------------===//
+
+// The seven inputs of IHA, borrowed; q must be [B, N, H, d].
+struct Inputs {
+  std::vector<Borrowed> borrowed;
+  const DLTensor& q() const { return *borrowed[0].tensor; }
+  const DLTensor* operator[](size_t i) const { return borrowed[i].tensor; }
+};
+
+Inputs borrowInputs(const py::object& q, const py::object& k, const py::object& v, const py::object& alphaQ,
+                    const py::object& alphaK, const py::object& alphaV, const py::object& collapse,
+                    std::optional<int64_t> stream) {
+  Inputs inputs;
+  const char* names[] = {"q", "k", "v", "alpha_q", "alpha_k", "alpha_v", "collapse"};
+  const py::object* objects[] = {&q, &k, &v, &alphaQ, &alphaK, &alphaV, &collapse};
+  for (int i = 0; i < 7; ++i) inputs.borrowed.push_back(borrow(*objects[i], names[i], stream));
+  if (inputs.q().ndim != 4) throw BadArgument("q: want 4 dimensions [B, N, H, d]");
+  return inputs;
+}
 
 py::object iha(const py::object& q, const py::object& k, const py::object& v, const py::object& alphaQ,
                const py::object& alphaK, const py::object& alphaV, const py::object& collapse,
@@ -244,12 +269,8 @@ py::object iha(const py::object& q, const py::object& k, const py::object& v, co
                const std::string& service, int threads) {
   const KernelSpec spec = specOf(specValue);
   const Schedule schedule = scheduleOf(scheduleValue);
-  const Borrowed inputs[] = {borrow(q, "q", stream),           borrow(k, "k", stream),
-                             borrow(v, "v", stream),           borrow(alphaQ, "alpha_q", stream),
-                             borrow(alphaK, "alpha_k", stream), borrow(alphaV, "alpha_v", stream),
-                             borrow(collapse, "collapse", stream)};
-  const DLTensor& qt = *inputs[0].tensor;
-  if (qt.ndim != 4) throw BadArgument("q: want 4 dimensions [B, N, H, d]");
+  const Inputs inputs = borrowInputs(q, k, v, alphaQ, alphaK, alphaV, collapse, stream);
+  const DLTensor& qt = inputs.q();
   const DLDevice device = qt.device;
   const bool onHost = device.device_type == kDLCPU;
   std::shared_ptr<Runtime> runtime;
@@ -270,8 +291,8 @@ py::object iha(const py::object& q, const py::object& k, const py::object& v, co
   if (!lse.is_none()) lseGiven = borrow(lse, "lse", stream);
 
   IhaTensors tensors = valueOr(
-      tensorsFromDlpack(inputs[0].tensor, inputs[1].tensor, inputs[2].tensor, inputs[3].tensor, inputs[4].tensor,
-                        inputs[5].tensor, inputs[6].tensor, outTensor, lseGiven ? lseGiven->tensor : nullptr),
+      tensorsFromDlpack(inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5], inputs[6], outTensor,
+                        lseGiven ? lseGiven->tensor : nullptr),
       true);
   if (onHost) {
     check(validateTensors(spec, tensors, kHostDevice), true);
@@ -291,13 +312,117 @@ py::object iha(const py::object& q, const py::object& k, const py::object& v, co
   return py::cast(made.tensor);
 }
 
+//===--- loom.iha_backward ------------------------------------------------===//
+
+// The seven gradients of sum(out * dout), float32 and each the shape of its
+// input, into the tensors given (any may be None: allocated and returned as
+// loom.Tensor). CUDA tensors run the spec's backward kernel on `stream`,
+// host tensors its program on the host tile API. The forward's out is not
+// needed: the backward recomputes the pseudo outputs (lse, when given,
+// receives them).
+py::tuple ihaBackward(const py::object& q, const py::object& k, const py::object& v, const py::object& alphaQ,
+                      const py::object& alphaK, const py::object& alphaV, const py::object& collapse,
+                      const py::object& dout, const py::object& specValue, const std::vector<py::object>& given,
+                      const py::object& lse, std::optional<int64_t> stream, const py::object& scheduleValue,
+                      const std::string& cacheDir, const std::string& service, int threads) {
+  const KernelSpec spec = specOf(specValue);
+  const Schedule schedule = scheduleOf(scheduleValue);
+  const Inputs inputs = borrowInputs(q, k, v, alphaQ, alphaK, alphaV, collapse, stream);
+  const Borrowed doutBorrowed = borrow(dout, "dout", stream);
+  const DLDevice device = inputs.q().device;
+  const bool onHost = device.device_type == kDLCPU;
+  std::shared_ptr<Runtime> runtime;
+  if (!onHost) runtime = runtimeFor(device.device_id, cacheDir);
+
+  const int64_t B = inputs.q().shape[0], N = inputs.q().shape[1];
+  const std::vector<std::vector<int64_t>> shapes = inputShapes(spec, B, N);
+  const char* names[] = {"dq", "dk", "dv", "dalpha_q", "dalpha_k", "dalpha_v", "dcollapse"};
+  std::vector<Borrowed> borrowed(7);
+  std::vector<Allocated> made(7);
+  const DLTensor* views[7];
+  for (size_t i = 0; i < 7; ++i) {
+    if (i < given.size() && !given[i].is_none()) {
+      borrowed[i] = borrow(given[i], names[i], stream);
+      views[i] = borrowed[i].tensor;
+    } else {
+      made[i] = allocate(shapes[i], {kDLFloat, 32, 1}, 4, device, runtime ? runtime->gpu() : nullptr);
+      views[i] = &made[i].view;
+    }
+  }
+  std::optional<Borrowed> lseGiven;
+  if (!lse.is_none()) lseGiven = borrow(lse, "lse", stream);
+  // The backward does not read the forward's out: dout (its shape and dtype) stands in.
+  IhaTensors tensors = valueOr(tensorsFromDlpack(inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5],
+                                                 inputs[6], doutBorrowed.tensor, lseGiven ? lseGiven->tensor : nullptr),
+                               true);
+  IhaGradTensors grads = valueOr(gradTensorsFromDlpack(doutBorrowed.tensor, views[0], views[1], views[2], views[3],
+                                                       views[4], views[5], views[6]),
+                                 true);
+  if (onHost) {
+    check(validateGradTensors(spec, tensors, grads, kHostDevice), true);
+    cpu::CpuOptions options;
+    options.cacheDir = cacheDir;
+    options.threads = threads;
+    py::gil_scoped_release release;
+    check(runBackwardOnHost(spec, tensors, grads, schedule, options), false);
+  } else {
+    std::shared_ptr<Kernel> kernel = kernelFor(*runtime, spec, schedule, service, v1::direction_backward);
+    check(validateGradTensors(spec, tensors, grads, device.device_id), true);
+    py::gil_scoped_release release;
+    check(kernel->launchBackward(tensors, grads, reinterpret_cast<CUstream>(stream.value_or(0))), false);
+  }
+  py::tuple result(7);
+  for (size_t i = 0; i < 7; ++i) result[i] = made[i].tensor ? py::cast(made[i].tensor) : given[i];
+  return result;
+}
+
 //===--- loom.reference, generate, compile, devices --------------------------===//
 
-// A host DLPack tensor's values as doubles.
+// A host DLPack tensor's values (float64, or what tensorFromDlpack views) as
+// doubles in C order.
 std::vector<double> valuesOf(const DLTensor& t, const char* name) {
-  const Tensor view = valueOr(tensorFromDlpack(name, &t), true);
-  if (view.device != kHostDevice) throw BadArgument(std::string(name) + ": loom.reference takes host tensors");
-  return hostValues(view);
+  if (t.device.device_type != kDLCPU) throw BadArgument(std::string(name) + ": the reference takes host tensors");
+  if (t.dtype.code == kDLFloat && t.dtype.bits == 64 && t.dtype.lanes == 1) {
+    int64_t count = 1;
+    for (int i = 0; i < t.ndim; ++i) count *= t.shape[i];
+    std::vector<double> values(static_cast<size_t>(count));
+    const auto* base = reinterpret_cast<const double*>(static_cast<const char*>(t.data) + t.byte_offset);
+    for (int64_t at = 0; at < count; ++at) {
+      int64_t offset = 0, rest = at, stride = 1;
+      for (int i = t.ndim - 1; i >= 0; --i) {
+        const int64_t index = rest % t.shape[i];
+        rest /= t.shape[i];
+        offset += index * (t.strides ? t.strides[i] : stride);
+        stride *= t.shape[i];
+      }
+      values[size_t(at)] = base[offset];
+    }
+    return values;
+  }
+  return hostValues(valueOr(tensorFromDlpack(name, &t), true));
+}
+
+// The inputs of host tensors as the float64 reference takes them.
+reference::IhaInputs referenceInputs(const KernelSpec& spec, const Inputs& borrowed) {
+  const char* names[] = {"q", "k", "v", "alpha_q", "alpha_k", "alpha_v", "collapse"};
+  const int64_t B = borrowed.q().shape[0], N = borrowed.q().shape[1];
+  const std::vector<std::vector<int64_t>> shapes = inputShapes(spec, B, N);
+  std::vector<std::vector<double>> values;
+  for (size_t i = 0; i < 7; ++i) {
+    const DLTensor& t = *borrowed[i];
+    const std::vector<int64_t> shape(t.shape, t.shape + t.ndim);
+    if (shape != shapes[i])
+      throw BadArgument(std::string(names[i]) + ": shape " + shapeString(shape) + ", want " + shapeString(shapes[i]));
+    values.push_back(valuesOf(t, names[i]));
+  }
+  return reference::IhaInputs{B, N, values[0], values[1], values[2], values[3], values[4], values[5], values[6]};
+}
+
+// A float64 host loom.Tensor holding `data`.
+py::object float64Tensor(const std::vector<double>& data, std::vector<int64_t> shape) {
+  Allocated a = allocate(shape, {kDLFloat, 64, 1}, 8, DLDevice{kDLCPU, 0}, nullptr);
+  std::memcpy(a.view.data, data.data(), data.size() * sizeof(double));
+  return py::cast(a.tensor);
 }
 
 // The float64 oracle on host tensors; returns (out, lse) as float64.
@@ -305,35 +430,41 @@ py::tuple reference(const py::object& q, const py::object& k, const py::object& 
                     const py::object& alphaK, const py::object& alphaV, const py::object& collapse,
                     const py::object& specValue) {
   const KernelSpec spec = specOf(specValue);
-  const char* names[] = {"q", "k", "v", "alpha_q", "alpha_k", "alpha_v", "collapse"};
-  const py::object* objects[] = {&q, &k, &v, &alphaQ, &alphaK, &alphaV, &collapse};
-  std::vector<std::vector<double>> values;
-  std::vector<Borrowed> borrowed;
-  for (int i = 0; i < 7; ++i) borrowed.push_back(borrow(*objects[i], names[i], std::nullopt));
-  if (borrowed[0].tensor->ndim != 4) throw BadArgument("q: want 4 dimensions [B, N, H, d]");
-  const int64_t B = borrowed[0].tensor->shape[0], N = borrowed[0].tensor->shape[1];
-  const std::vector<std::vector<int64_t>> shapes = inputShapes(spec, B, N);
-  for (int i = 0; i < 7; ++i) {
-    const Borrowed& b = borrowed[size_t(i)];
-    const std::vector<int64_t> shape(b.tensor->shape, b.tensor->shape + b.tensor->ndim);
-    if (shape != shapes[size_t(i)])
-      throw BadArgument(std::string(names[i]) + ": shape " + shapeString(shape) + ", want " + shapeString(shapes[size_t(i)]));
-    values.push_back(valuesOf(*b.tensor, names[i]));
-  }
-  reference::IhaInputs inputs{B, N, values[0], values[1], values[2], values[3], values[4], values[5], values[6]};
+  const reference::IhaInputs inputs =
+      referenceInputs(spec, borrowInputs(q, k, v, alphaQ, alphaK, alphaV, collapse, std::nullopt));
   reference::IhaOutputs outputs;
   {
     py::gil_scoped_release release;
     outputs = reference::ihaForward(spec, inputs);
   }
-  const DLDevice host{kDLCPU, 0};
-  auto wrap = [&](const std::vector<double>& data, std::vector<int64_t> shape) {
-    Allocated a = allocate(shape, {kDLFloat, 64, 1}, 8, host, nullptr);
-    std::memcpy(a.view.data, data.data(), data.size() * sizeof(double));
-    return py::cast(a.tensor);
-  };
-  return py::make_tuple(wrap(outputs.out, {B, N, spec.heads(), spec.head_dim()}),
-                        wrap(outputs.lse, {B, spec.heads(), N * spec.pseudo_heads()}));
+  const int64_t B = inputs.batch, N = inputs.tokens;
+  return py::make_tuple(float64Tensor(outputs.out, {B, N, spec.heads(), spec.head_dim()}),
+                        float64Tensor(outputs.lse, {B, spec.heads(), N * spec.pseudo_heads()}));
+}
+
+// The float64 backward oracle on host tensors: the seven gradients of
+// sum(out * dout) as float64 loom.Tensors.
+py::tuple referenceBackward(const py::object& q, const py::object& k, const py::object& v, const py::object& alphaQ,
+                            const py::object& alphaK, const py::object& alphaV, const py::object& collapse,
+                            const py::object& dout, const py::object& specValue) {
+  const KernelSpec spec = specOf(specValue);
+  const reference::IhaInputs inputs =
+      referenceInputs(spec, borrowInputs(q, k, v, alphaQ, alphaK, alphaV, collapse, std::nullopt));
+  const Borrowed d = borrow(dout, "dout", std::nullopt);
+  const std::vector<int64_t> doutShape(d.tensor->shape, d.tensor->shape + d.tensor->ndim);
+  const std::vector<int64_t> want = {inputs.batch, inputs.tokens, spec.heads(), spec.head_dim()};
+  if (doutShape != want) throw BadArgument("dout: shape " + shapeString(doutShape) + ", want " + shapeString(want));
+  const std::vector<double> doutValues = valuesOf(*d.tensor, "dout");
+  reference::IhaGradients gradients;
+  {
+    py::gil_scoped_release release;
+    gradients = reference::ihaBackward(spec, inputs, doutValues);
+  }
+  const std::vector<std::vector<int64_t>> shapes = inputShapes(spec, inputs.batch, inputs.tokens);
+  const auto slots = reference::gradientsOf(gradients);
+  py::tuple result(slots.size());
+  for (size_t i = 0; i < slots.size(); ++i) result[i] = float64Tensor(*slots[i], shapes[i]);
+  return result;
 }
 
 std::string generate(const py::object& specValue, const py::object& scheduleValue, const std::string& targetName) {
@@ -408,10 +539,11 @@ std::string gpuError() {
 }  // namespace
 }  // namespace loom::python
 
-PYBIND11_MODULE(loom, m) {
+PYBIND11_MODULE(_loom, m) {
   using namespace loom::python;
   m.doc() = "loom: generated, autotuned Interleaved Head Attention kernels (docs/IHA.md)";
-  m.attr("__version__") = std::string("0.1 (") + loom::cache::kGeneratorVersion + ")";
+  m.attr("__version__") = LOOM_VERSION;
+  m.attr("generator_version") = loom::cache::kGeneratorVersion;
   static py::exception<LoomError> error(m, "Error", PyExc_RuntimeError);
   py::register_exception_translator([](std::exception_ptr p) {
     try {
@@ -448,8 +580,24 @@ PYBIND11_MODULE(loom, m) {
         py::arg("collapse"), py::arg("spec"), py::arg("stream") = py::none(), py::arg("out") = py::none(),
         py::arg("lse") = py::none(), py::arg("schedule") = py::none(), py::arg("cache_dir") = "",
         py::arg("service") = "", py::arg("threads") = 0);
+  m.def("iha_backward", &ihaBackward,
+        "(dq, dk, dv, dalpha_q, dalpha_k, dalpha_v, dcollapse): the gradients of sum(out * dout) for `spec`,\n"
+        "float32, each the shape of its input, by loom's backward kernels (CUDA tensors, on `stream`) or its\n"
+        "program on the host tile API (host tensors). dout: out's shape, the spec's dtype. `grads`: up to seven\n"
+        "tensors to write (None: allocated and returned as loom.Tensor). `lse`: receives the recomputed lse.\n"
+        "`schedule`, `cache_dir`, `service`, `threads` as for iha (the backward kernel is cached apart).",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha_q"), py::arg("alpha_k"), py::arg("alpha_v"),
+        py::arg("collapse"), py::arg("dout"), py::arg("spec"), py::arg("grads") = std::vector<py::object>{},
+        py::arg("lse") = py::none(), py::arg("stream") = py::none(), py::arg("schedule") = py::none(),
+        py::arg("cache_dir") = "", py::arg("service") = "", py::arg("threads") = 0);
+  m.def("reference_backward", &referenceBackward,
+        "The seven gradients of sum(out * dout) by the float64 backward reference, on host tensors, as float64\n"
+        "loom.Tensors (inputs may be float64, float32 or the 16-bit dtypes)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha_q"), py::arg("alpha_k"), py::arg("alpha_v"),
+        py::arg("collapse"), py::arg("dout"), py::arg("spec"));
   m.def("reference", &reference,
-        "(out, lse) of the float64 reference (the oracle) on host tensors, as float64 loom.Tensors",
+        "(out, lse) of the float64 reference (the oracle) on host tensors (float64, float32 or the 16-bit\n"
+        "dtypes), as float64 loom.Tensors",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha_q"), py::arg("alpha_k"), py::arg("alpha_v"),
         py::arg("collapse"), py::arg("spec"));
   m.def("generate", &generate, "The C++ source loom generates for `spec` on `target` (cpu, sm_80, sm_90a, ...)",

@@ -83,7 +83,17 @@ Result<Tensor> tensorFromDlpack(const char* name, const DLTensor* t) {
   view.data = static_cast<char*>(t->data) + t->byte_offset;
   view.device = t->device.device_type == kDLCPU ? kHostDevice : t->device.device_id;
   view.shape.assign(t->shape, t->shape + t->ndim);
-  if (t->strides) view.strides.assign(t->strides, t->strides + t->ndim);
+  if (t->strides) {
+    // An extent-1 dimension's stride is never stepped: producers write any
+    // value there (PyTorch writes 1), so it takes the span of the dimensions
+    // inside it, as a C-order layout would.
+    view.strides.assign(t->strides, t->strides + t->ndim);
+    int64_t span = 1;
+    for (int i = t->ndim - 1; i >= 0; --i) {
+      if (t->shape[i] == 1) view.strides[size_t(i)] = span;
+      span = std::max(span, view.strides[size_t(i)] * t->shape[i]);
+    }
+  }
   return view;
 }
 

@@ -10,7 +10,7 @@ int main(int argc, char** argv) {
       "loom: generates, compiles, autotunes and serves GPU kernels for Interleaved Head Attention.\n"
       "Specs and schedules are JSON (the KernelSpec / Schedule messages of proto/loom/v1/loom.proto)."};
   app.require_subcommand(1);
-  app.set_version_flag("--version", std::string("loom 0.1 (") + loom::cache::kGeneratorVersion + ", " +
+  app.set_version_flag("--version", std::string("loom " LOOM_VERSION " (") + loom::cache::kGeneratorVersion + ", " +
                                         loom::jit::nvrtcVersion() + ", MLIR 19)");
   std::function<int()> action;
   loom::cli::addRunCommand(app, &action);

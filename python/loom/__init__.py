@@ -1,0 +1,24 @@
+"""loom: generated, autotuned Interleaved Head Attention kernels (docs/IHA.md).
+
+    import loom
+    out = loom.iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec)          # any DLPack tensors
+    grads = loom.iha_backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, dout, spec)
+
+CUDA tensors run the spec's kernels (tuned, cached, compiled by NVRTC), host
+tensors the same generated program on the host tile API. For PyTorch
+(autograd, torch.compile, an IHA layer) see loom.torch.
+"""
+from ._loom import (  # noqa: F401  (the public API)
+    Error,
+    Tensor,
+    __version__,
+    compile,
+    devices,
+    generate,
+    generator_version,
+    gpu_error,
+    iha,
+    iha_backward,
+    reference,
+    reference_backward,
+)

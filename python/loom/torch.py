@@ -1,0 +1,323 @@
+"""loom.torch: Interleaved Head Attention for PyTorch, with autograd.
+
+    import torch
+    from loom.torch import iha, InterleavedHeadAttention
+
+    out = iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec)   # differentiable in all seven
+    layer = InterleavedHeadAttention(dim=256, heads=4, pseudo_heads=2)
+    y = layer(x)                                                    # x [B, N, dim] -> [B, N, dim]
+
+Shapes and the function are docs/IHA.md's: q [B, N, H, d], k and v [B, N, G, d],
+alpha_q [H, H, P], alpha_k and alpha_v [G, G, P], collapse [H, P] (per_head) or
+[H, H*P] (global). Where the tensors are decides what runs:
+
+- CUDA, float16 or bfloat16: loom's CUDA kernels, forward and backward, on the
+  current stream (the tuned schedule from the kernel cache, else the default).
+- CPU, float32, float16 or bfloat16: the same generated programs on loom's host
+  tile API (slow: for checking and for tiny models).
+- CPU, float64: loom's float64 reference, forward and backward (for
+  torch.autograd.gradcheck; loom has no float64 kernels).
+
+The mixing weights and collapse are float32 (float64 with float64 inputs). The
+spec's dtype, when given, must be q's. With PyTorch 2.4 or later `iha` is the
+custom op torch.ops.loom.iha (with a fake implementation), so torch.compile
+traces it without a graph break; before that it is an autograd.Function.
+`iha_eager` is the same function in plain PyTorch ops on the materialised
+sequence: the baseline to compare with.
+"""
+import json
+import math
+from typing import Optional, Tuple
+
+import torch
+
+from . import _loom
+
+__all__ = ["iha", "iha_eager", "InterleavedHeadAttention", "HAS_CUSTOM_OP", "spec_for"]
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+# torch.library.custom_op (PyTorch 2.4 and later): an op torch.compile traces.
+HAS_CUSTOM_OP = hasattr(torch, "library") and hasattr(torch.library, "custom_op")
+
+
+def _spec_dict(spec) -> dict:
+    if isinstance(spec, dict):
+        return dict(spec)
+    if isinstance(spec, str) and spec.lstrip().startswith("{"):
+        return json.loads(spec)
+    if isinstance(spec, str):
+        with open(spec) as f:
+            return json.load(f)
+    raise TypeError("spec: want a dict, JSON text or a path to a JSON file")
+
+
+def spec_for(spec, dtype: torch.dtype) -> dict:
+    """The spec as a dict with q's dtype: a dict, JSON text or a path to a JSON
+    file; a dtype it names must be `dtype`'s (float64 tensors run the float64
+    reference whatever the spec names)."""
+    s = _spec_dict(spec)
+    if dtype == torch.float64:
+        s.setdefault("dtype", "float32")
+        return s
+    if dtype not in _DTYPE_NAMES:
+        raise ValueError(f"q: dtype {dtype}; loom takes float16, bfloat16, float32 (host) or float64 (reference)")
+    name = _DTYPE_NAMES[dtype]
+    if s.get("dtype", name) != name:
+        raise ValueError(f"spec says dtype {s['dtype']} but q is {name}: cast q, k and v, or drop the spec's dtype")
+    s["dtype"] = name
+    return s
+
+
+def _stream(t: torch.Tensor):
+    return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else None
+
+
+def _prepared(tensors):
+    """What loom reads: detached (DLPack exports no tensor that requires grad), dense."""
+    return [t.detach().contiguous() for t in tensors]
+
+
+def _check_inputs(q, weights):
+    for name, t in zip(("alpha_q", "alpha_k", "alpha_v", "collapse"), weights):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}: IHA's tensors share one device")
+        want = torch.float64 if q.dtype == torch.float64 else torch.float32
+        if t.dtype != want:
+            raise ValueError(f"{name}: dtype {t.dtype}, want {want} (the mixing weights and collapse are float32)")
+
+
+def _forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec: str, schedule: Optional[str], cache_dir: str,
+             threads: int) -> torch.Tensor:
+    _check_inputs(q, (alpha_q, alpha_k, alpha_v, collapse))
+    tensors = _prepared((q, k, v, alpha_q, alpha_k, alpha_v, collapse))
+    if q.dtype == torch.float64:
+        out, _ = _loom.reference(*tensors, spec)
+        return torch.utils.dlpack.from_dlpack(out)
+    s = json.loads(spec)
+    out = torch.empty((q.shape[0], q.shape[1], s["heads"], s["head_dim"]), dtype=q.dtype, device=q.device)
+    _loom.iha(*tensors, spec, stream=_stream(q), out=out, schedule=schedule, cache_dir=cache_dir, threads=threads)
+    return out
+
+
+def _backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, dout, spec: str, schedule: Optional[str],
+              cache_dir: str, threads: int):
+    inputs = (q, k, v, alpha_q, alpha_k, alpha_v, collapse)
+    tensors = _prepared(inputs)
+    dout = dout.detach().to(q.dtype).contiguous()
+    if q.dtype == torch.float64:
+        grads = _loom.reference_backward(*tensors, dout, spec)
+        return tuple(torch.utils.dlpack.from_dlpack(g) for g in grads)
+    grads = [torch.empty(t.shape, dtype=torch.float32, device=q.device) for t in inputs]
+    _loom.iha_backward(*tensors, dout, spec, grads=grads, stream=_stream(q), schedule=schedule, cache_dir=cache_dir,
+                       threads=threads)
+    return tuple(g.to(t.dtype) for g, t in zip(grads, inputs))
+
+
+class _IhaFunction(torch.autograd.Function):
+    """IHA with loom's backward: saves the seven inputs (the backward
+    recomputes the attention, as FlashAttention's does), not the P-times-longer
+    mixed sequence."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, schedule, cache_dir, threads):
+        ctx.save_for_backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse)
+        ctx.options = (spec, schedule, cache_dir, threads)
+        return _forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, schedule, cache_dir, threads)
+
+    @staticmethod
+    def backward(ctx, dout):
+        grads = _backward(*ctx.saved_tensors, dout, *ctx.options)
+        return (*grads, None, None, None, None)
+
+
+if HAS_CUSTOM_OP:
+    Tensor = torch.Tensor
+
+    @torch.library.custom_op("loom::iha", mutates_args=())
+    def _iha_op(q: Tensor, k: Tensor, v: Tensor, alpha_q: Tensor, alpha_k: Tensor, alpha_v: Tensor,
+                collapse: Tensor, spec: str, schedule: Optional[str], cache_dir: str, threads: int) -> Tensor:
+        return _forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, schedule, cache_dir, threads)
+
+    @_iha_op.register_fake
+    def _iha_fake(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, schedule, cache_dir, threads):
+        s = json.loads(spec)
+        return q.new_empty((q.shape[0], q.shape[1], s["heads"], s["head_dim"]))
+
+    @torch.library.custom_op("loom::iha_backward", mutates_args=())
+    def _iha_backward_op(q: Tensor, k: Tensor, v: Tensor, alpha_q: Tensor, alpha_k: Tensor, alpha_v: Tensor,
+                         collapse: Tensor, dout: Tensor, spec: str, schedule: Optional[str], cache_dir: str,
+                         threads: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        return _backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, dout, spec, schedule, cache_dir, threads)
+
+    @_iha_backward_op.register_fake
+    def _iha_backward_fake(q, k, v, alpha_q, alpha_k, alpha_v, collapse, dout, spec, schedule, cache_dir, threads):
+        return tuple(torch.empty_like(t) for t in (q, k, v, alpha_q, alpha_k, alpha_v, collapse))
+
+    def _setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:7])
+        ctx.options = inputs[7:]
+
+    def _iha_op_backward(ctx, dout):
+        grads = _iha_backward_op(*ctx.saved_tensors, dout, *ctx.options)
+        return (*grads, None, None, None, None)
+
+    _iha_op.register_autograd(_iha_op_backward, setup_context=_setup_context)
+
+
+def iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, *, schedule=None, cache_dir: str = "",
+        threads: int = 0) -> torch.Tensor:
+    """out [B, N, H, d] = IHA(q, k, v; alpha_q, alpha_k, alpha_v, collapse) for `spec` (a dict, JSON text or a
+    path; its dtype, when given, q's). Differentiable in all seven tensors. `schedule` (dict or JSON) forces the
+    forward's schedule; `cache_dir` is the kernel cache (default ~/.cache/loom); `threads` the host path's."""
+    spec_json = json.dumps(spec_for(spec, q.dtype), sort_keys=True)
+    schedule_json = None if schedule is None else (schedule if isinstance(schedule, str) else json.dumps(schedule))
+    if HAS_CUSTOM_OP:
+        return _iha_op(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec_json, schedule_json, cache_dir, threads)
+    return _IhaFunction.apply(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec_json, schedule_json, cache_dir,
+                              threads)
+
+
+def _allowed(s: dict, L: int, P: int, device) -> torch.Tensor:
+    """[L, L] bool: may virtual row i attend to row j (docs/IHA.md, step 4 and the options)."""
+    i = torch.arange(L, device=device)[:, None]
+    j = torch.arange(L, device=device)[None, :]
+    ti, tj = i // P, j // P
+    mask, W = s.get("mask", "flat_causal"), int(s.get("window", 0))
+    if int(s.get("window_rows", 0)) > 0:
+        return (j <= i) & (i - j < int(s["window_rows"]))
+    if W > 0 and s.get("window_align", "virtual") == "token":
+        own = (j <= i) if mask == "flat_causal" else (tj <= ti) if mask == "token_causal" else torch.ones_like(i == j)
+        return own & (ti - tj >= 0) & (ti - tj < W)
+    if mask == "flat_causal":
+        return (j <= i) & ((i - j < W * P) if W > 0 else True)
+    if mask == "token_causal":
+        return (tj <= ti) & ((ti - tj < W) if W > 0 else True)
+    return (torch.abs(ti - tj) < W) if W > 0 else torch.ones_like(i == j)
+
+
+def iha_eager(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec) -> torch.Tensor:
+    """IHA in plain PyTorch ops on the materialised sequence (docs/IHA.md step by step: mix, interleave,
+    qk_norm, RoPE, masked softmax attention over N*P rows, collapse), differentiated by PyTorch's own
+    autograd; any device and dtype. O((N*P)^2) memory: the baseline, not the fast path."""
+    s = _spec_dict(spec)
+    B, N, H, d = q.shape
+    G, P = k.shape[2], int(s["pseudo_heads"])
+    L = N * P
+    dt = q.dtype
+    qm = torch.einsum("bnmc,mhp->bhnpc", q, alpha_q.to(dt)).reshape(B, H, L, d)
+    km = torch.einsum("bnmc,mgp->bgnpc", k, alpha_k.to(dt)).reshape(B, G, L, d)
+    vm = torch.einsum("bnmc,mgp->bgnpc", v, alpha_v.to(dt)).reshape(B, G, L, d)
+    if s.get("qk_norm", "none") == "rms":
+        eps = float(s.get("qk_norm_eps", 1e-6))
+        qm = qm / torch.sqrt(qm.pow(2).mean(-1, keepdim=True) + eps)
+        km = km / torch.sqrt(km.pow(2).mean(-1, keepdim=True) + eps)
+    theta = float(s.get("rope_theta", 0.0))
+    if theta > 0:
+        half = d // 2
+        inv = theta ** (-2.0 * torch.arange(half, device=q.device, dtype=torch.float64) / d)
+        angle = torch.arange(L, device=q.device, dtype=torch.float64)[:, None] * inv[None, :]
+        if s.get("rope_direction", "positive") == "negative":
+            angle = -angle
+        cos, sin = angle.cos().to(dt), angle.sin().to(dt)
+
+        def rotate(x):
+            a, b = x[..., :half], x[..., half:]
+            return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+
+        qm, km = rotate(qm), rotate(km)
+    km = km.repeat_interleave(H // G, dim=1)
+    vm = vm.repeat_interleave(H // G, dim=1)
+    scale = float(s["scale"]) if "scale" in s else 1.0 / math.sqrt(d)
+    scores = torch.matmul(qm, km.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~_allowed(s, L, P, q.device), float("-inf"))
+    o = torch.matmul(torch.softmax(scores, dim=-1), vm).reshape(B, H, N, P, d)
+    if s.get("collapse", "per_head") == "per_head":
+        return torch.einsum("bhnpc,hp->bnhc", o, collapse.to(dt))
+    return torch.einsum("bgnpc,hgp->bnhc", o, collapse.to(dt).reshape(H, H, P))
+
+
+class InterleavedHeadAttention(torch.nn.Module):
+    """A drop-in IHA attention block: x [B, N, dim] -> [B, N, dim].
+
+    Parameters (state_dict names):
+      q_proj.weight [H*d, dim], k_proj.weight and v_proj.weight [G*d, dim], out_proj.weight [dim, H*d]
+        (and .bias with bias=True): the projections, as nn.Linear.
+      alpha_q [H, H, P], alpha_k and alpha_v [G, G, P]: the mixing, alpha[m, h, p] weighing source head m in
+        pseudo head p of head h; initialised to the identity on the head axes plus N(0, init_noise^2) noise
+        (the noise tells the P pseudo heads apart).
+      collapse [H, P] (per_head) or [H, H*P] (global): 1/P on each head's own pseudo heads.
+    The function options are docs/IHA.md's (mask, window, RoPE, qk_norm, window_align, window_rows, scale).
+    `compute_dtype`: what q, k and v are cast to for the attention (default: bfloat16 on CUDA, float32 on the
+    CPU, float64 for float64 inputs); the mixing weights stay float32. `backend`: "loom" (loom's kernels) or
+    "eager" (iha_eager, plain PyTorch ops: the baseline)."""
+
+    def __init__(self, dim: int, heads: int, pseudo_heads: int, kv_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None, *, mask: str = "flat_causal", window: int = 0,
+                 collapse: str = "per_head", rope_theta: float = 10000.0, rope_direction: str = "positive",
+                 qk_norm: bool = False, qk_norm_eps: Optional[float] = None, window_align: str = "virtual",
+                 window_rows: int = 0, scale: Optional[float] = None, bias: bool = False, init_noise: float = 0.1,
+                 compute_dtype: Optional[torch.dtype] = None, backend: str = "loom", schedule=None,
+                 cache_dir: str = "", threads: int = 0):
+        super().__init__()
+        H, G = heads, kv_heads or heads
+        d = head_dim or dim // heads
+        P = pseudo_heads
+        if H % G:
+            raise ValueError(f"kv_heads ({G}) must divide heads ({H})")
+        if backend not in ("loom", "eager"):
+            raise ValueError(f"backend: {backend!r}, want 'loom' or 'eager'")
+        self.heads, self.kv_heads, self.pseudo_heads, self.head_dim = H, G, P, d
+        self.compute_dtype, self.backend = compute_dtype, backend
+        self.schedule, self.cache_dir, self.threads = schedule, cache_dir, threads
+        s = {"heads": H, "kv_heads": G, "pseudo_heads": P, "head_dim": d, "mask": mask, "window": window,
+             "collapse": collapse, "rope_theta": rope_theta}
+        # Options only where they change the function (loom refuses the rest).
+        if qk_norm:
+            s["qk_norm"] = "rms"
+            if qk_norm_eps is not None:
+                s["qk_norm_eps"] = qk_norm_eps
+        if rope_theta > 0 and rope_direction != "positive":
+            s["rope_direction"] = rope_direction
+        if window > 0 and window_align != "virtual":
+            s["window_align"] = window_align
+        if window_rows > 0:
+            s["window_rows"] = window_rows
+        if scale is not None:
+            s["scale"] = scale
+        self.spec = s
+        self.q_proj = torch.nn.Linear(dim, H * d, bias=bias)
+        self.k_proj = torch.nn.Linear(dim, G * d, bias=bias)
+        self.v_proj = torch.nn.Linear(dim, G * d, bias=bias)
+        self.out_proj = torch.nn.Linear(H * d, dim, bias=bias)
+
+        def near_identity(n):
+            eye = torch.eye(n)[:, :, None].expand(n, n, P)
+            return torch.nn.Parameter(eye + init_noise * torch.randn(n, n, P))
+
+        self.alpha_q, self.alpha_k, self.alpha_v = near_identity(H), near_identity(G), near_identity(G)
+        if collapse == "per_head":
+            self.collapse = torch.nn.Parameter(torch.full((H, P), 1.0 / P))
+        else:
+            own = torch.eye(H)[:, :, None].expand(H, H, P) / P
+            self.collapse = torch.nn.Parameter(own.reshape(H, H * P).clone())
+
+    def extra_repr(self) -> str:
+        return f"spec={self.spec}, backend={self.backend!r}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, _ = x.shape
+        H, G, d = self.heads, self.kv_heads, self.head_dim
+        dt = self.compute_dtype or (torch.float64 if x.dtype == torch.float64 else
+                                    torch.bfloat16 if x.is_cuda else torch.float32)
+        wt = torch.float64 if dt == torch.float64 else torch.float32
+        q = self.q_proj(x).view(B, N, H, d).to(dt)
+        k = self.k_proj(x).view(B, N, G, d).to(dt)
+        v = self.v_proj(x).view(B, N, G, d).to(dt)
+        weights = [w.to(wt) for w in (self.alpha_q, self.alpha_k, self.alpha_v, self.collapse)]
+        if self.backend == "eager":
+            o = iha_eager(q, k, v, *weights, self.spec)
+        else:
+            o = iha(q, k, v, *weights, self.spec, schedule=self.schedule, cache_dir=self.cache_dir,
+                    threads=self.threads)
+        return self.out_proj(o.to(x.dtype).reshape(B, N, H * d))

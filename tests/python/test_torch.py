@@ -1,0 +1,261 @@
+"""loom.torch with a real PyTorch (Debian's python3-torch on the CPU): the
+autograd op through the float64 reference (torch.autograd.gradcheck) and
+through loom's generated programs on the host (float32, against the float64
+reference and against PyTorch's own autograd of iha_eager), iha_eager against
+loom's C++ reference, the InterleavedHeadAttention layer on both backends, the
+errors, and the custom op with torch.compile where the installed PyTorch has
+them. Specs, shapes and data are drawn fresh every run (the seed is printed;
+LOOM_TEST_SEED replays it). Run by CTest with PYTHONPATH set to build/python,
+and by scripts/check-wheel against an installed wheel.
+"""
+import json
+import os
+import random
+import unittest
+
+import torch
+
+import loom
+import loom.torch as lt
+
+CACHE = os.environ.get("LOOM_TEST_CACHE", "")
+SEED = int(os.environ.get("LOOM_TEST_SEED", random.SystemRandom().randrange(1 << 32)))
+print(f"[ seed ] LOOM_TEST_SEED={SEED}  torch {torch.__version__}")
+GRADIENTS = ("q", "k", "v", "alpha_q", "alpha_k", "alpha_v", "collapse")
+FLOAT32_GRADIENT_TOLERANCE = 1e-5  # docs/IHA.md, Backward
+
+
+def relative(got, want):
+    got, want = got.detach().double(), want.detach().double()
+    return float((got - want).norm() / want.norm())
+
+
+def random_spec(rng, head_dims=(8, 16)):
+    """A valid spec over every mask, windows, both collapses, RoPE, GQA and the options of public IHA code,
+    kept where no gradient vanishes (docs/IHA.md, loom's notes on checking gradients): P >= 2, windows of
+    two tokens or more, and two heads or more per mixing under qk_norm."""
+    G = rng.choice((1, 2))
+    spec = {"heads": G * rng.choice((1, 2)), "kv_heads": G, "pseudo_heads": rng.choice((2, 3)),
+            "head_dim": rng.choice(head_dims), "mask": rng.choice(("flat_causal", "token_causal", "none")),
+            "window": rng.choice((0, 0, 2, 3)), "collapse": rng.choice(("per_head", "global")),
+            "rope_theta": rng.choice((0.0, 10000.0))}
+    if spec["rope_theta"] > 0 and rng.random() < 0.5:
+        spec["rope_direction"] = "negative"
+    if spec["window"] > 0 and rng.random() < 0.5:
+        spec["window_align"] = "token"
+    if spec["mask"] == "flat_causal" and spec["window"] == 0 and rng.random() < 0.3:
+        spec["window_rows"] = rng.choice((2, 3, 5))
+    if rng.random() < 0.3:
+        spec["scale"] = 0.1 + 0.3 * rng.random()
+    if rng.random() < 0.4:
+        spec["kv_heads"] = spec["heads"] = 2 * rng.choice((1, 2))
+        spec["qk_norm"] = "rms"
+    return spec
+
+
+def draw(spec, B, N, dtype, gen, requires_grad=True):
+    """q, k, v ~ N(0, 1); mixing the identity plus N(0, 0.3^2); collapse N(0, 1/fan-in) (docs/IHA.md's draws)."""
+    H, G, P, d = spec["heads"], spec["kv_heads"], spec["pseudo_heads"], spec["head_dim"]
+    weights = torch.float64 if dtype == torch.float64 else torch.float32
+    fan = P if spec["collapse"] == "per_head" else H * P
+
+    def mixing(n):
+        return torch.eye(n, dtype=torch.float64)[:, :, None] + 0.3 * torch.randn(n, n, P, generator=gen,
+                                                                                 dtype=torch.float64)
+
+    tensors = [torch.randn(B, N, H, d, generator=gen, dtype=torch.float64),
+               torch.randn(B, N, G, d, generator=gen, dtype=torch.float64),
+               torch.randn(B, N, G, d, generator=gen, dtype=torch.float64),
+               mixing(H), mixing(G), mixing(G),
+               torch.randn(H, fan, generator=gen, dtype=torch.float64) / fan ** 0.5]
+    typed = [t.to(dtype if i < 3 else weights) for i, t in enumerate(tensors)]
+    return [t.requires_grad_(requires_grad) for t in typed]
+
+
+def iha(*tensors, spec):
+    return lt.iha(*tensors, spec, cache_dir=CACHE, threads=2)
+
+
+class Reference(unittest.TestCase):
+    """float64: loom.torch.iha runs loom's float64 reference both ways."""
+
+    def test_gradcheck_on_drawn_specs(self):
+        rng = random.Random(SEED)
+        gen = torch.Generator().manual_seed(SEED)
+        for _ in range(4):
+            spec = random_spec(rng, head_dims=(8,))
+            B, N = rng.choice((1, 2)), rng.randint(1, 4)
+            with self.subTest(spec=spec, B=B, N=N):
+                tensors = draw(spec, B, N, torch.float64, gen)
+                self.assertTrue(torch.autograd.gradcheck(lambda *t: iha(*t, spec=spec), tensors, eps=1e-6,
+                                                         atol=1e-8, rtol=1e-6))
+
+    def test_eager_matches_the_reference(self):
+        """iha_eager (plain PyTorch ops) against loom's C++ float64 reference: two implementations of docs/IHA.md
+        written apart, on drawn specs with every option."""
+        rng = random.Random(SEED + 1)
+        gen = torch.Generator().manual_seed(SEED + 1)
+        for _ in range(8):
+            spec = random_spec(rng)
+            B, N = rng.choice((1, 2)), rng.randint(1, 9)
+            with self.subTest(spec=spec, B=B, N=N):
+                tensors = draw(spec, B, N, torch.float64, gen)
+                out = lt.iha_eager(*tensors, spec)
+                self.assertLess(relative(out, iha(*tensors, spec=spec)), 1e-12)
+                dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+                want = torch.autograd.grad(out, tensors, dout)
+                got = [torch.from_dlpack(g) for g in loom.reference_backward(*[t.detach() for t in tensors], dout,
+                                                                              lt.spec_for(spec, torch.float64))]
+                for name, g, w in zip(GRADIENTS, got, want):
+                    self.assertLess(relative(g, w), 1e-10, name)
+
+
+class HostKernels(unittest.TestCase):
+    """float32 on the CPU: loom's generated forward and backward programs on the host tile API."""
+
+    def test_gradients_match_the_float64_reference_and_eager_autograd(self):
+        rng = random.Random(SEED + 2)
+        gen = torch.Generator().manual_seed(SEED + 2)
+        for _ in range(4):
+            spec = random_spec(rng)
+            B, N = rng.choice((1, 2)), rng.randint(2, 24)
+            with self.subTest(spec=spec, B=B, N=N):
+                exact = draw(spec, B, N, torch.float64, gen)
+                single = [t.detach().float().requires_grad_() for t in exact]
+                out = iha(*single, spec=spec)
+                self.assertEqual(out.dtype, torch.float32)
+                dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+                out.backward(dout.float())
+                want_out = lt.iha_eager(*exact, spec)
+                self.assertLess(relative(out, want_out), 1e-5)
+                want = torch.autograd.grad(want_out, exact, dout)
+                for name, t, w in zip(GRADIENTS, single, want):
+                    self.assertEqual(t.grad.dtype, t.dtype, name)
+                    self.assertLess(relative(t.grad, w), FLOAT32_GRADIENT_TOLERANCE, name)
+
+    def test_strided_inputs_and_a_dout_that_is_a_view(self):
+        """q a slice of a wider projection, dout an expanded view (as sum() hands back): both made dense."""
+        gen = torch.Generator().manual_seed(SEED + 3)
+        spec = {"heads": 2, "kv_heads": 1, "pseudo_heads": 2, "head_dim": 8, "mask": "flat_causal", "window": 0,
+                "collapse": "per_head", "rope_theta": 10000.0}
+        q64, k, v, *weights = draw(spec, 1, 6, torch.float64, gen)
+        wide = torch.randn(1, 6, 4, 8, generator=gen, dtype=torch.float64)
+        wide[:, :, :2] = q64.detach()
+        wide = wide.float().requires_grad_()
+        q = wide[:, :, :2]
+        others = [t.detach().float().requires_grad_() for t in (k, v, *weights)]
+        iha(q, *others, spec=spec).sum().backward()
+        exact = [q.detach().double().requires_grad_()] + [t.detach().double().requires_grad_() for t in others]
+        lt.iha_eager(*exact, spec).sum().backward()
+        self.assertLess(relative(wide.grad[:, :, :2], exact[0].grad), FLOAT32_GRADIENT_TOLERANCE)
+        self.assertEqual(float(wide.grad[:, :, 2:].abs().max()), 0.0)
+
+    def test_errors_name_what_is_wrong(self):
+        gen = torch.Generator().manual_seed(SEED + 4)
+        spec = {"heads": 2, "kv_heads": 2, "pseudo_heads": 2, "head_dim": 8, "mask": "none", "window": 0,
+                "collapse": "per_head", "rope_theta": 0.0}
+        tensors = draw(spec, 1, 3, torch.float32, gen)
+        with self.assertRaisesRegex(ValueError, "spec says dtype bfloat16 but q is float32"):
+            lt.iha(*tensors, dict(spec, dtype="bfloat16"))
+        with self.assertRaisesRegex(ValueError, "alpha_q: dtype torch.float16"):
+            lt.iha(*tensors[:3], tensors[3].half(), *tensors[4:], spec)
+        with self.assertRaisesRegex(ValueError, "q: want 4 dimensions|q: shape"):
+            lt.iha(tensors[0][0], *tensors[1:], spec)
+        with self.assertRaisesRegex(ValueError, "k"):
+            lt.iha(tensors[0], tensors[1][:, :, :1], *tensors[2:], spec)
+
+
+class Layer(unittest.TestCase):
+    def test_parameters_are_the_documented_ones(self):
+        layer = lt.InterleavedHeadAttention(32, heads=4, pseudo_heads=3, kv_heads=2, head_dim=8, collapse="global")
+        shapes = {name: tuple(p.shape) for name, p in layer.named_parameters()}
+        self.assertEqual(shapes, {"q_proj.weight": (32, 32), "k_proj.weight": (16, 32), "v_proj.weight": (16, 32),
+                                  "out_proj.weight": (32, 32), "alpha_q": (4, 4, 3), "alpha_k": (2, 2, 3),
+                                  "alpha_v": (2, 2, 3), "collapse": (4, 12)})
+        # Near the identity on the head axes; collapse 1/P on each head's own pseudo heads.
+        identity = torch.eye(4)[:, :, None].expand(4, 4, 3)
+        self.assertLess(float((layer.alpha_q - identity).abs().mean()), 0.2)
+        self.assertTrue(torch.allclose(layer.collapse.view(4, 4, 3).sum(-1), torch.eye(4)))
+
+    def test_loom_and_eager_layers_agree_forward_and_backward(self):
+        rng = random.Random(SEED + 5)
+        torch.manual_seed(SEED + 5)
+        for _ in range(2):
+            spec = random_spec(rng, head_dims=(8, 16))
+            options = {k: spec[k] for k in ("mask", "window", "collapse", "rope_theta")}
+            options.update({k: spec[k] for k in ("rope_direction", "window_align", "window_rows", "scale")
+                            if k in spec})
+            options["qk_norm"] = spec.get("qk_norm") == "rms"
+            with self.subTest(spec=spec):
+                layer = lt.InterleavedHeadAttention(24, spec["heads"], spec["pseudo_heads"], spec["kv_heads"],
+                                                    spec["head_dim"], cache_dir=CACHE, threads=2, **options)
+                eager = lt.InterleavedHeadAttention(24, spec["heads"], spec["pseudo_heads"], spec["kv_heads"],
+                                                    spec["head_dim"], backend="eager", **options).double()
+                eager.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
+                x = torch.randn(2, rng.randint(2, 12), 24)
+                y = layer(x)
+                y_eager = eager(x.double())
+                self.assertEqual(y.shape, x.shape)
+                self.assertLess(relative(y, y_eager), 1e-5)
+                dy = torch.randn_like(y)
+                y.backward(dy)
+                y_eager.backward(dy.double())
+                for (name, p), (_, p_eager) in zip(layer.named_parameters(), eager.named_parameters()):
+                    self.assertLess(relative(p.grad, p_eager.grad), FLOAT32_GRADIENT_TOLERANCE, name)
+
+    def test_a_few_steps_lower_the_loss(self):
+        torch.manual_seed(SEED + 6)
+        layer = lt.InterleavedHeadAttention(16, 2, 2, head_dim=8, cache_dir=CACHE, threads=2)
+        x, target = torch.randn(4, 10, 16), torch.randn(4, 10, 16)
+        optimizer = torch.optim.Adam(layer.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(20):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(layer(x), target)
+            loss.backward()
+            optimizer.step()
+            losses.append(float(loss))
+        self.assertLess(losses[-1], 0.9 * losses[0], losses)
+
+
+class Compile(unittest.TestCase):
+    @unittest.skipUnless(lt.HAS_CUSTOM_OP, f"PyTorch {torch.__version__} has no torch.library.custom_op (2.4 and "
+                                           "later): loom.torch.iha is an autograd.Function there")
+    def test_custom_op_and_torch_compile(self):
+        gen = torch.Generator().manual_seed(SEED + 7)
+        spec = {"heads": 2, "kv_heads": 1, "pseudo_heads": 2, "head_dim": 8, "mask": "flat_causal", "window": 0,
+                "collapse": "per_head", "rope_theta": 10000.0}
+        tensors = draw(spec, 1, 7, torch.float32, gen)
+        spec_json = json.dumps(lt.spec_for(spec, torch.float32), sort_keys=True)
+        torch.library.opcheck(torch.ops.loom.iha.default, (*[t.detach() for t in tensors], spec_json, None, CACHE, 2),
+                              test_utils=("test_schema", "test_faketensor"))
+        compiled = torch.compile(lambda *t: iha(*t, spec=spec).square().sum(), fullgraph=True)
+        loss = compiled(*tensors)
+        loss.backward()
+        exact = [t.detach().double().requires_grad_() for t in tensors]
+        lt.iha_eager(*exact, spec).square().sum().backward()
+        for name, t, w in zip(GRADIENTS, tensors, exact):
+            self.assertLess(relative(t.grad, w.grad), FLOAT32_GRADIENT_TOLERANCE, name)
+
+
+class Cuda(unittest.TestCase):
+    @unittest.skipUnless(torch.cuda.is_available() and loom.devices(),
+                         "no CUDA device for PyTorch and loom here (" + (loom.gpu_error()[:80] or "torch sees none")
+                         + ")")
+    def test_bfloat16_layer_matches_eager_in_float64(self):
+        torch.manual_seed(SEED + 8)
+        layer = lt.InterleavedHeadAttention(256, 4, 2, kv_heads=2, head_dim=64, cache_dir=CACHE).cuda()
+        eager = lt.InterleavedHeadAttention(256, 4, 2, kv_heads=2, head_dim=64, backend="eager").double().cuda()
+        eager.load_state_dict({k: v.double() for k, v in layer.state_dict().items()})
+        x = torch.randn(2, 100, 256, device="cuda")
+        y = layer(x)
+        y_eager = eager(x.double())
+        self.assertLess(relative(y, y_eager), 3e-2)
+        y.backward(torch.ones_like(y))
+        y_eager.backward(torch.ones_like(y_eager))
+        for (name, p), (_, p_eager) in zip(layer.named_parameters(), eager.named_parameters()):
+            self.assertLess(relative(p.grad, p_eager.grad), 3e-2, name)
+
+
+if __name__ == "__main__":
+    unittest.main()
