@@ -72,6 +72,16 @@ def draw(spec, B, N, dtype, gen, requires_grad=True):
     return [t.requires_grad_(requires_grad) for t in typed]
 
 
+def drawn_cases(seed, count, tokens, head_dims=(8, 16)):
+    """`count` drawn specs with float64 inputs of B in {1, 2} and N in `tokens`, and the generator that drew them."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(count):
+        spec = random_spec(rng, head_dims)
+        B, N = rng.choice((1, 2)), rng.randint(*tokens)
+        yield spec, draw(spec, B, N, torch.float64, gen), gen
+
+
 def iha(*tensors, spec):
     return lt.iha(*tensors, spec, cache_dir=CACHE, threads=2)
 
@@ -80,26 +90,16 @@ class Reference(unittest.TestCase):
     """float64: loom.torch.iha runs loom's float64 reference both ways."""
 
     def test_gradcheck_on_drawn_specs(self):
-        rng = random.Random(SEED)
-        gen = torch.Generator().manual_seed(SEED)
-        for _ in range(4):
-            spec = random_spec(rng, head_dims=(8,))
-            B, N = rng.choice((1, 2)), rng.randint(1, 4)
-            with self.subTest(spec=spec, B=B, N=N):
-                tensors = draw(spec, B, N, torch.float64, gen)
+        for spec, tensors, _ in drawn_cases(SEED, 4, (1, 4), head_dims=(8,)):
+            with self.subTest(spec=spec, q_shape=tuple(tensors[0].shape)):
                 self.assertTrue(torch.autograd.gradcheck(lambda *t: iha(*t, spec=spec), tensors, eps=1e-6,
                                                          atol=1e-8, rtol=1e-6))
 
     def test_eager_matches_the_reference(self):
         """iha_eager (plain PyTorch ops) against loom's C++ float64 reference: two implementations of docs/IHA.md
         written apart, on drawn specs with every option."""
-        rng = random.Random(SEED + 1)
-        gen = torch.Generator().manual_seed(SEED + 1)
-        for _ in range(8):
-            spec = random_spec(rng)
-            B, N = rng.choice((1, 2)), rng.randint(1, 9)
-            with self.subTest(spec=spec, B=B, N=N):
-                tensors = draw(spec, B, N, torch.float64, gen)
+        for spec, tensors, gen in drawn_cases(SEED + 1, 8, (1, 9)):
+            with self.subTest(spec=spec, q_shape=tuple(tensors[0].shape)):
                 out = lt.iha_eager(*tensors, spec)
                 self.assertLess(relative(out, iha(*tensors, spec=spec)), 1e-12)
                 dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
@@ -114,13 +114,8 @@ class HostKernels(unittest.TestCase):
     """float32 on the CPU: loom's generated forward and backward programs on the host tile API."""
 
     def test_gradients_match_the_float64_reference_and_eager_autograd(self):
-        rng = random.Random(SEED + 2)
-        gen = torch.Generator().manual_seed(SEED + 2)
-        for _ in range(4):
-            spec = random_spec(rng)
-            B, N = rng.choice((1, 2)), rng.randint(2, 24)
-            with self.subTest(spec=spec, B=B, N=N):
-                exact = draw(spec, B, N, torch.float64, gen)
+        for spec, exact, gen in drawn_cases(SEED + 2, 4, (2, 24)):
+            with self.subTest(spec=spec, q_shape=tuple(exact[0].shape)):
                 single = [t.detach().float().requires_grad_() for t in exact]
                 out = iha(*single, spec=spec)
                 self.assertEqual(out.dtype, torch.float32)
