@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "api/compile.h"
+#include "api/strided.h"
 #include "cpu/cpu_backend.h"
 #include "cuda/driver.h"
 #include "io/case.h"
@@ -383,20 +384,12 @@ py::tuple ihaBackward(const py::object& q, const py::object& k, const py::object
 std::vector<double> valuesOf(const DLTensor& t, const char* name) {
   if (t.device.device_type != kDLCPU) throw BadArgument(std::string(name) + ": the reference takes host tensors");
   if (t.dtype.code == kDLFloat && t.dtype.bits == 64 && t.dtype.lanes == 1) {
-    int64_t count = 1;
-    for (int i = 0; i < t.ndim; ++i) count *= t.shape[i];
-    std::vector<double> values(static_cast<size_t>(count));
+    Tensor layout;  // its shape and strides only: Tensor holds no float64
+    layout.shape.assign(t.shape, t.shape + t.ndim);
+    if (t.strides) layout.strides.assign(t.strides, t.strides + t.ndim);
+    std::vector<double> values;
     const auto* base = reinterpret_cast<const double*>(static_cast<const char*>(t.data) + t.byte_offset);
-    for (int64_t at = 0; at < count; ++at) {
-      int64_t offset = 0, rest = at, stride = 1;
-      for (int i = t.ndim - 1; i >= 0; --i) {
-        const int64_t index = rest % t.shape[i];
-        rest /= t.shape[i];
-        offset += index * (t.strides ? t.strides[i] : stride);
-        stride *= t.shape[i];
-      }
-      values[size_t(at)] = base[offset];
-    }
+    forEachElement(layout.shape, stridesOf(layout), [&](int64_t offset, int64_t) { values.push_back(base[offset]); });
     return values;
   }
   return hostValues(valueOr(tensorFromDlpack(name, &t), true));

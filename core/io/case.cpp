@@ -211,27 +211,28 @@ IhaCase drawCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t
 namespace {
 constexpr int kMaxDraws = 64;
 
-// Draws until `share(c)` (the rounding model's error over the tolerance) is
-// at most `limit`: that draw, or none; `best` keeps the draw with the least.
+// A drawn case: the first of up to kMaxDraws whose `share` (the rounding
+// model's error over the tolerance) is at most `limit`, else the one with
+// the least.
+struct Drawn {
+  IhaCase c;
+  bool checkable = false;
+};
+
 template <class Draw, class Share>
-std::optional<IhaCase> drawWhile(Draw draw, Share share, double limit, IhaCase* best) {
+Drawn drawWhile(Draw draw, Share share, double limit) {
+  Drawn best;
   double least = std::numeric_limits<double>::infinity();
   for (int at = 0; at < kMaxDraws; ++at) {
     IhaCase c = draw(at);
     const double s = share(c);
-    if (s <= limit) return c;
-    if (best && !(s >= least)) {
+    if (s <= limit) return {std::move(c), true};
+    if (!(s >= least)) {
       least = s;
-      *best = std::move(c);
+      best.c = std::move(c);
     }
   }
-  return std::nullopt;
-}
-
-IhaCase forwardDraw(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed) {
-  IhaCase c = drawCase(spec, batch, tokens, seed);
-  c.expected = reference::ihaForward(spec, c.inputs).out;
-  return c;
+  return best;
 }
 
 double forwardShare(const IhaCase& c) {
@@ -240,32 +241,27 @@ double forwardShare(const IhaCase& c) {
   return relativeError(rounded.out, *c.expected) / toleranceFor(c.spec.dtype());
 }
 
-IhaCase backwardDraw(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed, int at) {
-  IhaCase c = drawCheckableCase(spec, batch, tokens, seed + uint64_t(at) * 1000003);
-  c.dout = drawDout(spec, batch, tokens, seed ^ (0x9e3779b97f4a7c15ull * uint64_t(at + 1)));
-  c.expectedGradients = reference::ihaBackward(spec, c.inputs, *c.dout);
-  return c;
+Drawn drawForward(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed) {
+  auto draw = [&](int at) {
+    IhaCase c = drawCase(spec, batch, tokens, seed + uint64_t(at));
+    c.expected = reference::ihaForward(spec, c.inputs).out;
+    return c;
+  };
+  return drawWhile(draw, forwardShare, kCheckableShare);
 }
 
-double backwardShare(const IhaCase& c) {
-  const auto rounded = reference::ihaBackwardWithRoundedMixing(c.spec, c.inputs, *c.dout, c.spec.dtype());
-  double worst = 0;
-  for (double e : gradientErrors(c.spec, c.tokens, rounded, *c.expectedGradients))
-    worst = std::isnan(e) ? e : std::max(worst, e);
-  return worst / gradientToleranceFor(c.spec.dtype());
+std::optional<IhaCase> checkableOnly(Drawn drawn) {
+  if (!drawn.checkable) return std::nullopt;
+  return std::move(drawn.c);
 }
 }  // namespace
 
 std::optional<IhaCase> findCheckableCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed) {
-  return drawWhile([&](int at) { return forwardDraw(spec, batch, tokens, seed + uint64_t(at)); }, forwardShare,
-                   kCheckableShare, nullptr);
+  return checkableOnly(drawForward(spec, batch, tokens, seed));
 }
 
 IhaCase drawCheckableCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed) {
-  IhaCase best;
-  auto found = drawWhile([&](int at) { return forwardDraw(spec, batch, tokens, seed + uint64_t(at)); },
-                         forwardShare, kCheckableShare, &best);
-  return found ? std::move(*found) : best;
+  return drawForward(spec, batch, tokens, seed).c;
 }
 
 namespace {
@@ -320,17 +316,30 @@ std::vector<double> drawDout(const KernelSpec& spec, int64_t batch, int64_t toke
                      spec.dtype() == v1::bfloat16);
 }
 
+namespace {
+double backwardShare(const IhaCase& c) {
+  const auto rounded = reference::ihaBackwardWithRoundedMixing(c.spec, c.inputs, *c.dout, c.spec.dtype());
+  return worstGradientError(c.spec, c.tokens, rounded, *c.expectedGradients) / gradientToleranceFor(c.spec.dtype());
+}
+
+Drawn drawBackward(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed) {
+  auto draw = [&](int at) {
+    IhaCase c = drawCheckableCase(spec, batch, tokens, seed + uint64_t(at) * 1000003);
+    c.dout = drawDout(spec, batch, tokens, seed ^ (0x9e3779b97f4a7c15ull * uint64_t(at + 1)));
+    c.expectedGradients = reference::ihaBackward(spec, c.inputs, *c.dout);
+    return c;
+  };
+  return drawWhile(draw, backwardShare, kCheckableBackwardShare);
+}
+}  // namespace
+
 std::optional<IhaCase> findCheckableBackwardCase(const KernelSpec& spec, int64_t batch, int64_t tokens,
                                                  uint64_t seed) {
-  return drawWhile([&](int at) { return backwardDraw(spec, batch, tokens, seed, at); }, backwardShare,
-                   kCheckableBackwardShare, nullptr);
+  return checkableOnly(drawBackward(spec, batch, tokens, seed));
 }
 
 IhaCase drawCheckableBackwardCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed) {
-  IhaCase best;
-  auto found = drawWhile([&](int at) { return backwardDraw(spec, batch, tokens, seed, at); }, backwardShare,
-                         kCheckableBackwardShare, &best);
-  return found ? std::move(*found) : best;
+  return drawBackward(spec, batch, tokens, seed).c;
 }
 
 IhaCase withDtype(const IhaCase& c, v1::DType dtype) {

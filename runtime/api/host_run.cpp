@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "api/strided.h"
 #include "cpu/cpu_backend.h"
 #include "emu/emulator.h"
 #include "io/npy.h"
@@ -24,16 +25,7 @@ NpyType npyTypeOf(ElementKind element) {
 // Calls visit(elementOffset, denseIndex) for every element, in C order.
 template <typename Visit>
 void forEachElement(const Tensor& t, Visit visit) {
-  const std::vector<int64_t> strides = stridesOf(t);
-  int64_t count = 1;
-  for (int64_t extent : t.shape) count *= extent;
-  std::vector<int64_t> index(t.shape.size(), 0);
-  for (int64_t dense = 0; dense < count; ++dense) {
-    int64_t offset = 0;
-    for (size_t i = 0; i < index.size(); ++i) offset += index[i] * strides[i];
-    visit(offset, dense);
-    for (int i = int(index.size()) - 1; i >= 0 && ++index[i] == t.shape[i]; --i) index[i] = 0;
-  }
+  loom::forEachElement(t.shape, stridesOf(t), visit);
 }
 
 }  // namespace
