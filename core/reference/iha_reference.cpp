@@ -67,7 +67,8 @@ Rows mixAndInterleave(const std::vector<double>& x, const std::vector<double>& a
   return rows;
 }
 
-void normalizeAndRotate(const v1::KernelSpec& spec, Rows& rows, std::vector<std::vector<double>>* factors) {
+void normalizeAndRotate(const v1::KernelSpec& spec, Rows& rows, std::vector<std::vector<double>>* factors,
+                        int64_t firstPosition) {
   const double eps = spec.has_qk_norm_eps() ? spec.qk_norm_eps() : 1e-6;
   if (factors) factors->assign(rows.size(), std::vector<double>(rows.empty() ? 0 : rows[0].size(), 1.0));
   for (size_t h = 0; h < rows.size(); ++h)
@@ -76,7 +77,7 @@ void normalizeAndRotate(const v1::KernelSpec& spec, Rows& rows, std::vector<std:
         const double factor = rmsNormalize(rows[h][i], eps);
         if (factors) (*factors)[h][i] = factor;
       }
-      if (spec.rope_theta() > 0) rotate(rows[h][i], int64_t(i), spec.rope_theta(), ropeDirection(spec));
+      if (spec.rope_theta() > 0) rotate(rows[h][i], firstPosition + int64_t(i), spec.rope_theta(), ropeDirection(spec));
     }
 }
 

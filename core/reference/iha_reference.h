@@ -65,9 +65,12 @@ double ropeDirection(const v1::KernelSpec& spec);
 Rows mixAndInterleave(const std::vector<double>& x, const std::vector<double>& alpha, int64_t b, int64_t tokens,
                       int64_t heads, int64_t pseudo, int64_t d, v1::DType rounding = v1::float32);
 
-// qk_norm (when on) and RoPE (when rope_theta > 0) on q or k rows; with
-// `factors`, each row's norm factor r (y = x * r; 1 without qk_norm).
-void normalizeAndRotate(const v1::KernelSpec& spec, Rows& rows, std::vector<std::vector<double>>* factors = nullptr);
+// qk_norm (when on) and RoPE (when rope_theta > 0) on q or k rows, row r
+// at virtual position firstPosition + r (a decode step's rows start past
+// the cache); with `factors`, each row's norm factor r (y = x * r; 1
+// without qk_norm).
+void normalizeAndRotate(const v1::KernelSpec& spec, Rows& rows, std::vector<std::vector<double>>* factors = nullptr,
+                        int64_t firstPosition = 0);
 
 // Half-split rotary embedding of a row at virtual position `position`;
 // `direction` -1 turns by the opposite angle (and undoes a turn by +1).

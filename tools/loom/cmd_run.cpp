@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <optional>
 #include <memory>
@@ -17,7 +18,10 @@
 #include "io/case.h"
 #include "jit/nvrtc_compiler.h"
 #include "loom/cache_dir.h"
+#include "io/decode_case.h"
+#include "loom/decode.h"
 #include "reference/iha_backward.h"
+#include "reference/iha_decode.h"
 #include "reference/iha_reference.h"
 
 namespace loom::cli {
@@ -38,6 +42,9 @@ struct RunOptions {
   uint64_t seed = 1;
   bool backward = false;
   std::string gradOut;
+  int64_t decode = 0;  // T new tokens; 0: the forward
+  int64_t pageSize = 16;
+  std::string cacheLayout = "raw";
 };
 
 // The generated program through NVRTC on the GPU.
@@ -210,6 +217,48 @@ int runBackward(const RunOptions& options, const IhaCase& c) {
   return pass && clean ? kExitOk : kExitCheckFailed;
 }
 
+// --decode T: tokens 0 .. N-T-1 of each sequence into a paged cache with a
+// shuffled page table, one step over the last T, compared with the forward's
+// rows at those tokens.
+int runDecode(const RunOptions& options, const IhaCase& c) {
+  if (options.backend != "reference")
+    return badInput("--decode: backend '" + options.backend +
+                    "' has no decode kernel yet; the decode step runs on --backend reference");
+  auto layout = parseCacheLayout(options.cacheLayout);
+  if (!layout) return badInput("--cache: " + layout.error().message);
+  DecodeLayout decodeLayout;
+  decodeLayout.newTokens = options.decode;
+  decodeLayout.pageSize = options.pageSize;
+  decodeLayout.layout = *layout;
+  decodeLayout.seed = options.seed;
+  auto built = decodeCaseFrom(c, decodeLayout);
+  if (!built) return badInput(built.error().message);
+  DecodeCase& dc = *built;
+  if (Status ok = validateDecode(dc.shape, dc.cache.pageTable, dc.cache.cacheLen); !ok)
+    return badInput(ok.error().message);
+  const int64_t cached = c.tokens - options.decode;
+  std::printf("decode: %lld cached + %lld new tokens per sequence, %lld sequences; %lld pages of %lld tokens, "
+              "shuffled (seed %llu); %s cache\n",
+              (long long)cached, (long long)options.decode, (long long)c.batch, (long long)dc.shape.numPages,
+              (long long)dc.shape.pageSize, (unsigned long long)options.seed, cacheLayoutName(*layout));
+  for (CacheLayout l : {CacheLayout::raw, CacheLayout::mixed}) {
+    const int64_t perToken = cacheBytesPerToken(c.spec, l);
+    std::printf("cache %-5s %6lld bytes per token per layer, %lld bytes for the %lld tokens\n", cacheLayoutName(l),
+                (long long)perToken, (long long)(perToken * c.batch * c.tokens), (long long)(c.batch * c.tokens));
+  }
+  const reference::DecodeOutputs got = reference::ihaDecode(c.spec, dc.step, dc.cache);
+  const std::vector<int64_t> shape = {c.batch, options.decode, c.spec.heads(), c.spec.head_dim()};
+  if (Status written = writeNpy(options.out, npyFromDouble(got.out, shape, kOutTypes.at(options.outDtype))); !written)
+    return badInput(written.error().message);
+  std::printf("wrote %s %s (%s)\n", options.out.c_str(), shapeString(shape).c_str(), options.outDtype.c_str());
+  const double error = relativeError(got.out, dc.expected);
+  const double tolerance = toleranceFor(c.spec.dtype());
+  const bool pass = error <= tolerance;  // false for NaN
+  std::printf("relative error %.3e against the forward's rows of the last %lld tokens (tolerance %.0e for %s): %s\n",
+              error, (long long)options.decode, tolerance, dtypeName(c.spec.dtype()).c_str(), pass ? "ok" : "FAILED");
+  return pass ? kExitOk : kExitCheckFailed;
+}
+
 int run(const RunOptions& options) {
   auto loaded = loadCase(options.caseDir);
   if (!loaded) return badInput(loaded.error().message);
@@ -220,7 +269,9 @@ int run(const RunOptions& options) {
     std::printf("inputs rounded to %s; expected recomputed by the float64 reference\n", options.dtype.c_str());
   }
   const IhaCase& c = *loaded;
+  if (options.backward && options.decode > 0) return badInput("--backward and --decode: choose one");
   if (options.backward) return runBackward(options, c);
+  if (options.decode > 0) return runDecode(options, c);
 
   // A backend's failure: its tool log (a compiler's) on stderr, then the message.
   auto failed = [](const Error& error) {
@@ -295,7 +346,8 @@ void addRunCommand(CLI::App& app, std::function<int()>* action) {
                   "emulate at most this many CTAs of the attention launch, as whole query blocks (emu; 0: all);\n"
                   "the check then covers their tokens")
       ->capture_default_str();
-  cmd->add_option("--seed", options->seed, "the emulator's seed: shared window base, when async copies land (emu)")
+  cmd->add_option("--seed", options->seed, "the emulator's seed: shared window base, when async copies land (emu); with --decode, the\n"
+                  "page table's shuffle")
       ->capture_default_str();
   cmd->add_option("--out", options->out, "output .npy file")->capture_default_str();
   cmd->add_option("--out-dtype", options->outDtype, "element type of the output file")
@@ -315,6 +367,20 @@ void addRunCommand(CLI::App& app, std::function<int()>* action) {
                 "but for qk_norm's epsilon is measured against all of them); every backend (reference: float64\n"
                 "files; the generated backward: float32 files)");
   cmd->add_option("--grad-out", options->gradOut, "with --backward: folder to write <name>.npy of every gradient to");
+  cmd->add_option("--decode", options->decode,
+                  "decode the case's last T tokens over a paged cache of the earlier ones (docs/IHA.md, Decode):\n"
+                  "the cache gets tokens 0 .. N-T-1 under a shuffled page table (--seed), one step appends\n"
+                  "and attends the last T, and out [B, T, H, d] is compared with the forward's rows there;\n"
+                  "prints the cache bytes of both layouts. Backend: reference")
+      ->check(CLI::Range(int64_t(1), std::numeric_limits<int64_t>::max()));
+  cmd->add_option("--page-size", options->pageSize, "with --decode: tokens per cache page")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 20))
+      ->capture_default_str();
+  cmd->add_option("--cache", options->cacheLayout,
+                  "with --decode: raw (k and v as projected, G*d per token, mixed and rotated on the fly) or\n"
+                  "mixed (pseudo-keys and values, G*P*d per token)")
+      ->check(CLI::IsMember({"raw", "mixed"}))
+      ->capture_default_str();
   cmd->callback([options, action] { *action = [options] { return run(*options); }; });
 }
 

@@ -1,0 +1,47 @@
+// A decode step over a paged cache (docs/IHA.md, "Decode over a paged
+// cache"): its cache layouts, its sizes, and the checks a step's page table
+// and lengths must pass before anything reads or writes through them.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+
+#include "loom/result.h"
+#include "loom/spec.h"
+
+namespace loom {
+
+// raw: the projections' k and v, G*d per token (loom mixes and rotates them
+// on chip). mixed: the pseudo-keys and values, G*P*d per token, k already
+// normalised and rotated (the layout a generic attention library needs).
+enum class CacheLayout { raw, mixed };
+
+Result<CacheLayout> parseCacheLayout(const std::string& name);  // "raw" | "mixed"
+const char* cacheLayoutName(CacheLayout layout);
+
+// Bytes of k and v together that one cached token takes, in the spec's dtype.
+int64_t cacheBytesPerToken(const KernelSpec& spec, CacheLayout layout);
+
+// The sizes of a step: B sequences, T new tokens each, and the cache's
+// pages (k_cache, v_cache [num_pages, page_size, ...], page_table
+// [B, max_pages]).
+struct DecodeShape {
+  int64_t batch = 0;
+  int64_t newTokens = 0;
+  int64_t numPages = 0;
+  int64_t pageSize = 0;
+  int64_t maxPages = 0;
+};
+
+// Checks a step against its cache: B, T, page_size, num_pages and
+// max_pages positive; page_table of B * max_pages entries and cache_len of
+// B; each sequence's 0 <= cache_len and cache_len + T <= max_pages *
+// page_size; every page a sequence uses (positions 0 .. cache_len + T - 1)
+// in [0, num_pages) and used by no other page-table entry (the step writes
+// its new tokens there). Errors name the entry:
+// "page_table[1][3] is 40, outside the cache's 32 pages".
+Status validateDecode(const DecodeShape& shape, std::span<const int32_t> pageTable,
+                      std::span<const int32_t> cacheLen);
+
+}  // namespace loom

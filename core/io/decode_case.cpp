@@ -1,0 +1,112 @@
+#include "io/decode_case.h"
+
+#include <algorithm>
+#include <limits>
+#include <numeric>
+#include <random>
+
+namespace loom {
+namespace {
+
+// Rows [from, to) of x [B, N, heads, d] in sequence b.
+std::vector<double> rows(const std::vector<double>& x, int64_t tokens, int64_t heads, int64_t d, int64_t b,
+                         int64_t from, int64_t to) {
+  const auto first = x.begin() + (b * tokens + from) * heads * d;
+  return std::vector<double>(first, first + (to - from) * heads * d);
+}
+
+}  // namespace
+
+reference::IhaInputs sliceTokens(const KernelSpec& spec, const reference::IhaInputs& inputs, int64_t b, int64_t from,
+                                 int64_t to) {
+  reference::IhaInputs slice = inputs;
+  slice.batch = 1;
+  slice.tokens = to - from;
+  slice.q = rows(inputs.q, inputs.tokens, spec.heads(), spec.head_dim(), b, from, to);
+  slice.k = rows(inputs.k, inputs.tokens, spec.kv_heads(), spec.head_dim(), b, from, to);
+  slice.v = rows(inputs.v, inputs.tokens, spec.kv_heads(), spec.head_dim(), b, from, to);
+  return slice;
+}
+
+Result<DecodeCase> decodeCaseFrom(const IhaCase& c, const DecodeLayout& layout) {
+  const int64_t B = c.batch, N = c.tokens, T = layout.newTokens, S = layout.pageSize;
+  const int64_t H = c.spec.heads(), d = c.spec.head_dim();
+  if (T < 1 || T > N)
+    return makeError("--decode " + std::to_string(T) + ": the case has " + std::to_string(N) +
+                     " tokens, so 1 to " + std::to_string(N) + " new tokens");
+  if (S < 1) return makeError("--page-size " + std::to_string(S) + ": must be at least 1");
+  std::vector<int64_t> cached = layout.cached.empty() ? std::vector<int64_t>(size_t(B), N - T) : layout.cached;
+  if (int64_t(cached.size()) != B)
+    return makeError(std::to_string(cached.size()) + " cached lengths for " + std::to_string(B) + " sequences");
+  for (int64_t b = 0; b < B; ++b)
+    if (cached[size_t(b)] < 0 || cached[size_t(b)] + T > N)
+      return makeError("sequence " + std::to_string(b) + ": " + std::to_string(cached[size_t(b)]) + " cached + " +
+                       std::to_string(T) + " new tokens: the case has " + std::to_string(N));
+
+  DecodeCase dc;
+  dc.spec = c.spec;
+  dc.layout = layout.layout;
+  reference::PagedCache& cache = dc.cache;
+  cache.mixed = layout.layout == CacheLayout::mixed;
+  cache.pageSize = S;
+  std::vector<int64_t> pages(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) pages[size_t(b)] = (cached[size_t(b)] + T + S - 1) / S;
+  // One spare page per sequence in the table and one in the cache, so that
+  // neither ends where the step's pages do.
+  cache.maxPages = *std::max_element(pages.begin(), pages.end()) + 1;
+  cache.numPages = std::accumulate(pages.begin(), pages.end(), int64_t(0)) + 1;
+  std::vector<int32_t> order(size_t(cache.numPages));
+  std::iota(order.begin(), order.end(), 0);
+  std::mt19937_64 rng(layout.seed);
+  std::shuffle(order.begin(), order.end(), rng);
+  cache.pageTable.assign(size_t(B * cache.maxPages), -1);
+  size_t next = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t e = 0; e < pages[size_t(b)]; ++e) cache.pageTable[size_t(b * cache.maxPages + e)] = order[next++];
+  const int64_t E = reference::cacheTokenElements(c.spec, cache.mixed);
+  cache.k.assign(size_t(cache.numPages * S * E), std::numeric_limits<double>::quiet_NaN());
+  cache.v = cache.k;
+  cache.cacheLen.assign(size_t(B), 0);
+
+  // The cached tokens go in through the step's own append, one sequence at a time.
+  for (int64_t b = 0; b < B; ++b) {
+    if (cached[size_t(b)] == 0) continue;
+    reference::PagedCache one;
+    one.mixed = cache.mixed;
+    one.numPages = cache.numPages;
+    one.pageSize = S;
+    one.maxPages = cache.maxPages;
+    one.k = std::move(cache.k);
+    one.v = std::move(cache.v);
+    one.pageTable.assign(cache.pageTable.begin() + b * cache.maxPages,
+                         cache.pageTable.begin() + (b + 1) * cache.maxPages);
+    one.cacheLen = {0};
+    reference::appendToCache(c.spec, sliceTokens(c.spec, c.inputs, b, 0, cached[size_t(b)]), one);
+    cache.k = std::move(one.k);
+    cache.v = std::move(one.v);
+    cache.cacheLen[size_t(b)] = int32_t(cached[size_t(b)]);
+  }
+
+  dc.step = c.inputs;
+  dc.step.tokens = T;
+  dc.step.q.clear();
+  dc.step.k.clear();
+  dc.step.v.clear();
+  dc.expected.reserve(size_t(B * T * H * d));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t from = cached[size_t(b)], to = from + T;
+    const reference::IhaInputs step = sliceTokens(c.spec, c.inputs, b, from, to);
+    dc.step.q.insert(dc.step.q.end(), step.q.begin(), step.q.end());
+    dc.step.k.insert(dc.step.k.end(), step.k.begin(), step.k.end());
+    dc.step.v.insert(dc.step.v.end(), step.v.begin(), step.v.end());
+    const std::vector<double> want =
+        to == N && c.expected ? rows(*c.expected, N, H, d, b, from, to)
+                              : rows(reference::ihaForward(c.spec, sliceTokens(c.spec, c.inputs, b, 0, to)).out, to, H,
+                                     d, 0, from, to);
+    dc.expected.insert(dc.expected.end(), want.begin(), want.end());
+  }
+  dc.shape = {B, T, cache.numPages, S, cache.maxPages};
+  return dc;
+}
+
+}  // namespace loom

@@ -1,0 +1,49 @@
+// A decode step built from a forward case (docs/IHA.md, "Decode over a paged
+// cache"): the first tokens of each sequence go into a paged cache with a
+// shuffled page table, the next T are the step's new tokens, and the
+// forward's out rows at those tokens are what the step must give.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "io/case.h"
+#include "loom/decode.h"
+#include "reference/iha_decode.h"
+
+namespace loom {
+
+struct DecodeLayout {
+  int64_t newTokens = 1;  // T
+  int64_t pageSize = 16;
+  CacheLayout layout = CacheLayout::raw;
+  // Tokens already cached per sequence; empty: N - T for each, so that the
+  // step decodes the case's last T tokens.
+  std::vector<int64_t> cached;
+  uint64_t seed = 1;  // the page table's shuffle
+};
+
+struct DecodeCase {
+  KernelSpec spec;
+  CacheLayout layout = CacheLayout::raw;
+  DecodeShape shape;
+  // The cache before the step: every slot no cached token holds is NaN, so a
+  // kernel that reads past a sequence's tokens shows it. Page-table entries a
+  // sequence does not use are -1.
+  reference::PagedCache cache;
+  reference::DecodeInputs step;  // batch B, tokens T
+  // [B, T, H, d]: the case's expected.npy rows where the step ends at the
+  // case's last token, the float64 forward over the sequence's first
+  // cache_len + T tokens elsewhere.
+  std::vector<double> expected;
+};
+
+// Builds the step. Errors name what does not fit: T and cached counts
+// against the case's N, the page size.
+Result<DecodeCase> decodeCaseFrom(const IhaCase& c, const DecodeLayout& layout);
+
+// Tokens [from, to) of sequence b of `inputs` as a batch of one, with the weights.
+reference::IhaInputs sliceTokens(const KernelSpec& spec, const reference::IhaInputs& inputs, int64_t b, int64_t from,
+                                 int64_t to);
+
+}  // namespace loom

@@ -1,0 +1,64 @@
+#include "loom/decode.h"
+
+#include <unordered_map>
+
+namespace loom {
+
+Result<CacheLayout> parseCacheLayout(const std::string& name) {
+  if (name == "raw") return CacheLayout::raw;
+  if (name == "mixed") return CacheLayout::mixed;
+  return makeError("cache layout '" + name + "': expected raw or mixed");
+}
+
+const char* cacheLayoutName(CacheLayout layout) { return layout == CacheLayout::raw ? "raw" : "mixed"; }
+
+int64_t cacheBytesPerToken(const KernelSpec& spec, CacheLayout layout) {
+  const int64_t elementBytes = spec.dtype() == v1::float32 ? 4 : 2;
+  const int64_t perHead = int64_t(spec.head_dim()) * (layout == CacheLayout::mixed ? spec.pseudo_heads() : 1);
+  return 2 * int64_t(spec.kv_heads()) * perHead * elementBytes;
+}
+
+Status validateDecode(const DecodeShape& shape, std::span<const int32_t> pageTable,
+                      std::span<const int32_t> cacheLen) {
+  const std::pair<const char*, int64_t> sizes[] = {{"batch", shape.batch},
+                                                   {"new tokens", shape.newTokens},
+                                                   {"num_pages", shape.numPages},
+                                                   {"page_size", shape.pageSize},
+                                                   {"max_pages", shape.maxPages}};
+  for (const auto& [name, value] : sizes)
+    if (value < 1) return makeError(std::string(name) + " must be at least 1, not " + std::to_string(value));
+  if (int64_t(pageTable.size()) != shape.batch * shape.maxPages)
+    return makeError("page_table has " + std::to_string(pageTable.size()) + " entries; [batch " +
+                     std::to_string(shape.batch) + ", max_pages " + std::to_string(shape.maxPages) + "] needs " +
+                     std::to_string(shape.batch * shape.maxPages));
+  if (int64_t(cacheLen.size()) != shape.batch)
+    return makeError("cache_len has " + std::to_string(cacheLen.size()) + " entries, one per sequence needs " +
+                     std::to_string(shape.batch));
+  const int64_t capacity = shape.maxPages * shape.pageSize;
+  std::unordered_map<int32_t, std::pair<int64_t, int64_t>> owner;  // page -> (sequence, entry)
+  for (int64_t b = 0; b < shape.batch; ++b) {
+    const int64_t length = cacheLen[size_t(b)];
+    const std::string sequence = "sequence " + std::to_string(b);
+    if (length < 0) return makeError("cache_len[" + std::to_string(b) + "] is " + std::to_string(length) + ", negative");
+    if (length + shape.newTokens > capacity)
+      return makeError(sequence + ": cache_len " + std::to_string(length) + " + " + std::to_string(shape.newTokens) +
+                       " new tokens do not fit its max_pages " + std::to_string(shape.maxPages) + " x page_size " +
+                       std::to_string(shape.pageSize) + " = " + std::to_string(capacity) + " slots");
+    const int64_t used = (length + shape.newTokens + shape.pageSize - 1) / shape.pageSize;
+    for (int64_t e = 0; e < used; ++e) {
+      const int32_t page = pageTable[size_t(b * shape.maxPages + e)];
+      const std::string entry = "page_table[" + std::to_string(b) + "][" + std::to_string(e) + "]";
+      if (page < 0 || page >= shape.numPages)
+        return makeError(entry + " is " + std::to_string(page) + ", outside the cache's " +
+                         std::to_string(shape.numPages) + " pages");
+      auto [at, fresh] = owner.try_emplace(page, b, e);
+      if (!fresh)
+        return makeError(entry + " is page " + std::to_string(page) + ", which page_table[" +
+                         std::to_string(at->second.first) + "][" + std::to_string(at->second.second) +
+                         "] uses too; a page holds one sequence's tokens");
+    }
+  }
+  return {};
+}
+
+}  // namespace loom

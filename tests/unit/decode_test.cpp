@@ -1,0 +1,203 @@
+// The decode step's oracle (reference::ihaDecode) against the forward's rows,
+// the page-table checks, and `loom run --decode`.
+#include <cmath>
+#include <random>
+
+#include <gtest/gtest.h>
+
+#include "io/decode_case.h"
+#include "loom/decode.h"
+#include "reference/iha_decode.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+// The forward's lse [1, H, n*P] over the sequence's first cache_len + T
+// tokens, at the step's rows, against the step's [B, H, T*P].
+double lseError(const IhaCase& c, const DecodeCase& dc, const reference::DecodeOutputs& got) {
+  const int64_t H = c.spec.heads(), P = c.spec.pseudo_heads(), T = dc.step.tokens;
+  std::vector<double> want, have;
+  for (int64_t b = 0; b < c.batch; ++b) {
+    const int64_t from = dc.cache.cacheLen[size_t(b)], to = from + T;
+    const auto forward = reference::ihaForward(c.spec, sliceTokens(c.spec, c.inputs, b, 0, to));
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t r = 0; r < T * P; ++r) {
+        want.push_back(forward.lse[size_t(h * to * P + from * P + r)]);
+        have.push_back(got.lse[size_t((b * H + h) * T * P + r)]);
+      }
+  }
+  return relativeError(have, want);
+}
+
+// Slots the step must have filled are finite; every other slot is still the
+// NaN it was poisoned with (nothing written outside the sequences' tokens).
+void expectOnlyTheSequencesSlotsFilled(const DecodeCase& dc, const reference::PagedCache& after) {
+  const int64_t E = reference::cacheTokenElements(dc.spec, after.mixed);
+  std::vector<bool> owned(size_t(after.numPages * after.pageSize), false);
+  for (int64_t b = 0; b < dc.shape.batch; ++b)
+    for (int64_t t = 0; t < after.cacheLen[size_t(b)] + dc.step.tokens; ++t)
+      owned[size_t(after.pageTable[size_t(b * after.maxPages + t / after.pageSize)] * after.pageSize +
+                   t % after.pageSize)] = true;
+  int64_t wrong = 0;
+  for (size_t slot = 0; slot < owned.size(); ++slot)
+    for (int64_t e = 0; e < E; ++e)
+      for (const std::vector<double>* x : {&after.k, &after.v})
+        wrong += std::isfinite((*x)[slot * size_t(E) + size_t(e)]) != owned[slot];
+  EXPECT_EQ(wrong, 0) << "cache elements finite where no token is, or NaN where one is";
+}
+
+// The new tokens' raw k and v sit at their slots, exactly.
+void expectRawAppend(const DecodeCase& dc, const reference::PagedCache& after) {
+  const int64_t E = reference::cacheTokenElements(dc.spec, false), T = dc.step.tokens;
+  for (int64_t b = 0; b < dc.shape.batch; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t position = after.cacheLen[size_t(b)] + t;
+      const int64_t slot = after.pageTable[size_t(b * after.maxPages + position / after.pageSize)] * after.pageSize +
+                           position % after.pageSize;
+      for (int64_t e = 0; e < E; ++e) {
+        ASSERT_EQ(after.k[size_t(slot * E + e)], dc.step.k[size_t((b * T + t) * E + e)]) << "b " << b << " t " << t;
+        ASSERT_EQ(after.v[size_t(slot * E + e)], dc.step.v[size_t((b * T + t) * E + e)]) << "b " << b << " t " << t;
+      }
+    }
+}
+
+class SharedCaseDecode : public ::testing::TestWithParam<std::string> {};
+
+// Every shared case: its last T tokens decoded over a cache of the others
+// give expected.npy's rows there (computed outside loom), for T = 1 and 3,
+// page sizes 1, 16 and 7 (which divides no case's length), both layouts.
+TEST_P(SharedCaseDecode, GivesTheForwardsRows) {
+  auto c = loadCase(testing::casesDir() + "/" + GetParam());
+  ASSERT_TRUE(c) << c.error().message;
+  ASSERT_TRUE(c->expected);
+  const uint64_t seed = testing::testSeed();
+  for (int64_t T : {int64_t(1), std::min<int64_t>(3, c->tokens)})
+    for (int64_t pageSize : {1, 16, 7})
+      for (CacheLayout layout : {CacheLayout::raw, CacheLayout::mixed}) {
+        SCOPED_TRACE("T " + std::to_string(T) + ", page size " + std::to_string(pageSize) + ", " +
+                     cacheLayoutName(layout));
+        auto dc = decodeCaseFrom(*c, {T, pageSize, layout, {}, seed + uint64_t(pageSize)});
+        ASSERT_TRUE(dc) << dc.error().message;
+        ASSERT_TRUE(validateDecode(dc->shape, dc->cache.pageTable, dc->cache.cacheLen));
+        reference::PagedCache cache = dc->cache;
+        const auto got = reference::ihaDecode(c->spec, dc->step, cache);
+        EXPECT_LT(relativeError(got.out, dc->expected), 1e-12);
+        EXPECT_LT(lseError(*c, *dc, got), 1e-12);
+        expectOnlyTheSequencesSlotsFilled(*dc, cache);
+        if (layout == CacheLayout::raw) expectRawAppend(*dc, cache);
+      }
+}
+
+INSTANTIATE_TEST_SUITE_P(Vectors, SharedCaseDecode, ::testing::ValuesIn(testing::sharedCaseNames()),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           for (char& ch : name)
+                             if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+                           return name;
+                         });
+
+// Drawn specs (every mask, window, option, dtype) with sequences of their
+// own lengths in one step, each against the float64 forward over its own
+// first cache_len + T tokens.
+TEST(Decode, DrawnSpecsWithRaggedLengthsGiveTheForwardsRows) {
+  std::mt19937_64 rng(testing::testSeed());
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  for (int draw = 0; draw < 24; ++draw) {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_dtype(static_cast<v1::DType>(pick(1, 3)));
+    const int64_t B = pick(1, 3), N = pick(2, 20), T = pick(1, std::min<int64_t>(4, N));
+    IhaCase c = drawCase(spec, B, N, rng());
+    DecodeLayout layout{T, pick(0, 2) == 0 ? 16 : pick(1, 7), pick(0, 1) ? CacheLayout::mixed : CacheLayout::raw,
+                        {}, rng()};
+    for (int64_t b = 0; b < B; ++b) layout.cached.push_back(pick(0, N - T));
+    SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " page " + std::to_string(layout.pageSize) + " " +
+                 cacheLayoutName(layout.layout));
+    auto dc = decodeCaseFrom(c, layout);
+    ASSERT_TRUE(dc) << dc.error().message;
+    ASSERT_TRUE(validateDecode(dc->shape, dc->cache.pageTable, dc->cache.cacheLen));
+    reference::PagedCache cache = dc->cache;
+    const auto got = reference::ihaDecode(spec, dc->step, cache);
+    EXPECT_LT(relativeError(got.out, dc->expected), 1e-12);
+    EXPECT_LT(lseError(c, *dc, got), 1e-12);
+    expectOnlyTheSequencesSlotsFilled(*dc, cache);
+  }
+}
+
+// A step then the next: advancing cache_len by T and decoding again over
+// the cache the first step wrote gives the forward's rows of the later tokens.
+TEST(Decode, StepsChainOverTheCacheTheyWrite) {
+  std::mt19937_64 rng(testing::testSeed() ^ 0x5eed);
+  for (CacheLayout layout : {CacheLayout::raw, CacheLayout::mixed}) {
+    KernelSpec spec = testing::makeSpec({.heads = 4, .kvHeads = 2, .pseudoHeads = 3, .headDim = 16,
+                                         .dtype = v1::float32, .mask = v1::token_causal, .ropeTheta = 10000});
+    spec.set_qk_norm(v1::KernelSpec::rms);
+    const int64_t N = 13;
+    IhaCase c = drawCase(spec, 2, N, rng());
+    c.expected = reference::ihaForward(spec, c.inputs).out;
+    auto first = decodeCaseFrom(c, {2, 4, layout, {9, 9}, rng()});
+    ASSERT_TRUE(first) << first.error().message;
+    reference::PagedCache cache = first->cache;
+    (void)reference::ihaDecode(spec, first->step, cache);
+    for (int32_t& length : cache.cacheLen) length += 2;  // 11 cached: token 11 next, in the first step's last page
+    auto second = decodeCaseFrom(c, {1, 4, layout, {11, 11}, 0});
+    ASSERT_TRUE(second) << second.error().message;
+    ASSERT_TRUE(validateDecode({2, 1, cache.numPages, cache.pageSize, cache.maxPages}, cache.pageTable, cache.cacheLen));
+    const auto got = reference::ihaDecode(spec, second->step, cache);
+    EXPECT_LT(relativeError(got.out, second->expected), 1e-12) << cacheLayoutName(layout);
+  }
+}
+
+// What a step's page table and lengths may not be, each named.
+TEST(Decode, BadPageTablesAndLengthsAreNamed) {
+  const DecodeShape shape{2, 1, 6, 4, 3};
+  const std::vector<int32_t> table = {4, 0, -1, 2, 5, 1}, lengths = {5, 8};
+  ASSERT_TRUE(validateDecode(shape, table, lengths));
+  auto expectError = [&](DecodeShape s, std::vector<int32_t> t, std::vector<int32_t> l, const std::string& words) {
+    Status status = validateDecode(s, t, l);
+    ASSERT_FALSE(status) << words;
+    EXPECT_NE(status.error().message.find(words), std::string::npos) << status.error().message;
+  };
+  expectError(shape, {4, 0, -1, 2, 6, 1}, lengths, "page_table[1][1] is 6, outside the cache's 6 pages");
+  expectError(shape, {4, -1, -1, 2, 5, 1}, lengths, "page_table[0][1] is -1");
+  expectError(shape, {4, 0, -1, 2, 0, 1}, lengths, "page_table[1][1] is page 0, which page_table[0][1] uses too");
+  expectError(shape, table, {5, 12}, "sequence 1: cache_len 12 + 1 new tokens do not fit");
+  expectError(shape, table, {-1, 8}, "cache_len[0] is -1, negative");
+  expectError({2, 0, 6, 4, 3}, table, lengths, "new tokens must be at least 1");
+  expectError({2, 1, 6, 0, 3}, table, lengths, "page_size must be at least 1");
+  expectError(shape, {4, 0, -1, 2, 5}, lengths, "page_table has 5 entries");
+  expectError(shape, table, {5}, "cache_len has 1 entries");
+  // Entries past a sequence's last page are never read: anything goes there.
+  EXPECT_TRUE(validateDecode(shape, std::vector<int32_t>{4, 0, 99, 2, 5, 1}, lengths));
+}
+
+TEST(Decode, TheRawCacheIsPTimesSmaller) {
+  const KernelSpec spec = testing::makeSpec({.heads = 8, .kvHeads = 2, .pseudoHeads = 4, .headDim = 64});
+  EXPECT_EQ(cacheBytesPerToken(spec, CacheLayout::raw), 2 * 2 * 64 * 2);  // k and v, G d, bfloat16
+  EXPECT_EQ(cacheBytesPerToken(spec, CacheLayout::mixed), 4 * cacheBytesPerToken(spec, CacheLayout::raw));
+  EXPECT_EQ(reference::cacheTokenElements(spec, true), 2 * 4 * 64);
+}
+
+TEST(DecodeCli, DecodesACaseAndSaysWhatDoesNotFit) {
+  testing::TempDir dir;
+  const std::string cs = testing::casesDir() + "/" + testing::sharedCaseNames().front();
+  auto ok = testing::runLoom("run --case " + cs + " --decode 2 --page-size 5 --cache mixed --seed 7 --out " +
+                             (dir / "out.npy"));
+  EXPECT_EQ(ok.exitCode, 0) << ok.output;
+  EXPECT_NE(ok.output.find("cache raw"), std::string::npos) << ok.output;
+  EXPECT_NE(ok.output.find("cache mixed"), std::string::npos) << ok.output;
+  EXPECT_NE(ok.output.find("against the forward's rows of the last 2 tokens"), std::string::npos) << ok.output;
+  auto written = readNpy(dir / "out.npy");
+  ASSERT_TRUE(written) << written.error().message;
+  EXPECT_EQ(written->shape.at(1), 2);
+
+  auto tooMany = testing::runLoom("run --case " + cs + " --decode 100000 --out " + (dir / "x.npy"));
+  EXPECT_EQ(tooMany.exitCode, 2) << tooMany.output;
+  EXPECT_NE(tooMany.output.find("--decode 100000: the case has"), std::string::npos) << tooMany.output;
+  auto cpu = testing::runLoom("run --case " + cs + " --decode 1 --backend cpu --out " + (dir / "x.npy"));
+  EXPECT_EQ(cpu.exitCode, 2) << cpu.output;
+  EXPECT_NE(cpu.output.find("has no decode kernel yet"), std::string::npos) << cpu.output;
+}
+
+}  // namespace
+}  // namespace loom
