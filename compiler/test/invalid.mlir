@@ -182,3 +182,15 @@ iha.kernel @iha backward spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 
     iha.dq_loop %x to %x rows %x head %y batch %b {masked}
   }
 }
+
+// -----
+
+// expected-error @+1 {{has a mixed_cache but is not a decode kernel}}
+iha.kernel @iha mixed_cache spec(#iha.spec<heads = 4, kv_heads = 4, pseudo_heads = 2, head_dim = 16, dtype = f32, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.25>) {
+}
+
+// -----
+
+// expected-error @+1 {{cannot be both a decode step and a backward}}
+iha.kernel @iha backward decode spec(#iha.spec<heads = 4, kv_heads = 4, pseudo_heads = 2, head_dim = 16, dtype = f32, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.25>) {
+}

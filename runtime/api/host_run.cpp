@@ -165,6 +165,51 @@ Result<emu::EmuRun> runOnEmulator(const KernelSpec& spec, const IhaTensors& t, c
   return run;
 }
 
+Status runDecodeOnHost(const KernelSpec& spec, const IhaTensors& step, const PagedCacheTensors& cache,
+                       const Schedule& schedule, const cpu::CpuOptions& options) {
+  if (Status ok = validateSpec(spec); !ok) return ok.error();
+  if (Status ok = validateDecodeTensors(spec, step, cache, kHostDevice); !ok) return ok.error();
+  auto c = hostCase(spec, step);
+  if (!c) return c.error();
+  DecodeCase dc;
+  dc.spec = spec;
+  dc.layout = cache.layout;
+  dc.shape = {c->batch, c->tokens, cache.k_cache.shape[0], cache.k_cache.shape[1], cache.max_pages};
+  dc.step = c->inputs;
+  reference::PagedCache& paged = dc.cache;
+  paged.mixed = cache.layout == CacheLayout::mixed;
+  paged.numPages = dc.shape.numPages;
+  paged.pageSize = dc.shape.pageSize;
+  paged.maxPages = cache.max_pages;
+  paged.k = hostValues(cache.k_cache);
+  paged.v = hostValues(cache.v_cache);
+  paged.pageTable.assign(cache.page_table, cache.page_table + c->batch * cache.max_pages);
+  paged.cacheLen.assign(cache.cache_len, cache.cache_len + c->batch);
+  GenerateOptions generate;
+  generate.direction = Direction::decode;
+  generate.mixedCache = paged.mixed;
+  auto plan = generateKernel(spec, schedule, *parseTarget("cpu"), generate);
+  if (!plan) return plan.error();
+  auto outputs = cpu::runDecodePlan(*plan, dc, options);
+  if (!outputs) return outputs.error();
+  scatterOutputs(outputs->out, outputs->lse, step);
+  // Only the new tokens' slots go back: the rest of the cache is the caller's.
+  const int64_t E = reference::cacheTokenElements(spec, paged.mixed), bytes = elementBytes(cache.k_cache.element);
+  const NpyType type = npyTypeOf(cache.k_cache.element);
+  for (int64_t b = 0; b < c->batch; ++b)
+    for (int64_t t = 0; t < c->tokens; ++t) {
+      const int64_t position = paged.cacheLen[size_t(b)] + t;
+      const int64_t slot = int64_t(paged.pageTable[size_t(b * paged.maxPages + position / paged.pageSize)]) *
+                               paged.pageSize + position % paged.pageSize;
+      for (const auto& [values, tensor] : {std::pair{&outputs->cache.k, &cache.k_cache}, {&outputs->cache.v, &cache.v_cache}}) {
+        const std::vector<double> row(values->begin() + slot * E, values->begin() + (slot + 1) * E);
+        const NpyArray dense = npyFromDouble(row, {E}, type);
+        std::memcpy(static_cast<uint8_t*>(tensor->data) + slot * E * bytes, dense.bytes.data(), size_t(E * bytes));
+      }
+    }
+  return Status::success();
+}
+
 namespace {
 
 // The host tensors and dout as a backward case, and the backward plan.

@@ -228,6 +228,43 @@ Result<CpuOutputs> runPlan(const KernelPlan& plan, const IhaCase& c, const CpuOp
   return result;
 }
 
+Result<CpuDecodeOutputs> runDecodePlan(const KernelPlan& plan, const DecodeCase& step, const CpuOptions& options) {
+  if (plan.direction != Direction::decode) return makeError("runDecodePlan needs a plan generated for a decode step");
+  if (plan.mixedCache != (step.layout == CacheLayout::mixed))
+    return makeError(std::string("the plan is for a ") + (plan.mixedCache ? "mixed" : "raw") + " cache, the step's is " +
+                     cacheLayoutName(step.layout));
+  if (Status ok = validateDecode(step.shape, step.cache.pageTable, step.cache.cacheLen); !ok) return ok.error();
+  // The step's tensors are a case of T tokens; the cache goes beside them.
+  IhaCase c;
+  c.spec = plan.spec;
+  c.batch = step.shape.batch;
+  c.tokens = step.shape.newTokens;
+  c.inputs = step.step;
+  HostTensors t;
+  prepareTensors(plan, c, t);
+  const NpyType storage = storageTypeOf(plan.spec.dtype());
+  const int64_t elements = int64_t(step.cache.k.size());
+  NpyArray kCache = npyFromDouble(step.cache.k, {elements}, storage);
+  NpyArray vCache = npyFromDouble(step.cache.v, {elements}, storage);
+  std::vector<int32_t> pageTable = step.cache.pageTable, cacheLen = step.cache.cacheLen;
+  t.args.k_cache = kCache.bytes.data();
+  t.args.v_cache = vCache.bytes.data();
+  t.args.page_table = pageTable.data();
+  t.args.cache_len = cacheLen.data();
+  t.args.page_size = step.shape.pageSize;
+  t.args.max_pages = step.shape.maxPages;
+  auto stats = execute(plan, t, options);
+  if (!stats) return stats.error();
+  CpuDecodeOutputs result;
+  result.stats = *stats;
+  result.out = npyToDouble(t.out, plan.spec.dtype() == v1::bfloat16);
+  result.lse = widen(t.lse);
+  result.cache = step.cache;
+  result.cache.k = npyToDouble(kCache, plan.spec.dtype() == v1::bfloat16);
+  result.cache.v = npyToDouble(vCache, plan.spec.dtype() == v1::bfloat16);
+  return result;
+}
+
 Result<CpuGradients> runBackwardPlan(const KernelPlan& plan, const IhaCase& c, const CpuOptions& options,
                                      const KeptForward* kept) {
   if (plan.direction != Direction::backward) return makeError("runBackwardPlan needs a plan generated for the backward");

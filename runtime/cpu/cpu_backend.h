@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "io/case.h"
+#include "io/decode_case.h"
 #include "loom/compiler.h"
 #include "loom/result.h"
 
@@ -52,5 +53,17 @@ struct CpuGradients {
 // case kept, it starts from there (no pre-mix, no attention).
 Result<CpuGradients> runBackwardPlan(const KernelPlan& plan, const IhaCase& c, const CpuOptions& options = {},
                                      const KeptForward* kept = nullptr);
+
+struct CpuDecodeOutputs {
+  std::vector<double> out;      // [B, T, H, d], read back from the spec's dtype
+  std::vector<double> lse;      // [B, H, T*P]
+  reference::PagedCache cache;  // after the step's append, read back from the dtype
+  CpuRunStats stats;
+};
+
+// A decode plan (generateKernel with Direction::decode, the case's cache
+// layout) on a decode step: the cache, q, k and v in the spec's dtype, out
+// and the workspaces poisoned with NaN.
+Result<CpuDecodeOutputs> runDecodePlan(const KernelPlan& plan, const DecodeCase& step, const CpuOptions& options = {});
 
 }  // namespace loom::cpu

@@ -157,6 +157,26 @@ Status validateGradTensors(const KernelSpec& spec, const IhaTensors& inputs, con
   return Status::success();
 }
 
+Status validateDecodeTensors(const KernelSpec& spec, const IhaTensors& step, const PagedCacheTensors& cache,
+                             int device) {
+  if (Status ok = validateOperands(spec, step, device, /*withOut=*/true); !ok) return ok;
+  const int64_t B = step.q.shape[0], T = step.q.shape[1];
+  const bool mixed = cache.layout == CacheLayout::mixed;
+  if (cache.k_cache.shape.size() != (mixed ? 5u : 4u))
+    return makeError(std::string("k_cache: want ") + (mixed ? "[num_pages, page_size, G, P, d]" : "[num_pages, page_size, G, d]") +
+                     " for a " + cacheLayoutName(cache.layout) + " cache, got " + shapeText(cache.k_cache.shape));
+  std::vector<int64_t> shape = {cache.k_cache.shape[0], cache.k_cache.shape[1], spec.kv_heads()};
+  if (mixed) shape.push_back(spec.pseudo_heads());
+  shape.push_back(spec.head_dim());
+  for (const auto& [name, tensor] : {std::pair{"k_cache", &cache.k_cache}, {"v_cache", &cache.v_cache}})
+    if (Status ok = checkTensor(name, *tensor, shape, elementOf(spec.dtype()), device, false); !ok) return ok;
+  if (!cache.page_table) return makeError("page_table: missing");
+  if (!cache.cache_len) return makeError("cache_len: missing");
+  if (cache.max_pages < 1) return makeError("page_table: max_pages must be at least 1, not " + std::to_string(cache.max_pages));
+  return validateDecode({B, T, shape[0], shape[1], cache.max_pages},
+                        {cache.page_table, size_t(B * cache.max_pages)}, {cache.cache_len, size_t(B)});
+}
+
 ElementKind savedRowElement(const KernelSpec& spec, bool cudaKernel) {
   return cudaKernel ? elementOf(spec.dtype()) : ElementKind::float32;
 }

@@ -5,9 +5,13 @@
 
 #include <gtest/gtest.h>
 
+#include "cpu/cpu_backend.h"
 #include "io/decode_case.h"
+#include "loom/compiler.h"
 #include "loom/decode.h"
 #include "reference/iha_decode.h"
+#include "host_tensors.h"
+#include "loom/runtime.h"
 #include "test_util.h"
 
 namespace loom {
@@ -62,6 +66,42 @@ void expectRawAppend(const DecodeCase& dc, const reference::PagedCache& after) {
     }
 }
 
+// The generated decode step on the host tile API.
+Result<cpu::CpuDecodeOutputs> runOnHost(const DecodeCase& dc, const Schedule& schedule = {}) {
+  GenerateOptions options;
+  options.direction = Direction::decode;
+  options.mixedCache = dc.layout == CacheLayout::mixed;
+  auto plan = generateKernel(dc.spec, schedule, *parseTarget("cpu"), options);
+  if (!plan) return plan.error();
+  return cpu::runDecodePlan(*plan, dc, {LOOM_TEST_CACHE, 2});
+}
+
+// The host kernel's step against the forward's rows (out and lse) within the
+// dtype's tolerance, and its append: the raw cache holds exactly the new
+// tokens' k and v, a mixed one the reference's mixed rows, and no slot
+// outside the sequences' tokens was written.
+void expectHostStep(const IhaCase& c, const DecodeCase& dc, const Schedule& schedule = {}) {
+  auto got = runOnHost(dc, schedule);
+  ASSERT_TRUE(got) << got.error().message;
+  const double tolerance = toleranceFor(c.spec.dtype());
+  EXPECT_LE(relativeError(got->out, dc.expected), tolerance) << "out";
+  reference::DecodeOutputs asLse{{}, got->lse};
+  EXPECT_LE(lseError(c, dc, asLse), tolerance) << "lse";
+  expectOnlyTheSequencesSlotsFilled(dc, got->cache);
+  if (dc.layout == CacheLayout::raw) {
+    expectRawAppend(dc, got->cache);
+  } else {
+    reference::PagedCache want = dc.cache;
+    reference::appendToCache(c.spec, dc.step, want);
+    auto finite = [](std::vector<double> x) {
+      for (double& e : x) e = std::isfinite(e) ? e : 0.0;
+      return x;
+    };
+    EXPECT_LE(relativeError(finite(got->cache.k), finite(want.k)), tolerance) << "mixed keys appended";
+    EXPECT_LE(relativeError(finite(got->cache.v), finite(want.v)), tolerance) << "mixed values appended";
+  }
+}
+
 class SharedCaseDecode : public ::testing::TestWithParam<std::string> {};
 
 // Every shared case: its last T tokens decoded over a cache of the others
@@ -87,6 +127,24 @@ TEST_P(SharedCaseDecode, GivesTheForwardsRows) {
         expectOnlyTheSequencesSlotsFilled(*dc, cache);
         if (layout == CacheLayout::raw) expectRawAppend(*dc, cache);
       }
+}
+
+// The same steps through the generated program on the host tile API, each
+// layout at T = 1 over 16-token pages, T = 3 over 7-token pages (dividing
+// no case's length) and T = 2 over pages of one token.
+TEST_P(SharedCaseDecode, HostKernelGivesTheForwardsRows) {
+  auto c = loadCase(testing::casesDir() + "/" + GetParam());
+  ASSERT_TRUE(c) << c.error().message;
+  const uint64_t seed = testing::testSeed();
+  for (CacheLayout layout : {CacheLayout::raw, CacheLayout::mixed})
+    for (auto [T, pageSize] : {std::pair<int64_t, int64_t>{1, 16}, {3, 7}, {2, 1}}) {
+      T = std::min(T, c->tokens);
+      SCOPED_TRACE("T " + std::to_string(T) + ", page size " + std::to_string(pageSize) + ", " +
+                   cacheLayoutName(layout));
+      auto dc = decodeCaseFrom(*c, {T, pageSize, layout, {}, seed + uint64_t(T)});
+      ASSERT_TRUE(dc) << dc.error().message;
+      expectHostStep(*c, *dc);
+    }
 }
 
 INSTANTIATE_TEST_SUITE_P(Vectors, SharedCaseDecode, ::testing::ValuesIn(testing::sharedCaseNames()),
@@ -122,6 +180,57 @@ TEST(Decode, DrawnSpecsWithRaggedLengthsGiveTheForwardsRows) {
     EXPECT_LT(lseError(c, *dc, got), 1e-12);
     expectOnlyTheSequencesSlotsFilled(*dc, cache);
   }
+}
+
+// The host kernel on drawn specs the dtype can check (docs/IHA.md, Numerics),
+// ragged lengths, either layout, and a drawn schedule: the collapse fused or
+// separate, key blocks of 16 to 64 rows.
+TEST(Decode, HostKernelOnDrawnSpecsAndSchedules) {
+  std::mt19937_64 rng(testing::testSeed() ^ 0xdec0de);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  for (int draw = 0; draw < 6; ++draw) {
+    const IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
+      KernelSpec spec = testing::randomSpec(rng);
+      spec.set_dtype(static_cast<v1::DType>(pick(1, 3)));
+      spec.set_head_dim(int32_t(8 * pick(1, 4)));  // the generated programs' widths
+      return testing::DrawnShape{spec, pick(1, 3), pick(2, 24)};
+    });
+    const int64_t T = pick(1, std::min<int64_t>(5, c.tokens));
+    DecodeLayout layout{T, pick(0, 1) ? 16 : pick(1, 9), pick(0, 1) ? CacheLayout::mixed : CacheLayout::raw, {}, rng()};
+    for (int64_t b = 0; b < c.batch; ++b) layout.cached.push_back(pick(0, c.tokens - T));
+    Schedule schedule;
+    schedule.set_collapse(pick(0, 1) ? v1::collapse_fused : v1::collapse_separate);
+    schedule.set_block_n(int32_t(16 << pick(0, 2)));
+    SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " page " + std::to_string(layout.pageSize) + " " +
+                 cacheLayoutName(layout.layout) + " schedule " + schedule.ShortDebugString());
+    auto dc = decodeCaseFrom(c, layout);
+    ASSERT_TRUE(dc) << dc.error().message;
+    expectHostStep(c, *dc, schedule);
+  }
+}
+
+// What a decode plan cannot be (yet), each said.
+TEST(Decode, PlansSayWhatTheyCannotBe) {
+  const KernelSpec spec = testing::makeSpec({.heads = 4, .pseudoHeads = 2, .headDim = 64});
+  GenerateOptions decode;
+  decode.direction = Direction::decode;
+  Schedule materialized;
+  materialized.set_mix(v1::mix_materialized);
+  auto refused = generateKernel(spec, materialized, *parseTarget("cpu"), decode);
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message.find("schedule.mix materialized does not apply to a decode step"),
+            std::string::npos);
+  auto cuda = generateKernel(spec, {}, *parseTarget("sm_80"), decode);
+  ASSERT_FALSE(cuda);
+  EXPECT_NE(cuda.error().message.find("has no decode kernel yet"), std::string::npos) << cuda.error().message;
+  GenerateOptions mixedForward;
+  mixedForward.mixedCache = true;
+  EXPECT_FALSE(generateKernel(spec, {}, *parseTarget("cpu"), mixedForward));
+  auto plan = generateKernel(spec, {}, *parseTarget("cpu"), decode);
+  ASSERT_TRUE(plan) << plan.error().message;
+  EXPECT_EQ(plan->direction, Direction::decode);
+  ASSERT_FALSE(plan->launches.empty());
+  EXPECT_EQ(plan->launches.front().name, kDecodeAppendEntry);
 }
 
 // A step then the next: advancing cache_len by T and decoding again over
@@ -178,6 +287,55 @@ TEST(Decode, TheRawCacheIsPTimesSmaller) {
   EXPECT_EQ(reference::cacheTokenElements(spec, true), 2 * 4 * 64);
 }
 
+// runDecodeOnHost on host tensors: the step written in place, only the new
+// tokens' cache slots touched, and what does not fit named before anything runs.
+TEST(DecodeHostApi, StepsInPlaceAndChecksItsTensors) {
+  std::mt19937_64 rng(testing::testSeed() ^ 0xa91);
+  KernelSpec spec = testing::makeSpec({.heads = 4, .kvHeads = 2, .pseudoHeads = 3, .headDim = 16,
+                                       .dtype = v1::bfloat16, .mask = v1::token_causal, .ropeTheta = 10000});
+  spec.set_qk_norm(v1::KernelSpec::rms);
+  const IhaCase c = testing::drawCheckableShape(rng, false, [&] { return testing::DrawnShape{spec, 2, 15}; });
+  const cpu::CpuOptions options{LOOM_TEST_CACHE, 2};
+  for (CacheLayout layout : {CacheLayout::raw, CacheLayout::mixed}) {
+    SCOPED_TRACE(cacheLayoutName(layout));
+    auto dc = decodeCaseFrom(c, {2, 4, layout, {9, 13}, rng()});
+    ASSERT_TRUE(dc) << dc.error().message;
+    testing::HostTensors t(IhaCase{spec, 2, 2, dc->step, {}, {}, {}});
+    const PagedCacheTensors cache = t.cache(*dc);
+    Status ran = runDecodeOnHost(spec, t.inputs(), cache, {}, options);
+    ASSERT_TRUE(ran) << ran.error().message;
+    EXPECT_LE(relativeError(hostValues(t.inputs().out), dc->expected), toleranceFor(spec.dtype()));
+    reference::DecodeOutputs asLse{{}, hostValues(*t.inputs().lse)};
+    EXPECT_LE(lseError(c, *dc, asLse), toleranceFor(spec.dtype()));
+    reference::PagedCache after = dc->cache;
+    after.k = hostValues(cache.k_cache);
+    after.v = hostValues(cache.v_cache);
+    expectOnlyTheSequencesSlotsFilled(*dc, after);
+    if (layout == CacheLayout::raw) expectRawAppend(*dc, after);
+
+    auto expectRefused = [&](const PagedCacheTensors& bad, const std::string& words) {
+      Status status = runDecodeOnHost(spec, t.inputs(), bad, {}, options);
+      ASSERT_FALSE(status) << words;
+      EXPECT_NE(status.error().message.find(words), std::string::npos) << status.error().message;
+    };
+    PagedCacheTensors otherLayout = cache;
+    otherLayout.layout = layout == CacheLayout::raw ? CacheLayout::mixed : CacheLayout::raw;
+    expectRefused(otherLayout, "k_cache: want [num_pages, page_size, G");
+    PagedCacheTensors otherType = cache;
+    otherType.v_cache.element = ElementKind::float16;
+    expectRefused(otherType, "v_cache: element type");
+    std::vector<int32_t> table = dc->cache.pageTable;
+    table[0] = 999;
+    PagedCacheTensors outside = cache;
+    outside.page_table = table.data();
+    expectRefused(outside, "page_table[0][0] is 999, outside the cache's");
+    std::vector<int32_t> lengths = {9, int32_t(dc->shape.maxPages * dc->shape.pageSize)};
+    PagedCacheTensors full = cache;
+    full.cache_len = lengths.data();
+    expectRefused(full, "sequence 1: cache_len");
+  }
+}
+
 TEST(DecodeCli, DecodesACaseAndSaysWhatDoesNotFit) {
   testing::TempDir dir;
   const std::string cs = testing::casesDir() + "/" + testing::sharedCaseNames().front();
@@ -194,9 +352,13 @@ TEST(DecodeCli, DecodesACaseAndSaysWhatDoesNotFit) {
   auto tooMany = testing::runLoom("run --case " + cs + " --decode 100000 --out " + (dir / "x.npy"));
   EXPECT_EQ(tooMany.exitCode, 2) << tooMany.output;
   EXPECT_NE(tooMany.output.find("--decode 100000: the case has"), std::string::npos) << tooMany.output;
-  auto cpu = testing::runLoom("run --case " + cs + " --decode 1 --backend cpu --out " + (dir / "x.npy"));
-  EXPECT_EQ(cpu.exitCode, 2) << cpu.output;
-  EXPECT_NE(cpu.output.find("has no decode kernel yet"), std::string::npos) << cpu.output;
+  auto cpu = testing::runLoom("run --case " + cs + " --decode 3 --page-size 4 --backend cpu --cache-dir " +
+                              std::string(LOOM_TEST_CACHE) + " --out " + (dir / "cpu.npy"));
+  EXPECT_EQ(cpu.exitCode, 0) << cpu.output;
+  EXPECT_NE(cpu.output.find("cpu decode: schedule"), std::string::npos) << cpu.output;
+  auto emu = testing::runLoom("run --case " + cs + " --decode 1 --backend emu --out " + (dir / "x.npy"));
+  EXPECT_EQ(emu.exitCode, 2) << emu.output;
+  EXPECT_NE(emu.output.find("has no decode kernel yet"), std::string::npos) << emu.output;
 }
 
 }  // namespace

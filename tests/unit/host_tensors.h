@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "io/case.h"
+#include "io/decode_case.h"
 #include "io/npy.h"
 #include "loom/runtime.h"
 
@@ -56,6 +57,17 @@ class HostTensors {
     return {hostValues(grads_.dq),       hostValues(grads_.dk),       hostValues(grads_.dv),
             hostValues(grads_.dalpha_q), hostValues(grads_.dalpha_k), hostValues(grads_.dalpha_v),
             hostValues(grads_.dcollapse)};
+  }
+
+  // A decode step's cache as the host API takes it (this object holds the
+  // spec of the step's case); the page table and lengths point into `step`.
+  PagedCacheTensors cache(const DecodeCase& step) {
+    const ElementKind act = elementOf(spec_.dtype());
+    std::vector<int64_t> shape = {step.shape.numPages, step.shape.pageSize, spec_.kv_heads()};
+    if (step.layout == CacheLayout::mixed) shape.push_back(spec_.pseudo_heads());
+    shape.push_back(spec_.head_dim());
+    return {values(step.cache.k, act, shape),   values(step.cache.v, act, shape), step.cache.pageTable.data(),
+            step.cache.cacheLen.data(),         step.shape.maxPages,              step.layout};
   }
 
   static ElementKind elementOf(v1::DType dtype) {

@@ -16,6 +16,7 @@ struct GenOptions {
   bool printIrAfterAll = false;
   bool plan = false;
   bool backward = false;
+  std::string decode;  // "", raw or mixed
 };
 
 int gen(const GenOptions& options) {
@@ -29,7 +30,12 @@ int gen(const GenOptions& options) {
   std::string ir;
   GenerateOptions generateOptions;
   if (options.printIrAfterAll) generateOptions.irLog = &ir;
+  if (options.backward && !options.decode.empty()) return badInput("--backward and --decode: choose one");
   if (options.backward) generateOptions.direction = Direction::backward;
+  if (!options.decode.empty()) {
+    generateOptions.direction = Direction::decode;
+    generateOptions.mixedCache = options.decode == "mixed";
+  }
   auto plan = generateKernel(*spec, *schedule, *target, generateOptions);
   if (!plan) return badInput(plan.error().message);
   if (options.printIrAfterAll) std::fputs(ir.c_str(), stdout);
@@ -65,6 +71,10 @@ void addGenCommand(CLI::App& app, std::function<int()>* action) {
   cmd->add_flag("--plan", options->plan, "print the launches and workspaces before the source");
   cmd->add_flag("--backward", options->backward,
                 "the backward plan instead (every gradient of sum(out * dout); docs/compiler.md, The backward)");
+  cmd->add_option("--decode", options->decode,
+                  "the decode step over a paged cache of this layout instead (raw: k and v as projected; mixed:\n"
+                  "pseudo-keys and values; docs/IHA.md, Decode over a paged cache); target cpu")
+      ->check(CLI::IsMember({"raw", "mixed"}));
   cmd->callback([options, action] { *action = [options] { return gen(*options); }; });
 }
 

@@ -221,9 +221,9 @@ int runBackward(const RunOptions& options, const IhaCase& c) {
 // shuffled page table, one step over the last T, compared with the forward's
 // rows at those tokens.
 int runDecode(const RunOptions& options, const IhaCase& c) {
-  if (options.backend != "reference")
+  if (options.backend != "reference" && options.backend != "cpu")
     return badInput("--decode: backend '" + options.backend +
-                    "' has no decode kernel yet; the decode step runs on --backend reference");
+                    "' has no decode kernel yet; the decode step runs on --backend reference or cpu");
   auto layout = parseCacheLayout(options.cacheLayout);
   if (!layout) return badInput("--cache: " + layout.error().message);
   DecodeLayout decodeLayout;
@@ -246,12 +246,35 @@ int runDecode(const RunOptions& options, const IhaCase& c) {
     std::printf("cache %-5s %6lld bytes per token per layer, %lld bytes for the %lld tokens\n", cacheLayoutName(l),
                 (long long)perToken, (long long)(perToken * c.batch * c.tokens), (long long)(c.batch * c.tokens));
   }
-  const reference::DecodeOutputs got = reference::ihaDecode(c.spec, dc.step, dc.cache);
+  std::vector<double> out;
+  if (options.backend == "cpu") {
+    auto schedule = readScheduleFile(options.schedulePath);
+    if (!schedule) return badInput(schedule.error().message);
+    GenerateOptions generate;
+    generate.direction = Direction::decode;
+    generate.mixedCache = *layout == CacheLayout::mixed;
+    auto plan = generateKernel(c.spec, *schedule, *parseTarget("cpu"), generate);
+    if (!plan) return badInput(plan.error().message);
+    auto run = cpu::runDecodePlan(*plan, dc, {options.cacheDir, options.threads});
+    if (!run) {
+      if (!run.error().log.empty()) std::fprintf(stderr, "%s\n", run.error().log.c_str());
+      return badInput(run.error().message);
+    }
+    const cpu::CpuRunStats& stats = run->stats;
+    std::printf("cpu decode: schedule %s; %s; %lld key blocks visited, %lld masked\n",
+                plan->schedule.ShortDebugString().c_str(),
+                stats.compiled ? ("compiled in " + std::to_string(stats.compileSeconds).substr(0, 4) + " s").c_str()
+                               : "from the cache",
+                (long long)stats.keyBlocks, (long long)stats.maskedBlocks);
+    out = std::move(run->out);
+  } else {
+    out = reference::ihaDecode(c.spec, dc.step, dc.cache).out;
+  }
   const std::vector<int64_t> shape = {c.batch, options.decode, c.spec.heads(), c.spec.head_dim()};
-  if (Status written = writeNpy(options.out, npyFromDouble(got.out, shape, kOutTypes.at(options.outDtype))); !written)
+  if (Status written = writeNpy(options.out, npyFromDouble(out, shape, kOutTypes.at(options.outDtype))); !written)
     return badInput(written.error().message);
   std::printf("wrote %s %s (%s)\n", options.out.c_str(), shapeString(shape).c_str(), options.outDtype.c_str());
-  const double error = relativeError(got.out, dc.expected);
+  const double error = relativeError(out, dc.expected);
   const double tolerance = toleranceFor(c.spec.dtype());
   const bool pass = error <= tolerance;  // false for NaN
   std::printf("relative error %.3e against the forward's rows of the last %lld tokens (tolerance %.0e for %s): %s\n",
@@ -371,7 +394,7 @@ void addRunCommand(CLI::App& app, std::function<int()>* action) {
                   "decode the case's last T tokens over a paged cache of the earlier ones (docs/IHA.md, Decode):\n"
                   "the cache gets tokens 0 .. N-T-1 under a shuffled page table (--seed), one step appends\n"
                   "and attends the last T, and out [B, T, H, d] is compared with the forward's rows there;\n"
-                  "prints the cache bytes of both layouts. Backend: reference")
+                  "prints the cache bytes of both layouts. Backends: reference, cpu (the generated decode step)")
       ->check(CLI::Range(int64_t(1), std::numeric_limits<int64_t>::max()));
   cmd->add_option("--page-size", options->pageSize, "with --decode: tokens per cache page")
       ->check(CLI::Range(int64_t(1), int64_t(1) << 20))

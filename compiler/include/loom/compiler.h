@@ -19,6 +19,10 @@ inline constexpr char kAttentionEntry[] = "iha_attention";
 // The pre-mix launch of a plan with the mixing materialised.
 inline constexpr char kPremixEntry[] = "iha_premix";
 
+// A decode plan's first launch: the step's new tokens' k and v into the
+// paged cache (its attention reads them back from there).
+inline constexpr char kDecodeAppendEntry[] = "iha_append";
+
 // A backward plan's entry points, in launch order after the pre-mix and the
 // forward's attention (recomputing the pseudo outputs and lse):
 inline constexpr char kBackwardPrepEntry[] = "iha_bwd_prep";      // do, D, dcollapse partials
@@ -52,7 +56,8 @@ struct LaunchPlan {
 enum class Workspace { q_mixed, k_mixed, v_mixed, o_pseudo, do_pseudo, delta, dq_pseudo, dk_pseudo, dv_pseudo, partials };
 
 // Which function a plan computes (the schema's v1::Direction).
-enum class Direction { forward, backward };
+// decode: one step over a paged cache (docs/IHA.md, Decode over a paged cache).
+enum class Direction { forward, backward, decode };
 inline Direction directionOf(v1::Direction direction) {
   return direction == v1::direction_backward ? Direction::backward : Direction::forward;
 }
@@ -67,13 +72,18 @@ struct KernelPlan {
   std::vector<LaunchPlan> launches;  // in launch order
   std::vector<Workspace> workspaces;
   int workspaceElementBytes = 4;  // float on the host, the 16-bit dtype on CUDA
+  // A decode plan's cache: mixed pseudo-keys and values [pages, S, G, P, d],
+  // or (false) the raw k and v [pages, S, G, d].
+  bool mixedCache = false;
 };
 
 struct GenerateOptions {
   // When set, the IR after every pass is appended here (--print-ir-after-all).
   std::string* irLog = nullptr;
-  // backward: the gradients of sum(out * dout) (docs/IHA.md, Backward).
+  // backward: the gradients of sum(out * dout) (docs/IHA.md, Backward);
+  // decode: a step over a paged cache, whose layout `mixedCache` picks.
   Direction direction = Direction::forward;
+  bool mixedCache = false;
 };
 
 // The tile implementation a target's source includes.

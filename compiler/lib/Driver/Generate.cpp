@@ -112,7 +112,8 @@ void readPlan(KernelOp kernel, KernelPlan& plan) {
     plan.workspaces.insert(plan.workspaces.end(), {Workspace::do_pseudo, Workspace::delta, Workspace::dq_pseudo,
                                                    Workspace::dk_pseudo, Workspace::dv_pseudo, Workspace::partials});
   }
-  plan.direction = kernel.getBackward() ? Direction::backward : Direction::forward;
+  plan.direction = kernel.getBackward() ? Direction::backward : kernel.getDecode() ? Direction::decode : Direction::forward;
+  plan.mixedCache = kernel.getMixedCache();
   plan.schedule = scheduleOf(kernel.getScheduleAttr(), kernel.getBackward());
   plan.workspaceElementBytes = cuda ? kTileElementBytes : int(sizeof(float));
 }
@@ -337,6 +338,20 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
     given.collapse = given.collapse.value_or(CollapseStrategy::separate);
     given.engine = given.engine.value_or(Engine::mma);
   }
+  if (direction == Direction::decode) {
+    // The decode step mixes its rows as they stream (there is no pre-mix of
+    // a cache) on the mma engine; only the host tile API has it so far.
+    if (target.kind() == v1::Target::cuda)
+      return makeError("target " + target.arch() + " has no decode kernel yet: decode steps are generated for target "
+                       "cpu (the host tile API)");
+    if (given.mix == MixStrategy::materialized)
+      return makeError("schedule.mix materialized does not apply to a decode step: it mixes each cached block as "
+                       "it streams (leave mix unset or fused)");
+    if (given.engine == Engine::wgmma)
+      return makeError("schedule.engine wgmma has no decode kernel yet (leave engine unset or mma)");
+    given.mix = MixStrategy::fused;
+    given.engine = Engine::mma;
+  }
   ScheduleAttr scheduleAttr = completeSchedule(specAttr, given, hopper);
   if (auto why = checkSchedule(specAttr, scheduleAttr)) return makeError(*why);
   if (direction == Direction::backward) {
@@ -388,8 +403,11 @@ Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedu
   mlir::OpBuilder builder(&context);
   mlir::OwningOpRef<mlir::ModuleOp> module = mlir::ModuleOp::create(loc);
   builder.setInsertionPointToEnd(module->getBody());
+  const bool decode = options.direction == Direction::decode;
+  if (options.mixedCache && !decode) return makeError("a mixed cache belongs to a decode step (direction decode)");
   auto kernel = builder.create<KernelOp>(loc, "iha", specAttr, scheduleAttr,
-                                         /*backward=*/options.direction == Direction::backward);
+                                         /*backward=*/options.direction == Direction::backward, decode,
+                                         /*mixed_cache=*/decode && options.mixedCache);
   kernel.getBody().push_back(new mlir::Block());
 
   std::string irText;

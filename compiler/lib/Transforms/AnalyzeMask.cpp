@@ -35,7 +35,10 @@ struct AnalyzeMask : impl::IhaAnalyzeMaskBase<AnalyzeMask> {
 
       mlir::OpBuilder builder(stream);
       IndexMath math(builder, stream.getLoc());
-      Value seqLen = builder.create<SeqLenOp>(stream.getLoc(), builder.getI64Type());
+      // A decode step's rows end where its sequence does, cached tokens and new.
+      Value seqLen = kernel.getDecode()
+                         ? Value(builder.create<DecodeLenOp>(stream.getLoc(), builder.getI64Type(), loop.getBatch()))
+                         : Value(builder.create<SeqLenOp>(stream.getLoc(), builder.getI64Type()));
       const ScheduleAttr schedule = kernel.getScheduleAttr();
       const BlockRanges<Value> r = blockRanges(math, maskRuleOf(kernel.getSpec()), schedule.getBlockM(),
                                                schedule.getBlockN(), Value(loop.getRow0()), seqLen);

@@ -72,6 +72,43 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
     if (result.wasInterrupted()) signalPassFailure();
   }
 
+  // A decode step (docs/IHA.md, Decode over a paged cache): the new tokens'
+  // k and v into the cache, then the attention of their T * P rows, which
+  // start at the sequence's cached rows, over every row of the cache (the
+  // raw cache mixed and rotated as each block streams in), then the
+  // collapse over the T tokens. Launch grids count the step's T tokens.
+  template <class TokenLaunch>
+  mlir::LogicalResult scheduleDecode(KernelOp kernel, mlir::OpBuilder& builder, ScheduleAttr chosen,
+                                     TokenLaunch& tokenLaunch) {
+    const mlir::Location loc = kernel.getLoc();
+    const SpecAttr spec = kernel.getSpec();
+    const int64_t P = spec.getPseudoHeads();
+    const int64_t ownedRows = chosen.getBlockM() / P * P;
+    tokenLaunch(kDecodeAppendLaunch, [&](mlir::OpBuilder& body, Value token0, Value batch) {
+      body.create<AppendCacheOp>(loc, token0, batch);
+    });
+    LaunchOp attention = createLaunch(builder, loc, kAttentionLaunch, P, ownedRows, spec.getHeads(),
+                                      chosen.getWarps() * kThreadsPerWarp);
+    {
+      mlir::OpBuilder body = mlir::OpBuilder::atBlockEnd(&attention.getBlock());
+      IndexMath math(body, loc);
+      Value head = attention.getBlockY(), batch = attention.getBatch();
+      Value cached = body.create<CachedRowsOp>(loc, body.getI64Type(), batch);
+      Value row0 = math.add(cached, math.mul(attention.getBlockX(), math.c(ownedRows)));
+      Value length = body.create<DecodeLenOp>(loc, body.getI64Type(), batch);
+      Value zero = math.c(0);
+      Value keyBlocks = math.ceilDiv(length, math.c(chosen.getBlockN()));
+      body.create<LoadQOp>(loc, row0, head, batch, /*mixed=*/true);
+      body.create<KvStreamOp>(loc, zero, keyBlocks, head, batch, /*mixed=*/true);
+      body.create<KvLoopOp>(loc, zero, keyBlocks, row0, head, batch, /*masked=*/true, /*mixed=*/true);
+      body.create<StoreRowsOp>(loc, row0, head, batch);
+    }
+    tokenLaunch(kCollapseLaunch, [&](mlir::OpBuilder& body, Value token0, Value batch) {
+      body.create<CollapseRowsOp>(loc, token0, batch);
+    });
+    return mlir::success();
+  }
+
   mlir::LogicalResult schedule(KernelOp kernel) {
     const SpecAttr spec = kernel.getSpec();
     ScheduleAttr chosen = kernel.getScheduleAttr();
@@ -80,6 +117,10 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
       auto fields = fieldsFromOptions(blockM, blockN, warps, stages, mix, collapse, engine, producerRegisters, dq, &error);
       if (!fields) return kernel.emitError() << error;
       if (auto why = checkScheduleFields(*fields)) return kernel.emitError() << *why;
+      if (kernel.getDecode()) {  // a decode step mixes each cached block as it streams
+        fields->mix = MixStrategy::fused;
+        fields->engine = fields->engine.value_or(Engine::mma);
+      }
       if (kernel.getBackward()) {  // the backward reads mixed rows from workspaces
         fields->mix = fields->mix.value_or(MixStrategy::materialized);
         fields->collapse = fields->collapse.value_or(CollapseStrategy::separate);
@@ -109,6 +150,8 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
       IndexMath math(body, loc);
       fillBody(body, math.mul(launch.getBlockX(), math.c(tokensPerCta)), launch.getBatch());
     };
+    if (kernel.getDecode()) return scheduleDecode(kernel, builder, chosen, tokenLaunch);
+
     tokenLaunch(kPremixLaunch, [&](mlir::OpBuilder& body, Value token0, Value batch) {
       for (Role role : {Role::query, Role::key, Role::value})
         body.create<PremixOp>(loc, RoleAttr::get(kernel.getContext(), role), token0, batch);

@@ -46,7 +46,10 @@ void fuseGlobal(LaunchOp attention) {
   builder.setInsertionPointAfter(heads);
   IndexMath math(builder, loc);
   const int64_t blockM = attention.getRowsPerCta();
-  builder.create<StoreOutOp>(loc, math.mul(attention.getBlockX(), math.c(blockM)), attention.getBatch());
+  mlir::Value row0 = math.mul(attention.getBlockX(), math.c(blockM));
+  if (attention->getParentOfType<KernelOp>().getDecode())  // a decode step's rows start past the cache
+    row0 = math.add(builder.create<CachedRowsOp>(loc, builder.getI64Type(), attention.getBatch()), row0);
+  builder.create<StoreOutOp>(loc, row0, attention.getBatch());
   attention.setGridY(1);
 }
 

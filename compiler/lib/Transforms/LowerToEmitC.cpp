@@ -33,7 +33,7 @@ std::string floatLiteral(double value) {
   return text;
 }
 
-std::string configStruct(SpecAttr spec, ScheduleAttr schedule, bool backward) {
+std::string configStruct(SpecAttr spec, ScheduleAttr schedule, bool backward, bool decode, bool mixedCache) {
   auto line = [](llvm::StringRef type, llvm::StringRef name, const std::string& value) {
     return ("  static constexpr " + type + " " + name + " = " + value + ";\n").str();
   };
@@ -67,6 +67,9 @@ std::string configStruct(SpecAttr spec, ScheduleAttr schedule, bool backward) {
   text += line("bool", "fused_collapse", schedule.getCollapse() == CollapseStrategy::epilogue ? "true" : "false");
   text += line("bool", "fused_global_collapse", fusedGlobal ? "true" : "false");
   if (backward) text += line("bool", "atomic_dq", schedule.getDq() == DqStrategy::atomic ? "true" : "false");
+  // A decode step (loom/tile/common.h's decode fields of IhaArgs).
+  text += line("bool", "decode", decode ? "true" : "false");
+  text += line("bool", "mixed_cache", mixedCache ? "true" : "false");
   if (schedule.getEngine() == Engine::wgmma) {
     text += line("int", "producer_registers", std::to_string(schedule.getProducerRegisters()));
     text += line("int", "consumer_registers",
@@ -185,6 +188,18 @@ class LaunchLowering {
         .Case([&](mlir::arith::MinSIOp o) { return helper("min", o); })
         .Case([&](SeqLenOp o) {
           map.map(o.getResult(), callValue("seq_len", {args_}));
+          return mlir::success();
+        })
+        .Case([&](DecodeLenOp o) {
+          map.map(o.getResult(), callValue("decode_len", {args_, get(o.getBatch())}));
+          return mlir::success();
+        })
+        .Case([&](CachedRowsOp o) {
+          map.map(o.getResult(), callValue("cached_rows", {args_, get(o.getBatch())}));
+          return mlir::success();
+        })
+        .Case([&](AppendCacheOp o) {
+          call("append_cache", {args_, get(o.getToken0()), get(o.getBatch())});
           return mlir::success();
         })
         .Case([&](PremixOp o) {
@@ -483,7 +498,8 @@ struct LowerToEmitC : impl::IhaLowerToEmitCBase<LowerToEmitC> {
       mlir::OpBuilder builder(kernel);
       builder.create<mlir::emitc::IncludeOp>(kernel.getLoc(), tileHeader, /*is_standard_include=*/false);
       builder.create<mlir::emitc::VerbatimOp>(kernel.getLoc(),
-                                              configStruct(kernel.getSpec(), kernel.getScheduleAttr(), kernel.getBackward()));
+                                              configStruct(kernel.getSpec(), kernel.getScheduleAttr(), kernel.getBackward(),
+                                                           kernel.getDecode(), kernel.getMixedCache()));
       for (LaunchOp launch : kernel.getBlock().getOps<LaunchOp>())
         if (mlir::failed(lowerLaunch(builder, kernel, launch))) return signalPassFailure();
       kernel.erase();

@@ -14,6 +14,7 @@ namespace loom::iha {
 inline constexpr llvm::StringLiteral kPremixLaunch = "iha_premix";
 inline constexpr llvm::StringLiteral kAttentionLaunch = loom::kAttentionEntry;
 inline constexpr llvm::StringLiteral kCollapseLaunch = "iha_collapse";
+inline constexpr llvm::StringLiteral kDecodeAppendLaunch = loom::kDecodeAppendEntry;
 // The backward's (docs/compiler.md, "The backward").
 inline constexpr llvm::StringLiteral kBwdPrepLaunch = loom::kBackwardPrepEntry;
 inline constexpr llvm::StringLiteral kBwdKvLaunch = loom::kBackwardKvEntry;

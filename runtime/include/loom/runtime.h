@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/decode.h"
 #include "loom/result.h"
 #include "loom/spec.h"
 #include "loom/v1/loom.pb.h"
@@ -112,6 +113,26 @@ Result<IhaTensors> tensorsFromDlpack(const DLTensor* q, const DLTensor* k, const
                                      const DLTensor* alphaK, const DLTensor* alphaV, const DLTensor* collapse,
                                      const DLTensor* out, const DLTensor* lse);
 
+// A decode step's paged cache (docs/IHA.md, Decode over a paged cache):
+// k_cache and v_cache [num_pages, page_size, G, d] (raw) or [num_pages,
+// page_size, G, P, d] (mixed), contiguous, in the spec's dtype;
+// page_table [B, max_pages] and cache_len [B], int32, dense. The step's
+// new tokens are an IhaTensors of N = T: q [B, T, H, d], k and v [B, T, G,
+// d], out [B, T, H, d], lse [B, H, T*P] when given.
+struct PagedCacheTensors {
+  Tensor k_cache, v_cache;
+  const int32_t* page_table = nullptr;
+  const int32_t* cache_len = nullptr;
+  int64_t max_pages = 0;
+  CacheLayout layout = CacheLayout::raw;
+};
+
+// Checks the step's tensors as a forward's of N = T, the cache's against
+// the spec and its layout, and the page table and lengths (validateDecode)
+// before anything is read or written; the error names the tensor or entry.
+Status validateDecodeTensors(const KernelSpec& spec, const IhaTensors& step, const PagedCacheTensors& cache,
+                             int device);
+
 namespace cpu {
 struct CpuOptions;
 }
@@ -137,6 +158,13 @@ Status runOnHost(const KernelSpec& spec, const IhaTensors& tensors, const Schedu
 Result<emu::EmuRun> runOnEmulator(const KernelSpec& spec, const IhaTensors& tensors, const Schedule& schedule,
                                   const std::string& arch, const emu::EmuOptions& options,
                                   const IhaSaved* keep = nullptr);
+
+// A decode step on host tensors: the spec's generated decode program on the
+// host tile API appends the step's k and v to the cache (only their slots
+// are written) and writes out (and lse) in place. cache_len is the caller's
+// to advance by T afterwards. Slow: for checking and for machines without a GPU.
+Status runDecodeOnHost(const KernelSpec& spec, const IhaTensors& step, const PagedCacheTensors& cache,
+                       const Schedule& schedule, const cpu::CpuOptions& options);
 
 // The backward on host tensors: the spec's generated backward on the host
 // tile API, writing every gradient (and lse, when given) in place; from

@@ -21,6 +21,8 @@ LogicalResult KernelOp::verify() {
     launchLevel |= isa<LaunchOp>(op);
   }
   if (specLevel && launchLevel) return emitOpError() << "mixes spec-level steps with launches";
+  if (getDecode() && getBackward()) return emitOpError() << "cannot be both a decode step and a backward";
+  if (getMixedCache() && !getDecode()) return emitOpError() << "has a mixed_cache but is not a decode kernel";
   if (launchLevel && !getScheduleAttr()) return emitOpError() << "has launches but no schedule";
   return success();
 }
@@ -72,6 +74,17 @@ static LogicalResult verifyInLaunch(Operation* op) {
 #define IHA_BLOCK_OP_VERIFIER(Op) \
   LogicalResult Op::verify() { return verifyInLaunch(*this); }
 IHA_BLOCK_OP_VERIFIER(SeqLenOp)
+
+// A decode step's ops exist only in a decode kernel.
+static LogicalResult verifyInDecode(Operation* op) {
+  if (failed(verifyInLaunch(op))) return failure();
+  auto kernel = op->getParentOfType<KernelOp>();
+  if (!kernel || !kernel.getDecode()) return op->emitOpError() << "belongs to a decode kernel";
+  return success();
+}
+LogicalResult DecodeLenOp::verify() { return verifyInDecode(*this); }
+LogicalResult CachedRowsOp::verify() { return verifyInDecode(*this); }
+LogicalResult AppendCacheOp::verify() { return verifyInDecode(*this); }
 IHA_BLOCK_OP_VERIFIER(PremixOp)
 IHA_BLOCK_OP_VERIFIER(CollapseRowsOp)
 IHA_BLOCK_OP_VERIFIER(LoadQOp)

@@ -78,6 +78,18 @@ struct IhaArgs {
   float* dk_pseudo;
   float* dv_pseudo;
   float* partials;
+
+  // A decode step (docs/IHA.md, Decode over a paged cache), null elsewhere:
+  // tokens is the step's T, q, k, v and out its new tokens'. k_cache and
+  // v_cache [num_pages, page_size, G, d] (raw) or [..., G, P, d] (mixed
+  // cache), dense, in the dtype; page_table [batch, max_pages] and cache_len
+  // [batch], int32. o_pseudo and lse cover the step's T * P rows.
+  void* k_cache;
+  void* v_cache;
+  const int32_t* page_table;
+  const int32_t* cache_len;
+  int64_t page_size;
+  int64_t max_pages;
 };
 
 
@@ -93,6 +105,21 @@ LOOM_HOST_DEVICE constexpr int64_t max(int64_t a, int64_t b) { return a > b ? a 
 template <class C>
 LOOM_HOST_DEVICE constexpr int64_t seq_len(const IhaArgs& args) {
   return args.tokens * C::pseudo_heads;
+}
+
+// A decode step's rows of sequence b: its first new virtual row (the rows
+// before are cached), and the end of its rows once the step's T are cached.
+template <class C>
+LOOM_HOST_DEVICE constexpr int64_t cached_rows(const IhaArgs& args, int64_t b) {
+  return int64_t(args.cache_len[b]) * C::pseudo_heads;
+}
+template <class C>
+LOOM_HOST_DEVICE constexpr int64_t decode_len(const IhaArgs& args, int64_t b) {
+  return (int64_t(args.cache_len[b]) + args.tokens) * C::pseudo_heads;
+}
+// The cache slot (page * page_size + offset) of token t of sequence b.
+LOOM_HOST_DEVICE inline int64_t cache_slot(const IhaArgs& args, int64_t b, int64_t t) {
+  return int64_t(args.page_table[b * args.max_pages + t / args.page_size]) * args.page_size + t % args.page_size;
 }
 
 // docs/IHA.md step 4: may virtual row i attend to virtual row j? With the

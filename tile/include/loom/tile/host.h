@@ -101,39 +101,79 @@ void rotate(float* row, int64_t position, bool inverse = false) {
   }
 }
 
-// Steps 1-3 for one virtual row: row n*P + p of head `h` of the role, mixed,
-// normalised (qk_norm) and rotated; `mixOnly` stops after the mixing.
-template <class C, Role R>
-void mixedRow(const IhaArgs& a, int64_t b, int64_t n, int64_t h, int64_t p, float* out, bool mixOnly = false) {
+// Steps 1-3 for one virtual row at virtual position `position`: pseudo-head
+// p of head `h` of the role mixed from element(m, c), the role's head m,
+// then normalised (qk_norm) and rotated; `mixOnly` stops after the mixing.
+template <class C, Role R, class Element>
+void mixRowFrom(const IhaArgs& a, Element element, int64_t position, int64_t h, int64_t p, float* out, bool mixOnly) {
   constexpr int heads = R == Role::query ? C::heads : C::kv_heads;
-  const void* x = R == Role::query ? a.q : R == Role::key ? a.k : a.v;
   const float* alpha = R == Role::query ? a.alpha_q : R == Role::key ? a.alpha_k : a.alpha_v;
-  const int64_t* stride = R == Role::query ? a.q_stride : R == Role::key ? a.k_stride : a.v_stride;
   for (int c = 0; c < C::head_dim; ++c) out[c] = 0.0f;
   for (int m = 0; m < heads; ++m) {
     const float weight = alpha[(m * heads + h) * C::pseudo_heads + p];
-    const int64_t base = b * stride[0] + n * stride[1] + m * stride[2];
-    for (int c = 0; c < C::head_dim; ++c) out[c] += weight * loadElement<C>(x, base + c);
+    for (int c = 0; c < C::head_dim; ++c) out[c] += weight * element(m, c);
   }
   if (mixOnly) return;
   if (C::qk_norm && R != Role::value) normalize<C>(out);
-  if (C::rope_theta > 0 && R != Role::value) rotate<C>(out, n * C::pseudo_heads + p);
+  if (C::rope_theta > 0 && R != Role::value) rotate<C>(out, position);
 }
 
-// Row `i` of a role: mixed on the fly, or read from its workspace.
+// Row n*P + p of head `h` of the role, from q, k or v. In a decode step
+// token n of those is token cache_len[b] + n of its sequence, and turns as such.
+template <class C, Role R>
+void mixedRow(const IhaArgs& a, int64_t b, int64_t n, int64_t h, int64_t p, float* out, bool mixOnly = false) {
+  const void* x = R == Role::query ? a.q : R == Role::key ? a.k : a.v;
+  const int64_t* stride = R == Role::query ? a.q_stride : R == Role::key ? a.k_stride : a.v_stride;
+  const int64_t token = C::decode ? a.cache_len[b] + n : n;
+  const int64_t base = b * stride[0] + n * stride[1];
+  mixRowFrom<C, R>(
+      a, [&](int m, int c) { return loadElement<C>(x, base + m * stride[2] + c); }, token * C::pseudo_heads + p, h,
+      p, out, mixOnly);
+}
+
+// A decode step's key or value row n*P + p of kv head g, read through the
+// page table: as stored in a mixed cache, mixed and rotated here from a raw one.
+template <class C, Role R>
+void cachedRow(const IhaArgs& a, int64_t b, int64_t n, int64_t g, int64_t p, float* out) {
+  constexpr int P = C::pseudo_heads, D = C::head_dim;
+  const void* cache = R == Role::key ? a.k_cache : a.v_cache;
+  const int64_t slot = cache_slot(a, b, n);
+  if constexpr (C::mixed_cache) {
+    const int64_t base = ((slot * C::kv_heads + g) * P + p) * D;
+    for (int c = 0; c < D; ++c) out[c] = loadElement<C>(cache, base + c);
+  } else {
+    const int64_t base = slot * C::kv_heads * D;
+    mixRowFrom<C, R>(
+        a, [&](int m, int c) { return loadElement<C>(cache, base + m * D + c); }, n * P + p, g, p, out, false);
+  }
+}
+
+// Row `i` of a role: mixed on the fly, or read from its workspace; in a
+// decode step a query row from the step's q, a key or value row from the cache.
 template <class C, Role R, bool Mixed>
 void virtualRow(const IhaArgs& a, int64_t b, int64_t h, int64_t i, float* out) {
-  if (i >= seq_len<C>(a)) {
+  if (i >= (C::decode ? decode_len<C>(a, b) : seq_len<C>(a))) {
     for (int c = 0; c < C::head_dim; ++c) out[c] = 0.0f;  // past the end: zeros
     return;
   }
-  if constexpr (Mixed) {
+  if constexpr (C::decode) {
+    const int64_t n = i / C::pseudo_heads, p = i % C::pseudo_heads;
+    if constexpr (R == Role::query) mixedRow<C, R>(a, b, n - a.cache_len[b], h, p, out);
+    else cachedRow<C, R>(a, b, n, h, p, out);
+  } else if constexpr (Mixed) {
     mixedRow<C, R>(a, b, i / C::pseudo_heads, h, i % C::pseudo_heads, out);
   } else {
     constexpr int heads = R == Role::query ? C::heads : C::kv_heads;
     const float* ws = static_cast<const float*>(R == Role::query ? a.q_mixed : R == Role::key ? a.k_mixed : a.v_mixed);
     std::memcpy(out, ws + ((b * heads + h) * seq_len<C>(a) + i) * C::head_dim, sizeof(float) * C::head_dim);
   }
+}
+
+// The row index, in o_pseudo and lse, of virtual row `row` of sequence b:
+// a decode step keeps only its own T * P rows.
+template <class C>
+int64_t storedRow(const IhaArgs& a, int64_t row, int64_t b) {
+  return C::decode ? row - cached_rows<C>(a, b) : row;
 }
 
 }  // namespace host
@@ -203,6 +243,37 @@ void premix(const IhaArgs& a, int64_t token0, int64_t b) {
     for (int h = 0; h < heads; ++h)
       for (int p = 0; p < C::pseudo_heads; ++p)
         host::mixedRow<C, R>(a, b, n, h, p, ws + ((b * heads + h) * L + n * C::pseudo_heads + p) * C::head_dim);
+}
+
+// A decode step's new tokens into the paged cache: token n of the step goes
+// to position cache_len[b] + n, as the raw k and v, or mixed (keys
+// normalised and rotated there) into a mixed cache, in the dtype.
+template <class C>
+void append_cache(const IhaArgs& a, int64_t token0, int64_t b) {
+  constexpr int P = C::pseudo_heads, D = C::head_dim, G = C::kv_heads;
+  for (int64_t n = token0; n < token0 + C::block_m / P && n < a.tokens; ++n) {
+    const int64_t slot = cache_slot(a, b, a.cache_len[b] + n);
+    for (int g = 0; g < G; ++g) {
+      if constexpr (C::mixed_cache) {
+        float row[D];
+        for (int p = 0; p < P; ++p) {
+          const int64_t base = ((slot * G + g) * P + p) * D;
+          host::mixedRow<C, Role::key>(a, b, n, g, p, row);
+          for (int c = 0; c < D; ++c) host::storeElement<C>(a.k_cache, base + c, row[c]);
+          host::mixedRow<C, Role::value>(a, b, n, g, p, row);
+          for (int c = 0; c < D; ++c) host::storeElement<C>(a.v_cache, base + c, row[c]);
+        }
+      } else {
+        const int64_t base = (slot * G + g) * D;
+        const int64_t k = b * a.k_stride[0] + n * a.k_stride[1] + g * a.k_stride[2];
+        const int64_t v = b * a.v_stride[0] + n * a.v_stride[1] + g * a.v_stride[2];
+        for (int c = 0; c < D; ++c) {
+          host::storeElement<C>(a.k_cache, base + c, host::loadElement<C>(a.k, k + c));
+          host::storeElement<C>(a.v_cache, base + c, host::loadElement<C>(a.v, v + c));
+        }
+      }
+    }
+  }
 }
 
 template <class C>
@@ -366,7 +437,7 @@ void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_t block) {
 template <class C>
 void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int64_t block) {
   host::stats.masked_blocks++;
-  const int64_t L = seq_len<C>(a);
+  const int64_t L = C::decode ? decode_len<C>(a, block_z(a)) : seq_len<C>(a);
   for (int r = 0; r < C::block_m; ++r)
     for (int c = 0; c < C::block_n; ++c) {
       const int64_t j = block * C::block_n + c;
@@ -423,17 +494,17 @@ namespace host {
 template <class C>
 void storeLse(SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
   if (!a.lse) return;
-  const int64_t L = seq_len<C>(a);
-  for (int r = 0; r < C::cta_rows && row0 + r < L; ++r)
-    a.lse[(b * C::heads + head) * L + row0 + r] = state.m[r] + std::log(state.l[r]);
+  const int64_t L = seq_len<C>(a), first = host::storedRow<C>(a, row0, b);
+  for (int r = 0; r < C::cta_rows && first + r < L; ++r)
+    a.lse[(b * C::heads + head) * L + first + r] = state.m[r] + std::log(state.l[r]);
 }
 }  // namespace host
 
 template <class C>
 void store_rows(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
-  const int64_t L = seq_len<C>(a);
-  for (int r = 0; r < C::cta_rows && row0 + r < L; ++r)
-    std::memcpy(static_cast<float*>(a.o_pseudo) + ((b * C::heads + head) * L + row0 + r) * C::head_dim, acc.row(r),
+  const int64_t L = seq_len<C>(a), first = host::storedRow<C>(a, row0, b);
+  for (int r = 0; r < C::cta_rows && first + r < L; ++r)
+    std::memcpy(static_cast<float*>(a.o_pseudo) + ((b * C::heads + head) * L + first + r) * C::head_dim, acc.row(r),
                 sizeof(float) * C::head_dim);
   host::storeLse<C>(state, a, row0, head, b);
 }
@@ -444,7 +515,7 @@ void store_collapsed(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, 
                      int64_t b) {
   constexpr int P = C::pseudo_heads;
   for (int t = 0; t < C::block_m / P; ++t) {
-    const int64_t n = row0 / P + t;
+    const int64_t n = host::storedRow<C>(a, row0, b) / P + t;
     if (n >= a.tokens) break;
     const int64_t base = b * a.out_stride[0] + n * a.out_stride[1] + head * a.out_stride[2];
     for (int d = 0; d < C::head_dim; ++d) {
@@ -482,7 +553,7 @@ template <class C>
 void store_out(OutTile<C>& out, const IhaArgs& a, int64_t row0, int64_t b) {
   constexpr int P = C::pseudo_heads;
   for (int t = 0; t < C::block_m / P; ++t) {
-    const int64_t n = row0 / P + t;
+    const int64_t n = host::storedRow<C>(a, row0, b) / P + t;
     if (n >= a.tokens) break;
     for (int h = 0; h < C::heads; ++h) {
       const int64_t base = b * a.out_stride[0] + n * a.out_stride[1] + h * a.out_stride[2];

@@ -26,7 +26,11 @@ def Iha_KernelOp : Iha_Op<"kernel", [IsolatedFromAbove, Symbol, SingleBlock, NoT
   let description = [{
     The root of a loom program. `spec` fixes the function; `schedule`, once
     iha-apply-schedule has run, fixes how it is computed. A `backward` kernel
-    computes the gradients of sum(out * dout) instead of out. The body holds
+    computes the gradients of sum(out * dout) instead of out. A `decode`
+    kernel is one decode step over a paged cache (docs/IHA.md, "Decode over a
+    paged cache"): the new tokens' k and v appended, their rows attended to
+    every cached row; `mixed_cache` caches the mixed, rotated pseudo-keys and
+    values in place of the raw k and v. The body holds
     spec-level ops before scheduling and `iha.launch` ops after.
 
     Example:
@@ -43,10 +47,12 @@ def Iha_KernelOp : Iha_Op<"kernel", [IsolatedFromAbove, Symbol, SingleBlock, NoT
     ```
   }];
   let arguments = (ins SymbolNameAttr:$sym_name, Iha_SpecAttr:$spec,
-                       OptionalAttr<Iha_ScheduleAttr>:$schedule, UnitAttr:$backward);
+                       OptionalAttr<Iha_ScheduleAttr>:$schedule, UnitAttr:$backward, UnitAttr:$decode,
+                       UnitAttr:$mixed_cache);
   let regions = (region SizedRegion<1>:$body);
   let assemblyFormat = [{
-    $sym_name (`backward` $backward^)? `spec` `(` $spec `)` (`schedule` `(` $schedule^ `)`)?
+    $sym_name (`backward` $backward^)? (`decode` $decode^)? (`mixed_cache` $mixed_cache^)?
+    `spec` `(` $spec `)` (`schedule` `(` $schedule^ `)`)?
     attr-dict-with-keyword $body
   }];
   let hasVerifier = 1;
@@ -148,6 +154,47 @@ def Iha_SeqLenOp : Iha_BlockOp<"seq_len", [Pure]> {
   let description = [{ Example: `%L = iha.seq_len : i64` }];
   let results = (outs I64:$result);
   let assemblyFormat = "attr-dict `:` type($result)";
+}
+
+def Iha_DecodeLenOp : Iha_BlockOp<"decode_len", [Pure]> {
+  let summary = "a decode step's virtual sequence length: (cache_len[batch] + T) * P";
+  let description = [{
+    In a decode kernel, the rows of sequence `batch` once the step's T new
+    tokens are cached: the end of its keys and of its new query rows.
+
+    Example: `%L = iha.decode_len batch %b : i64`
+  }];
+  let arguments = (ins I64:$batch);
+  let results = (outs I64:$result);
+  let assemblyFormat = "`batch` $batch attr-dict `:` type($result)";
+}
+
+def Iha_CachedRowsOp : Iha_BlockOp<"cached_rows", [Pure]> {
+  let summary = "a decode step's first new virtual row: cache_len[batch] * P";
+  let description = [{
+    The new tokens of sequence `batch` sit after its cached ones, so its
+    query rows start there (their RoPE positions and masks are the forward's).
+
+    Example: `%r = iha.cached_rows batch %b : i64`
+  }];
+  let arguments = (ins I64:$batch);
+  let results = (outs I64:$result);
+  let assemblyFormat = "`batch` $batch attr-dict `:` type($result)";
+}
+
+def Iha_AppendCacheOp : Iha_BlockOp<"append_cache"> {
+  let summary = "write a block of a decode step's new tokens' k and v into the paged cache";
+  let description = [{
+    For the CTA's new tokens [token0, token0 + rows_per_cta) of sequence
+    `batch`: token t goes to position cache_len[batch] + t, in page
+    page_table[batch][position / page_size], as the raw k and v or, in a
+    `mixed_cache` kernel, as the mixed pseudo-keys (normalised, rotated at
+    their virtual positions) and pseudo-values.
+
+    Example: `iha.append_cache tokens %t0 batch %b`
+  }];
+  let arguments = (ins I64:$token0, I64:$batch);
+  let assemblyFormat = "`tokens` $token0 `batch` $batch attr-dict";
 }
 
 def Iha_PremixOp : Iha_BlockOp<"premix"> {
