@@ -460,6 +460,83 @@ py::tuple referenceBackward(const py::object& q, const py::object& k, const py::
   return result;
 }
 
+//===--- loom.decode ------------------------------------------------------===//
+
+// An int32 host array (page_table, cache_len): dense, of `rank` dimensions.
+const int32_t* int32Array(const Borrowed& b, const char* name, int rank, std::vector<int64_t>* shape) {
+  const DLTensor& t = *b.tensor;
+  if (t.device.device_type != kDLCPU) throw BadArgument(std::string(name) + ": must be in host memory");
+  if (t.dtype.code != kDLInt || t.dtype.bits != 32 || t.dtype.lanes != 1)
+    throw BadArgument(std::string(name) + ": dtype must be int32");
+  if (t.ndim != rank) throw BadArgument(std::string(name) + ": want " + std::to_string(rank) + " dimensions");
+  shape->assign(t.shape, t.shape + t.ndim);
+  if (t.strides) {
+    int64_t expected = 1;
+    for (int i = t.ndim - 1; i >= 0; --i) {
+      if (t.shape[i] != 1 && t.strides[i] != expected) throw BadArgument(std::string(name) + ": must be contiguous");
+      expected *= t.shape[i];
+    }
+  }
+  return reinterpret_cast<const int32_t*>(static_cast<const char*>(t.data) + t.byte_offset);
+}
+
+// One decode step over a paged cache (docs/IHA.md, Decode over a paged
+// cache) on host tensors: the step's k and v appended to k_cache / v_cache
+// in place, out [B, T, H, d] written (or allocated and returned).
+py::object decode(const py::object& q, const py::object& k, const py::object& v, const py::object& alphaQ,
+                  const py::object& alphaK, const py::object& alphaV, const py::object& collapse,
+                  const py::object& kCache, const py::object& vCache, const py::object& pageTable,
+                  const py::object& cacheLen, const py::object& specValue, const std::string& layoutName,
+                  const py::object& out, const py::object& lse, const py::object& scheduleValue,
+                  const std::string& cacheDir, int threads) {
+  const KernelSpec spec = specOf(specValue);
+  const Schedule schedule = scheduleOf(scheduleValue);
+  const CacheLayout layout = valueOr(parseCacheLayout(layoutName), true);
+  const Inputs inputs = borrowInputs(q, k, v, alphaQ, alphaK, alphaV, collapse, std::nullopt);
+  const DLTensor& qt = inputs.q();
+  if (qt.device.device_type != kDLCPU)
+    throw BadArgument("decode: the tensors are on a CUDA device, and loom's CUDA decode kernels are not built yet; "
+                      "host tensors run the generated decode step on the host tile API");
+  const std::vector<int64_t> outShape = {qt.shape[0], qt.shape[1], spec.heads(), spec.head_dim()};
+  std::optional<Borrowed> outGiven, lseGiven;
+  Allocated made;
+  const DLTensor* outTensor = nullptr;
+  if (out.is_none()) {
+    made = allocate(outShape, dlTypeOf(spec.dtype()), bytesOf(spec.dtype()), qt.device, nullptr);
+    outTensor = &made.view;
+  } else {
+    outGiven = borrow(out, "out", std::nullopt);
+    outTensor = outGiven->tensor;
+  }
+  if (!lse.is_none()) lseGiven = borrow(lse, "lse", std::nullopt);
+  IhaTensors tensors = valueOr(tensorsFromDlpack(inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5],
+                                                 inputs[6], outTensor, lseGiven ? lseGiven->tensor : nullptr),
+                               true);
+  const Borrowed kc = borrow(kCache, "k_cache", std::nullopt), vc = borrow(vCache, "v_cache", std::nullopt);
+  const Borrowed table = borrow(pageTable, "page_table", std::nullopt), lengths = borrow(cacheLen, "cache_len", std::nullopt);
+  PagedCacheTensors cache;
+  cache.k_cache = valueOr(tensorFromDlpack("k_cache", kc.tensor), true);
+  cache.v_cache = valueOr(tensorFromDlpack("v_cache", vc.tensor), true);
+  std::vector<int64_t> tableShape, lengthShape;
+  cache.page_table = int32Array(table, "page_table", 2, &tableShape);
+  cache.cache_len = int32Array(lengths, "cache_len", 1, &lengthShape);
+  if (tableShape[0] != qt.shape[0] || lengthShape[0] != qt.shape[0])
+    throw BadArgument("page_table and cache_len: want one row / entry per sequence (B = " + std::to_string(qt.shape[0]) +
+                      "), got " + shapeString(tableShape) + " and " + shapeString(lengthShape));
+  cache.max_pages = tableShape[1];
+  cache.layout = layout;
+  check(validateDecodeTensors(spec, tensors, cache, kHostDevice), true);
+  cpu::CpuOptions options;
+  options.cacheDir = cacheDir;
+  options.threads = threads;
+  {
+    py::gil_scoped_release release;
+    check(runDecodeOnHost(spec, tensors, cache, schedule, options), false);
+  }
+  if (outGiven) return out;
+  return py::cast(made.tensor);
+}
+
 std::string generate(const py::object& specValue, const py::object& scheduleValue, const std::string& targetName) {
   const KernelSpec spec = specOf(specValue);
   const v1::Target target = valueOr(parseTarget(targetName), true);
@@ -583,6 +660,18 @@ PYBIND11_MODULE(_loom, m) {
         py::arg("collapse"), py::arg("dout"), py::arg("spec"), py::arg("grads") = std::vector<py::object>{},
         py::arg("lse") = py::none(), py::arg("stream") = py::none(), py::arg("schedule") = py::none(),
         py::arg("cache_dir") = "", py::arg("service") = "", py::arg("threads") = 0);
+  m.def("decode", &decode,
+        "One decode step over a paged cache (docs/IHA.md, Decode over a paged cache), on host tensors: the new\n"
+        "tokens' q [B, T, H, d], k and v [B, T, G, d] and the weights as for iha; k_cache and v_cache\n"
+        "[num_pages, page_size, G, d] (cache='raw') or [num_pages, page_size, G, P, d] (cache='mixed') in the\n"
+        "spec's dtype; page_table [B, max_pages] and cache_len [B], int32. Appends the step's k and v at\n"
+        "positions cache_len .. cache_len + T - 1 (in place; advance cache_len by T yourself) and returns out\n"
+        "[B, T, H, d] (or writes `out`; `lse` [B, H, T*P] when given). Runs the generated decode program on the\n"
+        "host tile API; the CUDA decode kernels are not built yet.",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha_q"), py::arg("alpha_k"), py::arg("alpha_v"),
+        py::arg("collapse"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"), py::arg("cache_len"),
+        py::arg("spec"), py::arg("cache") = "raw", py::arg("out") = py::none(), py::arg("lse") = py::none(),
+        py::arg("schedule") = py::none(), py::arg("cache_dir") = "", py::arg("threads") = 0);
   m.def("reference_backward", &referenceBackward,
         "The seven gradients of sum(out * dout) by the float64 backward reference, on host tensors, as float64\n"
         "loom.Tensors (inputs may be float64, float32 or the 16-bit dtypes)",

@@ -3,6 +3,8 @@
     import loom
     out = loom.iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec)          # any DLPack tensors
     grads = loom.iha_backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, dout, spec)
+    out = loom.decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse,  # one step over a paged cache
+                      k_cache, v_cache, page_table, cache_len, spec, cache="raw")
 
 CUDA tensors run the spec's kernels (tuned, cached, compiled by NVRTC), host
 tensors the same generated program on the host tile API. For PyTorch
@@ -13,6 +15,7 @@ from ._loom import (  # noqa: F401  (the public API)
     Tensor,
     __version__,
     compile,
+    decode,
     devices,
     generate,
     generator_version,

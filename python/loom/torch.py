@@ -178,6 +178,28 @@ def iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, *, schedule=None, ca
                               threads)
 
 
+def decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len, spec, *,
+           cache: str = "raw", schedule=None, cache_dir: str = "", threads: int = 0) -> torch.Tensor:
+    """One decode step over a paged cache (docs/IHA.md, Decode over a paged cache): the new tokens' q
+    [B, T, H, d], k and v [B, T, G, d]; k_cache and v_cache [num_pages, page_size, G, d] (cache="raw": the
+    projections, P times smaller) or [num_pages, page_size, G, P, d] (cache="mixed"), the spec's dtype;
+    page_table [B, max_pages] and cache_len [B], int32. Appends k and v to the caches in place at positions
+    cache_len .. cache_len + T - 1 (advance cache_len by T afterwards) and returns out [B, T, H, d]. Host
+    tensors run the generated decode program on the host tile API; CUDA decode kernels are not built yet."""
+    spec_json = json.dumps(spec_for(spec, q.dtype), sort_keys=True)
+    schedule_json = None if schedule is None else (schedule if isinstance(schedule, str) else json.dumps(schedule))
+    _check_inputs(q, (alpha_q, alpha_k, alpha_v, collapse))
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous: the step appends to it in place")
+    s = json.loads(spec_json)
+    out = torch.empty((q.shape[0], q.shape[1], s["heads"], s["head_dim"]), dtype=q.dtype, device=q.device)
+    tensors = _prepared((q, k, v, alpha_q, alpha_k, alpha_v, collapse))
+    _loom.decode(*tensors, k_cache.detach(), v_cache.detach(), page_table.contiguous(), cache_len.contiguous(),
+                 spec_json, cache=cache, out=out, schedule=schedule_json, cache_dir=cache_dir, threads=threads)
+    return out
+
+
 def _allowed(s: dict, L: int, P: int, device) -> torch.Tensor:
     """[L, L] bool: may virtual row i attend to row j (docs/IHA.md, step 4 and the options)."""
     i = torch.arange(L, device=device)[:, None]

@@ -160,6 +160,67 @@ class HostKernels(unittest.TestCase):
             lt.iha(tensors[0], tensors[1][:, :, :1], *tensors[2:], spec)
 
 
+class Decode(unittest.TestCase):
+    """loom.torch.decode on host tensors over a paged cache under a shuffled page table: a chunked prefill
+    (one step of the first tokens into an empty cache), then steps of T = 2 and T = 1, whose rows together are
+    the forward's (docs/IHA.md, Decode over a paged cache), for both cache layouts."""
+
+    @staticmethod
+    def causal_spec(rng):
+        while True:
+            spec = random_spec(rng)
+            if spec["mask"] != "none":
+                return spec
+
+    def test_prefill_then_steps_give_the_forwards_rows(self):
+        rng = random.Random(SEED + 7)
+        gen = torch.Generator().manual_seed(SEED + 7)
+        for layout in ("raw", "mixed"):
+            for _ in range(2):
+                spec = self.causal_spec(rng)
+                B, page, n0 = 2, rng.choice((1, 3, 16)), rng.randint(1, 8)
+                N = n0 + 3
+                G, P, d = spec["kv_heads"], spec["pseudo_heads"], spec["head_dim"]
+                with self.subTest(spec=spec, layout=layout, page=page, prefill=n0):
+                    tensors = draw(spec, B, N, torch.float32, gen, requires_grad=False)
+                    want = lt.iha_eager(*[t.double() for t in tensors], spec)
+                    q, k, v, weights = tensors[0], tensors[1], tensors[2], tensors[3:]
+                    per = -(-N // page)
+                    pages = B * per + 1
+                    table = torch.randperm(pages, generator=gen)[:B * per].view(B, per).to(torch.int32)
+                    shape = (pages, page, G, d) if layout == "raw" else (pages, page, G, P, d)
+                    k_cache = torch.full(shape, float("nan"))
+                    v_cache = torch.full(shape, float("nan"))
+                    cache_len = torch.zeros(B, dtype=torch.int32)
+                    outs = []
+                    for lo, hi in ((0, n0), (n0, n0 + 2), (n0 + 2, N)):
+                        outs.append(lt.decode(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], *weights, k_cache, v_cache,
+                                              table, cache_len, spec, cache=layout, cache_dir=CACHE, threads=2))
+                        cache_len += hi - lo
+                    self.assertLess(relative(torch.cat(outs, dim=1), want), 1e-5)
+                    filled = int(torch.isfinite(k_cache).flatten(2).all(dim=2).sum())
+                    self.assertEqual(filled, B * N, "cache slots written: one per token")
+                    if layout == "raw":
+                        slots = [table[b, t // page] * page + t % page for b in range(B) for t in range(N)]
+                        got = k_cache.flatten(0, 1)[torch.tensor(slots, dtype=torch.long)].view(B, N, G, d)
+                        self.assertTrue(torch.equal(got, k), "the raw cache holds k as projected")
+
+    def test_errors_name_what_is_wrong(self):
+        spec = {"heads": 2, "kv_heads": 1, "pseudo_heads": 2, "head_dim": 8, "mask": "flat_causal", "collapse": "per_head"}
+        gen = torch.Generator().manual_seed(SEED)
+        q, k, v, *weights = draw(spec, 1, 1, torch.float32, gen, requires_grad=False)
+        k_cache, v_cache = torch.zeros(4, 4, 1, 8), torch.zeros(4, 4, 1, 8)
+        table, lengths = torch.tensor([[2, 0]], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+        lt.decode(q, k, v, *weights, k_cache, v_cache, table, lengths, spec, cache_dir=CACHE, threads=2)
+        with self.assertRaisesRegex(Exception, "page_table: dtype must be int32"):
+            lt.decode(q, k, v, *weights, k_cache, v_cache, table.long(), lengths, spec, cache_dir=CACHE)
+        with self.assertRaisesRegex(Exception, r"page_table\[0\]\[1\] is 7, outside the cache's 4 pages"):
+            lt.decode(q, k, v, *weights, k_cache, v_cache, torch.tensor([[2, 7]], dtype=torch.int32),
+                      torch.tensor([4], dtype=torch.int32), spec, cache_dir=CACHE)
+        with self.assertRaisesRegex(Exception, "k_cache: want"):
+            lt.decode(q, k, v, *weights, k_cache, v_cache, table, lengths, spec, cache="mixed", cache_dir=CACHE)
+
+
 class Layer(unittest.TestCase):
     def test_parameters_are_the_documented_ones(self):
         layer = lt.InterleavedHeadAttention(32, heads=4, pseudo_heads=3, kv_heads=2, head_dim=8, collapse="global")
