@@ -298,9 +298,7 @@ py::object iha(const py::object& q, const py::object& k, const py::object& v, co
   if (onHost) {
     check(validateTensors(spec, tensors, kHostDevice), true);
     valueOr(resolveSchedule(spec, schedule, valueOr(parseTarget("cpu"), false)), true);
-    cpu::CpuOptions options;
-    options.cacheDir = cacheDir;
-    options.threads = threads;
+    const cpu::CpuOptions options{cacheDir, threads};
     py::gil_scoped_release release;
     check(runOnHost(spec, tensors, schedule, options), false);  // what is left: compiling, running
   } else {
@@ -361,9 +359,7 @@ py::tuple ihaBackward(const py::object& q, const py::object& k, const py::object
                                  true);
   if (onHost) {
     check(validateGradTensors(spec, tensors, grads, kHostDevice), true);
-    cpu::CpuOptions options;
-    options.cacheDir = cacheDir;
-    options.threads = threads;
+    const cpu::CpuOptions options{cacheDir, threads};
     py::gil_scoped_release release;
     check(runBackwardOnHost(spec, tensors, grads, schedule, options), false);
   } else {
@@ -526,9 +522,7 @@ py::object decode(const py::object& q, const py::object& k, const py::object& v,
   cache.max_pages = tableShape[1];
   cache.layout = layout;
   check(validateDecodeTensors(spec, tensors, cache, kHostDevice), true);
-  cpu::CpuOptions options;
-  options.cacheDir = cacheDir;
-  options.threads = threads;
+  const cpu::CpuOptions options{cacheDir, threads};
   {
     py::gil_scoped_release release;
     check(runDecodeOnHost(spec, tensors, cache, schedule, options), false);

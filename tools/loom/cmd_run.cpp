@@ -47,6 +47,11 @@ struct RunOptions {
   std::string cacheLayout = "raw";
 };
 
+// "compiled in 1.23 s" or "from the cache": where the host program came from.
+std::string compiledText(const cpu::CpuRunStats& stats) {
+  return stats.compiled ? "compiled in " + std::to_string(stats.compileSeconds).substr(0, 4) + " s" : "from the cache";
+}
+
 // The generated program through NVRTC on the GPU.
 Result<std::vector<double>> runOnCuda(const RunOptions& options, const IhaCase& c) {
   auto schedule = readScheduleFile(options.schedulePath);
@@ -94,8 +99,7 @@ Result<std::vector<double>> runOnCpu(const RunOptions& options, const IhaCase& c
   if (!outputs) return outputs.error();
   const cpu::CpuRunStats& stats = outputs->stats;
   std::printf("cpu: schedule %s; %s; %lld key blocks visited, %lld masked\n", plan->schedule.ShortDebugString().c_str(),
-              stats.compiled ? ("compiled in " + std::to_string(stats.compileSeconds).substr(0, 4) + " s").c_str()
-                             : "from the cache",
+              compiledText(stats).c_str(),
               (long long)stats.keyBlocks, (long long)stats.maskedBlocks);
   return std::move(outputs->out);
 }
@@ -145,8 +149,7 @@ Result<reference::IhaGradients> runBackwardOnCpu(const RunOptions& options, cons
   const cpu::CpuRunStats& stats = outputs->stats;
   std::printf("cpu backward: schedule %s; %s; %lld (query block, key block) pairs, %lld masked\n",
               plan->schedule.ShortDebugString().c_str(),
-              stats.compiled ? ("compiled in " + std::to_string(stats.compileSeconds).substr(0, 4) + " s").c_str()
-                             : "from the cache",
+              compiledText(stats).c_str(),
               (long long)stats.keyBlocks, (long long)stats.maskedBlocks);
   return std::move(outputs->gradients);
 }
@@ -263,8 +266,7 @@ int runDecode(const RunOptions& options, const IhaCase& c) {
     const cpu::CpuRunStats& stats = run->stats;
     std::printf("cpu decode: schedule %s; %s; %lld key blocks visited, %lld masked\n",
                 plan->schedule.ShortDebugString().c_str(),
-                stats.compiled ? ("compiled in " + std::to_string(stats.compileSeconds).substr(0, 4) + " s").c_str()
-                               : "from the cache",
+                compiledText(stats).c_str(),
                 (long long)stats.keyBlocks, (long long)stats.maskedBlocks);
     out = std::move(run->out);
   } else {
