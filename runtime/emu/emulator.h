@@ -20,6 +20,7 @@
 #include "emu/cta.h"
 #include "emu/findings.h"
 #include "io/case.h"
+#include "io/decode_case.h"
 #include "loom/compiler.h"
 #include "loom/result.h"
 
@@ -48,6 +49,9 @@ struct EmuOptions {
   // kept it) skips its pre-mix and attention launches.
   KeptForward* keep = nullptr;
   const KeptForward* kept = nullptr;
+  // A decode plan's step (runDecodeOnEmulator sets it): its cache, page
+  // table and lengths; the case is then the step's (N = T).
+  const DecodeCase* decode = nullptr;
 };
 
 struct EmuRun {
@@ -64,6 +68,8 @@ struct EmuRun {
   double compileSeconds = 0, runSeconds = 0;
   // A backward plan's gradients of sum(out * dout) (float32, widened).
   std::optional<reference::IhaGradients> gradients;
+  // A decode plan's cache after the step (read back from the dtype).
+  std::optional<reference::PagedCache> cache;
 };
 
 // Compiles (or finds in the cache) the plan's CUDA program for the
@@ -73,6 +79,11 @@ struct EmuRun {
 // of the backward reads what the earlier ones wrote everywhere). The plan must target a
 // CUDA arch; the emulator needs clang (LOOM_EMU_CXX, else clang++-19).
 Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const EmuOptions& options = {});
+
+// A decode plan (Direction::decode, a raw cache) on a decode step: the
+// cache, page table and lengths laid out beside the step's tensors, out
+// [B, T, H, d], lse [B, H, T*P] and the cache after the append read back.
+Result<EmuRun> runDecodeOnEmulator(const KernelPlan& plan, const DecodeCase& step, const EmuOptions& options = {});
 
 // The relative error of the covered tokens of `out` against `expected`
 // ([B, N, H, d] both).

@@ -85,6 +85,8 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
     if (options.maxCtas > 0) return makeError("a forward that keeps its state for the backward runs whole: no --ctas");
   }
   if (options.kept && !backward) return makeError("only a backward starts from a kept forward");
+  if ((plan.direction == Direction::decode) != (options.decode != nullptr))
+    return makeError("a decode plan runs on a decode step (runDecodeOnEmulator), and only a decode plan does");
   if (options.kept)
     if (Status ok = checkKeptFits(*options.kept, plan, c.batch, c.tokens); !ok) return ok.error();
   const fs::path cacheDir = options.cacheDir.empty() ? defaultCacheDir() : options.cacheDir;
@@ -168,6 +170,26 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
   args.batch = B;
   args.tokens = N;
   cpu::setDenseStrides(args, N, H, G, d);
+  if (options.decode) {  // the step's cache: read and appended to through the page table
+    const DecodeCase& step = *options.decode;
+    auto cache = [&](const char* name, const std::vector<double>& values) {
+      const NpyArray array = npyFromDouble(values, {int64_t(values.size())}, storage);
+      unsigned char* data = memory.allocate(name, array.bytes.size(), false);
+      std::memcpy(data, array.bytes.data(), array.bytes.size());
+      return data;
+    };
+    auto ints = [&](const char* name, const std::vector<int32_t>& values) {
+      auto* data = reinterpret_cast<int32_t*>(memory.allocate(name, values.size() * sizeof(int32_t), true));
+      std::memcpy(data, values.data(), values.size() * sizeof(int32_t));
+      return data;
+    };
+    args.k_cache = cache("k_cache", step.cache.k);
+    args.v_cache = cache("v_cache", step.cache.v);
+    args.page_table = ints("page_table", step.cache.pageTable);
+    args.cache_len = ints("cache_len", step.cache.cacheLen);
+    args.page_size = step.shape.pageSize;
+    args.max_pages = step.shape.maxPages;
+  }
   if (options.kept) {  // the forward's rows and lse in place of the pre-mix's and the attention's
     void* const targets[] = {args.q_mixed, args.k_mixed, args.v_mixed, args.o_pseudo};
     for (size_t i = 0; i < std::size(kKeptWorkspaces); ++i) {
@@ -279,6 +301,18 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
     }
     options.keep->lse.assign(args.lse, args.lse + B * H * L);
   }
+  if (options.decode) {
+    reference::PagedCache after = options.decode->cache;
+    for (auto [target, source] : {std::pair{&after.k, args.k_cache}, {&after.v, args.v_cache}}) {
+      NpyArray bytes;
+      bytes.type = storage;
+      bytes.shape = {int64_t(target->size())};
+      const auto* begin = static_cast<const uint8_t*>(source);
+      bytes.bytes.assign(begin, begin + target->size() * NpyArray::elementSize(storage));
+      *target = npyToDouble(bytes, spec.dtype() == v1::bfloat16);
+    }
+    run.cache = std::move(after);
+  }
   if (backward) {
     auto widen = [](const float* values, const std::vector<double>& like) {
       return std::vector<double>(values, values + like.size());
@@ -289,6 +323,21 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
         widen(args.dalpha_v, c.inputs.alpha_v), widen(args.dcollapse, c.inputs.collapse)};
   }
   return run;
+}
+
+Result<EmuRun> runDecodeOnEmulator(const KernelPlan& plan, const DecodeCase& step, const EmuOptions& options) {
+  if (Status ok = validateDecode(step.shape, step.cache.pageTable, step.cache.cacheLen); !ok) return ok.error();
+  if (plan.mixedCache != (step.layout == CacheLayout::mixed))
+    return makeError(std::string("the plan is for a ") + (plan.mixedCache ? "mixed" : "raw") + " cache, the step's is " +
+                     cacheLayoutName(step.layout));
+  IhaCase c;
+  c.spec = plan.spec;
+  c.batch = step.shape.batch;
+  c.tokens = step.shape.newTokens;
+  c.inputs = step.step;
+  EmuOptions withStep = options;
+  withStep.decode = &step;
+  return runOnEmulator(plan, c, withStep);
 }
 
 double coveredRelativeError(const EmuRun& run, const std::vector<double>& expected, int64_t batch, int64_t tokens,

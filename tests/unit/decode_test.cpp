@@ -6,6 +6,9 @@
 #include <gtest/gtest.h>
 
 #include "cpu/cpu_backend.h"
+#include "api/compile.h"
+#include "emu/emulator.h"
+#include "jit/nvrtc_compiler.h"
 #include "io/decode_case.h"
 #include "loom/compiler.h"
 #include "loom/decode.h"
@@ -102,6 +105,31 @@ void expectHostStep(const IhaCase& c, const DecodeCase& dc, const Schedule& sche
   }
 }
 
+// The CUDA decode step of `arch` (a raw cache) on the emulator: no finding,
+// out and lse within the dtype's tolerance of the forward's rows, the new
+// tokens' k and v exactly at their slots, nothing else written.
+void expectEmulatedStep(const IhaCase& c, const DecodeCase& dc, const std::string& arch, uint64_t seed) {
+  GenerateOptions options;
+  options.direction = Direction::decode;
+  auto plan = generateKernel(dc.spec, {}, *parseTarget(arch), options);
+  ASSERT_TRUE(plan) << plan.error().message;
+  emu::EmuOptions emuOptions;
+  emuOptions.cacheDir = LOOM_TEST_CACHE;
+  emuOptions.threads = 2;
+  emuOptions.seed = seed;
+  auto run = emu::runDecodeOnEmulator(*plan, dc, emuOptions);
+  ASSERT_TRUE(run) << run.error().message;
+  EXPECT_EQ(run->findingCount, 0) << emu::summary(*run);
+  EXPECT_FALSE(run->deadlocked);
+  const double tolerance = toleranceFor(c.spec.dtype());
+  EXPECT_LE(relativeError(run->out, dc.expected), tolerance) << "out";
+  reference::DecodeOutputs asLse{{}, run->lse};
+  EXPECT_LE(lseError(c, dc, asLse), tolerance) << "lse";
+  ASSERT_TRUE(run->cache);
+  expectOnlyTheSequencesSlotsFilled(dc, *run->cache);
+  expectRawAppend(dc, *run->cache);
+}
+
 class SharedCaseDecode : public ::testing::TestWithParam<std::string> {};
 
 // Every shared case: its last T tokens decoded over a cache of the others
@@ -145,6 +173,24 @@ TEST_P(SharedCaseDecode, HostKernelGivesTheForwardsRows) {
       ASSERT_TRUE(dc) << dc.error().message;
       expectHostStep(*c, *dc);
     }
+}
+
+// The CUDA program on the emulator: each shared case in a 16-bit dtype (its
+// own, or float16 / bfloat16 by turns), T = 2 over 3-token pages, sm_80 and
+// sm_90a by turns.
+TEST_P(SharedCaseDecode, EmulatedCudaStepWithoutFindings) {
+  auto loaded = loadCase(testing::casesDir() + "/" + GetParam());
+  ASSERT_TRUE(loaded) << loaded.error().message;
+  const auto names = testing::sharedCaseNames();
+  const size_t index = size_t(std::find(names.begin(), names.end(), GetParam()) - names.begin());
+  const IhaCase c = loaded->spec.dtype() != v1::float32 ? *loaded
+                                                        : withDtype(*loaded, index % 2 ? v1::float16 : v1::bfloat16);
+  const std::string arch = index % 2 ? "sm_90a" : "sm_80";
+  SCOPED_TRACE(arch + " " + dtypeName(c.spec.dtype()));
+  const uint64_t seed = testing::testSeed();
+  auto dc = decodeCaseFrom(c, {std::min<int64_t>(2, c.tokens), 3, CacheLayout::raw, {}, seed});
+  ASSERT_TRUE(dc) << dc.error().message;
+  expectEmulatedStep(c, *dc, arch, seed);
 }
 
 INSTANTIATE_TEST_SUITE_P(Vectors, SharedCaseDecode, ::testing::ValuesIn(testing::sharedCaseNames()),
@@ -209,6 +255,49 @@ TEST(Decode, HostKernelOnDrawnSpecsAndSchedules) {
   }
 }
 
+// The emulated CUDA step on drawn specs the dtype can check, ragged lengths
+// and page sizes.
+TEST(Decode, EmulatedCudaStepOnDrawnSpecs) {
+  std::mt19937_64 rng(testing::testSeed() ^ 0xc0da);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  for (int draw = 0; draw < 3; ++draw) {
+    const IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
+      KernelSpec spec = testing::randomSpec(rng);
+      spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
+      spec.set_head_dim(int32_t(16 * pick(1, 4)));
+      return testing::DrawnShape{spec, pick(1, 3), pick(2, 24)};
+    });
+    const int64_t T = pick(1, std::min<int64_t>(4, c.tokens));
+    DecodeLayout layout{T, pick(1, 9), CacheLayout::raw, {}, rng()};
+    for (int64_t b = 0; b < c.batch; ++b) layout.cached.push_back(pick(0, c.tokens - T));
+    const std::string arch = pick(0, 1) ? "sm_90a" : "sm_80";
+    SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " page " + std::to_string(layout.pageSize) + " " +
+                 arch);
+    auto dc = decodeCaseFrom(c, layout);
+    ASSERT_TRUE(dc) << dc.error().message;
+    expectEmulatedStep(c, *dc, arch, rng());
+  }
+}
+
+// NVRTC compiles the CUDA decode step's launches with zero spills and no stack frame.
+TEST(Decode, NvrtcCompilesTheCudaStepWithoutSpills) {
+  KernelSpec spec = testing::makeSpec({.heads = 8, .kvHeads = 2, .pseudoHeads = 4, .headDim = 128,
+                                       .dtype = v1::bfloat16, .mask = v1::flat_causal, .ropeTheta = 10000});
+  spec.set_qk_norm(v1::KernelSpec::rms);
+  jit::NvrtcCompiler compiler("");
+  for (const char* arch : {"sm_80", "sm_90a"}) {
+    std::shared_ptr<const jit::Artifact> artifact;
+    auto kernel = compileKernel(spec, Schedule(), *parseTarget(arch), compiler, &artifact, Direction::decode);
+    ASSERT_TRUE(kernel) << kernel.error().message << "\n" << kernel.error().log;
+    EXPECT_TRUE(artifact->usesAsyncCopies()) << "the cache's pages come in by cp.async";
+    ASSERT_EQ(artifact->resources.size(), 2u) << artifact->log;  // iha_append, iha_attention
+    for (const auto& usage : artifact->resources) {
+      EXPECT_EQ(usage.spill_store_bytes() + usage.spill_load_bytes(), 0) << arch << " " << usage.ShortDebugString();
+      EXPECT_EQ(usage.stack_frame_bytes(), 0) << arch << " " << usage.ShortDebugString();
+    }
+  }
+}
+
 // What a decode plan cannot be (yet), each said.
 TEST(Decode, PlansSayWhatTheyCannotBe) {
   const KernelSpec spec = testing::makeSpec({.heads = 4, .pseudoHeads = 2, .headDim = 64});
@@ -220,9 +309,15 @@ TEST(Decode, PlansSayWhatTheyCannotBe) {
   ASSERT_FALSE(refused);
   EXPECT_NE(refused.error().message.find("schedule.mix materialized does not apply to a decode step"),
             std::string::npos);
-  auto cuda = generateKernel(spec, {}, *parseTarget("sm_80"), decode);
+  GenerateOptions mixedDecode = decode;
+  mixedDecode.mixedCache = true;
+  auto cuda = generateKernel(spec, {}, *parseTarget("sm_80"), mixedDecode);
   ASSERT_FALSE(cuda);
-  EXPECT_NE(cuda.error().message.find("has no decode kernel yet"), std::string::npos) << cuda.error().message;
+  EXPECT_NE(cuda.error().message.find("has no decode kernel over a mixed cache yet"), std::string::npos)
+      << cuda.error().message;
+  KernelSpec half = spec;
+  half.set_dtype(v1::float16);
+  EXPECT_TRUE(generateKernel(half, {}, *parseTarget("sm_80"), decode));
   GenerateOptions mixedForward;
   mixedForward.mixedCache = true;
   EXPECT_FALSE(generateKernel(spec, {}, *parseTarget("cpu"), mixedForward));
@@ -356,9 +451,13 @@ TEST(DecodeCli, DecodesACaseAndSaysWhatDoesNotFit) {
                               std::string(LOOM_TEST_CACHE) + " --out " + (dir / "cpu.npy"));
   EXPECT_EQ(cpu.exitCode, 0) << cpu.output;
   EXPECT_NE(cpu.output.find("cpu decode: schedule"), std::string::npos) << cpu.output;
-  auto emu = testing::runLoom("run --case " + cs + " --decode 1 --backend emu --out " + (dir / "x.npy"));
-  EXPECT_EQ(emu.exitCode, 2) << emu.output;
-  EXPECT_NE(emu.output.find("has no decode kernel yet"), std::string::npos) << emu.output;
+  auto emu = testing::runLoom("run --case " + cs + " --decode 2 --backend emu --dtype float16 --cache-dir " +
+                              std::string(LOOM_TEST_CACHE) + " --out " + (dir / "emu.npy"));
+  EXPECT_EQ(emu.exitCode, 0) << emu.output;
+  EXPECT_NE(emu.output.find("0 findings"), std::string::npos) << emu.output;
+  auto cuda = testing::runLoom("run --case " + cs + " --decode 1 --backend cuda --out " + (dir / "x.npy"));
+  EXPECT_EQ(cuda.exitCode, 2) << cuda.output;
+  EXPECT_NE(cuda.output.find("has no decode launch yet"), std::string::npos) << cuda.output;
 }
 
 }  // namespace

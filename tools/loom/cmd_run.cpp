@@ -224,9 +224,9 @@ int runBackward(const RunOptions& options, const IhaCase& c) {
 // shuffled page table, one step over the last T, compared with the forward's
 // rows at those tokens.
 int runDecode(const RunOptions& options, const IhaCase& c) {
-  if (options.backend != "reference" && options.backend != "cpu")
-    return badInput("--decode: backend '" + options.backend +
-                    "' has no decode kernel yet; the decode step runs on --backend reference or cpu");
+  if (options.backend == "cuda")
+    return badInput("--decode: backend 'cuda' has no decode launch yet; the decode step runs on --backend "
+                    "reference, cpu or emu (the CUDA program on the emulator)");
   auto layout = parseCacheLayout(options.cacheLayout);
   if (!layout) return badInput("--cache: " + layout.error().message);
   DecodeLayout decodeLayout;
@@ -250,7 +250,30 @@ int runDecode(const RunOptions& options, const IhaCase& c) {
                 (long long)perToken, (long long)(perToken * c.batch * c.tokens), (long long)(c.batch * c.tokens));
   }
   std::vector<double> out;
-  if (options.backend == "cpu") {
+  bool clean = true;  // no emulator findings
+  if (options.backend == "emu") {
+    auto schedule = readScheduleFile(options.schedulePath);
+    if (!schedule) return badInput(schedule.error().message);
+    auto target = parseTarget(options.target);
+    if (!target) return badInput(target.error().message);
+    if (target->kind() != v1::Target::cuda) return badInput("--target must be a CUDA arch (sm_80 .. sm_90a) with --backend emu");
+    GenerateOptions generate;
+    generate.direction = Direction::decode;
+    generate.mixedCache = *layout == CacheLayout::mixed;
+    auto plan = generateKernel(c.spec, *schedule, *target, generate);
+    if (!plan) return badInput(plan.error().message);
+    emu::EmuOptions emuOptions;
+    emuOptions.cacheDir = options.cacheDir;
+    emuOptions.threads = options.threads;
+    emuOptions.seed = options.seed;
+    auto run = emu::runDecodeOnEmulator(*plan, dc, emuOptions);
+    if (!run) return badInput(run.error().message);
+    std::printf("emu decode: %s, schedule %s\n%s\n", options.target.c_str(), plan->schedule.ShortDebugString().c_str(),
+                emu::summary(*run).c_str());
+    clean = run->findingCount == 0 && !run->deadlocked;
+    if (!clean) std::printf("emulator findings: %lld: FAILED\n", (long long)run->findingCount);
+    out = std::move(run->out);
+  } else if (options.backend == "cpu") {
     auto schedule = readScheduleFile(options.schedulePath);
     if (!schedule) return badInput(schedule.error().message);
     GenerateOptions generate;
@@ -281,7 +304,7 @@ int runDecode(const RunOptions& options, const IhaCase& c) {
   const bool pass = error <= tolerance;  // false for NaN
   std::printf("relative error %.3e against the forward's rows of the last %lld tokens (tolerance %.0e for %s): %s\n",
               error, (long long)options.decode, tolerance, dtypeName(c.spec.dtype()).c_str(), pass ? "ok" : "FAILED");
-  return pass ? kExitOk : kExitCheckFailed;
+  return pass && clean ? kExitOk : kExitCheckFailed;
 }
 
 int run(const RunOptions& options) {
@@ -396,7 +419,8 @@ void addRunCommand(CLI::App& app, std::function<int()>* action) {
                   "decode the case's last T tokens over a paged cache of the earlier ones (docs/IHA.md, Decode):\n"
                   "the cache gets tokens 0 .. N-T-1 under a shuffled page table (--seed), one step appends\n"
                   "and attends the last T, and out [B, T, H, d] is compared with the forward's rows there;\n"
-                  "prints the cache bytes of both layouts. Backends: reference, cpu (the generated decode step)")
+                  "prints the cache bytes of both layouts. Backends: reference, cpu (the generated decode step), emu\n"
+                  "(its CUDA program for --target on the emulator; raw cache)")
       ->check(CLI::Range(int64_t(1), std::numeric_limits<int64_t>::max()));
   cmd->add_option("--page-size", options->pageSize, "with --decode: tokens per cache page")
       ->check(CLI::Range(int64_t(1), int64_t(1) << 20))

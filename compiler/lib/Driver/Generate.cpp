@@ -298,7 +298,8 @@ struct CompilerContext {
 
 // The spec and its complete, checked schedule as attributes.
 Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const KernelSpec& spec, const Schedule& schedule,
-                                                  const v1::Target& target, Direction direction) {
+                                                  const v1::Target& target, Direction direction,
+                                                  bool mixedCache = false) {
   if (Status valid = validateSpec(spec); !valid) return valid.error();
   if (target.kind() == v1::Target::cuda)
     if (Status supported = checkCudaArch(target.arch()); !supported)
@@ -340,10 +341,10 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
   }
   if (direction == Direction::decode) {
     // The decode step mixes its rows as they stream (there is no pre-mix of
-    // a cache) on the mma engine; only the host tile API has it so far.
-    if (target.kind() == v1::Target::cuda)
-      return makeError("target " + target.arch() + " has no decode kernel yet: decode steps are generated for target "
-                       "cpu (the host tile API)");
+    // a cache) on the mma engine.
+    if (target.kind() == v1::Target::cuda && mixedCache)
+      return makeError("target " + target.arch() + " has no decode kernel over a mixed cache yet: a mixed cache is "
+                       "decoded on target cpu (the host tile API); a raw one on either");
     if (given.mix == MixStrategy::materialized)
       return makeError("schedule.mix materialized does not apply to a decode step: it mixes each cached block as "
                        "it streams (leave mix unset or fused)");
@@ -375,8 +376,12 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
                          " (lower block_m or block_n)");
     }
   }
-  if (target.kind() == v1::Target::cuda)
-    if (auto why = fitCudaTarget(specAttr, scheduleAttr, schedule, target)) return makeError(*why);
+  if (target.kind() == v1::Target::cuda) {
+    // A decode step keeps its mixing fused whatever shared memory it needs.
+    Schedule requested = schedule;
+    if (direction == Direction::decode) requested.set_mix(v1::mix_fused);
+    if (auto why = fitCudaTarget(specAttr, scheduleAttr, requested, target)) return makeError(*why);
+  }
   return std::make_pair(specAttr, scheduleAttr);
 }
 
@@ -395,7 +400,7 @@ Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedu
   CompilerContext c;
   mlir::MLIRContext& context = c.context;
   std::string& diagnostics = c.diagnostics;
-  auto resolved = resolve(c, spec, schedule, target, options.direction);
+  auto resolved = resolve(c, spec, schedule, target, options.direction, options.mixedCache);
   if (!resolved) return resolved.error();
   const auto [specAttr, scheduleAttr] = *resolved;
   const mlir::Location loc = mlir::UnknownLoc::get(&context);

@@ -139,6 +139,31 @@ template <class C>
 struct OutTile {};  // lives in shared memory (AttentionSmem::out)
 
 //===----------------------------------------------------------------------===//
+// A decode step's append (docs/IHA.md, Decode over a paged cache)
+//===----------------------------------------------------------------------===//
+
+// The step's new tokens' k and v into their pages of a raw cache, 16 bytes a
+// thread at a time: token n goes to position cache_len[b] + n. (A mixed
+// cache has no CUDA decode kernel yet; the compiler refuses one.)
+template <class C>
+__device__ void append_cache(const IhaArgs& a, int64_t token0, int64_t b) {
+  static_assert(!C::mixed_cache, "a mixed cache has no CUDA decode kernel yet");
+  constexpr int D = C::head_dim, chunks = D / kChunkElements, tokens = C::block_m / C::pseudo_heads;
+  for (int index = threadIdx.x; index < 2 * tokens * C::kv_heads * chunks; index += blockDim.x) {
+    const int chunk = index % chunks, g = (index / chunks) % C::kv_heads;
+    const int t = (index / chunks / C::kv_heads) % tokens, role = index / chunks / C::kv_heads / tokens;
+    const int64_t n = token0 + t;
+    if (n >= a.tokens) continue;
+    const int64_t* stride = role == 0 ? a.k_stride : a.v_stride;
+    const Bits16* source = static_cast<const Bits16*>(role == 0 ? a.k : a.v) + b * stride[0] + n * stride[1] +
+                           g * stride[2] + chunk * kChunkElements;
+    Bits16* target = static_cast<Bits16*>(role == 0 ? a.k_cache : a.v_cache) +
+                     (cache_slot(a, b, a.cache_len[b] + n) * C::kv_heads + g) * D + chunk * kChunkElements;
+    *reinterpret_cast<uint4*>(target) = *reinterpret_cast<const uint4*>(source);
+  }
+}
+
+//===----------------------------------------------------------------------===//
 // The attention launch
 //===----------------------------------------------------------------------===//
 
@@ -171,15 +196,17 @@ __device__ void q_wait(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head
   using G = cuda::Geometry<C>;
   Bits16* tile = reinterpret_cast<Bits16*>(cuda::smem() + cuda::layout<C>().q);
   if constexpr (Mixed) {
-    const int64_t L = seq_len<C>(a);
+    // A decode step's rows end with its sequence, and its q holds only the step's tokens.
+    const int64_t L = C::decode ? decode_len<C>(a, b) : seq_len<C>(a);
+    const int64_t firstToken = C::decode ? a.cache_len[b] : 0;
     cuda::forEachTileChunk<C, C::block_m>([&](int r, int chunk) {
       const int64_t i = row0 + r;
       float values[kChunkElements] = {};
       if (i < L && chunk * kChunkElements < G::D)
         #pragma unroll
         for (int e = 0; e < kChunkElements; ++e)
-          values[e] = cuda::mixedElement<C, Role::query>(a, b, i / C::pseudo_heads, int(head), int(i % C::pseudo_heads),
-                                                         chunk * kChunkElements + e);
+          values[e] = cuda::mixedElement<C, Role::query>(a, b, i / C::pseudo_heads - firstToken, int(head),
+                                                         int(i % C::pseudo_heads), chunk * kChunkElements + e);
       cuda::storeChunk<C>(tile + r * G::pitch + chunk * kChunkElements, values);
     });
   } else {
@@ -233,11 +260,19 @@ __device__ void issueKv(const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
       const int chunk = index % dChunks, m = (index / dChunks) % C::kv_heads;
       const int t = (index / dChunks / C::kv_heads) % G::rawTokens, role = index / dChunks / C::kv_heads / G::rawTokens;
       const int64_t n = token0 + t;
-      const int64_t* stride = role == 0 ? a.k_stride : a.v_stride;
-      const Bits16* base = static_cast<const Bits16*>(role == 0 ? a.k : a.v);
-      const bool inside = n < a.tokens;
-      copyAsync16(raw + role * G::rawRole + (t * C::kv_heads + m) * G::D + chunk * kChunkElements,
-                  inside ? base + b * stride[0] + n * stride[1] + m * stride[2] + chunk * kChunkElements : base, inside);
+      Bits16* target = raw + role * G::rawRole + (t * C::kv_heads + m) * G::D + chunk * kChunkElements;
+      if constexpr (C::decode) {  // token n of the sequence, through the page table
+        const Bits16* cache = static_cast<const Bits16*>(role == 0 ? a.k_cache : a.v_cache);
+        const bool inside = n < a.cache_len[b] + a.tokens;
+        copyAsync16(target, inside ? cache + (cache_slot(a, b, n) * C::kv_heads + m) * G::D + chunk * kChunkElements
+                                   : cache, inside);
+      } else {
+        const int64_t* stride = role == 0 ? a.k_stride : a.v_stride;
+        const Bits16* base = static_cast<const Bits16*>(role == 0 ? a.k : a.v);
+        const bool inside = n < a.tokens;
+        copyAsync16(target, inside ? base + b * stride[0] + n * stride[1] + m * stride[2] + chunk * kChunkElements : base,
+                    inside);
+      }
     }
   } else {
     const int64_t L = seq_len<C>(a);
@@ -284,13 +319,13 @@ __device__ __forceinline__ void clearKeySquares() {
 
 // Mixes (and rotates K) the raw rows of `block` into the K and V tiles.
 template <class C>
-__device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t block) {
+__device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
   using G = Geometry<C>;
   const AttentionSmem s = layout<C>();
   const Bits16* raw = reinterpret_cast<const Bits16*>(smem() + s.raw) + int(block % C::stages) * 2 * G::rawRole;
   Bits16* kTile = reinterpret_cast<Bits16*>(smem() + s.k);
   Bits16* vTile = reinterpret_cast<Bits16*>(smem() + s.v);
-  const int64_t L = seq_len<C>(a), token0 = block * C::block_n / C::pseudo_heads;
+  const int64_t L = C::decode ? decode_len<C>(a, b) : seq_len<C>(a), token0 = block * C::block_n / C::pseudo_heads;
   constexpr int half = C::head_dim / 2;
   auto mix = [&](const Bits16* rows, const float* alpha, int t, int p, int c) {
     float sum = 0.0f;
@@ -354,7 +389,7 @@ __device__ void kv_wait(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64_
   __syncthreads();
   const AttentionSmem s = cuda::layout<C>();
   if constexpr (Mixed) {
-    cuda::mixStagedKv<C>(a, g, block);
+    cuda::mixStagedKv<C>(a, g, b, block);
     __syncthreads();
     pipe.key = reinterpret_cast<const Bits16*>(cuda::smem() + s.k);
     pipe.value = reinterpret_cast<const Bits16*>(cuda::smem() + s.v);
@@ -432,7 +467,8 @@ template <class C>
 __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int64_t block) {
   using G = cuda::Geometry<C>;
   // Rows fit in int (launches check L = N * P < 2^31).
-  const int L = int(seq_len<C>(a)), i0 = int(row0), j0 = int(block * C::block_n);
+  const int L = int(C::decode ? decode_len<C>(a, block_z(a)) : seq_len<C>(a)), i0 = int(row0),
+            j0 = int(block * C::block_n);
   const int l = cuda::lane();
   #pragma unroll
   for (int mt = 0; mt < G::MT; ++mt)
@@ -534,7 +570,7 @@ __device__ void storeLse(SoftmaxState<C>& state, const IhaArgs& a, int64_t row0,
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = tileRow<C>(mt) + lane() / kQuadSize + h * 8;
-      const int64_t i = row0 + r;
+      const int64_t i = storedRow<C>(a, row0, b) + r;
       if (r < C::cta_rows && i < L) a.lse[(b * C::heads + head) * L + i] = kLn2 * (state.m[mt][h] + log2f(state.l[mt][h]));
     }
 }
@@ -575,7 +611,7 @@ __device__ void store_rows(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArg
       #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int r = cuda::tileRow<C>(mt) + l / kQuadSize + h * 8;
-        const int64_t i = row0 + r;
+        const int64_t i = cuda::storedRow<C>(a, row0, b) + r;
         const int c = ot * 8 + (l % kQuadSize) * 2;
         if (r >= C::cta_rows || i >= L || c >= G::D) continue;
         *reinterpret_cast<Bits32*>(o + ((b * C::heads + head) * L + i) * G::D + c) =

@@ -119,6 +119,8 @@ __device__ float mixFromGlobal(const IhaArgs& a, int64_t b, int64_t n, int h, in
 }
 
 // Element c of virtual row n*P + p of head h: mixed and, for q and k, rotated.
+// In a decode step token n of q, k, v is token cache_len[b] + n of its
+// sequence, and turns as such.
 template <class C, Role R>
 __device__ float mixedElement(const IhaArgs& a, int64_t b, int64_t n, int h, int p, int c) {
   const float x = mixFromGlobal<C, R>(a, b, n, h, p, c);
@@ -127,8 +129,16 @@ __device__ float mixedElement(const IhaArgs& a, int64_t b, int64_t n, int h, int
   } else {
     constexpr int half = C::head_dim / 2;
     const float partner = mixFromGlobal<C, R>(a, b, n, h, p, c < half ? c + half : c - half);
-    return rotate<C>(x, partner, n * C::pseudo_heads + p, c);
+    const int64_t token = C::decode ? a.cache_len[b] + n : n;
+    return rotate<C>(x, partner, token * C::pseudo_heads + p, c);
   }
+}
+
+// The row, in o_pseudo, lse and out, of virtual row `row` of sequence b: a
+// decode step keeps only its own T * P rows.
+template <class C>
+__device__ __forceinline__ int64_t storedRow(const IhaArgs& a, int64_t row, int64_t b) {
+  return C::decode ? row - cached_rows<C>(a, b) : row;
 }
 
 __device__ __forceinline__ float warpSum(float x) {
@@ -196,7 +206,7 @@ __device__ void storeCollapsed(const float* staging, int pitch, const IhaArgs& a
   Bits16* out = static_cast<Bits16*>(a.out);
   for (int index = thread; index < (C::block_m / P) * D; index += threads) {
     const int t = index / D, c = index % D;
-    const int64_t n = row0 / P + t;
+    const int64_t n = storedRow<C>(a, row0, b) / P + t;
     if (n >= a.tokens) continue;
     float sum = 0.0f;
     for (int p = 0; p < P; ++p) sum += a.collapse[head * P + p] * staging[(t * P + p) * pitch + c];
@@ -232,7 +242,7 @@ __device__ void storeOutTile(const float* tile, int pitch, const IhaArgs& a, int
   Bits16* out = static_cast<Bits16*>(a.out);
   for (int index = thread; index < (C::block_m / P) * C::heads * D; index += threads) {
     const int c = index % D, h = (index / D) % C::heads, t = index / D / C::heads;
-    const int64_t n = row0 / P + t;
+    const int64_t n = storedRow<C>(a, row0, b) / P + t;
     if (n < a.tokens)
       out[b * a.out_stride[0] + n * a.out_stride[1] + h * a.out_stride[2] + c] = toBits<C>(tile[(t * C::heads + h) * pitch + c]);
   }
