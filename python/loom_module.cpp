@@ -491,8 +491,9 @@ py::object decode(const py::object& q, const py::object& k, const py::object& v,
   const Inputs inputs = borrowInputs(q, k, v, alphaQ, alphaK, alphaV, collapse, std::nullopt);
   const DLTensor& qt = inputs.q();
   if (qt.device.device_type != kDLCPU)
-    throw BadArgument("decode: the tensors are on a CUDA device, and loom's CUDA decode kernels are not built yet; "
-                      "host tensors run the generated decode step on the host tile API");
+    throw BadArgument("decode: the tensors are on a CUDA device, and the Python module does not launch loom's CUDA "
+                      "decode kernel yet (Kernel::launchDecode in C++ does); host tensors run the generated decode "
+                      "step on the host tile API");
   const std::vector<int64_t> outShape = {qt.shape[0], qt.shape[1], spec.heads(), spec.head_dim()};
   std::optional<Borrowed> outGiven, lseGiven;
   Allocated made;
@@ -661,7 +662,7 @@ PYBIND11_MODULE(_loom, m) {
         "spec's dtype; page_table [B, max_pages] and cache_len [B], int32. Appends the step's k and v at\n"
         "positions cache_len .. cache_len + T - 1 (in place; advance cache_len by T yourself) and returns out\n"
         "[B, T, H, d] (or writes `out`; `lse` [B, H, T*P] when given). Runs the generated decode program on the\n"
-        "host tile API; the CUDA decode kernels are not built yet.",
+        "host tile API (CUDA tensors are not taken yet: the CUDA kernel is launched from C++, Kernel::launchDecode).",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha_q"), py::arg("alpha_k"), py::arg("alpha_v"),
         py::arg("collapse"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"), py::arg("cache_len"),
         py::arg("spec"), py::arg("cache") = "raw", py::arg("out") = py::none(), py::arg("lse") = py::none(),

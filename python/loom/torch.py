@@ -185,7 +185,8 @@ def decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_
     projections, P times smaller) or [num_pages, page_size, G, P, d] (cache="mixed"), the spec's dtype;
     page_table [B, max_pages] and cache_len [B], int32. Appends k and v to the caches in place at positions
     cache_len .. cache_len + T - 1 (advance cache_len by T afterwards) and returns out [B, T, H, d]. Host
-    tensors run the generated decode program on the host tile API; CUDA decode kernels are not built yet."""
+    tensors run the generated decode program on the host tile API; CUDA tensors are not taken yet (the CUDA
+    decode kernel is launched from C++: Kernel::launchDecode)."""
     spec_json = json.dumps(spec_for(spec, q.dtype), sort_keys=True)
     schedule_json = None if schedule is None else (schedule if isinstance(schedule, str) else json.dumps(schedule))
     _check_inputs(q, (alpha_q, alpha_k, alpha_v, collapse))

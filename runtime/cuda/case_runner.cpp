@@ -91,6 +91,58 @@ Result<DeviceRun> runCase(Kernel& kernel, const Device& device, const IhaCase& c
   return buffers->download(device, c);
 }
 
+Result<DeviceDecodeRun> runDecodeCase(Kernel& kernel, const Device& device, const DecodeCase& step) {
+  IhaCase c;
+  c.spec = step.spec;
+  c.batch = step.shape.batch;
+  c.tokens = step.shape.newTokens;
+  c.inputs = step.step;
+  auto buffers = CaseBuffers::upload(device, c);
+  if (!buffers) return buffers.error();
+  if (Status ok = buffers->poison(device); !ok) return ok.error();
+  const NpyType storage = storageTypeOf(step.spec.dtype());
+  std::vector<DeviceBuffer> owned;
+  auto upload = [&](const void* bytes, size_t size) -> Result<void*> {
+    auto buffer = DeviceBuffer::allocate(device, size);
+    if (!buffer) return buffer.error();
+    if (Status ok = check(device.api().cuMemcpyHtoD(buffer->get(), bytes, size), "cuMemcpyHtoD"); !ok) return ok.error();
+    owned.push_back(std::move(*buffer));
+    return owned.back().data();
+  };
+  owned.reserve(4);
+  const NpyArray k = npyFromDouble(step.cache.k, {int64_t(step.cache.k.size())}, storage);
+  const NpyArray v = npyFromDouble(step.cache.v, {int64_t(step.cache.v.size())}, storage);
+  auto kData = upload(k.bytes.data(), k.bytes.size());
+  auto vData = upload(v.bytes.data(), v.bytes.size());
+  auto table = upload(step.cache.pageTable.data(), step.cache.pageTable.size() * sizeof(int32_t));
+  auto lengths = upload(step.cache.cacheLen.data(), step.cache.cacheLen.size() * sizeof(int32_t));
+  for (const Result<void*>* r : {&kData, &vData, &table, &lengths})
+    if (!*r) return r->error();
+  const std::vector<int64_t> shape = {step.shape.numPages, step.shape.pageSize, step.spec.kv_heads(), step.spec.head_dim()};
+  PagedCacheTensors cache;
+  cache.k_cache = Tensor{*kData, elementOf(step.spec.dtype()), shape, {}, device.info().ordinal};
+  cache.v_cache = Tensor{*vData, elementOf(step.spec.dtype()), shape, {}, device.info().ordinal};
+  cache.page_table = static_cast<const int32_t*>(*table);
+  cache.cache_len = static_cast<const int32_t*>(*lengths);
+  cache.max_pages = step.shape.maxPages;
+  cache.layout = step.layout;
+  if (Status ok = kernel.launchDecode(buffers->tensors(), cache); !ok) return ok.error();
+  auto run = buffers->download(device, c);
+  if (!run) return run.error();
+  DeviceDecodeRun result{std::move(run->out), std::move(run->lse), step.cache};
+  for (auto [target, buffer] : {std::pair{&result.cache.k, &owned[0]}, {&result.cache.v, &owned[1]}}) {
+    NpyArray bytes;
+    bytes.type = storage;
+    bytes.shape = {int64_t(target->size())};
+    bytes.bytes.resize(buffer->size());
+    if (Status ok = check(device.api().cuMemcpyDtoH(bytes.bytes.data(), buffer->get(), buffer->size()), "cuMemcpyDtoH");
+        !ok)
+      return ok.error();
+    *target = npyToDouble(bytes, step.spec.dtype() == v1::bfloat16);
+  }
+  return result;
+}
+
 Result<GradBuffers> GradBuffers::upload(const Device& device, const IhaCase& c) {
   if (!c.dout) return makeError("the backward needs dout, the gradient of the output");
   if (Status ok = device.makeCurrent(); !ok) return ok.error();

@@ -4,6 +4,7 @@
 
 #include "cuda/driver.h"
 #include "io/case.h"
+#include "io/decode_case.h"
 #include "loom/runtime.h"
 
 namespace loom::cuda {
@@ -14,6 +15,17 @@ struct DeviceRun {
 };
 
 Result<DeviceRun> runCase(Kernel& kernel, const Device& device, const IhaCase& c);
+
+struct DeviceDecodeRun {
+  std::vector<double> out;      // [B, T, H, d]
+  std::vector<double> lse;      // [B, H, T*P]
+  reference::PagedCache cache;  // after the step, read back from the dtype
+};
+
+// A decode kernel on a decode step: the step's tensors, the cache (its empty
+// slots NaN, as the step has them), page table and lengths copied to the
+// device, out and lse poisoned, everything read back after the launch.
+Result<DeviceDecodeRun> runDecodeCase(Kernel& kernel, const Device& device, const DecodeCase& step);
 
 // A backward kernel on the case's inputs and c.dout: the gradients (poisoned
 // with NaN before the launch) read back, float32 widened.

@@ -1,6 +1,7 @@
 // Kernel: a CompiledKernel loaded on a device, validated and launched.
 #include <algorithm>
 #include <cstring>
+#include <functional>
 #include <tuple>
 
 #include "cuda/driver.h"
@@ -382,9 +383,79 @@ Status Kernel::encodeTensorMaps(const IhaArgs& args, int64_t L, int64_t B, cuda:
   return cuda::encodeWorkspaceMaps(device_->api().cuTensorMapEncodeTiled, cuda::check, compiled_, args, L, B, maps);
 }
 
+namespace {
+
+// The operands of the forward and a decode step as the launches read them
+// (the backward's too, `outLike` its dout, read with out's strides).
+IhaArgs operandArgs(const IhaTensors& t, const Tensor& outLike, const std::function<void*(const char*)>& workspace) {
+  IhaArgs args{};
+  args.q = t.q.data;
+  args.k = t.k.data;
+  args.v = t.v.data;
+  args.alpha_q = static_cast<const float*>(t.alpha_q.data);
+  args.alpha_k = static_cast<const float*>(t.alpha_k.data);
+  args.alpha_v = static_cast<const float*>(t.alpha_v.data);
+  args.collapse = static_cast<const float*>(t.collapse.data);
+  args.out = outLike.data;
+  args.lse = t.lse ? static_cast<float*>(t.lse->data) : nullptr;
+  args.q_mixed = workspace("q_mixed");
+  args.k_mixed = workspace("k_mixed");
+  args.v_mixed = workspace("v_mixed");
+  args.o_pseudo = workspace("o_pseudo");
+  args.batch = t.q.shape[0];
+  args.tokens = t.q.shape[1];
+  const Tensor* strided[] = {&t.q, &t.k, &t.v, &outLike};
+  int64_t* targets[] = {args.q_stride, args.k_stride, args.v_stride, args.out_stride};
+  for (int i = 0; i < 4; ++i) {
+    const std::vector<int64_t> s = stridesOf(*strided[i]);
+    std::memcpy(targets[i], s.data(), 3 * sizeof(int64_t));
+  }
+  return args;
+}
+
+}  // namespace
+
+Status Kernel::launchDecode(const IhaTensors& step, const PagedCacheTensors& cache, CUstream stream) {
+  if (compiled_.direction() != v1::direction_decode)
+    return makeError("this is not a decode kernel: compile one with direction decode (loom compile --decode)");
+  if (cache.layout != CacheLayout::raw) return makeError("a mixed cache has no CUDA decode kernel yet");
+  if (step.q.shape.size() != 4) return makeError("q: want 4 dimensions [B, T, H, d]");
+  if (!cache.page_table || !cache.cache_len) return makeError("page_table and cache_len: missing");
+  if (Status ok = device_->makeCurrent(); !ok) return ok;
+  // The page table and lengths come to the host to be checked.
+  const int64_t B = step.q.shape[0], T = step.q.shape[1];
+  if (B < 1 || cache.max_pages < 1) return makeError("q: B must be at least 1, and page_table's max_pages too");
+  std::vector<int32_t> table(static_cast<size_t>(B * cache.max_pages)), lengths(static_cast<size_t>(B));
+  auto fetch = [&](std::vector<int32_t>& host, const int32_t* device, const char* what) {
+    return cuda::check(device_->api().cuMemcpyDtoH(host.data(), reinterpret_cast<CUdeviceptr>(device),
+                                                   host.size() * sizeof(int32_t)),
+                       std::string("cuMemcpyDtoH of ") + what);
+  };
+  if (Status ok = fetch(table, cache.page_table, "page_table"); !ok) return ok;
+  if (Status ok = fetch(lengths, cache.cache_len, "cache_len"); !ok) return ok;
+  PagedCacheTensors checked = cache;
+  checked.page_table = table.data();
+  checked.cache_len = lengths.data();
+  if (Status ok = validateDecodeTensors(compiled_.spec(), step, checked, device_->info().ordinal); !ok) return ok;
+  if (Status ok = ensureWorkspaces(B, T); !ok) return ok;
+  IhaArgs args = operandArgs(step, step.out, [&](const char* name) -> void* {
+    auto found = workspaces_.find(name);
+    return found == workspaces_.end() ? nullptr : found->second->data();
+  });
+  args.k_cache = cache.k_cache.data;
+  args.v_cache = cache.v_cache.data;
+  args.page_table = cache.page_table;
+  args.cache_len = cache.cache_len;
+  args.page_size = cache.k_cache.shape[1];
+  args.max_pages = cache.max_pages;
+  return launchEntries(args, stream, /*skipForward=*/false);
+}
+
 Status Kernel::launch(const IhaTensors& t, CUstream stream, const IhaSaved* keep) {
   if (compiled_.direction() == v1::direction_backward)
     return makeError("this is a backward kernel: call launchBackward with dout and the gradients");
+  if (compiled_.direction() == v1::direction_decode)
+    return makeError("this is a decode kernel: call launchDecode with the step and its paged cache");
   if (Status ok = validateTensors(compiled_.spec(), t, device_->info().ordinal); !ok) return ok;
   if (keep) {
     for (const char* name : {"q_mixed", "k_mixed", "v_mixed", "o_pseudo"})
@@ -399,24 +470,10 @@ Status Kernel::launch(const IhaTensors& t, CUstream stream, const IhaSaved* keep
   const int64_t B = t.q.shape[0], N = t.q.shape[1];
   if (Status ok = ensureWorkspaces(B, N); !ok) return ok;
 
-  IhaArgs args{};
-  args.q = t.q.data;
-  args.k = t.k.data;
-  args.v = t.v.data;
-  args.alpha_q = static_cast<const float*>(t.alpha_q.data);
-  args.alpha_k = static_cast<const float*>(t.alpha_k.data);
-  args.alpha_v = static_cast<const float*>(t.alpha_v.data);
-  args.collapse = static_cast<const float*>(t.collapse.data);
-  args.out = t.out.data;
-  args.lse = t.lse ? static_cast<float*>(t.lse->data) : nullptr;
-  auto workspace = [&](const char* name) -> void* {
+  IhaArgs args = operandArgs(t, t.out, [&](const char* name) -> void* {
     auto found = workspaces_.find(name);
     return found == workspaces_.end() ? nullptr : found->second->data();
-  };
-  args.q_mixed = workspace("q_mixed");
-  args.k_mixed = workspace("k_mixed");
-  args.v_mixed = workspace("v_mixed");
-  args.o_pseudo = workspace("o_pseudo");
+  });
   if (keep) {  // the launches write the caller's buffers instead of the kernel's own
     args.q_mixed = keep->q_mixed.data;
     args.k_mixed = keep->k_mixed.data;
@@ -424,15 +481,6 @@ Status Kernel::launch(const IhaTensors& t, CUstream stream, const IhaSaved* keep
     args.o_pseudo = keep->o_pseudo.data;
     args.lse = static_cast<float*>(keep->lse.data);
   }
-  args.batch = B;
-  args.tokens = N;
-  const Tensor* strided[] = {&t.q, &t.k, &t.v, &t.out};
-  int64_t* targets[] = {args.q_stride, args.k_stride, args.v_stride, args.out_stride};
-  for (int i = 0; i < 4; ++i) {
-    const std::vector<int64_t> s = stridesOf(*strided[i]);
-    std::memcpy(targets[i], s.data(), 3 * sizeof(int64_t));
-  }
-
   return launchEntries(args, stream, /*skipForward=*/false);
 }
 
@@ -486,19 +534,9 @@ Status Kernel::launchBackward(const IhaTensors& t, const IhaGradTensors& g, CUst
     auto found = workspaces_.find(name);
     return found == workspaces_.end() ? nullptr : found->second->data();
   };
-  IhaArgs args{};
-  args.q = t.q.data;
-  args.k = t.k.data;
-  args.v = t.v.data;
-  args.alpha_q = static_cast<const float*>(t.alpha_q.data);
-  args.alpha_k = static_cast<const float*>(t.alpha_k.data);
-  args.alpha_v = static_cast<const float*>(t.alpha_v.data);
-  args.collapse = static_cast<const float*>(t.collapse.data);
+  IhaArgs args = operandArgs(t, g.dout, workspace);  // dout is read with out's strides
+  args.out = nullptr;  // the backward writes no out
   args.lse = static_cast<float*>(t.lse ? t.lse->data : workspace(kLseWorkspace));
-  args.q_mixed = workspace("q_mixed");
-  args.k_mixed = workspace("k_mixed");
-  args.v_mixed = workspace("v_mixed");
-  args.o_pseudo = workspace("o_pseudo");
   args.dout = g.dout.data;
   args.dq = static_cast<float*>(g.dq.data);
   args.dk = static_cast<float*>(g.dk.data);
@@ -519,15 +557,6 @@ Status Kernel::launchBackward(const IhaTensors& t, const IhaGradTensors& g, CUst
     args.v_mixed = saved->v_mixed.data;
     args.o_pseudo = saved->o_pseudo.data;
     args.lse = static_cast<float*>(saved->lse.data);
-  }
-  args.batch = B;
-  args.tokens = N;
-  // dout is read with out's strides.
-  const Tensor* strided[] = {&t.q, &t.k, &t.v, &g.dout};
-  int64_t* targets[] = {args.q_stride, args.k_stride, args.v_stride, args.out_stride};
-  for (int i = 0; i < 4; ++i) {
-    const std::vector<int64_t> s = stridesOf(*strided[i]);
-    std::memcpy(targets[i], s.data(), 3 * sizeof(int64_t));
   }
   return launchEntries(args, stream, /*skipForward=*/saved != nullptr);
 }

@@ -79,11 +79,20 @@ Status checkSpecAndTarget(const v1::KernelSpec& spec, const v1::Target& target) 
   if (Status ok = checkSpec(spec); !ok.ok()) return ok;
   return checkTarget(target);
 }
+
+// The service tunes, caches and serves the forward and the backward.
+Status checkDirection(v1::Direction direction) {
+  if (direction == v1::direction_decode)
+    return invalid("direction decode is not served yet: decode kernels are generated and compiled locally "
+                   "(loom compile --decode), not tuned or cached");
+  if (!v1::Direction_IsValid(direction))
+    return invalid("direction " + std::to_string(int(direction)) + " is not forward or backward");
+  return Status::OK;
+}
 }  // namespace
 
 Status checkRequest(const v1::GetKernelRequest& request) {
-  if (!v1::Direction_IsValid(request.direction()))
-    return invalid("direction " + std::to_string(int(request.direction())) + " is not forward or backward");
+  if (Status ok = checkDirection(request.direction()); !ok.ok()) return ok;
   return checkSpecAndTarget(request.spec(), request.target());
 }
 
@@ -99,6 +108,7 @@ Status checkRequest(const v1::PutTuningRequest& request) {
   if (kernel.schedule().SerializeAsString() != result.best().SerializeAsString())
     return invalid("kernel.schedule is not result.best");
   if (kernel.direction() != result.direction()) return invalid("kernel.direction differs from result.direction");
+  if (Status ok = checkDirection(result.direction()); !ok.ok()) return ok;
   if (!request.candidates_json().empty() && !nlohmann::json::accept(request.candidates_json()))
     return invalid("candidates_json is not JSON");
   return Status::OK;
@@ -116,10 +126,12 @@ Status checkRequest(const v1::TuneRequest& request) {
 }
 
 Status checkRequest(const v1::LookupDecisionRequest& request) {
+  if (Status ok = checkDirection(request.direction()); !ok.ok()) return ok;
   return checkSpecAndTarget(request.spec(), request.target());
 }
 
 Status checkRequest(const v1::LeaseRequest& request) {
+  if (Status ok = checkDirection(request.direction()); !ok.ok()) return ok;
   if (Status ok = checkSpec(request.spec()); !ok.ok()) return ok;
   if (request.worker().empty()) return invalid("worker: name the worker taking the lease");
   if (request.worker().size() > kMaxWorkerName)

@@ -5,6 +5,7 @@
 // driver layer, so it runs on a GPU machine without MLIR.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -13,6 +14,8 @@
 #include "cuda/case_runner.h"
 #include "cuda/driver.h"
 #include "io/case.h"
+#include "io/decode_case.h"
+#include "reference/iha_decode.h"
 #include "loom/runtime.h"
 #include "reference/iha_reference.h"
 
@@ -99,6 +102,13 @@ class Gpu : public ::testing::Test {
     std::printf("[ gpu      ] %-48s rel. error %.2e (tolerance %.0e)\n", what.c_str(), error, tolerance);
   }
 
+  // The first forward bundle (backward and decode bundles sort among them).
+  const Bundle& firstForward() const {
+    for (const Bundle& b : all_)
+      if (b.kernel.direction() == v1::direction_forward) return b;
+    return all_.front();
+  }
+
   std::shared_ptr<cuda::Device> device_;
   std::vector<Bundle> all_;
 };
@@ -106,7 +116,7 @@ class Gpu : public ::testing::Test {
 TEST_F(Gpu, EveryBundleMatchesTheReferenceOnSharedAndDrawnCases) {
   std::mt19937_64 rng(seed());
   for (const Bundle& b : all_) {
-    if (b.kernel.direction() == v1::direction_backward) continue;  // EveryBackwardBundle*
+    if (b.kernel.direction() != v1::direction_forward) continue;  // EveryBackwardBundle*, EveryDecodeBundle*
     auto kernel = Kernel::load(device_, b.kernel);
     ASSERT_TRUE(kernel) << b.file << ": " << kernel.error().message;
     auto shared = loadCase(casesDir() + "/" + b.caseName);
@@ -118,6 +128,51 @@ TEST_F(Gpu, EveryBundleMatchesTheReferenceOnSharedAndDrawnCases) {
     const IhaCase drawn = drawCheckableCase(b.kernel.spec(), batch, tokens, rng());
     check(**kernel, drawn, b.caseName + " " + b.dtype + " " + b.label + " drawn N=" + std::to_string(tokens));
   }
+}
+
+// The decode kernels (tests/gpu/prepare.sh's "decode" bundles, a raw
+// cache): each shared case's last T tokens decoded over a shuffled paged
+// cache of the others (T = 1 over 16-token pages; T = 3 over 7-token pages
+// with ragged lengths), out and lse poisoned, within the dtype's tolerance
+// of the forward's rows; the new tokens' k and v exactly at their slots and
+// no other slot written; two runs equal bit for bit.
+TEST_F(Gpu, EveryDecodeBundleMatchesTheForwardsRows) {
+  std::mt19937_64 rng(seed() + 4);
+  int checked = 0;
+  for (const Bundle& b : all_) {
+    if (b.kernel.direction() != v1::direction_decode) continue;
+    auto kernel = Kernel::load(device_, b.kernel);
+    ASSERT_TRUE(kernel) << b.file << ": " << kernel.error().message;
+    auto shared = loadCase(casesDir() + "/" + b.caseName);
+    ASSERT_TRUE(shared) << shared.error().message;
+    const IhaCase c = withDtype(*shared, b.kernel.spec().dtype());
+    DecodeLayout ragged{std::min<int64_t>(3, c.tokens), 7, CacheLayout::raw, {}, rng()};
+    for (int64_t s = 0; s < c.batch; ++s) ragged.cached.push_back(int64_t(rng() % uint64_t(c.tokens - ragged.newTokens + 1)));
+    for (const DecodeLayout& layout : {DecodeLayout{1, 16, CacheLayout::raw, {}, rng()}, ragged}) {
+      auto step = decodeCaseFrom(c, layout);
+      ASSERT_TRUE(step) << step.error().message;
+      const std::string what = b.caseName + " " + b.dtype + " decode T=" + std::to_string(layout.newTokens) +
+                               " page " + std::to_string(layout.pageSize);
+      auto first = cuda::runDecodeCase(**kernel, *device_, *step);
+      ASSERT_TRUE(first) << what << ": " << first.error().message;
+      auto second = cuda::runDecodeCase(**kernel, *device_, *step);
+      ASSERT_TRUE(second) << what << ": " << second.error().message;
+      const double error = relativeError(first->out, step->expected);
+      EXPECT_LE(error, toleranceFor(c.spec.dtype())) << what;
+      EXPECT_EQ(first->out, second->out) << what << ": two runs differ";
+      // The cache: the step's slots hold its k and v, the rest what it held.
+      reference::PagedCache want = step->cache;
+      reference::appendToCache(c.spec, step->step, want);
+      int64_t wrong = 0;
+      for (size_t i = 0; i < want.k.size(); ++i)
+        for (auto [got, expected] : {std::pair{first->cache.k[i], want.k[i]}, {first->cache.v[i], want.v[i]}})
+          wrong += std::isnan(expected) ? !std::isnan(got) : got != expected;
+      EXPECT_EQ(wrong, 0) << what << ": cache elements other than the append's";
+      std::printf("[ gpu dec  ] %-48s rel. error %.2e\n", what.c_str(), error);
+    }
+    ++checked;
+  }
+  if (checked == 0) GTEST_SKIP() << "no decode bundles (tests/gpu/prepare.sh writes them)";
 }
 
 // The backward kernels (tests/gpu/prepare.sh's "backward" and
@@ -222,8 +277,9 @@ TEST_F(Gpu, WgmmaOnLongSequences) {
 // the batch over several launches (IhaArgs::batch_offset); every entry,
 // the last ones included, must match the reference.
 TEST_F(Gpu, BatchesBeyondTheGridLimit) {
-  const Bundle* smallest = &all_.front();
+  const Bundle* smallest = &firstForward();
   for (const Bundle& b : all_) {
+    if (b.kernel.direction() != v1::direction_forward) continue;
     const KernelSpec& s = b.kernel.spec();
     const KernelSpec& t = smallest->kernel.spec();
     if (s.heads() * s.head_dim() < t.heads() * t.head_dim()) smallest = &b;
@@ -238,7 +294,7 @@ TEST_F(Gpu, BatchesBeyondTheGridLimit) {
 
 // Strided q and out (rows padded to d + 8 elements) through the same kernel.
 TEST_F(Gpu, StridedTensorsAndDlpack) {
-  const Bundle& b = all_.front();
+  const Bundle& b = firstForward();
   auto kernel = Kernel::load(device_, b.kernel);
   ASSERT_TRUE(kernel) << kernel.error().message;
   std::mt19937_64 rng(seed() + 1);

@@ -67,6 +67,17 @@ for case in tests/data/cases/bwd-*/; do
     done
   done
 done
+# The decode step over a paged raw cache (mma.sync on every arch) of each
+# shared case.
+for case in tests/data/cases/*/; do
+  name=$(basename "$case")
+  for dtype in float16 bfloat16; do
+    build/bin/loom compile --spec "$case/spec.json" --dtype "$dtype" --decode --target "$arch" \
+      --out "$out/$name.$dtype.decode.pb" >/dev/null &
+    jobs+=($!)
+    if ((${#jobs[@]} >= $(nproc))); then wait "${jobs[0]}"; jobs=("${jobs[@]:1}"); fi
+  done
+done
 for job in "${jobs[@]}"; do wait "$job"; done
 
 # Benchmarks: the paper's setting (H = P = 8, d = 64) at two lengths, and a

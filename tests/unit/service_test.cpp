@@ -242,6 +242,15 @@ TEST_F(Service, UnsupportedArchsAndUnknownValuesAreNamed) {
   bad = spec(2);
   bad.set_mask(static_cast<v1::MaskMode>(42));
   refused(bad, sm80(), "spec.mask (42) is not flat_causal, token_causal or none");
+  // Decode kernels are compiled locally, not tuned or served (yet).
+  auto decode = c->getKernel(spec(2), sm80(), 60000, v1::direction_decode);
+  ASSERT_FALSE(decode);
+  EXPECT_NE(decode.error().message.find("direction decode is not served yet"), std::string::npos)
+      << decode.error().message;
+  auto lookup = c->lookupDecision(spec(2), sm80(), v1::direction_decode);
+  ASSERT_FALSE(lookup);
+  EXPECT_NE(lookup.error().message.find("direction decode is not served yet"), std::string::npos)
+      << lookup.error().message;
   EXPECT_EQ(server_->compiles(), 0);
   EXPECT_NE(metricsText(*server_).find("loom_rankings_total 0\n"), std::string::npos);
 }

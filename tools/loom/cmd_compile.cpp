@@ -22,6 +22,7 @@ struct CompileOptions {
   std::string target = "sm_90";
   std::string dtype;
   bool backward = false;
+  bool decode = false;
   std::string cacheDir;
   std::string outPath;
   bool json = false;
@@ -76,12 +77,13 @@ int compile(const CompileOptions& options) {
   auto target = parseTarget(options.target);
   if (!target) return badInput(target.error().message);
   if (target->kind() != v1::Target::cuda) return badInput("loom compile needs a CUDA target such as sm_80 or sm_90a");
-  auto plan = generateKernel(*spec, *schedule, *target);
+  GenerateOptions generate;
+  generate.direction = options.backward ? Direction::backward : options.decode ? Direction::decode : Direction::forward;
+  auto plan = generateKernel(*spec, *schedule, *target, generate);  // the launches the report lists
   if (!plan) return badInput(plan.error().message);
   jit::NvrtcCompiler compiler(options.cacheDir);
   std::shared_ptr<const jit::Artifact> artifact;
-  auto kernel = compileKernel(*spec, *schedule, *target, compiler, &artifact,
-                              options.backward ? Direction::backward : Direction::forward);
+  auto kernel = compileKernel(*spec, *schedule, *target, compiler, &artifact, generate.direction);
   if (!kernel) {
     std::fprintf(stderr, "%s\n", kernel.error().log.c_str());
     return badInput(kernel.error().message);
@@ -135,6 +137,9 @@ void addCompileCommand(CLI::App& app, std::function<int()>* action) {
   cmd->add_flag("--json", options->json, "print the report as JSON");
   cmd->add_flag("--backward", options->backward,
                 "compile the backward plan (every gradient of sum(out * dout); Kernel::launchBackward) instead");
+  cmd->add_flag("--decode", options->decode,
+                "compile the decode step over a paged raw cache (docs/IHA.md, Decode; Kernel::launchDecode) instead")
+      ->excludes("--backward");
   cmd->callback([options, action] { *action = [options] { return compile(*options); }; });
 }
 

@@ -59,7 +59,14 @@ enum class Workspace { q_mixed, k_mixed, v_mixed, o_pseudo, do_pseudo, delta, dq
 // decode: one step over a paged cache (docs/IHA.md, Decode over a paged cache).
 enum class Direction { forward, backward, decode };
 inline Direction directionOf(v1::Direction direction) {
-  return direction == v1::direction_backward ? Direction::backward : Direction::forward;
+  return direction == v1::direction_backward ? Direction::backward
+         : direction == v1::direction_decode ? Direction::decode
+                                             : Direction::forward;
+}
+inline v1::Direction directionOf(Direction direction) {
+  return direction == Direction::backward ? v1::direction_backward
+         : direction == Direction::decode ? v1::direction_decode
+                                          : v1::direction_forward;
 }
 
 struct KernelPlan {

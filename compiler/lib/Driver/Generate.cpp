@@ -240,7 +240,7 @@ v1::CompiledKernel toCompiledKernel(const KernelPlan& plan) {
   }
   for (Workspace w : plan.workspaces) kernel.add_workspaces(workspaceName(w));
   kernel.set_workspace_element_bytes(plan.workspaceElementBytes);
-  kernel.set_direction(plan.direction == Direction::backward ? v1::direction_backward : v1::direction_forward);
+  kernel.set_direction(directionOf(plan.direction));
   return kernel;
 }
 

@@ -207,6 +207,14 @@ class Kernel {
   Status launchBackward(const IhaTensors& inputs, const IhaGradTensors& grads, CUstream stream = nullptr,
                         const IhaSaved* saved = nullptr);
 
+  // A decode kernel (CompiledKernel::direction decode, a raw cache): one
+  // step over the paged cache (docs/IHA.md, Decode over a paged cache). The
+  // step's q, k, v, out (and lse) as an IhaTensors of N = T; the cache, page
+  // table and lengths on the kernel's device. page_table and cache_len are
+  // copied to the host and checked (validateDecodeTensors) before the
+  // launch: one small synchronous copy per step.
+  Status launchDecode(const IhaTensors& step, const PagedCacheTensors& cache, CUstream stream = nullptr);
+
   const v1::CompiledKernel& compiled() const { return compiled_; }
   // Where the kernel came from: "compiled now", "kernel cache", and whether
   // its schedule was tuned (and on which device) or the default.
