@@ -7,6 +7,11 @@
 // (pre-mix, recomputed attention, prep, dK/dV, dQ, un-mix, reduce) on a
 // fresh dout as well. Prints a table; with a second
 // argument also writes it as JSON there (bench/report.py reads it).
+// A decode bundle, bench-decode.c<C>b<B>.<label>.pb, is one step of one new
+// token per sequence over B raw paged caches of C tokens (16-token pages
+// under a shuffled page table, random values), timed without the page-table
+// check (the kernel alone; the first launch is checked), with the bandwidth
+// of the cache it reads and the bytes both cache layouts would take.
 //
 //   loom-gpu-bench build/gpu-bundles [results.json]
 #include <algorithm>
@@ -32,6 +37,60 @@ namespace {
 // Three warm-up launches, then exactly 20 timed ones.
 constexpr autotune::TimingPlan kPlan{3, 20, 20, 0};
 
+constexpr int64_t kDecodePageSize = 16;
+
+// One decode step (T = 1) over B caches of `cached` tokens: device buffers of
+// random values under a shuffled page table, the launch checked once, then timed.
+Result<autotune::Timing> timeDecode(Kernel& kernel, const cuda::Device& device, const cuda::DeviceBuffer& flush,
+                                    const KernelSpec& spec, int64_t batch, int64_t cached, std::mt19937_64& rng) {
+  const IhaCase step = drawCase(spec, batch, 1, rng());
+  auto buffers = cuda::CaseBuffers::upload(device, step);
+  if (!buffers) return buffers.error();
+  const int64_t pagesPer = (cached + 1 + kDecodePageSize - 1) / kDecodePageSize, pages = batch * pagesPer;
+  const int64_t perPage = kDecodePageSize * spec.kv_heads() * spec.head_dim();
+  // One chunk of random values in the dtype, repeated over the cache.
+  std::normal_distribution<double> normal;
+  std::vector<double> values(static_cast<size_t>(std::min<int64_t>(pages * perPage, int64_t(1) << 22)));
+  for (double& x : values) x = normal(rng);
+  const NpyArray chunk = npyFromDouble(values, {int64_t(values.size())}, storageTypeOf(spec.dtype()));
+  std::vector<cuda::DeviceBuffer> owned;
+  for (int role = 0; role < 2; ++role) {
+    auto buffer = cuda::DeviceBuffer::allocate(device, size_t(pages * perPage * 2));
+    if (!buffer) return buffer.error();
+    for (size_t at = 0; at < buffer->size(); at += chunk.bytes.size())
+      if (Status ok = cuda::check(device.api().cuMemcpyHtoD(buffer->get() + at, chunk.bytes.data(),
+                                                            std::min(chunk.bytes.size(), buffer->size() - at)),
+                                  "cuMemcpyHtoD");
+          !ok)
+        return ok.error();
+    owned.push_back(std::move(*buffer));
+  }
+  std::vector<int32_t> order(static_cast<size_t>(pages)), lengths(static_cast<size_t>(batch), int32_t(cached));
+  for (int64_t i = 0; i < pages; ++i) order[size_t(i)] = int32_t(i);
+  std::shuffle(order.begin(), order.end(), rng);
+  for (const std::vector<int32_t>* ints : {&order, &lengths}) {
+    auto buffer = cuda::DeviceBuffer::allocate(device, ints->size() * sizeof(int32_t));
+    if (!buffer) return buffer.error();
+    if (Status ok = cuda::check(device.api().cuMemcpyHtoD(buffer->get(), ints->data(), ints->size() * sizeof(int32_t)),
+                                "cuMemcpyHtoD");
+        !ok)
+      return ok.error();
+    owned.push_back(std::move(*buffer));
+  }
+  const std::vector<int64_t> shape = {pages, kDecodePageSize, spec.kv_heads(), spec.head_dim()};
+  const ElementKind element = spec.dtype() == v1::float16 ? ElementKind::float16 : ElementKind::bfloat16;
+  PagedCacheTensors cache;
+  cache.k_cache = Tensor{owned[0].data(), element, shape, {}, device.info().ordinal};
+  cache.v_cache = Tensor{owned[1].data(), element, shape, {}, device.info().ordinal};
+  cache.page_table = static_cast<const int32_t*>(owned[2].data());
+  cache.cache_len = static_cast<const int32_t*>(owned[3].data());
+  cache.max_pages = pagesPer;
+  if (Status ok = kernel.launchDecode(buffers->tensors(), cache); !ok) return ok.error();  // checked once
+  return autotune::timeRuns(
+      [&](int) { return kernel.launchDecode(buffers->tensors(), cache, nullptr, /*checkPages=*/false); }, device, flush,
+      kPlan);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -51,6 +110,7 @@ int main(int argc, char** argv) {
               (*device)->info().smCount);
   std::printf("%-34s %4s %6s %10s %10s %9s %9s\n", "kernel", "B", "N", "median ms", "p90 ms", "TFLOP/s", "GB/s");
   const std::regex name(R"(bench\.n(\d+)b(\d+)\.([^.]+)\.pb)");
+  const std::regex decodeName(R"(bench-decode\.c(\d+)b(\d+)\.([^.]+)\.pb)");
   std::vector<fs::path> files;
   if (fs::is_directory(dir))
     for (const auto& entry : fs::directory_iterator(dir)) files.push_back(entry.path());
@@ -59,6 +119,42 @@ int main(int argc, char** argv) {
   for (const fs::path& path : files) {
     std::smatch m;
     const std::string file = path.filename().string();
+    if (std::regex_match(file, m, decodeName)) {
+      const int64_t cached = std::stoll(m[1]), batch = std::stoll(m[2]);
+      v1::CompiledKernel compiled;
+      std::ifstream in(path, std::ios::binary);
+      if (!compiled.ParseFromIstream(&in) || compiled.direction() != v1::direction_decode) continue;
+      auto kernel = Kernel::load(*device, compiled);
+      auto timing = kernel ? timeDecode(**kernel, **device, *flush, compiled.spec(), batch, cached, rng)
+                           : Result<autotune::Timing>(kernel.error());
+      if (!timing) {
+        std::printf("%-34s decode failed: %s\n", m[3].str().c_str(), timing.error().message.c_str());
+        ++failures;
+        continue;
+      }
+      const KernelSpec& spec = compiled.spec();
+      const int64_t tokens = batch * (cached + 1);
+      const double raw = double(tokens) * double(cacheBytesPerToken(spec, CacheLayout::raw));
+      const double mixed = double(tokens) * double(cacheBytesPerToken(spec, CacheLayout::mixed));
+      const double median = timing->medianMs;
+      std::printf("%-34s %4lld %6lld %10.3f %10.3f %9s %9.1f  (decode; cache %.2f GB raw, %.2f GB mixed)\n",
+                  m[3].str().c_str(), (long long)batch, (long long)cached, median, timing->p90Ms, "-",
+                  raw / (median * 1e-3) / 1e9, raw / 1e9, mixed / 1e9);
+      results.push_back({{"name", m[3].str()},
+                         {"batch", batch},
+                         {"tokens", cached},
+                         {"median_ms", median},
+                         {"p90_ms", timing->p90Ms},
+                         {"direction", "decode"},
+                         {"cache_bytes_raw", raw},
+                         {"cache_bytes_mixed", mixed},
+                         {"cache_gbps", raw / (median * 1e-3) / 1e9}});
+      if (!jsonPath.empty()) {
+        std::ofstream out(jsonPath, std::ios::trunc);
+        out << nlohmann::json{{"device", (*device)->info().name}, {"results", results}}.dump(2) << "\n";
+      }
+      continue;
+    }
     if (!std::regex_match(file, m, name)) continue;
     const int64_t tokens = std::stoll(m[1]), batch = std::stoll(m[2]);
     v1::CompiledKernel compiled;

@@ -25,6 +25,15 @@ Two modes:
       collapse, from a fresh dout), counted as 3.5 forwards (FlashAttention's
       count: the backward is 2.5).
 
+  python3 bench/peers.py --run OUT.json --decode [--loom BENCH.json]
+      times one decode step (a new token per sequence) the way a generic
+      attention library must take it: over a cache of the mixed, rotated
+      pseudo-keys and values (G*P*d per token, materialised and contiguous,
+      the layout most favourable to it), the new token's rows mixed, rotated
+      and written in, SDPA with the step's mask, the collapse. With
+      loom-gpu-bench's JSON it prints loom's raw-cache step beside it, and
+      both layouts' cache bytes.
+
 bench/report.py joins OUT.json with loom-gpu-bench's JSON into the table.
 """
 import argparse
@@ -72,6 +81,25 @@ def grid(which):
     return problems
 
 
+def decode_grid():
+    """One new token per sequence over caches of `cached` tokens, batch 1 to 64, caches of 1k to 128k
+    tokens, P = 2 to 8 (issue 19's benchmark)."""
+    problems = []
+
+    def add(H, G, P, d, cached, batch):
+        spec = {"heads": H, "kv_heads": G, "pseudo_heads": P, "head_dim": d, "mask": "flat_causal", "window": 0,
+                "collapse": "per_head", "rope_theta": 10000.0, "dtype": "bfloat16"}
+        problems.append({"name": f"decode-h{H}g{G}p{P}d{d}-c{cached}b{batch}", "spec": spec, "cached": cached,
+                         "batch": batch})
+
+    for cached, batch in ((1024, 1), (16384, 1), (131072, 1), (2048, 64), (16384, 16), (16384, 64)):
+        add(8, 8, 4, 128, cached, batch)
+    for P in (2, 8):
+        add(8, 8, P, 128, 16384, 16)
+    add(32, 8, 2, 128, 16384, 16)
+    return problems
+
+
 def flops(spec, N, B):
     """4 d H B times the allowed (i, j) pairs, docs/IHA.md."""
     P, W = spec["pseudo_heads"], spec["window"]
@@ -90,7 +118,89 @@ def emit(directory, problems):
             with open(os.path.join(directory, p["name"] + ".json"), "w") as f:
                 json.dump(p["spec"], f)
             listing.write(f"{p['name']} {p['tokens']} {p['batch']}\n")
-    print(f"{len(problems)} problems written to {directory}")
+    decode = decode_grid()
+    with open(os.path.join(directory, "decode-problems.txt"), "w") as listing:
+        for p in decode:
+            with open(os.path.join(directory, p["name"] + ".json"), "w") as f:
+                json.dump(p["spec"], f)
+            listing.write(f"{p['name']} {p['cached']} {p['batch']}\n")
+    print(f"{len(problems)} problems and {len(decode)} decode problems written to {directory}")
+
+
+def run_decode(out_path, loom_path=None):
+    import torch
+    import torch.nn.functional as F
+
+    if not torch.cuda.is_available():
+        print("peers: no CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    loom = {}
+    if loom_path and os.path.exists(loom_path):
+        loom = {r["name"]: r for r in json.load(open(loom_path))["results"] if r.get("direction") == "decode"}
+    results = []
+    print(f"{'problem':32s} {'sdpa ms':>9s} {'loom ms':>9s} {'speedup':>8s} {'mixed GB':>9s} {'raw GB':>8s}")
+    for problem in decode_grid():
+        spec, C, B = problem["spec"], problem["cached"], problem["batch"]
+        H, G, P, d = spec["heads"], spec["kv_heads"], spec["pseudo_heads"], spec["head_dim"]
+        L = (C + 1) * P
+        dtype = torch.bfloat16
+        gen = torch.Generator(device=device).manual_seed(len(results) + 1)
+        row = {"name": problem["name"], "cached": C, "batch": B, "methods": {},
+               "cache_bytes_mixed": B * (C + 1) * 2 * G * P * d * 2, "cache_bytes_raw": B * (C + 1) * 2 * G * d * 2}
+        try:
+            keys = torch.randn(B, G, L, d, device=device, dtype=dtype, generator=gen)
+            values = torch.randn(B, G, L, d, device=device, dtype=dtype, generator=gen)
+            q = torch.randn(B, 1, H, d, device=device, dtype=dtype, generator=gen)
+            k = torch.randn(B, 1, G, d, device=device, dtype=dtype, generator=gen)
+            v = torch.randn(B, 1, G, d, device=device, dtype=dtype, generator=gen)
+            near_identity = lambda n: (torch.eye(n, device=device)[:, :, None]
+                                       + 0.3 * torch.randn(n, n, P, device=device, generator=gen))
+            aq, ak, av = near_identity(H), near_identity(G), near_identity(G)
+            collapse = torch.randn(H, P, device=device, generator=gen) / math.sqrt(P)
+            half = d // 2
+            inv = spec["rope_theta"] ** (-2.0 * torch.arange(half, device=device, dtype=torch.float64) / d)
+            angle = (C * P + torch.arange(P, device=device, dtype=torch.float64))[:, None] * inv
+            cos, sin = angle.cos().to(dtype), angle.sin().to(dtype)
+            # The new rows see every cached row and the new rows up to their own (flat_causal).
+            mask = torch.ones(P, L, dtype=torch.bool, device=device)
+            mask[:, C * P:] = torch.tril(torch.ones(P, P, dtype=torch.bool, device=device))
+
+            def mix(x, alpha):  # [B, 1, M, d] -> [B, M', P, d]
+                return torch.einsum("bnmc,mhp->bhnpc", x.float(), alpha).to(dtype).reshape(B, alpha.shape[1], P, d)
+
+            def rope(x):
+                a, b = x[..., :half], x[..., half:]
+                return torch.cat([a * cos - b * sin, a * sin + b * cos], dim=-1)
+
+            gqa = {} if G == H else {"enable_gqa": True}
+
+            def step():
+                keys[:, :, C * P:] = rope(mix(k, ak))
+                values[:, :, C * P:] = mix(v, av)
+                o = F.scaled_dot_product_attention(rope(mix(q, aq)), keys, values, attn_mask=mask, **gqa)
+                return torch.einsum("hp,bhpc->bhc", collapse, o.float()).to(dtype)
+
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            ms = median_ms(torch, step, runs=RUNS, warmup=WARMUP, before=lambda: flush.random_(0, 255))
+            row["methods"]["sdpa-mixed-cache"] = {"median_ms": ms, "peak_bytes": torch.cuda.max_memory_allocated()}
+            del keys, values
+        except Exception as error:  # noqa: BLE001 - recorded, the table says why
+            row["methods"]["sdpa-mixed-cache"] = {"error": f"{type(error).__name__}: {str(error)[:160]}"}
+        torch.cuda.empty_cache()
+        results.append(row)
+        sdpa = row["methods"]["sdpa-mixed-cache"].get("median_ms")
+        mine = loom.get(problem["name"], {}).get("median_ms")
+        cell = lambda x: f"{x:9.3f}" if x else f"{'-':>9s}"
+        speedup = f"{sdpa / mine:7.2f}x" if sdpa and mine else f"{'-':>8s}"
+        print(f"{problem['name']:32s} {cell(sdpa)} {cell(mine)} {speedup} {row['cache_bytes_mixed'] / 1e9:9.2f} "
+              f"{row['cache_bytes_raw'] / 1e9:8.2f}", flush=True)
+    with open(out_path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "direction": "decode",
+                   "results": results}, f, indent=2)
+    return 0
 
 
 def run(out_path, problems, backward=False):
@@ -221,7 +331,12 @@ def main():
     parser.add_argument("--grid", choices=("quick", "full"), default="quick")
     parser.add_argument("--backward", action="store_true",
                         help="with --run: time forward + backward (a training step) instead of the forward")
+    parser.add_argument("--decode", action="store_true",
+                        help="with --run: time a decode step over a materialised pseudo-head cache instead")
+    parser.add_argument("--loom", metavar="BENCH.json", help="with --decode: loom-gpu-bench's results, printed beside")
     args = parser.parse_args()
+    if args.run and args.decode:
+        return run_decode(args.run, args.loom)
     problems = grid(args.grid)
     if args.emit:
         emit(args.emit, problems)

@@ -159,7 +159,7 @@ Status validateGradTensors(const KernelSpec& spec, const IhaTensors& inputs, con
 }
 
 Status validateDecodeTensors(const KernelSpec& spec, const IhaTensors& step, const PagedCacheTensors& cache,
-                             int device) {
+                             int device, bool checkPages) {
   if (Status ok = validateOperands(spec, step, device, /*withOut=*/true); !ok) return ok;
   const int64_t B = step.q.shape[0], T = step.q.shape[1];
   const bool mixed = cache.layout == CacheLayout::mixed;
@@ -174,6 +174,7 @@ Status validateDecodeTensors(const KernelSpec& spec, const IhaTensors& step, con
   if (!cache.page_table) return makeError("page_table: missing");
   if (!cache.cache_len) return makeError("cache_len: missing");
   if (cache.max_pages < 1) return makeError("page_table: max_pages must be at least 1, not " + std::to_string(cache.max_pages));
+  if (!checkPages) return Status::success();
   return validateDecode({B, T, shape[0], shape[1], cache.max_pages},
                         {cache.page_table, size_t(B * cache.max_pages)}, {cache.cache_len, size_t(B)});
 }
@@ -415,28 +416,32 @@ IhaArgs operandArgs(const IhaTensors& t, const Tensor& outLike, const std::funct
 
 }  // namespace
 
-Status Kernel::launchDecode(const IhaTensors& step, const PagedCacheTensors& cache, CUstream stream) {
+Status Kernel::launchDecode(const IhaTensors& step, const PagedCacheTensors& cache, CUstream stream,
+                            bool checkPages) {
   if (compiled_.direction() != v1::direction_decode)
     return makeError("this is not a decode kernel: compile one with direction decode (loom compile --decode)");
   if (cache.layout != CacheLayout::raw) return makeError("a mixed cache has no CUDA decode kernel yet");
   if (step.q.shape.size() != 4) return makeError("q: want 4 dimensions [B, T, H, d]");
   if (!cache.page_table || !cache.cache_len) return makeError("page_table and cache_len: missing");
   if (Status ok = device_->makeCurrent(); !ok) return ok;
-  // The page table and lengths come to the host to be checked.
   const int64_t B = step.q.shape[0], T = step.q.shape[1];
   if (B < 1 || cache.max_pages < 1) return makeError("q: B must be at least 1, and page_table's max_pages too");
+  // The page table and lengths come to the host to be checked.
   std::vector<int32_t> table(static_cast<size_t>(B * cache.max_pages)), lengths(static_cast<size_t>(B));
   auto fetch = [&](std::vector<int32_t>& host, const int32_t* device, const char* what) {
     return cuda::check(device_->api().cuMemcpyDtoH(host.data(), reinterpret_cast<CUdeviceptr>(device),
                                                    host.size() * sizeof(int32_t)),
                        std::string("cuMemcpyDtoH of ") + what);
   };
-  if (Status ok = fetch(table, cache.page_table, "page_table"); !ok) return ok;
-  if (Status ok = fetch(lengths, cache.cache_len, "cache_len"); !ok) return ok;
+  if (checkPages) {
+    if (Status ok = fetch(table, cache.page_table, "page_table"); !ok) return ok;
+    if (Status ok = fetch(lengths, cache.cache_len, "cache_len"); !ok) return ok;
+  }
   PagedCacheTensors checked = cache;
   checked.page_table = table.data();
   checked.cache_len = lengths.data();
-  if (Status ok = validateDecodeTensors(compiled_.spec(), step, checked, device_->info().ordinal); !ok) return ok;
+  if (Status ok = validateDecodeTensors(compiled_.spec(), step, checked, device_->info().ordinal, checkPages); !ok)
+    return ok;
   if (Status ok = ensureWorkspaces(B, T); !ok) return ok;
   IhaArgs args = operandArgs(step, step.out, [&](const char* name) -> void* {
     auto found = workspaces_.find(name);

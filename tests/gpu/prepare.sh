@@ -131,6 +131,14 @@ while read -r name tokens batch; do
   done
 done <"$schedules/peers/problems.txt"
 for job in "${jobs[@]}"; do wait "$job"; done
+# The decode grid (bench/peers.py --decode): loom's step over a raw paged cache.
+while read -r name cached batch; do
+  build/bin/loom compile --spec "$schedules/peers/$name.json" --decode --target "$arch" \
+    --out "$out/bench-decode.c${cached}b${batch}.$name.pb" >/dev/null &
+  jobs+=($!)
+  if ((${#jobs[@]} >= $(nproc))); then wait "${jobs[0]}"; jobs=("${jobs[@]:1}"); fi
+done <"$schedules/peers/decode-problems.txt"
+for job in "${jobs[@]}"; do wait "$job"; done
 
 # A full tuning run on a realistic spec (the paper's setting at N = 4096):
 # the 24 candidates the cost model ranks best, compiled here, measured there.

@@ -34,7 +34,11 @@ LOOM_GPU_LABELS='backward.*|materialized' timeout 60 build/bin/gpu_test --gtest_
   --gtest_filter='Gpu.EveryBackward*:Gpu.KeptForward*' 2>&1 |
   tee "$out/gpu_test_backward.log"
 backward=${PIPESTATUS[0]}
-tests=$((portable != 0 || hopper != 0 || backward != 0))
+# The decode step over a paged raw cache.
+LOOM_GPU_LABELS='decode' timeout 45 build/bin/gpu_test --gtest_color=no --gtest_filter='Gpu.EveryDecode*' 2>&1 |
+  tee "$out/gpu_test_decode.log"
+decode=${PIPESTATUS[0]}
+tests=$((portable != 0 || hopper != 0 || backward != 0 || decode != 0))
 timeout 130 build/bin/loom-gpu-bench build/gpu-bundles "$out/bench.json" 2>&1 | tee "$out/bench.log"
 bench=${PIPESTATUS[0]}
 timeout 110 build/bin/loom-gpu-tune build/gpu-bundles/tune 4096 1 2>&1 | tee "$out/tune.log"
@@ -50,5 +54,5 @@ if command -v compute-sanitizer >/dev/null; then
   memcheck=${PIPESTATUS[0]}
 fi
 
-echo "gpu_test exit $portable (portable) $hopper (sm_90a) $backward (backward), loom-gpu-bench exit $bench, loom-gpu-tune exit $tune, memcheck exit $memcheck"
+echo "gpu_test exit $portable (portable) $hopper (sm_90a) $backward (backward) $decode (decode), loom-gpu-bench exit $bench, loom-gpu-tune exit $tune, memcheck exit $memcheck"
 exit $((tests != 0 || bench != 0 || tune != 0 || memcheck != 0))

@@ -318,6 +318,21 @@ TEST(Decode, PlansSayWhatTheyCannotBe) {
   KernelSpec half = spec;
   half.set_dtype(v1::float16);
   EXPECT_TRUE(generateKernel(half, {}, *parseTarget("sm_80"), decode));
+  // Eight kv heads of d = 128 in the raw stages do not fit 64-row key
+  // blocks in two stages: an unset block_n halves until they do (then an
+  // unset stages drops to one); a schedule that sets both is refused.
+  const KernelSpec wide = testing::makeSpec({.heads = 32, .kvHeads = 8, .pseudoHeads = 2, .headDim = 128});
+  auto fitted = generateKernel(wide, {}, *parseTarget("sm_90a"), decode);
+  ASSERT_TRUE(fitted) << fitted.error().message;
+  EXPECT_LT(fitted->schedule.block_n(), 64);
+  for (const LaunchPlan& launch : fitted->launches) EXPECT_LE(launch.sharedMemoryBytes, 232448) << launch.name;
+  Schedule pinned;
+  pinned.set_block_n(64);
+  pinned.set_stages(2);
+  auto refusedWide = generateKernel(wide, pinned, *parseTarget("sm_90a"), decode);
+  ASSERT_FALSE(refusedWide);
+  EXPECT_NE(refusedWide.error().message.find("bytes of shared memory per block"), std::string::npos)
+      << refusedWide.error().message;
   GenerateOptions mixedForward;
   mixedForward.mixedCache = true;
   EXPECT_FALSE(generateKernel(spec, {}, *parseTarget("cpu"), mixedForward));

@@ -288,6 +288,9 @@ TEST(ReferenceProperty, RoundedMixingRoundsOnlyTheMixedRows) {
 // opposite sign leave a small sum. There the mixing's rounding alone, which
 // no 16-bit kernel avoids, is over the contract's tolerance; drawCheckableCase
 // gives, for the seed of such a draw, a case where it is within half of it.
+// (bfloat16's rounding alone comes near its tolerance on any draw: one seed's
+// third draw was at 1.09e-2 with weights of one sign, so the test looks for a
+// draw that is over and cancels, and counts the others.)
 TEST(ReferenceProperty, ACancellingCollapseIsOverTheToleranceFromRoundingAlone) {
   for (v1::DType dtype : {v1::float16, v1::bfloat16}) {
     KernelSpec spec = testing::makeSpec({.heads = 1, .kvHeads = 1, .pseudoHeads = 2, .headDim = 64, .dtype = dtype,
@@ -295,23 +298,30 @@ TEST(ReferenceProperty, ACancellingCollapseIsOverTheToleranceFromRoundingAlone) 
     const uint64_t first = testing::testSeed() + (dtype == v1::bfloat16 ? 100000 : 0);
     std::optional<uint64_t> over;
     double overError = 0, sumOfWeights = 0, sizeOfWeights = 0;
-    int draws = 0;
+    int draws = 0, overWithoutCancelling = 0;
     for (; draws < 4000 && !over; ++draws) {
       const IhaCase drawn = drawCase(spec, 1, 48, first + uint64_t(draws));
       const auto exact = reference::ihaForward(spec, drawn.inputs).out;
       const double error = relativeError(reference::ihaForwardWithRoundedMixing(spec, drawn.inputs, dtype).out, exact);
-      if (error > toleranceFor(dtype)) {
-        over = first + uint64_t(draws);
-        overError = error;
-        sumOfWeights = std::abs(drawn.inputs.collapse[0] + drawn.inputs.collapse[1]);
-        sizeOfWeights = std::abs(drawn.inputs.collapse[0]) + std::abs(drawn.inputs.collapse[1]);
+      if (error <= toleranceFor(dtype)) continue;
+      const double sum = std::abs(drawn.inputs.collapse[0] + drawn.inputs.collapse[1]);
+      const double size = std::abs(drawn.inputs.collapse[0]) + std::abs(drawn.inputs.collapse[1]);
+      if (sum >= 0.5 * size) {
+        ++overWithoutCancelling;
+        continue;
       }
+      over = first + uint64_t(draws);
+      overError = error;
+      sumOfWeights = sum;
+      sizeOfWeights = size;
     }
-    ASSERT_TRUE(over) << "no draw over the tolerance in " << draws;
+    ASSERT_TRUE(over) << "no draw over the tolerance with cancelling weights in " << draws;
     std::printf("[ numerics ] %s: draw %d of seed %llu: mixing rounded to the dtype, relative error %.2e; collapse "
-                "weights sum to %.3f of their size\n",
-                dtypeName(dtype).c_str(), draws, (unsigned long long)first, overError, sumOfWeights / sizeOfWeights);
-    EXPECT_LT(sumOfWeights, 0.5 * sizeOfWeights) << "the weights do not cancel";
+                "weights sum to %.3f of their size (%d draws before it over the tolerance without cancelling)\n",
+                dtypeName(dtype).c_str(), draws, (unsigned long long)first, overError, sumOfWeights / sizeOfWeights,
+                overWithoutCancelling);
+    // Most draws over the tolerance cancel: the one over it without is bfloat16's rare near-miss.
+    EXPECT_LE(overWithoutCancelling, 2) << "draws over the tolerance whose weights do not cancel";
 
     const IhaCase checkable = drawCheckableCase(spec, 1, 48, *over);
     const auto exact = reference::ihaForward(spec, checkable.inputs).out;

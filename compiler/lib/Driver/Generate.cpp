@@ -376,6 +376,24 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
                          " (lower block_m or block_n)");
     }
   }
+  if (target.kind() == v1::Target::cuda && direction == Direction::decode) {
+    // A decode step keeps its mixing fused: where the raw stages of all G
+    // kv heads do not fit, halve the key blocks, then keep one stage (of the
+    // fields the schedule left unset).
+    const int64_t limit = target.device().shared_memory_per_block() > 0 ? target.device().shared_memory_per_block()
+                                                                        : defaultSharedMemoryPerBlock(target.arch());
+    while (attentionSharedMemory(specAttr, scheduleAttr) > limit) {
+      int64_t blockN = scheduleAttr.getBlockN(), stages = scheduleAttr.getStages();
+      if (!given.blockN && blockN > 16) blockN /= 2;
+      else if (!given.stages && stages > 1) stages = 1;
+      else break;
+      scheduleAttr = ScheduleAttr::get(specAttr.getContext(), scheduleAttr.getBlockM(), blockN, scheduleAttr.getWarps(),
+                                       stages, scheduleAttr.getMix(), scheduleAttr.getCollapse(),
+                                       scheduleAttr.getEngine(), scheduleAttr.getProducerRegisters(),
+                                       scheduleAttr.getDq());
+    }
+    if (auto why = checkSchedule(specAttr, scheduleAttr)) return makeError(*why);
+  }
   if (target.kind() == v1::Target::cuda) {
     // A decode step keeps its mixing fused whatever shared memory it needs.
     Schedule requested = schedule;

@@ -128,10 +128,11 @@ struct PagedCacheTensors {
 };
 
 // Checks the step's tensors as a forward's of N = T, the cache's against
-// the spec and its layout, and the page table and lengths (validateDecode)
-// before anything is read or written; the error names the tensor or entry.
+// the spec and its layout, and (with `checkPages`, host memory) the page
+// table and lengths (validateDecode) before anything is read or written;
+// the error names the tensor or entry.
 Status validateDecodeTensors(const KernelSpec& spec, const IhaTensors& step, const PagedCacheTensors& cache,
-                             int device);
+                             int device, bool checkPages = true);
 
 namespace cpu {
 struct CpuOptions;
@@ -210,10 +211,14 @@ class Kernel {
   // A decode kernel (CompiledKernel::direction decode, a raw cache): one
   // step over the paged cache (docs/IHA.md, Decode over a paged cache). The
   // step's q, k, v, out (and lse) as an IhaTensors of N = T; the cache, page
-  // table and lengths on the kernel's device. page_table and cache_len are
-  // copied to the host and checked (validateDecodeTensors) before the
-  // launch: one small synchronous copy per step.
-  Status launchDecode(const IhaTensors& step, const PagedCacheTensors& cache, CUstream stream = nullptr);
+  // table and lengths on the kernel's device. With `checkPages` (the
+  // default) page_table and cache_len are copied to the host and checked
+  // (validateDecodeTensors) before the launch: one small synchronous copy
+  // a step. Without, only the tensors are checked: for a serving loop that
+  // checks its page table where it builds it (a bad entry then reads or
+  // writes outside the cache), and for timing the kernel alone.
+  Status launchDecode(const IhaTensors& step, const PagedCacheTensors& cache, CUstream stream = nullptr,
+                      bool checkPages = true);
 
   const v1::CompiledKernel& compiled() const { return compiled_; }
   // Where the kernel came from: "compiled now", "kernel cache", and whether
