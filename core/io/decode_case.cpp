@@ -28,6 +28,15 @@ reference::IhaInputs sliceTokens(const KernelSpec& spec, const reference::IhaInp
   return slice;
 }
 
+IhaCase stepCase(const DecodeCase& step) {
+  IhaCase c;
+  c.spec = step.spec;
+  c.batch = step.shape.batch;
+  c.tokens = step.shape.newTokens;
+  c.inputs = step.step;
+  return c;
+}
+
 Result<DecodeCase> decodeCaseFrom(const IhaCase& c, const DecodeLayout& layout) {
   const int64_t B = c.batch, N = c.tokens, T = layout.newTokens, S = layout.pageSize;
   const int64_t H = c.spec.heads(), d = c.spec.head_dim();

@@ -42,6 +42,9 @@ struct DecodeCase {
 // against the case's N, the page size.
 Result<DecodeCase> decodeCaseFrom(const IhaCase& c, const DecodeLayout& layout);
 
+// The step's new tokens as a case of N = T (what the backends launch on).
+IhaCase stepCase(const DecodeCase& step);
+
 // Tokens [from, to) of sequence b of `inputs` as a batch of one, with the weights.
 reference::IhaInputs sliceTokens(const KernelSpec& spec, const reference::IhaInputs& inputs, int64_t b, int64_t from,
                                  int64_t to);

@@ -6,12 +6,6 @@ namespace {
 
 using detail::Rows;
 
-// The slot (page * page_size + offset) of token t of sequence b.
-int64_t slotOf(const PagedCache& cache, int64_t b, int64_t t) {
-  const int64_t page = cache.pageTable[size_t(b * cache.maxPages + t / cache.pageSize)];
-  return page * cache.pageSize + t % cache.pageSize;
-}
-
 // The virtual rows of every token 0 .. total - 1 of sequence b, read back
 // from the cache: mixed (and for keys normalised and rotated) here from a
 // raw cache, as stored from a mixed one.
@@ -22,7 +16,7 @@ void cachedRows(const v1::KernelSpec& spec, const PagedCache& cache, int64_t b, 
   if (!cache.mixed) {
     std::vector<double> k(size_t(total * E)), v(size_t(total * E));
     for (int64_t t = 0; t < total; ++t) {
-      const int64_t slot = slotOf(cache, b, t);
+      const int64_t slot = cacheSlot(cache, b, t);
       for (int64_t e = 0; e < E; ++e) {
         k[size_t(t * E + e)] = cache.k[size_t(slot * E + e)];
         v[size_t(t * E + e)] = cache.v[size_t(slot * E + e)];
@@ -36,7 +30,7 @@ void cachedRows(const v1::KernelSpec& spec, const PagedCache& cache, int64_t b, 
   kRows.assign(size_t(G), std::vector<std::vector<double>>(size_t(total * P), std::vector<double>(size_t(d))));
   vRows = kRows;
   for (int64_t t = 0; t < total; ++t) {
-    const int64_t slot = slotOf(cache, b, t);
+    const int64_t slot = cacheSlot(cache, b, t);
     for (int64_t g = 0; g < G; ++g)
       for (int64_t p = 0; p < P; ++p)
         for (int64_t c = 0; c < d; ++c) {
@@ -47,6 +41,11 @@ void cachedRows(const v1::KernelSpec& spec, const PagedCache& cache, int64_t b, 
 }
 
 }  // namespace
+
+int64_t cacheSlot(const PagedCache& cache, int64_t b, int64_t t) {
+  const int64_t page = cache.pageTable[size_t(b * cache.maxPages + t / cache.pageSize)];
+  return page * cache.pageSize + t % cache.pageSize;
+}
 
 int64_t cacheTokenElements(const v1::KernelSpec& spec, bool mixed) {
   return int64_t(spec.kv_heads()) * spec.head_dim() * (mixed ? spec.pseudo_heads() : 1);
@@ -60,7 +59,7 @@ void appendToCache(const v1::KernelSpec& spec, const DecodeInputs& step, PagedCa
     const int64_t start = cache.cacheLen[size_t(b)];
     if (!cache.mixed) {
       for (int64_t t = 0; t < T; ++t) {
-        const int64_t slot = slotOf(cache, b, start + t);
+        const int64_t slot = cacheSlot(cache, b, start + t);
         for (int64_t e = 0; e < E; ++e) {
           cache.k[size_t(slot * E + e)] = step.k[size_t((b * T + t) * E + e)];
           cache.v[size_t(slot * E + e)] = step.v[size_t((b * T + t) * E + e)];
@@ -72,7 +71,7 @@ void appendToCache(const v1::KernelSpec& spec, const DecodeInputs& step, PagedCa
     const Rows vRows = detail::mixAndInterleave(step.v, step.alpha_v, b, T, G, P, d);
     detail::normalizeAndRotate(spec, kRows, nullptr, start * P);
     for (int64_t t = 0; t < T; ++t) {
-      const int64_t slot = slotOf(cache, b, start + t);
+      const int64_t slot = cacheSlot(cache, b, start + t);
       for (int64_t g = 0; g < G; ++g)
         for (int64_t p = 0; p < P; ++p)
           for (int64_t c = 0; c < d; ++c) {

@@ -36,6 +36,9 @@ struct DecodeOutputs {
   std::vector<double> lse;  // [B, H, T*P], the new virtual rows'
 };
 
+// The slot (page * page_size + offset) of token t of sequence b.
+int64_t cacheSlot(const PagedCache& cache, int64_t b, int64_t t);
+
 // Elements one token occupies in each of k and v: G*d (raw) or G*P*d (mixed).
 int64_t cacheTokenElements(const v1::KernelSpec& spec, bool mixed);
 

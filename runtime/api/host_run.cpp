@@ -198,9 +198,7 @@ Status runDecodeOnHost(const KernelSpec& spec, const IhaTensors& step, const Pag
   const NpyType type = npyTypeOf(cache.k_cache.element);
   for (int64_t b = 0; b < c->batch; ++b)
     for (int64_t t = 0; t < c->tokens; ++t) {
-      const int64_t position = paged.cacheLen[size_t(b)] + t;
-      const int64_t slot = int64_t(paged.pageTable[size_t(b * paged.maxPages + position / paged.pageSize)]) *
-                               paged.pageSize + position % paged.pageSize;
+      const int64_t slot = reference::cacheSlot(paged, b, paged.cacheLen[size_t(b)] + t);
       for (const auto& [values, tensor] : {std::pair{&outputs->cache.k, &cache.k_cache}, {&outputs->cache.v, &cache.v_cache}}) {
         const std::vector<double> row(values->begin() + slot * E, values->begin() + (slot + 1) * E);
         const NpyArray dense = npyFromDouble(row, {E}, type);

@@ -228,18 +228,19 @@ Result<CpuOutputs> runPlan(const KernelPlan& plan, const IhaCase& c, const CpuOp
   return result;
 }
 
-Result<CpuDecodeOutputs> runDecodePlan(const KernelPlan& plan, const DecodeCase& step, const CpuOptions& options) {
-  if (plan.direction != Direction::decode) return makeError("runDecodePlan needs a plan generated for a decode step");
+Status checkDecodeStep(const KernelPlan& plan, const DecodeCase& step) {
+  if (plan.direction != Direction::decode) return makeError("a decode step needs a plan generated for a decode step");
   if (plan.mixedCache != (step.layout == CacheLayout::mixed))
     return makeError(std::string("the plan is for a ") + (plan.mixedCache ? "mixed" : "raw") + " cache, the step's is " +
                      cacheLayoutName(step.layout));
-  if (Status ok = validateDecode(step.shape, step.cache.pageTable, step.cache.cacheLen); !ok) return ok.error();
+  return validateDecode(step.shape, step.cache.pageTable, step.cache.cacheLen);
+}
+
+Result<CpuDecodeOutputs> runDecodePlan(const KernelPlan& plan, const DecodeCase& step, const CpuOptions& options) {
+  if (Status ok = checkDecodeStep(plan, step); !ok) return ok.error();
   // The step's tensors are a case of T tokens; the cache goes beside them.
-  IhaCase c;
+  IhaCase c = stepCase(step);
   c.spec = plan.spec;
-  c.batch = step.shape.batch;
-  c.tokens = step.shape.newTokens;
-  c.inputs = step.step;
   HostTensors t;
   prepareTensors(plan, c, t);
   const NpyType storage = storageTypeOf(plan.spec.dtype());

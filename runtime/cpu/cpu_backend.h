@@ -61,6 +61,11 @@ struct CpuDecodeOutputs {
   CpuRunStats stats;
 };
 
+// Whether `plan` is a decode plan for the step's cache layout, and the step's
+// page table and lengths pass validateDecode (the CPU backend and the
+// emulator check this before they lay anything out).
+Status checkDecodeStep(const KernelPlan& plan, const DecodeCase& step);
+
 // A decode plan (generateKernel with Direction::decode, the case's cache
 // layout) on a decode step: the cache, q, k and v in the spec's dtype, out
 // and the workspaces poisoned with NaN.

@@ -92,11 +92,7 @@ Result<DeviceRun> runCase(Kernel& kernel, const Device& device, const IhaCase& c
 }
 
 Result<DeviceDecodeRun> runDecodeCase(Kernel& kernel, const Device& device, const DecodeCase& step) {
-  IhaCase c;
-  c.spec = step.spec;
-  c.batch = step.shape.batch;
-  c.tokens = step.shape.newTokens;
-  c.inputs = step.step;
+  const IhaCase c = stepCase(step);
   auto buffers = CaseBuffers::upload(device, c);
   if (!buffers) return buffers.error();
   if (Status ok = buffers->poison(device); !ok) return ok.error();

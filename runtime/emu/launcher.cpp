@@ -14,6 +14,7 @@
 #include <sstream>
 #include <thread>
 
+#include "cpu/cpu_backend.h"
 #include "cpu/host_program.h"
 #include "cuda/driver.h"
 #include "emu/emulator.h"
@@ -326,15 +327,9 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
 }
 
 Result<EmuRun> runDecodeOnEmulator(const KernelPlan& plan, const DecodeCase& step, const EmuOptions& options) {
-  if (Status ok = validateDecode(step.shape, step.cache.pageTable, step.cache.cacheLen); !ok) return ok.error();
-  if (plan.mixedCache != (step.layout == CacheLayout::mixed))
-    return makeError(std::string("the plan is for a ") + (plan.mixedCache ? "mixed" : "raw") + " cache, the step's is " +
-                     cacheLayoutName(step.layout));
-  IhaCase c;
+  if (Status ok = cpu::checkDecodeStep(plan, step); !ok) return ok.error();
+  IhaCase c = stepCase(step);
   c.spec = plan.spec;
-  c.batch = step.shape.batch;
-  c.tokens = step.shape.newTokens;
-  c.inputs = step.step;
   EmuOptions withStep = options;
   withStep.decode = &step;
   return runOnEmulator(plan, c, withStep);

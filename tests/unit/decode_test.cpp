@@ -44,8 +44,7 @@ void expectOnlyTheSequencesSlotsFilled(const DecodeCase& dc, const reference::Pa
   std::vector<bool> owned(size_t(after.numPages * after.pageSize), false);
   for (int64_t b = 0; b < dc.shape.batch; ++b)
     for (int64_t t = 0; t < after.cacheLen[size_t(b)] + dc.step.tokens; ++t)
-      owned[size_t(after.pageTable[size_t(b * after.maxPages + t / after.pageSize)] * after.pageSize +
-                   t % after.pageSize)] = true;
+      owned[size_t(reference::cacheSlot(after, b, t))] = true;
   int64_t wrong = 0;
   for (size_t slot = 0; slot < owned.size(); ++slot)
     for (int64_t e = 0; e < E; ++e)
@@ -59,9 +58,7 @@ void expectRawAppend(const DecodeCase& dc, const reference::PagedCache& after) {
   const int64_t E = reference::cacheTokenElements(dc.spec, false), T = dc.step.tokens;
   for (int64_t b = 0; b < dc.shape.batch; ++b)
     for (int64_t t = 0; t < T; ++t) {
-      const int64_t position = after.cacheLen[size_t(b)] + t;
-      const int64_t slot = after.pageTable[size_t(b * after.maxPages + position / after.pageSize)] * after.pageSize +
-                           position % after.pageSize;
+      const int64_t slot = reference::cacheSlot(after, b, after.cacheLen[size_t(b)] + t);
       for (int64_t e = 0; e < E; ++e) {
         ASSERT_EQ(after.k[size_t(slot * E + e)], dc.step.k[size_t((b * T + t) * E + e)]) << "b " << b << " t " << t;
         ASSERT_EQ(after.v[size_t(slot * E + e)], dc.step.v[size_t((b * T + t) * E + e)]) << "b " << b << " t " << t;
@@ -410,7 +407,7 @@ TEST(DecodeHostApi, StepsInPlaceAndChecksItsTensors) {
     SCOPED_TRACE(cacheLayoutName(layout));
     auto dc = decodeCaseFrom(c, {2, 4, layout, {9, 13}, rng()});
     ASSERT_TRUE(dc) << dc.error().message;
-    testing::HostTensors t(IhaCase{spec, 2, 2, dc->step, {}, {}, {}});
+    testing::HostTensors t(stepCase(*dc));
     const PagedCacheTensors cache = t.cache(*dc);
     Status ran = runDecodeOnHost(spec, t.inputs(), cache, {}, options);
     ASSERT_TRUE(ran) << ran.error().message;

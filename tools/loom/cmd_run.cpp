@@ -249,18 +249,22 @@ int runDecode(const RunOptions& options, const IhaCase& c) {
     std::printf("cache %-5s %6lld bytes per token per layer, %lld bytes for the %lld tokens\n", cacheLayoutName(l),
                 (long long)perToken, (long long)(perToken * c.batch * c.tokens), (long long)(c.batch * c.tokens));
   }
-  std::vector<double> out;
-  bool clean = true;  // no emulator findings
-  if (options.backend == "emu") {
+  // The decode plan of the case's spec, --schedule and layout for `target`.
+  auto decodePlan = [&](const v1::Target& target) -> Result<KernelPlan> {
     auto schedule = readScheduleFile(options.schedulePath);
-    if (!schedule) return badInput(schedule.error().message);
-    auto target = parseTarget(options.target);
-    if (!target) return badInput(target.error().message);
-    if (target->kind() != v1::Target::cuda) return badInput("--target must be a CUDA arch (sm_80 .. sm_90a) with --backend emu");
+    if (!schedule) return schedule.error();
     GenerateOptions generate;
     generate.direction = Direction::decode;
     generate.mixedCache = *layout == CacheLayout::mixed;
-    auto plan = generateKernel(c.spec, *schedule, *target, generate);
+    return generateKernel(c.spec, *schedule, target, generate);
+  };
+  std::vector<double> out;
+  bool clean = true;  // no emulator findings
+  if (options.backend == "emu") {
+    auto target = parseTarget(options.target);
+    if (!target) return badInput(target.error().message);
+    if (target->kind() != v1::Target::cuda) return badInput("--target must be a CUDA arch (sm_80 .. sm_90a) with --backend emu");
+    auto plan = decodePlan(*target);
     if (!plan) return badInput(plan.error().message);
     emu::EmuOptions emuOptions;
     emuOptions.cacheDir = options.cacheDir;
@@ -274,12 +278,7 @@ int runDecode(const RunOptions& options, const IhaCase& c) {
     if (!clean) std::printf("emulator findings: %lld: FAILED\n", (long long)run->findingCount);
     out = std::move(run->out);
   } else if (options.backend == "cpu") {
-    auto schedule = readScheduleFile(options.schedulePath);
-    if (!schedule) return badInput(schedule.error().message);
-    GenerateOptions generate;
-    generate.direction = Direction::decode;
-    generate.mixedCache = *layout == CacheLayout::mixed;
-    auto plan = generateKernel(c.spec, *schedule, *parseTarget("cpu"), generate);
+    auto plan = decodePlan(*parseTarget("cpu"));
     if (!plan) return badInput(plan.error().message);
     auto run = cpu::runDecodePlan(*plan, dc, {options.cacheDir, options.threads});
     if (!run) {

@@ -118,6 +118,13 @@ void readPlan(KernelOp kernel, KernelPlan& plan) {
   plan.workspaceElementBytes = cuda ? kTileElementBytes : int(sizeof(float));
 }
 
+// The dynamic shared memory one block may take on the target: its device's
+// when the target names one, else the arch's.
+int64_t sharedMemoryLimit(const v1::Target& target) {
+  return target.device().shared_memory_per_block() > 0 ? target.device().shared_memory_per_block()
+                                                       : defaultSharedMemoryPerBlock(target.arch());
+}
+
 // CUDA targets: 16-bit inputs, and a schedule whose shared memory fits. An
 // unset mix falls back to materialised when fused mixing's raw-row stages
 // do not fit.
@@ -128,8 +135,7 @@ std::optional<std::string> fitCudaTarget(SpecAttr spec, ScheduleAttr& schedule, 
            "(loom run --backend cuda --dtype float16|bfloat16 converts a case)";
   if (schedule.getEngine() == Engine::wgmma && target.arch() != "sm_90a")
     return "schedule.engine wgmma needs target sm_90a (wgmma and setmaxnreg exist only there), not " + target.arch();
-  const int64_t limit = target.device().shared_memory_per_block() > 0 ? target.device().shared_memory_per_block()
-                                                                      : defaultSharedMemoryPerBlock(target.arch());
+  const int64_t limit = sharedMemoryLimit(target);
   if (attentionSharedMemory(spec, schedule) > limit && requested.mix() == v1::mix_unspecified) {
     schedule = ScheduleAttr::get(spec.getContext(), schedule.getBlockM(), schedule.getBlockN(), schedule.getWarps(),
                                  schedule.getStages(), MixStrategy::materialized, schedule.getCollapse(),
@@ -368,8 +374,7 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
       const int64_t bytes = backwardSmem(int(scheduleAttr.getBlockM()), int(scheduleAttr.getBlockN()),
                                          int(spec.head_dim()), scheduleAttr.getDq() == DqStrategy::atomic)
                                 .total;
-      const int64_t limit = target.device().shared_memory_per_block() > 0 ? target.device().shared_memory_per_block()
-                                                                          : defaultSharedMemoryPerBlock(target.arch());
+      const int64_t limit = sharedMemoryLimit(target);
       if (bytes > limit)
         return makeError("schedule needs " + std::to_string(bytes) + " bytes of shared memory per block in the "
                          "backward, over the " + target.arch() + " limit of " + std::to_string(limit) +
@@ -380,8 +385,7 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
     // A decode step keeps its mixing fused: where the raw stages of all G
     // kv heads do not fit, halve the key blocks, then keep one stage (of the
     // fields the schedule left unset).
-    const int64_t limit = target.device().shared_memory_per_block() > 0 ? target.device().shared_memory_per_block()
-                                                                        : defaultSharedMemoryPerBlock(target.arch());
+    const int64_t limit = sharedMemoryLimit(target);
     while (attentionSharedMemory(specAttr, scheduleAttr) > limit) {
       int64_t blockN = scheduleAttr.getBlockN(), stages = scheduleAttr.getStages();
       if (!given.blockN && blockN > 16) blockN /= 2;
