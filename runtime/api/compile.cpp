@@ -11,10 +11,11 @@ void setCompilerIdentity(v1::CompiledKernel& kernel, const std::string& arch) {
 
 Result<v1::CompiledKernel> compileKernel(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
                                          jit::NvrtcCompiler& compiler, std::shared_ptr<const jit::Artifact>* artifact,
-                                         Direction direction) {
+                                         Direction direction, bool mixedCache) {
   if (target.kind() != v1::Target::cuda) return makeError("compileKernel needs a CUDA target");
   GenerateOptions options;
   options.direction = direction;
+  options.mixedCache = mixedCache;
   auto plan = generateKernel(spec, schedule, target, options);
   if (!plan) return plan.error();
   auto compiled = compiler.compile(plan->source, target.arch());

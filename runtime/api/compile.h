@@ -16,9 +16,10 @@ namespace loom {
 // (cache::artifactKey), which knows no compiler.
 void setCompilerIdentity(v1::CompiledKernel& kernel, const std::string& arch);
 
-// `direction` backward: the backward plan (docs/compiler.md, "The backward").
+// `direction` backward: the backward plan (docs/compiler.md, "The backward");
+// decode: a step over a paged cache, a mixed one with `mixedCache`.
 Result<v1::CompiledKernel> compileKernel(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
                                          jit::NvrtcCompiler& compiler, std::shared_ptr<const jit::Artifact>* artifact = nullptr,
-                                         Direction direction = Direction::forward);
+                                         Direction direction = Direction::forward, bool mixedCache = false);
 
 }  // namespace loom

@@ -39,6 +39,7 @@ Result<ProvidedKernel> KernelProvider::provide(const KernelSpec& spec, const v1:
   // The kernel's address needs the generated source; generating is cheap.
   GenerateOptions options;
   options.direction = directionOf(direction);
+  options.mixedCache = mixedCacheOf(direction);
   auto plan = generateKernel(spec, chosen, target, options);
   if (!plan) return plan.error();
   v1::CompiledKernel probe = toCompiledKernel(*plan);
@@ -81,8 +82,8 @@ Result<v1::CompiledKernel> KernelProvider::compileOnce(const std::string& key, c
   compileSlots_.acquire();
   ++inFlightCount_;
   const auto start = std::chrono::steady_clock::now();
-  auto compiled = compileKernel(spec, schedule, target, compiler_, nullptr,
-                                directionOf(direction));
+  auto compiled = compileKernel(spec, schedule, target, compiler_, nullptr, directionOf(direction),
+                                mixedCacheOf(direction));
   *seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   --inFlightCount_;
   compileSlots_.release();

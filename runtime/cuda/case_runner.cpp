@@ -114,7 +114,9 @@ Result<DeviceDecodeRun> runDecodeCase(Kernel& kernel, const Device& device, cons
   auto lengths = upload(step.cache.cacheLen.data(), step.cache.cacheLen.size() * sizeof(int32_t));
   for (const Result<void*>* r : {&kData, &vData, &table, &lengths})
     if (!*r) return r->error();
-  const std::vector<int64_t> shape = {step.shape.numPages, step.shape.pageSize, step.spec.kv_heads(), step.spec.head_dim()};
+  std::vector<int64_t> shape = {step.shape.numPages, step.shape.pageSize, step.spec.kv_heads()};
+  if (step.layout == CacheLayout::mixed) shape.push_back(step.spec.pseudo_heads());
+  shape.push_back(step.spec.head_dim());
   PagedCacheTensors cache;
   cache.k_cache = Tensor{*kData, elementOf(step.spec.dtype()), shape, {}, device.info().ordinal};
   cache.v_cache = Tensor{*vData, elementOf(step.spec.dtype()), shape, {}, device.info().ordinal};

@@ -313,6 +313,9 @@ int64_t workspaceBytes(const v1::CompiledKernel& kernel, const std::string& name
                int64_t(sizeof(float));
     return 0;
   }
+  if (name == "splits")  // [B, H, kv_splits, T * P, d + 1]
+    return rows * spec.heads() * std::max(kernel.schedule().kv_splits(), 1) * (spec.head_dim() + 1) *
+           int64_t(sizeof(float));
   return rows * heads * spec.head_dim() * int64_t(sizeof(float));  // dq_pseudo, dk_pseudo, dv_pseudo
 }
 
@@ -403,6 +406,7 @@ IhaArgs operandArgs(const IhaTensors& t, const Tensor& outLike, const std::funct
   args.k_mixed = workspace("k_mixed");
   args.v_mixed = workspace("v_mixed");
   args.o_pseudo = workspace("o_pseudo");
+  args.splits = static_cast<float*>(workspace("splits"));
   args.batch = t.q.shape[0];
   args.tokens = t.q.shape[1];
   const Tensor* strided[] = {&t.q, &t.k, &t.v, &outLike};
@@ -418,9 +422,12 @@ IhaArgs operandArgs(const IhaTensors& t, const Tensor& outLike, const std::funct
 
 Status Kernel::launchDecode(const IhaTensors& step, const PagedCacheTensors& cache, CUstream stream,
                             bool checkPages) {
-  if (compiled_.direction() != v1::direction_decode)
+  const bool mixedKernel = compiled_.direction() == v1::direction_decode_mixed;
+  if (!mixedKernel && compiled_.direction() != v1::direction_decode)
     return makeError("this is not a decode kernel: compile one with direction decode (loom compile --decode)");
-  if (cache.layout != CacheLayout::raw) return makeError("a mixed cache has no CUDA decode kernel yet");
+  if (mixedKernel != (cache.layout == CacheLayout::mixed))
+    return makeError(std::string("this decode kernel reads a ") + (mixedKernel ? "mixed" : "raw") +
+                     " cache, the step's is " + cacheLayoutName(cache.layout) + " (loom compile --decode --cache)");
   if (step.q.shape.size() != 4) return makeError("q: want 4 dimensions [B, T, H, d]");
   if (!cache.page_table || !cache.cache_len) return makeError("page_table and cache_len: missing");
   if (Status ok = device_->makeCurrent(); !ok) return ok;
@@ -459,7 +466,7 @@ Status Kernel::launchDecode(const IhaTensors& step, const PagedCacheTensors& cac
 Status Kernel::launch(const IhaTensors& t, CUstream stream, const IhaSaved* keep) {
   if (compiled_.direction() == v1::direction_backward)
     return makeError("this is a backward kernel: call launchBackward with dout and the gradients");
-  if (compiled_.direction() == v1::direction_decode)
+  if (compiled_.direction() == v1::direction_decode || compiled_.direction() == v1::direction_decode_mixed)
     return makeError("this is a decode kernel: call launchDecode with the step and its paged cache");
   if (Status ok = validateTensors(compiled_.spec(), t, device_->info().ordinal); !ok) return ok;
   if (keep) {

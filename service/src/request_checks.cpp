@@ -82,7 +82,7 @@ Status checkSpecAndTarget(const v1::KernelSpec& spec, const v1::Target& target) 
 
 // The service tunes, caches and serves the forward and the backward.
 Status checkDirection(v1::Direction direction) {
-  if (direction == v1::direction_decode)
+  if (direction == v1::direction_decode || direction == v1::direction_decode_mixed)
     return invalid("direction decode is not served yet: decode kernels are generated and compiled locally "
                    "(loom compile --decode), not tuned or cached");
   if (!v1::Direction_IsValid(direction))

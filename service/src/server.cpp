@@ -136,6 +136,7 @@ class KernelServiceImpl final : public v1::KernelService::Service {
         return invalid("kernel_checksum does not match the kernel");
       GenerateOptions generate;
       generate.direction = directionOf(result.direction());
+      generate.mixedCache = mixedCacheOf(result.direction());
       auto plan = generateKernel(result.spec(), result.best(), result.target(), generate);
       if (!plan || plan->source != kernel.source())
         return invalid("kernel.source is not what this server generates for result.spec and result.best");

@@ -66,6 +66,75 @@ void expectRawAppend(const DecodeCase& dc, const reference::PagedCache& after) {
     }
 }
 
+// Whether a step's rows can be checked in the case's 16-bit dtype, as
+// findCheckableCase asks of a whole forward: the float64 step loses at most
+// kCheckableShare of the tolerance with the cache's mixed rows rounded to the
+// dtype, plus with the pseudo-head outputs rounded before the collapse (what
+// a CUDA step keeps in o_pseudo). A step checks a few rows only, so a draw
+// the forward could check may cancel in the collapse there.
+bool stepCheckable(const IhaCase& c, DecodeLayout layout) {
+  layout.layout = CacheLayout::mixed;
+  auto dc = decodeCaseFrom(c, layout);
+  if (!dc) return false;
+  const NpyType storage = storageTypeOf(c.spec.dtype());
+  auto rounded = [&](std::vector<double> x) {
+    return npyToDouble(npyFromDouble(x, {int64_t(x.size())}, storage), c.spec.dtype() == v1::bfloat16);
+  };
+  reference::PagedCache cache = dc->cache;
+  cache.k = rounded(cache.k);
+  cache.v = rounded(cache.v);
+  const double mixing = relativeError(reference::ihaDecode(c.spec, dc->step, cache).out, dc->expected);
+  // Pseudo-head p's outputs of every head, by a collapse that picks p alone.
+  const int64_t H = c.spec.heads(), P = c.spec.pseudo_heads(), d = c.spec.head_dim();
+  const bool global = c.spec.collapse() == v1::global;
+  const std::vector<double>& weights = dc->step.collapse;
+  std::vector<double> collapsed(dc->expected.size(), 0.0);
+  for (int64_t p = 0; p < P; ++p) {
+    reference::IhaInputs pick = dc->step;
+    std::fill(pick.collapse.begin(), pick.collapse.end(), 0.0);
+    for (int64_t h = 0; h < H; ++h) pick.collapse[size_t(global ? (h * H + h) * P + p : h * P + p)] = 1.0;
+    reference::PagedCache fresh = dc->cache;
+    const std::vector<double> o = rounded(reference::ihaDecode(c.spec, pick, fresh).out);  // [B, T, H, d]
+    for (size_t row = 0; row < o.size() / size_t(H * d); ++row)
+      for (int64_t h = 0; h < H; ++h)
+        for (int64_t source = 0; source < H; ++source) {
+          if (!global && source != h) continue;
+          const double w = weights[size_t(global ? (h * H + source) * P + p : h * P + p)];
+          for (int64_t e = 0; e < d; ++e)
+            collapsed[(row * size_t(H) + size_t(h)) * size_t(d) + size_t(e)] +=
+                w * o[(row * size_t(H) + size_t(source)) * size_t(d) + size_t(e)];
+        }
+  }
+  const double collapse = relativeError(collapsed, dc->expected);
+  return mixing + collapse <= kCheckableShare * toleranceFor(c.spec.dtype());
+}
+
+// A layout of T new tokens over pages of 1 to maxPage tokens, either cache
+// layout, and cache lengths drawn until the step can be checked
+// (stepCheckable); at most 16 tries, the last one taken.
+DecodeLayout drawCheckableLayout(std::mt19937_64& rng, const IhaCase& c, int64_t T, int64_t maxPage) {
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  DecodeLayout layout{T, pick(1, maxPage), pick(0, 1) ? CacheLayout::mixed : CacheLayout::raw, {}, rng()};
+  for (int tries = 0; tries < 16; ++tries) {
+    layout.cached.clear();
+    for (int64_t b = 0; b < c.batch; ++b) layout.cached.push_back(pick(0, c.tokens - T));
+    if (stepCheckable(c, layout)) break;
+  }
+  return layout;
+}
+
+// A checkable case of a drawn spec the CUDA step takes (a 16-bit dtype,
+// head_dim a multiple of 16), 1 to 3 sequences of minTokens to maxTokens.
+IhaCase drawCudaCase(std::mt19937_64& rng, int64_t minTokens, int64_t maxTokens) {
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  return testing::drawCheckableShape(rng, /*backward=*/false, [&] {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
+    spec.set_head_dim(int32_t(16 * pick(1, 4)));
+    return testing::DrawnShape{spec, pick(1, 3), pick(minTokens, maxTokens)};
+  });
+}
+
 // The generated decode step on the host tile API.
 Result<cpu::CpuDecodeOutputs> runOnHost(const DecodeCase& dc, const Schedule& schedule = {}) {
   GenerateOptions options;
@@ -80,6 +149,27 @@ Result<cpu::CpuDecodeOutputs> runOnHost(const DecodeCase& dc, const Schedule& sc
 // dtype's tolerance, and its append: the raw cache holds exactly the new
 // tokens' k and v, a mixed one the reference's mixed rows, and no slot
 // outside the sequences' tokens was written.
+// The append a step made: the raw cache holds exactly the new tokens' k and
+// v, a mixed one the reference's mixed rows within the dtype's tolerance,
+// and no slot outside the sequences' tokens was written.
+void expectAppend(const IhaCase& c, const DecodeCase& dc, const reference::PagedCache& got) {
+  expectOnlyTheSequencesSlotsFilled(dc, got);
+  if (dc.layout == CacheLayout::raw) {
+    expectRawAppend(dc, got);
+    return;
+  }
+  reference::PagedCache want = dc.cache;
+  reference::appendToCache(c.spec, dc.step, want);
+  auto finite = [](std::vector<double> x) {
+    for (double& e : x) e = std::isfinite(e) ? e : 0.0;
+    return x;
+  };
+  const double tolerance = toleranceFor(c.spec.dtype());
+  EXPECT_LE(relativeError(finite(got.k), finite(want.k)), tolerance) << "mixed keys appended";
+  EXPECT_LE(relativeError(finite(got.v), finite(want.v)), tolerance) << "mixed values appended";
+}
+
+// The host kernel's step: out and lse within the dtype's tolerance, and its append.
 void expectHostStep(const IhaCase& c, const DecodeCase& dc, const Schedule& schedule = {}) {
   auto got = runOnHost(dc, schedule);
   ASSERT_TRUE(got) << got.error().message;
@@ -87,28 +177,18 @@ void expectHostStep(const IhaCase& c, const DecodeCase& dc, const Schedule& sche
   EXPECT_LE(relativeError(got->out, dc.expected), tolerance) << "out";
   reference::DecodeOutputs asLse{{}, got->lse};
   EXPECT_LE(lseError(c, dc, asLse), tolerance) << "lse";
-  expectOnlyTheSequencesSlotsFilled(dc, got->cache);
-  if (dc.layout == CacheLayout::raw) {
-    expectRawAppend(dc, got->cache);
-  } else {
-    reference::PagedCache want = dc.cache;
-    reference::appendToCache(c.spec, dc.step, want);
-    auto finite = [](std::vector<double> x) {
-      for (double& e : x) e = std::isfinite(e) ? e : 0.0;
-      return x;
-    };
-    EXPECT_LE(relativeError(finite(got->cache.k), finite(want.k)), tolerance) << "mixed keys appended";
-    EXPECT_LE(relativeError(finite(got->cache.v), finite(want.v)), tolerance) << "mixed values appended";
-  }
+  expectAppend(c, dc, got->cache);
 }
 
-// The CUDA decode step of `arch` (a raw cache) on the emulator: no finding,
-// out and lse within the dtype's tolerance of the forward's rows, the new
-// tokens' k and v exactly at their slots, nothing else written.
-void expectEmulatedStep(const IhaCase& c, const DecodeCase& dc, const std::string& arch, uint64_t seed) {
+// The CUDA decode step of `arch` over the step's cache layout on the
+// emulator: no finding, out and lse within the dtype's tolerance of the
+// forward's rows, and its append.
+void expectEmulatedStep(const IhaCase& c, const DecodeCase& dc, const std::string& arch, uint64_t seed,
+                        const Schedule& schedule = {}) {
   GenerateOptions options;
   options.direction = Direction::decode;
-  auto plan = generateKernel(dc.spec, {}, *parseTarget(arch), options);
+  options.mixedCache = dc.layout == CacheLayout::mixed;
+  auto plan = generateKernel(dc.spec, schedule, *parseTarget(arch), options);
   ASSERT_TRUE(plan) << plan.error().message;
   emu::EmuOptions emuOptions;
   emuOptions.cacheDir = LOOM_TEST_CACHE;
@@ -123,8 +203,7 @@ void expectEmulatedStep(const IhaCase& c, const DecodeCase& dc, const std::strin
   reference::DecodeOutputs asLse{{}, run->lse};
   EXPECT_LE(lseError(c, dc, asLse), tolerance) << "lse";
   ASSERT_TRUE(run->cache);
-  expectOnlyTheSequencesSlotsFilled(dc, *run->cache);
-  expectRawAppend(dc, *run->cache);
+  expectAppend(c, dc, *run->cache);
 }
 
 class SharedCaseDecode : public ::testing::TestWithParam<std::string> {};
@@ -174,7 +253,7 @@ TEST_P(SharedCaseDecode, HostKernelGivesTheForwardsRows) {
 
 // The CUDA program on the emulator: each shared case in a 16-bit dtype (its
 // own, or float16 / bfloat16 by turns), T = 2 over 3-token pages, sm_80 and
-// sm_90a by turns.
+// sm_90a by turns, over a raw and a mixed cache.
 TEST_P(SharedCaseDecode, EmulatedCudaStepWithoutFindings) {
   auto loaded = loadCase(testing::casesDir() + "/" + GetParam());
   ASSERT_TRUE(loaded) << loaded.error().message;
@@ -183,11 +262,13 @@ TEST_P(SharedCaseDecode, EmulatedCudaStepWithoutFindings) {
   const IhaCase c = loaded->spec.dtype() != v1::float32 ? *loaded
                                                         : withDtype(*loaded, index % 2 ? v1::float16 : v1::bfloat16);
   const std::string arch = index % 2 ? "sm_90a" : "sm_80";
-  SCOPED_TRACE(arch + " " + dtypeName(c.spec.dtype()));
   const uint64_t seed = testing::testSeed();
-  auto dc = decodeCaseFrom(c, {std::min<int64_t>(2, c.tokens), 3, CacheLayout::raw, {}, seed});
-  ASSERT_TRUE(dc) << dc.error().message;
-  expectEmulatedStep(c, *dc, arch, seed);
+  for (CacheLayout layout : {CacheLayout::raw, CacheLayout::mixed}) {
+    SCOPED_TRACE(arch + " " + dtypeName(c.spec.dtype()) + " " + cacheLayoutName(layout));
+    auto dc = decodeCaseFrom(c, {std::min<int64_t>(2, c.tokens), 3, layout, {}, seed});
+    ASSERT_TRUE(dc) << dc.error().message;
+    expectEmulatedStep(c, *dc, arch, seed);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Vectors, SharedCaseDecode, ::testing::ValuesIn(testing::sharedCaseNames()),
@@ -252,27 +333,47 @@ TEST(Decode, HostKernelOnDrawnSpecsAndSchedules) {
   }
 }
 
-// The emulated CUDA step on drawn specs the dtype can check, ragged lengths
-// and page sizes.
+// The emulated CUDA step on drawn specs the dtype can check, ragged lengths,
+// page sizes and either cache layout.
 TEST(Decode, EmulatedCudaStepOnDrawnSpecs) {
   std::mt19937_64 rng(testing::testSeed() ^ 0xc0da);
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   for (int draw = 0; draw < 3; ++draw) {
-    const IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
-      KernelSpec spec = testing::randomSpec(rng);
-      spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
-      spec.set_head_dim(int32_t(16 * pick(1, 4)));
-      return testing::DrawnShape{spec, pick(1, 3), pick(2, 24)};
-    });
+    const IhaCase c = drawCudaCase(rng, 2, 24);
     const int64_t T = pick(1, std::min<int64_t>(4, c.tokens));
-    DecodeLayout layout{T, pick(1, 9), CacheLayout::raw, {}, rng()};
-    for (int64_t b = 0; b < c.batch; ++b) layout.cached.push_back(pick(0, c.tokens - T));
+    const DecodeLayout layout = drawCheckableLayout(rng, c, T, 9);
     const std::string arch = pick(0, 1) ? "sm_90a" : "sm_80";
     SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " page " + std::to_string(layout.pageSize) + " " +
-                 arch);
+                 arch + " " + cacheLayoutName(layout.layout));
     auto dc = decodeCaseFrom(c, layout);
     ASSERT_TRUE(dc) << dc.error().message;
     expectEmulatedStep(c, *dc, arch, rng());
+  }
+}
+
+// Split-KV (flash-decoding): kv_splits CTAs per query block, each over its
+// share of the visible key blocks, merged by the combine launch. Drawn specs
+// with ragged caches of several 16-row key blocks, 2 to 6 splits (some
+// shares empty where a sequence has fewer blocks than splits, or a window
+// hides them), either layout: the host kernel, and for two of the draws the
+// emulated CUDA step, give the forward's rows.
+TEST(Decode, SplitKvStepsGiveTheForwardsRows) {
+  std::mt19937_64 rng(testing::testSeed() ^ 0x5b117);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  for (int draw = 0; draw < 5; ++draw) {
+    const IhaCase c = drawCudaCase(rng, 8, 48);
+    const int64_t T = pick(1, std::min<int64_t>(3, c.tokens));
+    const DecodeLayout layout = drawCheckableLayout(rng, c, T, 16);
+    Schedule schedule;
+    schedule.set_kv_splits(int32_t(pick(2, 6)));
+    schedule.set_block_n(16);
+    const std::string arch = draw % 2 ? "sm_90a" : "sm_80";
+    SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " page " + std::to_string(layout.pageSize) + " " +
+                 cacheLayoutName(layout.layout) + " kv_splits " + std::to_string(schedule.kv_splits()));
+    auto dc = decodeCaseFrom(c, layout);
+    ASSERT_TRUE(dc) << dc.error().message;
+    expectHostStep(c, *dc, schedule);
+    if (draw < 2) expectEmulatedStep(c, *dc, arch, rng(), schedule);
   }
 }
 
@@ -282,16 +383,25 @@ TEST(Decode, NvrtcCompilesTheCudaStepWithoutSpills) {
                                        .dtype = v1::bfloat16, .mask = v1::flat_causal, .ropeTheta = 10000});
   spec.set_qk_norm(v1::KernelSpec::rms);
   jit::NvrtcCompiler compiler("");
-  for (const char* arch : {"sm_80", "sm_90a"}) {
+  // `entries` launches, none spilling or with a stack frame.
+  auto expectClean = [&](const Schedule& schedule, const char* arch, bool mixed, size_t entries) {
+    SCOPED_TRACE(std::string(arch) + (mixed ? " mixed cache " : " raw cache ") + schedule.ShortDebugString());
     std::shared_ptr<const jit::Artifact> artifact;
-    auto kernel = compileKernel(spec, Schedule(), *parseTarget(arch), compiler, &artifact, Direction::decode);
+    auto kernel = compileKernel(spec, schedule, *parseTarget(arch), compiler, &artifact, Direction::decode, mixed);
     ASSERT_TRUE(kernel) << kernel.error().message << "\n" << kernel.error().log;
+    EXPECT_EQ(kernel->direction(), mixed ? v1::direction_decode_mixed : v1::direction_decode);
     EXPECT_TRUE(artifact->usesAsyncCopies()) << "the cache's pages come in by cp.async";
-    ASSERT_EQ(artifact->resources.size(), 2u) << artifact->log;  // iha_append, iha_attention
+    ASSERT_EQ(artifact->resources.size(), entries) << artifact->log;
     for (const auto& usage : artifact->resources) {
-      EXPECT_EQ(usage.spill_store_bytes() + usage.spill_load_bytes(), 0) << arch << " " << usage.ShortDebugString();
-      EXPECT_EQ(usage.stack_frame_bytes(), 0) << arch << " " << usage.ShortDebugString();
+      EXPECT_EQ(usage.spill_store_bytes() + usage.spill_load_bytes(), 0) << usage.ShortDebugString();
+      EXPECT_EQ(usage.stack_frame_bytes(), 0) << usage.ShortDebugString();
     }
+  };
+  Schedule split;  // over four CTAs: the split store and the combine launch too
+  split.set_kv_splits(4);
+  for (const char* arch : {"sm_80", "sm_90a"}) {
+    for (bool mixed : {false, true}) expectClean({}, arch, mixed, 2);  // iha_append, iha_attention
+    expectClean(split, arch, false, 4);                                 // + iha_combine, iha_collapse
   }
 }
 
@@ -308,10 +418,13 @@ TEST(Decode, PlansSayWhatTheyCannotBe) {
             std::string::npos);
   GenerateOptions mixedDecode = decode;
   mixedDecode.mixedCache = true;
-  auto cuda = generateKernel(spec, {}, *parseTarget("sm_80"), mixedDecode);
-  ASSERT_FALSE(cuda);
-  EXPECT_NE(cuda.error().message.find("has no decode kernel over a mixed cache yet"), std::string::npos)
-      << cuda.error().message;
+  Schedule fused;
+  fused.set_mix(v1::mix_fused);
+  auto mixedFused = generateKernel(spec, fused, *parseTarget("cpu"), mixedDecode);
+  ASSERT_FALSE(mixedFused);
+  EXPECT_NE(mixedFused.error().message.find("schedule.mix fused does not apply to a decode step over a mixed cache"),
+            std::string::npos)
+      << mixedFused.error().message;
   KernelSpec half = spec;
   half.set_dtype(v1::float16);
   EXPECT_TRUE(generateKernel(half, {}, *parseTarget("sm_80"), decode));
@@ -333,6 +446,33 @@ TEST(Decode, PlansSayWhatTheyCannotBe) {
   GenerateOptions mixedForward;
   mixedForward.mixedCache = true;
   EXPECT_FALSE(generateKernel(spec, {}, *parseTarget("cpu"), mixedForward));
+  // kv_splits: a decode step's, with the collapse after the combine.
+  Schedule split;
+  split.set_kv_splits(3);
+  auto forwardSplit = generateKernel(spec, split, *parseTarget("cpu"), GenerateOptions{});
+  ASSERT_FALSE(forwardSplit);
+  EXPECT_NE(forwardSplit.error().message.find("kv_splits is for decode plans only"), std::string::npos)
+      << forwardSplit.error().message;
+  Schedule splitFused = split;
+  splitFused.set_collapse(v1::collapse_fused);
+  auto fusedSplit = generateKernel(spec, splitFused, *parseTarget("sm_80"), decode);
+  ASSERT_FALSE(fusedSplit);
+  EXPECT_NE(fusedSplit.error().message.find("needs collapse separate"), std::string::npos)
+      << fusedSplit.error().message;
+  Schedule tooMany;
+  tooMany.set_kv_splits(65);
+  EXPECT_FALSE(generateKernel(spec, tooMany, *parseTarget("cpu"), decode));
+  auto splitPlan = generateKernel(spec, split, *parseTarget("cpu"), decode);
+  ASSERT_TRUE(splitPlan) << splitPlan.error().message;
+  EXPECT_EQ(splitPlan->schedule.kv_splits(), 3);
+  std::vector<std::string> names;
+  for (const LaunchPlan& launch : splitPlan->launches) {
+    names.push_back(launch.name);
+    if (launch.name == kAttentionEntry) EXPECT_EQ(launch.gridY, 3 * spec.heads()) << "a CTA per (head, split)";
+  }
+  EXPECT_EQ(names, (std::vector<std::string>{kDecodeAppendEntry, kAttentionEntry, kDecodeCombineEntry, "iha_collapse"}));
+  EXPECT_NE(std::find(splitPlan->workspaces.begin(), splitPlan->workspaces.end(), Workspace::splits),
+            splitPlan->workspaces.end());
   auto plan = generateKernel(spec, {}, *parseTarget("cpu"), decode);
   ASSERT_TRUE(plan) << plan.error().message;
   EXPECT_EQ(plan->direction, Direction::decode);

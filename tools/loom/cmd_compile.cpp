@@ -12,6 +12,7 @@
 #include "api/compile.h"
 #include "jit/nvrtc_compiler.h"
 #include "loom/compiler.h"
+#include "loom/decode.h"
 
 namespace loom::cli {
 namespace {
@@ -23,6 +24,7 @@ struct CompileOptions {
   std::string dtype;
   bool backward = false;
   bool decode = false;
+  std::string cache = "raw";
   std::string cacheDir;
   std::string outPath;
   bool json = false;
@@ -79,11 +81,14 @@ int compile(const CompileOptions& options) {
   if (target->kind() != v1::Target::cuda) return badInput("loom compile needs a CUDA target such as sm_80 or sm_90a");
   GenerateOptions generate;
   generate.direction = options.backward ? Direction::backward : options.decode ? Direction::decode : Direction::forward;
+  auto layout = parseCacheLayout(options.cache);
+  if (!layout) return badInput(layout.error().message);
+  generate.mixedCache = options.decode && *layout == CacheLayout::mixed;
   auto plan = generateKernel(*spec, *schedule, *target, generate);  // the launches the report lists
   if (!plan) return badInput(plan.error().message);
   jit::NvrtcCompiler compiler(options.cacheDir);
   std::shared_ptr<const jit::Artifact> artifact;
-  auto kernel = compileKernel(*spec, *schedule, *target, compiler, &artifact, generate.direction);
+  auto kernel = compileKernel(*spec, *schedule, *target, compiler, &artifact, generate.direction, generate.mixedCache);
   if (!kernel) {
     std::fprintf(stderr, "%s\n", kernel.error().log.c_str());
     return badInput(kernel.error().message);
@@ -138,8 +143,13 @@ void addCompileCommand(CLI::App& app, std::function<int()>* action) {
   cmd->add_flag("--backward", options->backward,
                 "compile the backward plan (every gradient of sum(out * dout); Kernel::launchBackward) instead");
   cmd->add_flag("--decode", options->decode,
-                "compile the decode step over a paged raw cache (docs/IHA.md, Decode; Kernel::launchDecode) instead")
+                "compile the decode step over a paged cache (docs/IHA.md, Decode; Kernel::launchDecode) instead")
       ->excludes("--backward");
+  cmd->add_option("--cache", options->cache,
+                  "with --decode, the cache's layout: raw (k, v [pages, page_size, G, d]) or mixed (the mixed,\n"
+                  "rotated pseudo-keys and values [pages, page_size, G, P, d])")
+      ->check(CLI::IsMember({"raw", "mixed"}))
+      ->capture_default_str();
   cmd->callback([options, action] { *action = [options] { return compile(*options); }; });
 }
 

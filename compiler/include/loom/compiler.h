@@ -22,6 +22,9 @@ inline constexpr char kPremixEntry[] = "iha_premix";
 // A decode plan's first launch: the step's new tokens' k and v into the
 // paged cache (its attention reads them back from there).
 inline constexpr char kDecodeAppendEntry[] = "iha_append";
+// A decode plan with kv_splits > 1: the split CTAs' partial rows merged,
+// before the collapse.
+inline constexpr char kDecodeCombineEntry[] = "iha_combine";
 
 // A backward plan's entry points, in launch order after the pre-mix and the
 // forward's attention (recomputing the pseudo outputs and lse):
@@ -53,19 +56,26 @@ struct LaunchPlan {
 // The backward's: do_pseudo [B, H, L, d] (the dtype on CUDA), delta [B, H, L],
 // dq_pseudo [B, H, L, d], dk_pseudo and dv_pseudo [B, G, L, d], and partials
 // [B * token CTAs][partialEntries] (all float).
-enum class Workspace { q_mixed, k_mixed, v_mixed, o_pseudo, do_pseudo, delta, dq_pseudo, dk_pseudo, dv_pseudo, partials };
+// splits: a decode plan's split partial rows [B, H, kv_splits, T * P, d + 1]
+// (float, lse last).
+enum class Workspace {
+  q_mixed, k_mixed, v_mixed, o_pseudo, do_pseudo, delta, dq_pseudo, dk_pseudo, dv_pseudo, partials, splits
+};
 
 // Which function a plan computes (the schema's v1::Direction).
 // decode: one step over a paged cache (docs/IHA.md, Decode over a paged cache).
 enum class Direction { forward, backward, decode };
+// The schema tells the two caches' decode kernels apart (direction_decode,
+// direction_decode_mixed); a plan says decode and its mixedCache.
 inline Direction directionOf(v1::Direction direction) {
-  return direction == v1::direction_backward ? Direction::backward
-         : direction == v1::direction_decode ? Direction::decode
-                                             : Direction::forward;
+  return direction == v1::direction_backward                                          ? Direction::backward
+         : direction == v1::direction_decode || direction == v1::direction_decode_mixed ? Direction::decode
+                                                                                       : Direction::forward;
 }
-inline v1::Direction directionOf(Direction direction) {
+inline bool mixedCacheOf(v1::Direction direction) { return direction == v1::direction_decode_mixed; }
+inline v1::Direction directionOf(Direction direction, bool mixedCache = false) {
   return direction == Direction::backward ? v1::direction_backward
-         : direction == Direction::decode ? v1::direction_decode
+         : direction == Direction::decode ? (mixedCache ? v1::direction_decode_mixed : v1::direction_decode)
                                           : v1::direction_forward;
 }
 

@@ -46,6 +46,7 @@ ScheduleFields fieldsOf(const Schedule& schedule) {
   if (schedule.collapse() == v1::collapse_separate) fields.collapse = CollapseStrategy::separate;
   if (schedule.dq() == v1::dq_separate) fields.dq = DqStrategy::separate;
   if (schedule.dq() == v1::dq_atomic) fields.dq = DqStrategy::atomic;
+  fields.kvSplits = schedule.kv_splits();
   return fields;
 }
 
@@ -107,6 +108,9 @@ void readPlan(KernelOp kernel, KernelPlan& plan) {
     bool storesRows = false;
     launch.walk([&](StoreRowsOp) { storesRows = true; });
     if (storesRows) plan.workspaces.push_back(Workspace::o_pseudo);
+    bool storesSplits = false;
+    launch.walk([&](StoreSplitOp) { storesSplits = true; });
+    if (storesSplits) plan.workspaces.insert(plan.workspaces.end(), {Workspace::splits, Workspace::o_pseudo});
   }
   if (kernel.getBackward()) {
     plan.workspaces.insert(plan.workspaces.end(), {Workspace::do_pseudo, Workspace::delta, Workspace::dq_pseudo,
@@ -115,6 +119,7 @@ void readPlan(KernelOp kernel, KernelPlan& plan) {
   plan.direction = kernel.getBackward() ? Direction::backward : kernel.getDecode() ? Direction::decode : Direction::forward;
   plan.mixedCache = kernel.getMixedCache();
   plan.schedule = scheduleOf(kernel.getScheduleAttr(), kernel.getBackward());
+  if (kernel.getDecode()) plan.schedule.set_kv_splits(int32_t(kernel.getScheduleAttr().getKvSplits()));
   plan.workspaceElementBytes = cuda ? kTileElementBytes : int(sizeof(float));
 }
 
@@ -139,7 +144,8 @@ std::optional<std::string> fitCudaTarget(SpecAttr spec, ScheduleAttr& schedule, 
   if (attentionSharedMemory(spec, schedule) > limit && requested.mix() == v1::mix_unspecified) {
     schedule = ScheduleAttr::get(spec.getContext(), schedule.getBlockM(), schedule.getBlockN(), schedule.getWarps(),
                                  schedule.getStages(), MixStrategy::materialized, schedule.getCollapse(),
-                                 schedule.getEngine(), schedule.getProducerRegisters(), schedule.getDq());
+                                 schedule.getEngine(), schedule.getProducerRegisters(), schedule.getDq(),
+                                 schedule.getKvSplits());
   }
   const int64_t bytes = attentionSharedMemory(spec, schedule);
   if (bytes > limit)
@@ -162,6 +168,7 @@ std::string workspaceName(Workspace workspace) {
     case Workspace::dk_pseudo: return "dk_pseudo";
     case Workspace::dv_pseudo: return "dv_pseudo";
     case Workspace::partials: return "partials";
+    case Workspace::splits: return "splits";
   }
   return "?";
 }
@@ -213,6 +220,9 @@ int64_t workspaceElements(const KernelSpec& spec, Workspace workspace, int64_t b
 }
 
 int64_t workspaceElements(const KernelPlan& plan, Workspace workspace, int64_t batch, int64_t tokens) {
+  if (workspace == Workspace::splits)
+    return batch * plan.spec.heads() * std::max<int64_t>(plan.schedule.kv_splits(), 1) * tokens *
+           plan.spec.pseudo_heads() * (plan.spec.head_dim() + 1);
   if (workspace != Workspace::partials) return workspaceElements(plan.spec, workspace, batch, tokens);
   for (const LaunchPlan& launch : plan.launches)
     if (launch.name == kBackwardPrepEntry)
@@ -246,7 +256,7 @@ v1::CompiledKernel toCompiledKernel(const KernelPlan& plan) {
   }
   for (Workspace w : plan.workspaces) kernel.add_workspaces(workspaceName(w));
   kernel.set_workspace_element_bytes(plan.workspaceElementBytes);
-  kernel.set_direction(directionOf(plan.direction));
+  kernel.set_direction(directionOf(plan.direction, plan.mixedCache));
   return kernel;
 }
 
@@ -325,6 +335,8 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
   const bool hopper = target.kind() == v1::Target::cuda && target.arch() == "sm_90a";
   ScheduleFields given = fieldsOf(schedule);
   if (auto why = checkScheduleFields(given)) return makeError(*why);
+  if (given.kvSplits > 1 && direction != Direction::decode)
+    return makeError("schedule.kv_splits is for decode plans only (it splits a decode step's cached key blocks)");
   if (direction == Direction::backward) {
     if (target.kind() == v1::Target::cuda && spec.head_dim() > kMaxBackwardHeadDim)
       return makeError("head_dim " + std::to_string(spec.head_dim()) + " has no CUDA backward yet: its dK and dV "
@@ -346,18 +358,21 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
     given.engine = given.engine.value_or(Engine::mma);
   }
   if (direction == Direction::decode) {
-    // The decode step mixes its rows as they stream (there is no pre-mix of
-    // a cache) on the mma engine.
-    if (target.kind() == v1::Target::cuda && mixedCache)
-      return makeError("target " + target.arch() + " has no decode kernel over a mixed cache yet: a mixed cache is "
-                       "decoded on target cpu (the host tile API); a raw one on either");
-    if (given.mix == MixStrategy::materialized)
-      return makeError("schedule.mix materialized does not apply to a decode step: it mixes each cached block as "
-                       "it streams (leave mix unset or fused)");
+    // The decode step mixes its rows as they stream from a raw cache (there
+    // is no pre-mix of a cache), or reads a mixed cache's rows as stored: its
+    // schedule's mix says which (fused, materialized), on the mma engine.
+    const MixStrategy mix = mixedCache ? MixStrategy::materialized : MixStrategy::fused;
+    if (given.mix && *given.mix != mix)
+      return makeError(mixedCache ? "schedule.mix fused does not apply to a decode step over a mixed cache: its "
+                                    "keys and values are read mixed (leave mix unset or materialized)"
+                                  : "schedule.mix materialized does not apply to a decode step over a raw cache: it "
+                                    "mixes each cached block as it streams (leave mix unset or fused)");
     if (given.engine == Engine::wgmma)
       return makeError("schedule.engine wgmma has no decode kernel yet (leave engine unset or mma)");
-    given.mix = MixStrategy::fused;
+    given.mix = mix;
     given.engine = Engine::mma;
+    // Split CTAs merge their rows in the combine launch, then collapse.
+    if (given.kvSplits > 1) given.collapse = given.collapse.value_or(CollapseStrategy::separate);
   }
   ScheduleAttr scheduleAttr = completeSchedule(specAttr, given, hopper);
   if (auto why = checkSchedule(specAttr, scheduleAttr)) return makeError(*why);
@@ -382,8 +397,8 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
     }
   }
   if (target.kind() == v1::Target::cuda && direction == Direction::decode) {
-    // A decode step keeps its mixing fused: where the raw stages of all G
-    // kv heads do not fit, halve the key blocks, then keep one stage (of the
+    // A decode step keeps its mixing (fused over a raw cache): where the
+    // stages do not fit, halve the key blocks, then keep one stage (of the
     // fields the schedule left unset).
     const int64_t limit = sharedMemoryLimit(target);
     while (attentionSharedMemory(specAttr, scheduleAttr) > limit) {
@@ -394,14 +409,14 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
       scheduleAttr = ScheduleAttr::get(specAttr.getContext(), scheduleAttr.getBlockM(), blockN, scheduleAttr.getWarps(),
                                        stages, scheduleAttr.getMix(), scheduleAttr.getCollapse(),
                                        scheduleAttr.getEngine(), scheduleAttr.getProducerRegisters(),
-                                       scheduleAttr.getDq());
+                                       scheduleAttr.getDq(), scheduleAttr.getKvSplits());
     }
     if (auto why = checkSchedule(specAttr, scheduleAttr)) return makeError(*why);
   }
   if (target.kind() == v1::Target::cuda) {
-    // A decode step keeps its mixing fused whatever shared memory it needs.
+    // A decode step keeps its mixing whatever shared memory it needs.
     Schedule requested = schedule;
-    if (direction == Direction::decode) requested.set_mix(v1::mix_fused);
+    if (direction == Direction::decode) requested.set_mix(mixedCache ? v1::mix_materialized : v1::mix_fused);
     if (auto why = fitCudaTarget(specAttr, scheduleAttr, requested, target)) return makeError(*why);
   }
   return std::make_pair(specAttr, scheduleAttr);

@@ -40,8 +40,18 @@ struct AnalyzeMask : impl::IhaAnalyzeMaskBase<AnalyzeMask> {
                          ? Value(builder.create<DecodeLenOp>(stream.getLoc(), builder.getI64Type(), loop.getBatch()))
                          : Value(builder.create<SeqLenOp>(stream.getLoc(), builder.getI64Type()));
       const ScheduleAttr schedule = kernel.getScheduleAttr();
-      const BlockRanges<Value> r = blockRanges(math, maskRuleOf(kernel.getSpec()), schedule.getBlockM(),
-                                               schedule.getBlockN(), Value(loop.getRow0()), seqLen);
+      BlockRanges<Value> r = blockRanges(math, maskRuleOf(kernel.getSpec()), schedule.getBlockM(),
+                                         schedule.getBlockN(), Value(loop.getRow0()), seqLen);
+      if (kernel.getDecode() && schedule.getKvSplits() > 1) {
+        // Split CTA (blockY mod S) takes its even share of the visible
+        // blocks [lo, hi); every range is clamped to that share.
+        const Value splits = math.c(schedule.getKvSplits());
+        const Value split = math.rem(launch.getBlockY(), splits);
+        const Value share = math.ceilDiv(math.sub(r.hi, r.lo), splits);
+        const Value first = math.min(math.add(r.lo, math.mul(split, share)), r.hi);
+        const Value last = math.min(math.add(first, share), r.hi);
+        r = {first, math.clamp(r.ilo, first, last), math.clamp(r.ihi, first, last), last};
+      }
 
       stream.getLowerMutable().assign(r.lo);
       stream.getUpperMutable().assign(r.hi);

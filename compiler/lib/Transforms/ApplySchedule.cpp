@@ -87,22 +87,37 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
     tokenLaunch(kDecodeAppendLaunch, [&](mlir::OpBuilder& body, Value token0, Value batch) {
       body.create<AppendCacheOp>(loc, token0, batch);
     });
-    LaunchOp attention = createLaunch(builder, loc, kAttentionLaunch, P, ownedRows, spec.getHeads(),
+    // With kv_splits S the grid's y is (head, split): CTA y = head * S + split
+    // takes split's share of the key blocks (iha-analyze-mask divides them).
+    const int64_t splits = chosen.getKvSplits();
+    LaunchOp attention = createLaunch(builder, loc, kAttentionLaunch, P, ownedRows, spec.getHeads() * splits,
                                       chosen.getWarps() * kThreadsPerWarp);
     {
       mlir::OpBuilder body = mlir::OpBuilder::atBlockEnd(&attention.getBlock());
       IndexMath math(body, loc);
-      Value head = attention.getBlockY(), batch = attention.getBatch();
+      Value head = splits > 1 ? math.floorDiv(attention.getBlockY(), math.c(splits)) : attention.getBlockY();
+      Value batch = attention.getBatch();
       Value cached = body.create<CachedRowsOp>(loc, body.getI64Type(), batch);
       Value row0 = math.add(cached, math.mul(attention.getBlockX(), math.c(ownedRows)));
       Value length = body.create<DecodeLenOp>(loc, body.getI64Type(), batch);
       Value zero = math.c(0);
       Value keyBlocks = math.ceilDiv(length, math.c(chosen.getBlockN()));
+      // The step's queries are mixed as they load; cached keys and values
+      // are mixed as they stream from a raw cache, read as stored from a
+      // mixed one.
+      const bool rawCache = !kernel.getMixedCache();
       body.create<LoadQOp>(loc, row0, head, batch, /*mixed=*/true);
-      body.create<KvStreamOp>(loc, zero, keyBlocks, head, batch, /*mixed=*/true);
-      body.create<KvLoopOp>(loc, zero, keyBlocks, row0, head, batch, /*masked=*/true, /*mixed=*/true);
-      body.create<StoreRowsOp>(loc, row0, head, batch);
+      body.create<KvStreamOp>(loc, zero, keyBlocks, head, batch, /*mixed=*/rawCache);
+      body.create<KvLoopOp>(loc, zero, keyBlocks, row0, head, batch, /*masked=*/true, /*mixed=*/rawCache);
+      if (splits > 1)
+        body.create<StoreSplitOp>(loc, row0, head, batch, math.rem(attention.getBlockY(), math.c(splits)));
+      else
+        body.create<StoreRowsOp>(loc, row0, head, batch);
     }
+    if (splits > 1)
+      tokenLaunch(kDecodeCombineLaunch, [&](mlir::OpBuilder& body, Value token0, Value batch) {
+        body.create<CombineSplitsOp>(loc, token0, batch);
+      });
     tokenLaunch(kCollapseLaunch, [&](mlir::OpBuilder& body, Value token0, Value batch) {
       body.create<CollapseRowsOp>(loc, token0, batch);
     });
@@ -117,8 +132,8 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
       auto fields = fieldsFromOptions(blockM, blockN, warps, stages, mix, collapse, engine, producerRegisters, dq, &error);
       if (!fields) return kernel.emitError() << error;
       if (auto why = checkScheduleFields(*fields)) return kernel.emitError() << *why;
-      if (kernel.getDecode()) {  // a decode step mixes each cached block as it streams
-        fields->mix = MixStrategy::fused;
+      if (kernel.getDecode()) {  // a decode step mixes each cached block as it streams, or reads it mixed
+        fields->mix = kernel.getMixedCache() ? MixStrategy::materialized : MixStrategy::fused;
         fields->engine = fields->engine.value_or(Engine::mma);
       }
       if (kernel.getBackward()) {  // the backward reads mixed rows from workspaces

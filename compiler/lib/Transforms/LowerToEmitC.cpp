@@ -70,6 +70,7 @@ std::string configStruct(SpecAttr spec, ScheduleAttr schedule, bool backward, bo
   // A decode step (loom/tile/common.h's decode fields of IhaArgs).
   text += line("bool", "decode", decode ? "true" : "false");
   text += line("bool", "mixed_cache", mixedCache ? "true" : "false");
+  if (decode) text += line("int", "kv_splits", std::to_string(schedule.getKvSplits()));
   if (schedule.getEngine() == Engine::wgmma) {
     text += line("int", "producer_registers", std::to_string(schedule.getProducerRegisters()));
     text += line("int", "consumer_registers",
@@ -182,6 +183,7 @@ class LaunchLowering {
         .Case([&](mlir::arith::AddIOp o) { return binary<mlir::emitc::AddOp>(o); })
         .Case([&](mlir::arith::SubIOp o) { return binary<mlir::emitc::SubOp>(o); })
         .Case([&](mlir::arith::MulIOp o) { return binary<mlir::emitc::MulOp>(o); })
+        .Case([&](mlir::arith::RemSIOp o) { return binary<mlir::emitc::RemOp>(o); })  // (of non-negative indices)
         .Case([&](mlir::arith::FloorDivSIOp o) { return helper("floordiv", o); })
         .Case([&](mlir::arith::CeilDivSIOp o) { return helper("ceildiv", o); })
         .Case([&](mlir::arith::MaxSIOp o) { return helper("max", o); })
@@ -240,6 +242,17 @@ class LaunchLowering {
           return lowerKvLoop(o);
         })
         .Case([&](StoreRowsOp o) { return store("store_rows", o.getRow0(), o.getHead(), o.getBatch()); })
+        .Case([&](StoreSplitOp o) {
+          finishStream();
+          call("normalize", {state("SoftmaxState"), state("AccTile")});
+          call("store_split", {state("AccTile"), state("SoftmaxState"), args_, get(o.getRow0()), get(o.getHead()),
+                               get(o.getBatch()), get(o.getSplit())});
+          return mlir::success();
+        })
+        .Case([&](CombineSplitsOp o) {
+          call("combine_splits", {args_, get(o.getToken0()), get(o.getBatch())});
+          return mlir::success();
+        })
         .Case([&](StoreCollapsedOp o) { return store("store_collapsed", o.getRow0(), o.getHead(), o.getBatch()); })
         .Case([&](AccumulateCollapsedOp o) {
           finishStream();

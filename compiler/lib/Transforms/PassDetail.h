@@ -15,6 +15,7 @@ inline constexpr llvm::StringLiteral kPremixLaunch = "iha_premix";
 inline constexpr llvm::StringLiteral kAttentionLaunch = loom::kAttentionEntry;
 inline constexpr llvm::StringLiteral kCollapseLaunch = "iha_collapse";
 inline constexpr llvm::StringLiteral kDecodeAppendLaunch = loom::kDecodeAppendEntry;
+inline constexpr llvm::StringLiteral kDecodeCombineLaunch = loom::kDecodeCombineEntry;
 // The backward's (docs/compiler.md, "The backward").
 inline constexpr llvm::StringLiteral kBwdPrepLaunch = loom::kBackwardPrepEntry;
 inline constexpr llvm::StringLiteral kBwdKvLaunch = loom::kBackwardKvEntry;
@@ -46,6 +47,7 @@ class IndexMath {
   mlir::Value sub(mlir::Value x, mlir::Value y) { return b_.create<mlir::arith::SubIOp>(loc_, x, y); }
   mlir::Value mul(mlir::Value x, mlir::Value y) { return b_.create<mlir::arith::MulIOp>(loc_, x, y); }
   mlir::Value floorDiv(mlir::Value x, mlir::Value y) { return b_.create<mlir::arith::FloorDivSIOp>(loc_, x, y); }
+  mlir::Value rem(mlir::Value x, mlir::Value y) { return b_.create<mlir::arith::RemSIOp>(loc_, x, y); }
   mlir::Value ceilDiv(mlir::Value x, mlir::Value y) { return b_.create<mlir::arith::CeilDivSIOp>(loc_, x, y); }
   mlir::Value max(mlir::Value x, mlir::Value y) { return b_.create<mlir::arith::MaxSIOp>(loc_, x, y); }
   mlir::Value min(mlir::Value x, mlir::Value y) { return b_.create<mlir::arith::MinSIOp>(loc_, x, y); }

@@ -85,6 +85,14 @@ static LogicalResult verifyInDecode(Operation* op) {
 LogicalResult DecodeLenOp::verify() { return verifyInDecode(*this); }
 LogicalResult CachedRowsOp::verify() { return verifyInDecode(*this); }
 LogicalResult AppendCacheOp::verify() { return verifyInDecode(*this); }
+LogicalResult CombineSplitsOp::verify() { return verifyInDecode(*this); }
+LogicalResult StoreSplitOp::verify() {
+  if (failed(verifyInDecode(*this))) return failure();
+  auto kernel = (*this)->getParentOfType<KernelOp>();
+  if (kernel.getScheduleAttr() && kernel.getScheduleAttr().getKvSplits() < 2)
+    return emitOpError() << "belongs to a kernel whose schedule splits its key blocks (kv_splits > 1)";
+  return success();
+}
 IHA_BLOCK_OP_VERIFIER(PremixOp)
 IHA_BLOCK_OP_VERIFIER(CollapseRowsOp)
 IHA_BLOCK_OP_VERIFIER(LoadQOp)

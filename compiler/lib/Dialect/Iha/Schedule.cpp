@@ -60,7 +60,7 @@ ScheduleAttr completeWgmma(SpecAttr spec, const ScheduleFields& given) {
           : (mix != MixStrategy::fused                ? kTmaProducerRegisters
              : spec.getQkNorm() == QkNorm::rms ? kNormalizingProducerRegisters
                                                : kMixingProducerRegisters),
-      given.dq.value_or(DqStrategy::separate));
+      given.dq.value_or(DqStrategy::separate), given.kvSplits ? given.kvSplits : 1);
 }
 
 std::optional<std::string> checkWgmma(SpecAttr spec, ScheduleAttr schedule) {
@@ -102,7 +102,8 @@ std::optional<std::string> checkScheduleFields(const ScheduleFields& given) {
       {"block_n", {given.blockN, kMaxBlockRows}},
       {"warps", {given.warps, kMaxWarps}},
       {"stages", {given.stages, kMaxStages}},
-      {"producer_registers", {given.producerRegisters, kMaxWarpgroupRegisters}}};
+      {"producer_registers", {given.producerRegisters, kMaxWarpgroupRegisters}},
+      {"kv_splits", {given.kvSplits, kMaxKvSplits}}};
   for (const auto& [name, field] : fields) {
     const auto [value, most] = field;
     if (value < 0 || value > most)
@@ -151,7 +152,8 @@ ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool h
   }
   return ScheduleAttr::get(spec.getContext(), blockM, blockN, warps, given.stages ? given.stages : kDefaultStages,
                            given.mix.value_or(MixStrategy::fused), given.collapse.value_or(defaultCollapse(spec)),
-                           Engine::mma, given.producerRegisters, given.dq.value_or(DqStrategy::separate));
+                           Engine::mma, given.producerRegisters, given.dq.value_or(DqStrategy::separate),
+                           given.kvSplits ? given.kvSplits : 1);
 }
 
 
@@ -171,6 +173,11 @@ std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule) {
   const int64_t warps = schedule.getWarps(), stages = schedule.getStages();
   if (stages < 1 || stages > kMaxStages)
     return "schedule.stages (" + str(stages) + ") must be in [1, " + str(kMaxStages) + "]";
+  if (schedule.getKvSplits() < 1 || schedule.getKvSplits() > kMaxKvSplits)
+    return "schedule.kv_splits (" + str(schedule.getKvSplits()) + ") must be in [1, " + str(kMaxKvSplits) + "]";
+  if (schedule.getKvSplits() > 1 && schedule.getCollapse() != CollapseStrategy::separate)
+    return "schedule.kv_splits (" + str(schedule.getKvSplits()) + ") needs collapse separate: a split CTA holds "
+           "part of each row's keys, so its rows are collapsed only after the combine launch merges them";
   if (schedule.getEngine() == Engine::wgmma) return checkWgmma(spec, schedule);
   if (schedule.getProducerRegisters() != 0)
     return "schedule.producer_registers is for engine wgmma only (its producer warpgroup)";

@@ -90,6 +90,9 @@ struct IhaArgs {
   const int32_t* cache_len;
   int64_t page_size;
   int64_t max_pages;
+  // kv_splits > 1: the split CTAs' normalised partial rows, [B, H,
+  // kv_splits, T * P, d + 1] float, each row's lse in its last column.
+  float* splits;
 };
 
 
@@ -117,6 +120,13 @@ template <class C>
 LOOM_HOST_DEVICE constexpr int64_t decode_len(const IhaArgs& args, int64_t b) {
   return (int64_t(args.cache_len[b]) + args.tokens) * C::pseudo_heads;
 }
+// Row i (of the step's T * P) of split s of head h in the splits workspace.
+template <class C>
+LOOM_HOST_DEVICE inline float* split_row(const IhaArgs& args, int64_t b, int64_t h, int64_t s, int64_t i) {
+  return args.splits +
+         (((b * C::heads + h) * C::kv_splits + s) * seq_len<C>(args) + i) * int64_t(C::head_dim + 1);
+}
+
 // The cache slot (page * page_size + offset) of token t of sequence b.
 LOOM_HOST_DEVICE inline int64_t cache_slot(const IhaArgs& args, int64_t b, int64_t t) {
   return int64_t(args.page_table[b * args.max_pages + t / args.page_size]) * args.page_size + t % args.page_size;

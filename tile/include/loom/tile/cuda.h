@@ -142,24 +142,59 @@ struct OutTile {};  // lives in shared memory (AttentionSmem::out)
 // A decode step's append (docs/IHA.md, Decode over a paged cache)
 //===----------------------------------------------------------------------===//
 
-// The step's new tokens' k and v into their pages of a raw cache, 16 bytes a
-// thread at a time: token n goes to position cache_len[b] + n. (A mixed
-// cache has no CUDA decode kernel yet; the compiler refuses one.)
+// The step's new tokens' k and v into their pages: token n goes to position
+// cache_len[b] + n. A raw cache takes the rows as they are, 16 bytes a thread
+// at a time. A mixed cache takes each token's G x P pseudo-rows mixed (keys
+// normalised and rotated at their virtual position), in the dtype: one warp
+// a row, a warp sum for qk_norm's mean of squares, taken on the mixed row
+// before the rotation (which keeps it).
 template <class C>
 __device__ void append_cache(const IhaArgs& a, int64_t token0, int64_t b) {
-  static_assert(!C::mixed_cache, "a mixed cache has no CUDA decode kernel yet");
-  constexpr int D = C::head_dim, chunks = D / kChunkElements, tokens = C::block_m / C::pseudo_heads;
-  for (int index = threadIdx.x; index < 2 * tokens * C::kv_heads * chunks; index += blockDim.x) {
-    const int chunk = index % chunks, g = (index / chunks) % C::kv_heads;
-    const int t = (index / chunks / C::kv_heads) % tokens, role = index / chunks / C::kv_heads / tokens;
-    const int64_t n = token0 + t;
-    if (n >= a.tokens) continue;
-    const int64_t* stride = role == 0 ? a.k_stride : a.v_stride;
-    const Bits16* source = static_cast<const Bits16*>(role == 0 ? a.k : a.v) + b * stride[0] + n * stride[1] +
-                           g * stride[2] + chunk * kChunkElements;
-    Bits16* target = static_cast<Bits16*>(role == 0 ? a.k_cache : a.v_cache) +
-                     (cache_slot(a, b, a.cache_len[b] + n) * C::kv_heads + g) * D + chunk * kChunkElements;
-    *reinterpret_cast<uint4*>(target) = *reinterpret_cast<const uint4*>(source);
+  constexpr int D = C::head_dim, tokens = C::block_m / C::pseudo_heads;
+  if constexpr (C::mixed_cache) {
+    constexpr int P = C::pseudo_heads, G = C::kv_heads;
+    const int warps = int(blockDim.x) / kWarpSize;
+    #pragma unroll 1
+    for (int row = cuda::warp(); row < 2 * tokens * G * P; row += warps) {
+      const int p = row % P, g = (row / P) % G, t = (row / P / G) % tokens;
+      const bool key = row / P / G / tokens == 0;
+      const int64_t n = token0 + t;
+      if (n >= a.tokens) continue;  // the whole warp
+      float factor = 1.0f;
+      if constexpr (C::qk_norm) {
+        if (key) {
+          float squares = 0.0f;
+          #pragma unroll 1
+          for (int c = cuda::lane(); c < D; c += kWarpSize) {
+            const float x = cuda::mixFromGlobal<C, Role::key>(a, b, n, g, p, c);
+            squares += x * x;
+          }
+          factor = rsqrtf(cuda::warpSum(squares) * (1.0f / D) + C::qk_norm_eps);
+        }
+      }
+      Bits16* target = static_cast<Bits16*>(key ? a.k_cache : a.v_cache) +
+                       ((cache_slot(a, b, a.cache_len[b] + n) * G + g) * P + p) * D;
+      #pragma unroll 1
+      for (int c = cuda::lane(); c < D; c += kWarpSize) {
+        const float x = key ? cuda::mixedElement<C, Role::key>(a, b, n, g, p, c)
+                            : cuda::mixedElement<C, Role::value>(a, b, n, g, p, c);
+        target[c] = cuda::toBits<C>(x * factor);
+      }
+    }
+  } else {
+    constexpr int chunks = D / kChunkElements;
+    for (int index = threadIdx.x; index < 2 * tokens * C::kv_heads * chunks; index += blockDim.x) {
+      const int chunk = index % chunks, g = (index / chunks) % C::kv_heads;
+      const int t = (index / chunks / C::kv_heads) % tokens, role = index / chunks / C::kv_heads / tokens;
+      const int64_t n = token0 + t;
+      if (n >= a.tokens) continue;
+      const int64_t* stride = role == 0 ? a.k_stride : a.v_stride;
+      const Bits16* source = static_cast<const Bits16*>(role == 0 ? a.k : a.v) + b * stride[0] + n * stride[1] +
+                             g * stride[2] + chunk * kChunkElements;
+      Bits16* target = static_cast<Bits16*>(role == 0 ? a.k_cache : a.v_cache) +
+                       (cache_slot(a, b, a.cache_len[b] + n) * C::kv_heads + g) * D + chunk * kChunkElements;
+      *reinterpret_cast<uint4*>(target) = *reinterpret_cast<const uint4*>(source);
+    }
   }
 }
 
@@ -275,15 +310,24 @@ __device__ void issueKv(const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
       }
     }
   } else {
-    const int64_t L = seq_len<C>(a);
+    // Mixed rows: from the workspaces, or in a decode step from a mixed
+    // cache, row n*P + p of kv head g at its token's slot.
+    const int64_t L = C::decode ? decode_len<C>(a, b) : seq_len<C>(a);
     Bits16* kTile = reinterpret_cast<Bits16*>(smem() + s.k) + stage * C::block_n * G::pitch;
     Bits16* vTile = reinterpret_cast<Bits16*>(smem() + s.v) + stage * C::block_n * G::pitch;
-    const Bits16* kSource = static_cast<const Bits16*>(a.k_mixed);
-    const Bits16* vSource = static_cast<const Bits16*>(a.v_mixed);
+    const Bits16* kSource = static_cast<const Bits16*>(C::decode ? a.k_cache : a.k_mixed);
+    const Bits16* vSource = static_cast<const Bits16*>(C::decode ? a.v_cache : a.v_mixed);
     forEachTileChunk<C, C::block_n>([&](int r, int chunk) {
       const int64_t j = block * C::block_n + r;
       const bool inside = j < L && chunk < dChunks;
-      const int64_t offset = ((b * C::kv_heads + g) * L + j) * G::D + chunk * kChunkElements;
+      int64_t offset = 0;
+      if constexpr (C::decode) {
+        if (inside)
+          offset = ((cache_slot(a, b, j / C::pseudo_heads) * C::kv_heads + g) * C::pseudo_heads + j % C::pseudo_heads) *
+                       G::D + chunk * kChunkElements;
+      } else {
+        offset = ((b * C::kv_heads + g) * L + j) * G::D + chunk * kChunkElements;
+      }
       copyAsync16(kTile + r * G::pitch + chunk * kChunkElements, inside ? kSource + offset : kSource, inside);
       copyAsync16(vTile + r * G::pitch + chunk * kChunkElements, inside ? vSource + offset : vSource, inside);
     });
@@ -618,6 +662,66 @@ __device__ void store_rows(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArg
             cuda::pack<C>(acc.o[mt][ot][2 * h], acc.o[mt][ot][2 * h + 1]);
       }
   cuda::storeLse<C>(state, a, row0, head, b);
+}
+
+// A split CTA's share (kv_splits > 1): its normalised rows as f32 and their
+// lse (-inf for a share without an allowed key) into the splits workspace,
+// element by element (a row of d + 1 floats has no wider alignment).
+template <class C>
+__device__ void store_split(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head,
+                            int64_t b, int64_t split) {
+  using G = cuda::Geometry<C>;
+  const int64_t L = seq_len<C>(a);
+  const int l = cuda::lane();
+  #pragma unroll
+  for (int mt = 0; mt < G::MT; ++mt)
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = cuda::tileRow<C>(mt) + l / kQuadSize + h * 8;
+      const int64_t i = cuda::storedRow<C>(a, row0, b) + r;
+      if (r >= C::cta_rows || i >= L) continue;
+      float* row = split_row<C>(a, b, head, split, i);
+      #pragma unroll
+      for (int ot = 0; ot < G::OT; ++ot) {
+        const int c = ot * 8 + (l % kQuadSize) * 2;
+        if (c >= G::D) continue;
+        row[c] = acc.o[mt][ot][2 * h];
+        row[c + 1] = acc.o[mt][ot][2 * h + 1];
+      }
+      if (l % kQuadSize == 0)
+        row[C::head_dim] = state.l[mt][h] > 0.0f ? kLn2 * (state.m[mt][h] + log2f(state.l[mt][h]))
+                                                 : cuda::negativeInfinity();
+    }
+}
+
+// The combine (flash-decoding's second pass): every element of the CTA's
+// tokens' rows, of every head, weighs its splits by e^(lse_s - M), M the
+// largest split lse; the last column of each row is its merged lse.
+template <class C>
+__device__ void combine_splits(const IhaArgs& a, int64_t token0, int64_t b) {
+  constexpr int P = C::pseudo_heads, D = C::head_dim, rows = C::block_m / P * P;
+  const int64_t L = seq_len<C>(a);
+  for (int index = threadIdx.x; index < rows * C::heads * (D + 1); index += blockDim.x) {
+    const int c = index % (D + 1), h = (index / (D + 1)) % C::heads;
+    const int64_t i = token0 * P + index / (D + 1) / C::heads;
+    if (i >= L) continue;
+    float most = cuda::negativeInfinity();
+    for (int s = 0; s < C::kv_splits; ++s) most = fmaxf(most, split_row<C>(a, b, h, s, i)[D]);
+    float sum = 0.0f, total = 0.0f;
+    if (most != cuda::negativeInfinity())
+      for (int s = 0; s < C::kv_splits; ++s) {
+        const float* row = split_row<C>(a, b, h, s, i);
+        const float weight = expf(row[D] - most);
+        if (weight == 0.0f) continue;  // a share without keys
+        total += weight;
+        if (c < D) sum += weight * row[c];
+      }
+    if (c < D)
+      static_cast<Bits16*>(a.o_pseudo)[((b * C::heads + h) * L + i) * D + c] =
+          cuda::toBits<C>(total > 0.0f ? sum / total : 0.0f);
+    else if (a.lse)
+      a.lse[(b * C::heads + h) * L + i] = total > 0.0f ? most + logf(total) : cuda::negativeInfinity();
+  }
 }
 
 // per_head collapse: out[n, head] = sum_p collapse[head, p] * O[n*P + p].

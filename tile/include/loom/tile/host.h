@@ -509,6 +509,43 @@ void store_rows(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64
   host::storeLse<C>(state, a, row0, head, b);
 }
 
+// A split CTA's share: its rows o / l and their lse (-inf for a share
+// without an allowed key) into the splits workspace.
+template <class C>
+void store_split(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head, int64_t b,
+                 int64_t split) {
+  const int64_t L = seq_len<C>(a), first = host::storedRow<C>(a, row0, b);
+  for (int r = 0; r < C::cta_rows && first + r < L; ++r) {
+    float* row = split_row<C>(a, b, head, split, first + r);
+    std::memcpy(row, acc.row(r), sizeof(float) * C::head_dim);
+    row[C::head_dim] = state.l[r] > 0.0f ? state.m[r] + std::log(state.l[r]) : -INFINITY;
+  }
+}
+
+// The combine: each row of the CTA's tokens weighs its splits by e^(lse_s - M).
+template <class C>
+void combine_splits(const IhaArgs& a, int64_t token0, int64_t b) {
+  constexpr int P = C::pseudo_heads, D = C::head_dim, S = C::kv_splits;
+  const int64_t L = seq_len<C>(a);
+  for (int64_t i = token0 * P; i < (token0 + C::block_m / P) * P && i < L; ++i)
+    for (int h = 0; h < C::heads; ++h) {
+      float most = -INFINITY;
+      for (int s = 0; s < S; ++s) most = std::max(most, split_row<C>(a, b, h, s, i)[D]);
+      float o[D] = {}, total = 0.0f;
+      if (most != -INFINITY)
+        for (int s = 0; s < S; ++s) {
+          const float* row = split_row<C>(a, b, h, s, i);
+          const float weight = std::exp(row[D] - most);
+          if (weight == 0.0f) continue;  // (a share without keys: its row is 0 / 0)
+          total += weight;
+          for (int c = 0; c < D; ++c) o[c] += weight * row[c];
+        }
+      float* out = static_cast<float*>(a.o_pseudo) + ((b * C::heads + h) * L + i) * D;
+      for (int c = 0; c < D; ++c) out[c] = total > 0.0f ? o[c] / total : 0.0f;
+      if (a.lse) a.lse[(b * C::heads + h) * L + i] = total > 0.0f ? most + std::log(total) : -INFINITY;
+    }
+}
+
 // per_head collapse in the epilogue: over the whole tokens the block owns.
 template <class C>
 void store_collapsed(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head,

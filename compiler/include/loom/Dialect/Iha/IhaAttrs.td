@@ -110,6 +110,9 @@ def Iha_ScheduleAttr : AttrDef<Iha_Dialect, "Schedule"> {
     both default away (mma, 0) and are then not printed. `dq` is how a
     backward kernel computes dq (a query-block-outer kernel of its own, or
     atomic adds from the key-block-outer one); it defaults to `separate`.
+    `kv_splits` (decode kernels) splits each query block's key blocks over
+    that many CTAs, whose partial rows a combine launch merges; it defaults
+    to 1.
 
     Example:
     ```mlir
@@ -121,7 +124,8 @@ def Iha_ScheduleAttr : AttrDef<Iha_Dialect, "Schedule"> {
                         "int64_t":$stages, "MixStrategy":$mix, "CollapseStrategy":$collapse,
                         DefaultValuedParameter<"Engine", "Engine::mma">:$engine,
                         DefaultValuedParameter<"int64_t", "0">:$producer_registers,
-                        DefaultValuedParameter<"DqStrategy", "DqStrategy::separate">:$dq);
+                        DefaultValuedParameter<"DqStrategy", "DqStrategy::separate">:$dq,
+                        DefaultValuedParameter<"int64_t", "1">:$kv_splits);
   let assemblyFormat = "`<` struct(params) `>`";
 }
 

@@ -271,6 +271,33 @@ def Iha_StoreRowsOp : Iha_BlockOp<"store_rows"> {
   let assemblyFormat = "`rows` $row0 `head` $head `batch` $batch attr-dict";
 }
 
+def Iha_StoreSplitOp : Iha_BlockOp<"store_split"> {
+  let summary = "write a split CTA's normalised partial rows and their lse";
+  let description = [{
+    In a decode kernel with kv_splits > 1 each split CTA holds the rows of
+    its share of the key blocks: o / l and lse (-inf where the share held
+    no allowed key) into the splits workspace [B, H, kv_splits, T * P,
+    d + 1] (float; lse in the last column), which iha.combine_splits merges.
+
+    Example: `iha.store_split rows %r0 head %h batch %b split %s`
+  }];
+  let arguments = (ins I64:$row0, I64:$head, I64:$batch, I64:$split);
+  let assemblyFormat = "`rows` $row0 `head` $head `batch` $batch `split` $split attr-dict";
+}
+
+def Iha_CombineSplitsOp : Iha_BlockOp<"combine_splits"> {
+  let summary = "merge the split CTAs' partial rows of a block of tokens (flash-decoding's combine)";
+  let description = [{
+    For every head and pseudo-row of the CTA's new tokens: with M the
+    largest split lse, o = sum_s e^(lse_s - M) o_s / sum_s e^(lse_s - M)
+    into o_pseudo, and lse = M + log sum_s e^(lse_s - M) when asked.
+
+    Example: `iha.combine_splits tokens %t0 batch %b`
+  }];
+  let arguments = (ins I64:$token0, I64:$batch);
+  let assemblyFormat = "`tokens` $token0 `batch` $batch attr-dict";
+}
+
 def Iha_StoreCollapsedOp : Iha_BlockOp<"store_collapsed"> {
   let summary = "normalise, collapse per head in the epilogue and write out";
   let description = [{

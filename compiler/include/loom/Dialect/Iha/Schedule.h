@@ -27,6 +27,7 @@ inline constexpr int64_t kWarpgroupRows = 64;
 inline constexpr int64_t kMinWarpgroupRegisters = 24;
 inline constexpr int64_t kMaxWarpgroupRegisters = 256;
 inline constexpr int64_t kMaxWarps = 3 * kWarpgroupWarps;  // three consumer warpgroups
+inline constexpr int64_t kMaxKvSplits = 64;                  // CTAs splitting a decode step's key blocks
 
 struct ScheduleFields {
   int64_t blockM = 0, blockN = 0, warps = 0, stages = 0;
@@ -35,6 +36,7 @@ struct ScheduleFields {
   std::optional<Engine> engine;
   int64_t producerRegisters = 0;
   std::optional<DqStrategy> dq;
+  int64_t kvSplits = 0;
 };
 
 // Registers per consumer thread: loom::consumerRegisters (loom/tile/layout.h).
