@@ -135,7 +135,7 @@ void prepareTensors(const KernelPlan& plan, const IhaCase& c, HostTensors& t) {
   args.k_mixed = workspace(Workspace::k_mixed);
   args.v_mixed = workspace(Workspace::v_mixed);
   args.o_pseudo = workspace(Workspace::o_pseudo);
-  args.splits = workspace(Workspace::splits);
+  args.partials = workspace(Workspace::splits);  // a split decode plan's (the backward's below)
   args.batch = B;
   args.tokens = N;
   setDenseStrides(args, N, H, G, d);

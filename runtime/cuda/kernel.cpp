@@ -406,7 +406,7 @@ IhaArgs operandArgs(const IhaTensors& t, const Tensor& outLike, const std::funct
   args.k_mixed = workspace("k_mixed");
   args.v_mixed = workspace("v_mixed");
   args.o_pseudo = workspace("o_pseudo");
-  args.splits = static_cast<float*>(workspace("splits"));
+  args.partials = static_cast<float*>(workspace("splits"));  // a split decode plan's (the backward's is set after)
   args.batch = t.q.shape[0];
   args.tokens = t.q.shape[1];
   const Tensor* strided[] = {&t.q, &t.k, &t.v, &outLike};

@@ -153,7 +153,7 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
     if (w == Workspace::dk_pseudo) args.dk_pseudo = static_cast<float*>(data);
     if (w == Workspace::dv_pseudo) args.dv_pseudo = static_cast<float*>(data);
     if (w == Workspace::partials) args.partials = static_cast<float*>(data);
-    if (w == Workspace::splits) args.splits = static_cast<float*>(data);
+    if (w == Workspace::splits) args.partials = static_cast<float*>(data);  // (a decode plan's)
   }
   // The backward's dout (the dtype, out's layout) and its gradients (f32).
   auto gradient = [&](const char* name, const std::vector<double>& like) {

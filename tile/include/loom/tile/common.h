@@ -63,7 +63,10 @@ struct IhaArgs {
   // and the weights' shapes. The workspaces: do_pseudo [B, H, L, d] (the
   // implementation's element type), delta [B, H, L], dq_pseudo [B, H, L, d],
   // dk_pseudo and dv_pseudo [B, G, L, d] and partials [B * token CTAs]
-  // [partial_entries] (float). lse holds the forward's.
+  // [partial_entries] (float). lse holds the forward's. A decode plan with
+  // kv_splits > 1 keeps its split CTAs' normalised partial rows in partials
+  // (the splits workspace): [B, H, kv_splits, T * P, d + 1] float, each
+  // row's lse in its last column.
   const void* dout;
   float* dq;
   float* dk;
@@ -90,9 +93,6 @@ struct IhaArgs {
   const int32_t* cache_len;
   int64_t page_size;
   int64_t max_pages;
-  // kv_splits > 1: the split CTAs' normalised partial rows, [B, H,
-  // kv_splits, T * P, d + 1] float, each row's lse in its last column.
-  float* splits;
 };
 
 
@@ -123,7 +123,7 @@ LOOM_HOST_DEVICE constexpr int64_t decode_len(const IhaArgs& args, int64_t b) {
 // Row i (of the step's T * P) of split s of head h in the splits workspace.
 template <class C>
 LOOM_HOST_DEVICE inline float* split_row(const IhaArgs& args, int64_t b, int64_t h, int64_t s, int64_t i) {
-  return args.splits +
+  return args.partials +
          (((b * C::heads + h) * C::kv_splits + s) * seq_len<C>(args) + i) * int64_t(C::head_dim + 1);
 }
 
