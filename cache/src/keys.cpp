@@ -84,7 +84,12 @@ std::string artifactKey(const v1::CompiledKernel& kernel) {
 std::string specKey(const KernelSpec& spec) { return ContentHash().add(deterministicBytes(spec)).hex(); }
 
 std::string decisionSpecKey(const KernelSpec& spec, v1::Direction direction) {
-  return direction == v1::direction_backward ? specKey(spec) + ".backward" : specKey(spec);
+  switch (direction) {
+    case v1::direction_backward: return specKey(spec) + ".backward";
+    case v1::direction_decode: return specKey(spec) + ".decode";
+    case v1::direction_decode_mixed: return specKey(spec) + ".decode_mixed";
+    default: return specKey(spec);
+  }
 }
 
 namespace schema3 {

@@ -17,7 +17,6 @@ KernelProvider::KernelProvider(const std::string& cacheDir, int maxConcurrentCom
 
 Result<ProvidedKernel> KernelProvider::provide(const KernelSpec& spec, const v1::Target& target,
                                                const Schedule& schedule, v1::Direction direction) {
-  const bool backward = direction == v1::direction_backward;
   if (target.kind() != v1::Target::cuda) return makeError("target must be a CUDA arch (sm_80, sm_90a, ...)");
   ProvidedKernel provided;
   Schedule chosen = schedule;
@@ -30,7 +29,7 @@ Result<ProvidedKernel> KernelProvider::provide(const KernelSpec& spec, const v1:
       if ((*decision)->fallback) provided.scheduleSource += " (" + (*decision)->note + ")";
     }
   }
-  if (provided.scheduleSource == "default" && chooser_ && !backward) {  // the cost model ranks forward schedules
+  if (provided.scheduleSource == "default" && chooser_ && direction == v1::direction_forward) {  // the cost model ranks forward schedules
     if (auto best = chooser_(spec, target); best) {
       chosen = *best;
       provided.scheduleSource = "cost model";

@@ -295,4 +295,97 @@ CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& s, con
   return e;
 }
 
+namespace {
+// Tokens of the cache a new row can see: all of them, or a window's.
+int64_t visibleTokens(const KernelSpec& spec, int64_t cachedTokens, int64_t newTokens) {
+  const int64_t all = cachedTokens + newTokens;
+  if (spec.window() <= 0) return all;
+  const int64_t window = spec.window_align() == v1::KernelSpec::token ? spec.window()
+                                                                      : (spec.window() + spec.pseudo_heads() - 1) /
+                                                                            spec.pseudo_heads();
+  return std::min(all, window + newTokens);
+}
+// A CTA keeps this many of its cp.async copies in flight per SM slot: one
+// decode CTA alone cannot pull an SM's share of the bandwidth.
+constexpr double kCtasToSaturateAnSm = 2.0;
+}  // namespace
+
+double decodeCacheBytes(const KernelSpec& spec, int64_t batch, int64_t cachedTokens, int64_t newTokens,
+                        bool mixedCache) {
+  const double perToken = 2.0 * spec.kv_heads() * (mixedCache ? spec.pseudo_heads() : 1) * spec.head_dim() * kBytes16;
+  return double(batch) * double(visibleTokens(spec, cachedTokens, newTokens)) * perToken;
+}
+
+CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& s, const v1::Target& target, int64_t batch,
+                                int64_t cachedTokens, int64_t newTokens, bool mixedCache,
+                                std::optional<int> registersPerThread) {
+  const DeviceModel device = deviceModel(target);
+  const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
+  const int64_t splits = std::max<int64_t>(1, s.kv_splits());
+  const int64_t ownedRows = std::max<int64_t>(P, s.block_m() / P * P);
+  const int64_t queryBlocks = (newTokens * P + ownedRows - 1) / ownedRows;
+  const int64_t visible = visibleTokens(spec, cachedTokens, newTokens);
+  const int64_t keyBlocks = (visible * P + s.block_n() - 1) / s.block_n();
+  const int64_t blocksPerCta = (keyBlocks + splits - 1) / splits;
+  const int64_t gridCtas = queryBlocks * H * splits * batch;
+  const double paddedDim = double((d + 15) / 16 * 16);
+
+  CostEstimate e;
+  e.usefulFlops = 4.0 * double(d) * double(H) * double(batch) * double(newTokens * P) * double(visible * P);
+  e.matrixFlops = 4.0 * double(gridCtas) * double(blocksPerCta) * double(s.block_m() * s.block_n()) * paddedDim;
+  // Each CTA's share of the cache: a raw one's G heads per token, a mixed
+  // one's P rows of the CTA's group.
+  const double tokensPerCta = double(blocksPerCta * s.block_n()) / double(P);
+  const double perToken = 2.0 * double(mixedCache ? P : G) * double(d) * kBytes16;
+  const double l2Bytes = double(gridCtas) * tokensPerCta * perToken;
+  e.dramBytes = decodeCacheBytes(spec, batch, cachedTokens, newTokens, mixedCache) +
+                2.0 * double(batch) * double(newTokens) * double(H + 2 * G) * double(d) * kBytes16;
+  // The combine: every split's rows (f32, lse beside) written, then read.
+  if (splits > 1) e.dramBytes += 2.0 * double(batch * H * splits * newTokens * P) * double(d + 1) * 4.0;
+  // A raw cache is mixed (and its keys rotated) on chip: each key or value
+  // row from the G heads' rows of its token.
+  const double rope = spec.rope_theta() > 0 ? 2.0 : 1.0;
+  const double mixFlops = mixedCache ? 0.0
+                                     : double(gridCtas) * double(blocksPerCta * s.block_n()) * 2.0 * double(G) *
+                                           double(d) * (1.0 + rope);
+  const double exps = double(gridCtas) * double(blocksPerCta) * double(s.block_m() * s.block_n());
+
+  const int threads = s.warps() * 32;
+  const int registers = registersPerThread.value_or(int(estimatedRegisters(spec, s)));
+  const int64_t smem = ctaSharedMemory(false, int(s.block_m()), int(s.block_n()), int(d), int(s.stages()), int(H),
+                                       int(G), int(P), !mixedCache, s.collapse() == v1::collapse_fused,
+                                       s.collapse() == v1::collapse_fused && spec.collapse() == v1::global);
+  int ctas = kMaxCtasPerSm;
+  if (smem > 0) ctas = int(std::min<int64_t>(ctas, device.sharedMemoryPerSm / smem));
+  ctas = std::min(ctas, device.registersPerSm / std::max(1, registers * threads));
+  ctas = std::min(ctas, device.maxThreadsPerSm / threads);
+  e.ctasPerSm = std::max(ctas, 0);
+  if (e.ctasPerSm == 0) {
+    e.seconds = 1e9;
+    e.bound = "resources";
+    return e;
+  }
+  const double slots = double(device.smCount) * e.ctasPerSm;
+  e.waveEfficiency = double(gridCtas) / (std::ceil(double(gridCtas) / slots) * slots);
+  // The share of the bandwidth the grid can pull: kCtasToSaturateAnSm CTAs
+  // per SM in flight reach an SM's share.
+  const double bandwidthShare =
+      std::min(1.0, double(gridCtas) / (device.smCount * std::min<double>(kCtasToSaturateAnSm, e.ctasPerSm))) *
+      e.waveEfficiency;
+  const double memoryTime = e.dramBytes / device.dramBytesPerSecond + l2Bytes / device.l2BytesPerSecond;
+  const double computeShare = std::min(1.0, double(gridCtas) / device.smCount) * e.waveEfficiency;
+  const double tensorTime = e.matrixFlops / (device.tensorFlops * device.mmaSyncEfficiency);
+  const double simtTime = mixFlops / device.fmaFlops + exps / device.expPerSecond;
+  // A CTA's key blocks run one after another: its loop's issue latency.
+  const double loopTime = double(blocksPerCta) * kLoopInstructionsPerWarp * 4.0 / 1.5e9 *
+                          std::ceil(double(gridCtas) / slots);
+  const int launches = 3 + (splits > 1 ? 1 : 0);  // append, attention, (combine), collapse
+  const double parts[] = {memoryTime / std::max(bandwidthShare, 1e-3),
+                          (tensorTime + simtTime) / std::max(computeShare, 1e-3), loopTime};
+  e.seconds = *std::max_element(parts, parts + 3) + launches * kLaunchSeconds;
+  const char* names[] = {"memory", "compute", "latency"};
+  e.bound = names[std::max_element(parts, parts + 3) - parts];
+  return e;
+}
+
 }  // namespace loom::autotune

@@ -71,6 +71,23 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& schedule, cons
 CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
                                   int64_t batch, int64_t tokens, std::optional<int> registersPerThread = std::nullopt);
 
+// A decode step (docs/IHA.md, Decode over a paged cache): `newTokens` per
+// sequence over caches of `cachedTokens`. Memory-bound at serving's batch
+// sizes, so the terms are the bytes the step reads: each attention CTA
+// (query block, head, split) streams its share of the visible cache, a raw
+// cache's rows of all G kv heads (it mixes them on chip) or a mixed cache's
+// P rows of its own group, from L2; DRAM sees each page once. The grid
+// (query blocks x H x kv_splits x B) against the SMs sets how much of the
+// bandwidth a step reaches; splits add the combine's partial rows and a
+// launch. A model to order candidates, never a measurement.
+CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
+                                int64_t batch, int64_t cachedTokens, int64_t newTokens, bool mixedCache,
+                                std::optional<int> registersPerThread = std::nullopt);
+
+// The bytes of cache a decode step reads at least: every visible cached
+// token's k and v once, raw (G d) or mixed (G P d), 16-bit.
+double decodeCacheBytes(const KernelSpec& spec, int64_t batch, int64_t cachedTokens, int64_t newTokens, bool mixedCache);
+
 // Estimated registers per thread of the attention kernel for a complete
 // schedule: on the mma engine loom::mmaRegisterEstimate (fitted to ptxas),
 // on the wgmma engine a consumer's fragments (S, O, P) and its loop state.

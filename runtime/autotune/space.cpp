@@ -21,6 +21,8 @@ constexpr int kMmaRows = 16;
 constexpr int kWarpgroupChoices[] = {1, 2, 3};
 constexpr int kTmaProducerRegisters[] = {24};
 constexpr int kMixingProducerRegisters[] = {56, 88};
+// Decode: CTAs splitting a step's key blocks (flash-decoding).
+constexpr int kDecodeSplitChoices[] = {1, 2, 4, 8, 16, 32};
 
 }  // namespace
 
@@ -36,6 +38,7 @@ std::string scheduleKey(const Schedule& s) {
                     (s.collapse() == v1::collapse_separate ? ".separate" : ".epilogue");
   if (s.engine() == v1::engine_wgmma) key += ".wgmma.p" + std::to_string(s.producer_registers());
   if (s.dq() == v1::dq_atomic) key += ".dq-atomic";
+  if (s.kv_splits() > 1) key += ".splits" + std::to_string(s.kv_splits());
   return key;
 }
 
@@ -152,6 +155,39 @@ SearchSpace backwardSearchSpace(const KernelSpec& spec, const v1::Target& target
         }
       }
     }
+  return space;
+}
+
+SearchSpace decodeSearchSpace(const KernelSpec& spec, const v1::Target& target, bool mixedCache) {
+  SearchSpace space;
+  std::set<std::string> seen;
+  const std::string suffix = mixedCache ? ".decode-mixed" : ".decode";
+  for (int warps : {1, 2, 4})
+    for (int blockN : {16, 32, 64})
+      for (int stages : {1, 2})
+        for (int splits : kDecodeSplitChoices) {
+          Schedule s;
+          s.set_warps(warps);
+          s.set_block_n(blockN);
+          s.set_stages(stages);
+          s.set_kv_splits(splits);
+          auto resolved = resolveSchedule(spec, s, target, Direction::decode, mixedCache);
+          const std::string key = scheduleKey(resolved ? *resolved : s) + suffix;
+          if (!seen.insert(key).second) continue;
+          if (!resolved) {
+            space.pruned.push_back({s, key, resolved.error().message});
+          } else if (estimatedRegisters(spec, *resolved) > registerLimit(*resolved)) {
+            space.pruned.push_back({*resolved, key,
+                                    "needs about " + std::to_string(estimatedRegisters(spec, *resolved)) +
+                                        " registers per thread, over " + std::to_string(registerLimit(*resolved)) +
+                                        ": likely to spill"});
+          } else {
+            space.candidates.push_back({*resolved, key});
+          }
+        }
+  if (space.candidates.empty())  // the compiler's default decode schedule, whatever it costs
+    if (auto resolved = resolveSchedule(spec, Schedule(), target, Direction::decode, mixedCache); resolved)
+      space.candidates.push_back({*resolved, scheduleKey(*resolved) + suffix});
   return space;
 }
 

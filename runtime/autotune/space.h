@@ -44,4 +44,12 @@ SearchSpace searchSpace(const KernelSpec& spec, const v1::Target& target);
 // pruned with its reason (head_dim over 128, shared memory).
 SearchSpace backwardSearchSpace(const KernelSpec& spec, const v1::Target& target);
 
+// A decode step's space (docs/compiler.md, The decode step) over a raw or a
+// mixed cache: warps in {1, 2, 4}, key blocks of 16, 32 or 64 rows, one or
+// two stages, the key blocks split over 1 to 32 CTAs (the collapse then
+// separate); mixing as the cache needs it, the mma engine. What the
+// compiler refuses (shared memory of the raw stages) is pruned with its
+// reason.
+SearchSpace decodeSearchSpace(const KernelSpec& spec, const v1::Target& target, bool mixedCache);
+
 }  // namespace loom::autotune

@@ -10,6 +10,7 @@
 
 #include "api/compile.h"
 #include "emu/emulator.h"
+#include "io/decode_case.h"
 #include "loom/compiler.h"
 #include "reference/iha_reference.h"
 
@@ -48,6 +49,18 @@ void onThreads(const TuneOptions& options, size_t count, const std::function<boo
 
 // Compiles candidates on the tuner's threads; results land in `results`
 // (each worker writes only its own candidates' entries).
+CostEstimate predict(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target, int64_t batch,
+                     int64_t tokens, Direction direction, bool mixedCache, int64_t newTokens,
+                     std::optional<int> registers = std::nullopt) {
+  switch (direction) {
+    case Direction::backward: return estimateBackwardCost(spec, schedule, target, batch, tokens, registers);
+    case Direction::decode:
+      return estimateDecodeCost(spec, schedule, target, batch, tokens, newTokens, mixedCache, registers);
+    case Direction::forward: break;
+  }
+  return estimateCost(spec, schedule, target, batch, tokens, registers);
+}
+
 void compileAll(const KernelSpec& spec, const v1::Target& target, const std::vector<size_t>& which,
                 std::vector<CandidateResult>& results, std::vector<v1::CompiledKernel>& kernels,
                 jit::NvrtcCompiler& compiler, const TuneOptions& options, Clock::time_point start,
@@ -61,7 +74,8 @@ void compileAll(const KernelSpec& spec, const v1::Target& target, const std::vec
     }
     std::shared_ptr<const jit::Artifact> artifact;
     const bool backward = options.direction == Direction::backward;
-    auto compiled = compileKernel(spec, r.candidate.schedule, target, compiler, &artifact, options.direction);
+    auto compiled = compileKernel(spec, r.candidate.schedule, target, compiler, &artifact, options.direction,
+                                  options.mixedCache);
     if (!compiled) {
       r.outcome = Outcome::compile_failed;
       r.reason = compiled.error().message;
@@ -75,10 +89,8 @@ void compileAll(const KernelSpec& spec, const v1::Target& target, const std::vec
       const int attentionRegisters =
           jit::registersOf(artifact->resources, backward ? kBackwardKvEntry : kAttentionEntry);
       if (attentionRegisters > 0)
-        r.predictedMs = (backward ? estimateBackwardCost(spec, r.candidate.schedule, target, options.batch,
-                                                         options.tokens, attentionRegisters)
-                                  : estimateCost(spec, r.candidate.schedule, target, options.batch, options.tokens,
-                                                 attentionRegisters))
+        r.predictedMs = predict(spec, r.candidate.schedule, target, options.batch, options.tokens, options.direction,
+                                options.mixedCache, options.newTokens, attentionRegisters)
                             .seconds *
                         1e3;
       // A kernel that ptxas or its PTX shows losing speed is no candidate.
@@ -111,12 +123,44 @@ void emulateAll(const KernelSpec& spec, const v1::Target& target, const std::vec
     const Schedule& schedule = r.candidate.schedule;
     GenerateOptions generate;
     generate.direction = options.direction;
+    generate.mixedCache = options.mixedCache;
     auto plan = generateKernel(spec, schedule, target, generate);
     std::string verdict;
     bool wrong = false;
     if (!plan) {
       wrong = true;
       verdict = plan.error().message;
+    } else if (options.direction == Direction::decode) {
+      // A step of one new token over a cache of the drawn case's other
+      // tokens: enough for three key blocks per split, the last cut short,
+      // pages of 16 tokens under a shuffled table.
+      const int64_t P = spec.pseudo_heads(), splits = std::max(1, schedule.kv_splits());
+      const int64_t tokens = std::min<int64_t>(256, (3 * splits * schedule.block_n() + P - 1) / P + 2);
+      const IhaCase c = drawCheckableCase(spec, 1, tokens, options.seed + at);
+      auto step = decodeCaseFrom(c, {1, 16, options.mixedCache ? CacheLayout::mixed : CacheLayout::raw, {},
+                                     options.seed + at});
+      emu::EmuOptions emuOptions;
+      emuOptions.cacheDir = options.cacheDir;
+      emuOptions.threads = 1;
+      emuOptions.seed = options.seed + at;
+      emuOptions.headers = options.emulatorHeaders;
+      for (const v1::ResourceUsage& usage : kernels[at].resources())
+        emuOptions.registers[usage.entry()] = usage.registers();
+      auto run = step ? emu::runDecodeOnEmulator(*plan, *step, emuOptions) : Result<emu::EmuRun>(step.error());
+      if (!run) {
+        verdict = "not checked on the emulator: " + run.error().message;
+      } else if (run->findingCount > 0 || run->deadlocked) {
+        wrong = true;
+        verdict = "emulator: " + (run->findings.empty() ? std::string("deadlock") : emu::format(run->findings.front()));
+      } else {
+        const double error = relativeError(run->out, step->expected);
+        char text[160];
+        std::snprintf(text, sizeof text, "emulator: decode step's relative error %.2e over a cache of %lld tokens",
+                      error, (long long)(tokens - 1));
+        verdict = text;
+        wrong = !(error <= toleranceFor(spec.dtype()));
+        if (!wrong) r.error = error;
+      }
     } else {
       // A small case: enough tokens for three key blocks, the last cut
       // short. The forward runs the first and last query blocks of every
@@ -196,15 +240,13 @@ Result<Strategy> parseStrategy(const std::string& name) {
 }
 
 std::vector<CandidateResult> rankByModel(const KernelSpec& spec, const v1::Target& target, const SearchSpace& space,
-                                        int64_t batch, int64_t tokens, Direction direction) {
+                                        int64_t batch, int64_t tokens, Direction direction, bool mixedCache,
+                                        int64_t newTokens) {
   std::vector<CandidateResult> results;
   for (const Candidate& c : space.candidates) {
     CandidateResult r;
     r.candidate = c;
-    r.predictedMs = (direction == Direction::backward ? estimateBackwardCost(spec, c.schedule, target, batch, tokens)
-                                                      : estimateCost(spec, c.schedule, target, batch, tokens))
-                        .seconds *
-                    1e3;
+    r.predictedMs = predict(spec, c.schedule, target, batch, tokens, direction, mixedCache, newTokens).seconds * 1e3;
     results.push_back(r);
   }
   rankResults(results);
@@ -219,11 +261,18 @@ Result<TuneReport> tune(const KernelSpec& spec, const v1::Target& target, std::s
   const Clock::time_point start = Clock::now();
   const bool measured = device != nullptr;
   const bool backward = options.direction == Direction::backward;
+  const bool decode = options.direction == Direction::decode;
+  if (decode && measured)
+    return makeError("timing decode candidates on a GPU is not built yet: tune a decode step without a device "
+                     "(ranked by the cost model, each compiled candidate checked on the emulator)");
+  if (decode && options.newTokens < 1) return makeError("a decode step has at least one new token per sequence");
 
   // Space and prediction.
-  SearchSpace space = backward ? backwardSearchSpace(spec, target) : searchSpace(spec, target);
-  std::vector<CandidateResult> results =
-      rankByModel(spec, target, space, options.batch, options.tokens, options.direction);
+  SearchSpace space = backward ? backwardSearchSpace(spec, target)
+                      : decode ? decodeSearchSpace(spec, target, options.mixedCache)
+                               : searchSpace(spec, target);
+  std::vector<CandidateResult> results = rankByModel(spec, target, space, options.batch, options.tokens,
+                                                     options.direction, options.mixedCache, options.newTokens);
 
   // Which candidates to compile.
   std::vector<size_t> chosen;
@@ -252,7 +301,8 @@ Result<TuneReport> tune(const KernelSpec& spec, const v1::Target& target, std::s
     for (size_t i = 0; i < results.size() && chosen.size() < limit; ++i) {
       const Schedule& s = results[i].candidate.schedule;
       const std::string shape = std::to_string(s.block_m()) + "/" + std::to_string(s.block_n()) + "/" +
-                                std::to_string(s.warps()) + "/" + std::to_string(int(s.mix()));
+                                std::to_string(s.warps()) + "/" + std::to_string(int(s.mix())) + "/" +
+                                std::to_string(s.kv_splits());
       if (shapes.insert(shape).second) {
         chosen.push_back(i);
         taken[i] = true;
@@ -345,7 +395,7 @@ Result<TuneReport> tune(const KernelSpec& spec, const v1::Target& target, std::s
     results.push_back(r);
   }
   auto summary = summarize(spec, target, std::move(results), int(space.pruned.size()));
-  if (summary && backward) summary->result.set_direction(v1::direction_backward);
+  if (summary) summary->result.set_direction(directionOf(options.direction, options.mixedCache));
   return summary;
 }
 

@@ -49,6 +49,12 @@ struct TuneOptions {
   // GPU verified on every gradient and timed by launchBackward, without one
   // ranked and checked on the emulator).
   Direction direction = Direction::forward;
+  // decode: tune a decode step (its own space and cost model, docs/compiler.md,
+  // The decode step) of `newTokens` per sequence over caches of `tokens`
+  // tokens, raw or (mixedCache) mixed; ranked by the model and checked on
+  // the emulator (timing decode candidates on a GPU is not built yet).
+  bool mixedCache = false;
+  int64_t newTokens = 1;
 };
 
 struct TuneReport {
@@ -59,8 +65,10 @@ struct TuneReport {
 
 // The candidates of `space` with the cost model's predictions, best first
 // (the tuner's order before anything is compiled).
+// (A decode space's: `tokens` cached, `newTokens` new, over a raw or mixed cache.)
 std::vector<CandidateResult> rankByModel(const KernelSpec& spec, const v1::Target& target, const SearchSpace& space,
-                                        int64_t batch, int64_t tokens, Direction direction = Direction::forward);
+                                        int64_t batch, int64_t tokens, Direction direction = Direction::forward,
+                                        bool mixedCache = false, int64_t newTokens = 1);
 
 // Tunes `spec` for `target`. With `device` (a GPU) candidates are measured;
 // without, they are ranked by the cost model. `progress` is called as work

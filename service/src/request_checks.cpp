@@ -80,13 +80,12 @@ Status checkSpecAndTarget(const v1::KernelSpec& spec, const v1::Target& target) 
   return checkTarget(target);
 }
 
-// The service tunes, caches and serves the forward and the backward.
+// The service caches and serves the forward, the backward and the two
+// decode steps (raw and mixed cache), each under its own decision key.
 Status checkDirection(v1::Direction direction) {
-  if (direction == v1::direction_decode || direction == v1::direction_decode_mixed)
-    return invalid("direction decode is not served yet: decode kernels are generated and compiled locally "
-                   "(loom compile --decode), not tuned or cached");
   if (!v1::Direction_IsValid(direction))
-    return invalid("direction " + std::to_string(int(direction)) + " is not forward or backward");
+    return invalid("direction " + std::to_string(int(direction)) +
+                   " is not forward, backward, decode or decode_mixed");
   return Status::OK;
 }
 }  // namespace

@@ -388,6 +388,115 @@ TEST(Tuner, BackwardIsRankedCheckedOnTheEmulatorAndKeptApart) {
   EXPECT_EQ(served->kernel.schedule().SerializeAsString(), report->result.best().SerializeAsString());
 }
 
+// The decode step's space and cost model (the bytes a step reads): a raw
+// cache is P times smaller than a mixed one; splitting the key blocks pays
+// where few CTAs would stream a long cache (one sequence of 32k tokens) and
+// not where the batch already fills the GPU with a short one.
+TEST(CostModel, DecodeStepsAreMemoryBoundAndSplitWhereTheGridIsSmall) {
+  const KernelSpec s = spec(8, 2, 4, 128);
+  const v1::Target h = target("sm_90a");
+  EXPECT_DOUBLE_EQ(decodeCacheBytes(s, 1, 1000, 1, true), 4 * decodeCacheBytes(s, 1, 1000, 1, false));
+  EXPECT_DOUBLE_EQ(decodeCacheBytes(s, 1, 1000, 1, false), 1001.0 * 2 * 2 * 128 * 2);
+  KernelSpec windowed = s;
+  windowed.set_window(64);
+  windowed.set_window_align(v1::KernelSpec::token);
+  EXPECT_DOUBLE_EQ(decodeCacheBytes(windowed, 1, 1000, 1, false), 65.0 * 2 * 2 * 128 * 2) << "the window's tokens only";
+  for (bool mixed : {false, true}) {
+    SCOPED_TRACE(mixed ? "mixed cache" : "raw cache");
+    const SearchSpace space = decodeSearchSpace(s, h, mixed);
+    ASSERT_FALSE(space.candidates.empty());
+    std::set<int> splits;
+    for (const Candidate& c : space.candidates) {
+      splits.insert(c.schedule.kv_splits());
+      EXPECT_EQ(c.schedule.mix(), mixed ? v1::mix_materialized : v1::mix_fused) << c.key;
+      EXPECT_EQ(c.schedule.engine(), v1::engine_mma) << c.key;
+      if (c.schedule.kv_splits() > 1) EXPECT_EQ(c.schedule.collapse(), v1::collapse_separate) << c.key;
+      EXPECT_NE(c.key.find(mixed ? ".decode-mixed" : ".decode"), std::string::npos) << c.key;
+    }
+    EXPECT_EQ(splits, (std::set<int>{1, 2, 4, 8, 16, 32}));
+    auto best = [&](int64_t batch, int64_t cached) {
+      const auto ranked = rankByModel(s, h, space, batch, cached, Direction::decode, mixed, 1);
+      return ranked.front().candidate.schedule;
+    };
+    const Schedule longSingle = best(1, 32768);
+    EXPECT_GT(longSingle.kv_splits(), 1) << "8 heads x 1 sequence: 8 CTAs cannot stream a 32k cache";
+    const Schedule shortBatch = best(64, 256);
+    EXPECT_LT(shortBatch.kv_splits(), longSingle.kv_splits()) << "64 x 8 CTAs already fill the SMs";
+    // A step reads at least its cache once, and a split plan reads more
+    // (the combine's rows) for the same keys.
+    Schedule one = longSingle, many = longSingle;
+    one.set_kv_splits(1);
+    many.set_kv_splits(8);
+    const CostEstimate single = estimateDecodeCost(s, one, h, 1, 32768, 1, mixed);
+    const CostEstimate split = estimateDecodeCost(s, many, h, 1, 32768, 1, mixed);
+    EXPECT_GE(single.dramBytes, decodeCacheBytes(s, 1, 32768, 1, mixed));
+    EXPECT_GT(split.dramBytes, single.dramBytes);
+    EXPECT_LT(split.seconds, single.seconds);
+    // Read as stored, a mixed cache is memory-bound; a raw one with 8 CTAs
+    // may be bound by its mixing on chip instead.
+    if (mixed) EXPECT_EQ(single.bound, "memory");
+    EXPECT_EQ(split.bound, "memory");
+  }
+  // Against the same schedule, a mixed cache's step reads more (G P d against G d
+  // per token) and costs more.
+  Schedule raw = decodeSearchSpace(s, h, false).candidates.front().schedule;
+  Schedule mixed = raw;
+  mixed.set_mix(v1::mix_materialized);
+  EXPECT_GT(estimateDecodeCost(s, mixed, h, 16, 8192, 1, true).dramBytes,
+            estimateDecodeCost(s, raw, h, 16, 8192, 1, false).dramBytes);
+}
+
+// Offline decode tuning: ranked by the decode model, each compiled candidate
+// run as a step on the emulator, the result filed under the decode
+// direction of its cache (apart from the forward's and from each other's),
+// and served from there.
+TEST(Tuner, DecodeIsRankedCheckedOnTheEmulatorAndKeptApart) {
+  testing::TempDir cache;
+  KernelSpec s = spec(4, 2, 2, 32, v1::flat_causal);
+  s.set_dtype(v1::bfloat16);
+  auto store = cache::openSqliteStore(cache::storePath(cache.path()));
+  ASSERT_TRUE(store);
+  const cache::DeviceModel model = cache::DeviceModel::of(target("sm_80"));
+  for (bool mixed : {false, true}) {
+    SCOPED_TRACE(mixed ? "mixed cache" : "raw cache");
+    TuneOptions options;
+    options.batch = 1;
+    options.tokens = 16384;
+    options.offlineCompiles = 2;
+    options.compileThreads = 2;
+    options.cacheDir = cache.path();
+    options.direction = Direction::decode;
+    options.mixedCache = mixed;
+    std::vector<v1::CompiledKernel> compiled;
+    auto report = tune(s, target("sm_80"), nullptr, options, {}, &compiled);
+    ASSERT_TRUE(report) << report.error().message;
+    const v1::Direction direction = mixed ? v1::direction_decode_mixed : v1::direction_decode;
+    EXPECT_EQ(report->result.direction(), direction);
+    EXPECT_FALSE(report->result.measured());
+    const CandidateResult& best = report->candidates.front();
+    EXPECT_EQ(best.outcome, Outcome::unmeasured);
+    EXPECT_NE(best.reason.find("emulator: decode step's relative error"), std::string::npos) << best.reason;
+    EXPECT_GT(report->result.best().kv_splits(), 1) << "4 heads x 1 sequence over 16k tokens";
+    const v1::CompiledKernel* winner = winnerOf(*report, compiled);
+    ASSERT_NE(winner, nullptr);
+    EXPECT_EQ(winner->direction(), direction);
+    ASSERT_TRUE(storeTuning(**store, s, target("sm_80"), *report, compiled));
+    auto decision = (*store)->getDecision(s, model, jit::nvrtcVersion(), direction);
+    ASSERT_TRUE(decision && decision->has_value());
+    EXPECT_EQ((*decision)->decision.result.best().SerializeAsString(), report->result.best().SerializeAsString());
+  }
+  EXPECT_FALSE((*store)->getDecision(s, model, jit::nvrtcVersion())->has_value()) << "the forward is not tuned";
+  store->reset();
+  KernelProvider provider(cache.path());
+  auto served = provider.provide(s, target("sm_80"), {}, v1::direction_decode_mixed);
+  ASSERT_TRUE(served) << served.error().message;
+  EXPECT_EQ(served->scheduleSource, "ranked (untimed)");
+  EXPECT_EQ(served->kernel.direction(), v1::direction_decode_mixed);
+  EXPECT_GT(served->kernel.schedule().kv_splits(), 1);
+  EXPECT_NE(cache::decisionSpecKey(s, v1::direction_decode), cache::decisionSpecKey(s, v1::direction_decode_mixed));
+  EXPECT_NE(cache::decisionSpecKey(s, v1::direction_decode), cache::decisionSpecKey(s, v1::direction_forward));
+}
+
 // Without a GPU the emulator is the judge: with a fault in the device code
 // (two A-fragment registers of P @ V swapped, which no check can see but the
 // output) every compiled candidate is rejected as wrong, with its error, and

@@ -112,9 +112,23 @@ TEST_F(Service, ServesTheBackwardKernelApart) {
   auto listed = c->listKernels();
   ASSERT_TRUE(listed);
   EXPECT_EQ(listed->entries_size(), 2);
+  // The decode steps over a raw and a mixed cache: two more kernels of
+  // their own, each with the append launch first.
+  for (v1::Direction direction : {v1::direction_decode, v1::direction_decode_mixed}) {
+    auto decode = c->getKernel(spec(2), sm80(), 60000, direction);
+    ASSERT_TRUE(decode) << decode.error().message;
+    EXPECT_EQ(decode->kernel().direction(), direction);
+    ASSERT_GT(decode->kernel().entries_size(), 0);
+    EXPECT_EQ(decode->kernel().entries(0).name(), kDecodeAppendEntry);
+    EXPECT_EQ(decode->kernel().schedule().mix(),
+              direction == v1::direction_decode ? v1::mix_fused : v1::mix_materialized);
+  }
+  listed = c->listKernels();
+  ASSERT_TRUE(listed);
+  EXPECT_EQ(listed->entries_size(), 4);
   auto unknown = c->getKernel(spec(2), sm80(), 60000, v1::Direction(7));
   ASSERT_FALSE(unknown);
-  EXPECT_NE(unknown.error().message.find("direction 7 is not forward or backward"), std::string::npos)
+  EXPECT_NE(unknown.error().message.find("direction 7 is not forward, backward, decode or decode_mixed"), std::string::npos)
       << unknown.error().message;
 }
 
@@ -242,14 +256,9 @@ TEST_F(Service, UnsupportedArchsAndUnknownValuesAreNamed) {
   bad = spec(2);
   bad.set_mask(static_cast<v1::MaskMode>(42));
   refused(bad, sm80(), "spec.mask (42) is not flat_causal, token_causal or none");
-  // Decode kernels are compiled locally, not tuned or served (yet).
-  auto decode = c->getKernel(spec(2), sm80(), 60000, v1::direction_decode);
-  ASSERT_FALSE(decode);
-  EXPECT_NE(decode.error().message.find("direction decode is not served yet"), std::string::npos)
-      << decode.error().message;
-  auto lookup = c->lookupDecision(spec(2), sm80(), v1::direction_decode);
+  auto lookup = c->lookupDecision(spec(2), sm80(), v1::Direction(9));
   ASSERT_FALSE(lookup);
-  EXPECT_NE(lookup.error().message.find("direction decode is not served yet"), std::string::npos)
+  EXPECT_NE(lookup.error().message.find("is not forward, backward, decode or decode_mixed"), std::string::npos)
       << lookup.error().message;
   EXPECT_EQ(server_->compiles(), 0);
   EXPECT_NE(metricsText(*server_).find("loom_rankings_total 0\n"), std::string::npos);
@@ -437,15 +446,23 @@ TEST_F(Service, PretuneTunesWhatIsMissingOnce) {
   std::ofstream(dir_ / "specs.json") << "[" << toJson(spec(2, 4)) << "," << toJson(options) << "]";
   const std::string command = "LOOM_CACHE_DIR=" + (dir_ / "worker") + " " + LOOM_BINARY + " pretune --server " +
                               address_ + " --specs " + (dir_ / "specs.json") + " --token-file " + (dir_ / "token") +
-                              " --target sm_80 --tokens 256 --compile-top 2";
+                              " --target sm_80 --tokens 256 --compile-top 2 --decode raw";
   const auto first = testing::runCommand(command);
   ASSERT_EQ(first.exitCode, 0) << first.output;
-  // Both directions of both specs: the backward ranked offline too.
-  EXPECT_NE(first.output.find("pretune: 4 tuned, 0 skipped, 0 failed"), std::string::npos) << first.output;
+  // Three directions of both specs: the backward and the raw-cache decode
+  // step ranked offline too.
+  EXPECT_NE(first.output.find("pretune: 6 tuned, 0 skipped, 0 failed"), std::string::npos) << first.output;
   EXPECT_NE(first.output.find("spec 1 (backward): tuned (untimed) and uploaded"), std::string::npos) << first.output;
+  EXPECT_NE(first.output.find("spec 0 (decode, raw cache): tuned (untimed) and uploaded"), std::string::npos)
+      << first.output;
   const auto second = testing::runCommand(command);
   ASSERT_EQ(second.exitCode, 0) << second.output;
-  EXPECT_NE(second.output.find("pretune: 0 tuned, 4 skipped, 0 failed"), std::string::npos) << second.output;
+  EXPECT_NE(second.output.find("pretune: 0 tuned, 6 skipped, 0 failed"), std::string::npos) << second.output;
+  auto decodeDecision = client()->lookupDecision(options, *parseTarget("sm_80"), v1::direction_decode);
+  ASSERT_TRUE(decodeDecision);
+  EXPECT_TRUE(decodeDecision->found());
+  EXPECT_EQ(decodeDecision->result().direction(), v1::direction_decode);
+  EXPECT_FALSE(client()->lookupDecision(options, *parseTarget("sm_80"), v1::direction_decode_mixed)->found());
   auto backward = client()->lookupDecision(options, *parseTarget("sm_80"), v1::direction_backward);
   ASSERT_TRUE(backward);
   EXPECT_TRUE(backward->found());

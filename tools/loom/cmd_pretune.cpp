@@ -27,7 +27,20 @@ struct PretuneOptions {
   std::string worker;
   int64_t tokens = 4096;
   int compileTop = 8;
+  std::vector<std::string> decode;  // cache layouts whose decode steps are pretuned too
+  int64_t decodeBatch = 8;
 };
+
+// "spec 3", "spec 3 (backward)", "spec 3 (decode, mixed cache)".
+std::string directionName(size_t index, v1::Direction direction) {
+  const std::string name = "spec " + std::to_string(index);
+  switch (direction) {
+    case v1::direction_backward: return name + " (backward)";
+    case v1::direction_decode: return name + " (decode, raw cache)";
+    case v1::direction_decode_mixed: return name + " (decode, mixed cache)";
+    default: return name;
+  }
+}
 
 int pretune(const PretuneOptions& options) {
   auto text = readTextFile(options.specsPath);
@@ -62,12 +75,15 @@ int pretune(const PretuneOptions& options) {
   auto client = service::KernelClient::connect(options.server, options.tokenFile);
   if (!client) return badInput(client.error().message);
 
+  std::vector<v1::Direction> directions = {v1::direction_forward, v1::direction_backward};
+  for (const std::string& layout : options.decode)
+    directions.push_back(layout == "mixed" ? v1::direction_decode_mixed : v1::direction_decode);
   int tuned = 0, skipped = 0, failed = 0;
   for (size_t i = 0; i < specs.size(); ++i)
-    for (const v1::Direction direction : {v1::direction_forward, v1::direction_backward}) {
+    for (const v1::Direction direction : directions) {
       const KernelSpec& spec = specs[i];
-      const bool backward = direction == v1::direction_backward;
-      const std::string name = "spec " + std::to_string(i) + (backward ? " (backward)" : "");
+      const bool decode = directionOf(direction) == Direction::decode;
+      const std::string name = directionName(i, direction);
       auto known = (*client)->lookupDecision(spec, target, direction);
       if (!known) return badInput(known.error().message);
       if (known->found()) {
@@ -88,8 +104,12 @@ int pretune(const PretuneOptions& options) {
       tuneOptions.cacheDir = defaultCacheDir();
       tuneOptions.offlineCompiles = options.compileTop;
       tuneOptions.direction = directionOf(direction);
+      tuneOptions.mixedCache = mixedCacheOf(direction);
+      // A decode step: one new token per sequence over caches of --tokens,
+      // ranked by the cost model (its candidates are not timed on a GPU yet).
+      if (decode) tuneOptions.batch = options.decodeBatch;
       std::vector<v1::CompiledKernel> compiled;
-      auto report = autotune::tune(spec, target, device, tuneOptions, {}, &compiled);
+      auto report = autotune::tune(spec, target, decode ? nullptr : device, tuneOptions, {}, &compiled);
       bool uploaded = false;
       if (report) {
         if (const v1::CompiledKernel* winner = autotune::winnerOf(*report, compiled)) {
@@ -119,8 +139,9 @@ void addPretuneCommand(CLI::App& app, std::function<int()>* action) {
   auto options = std::make_shared<PretuneOptions>();
   CLI::App* cmd = app.add_subcommand(
       "pretune", "Fleet pre-tuning, run on each GPU node: for every spec in SPECS (a JSON array of KernelSpec)\n"
-                 "and each direction (the forward kernel, then the backward one) with no decision for this node's\n"
-                 "device model, lease it from the service, tune it here and upload the result and winning kernel.\n"
+                 "and each direction (the forward kernel, the backward one, and with --decode the decode steps)\n"
+                 "with no decision for this node's device model, lease it from the service, tune it here and\n"
+                 "upload the result and winning kernel.\n"
                  "Two workers never tune the same pair at once.");
   cmd->add_option("--server", options->server, "HOST:PORT of the loom service")->required();
   cmd->add_option("--specs", options->specsPath, "JSON array of KernelSpec objects")->required();
@@ -132,6 +153,13 @@ void addPretuneCommand(CLI::App& app, std::function<int()>* action) {
                   "and direction")
       ->capture_default_str();
   cmd->add_option("--worker", options->worker, "worker name in leases (default host:pid)");
+  cmd->add_option("--decode", options->decode,
+                  "also pretune the decode step over this cache layout (raw, mixed; may be given twice): one new\n"
+                  "token per sequence over caches of --tokens, ranked by the cost model and checked on the\n"
+                  "emulator (decode candidates are not timed on a GPU yet)")
+      ->check(CLI::IsMember({"raw", "mixed"}));
+  cmd->add_option("--decode-batch", options->decodeBatch, "with --decode: the sequences per step tuned for")
+      ->capture_default_str();
   cmd->callback([options, action] { *action = [options] { return pretune(*options); }; });
 }
 

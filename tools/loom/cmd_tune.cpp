@@ -34,6 +34,7 @@ struct TuneCliOptions {
   std::string bundlesDir;
   bool json = false;
   bool backward = false;
+  std::string decode;  // raw | mixed: tune the decode step over that cache
   bool noEmulate = false;
 };
 
@@ -98,6 +99,14 @@ int tuneCommand(const TuneCliOptions& options) {
   tuneOptions.offlineCompiles = options.compileTop;
   tuneOptions.emulate = !options.noEmulate;
   if (options.backward) tuneOptions.direction = Direction::backward;
+  if (!options.decode.empty()) {
+    tuneOptions.direction = Direction::decode;
+    tuneOptions.mixedCache = options.decode == "mixed";
+    if (device) {
+      std::fprintf(stderr, "decode candidates are not timed on a GPU yet: ranking with the cost model (untimed)\n");
+      device.reset();
+    }
+  }
   const bool live = ::isatty(STDERR_FILENO);
   auto progress = [&](const autotune::TuneProgress& p) {
     if (!live) return;
@@ -149,8 +158,10 @@ int tuneCommand(const TuneCliOptions& options) {
     return kExitOk;
   }
   const bool measured = report->result.measured();
-  std::printf("%s on %s, B=%lld N=%lld: %s; %d candidates tried, %d rejected, %d pruned\n",
-              options.specPath.c_str(), deviceName.c_str(), (long long)options.batch, (long long)options.tokens,
+  const std::string what = options.decode.empty() ? "" : " decode step of 1 token over a " + options.decode + " cache of";
+  std::printf("%s on %s,%s B=%lld N=%lld: %s; %d candidates tried, %d rejected, %d pruned\n",
+              options.specPath.c_str(), deviceName.c_str(), what.c_str(), (long long)options.batch,
+              (long long)options.tokens,
               measured ? "measured" : "UNTIMED (cost model ranking, no GPU)", report->result.candidates_tried(),
               report->result.candidates_rejected(), report->pruned);
   std::printf("%-4s %-50s %10s %10s %9s %5s %8s  %s\n", "rank", "schedule", "median ms", "model ms", "TFLOP/s", "regs",
@@ -205,7 +216,13 @@ void addTuneCommand(CLI::App& app, std::function<int()>* action) {
                 "tune the backward kernel instead (its own space and cost model, dq in its own launch or by\n"
                 "atomic adds; on a GPU each candidate is checked on every gradient and launchBackward timed\n"
                 "whole; without one ranked and each compiled one run whole on the emulator; kept apart from\n"
-                "the forward's decision)");
+                "the forward's decision)")
+      ->excludes(cmd->add_option("--decode", options->decode,
+                                 "tune the decode step over a raw or mixed paged cache instead: one new token per\n"
+                                 "sequence (--batch of them) over caches of --tokens; its own space (key blocks,\n"
+                                 "warps, stages, kv_splits) and cost model (the bytes a step reads), each compiled\n"
+                                 "candidate checked on the emulator; not timed on a GPU yet")
+                     ->check(CLI::IsMember({"raw", "mixed"})));
   cmd->callback([options, action] { *action = [options] { return tuneCommand(*options); }; });
 }
 

@@ -44,9 +44,10 @@ struct DeviceModel {
 std::string artifactKey(const v1::CompiledKernel& kernel);
 // A stable key of a spec (its deterministic serialisation, hashed).
 std::string specKey(const KernelSpec& spec);
-// The key decisions of a spec are filed under: specKey, and ".backward"
-// after it for the backward kernel's (TuningResult::direction), so the two
-// directions are tuned and kept apart.
+// The key decisions of a spec are filed under: specKey, and ".backward",
+// ".decode" or ".decode_mixed" after it for the backward kernel's and the
+// decode steps' (TuningResult::direction), so the directions are tuned and
+// kept apart.
 std::string decisionSpecKey(const KernelSpec& spec, v1::Direction direction);
 
 struct Decision {

@@ -112,9 +112,10 @@ Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedu
                                   const GenerateOptions& options = {});
 
 // The schedule with every unset field defaulted, checked against the spec
-// and (for CUDA) the target's shared memory; the error names the field.
+// and (for CUDA) the target's shared memory; the error names the field. A
+// decode step's over a mixed cache with `mixedCache`.
 Result<Schedule> resolveSchedule(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
-                                 Direction direction = Direction::forward);
+                                 Direction direction = Direction::forward, bool mixedCache = false);
 
 // CUDA archs loom generates for: sm_80 and later ("sm_90a" for wgmma).
 inline constexpr int kMinimumCudaArch = 80;

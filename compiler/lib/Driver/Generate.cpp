@@ -425,11 +425,13 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
 }  // namespace
 
 Result<Schedule> resolveSchedule(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
-                                 Direction direction) {
+                                 Direction direction, bool mixedCache) {
   CompilerContext c;
-  auto resolved = resolve(c, spec, schedule, target, direction);
+  auto resolved = resolve(c, spec, schedule, target, direction, mixedCache);
   if (!resolved) return resolved.error();
-  return scheduleOf(resolved->second, direction == Direction::backward);
+  Schedule complete = scheduleOf(resolved->second, direction == Direction::backward);
+  if (direction == Direction::decode) complete.set_kv_splits(int32_t(resolved->second.getKvSplits()));
+  return complete;
 }
 
 Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
