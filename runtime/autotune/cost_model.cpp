@@ -33,6 +33,16 @@ constexpr int kWgmmaBaseRegisters = 48;  // a consumer's addresses, barriers, so
 constexpr int kBytes16 = 2;
 constexpr int kMmaK = 16;
 
+// CTAs an SM holds by shared memory (`smem` bytes each; 0: not limiting),
+// registers (unless `wgmma`: setmaxnreg moves them, one CTA a SM) and threads.
+int ctasPerSmOf(const DeviceModel& device, int64_t smem, int registers, int threads, bool wgmma = false) {
+  int ctas = wgmma ? 1 : kMaxCtasPerSm;
+  if (smem > 0) ctas = int(std::min<int64_t>(ctas, device.sharedMemoryPerSm / smem));
+  if (!wgmma) ctas = std::min(ctas, device.registersPerSm / std::max(1, registers * threads));
+  ctas = std::min(ctas, device.maxThreadsPerSm / threads);
+  return std::max(ctas, 0);
+}
+
 }  // namespace
 
 int64_t estimatedRegisters(const KernelSpec& spec, const Schedule& s) {
@@ -151,11 +161,7 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::T
                            ? 0
                            : ctaSharedMemory(wgmma, int(bm), int(bn), int(d), s.stages(), int(H), int(G), int(P),
                                              fusedMix, s.collapse() != v1::collapse_separate, fusedGlobal);
-  int ctas = wgmma ? 1 : kMaxCtasPerSm;
-  if (smem > 0) ctas = std::min<int64_t>(ctas, device.sharedMemoryPerSm / smem);
-  if (!wgmma) ctas = std::min(ctas, device.registersPerSm / std::max(1, registers * threads));
-  ctas = std::min(ctas, device.maxThreadsPerSm / threads);
-  e.ctasPerSm = std::max(ctas, 0);
+  e.ctasPerSm = ctasPerSmOf(device, smem, registers, threads, wgmma);
   if (e.ctasPerSm == 0) {
     e.seconds = 1e9;  // cannot launch
     e.bound = "resources";
@@ -258,11 +264,7 @@ CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& s, con
   const int registers = registersPerThread.value_or(int(std::min<int64_t>(kMaxThreadRegisters, 200)));
   const int64_t smem =
       target.kind() != v1::Target::cuda ? 0 : backwardSmem(int(bm), int(bn), int(d), atomicDq).total;
-  int ctas = kMaxCtasPerSm;
-  if (smem > 0) ctas = std::min<int64_t>(ctas, device.sharedMemoryPerSm / smem);
-  ctas = std::min(ctas, device.registersPerSm / std::max(1, registers * threads));
-  ctas = std::min(ctas, device.maxThreadsPerSm / threads);
-  e.ctasPerSm = std::max(ctas, 0);
+  e.ctasPerSm = ctasPerSmOf(device, smem, registers, threads);
   if (e.ctasPerSm == 0) {
     e.seconds = 1e9;
     e.bound = "resources";
@@ -355,11 +357,7 @@ CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& s, const
   const int64_t smem = ctaSharedMemory(false, int(s.block_m()), int(s.block_n()), int(d), int(s.stages()), int(H),
                                        int(G), int(P), !mixedCache, s.collapse() == v1::collapse_fused,
                                        s.collapse() == v1::collapse_fused && spec.collapse() == v1::global);
-  int ctas = kMaxCtasPerSm;
-  if (smem > 0) ctas = int(std::min<int64_t>(ctas, device.sharedMemoryPerSm / smem));
-  ctas = std::min(ctas, device.registersPerSm / std::max(1, registers * threads));
-  ctas = std::min(ctas, device.maxThreadsPerSm / threads);
-  e.ctasPerSm = std::max(ctas, 0);
+  e.ctasPerSm = ctasPerSmOf(device, smem, registers, threads);
   if (e.ctasPerSm == 0) {
     e.seconds = 1e9;
     e.bound = "resources";

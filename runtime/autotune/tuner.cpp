@@ -127,6 +127,32 @@ void emulateAll(const KernelSpec& spec, const v1::Target& target, const std::vec
     auto plan = generateKernel(spec, schedule, target, generate);
     std::string verdict;
     bool wrong = false;
+    // One emulated CTA thread at a time (the candidates run in parallel), the
+    // compiled kernel's registers, at most `maxCtas` CTAs of the attention.
+    auto emulatorOptions = [&](int64_t maxCtas) {
+      emu::EmuOptions emuOptions;
+      emuOptions.cacheDir = options.cacheDir;
+      emuOptions.threads = 1;
+      emuOptions.seed = options.seed + at;
+      emuOptions.maxCtas = maxCtas;
+      emuOptions.headers = options.emulatorHeaders;
+      for (const v1::ResourceUsage& usage : kernels[at].resources())
+        emuOptions.registers[usage.entry()] = usage.registers();
+      return emuOptions;
+    };
+    // Whether the run came back without a finding; the verdict says why not.
+    auto ranClean = [&](const Result<emu::EmuRun>& run) {
+      if (!run) {
+        verdict = "not checked on the emulator: " + run.error().message;
+        return false;
+      }
+      if (run->findingCount > 0 || run->deadlocked) {
+        wrong = true;
+        verdict = "emulator: " + (run->findings.empty() ? std::string("deadlock") : emu::format(run->findings.front()));
+        return false;
+      }
+      return true;
+    };
     if (!plan) {
       wrong = true;
       verdict = plan.error().message;
@@ -139,20 +165,8 @@ void emulateAll(const KernelSpec& spec, const v1::Target& target, const std::vec
       const IhaCase c = drawCheckableCase(spec, 1, tokens, options.seed + at);
       auto step = decodeCaseFrom(c, {1, 16, options.mixedCache ? CacheLayout::mixed : CacheLayout::raw, {},
                                      options.seed + at});
-      emu::EmuOptions emuOptions;
-      emuOptions.cacheDir = options.cacheDir;
-      emuOptions.threads = 1;
-      emuOptions.seed = options.seed + at;
-      emuOptions.headers = options.emulatorHeaders;
-      for (const v1::ResourceUsage& usage : kernels[at].resources())
-        emuOptions.registers[usage.entry()] = usage.registers();
-      auto run = step ? emu::runDecodeOnEmulator(*plan, *step, emuOptions) : Result<emu::EmuRun>(step.error());
-      if (!run) {
-        verdict = "not checked on the emulator: " + run.error().message;
-      } else if (run->findingCount > 0 || run->deadlocked) {
-        wrong = true;
-        verdict = "emulator: " + (run->findings.empty() ? std::string("deadlock") : emu::format(run->findings.front()));
-      } else {
+      auto run = step ? emu::runDecodeOnEmulator(*plan, *step, emulatorOptions(0)) : Result<emu::EmuRun>(step.error());
+      if (ranClean(run)) {
         const double error = relativeError(run->out, step->expected);
         char text[160];
         std::snprintf(text, sizeof text, "emulator: decode step's relative error %.2e over a cache of %lld tokens",
@@ -170,21 +184,8 @@ void emulateAll(const KernelSpec& spec, const v1::Target& target, const std::vec
       const int64_t tokens = std::min<int64_t>(backward ? 128 : 256, (3 * schedule.block_n() + P - 1) / P + 1);
       const IhaCase c = backward ? drawCheckableBackwardCase(spec, 1, tokens, options.seed + at)
                                  : drawCheckableCase(spec, 1, tokens, options.seed + at);
-      emu::EmuOptions emuOptions;
-      emuOptions.cacheDir = options.cacheDir;
-      emuOptions.threads = 1;
-      emuOptions.seed = options.seed + at;
-      emuOptions.maxCtas = backward ? 0 : 2 * spec.heads();
-      emuOptions.headers = options.emulatorHeaders;
-      for (const v1::ResourceUsage& usage : kernels[at].resources())
-        emuOptions.registers[usage.entry()] = usage.registers();
-      auto run = emu::runOnEmulator(*plan, c, emuOptions);
-      if (!run) {
-        verdict = "not checked on the emulator: " + run.error().message;
-      } else if (run->findingCount > 0 || run->deadlocked) {
-        wrong = true;
-        verdict = "emulator: " + (run->findings.empty() ? std::string("deadlock") : emu::format(run->findings.front()));
-      } else {
+      auto run = emu::runOnEmulator(*plan, c, emulatorOptions(backward ? 0 : 2 * spec.heads()));
+      if (ranClean(run)) {
         double error = 0;
         if (backward) {
           error = worstGradientError(spec, c.tokens, *run->gradients, *c.expectedGradients);
