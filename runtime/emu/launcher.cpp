@@ -34,16 +34,33 @@ constexpr const char* kEmuFlags =
     "-fsanitize-coverage=func,trace-loads,trace-stores -DLOOM_EMULATED -include loom/tile/emu.h";
 
 using Kernel = void (*)(IhaArgs);
-using MappedKernel = void (*)(IhaArgs, cuda::TmaMaps);
+// A kernel that takes tensor maps is called through its trampoline
+// (withTrampolines), by pointers.
+using MappedKernel = void (*)(const IhaArgs*, const cuda::TmaMaps*);
 using BindFn = void (*)(const Api*);
 using SetThreadFn = void (*)(const ThreadInfo*);
 using VersionFn = uint32_t (*)();
+
+std::string trampolineName(const std::string& entry) { return "loom_emu_call_" + entry; }
 
 uint64_t mix(uint64_t x) {  // splitmix64
   x += 0x9e3779b97f4a7c15ull;
   x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
   x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
   return x ^ (x >> 31);
+}
+
+// The program with a trampoline for each launch that takes its TmaMaps
+// (alignas(64)) by value: the launcher (gcc) and the program (clang) may
+// place such an argument at different stack offsets when the caller's frame
+// is not 64-byte aligned (it held only while IhaArgs was 384 bytes), so the
+// launcher passes pointers and the program's own code makes the call.
+std::string withTrampolines(std::string source, const KernelPlan& plan) {
+  for (const LaunchPlan& launch : plan.launches)
+    if (launch.tensorMaps)
+      source += "\nextern \"C\" void " + trampolineName(launch.name) +
+                "(const loom::IhaArgs* args, const loom::TmaMaps* maps) { " + launch.name + "(*args, *maps); }\n";
+  return source;
 }
 
 Status compilerPresent(const std::string& compiler) {
@@ -91,7 +108,7 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
   if (options.kept)
     if (Status ok = checkKeptFits(*options.kept, plan, c.batch, c.tokens); !ok) return ok.error();
   const fs::path cacheDir = options.cacheDir.empty() ? defaultCacheDir() : options.cacheDir;
-  cpu::HostProgram program{options.source.empty() ? plan.source : options.source,
+  cpu::HostProgram program{withTrampolines(options.source.empty() ? plan.source : options.source, plan),
                            cpu::compilerFrom("LOOM_EMU_CXX", "clang++-19"), kEmuFlags, options.headers, "emu"};
   if (Status ok = compilerPresent(program.compiler); !ok) return ok.error();
   auto compiled = cpu::compileHostProgram(program, cacheDir);
@@ -222,7 +239,7 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
   std::mutex merge;
   for (const LaunchPlan& launch : plan.launches) {
     if (options.kept && recomputesForward(launch)) continue;
-    void* symbol = ::dlsym(*handle, launch.name.c_str());
+    void* symbol = ::dlsym(*handle, (launch.tensorMaps ? trampolineName(launch.name) : launch.name).c_str());
     if (!symbol) return makeError(compiled->object.string() + ": entry point " + launch.name + " missing");
     const int64_t rows = N * launch.rowsPerToken;
     const int64_t gridX = (rows + launch.rowsPerCta - 1) / launch.rowsPerCta;
@@ -263,7 +280,7 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
         Cta cta(config);
         if (launch.tensorMaps) {
           auto kernel = reinterpret_cast<MappedKernel>(symbol);
-          cta.run([&] { kernel(args, maps); });
+          cta.run([&] { kernel(&args, &maps); });
         } else {
           auto kernel = reinterpret_cast<Kernel>(symbol);
           cta.run([&] { kernel(args); });
