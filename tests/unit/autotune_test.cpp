@@ -410,7 +410,9 @@ TEST(CostModel, DecodeStepsAreMemoryBoundAndSplitWhereTheGridIsSmall) {
       splits.insert(c.schedule.kv_splits());
       EXPECT_EQ(c.schedule.mix(), mixed ? v1::mix_materialized : v1::mix_fused) << c.key;
       EXPECT_EQ(c.schedule.engine(), v1::engine_mma) << c.key;
-      if (c.schedule.kv_splits() > 1) EXPECT_EQ(c.schedule.collapse(), v1::collapse_separate) << c.key;
+      if (c.schedule.kv_splits() > 1) {
+        EXPECT_EQ(c.schedule.collapse(), v1::collapse_separate) << c.key;
+      }
       EXPECT_NE(c.key.find(mixed ? ".decode-mixed" : ".decode"), std::string::npos) << c.key;
     }
     EXPECT_EQ(splits, (std::set<int>{1, 2, 4, 8, 16, 32}));
@@ -434,7 +436,9 @@ TEST(CostModel, DecodeStepsAreMemoryBoundAndSplitWhereTheGridIsSmall) {
     EXPECT_LT(split.seconds, single.seconds);
     // Read as stored, a mixed cache is memory-bound; a raw one with 8 CTAs
     // may be bound by its mixing on chip instead.
-    if (mixed) EXPECT_EQ(single.bound, "memory");
+    if (mixed) {
+      EXPECT_EQ(single.bound, "memory");
+    }
     EXPECT_EQ(split.bound, "memory");
   }
   // Against the same schedule, a mixed cache's step reads more (G P d against G d

@@ -468,7 +468,9 @@ TEST(Decode, PlansSayWhatTheyCannotBe) {
   std::vector<std::string> names;
   for (const LaunchPlan& launch : splitPlan->launches) {
     names.push_back(launch.name);
-    if (launch.name == kAttentionEntry) EXPECT_EQ(launch.gridY, 3 * spec.heads()) << "a CTA per (head, split)";
+    if (launch.name == kAttentionEntry) {
+      EXPECT_EQ(launch.gridY, 3 * spec.heads()) << "a CTA per (head, split)";
+    }
   }
   EXPECT_EQ(names, (std::vector<std::string>{kDecodeAppendEntry, kAttentionEntry, kDecodeCombineEntry, "iha_collapse"}));
   EXPECT_NE(std::find(splitPlan->workspaces.begin(), splitPlan->workspaces.end(), Workspace::splits),

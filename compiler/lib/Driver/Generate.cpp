@@ -36,8 +36,12 @@ MaskMode maskOf(v1::MaskMode mask) {
 }
 
 ScheduleFields fieldsOf(const Schedule& schedule) {
-  ScheduleFields fields{schedule.block_m(), schedule.block_n(), schedule.warps(), schedule.stages(), std::nullopt,
-                        std::nullopt, std::nullopt, schedule.producer_registers()};
+  ScheduleFields fields;
+  fields.blockM = schedule.block_m();
+  fields.blockN = schedule.block_n();
+  fields.warps = schedule.warps();
+  fields.stages = schedule.stages();
+  fields.producerRegisters = schedule.producer_registers();
   if (schedule.engine() == v1::engine_mma) fields.engine = Engine::mma;
   if (schedule.engine() == v1::engine_wgmma) fields.engine = Engine::wgmma;
   if (schedule.mix() == v1::mix_fused) fields.mix = MixStrategy::fused;

@@ -18,7 +18,12 @@ std::optional<ScheduleFields> fieldsFromOptions(int64_t blockM, int64_t blockN, 
                                                 llvm::StringRef mix, llvm::StringRef collapse,
                                                 llvm::StringRef engine, int64_t producerRegisters,
                                                 llvm::StringRef dq, std::string* error) {
-  ScheduleFields fields{blockM, blockN, warps, stages, std::nullopt, std::nullopt, std::nullopt, producerRegisters};
+  ScheduleFields fields;
+  fields.blockM = blockM;
+  fields.blockN = blockN;
+  fields.warps = warps;
+  fields.stages = stages;
+  fields.producerRegisters = producerRegisters;
   if (!dq.empty()) {
     fields.dq = symbolizeDqStrategy(dq);
     if (!fields.dq) {
