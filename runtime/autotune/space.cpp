@@ -31,6 +31,28 @@ int64_t registerLimit(const Schedule& s) {
   return consumerRegisters(s.warps(), s.producer_registers());
 }
 
+namespace {
+// Files `given`, as the compiler resolved it, once under its key (+ `suffix`):
+// a candidate, or pruned with the compiler's reason or as likely to spill.
+void consider(SearchSpace& space, std::set<std::string>& seen, const KernelSpec& spec, const v1::Target& target,
+              const Schedule& given, const Result<Schedule>& resolved, const std::string& suffix = "") {
+  const std::string key = scheduleKey(resolved ? *resolved : given) + suffix;
+  if (!seen.insert(key).second) return;
+  if (!resolved) {
+    space.pruned.push_back({given, key, resolved.error().message});
+    return;
+  }
+  const int64_t limit = registerLimit(*resolved);
+  if (target.kind() == v1::Target::cuda && estimatedRegisters(spec, *resolved) > limit) {
+    space.pruned.push_back({*resolved, key,
+                            "needs about " + std::to_string(estimatedRegisters(spec, *resolved)) +
+                                " registers per thread, over " + std::to_string(limit) + ": likely to spill"});
+    return;
+  }
+  space.candidates.push_back({*resolved, key});
+}
+}  // namespace
+
 std::string scheduleKey(const Schedule& s) {
   std::string key = "bm" + std::to_string(s.block_m()) + ".bn" + std::to_string(s.block_n()) + ".w" +
                     std::to_string(s.warps()) + ".s" + std::to_string(s.stages()) +
@@ -46,22 +68,8 @@ SearchSpace searchSpace(const KernelSpec& spec, const v1::Target& target) {
   SearchSpace space;
   std::set<std::string> seen;
   const int P = spec.pseudo_heads();
-  auto consider = [&](Schedule schedule) {
-    auto resolved = resolveSchedule(spec, schedule, target);
-    const std::string key = scheduleKey(resolved ? *resolved : schedule);
-    if (!seen.insert(key).second) return;
-    if (!resolved) {
-      space.pruned.push_back({schedule, key, resolved.error().message});
-      return;
-    }
-    const int64_t limit = registerLimit(*resolved);
-    if (target.kind() == v1::Target::cuda && estimatedRegisters(spec, *resolved) > limit) {
-      space.pruned.push_back({*resolved, key,
-                              "needs about " + std::to_string(estimatedRegisters(spec, *resolved)) +
-                                  " registers per thread, over " + std::to_string(limit) + ": likely to spill"});
-      return;
-    }
-    space.candidates.push_back({*resolved, key});
+  auto consider = [&](const Schedule& schedule) {
+    autotune::consider(space, seen, spec, target, schedule, resolveSchedule(spec, schedule, target));
   };
 
   // block_m: any multiple of 16 rows per warp holding a token (a CTA owns
@@ -171,19 +179,8 @@ SearchSpace decodeSearchSpace(const KernelSpec& spec, const v1::Target& target, 
           s.set_block_n(blockN);
           s.set_stages(stages);
           s.set_kv_splits(splits);
-          auto resolved = resolveSchedule(spec, s, target, Direction::decode, mixedCache);
-          const std::string key = scheduleKey(resolved ? *resolved : s) + suffix;
-          if (!seen.insert(key).second) continue;
-          if (!resolved) {
-            space.pruned.push_back({s, key, resolved.error().message});
-          } else if (estimatedRegisters(spec, *resolved) > registerLimit(*resolved)) {
-            space.pruned.push_back({*resolved, key,
-                                    "needs about " + std::to_string(estimatedRegisters(spec, *resolved)) +
-                                        " registers per thread, over " + std::to_string(registerLimit(*resolved)) +
-                                        ": likely to spill"});
-          } else {
-            space.candidates.push_back({*resolved, key});
-          }
+          consider(space, seen, spec, target, s, resolveSchedule(spec, s, target, Direction::decode, mixedCache),
+                   suffix);
         }
   if (space.candidates.empty())  // the compiler's default decode schedule, whatever it costs
     if (auto resolved = resolveSchedule(spec, Schedule(), target, Direction::decode, mixedCache); resolved)

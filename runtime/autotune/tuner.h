@@ -52,7 +52,8 @@ struct TuneOptions {
   // decode: tune a decode step (its own space and cost model, docs/compiler.md,
   // The decode step) of `newTokens` per sequence over caches of `tokens`
   // tokens, raw or (mixedCache) mixed; ranked by the model and checked on
-  // the emulator (timing decode candidates on a GPU is not built yet).
+  // the emulator, untimed even with a device (timing decode candidates on a
+  // GPU is not built yet).
   bool mixedCache = false;
   int64_t newTokens = 1;
 };

@@ -109,7 +109,7 @@ int pretune(const PretuneOptions& options) {
       // ranked by the cost model (its candidates are not timed on a GPU yet).
       if (decode) tuneOptions.batch = options.decodeBatch;
       std::vector<v1::CompiledKernel> compiled;
-      auto report = autotune::tune(spec, target, decode ? nullptr : device, tuneOptions, {}, &compiled);
+      auto report = autotune::tune(spec, target, device, tuneOptions, {}, &compiled);
       bool uploaded = false;
       if (report) {
         if (const v1::CompiledKernel* winner = autotune::winnerOf(*report, compiled)) {

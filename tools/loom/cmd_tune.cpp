@@ -102,10 +102,8 @@ int tuneCommand(const TuneCliOptions& options) {
   if (!options.decode.empty()) {
     tuneOptions.direction = Direction::decode;
     tuneOptions.mixedCache = options.decode == "mixed";
-    if (device) {
+    if (device)
       std::fprintf(stderr, "decode candidates are not timed on a GPU yet: ranking with the cost model (untimed)\n");
-      device.reset();
-    }
   }
   const bool live = ::isatty(STDERR_FILENO);
   auto progress = [&](const autotune::TuneProgress& p) {

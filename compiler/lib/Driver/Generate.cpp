@@ -54,8 +54,9 @@ ScheduleFields fieldsOf(const Schedule& schedule) {
   return fields;
 }
 
-// `backward`: the plan computes the gradients, so its schedule says how dq is done.
-Schedule scheduleOf(ScheduleAttr attr, bool backward) {
+// A backward plan's schedule says how dq is done, a decode plan's how many
+// CTAs split its key blocks.
+Schedule scheduleOf(ScheduleAttr attr, Direction direction) {
   Schedule schedule;
   schedule.set_block_m(int32_t(attr.getBlockM()));
   schedule.set_block_n(int32_t(attr.getBlockN()));
@@ -65,7 +66,9 @@ Schedule scheduleOf(ScheduleAttr attr, bool backward) {
   schedule.set_collapse(attr.getCollapse() == CollapseStrategy::epilogue ? v1::collapse_fused : v1::collapse_separate);
   schedule.set_engine(attr.getEngine() == Engine::wgmma ? v1::engine_wgmma : v1::engine_mma);
   schedule.set_producer_registers(int32_t(attr.getProducerRegisters()));
-  if (backward) schedule.set_dq(attr.getDq() == DqStrategy::atomic ? v1::dq_atomic : v1::dq_separate);
+  if (direction == Direction::backward)
+    schedule.set_dq(attr.getDq() == DqStrategy::atomic ? v1::dq_atomic : v1::dq_separate);
+  if (direction == Direction::decode) schedule.set_kv_splits(int32_t(attr.getKvSplits()));
   return schedule;
 }
 
@@ -122,8 +125,7 @@ void readPlan(KernelOp kernel, KernelPlan& plan) {
   }
   plan.direction = kernel.getBackward() ? Direction::backward : kernel.getDecode() ? Direction::decode : Direction::forward;
   plan.mixedCache = kernel.getMixedCache();
-  plan.schedule = scheduleOf(kernel.getScheduleAttr(), kernel.getBackward());
-  if (kernel.getDecode()) plan.schedule.set_kv_splits(int32_t(kernel.getScheduleAttr().getKvSplits()));
+  plan.schedule = scheduleOf(kernel.getScheduleAttr(), plan.direction);
   plan.workspaceElementBytes = cuda ? kTileElementBytes : int(sizeof(float));
 }
 
@@ -433,9 +435,7 @@ Result<Schedule> resolveSchedule(const KernelSpec& spec, const Schedule& schedul
   CompilerContext c;
   auto resolved = resolve(c, spec, schedule, target, direction, mixedCache);
   if (!resolved) return resolved.error();
-  Schedule complete = scheduleOf(resolved->second, direction == Direction::backward);
-  if (direction == Direction::decode) complete.set_kv_splits(int32_t(resolved->second.getKvSplits()));
-  return complete;
+  return scheduleOf(resolved->second, direction);
 }
 
 Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,

@@ -43,11 +43,10 @@ struct AnalyzeMask : impl::IhaAnalyzeMaskBase<AnalyzeMask> {
       BlockRanges<Value> r = blockRanges(math, maskRuleOf(kernel.getSpec()), schedule.getBlockM(),
                                          schedule.getBlockN(), Value(loop.getRow0()), seqLen);
       if (kernel.getDecode() && schedule.getKvSplits() > 1) {
-        // Split CTA (blockY mod S) takes its even share of the visible
-        // blocks [lo, hi); every range is clamped to that share.
-        const Value splits = math.c(schedule.getKvSplits());
-        const Value split = math.rem(launch.getBlockY(), splits);
-        const Value share = math.ceilDiv(math.sub(r.hi, r.lo), splits);
+        // Each split CTA takes its even share of the visible blocks [lo, hi);
+        // every range is clamped to that share.
+        const Value split = splitIndexOf(math, launch.getBlockY(), schedule.getKvSplits());
+        const Value share = math.ceilDiv(math.sub(r.hi, r.lo), math.c(schedule.getKvSplits()));
         const Value first = math.min(math.add(r.lo, math.mul(split, share)), r.hi);
         const Value last = math.min(math.add(first, share), r.hi);
         r = {first, math.clamp(r.ilo, first, last), math.clamp(r.ihi, first, last), last};

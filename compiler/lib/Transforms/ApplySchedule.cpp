@@ -100,8 +100,7 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
     {
       mlir::OpBuilder body = mlir::OpBuilder::atBlockEnd(&attention.getBlock());
       IndexMath math(body, loc);
-      Value head = splits > 1 ? math.floorDiv(attention.getBlockY(), math.c(splits)) : attention.getBlockY();
-      Value batch = attention.getBatch();
+      Value head = splitHeadOf(math, attention.getBlockY(), splits), batch = attention.getBatch();
       Value cached = body.create<CachedRowsOp>(loc, body.getI64Type(), batch);
       Value row0 = math.add(cached, math.mul(attention.getBlockX(), math.c(ownedRows)));
       Value length = body.create<DecodeLenOp>(loc, body.getI64Type(), batch);
@@ -115,7 +114,7 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
       body.create<KvStreamOp>(loc, zero, keyBlocks, head, batch, /*mixed=*/rawCache);
       body.create<KvLoopOp>(loc, zero, keyBlocks, row0, head, batch, /*masked=*/true, /*mixed=*/rawCache);
       if (splits > 1)
-        body.create<StoreSplitOp>(loc, row0, head, batch, math.rem(attention.getBlockY(), math.c(splits)));
+        body.create<StoreSplitOp>(loc, row0, head, batch, splitIndexOf(math, attention.getBlockY(), splits));
       else
         body.create<StoreRowsOp>(loc, row0, head, batch);
     }

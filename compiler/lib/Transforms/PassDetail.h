@@ -58,4 +58,14 @@ class IndexMath {
   mlir::Location loc_;
 };
 
+// A decode kernel with kv_splits S runs S attention CTAs per (query block,
+// head): grid y = head * S + split. iha-apply-schedule lays the grid out;
+// iha-analyze-mask gives each split its share of the key blocks.
+inline mlir::Value splitHeadOf(IndexMath& math, mlir::Value blockY, int64_t splits) {
+  return splits == 1 ? blockY : math.floorDiv(blockY, math.c(splits));
+}
+inline mlir::Value splitIndexOf(IndexMath& math, mlir::Value blockY, int64_t splits) {
+  return math.rem(blockY, math.c(splits));
+}
+
 }  // namespace loom::iha
