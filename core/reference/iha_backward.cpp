@@ -236,4 +236,21 @@ bool vanishesButForEpsilon(const v1::KernelSpec& spec, int64_t tokens, size_t gr
   return false;
 }
 
+double qkNormEpsilonWeight(const v1::KernelSpec& spec, const IhaInputs& inputs) {
+  if (spec.qk_norm() != v1::KernelSpec::rms) return 0;
+  const double eps = detail::qkNormEps(spec);
+  const int64_t N = inputs.tokens, H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
+  double weight = 0;
+  for (int64_t b = 0; b < inputs.batch; ++b)
+    for (const Rows& rows : {detail::mixAndInterleave(inputs.q, inputs.alpha_q, b, N, H, P, d),
+                             detail::mixAndInterleave(inputs.k, inputs.alpha_k, b, N, G, P, d)})
+      for (const auto& head : rows)
+        for (const auto& row : head) {
+          double meanSquare = 0;
+          for (double x : row) meanSquare += x * x / double(d);
+          weight = std::max(weight, eps / (meanSquare + eps));
+        }
+  return weight;
+}
+
 }  // namespace loom::reference

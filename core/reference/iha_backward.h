@@ -65,4 +65,11 @@ IhaGradients ihaBackwardWithRoundedMixing(const v1::KernelSpec& spec, const IhaI
 // exactly.
 bool vanishesButForEpsilon(const v1::KernelSpec& spec, int64_t tokens, size_t gradient);
 
+// How epsilon-sized such a gradient is on `inputs`: the largest share
+// eps / (mean square + eps) that qk_norm's epsilon takes of a q or k row's
+// norm (0 without qk_norm). It is eps for rows of unit mean square, but a
+// short row of small entries (head_dim 2, a drawn token near zero) gives
+// epsilon a larger say, and the "vanishing" gradients grow with it.
+double qkNormEpsilonWeight(const v1::KernelSpec& spec, const IhaInputs& inputs);
+
 }  // namespace loom::reference

@@ -67,9 +67,11 @@ Rows mixAndInterleave(const std::vector<double>& x, const std::vector<double>& a
   return rows;
 }
 
+double qkNormEps(const v1::KernelSpec& spec) { return spec.has_qk_norm_eps() ? spec.qk_norm_eps() : 1e-6; }
+
 void normalizeAndRotate(const v1::KernelSpec& spec, Rows& rows, std::vector<std::vector<double>>* factors,
                         int64_t firstPosition) {
-  const double eps = spec.has_qk_norm_eps() ? spec.qk_norm_eps() : 1e-6;
+  const double eps = qkNormEps(spec);
   if (factors) factors->assign(rows.size(), std::vector<double>(rows.empty() ? 0 : rows[0].size(), 1.0));
   for (size_t h = 0; h < rows.size(); ++h)
     for (size_t i = 0; i < rows[h].size(); ++i) {

@@ -65,6 +65,9 @@ double ropeDirection(const v1::KernelSpec& spec);
 Rows mixAndInterleave(const std::vector<double>& x, const std::vector<double>& alpha, int64_t b, int64_t tokens,
                       int64_t heads, int64_t pseudo, int64_t d, v1::DType rounding = v1::float32);
 
+// qk_norm's epsilon (the schema's default where the spec names none).
+double qkNormEps(const v1::KernelSpec& spec);
+
 // qk_norm (when on) and RoPE (when rope_theta > 0) on q or k rows, row r
 // at virtual position firstPosition + r (a decode step's rows start past
 // the cache); with `factors`, each row's norm factor r (y = x * r; 1

@@ -211,8 +211,8 @@ TEST(BackwardReference, VanishingGradientsAreTheOnesNamed) {
       const std::string what = spec.ShortDebugString() + " N=" + std::to_string(N) + " " +
                                reference::kGradientNames[i] + ": " + std::to_string(share) + " of all the gradients";
       if (named) {
-        EXPECT_LT(share, std::max(1e-9, spec.qk_norm() == v1::KernelSpec::rms ? 100 * effectiveQkNormEps(spec) : 0.0))
-            << what;
+        EXPECT_LT(share, std::max(1e-9, 100 * reference::qkNormEpsilonWeight(spec, c.inputs)))
+            << what << " (epsilon's weight " << reference::qkNormEpsilonWeight(spec, c.inputs) << ")";
       } else {
         EXPECT_GT(share, 1e-9) << what;
       }
