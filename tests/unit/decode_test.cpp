@@ -1,5 +1,6 @@
 // The decode step's oracle (reference::ihaDecode) against the forward's rows,
 // the page-table checks, and `loom run --decode`.
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -375,6 +376,28 @@ TEST(Decode, SplitKvStepsGiveTheForwardsRows) {
     expectHostStep(c, *dc, schedule);
     if (draw < 2) expectEmulatedStep(c, *dc, arch, rng(), schedule);
   }
+  // More splits than a warp has lanes (the CUDA combine's lanes keep two
+  // weights each): 300 tokens of two pseudo-heads, no window, are 38 key
+  // blocks, one a split, the last two splits without a key.
+  KernelSpec spec = testing::randomSpec(rng);
+  spec.set_dtype(v1::bfloat16);
+  spec.set_head_dim(16);
+  spec.set_pseudo_heads(2);
+  spec.clear_window();
+  spec.clear_window_align();
+  spec.clear_window_rows();
+  testing::dropStaleOptions(spec);
+  ASSERT_TRUE(validateSpec(spec)) << spec.ShortDebugString();
+  const IhaCase c = drawCheckableCase(spec, 1, 300, rng());
+  DecodeLayout layout = drawCheckableLayout(rng, c, 1, 16);
+  layout.cached = {299};  // the last token's step, over all the others
+  Schedule schedule;
+  schedule.set_kv_splits(40);
+  schedule.set_block_n(16);
+  SCOPED_TRACE(testing::describe(c) + " kv_splits 40");
+  auto dc = decodeCaseFrom(c, layout);
+  ASSERT_TRUE(dc) << dc.error().message;
+  expectEmulatedStep(c, *dc, "sm_80", rng(), schedule);
 }
 
 // NVRTC compiles the CUDA decode step's launches with zero spills and no stack frame.
@@ -402,6 +425,47 @@ TEST(Decode, NvrtcCompilesTheCudaStepWithoutSpills) {
   for (const char* arch : {"sm_80", "sm_90a"}) {
     for (bool mixed : {false, true}) expectClean({}, arch, mixed, 2);  // iha_append, iha_attention
     expectClean(split, arch, false, 4);                                 // + iha_combine, iha_collapse
+  }
+  // The default schedules of the shapes that press the registers hardest:
+  // a GQA model's H 32 G 8 d 128 with RoPE (all eight heads mixed on chip),
+  // and head_dim 256 with one kv head and with qk_norm.
+  const KernelSpec hard[] = {
+      testing::makeSpec({.heads = 32, .kvHeads = 8, .pseudoHeads = 2, .headDim = 128, .dtype = v1::bfloat16,
+                         .mask = v1::flat_causal, .ropeTheta = 10000}),
+      testing::makeSpec({.heads = 8, .kvHeads = 1, .pseudoHeads = 8, .headDim = 256, .dtype = v1::bfloat16,
+                         .mask = v1::flat_causal, .ropeTheta = 10000}),
+      [] {
+        KernelSpec s = testing::makeSpec({.heads = 4, .kvHeads = 4, .pseudoHeads = 2, .headDim = 256,
+                                          .dtype = v1::float16, .mask = v1::flat_causal});
+        s.set_qk_norm(v1::KernelSpec::rms);
+        return s;
+      }()};
+  for (const KernelSpec& shape : hard) {
+    spec = shape;
+    for (const char* arch : {"sm_80", "sm_90a"}) expectClean({}, arch, false, 2);
+  }
+}
+
+// A step to time (DecodeLayout::expected false) is the same step without
+// the forward's rows: its cache, page table and new tokens as a checked one's.
+TEST(Decode, TimingStepsSkipOnlyTheForward) {
+  std::mt19937_64 rng(testing::testSeed() ^ 0x7157);
+  KernelSpec spec = testing::makeSpec({.heads = 4, .kvHeads = 2, .pseudoHeads = 2, .headDim = 16,
+                                       .dtype = v1::bfloat16, .mask = v1::flat_causal, .ropeTheta = 10000});
+  const IhaCase c = drawCase(spec, 2, 11, rng());
+  for (CacheLayout layout : {CacheLayout::raw, CacheLayout::mixed}) {
+    const uint64_t seed = rng();
+    auto checked = decodeCaseFrom(c, {2, 4, layout, {}, seed});
+    auto timed = decodeCaseFrom(c, {2, 4, layout, {}, seed, false});
+    ASSERT_TRUE(checked && timed);
+    EXPECT_EQ(checked->expected.size(), size_t(2 * 2 * 4 * 16));
+    EXPECT_TRUE(timed->expected.empty());
+    EXPECT_EQ(timed->cache.pageTable, checked->cache.pageTable);
+    EXPECT_EQ(timed->cache.cacheLen, checked->cache.cacheLen);
+    EXPECT_TRUE(std::equal(timed->cache.k.begin(), timed->cache.k.end(), checked->cache.k.begin(), checked->cache.k.end(),
+                           [](double a, double b) { return a == b || (std::isnan(a) && std::isnan(b)); }));
+    EXPECT_EQ(timed->step.q, checked->step.q);
+    EXPECT_EQ(timed->step.k, checked->step.k);
   }
 }
 

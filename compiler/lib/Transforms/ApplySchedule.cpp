@@ -138,6 +138,7 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
       if (auto why = checkScheduleFields(*fields)) return kernel.emitError() << *why;
       if (kernel.getDecode()) {  // a decode step mixes each cached block as it streams, or reads it mixed
         fields->mix = kernel.getMixedCache() ? MixStrategy::materialized : MixStrategy::fused;
+        if (!kernel.getMixedCache() && !fields->blockN) fields->blockN = kDecodeRawBlockN;
         fields->engine = fields->engine.value_or(Engine::mma);
       }
       if (kernel.getBackward()) {  // the backward reads mixed rows from workspaces

@@ -19,6 +19,10 @@ inline constexpr int64_t kMaxHeadDim = 256;
 inline constexpr int64_t kMaxBlockRows = 256;
 inline constexpr int64_t kMaxStages = 4;
 inline constexpr int64_t kThreadsPerWarp = 32;
+// A decode step's key block over a raw cache where the schedule leaves it
+// unset: the one width that compiles without spills for every shape
+// (Generate.cpp's resolve says what ptxas showed).
+inline constexpr int64_t kDecodeRawBlockN = 16;
 
 // The wgmma engine (sm_90a): 64 query rows per consumer warpgroup, one
 // producer warpgroup, registers moved between them by setmaxnreg.
