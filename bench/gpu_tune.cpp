@@ -1,7 +1,9 @@
 // loom-gpu-tune: the tuner's measurement stage on precompiled candidates
 // (loom tune --target ARCH --bundles DIR writes them where the compiler
 // lives): every tune.*.pb of one spec and direction is verified against the
-// float64 reference (every gradient, for backward bundles) and timed;
+// float64 reference (every gradient, for backward bundles; for decode
+// bundles a step's rows against the forward's, TOKENS then being the
+// cache's length and BATCH the sequences per step) and timed;
 // prints the ranked table. No compiler linked.
 #include <cstdio>
 #include <filesystem>
@@ -43,11 +45,15 @@ int main(int argc, char** argv) {
                              kernel.direction() != kernels.front().direction()))
       continue;
     const bool backward = kernel.direction() == v1::direction_backward;
+    const bool decode = kernel.direction() == v1::direction_decode || kernel.direction() == v1::direction_decode_mixed;
     options.direction = kernel.direction();
     autotune::CandidateResult r;
     r.candidate = {kernel.schedule(), path.stem().string().substr(5)};
     r.predictedMs = (backward ? autotune::estimateBackwardCost(kernel.spec(), kernel.schedule(), target, options.batch,
                                                               options.tokens)
+                     : decode ? autotune::estimateDecodeCost(kernel.spec(), kernel.schedule(), target, options.batch,
+                                                             options.tokens, options.newTokens,
+                                                             kernel.direction() == v1::direction_decode_mixed)
                               : autotune::estimateCost(kernel.spec(), kernel.schedule(), target, options.batch,
                                                        options.tokens))
                         .seconds *

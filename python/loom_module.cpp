@@ -235,9 +235,14 @@ std::shared_ptr<Runtime> runtimeFor(int device, const std::string& cacheDir) {
 
 std::shared_ptr<Kernel> kernelFor(Runtime& runtime, const KernelSpec& spec, const Schedule& schedule,
                                   const std::string& service, v1::Direction direction = v1::direction_forward) {
-  const bool backward = direction == v1::direction_backward;
-  if (service.empty())
-    return valueOr(backward ? runtime.backwardKernel(spec, schedule) : runtime.kernel(spec, schedule), false);
+  if (service.empty()) {
+    switch (direction) {
+      case v1::direction_backward: return valueOr(runtime.backwardKernel(spec, schedule), false);
+      case v1::direction_decode: return valueOr(runtime.decodeKernel(spec, CacheLayout::raw, schedule), false);
+      case v1::direction_decode_mixed: return valueOr(runtime.decodeKernel(spec, CacheLayout::mixed, schedule), false);
+      default: return valueOr(runtime.kernel(spec, schedule), false);
+    }
+  }
   auto client = valueOr(service::KernelClient::connect(service), false);
   v1::GetKernelResponse response = valueOr(client->getKernel(spec, runtime.target(), 60000, direction), false);
   return valueOr(runtime.load(response.kernel()), false);
@@ -458,10 +463,15 @@ py::tuple referenceBackward(const py::object& q, const py::object& k, const py::
 
 //===--- loom.decode ------------------------------------------------------===//
 
-// An int32 host array (page_table, cache_len): dense, of `rank` dimensions.
-const int32_t* int32Array(const Borrowed& b, const char* name, int rank, std::vector<int64_t>* shape) {
+// An int32 array (page_table, cache_len) on the step's device: dense, of
+// `rank` dimensions.
+const int32_t* int32Array(const Borrowed& b, const char* name, int rank, const DLDevice& device,
+                          std::vector<int64_t>* shape) {
   const DLTensor& t = *b.tensor;
-  if (t.device.device_type != kDLCPU) throw BadArgument(std::string(name) + ": must be in host memory");
+  if (t.device.device_type != device.device_type || (device.device_type != kDLCPU && t.device.device_id != device.device_id))
+    throw BadArgument(std::string(name) + ": must be on the step's device (" +
+                      (device.device_type == kDLCPU ? std::string("host memory") : "cuda:" + std::to_string(device.device_id)) +
+                      ")");
   if (t.dtype.code != kDLInt || t.dtype.bits != 32 || t.dtype.lanes != 1)
     throw BadArgument(std::string(name) + ": dtype must be int32");
   if (t.ndim != rank) throw BadArgument(std::string(name) + ": want " + std::to_string(rank) + " dimensions");
@@ -477,56 +487,67 @@ const int32_t* int32Array(const Borrowed& b, const char* name, int rank, std::ve
 }
 
 // One decode step over a paged cache (docs/IHA.md, Decode over a paged
-// cache) on host tensors: the step's k and v appended to k_cache / v_cache
-// in place, out [B, T, H, d] written (or allocated and returned).
+// cache): the step's k and v appended to k_cache / v_cache in place, out
+// [B, T, H, d] written (or allocated and returned). CUDA tensors (every one
+// on the same device, page_table and cache_len too) run the spec's decode
+// kernel on `stream`, host tensors its program on the host tile API.
 py::object decode(const py::object& q, const py::object& k, const py::object& v, const py::object& alphaQ,
                   const py::object& alphaK, const py::object& alphaV, const py::object& collapse,
                   const py::object& kCache, const py::object& vCache, const py::object& pageTable,
                   const py::object& cacheLen, const py::object& specValue, const std::string& layoutName,
-                  const py::object& out, const py::object& lse, const py::object& scheduleValue,
-                  const std::string& cacheDir, int threads) {
+                  const py::object& out, const py::object& lse, std::optional<int64_t> stream,
+                  const py::object& scheduleValue, const std::string& cacheDir, const std::string& service,
+                  int threads) {
   const KernelSpec spec = specOf(specValue);
   const Schedule schedule = scheduleOf(scheduleValue);
   const CacheLayout layout = valueOr(parseCacheLayout(layoutName), true);
-  const Inputs inputs = borrowInputs(q, k, v, alphaQ, alphaK, alphaV, collapse, std::nullopt);
+  const Inputs inputs = borrowInputs(q, k, v, alphaQ, alphaK, alphaV, collapse, stream);
   const DLTensor& qt = inputs.q();
-  if (qt.device.device_type != kDLCPU)
-    throw BadArgument("decode: the tensors are on a CUDA device, and the Python module does not launch loom's CUDA "
-                      "decode kernel yet (Kernel::launchDecode in C++ does); host tensors run the generated decode "
-                      "step on the host tile API");
+  const DLDevice device = qt.device;
+  const bool onHost = device.device_type == kDLCPU;
+  std::shared_ptr<Runtime> runtime;
+  if (!onHost) runtime = runtimeFor(device.device_id, cacheDir);
   const std::vector<int64_t> outShape = {qt.shape[0], qt.shape[1], spec.heads(), spec.head_dim()};
   std::optional<Borrowed> outGiven, lseGiven;
   Allocated made;
   const DLTensor* outTensor = nullptr;
   if (out.is_none()) {
-    made = allocate(outShape, dlTypeOf(spec.dtype()), bytesOf(spec.dtype()), qt.device, nullptr);
+    made = allocate(outShape, dlTypeOf(spec.dtype()), bytesOf(spec.dtype()), device, runtime ? runtime->gpu() : nullptr);
     outTensor = &made.view;
   } else {
-    outGiven = borrow(out, "out", std::nullopt);
+    outGiven = borrow(out, "out", stream);
     outTensor = outGiven->tensor;
   }
-  if (!lse.is_none()) lseGiven = borrow(lse, "lse", std::nullopt);
+  if (!lse.is_none()) lseGiven = borrow(lse, "lse", stream);
   IhaTensors tensors = valueOr(tensorsFromDlpack(inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5],
                                                  inputs[6], outTensor, lseGiven ? lseGiven->tensor : nullptr),
                                true);
-  const Borrowed kc = borrow(kCache, "k_cache", std::nullopt), vc = borrow(vCache, "v_cache", std::nullopt);
-  const Borrowed table = borrow(pageTable, "page_table", std::nullopt), lengths = borrow(cacheLen, "cache_len", std::nullopt);
+  const Borrowed kc = borrow(kCache, "k_cache", stream), vc = borrow(vCache, "v_cache", stream);
+  const Borrowed table = borrow(pageTable, "page_table", stream), lengths = borrow(cacheLen, "cache_len", stream);
   PagedCacheTensors cache;
   cache.k_cache = valueOr(tensorFromDlpack("k_cache", kc.tensor), true);
   cache.v_cache = valueOr(tensorFromDlpack("v_cache", vc.tensor), true);
   std::vector<int64_t> tableShape, lengthShape;
-  cache.page_table = int32Array(table, "page_table", 2, &tableShape);
-  cache.cache_len = int32Array(lengths, "cache_len", 1, &lengthShape);
+  cache.page_table = int32Array(table, "page_table", 2, device, &tableShape);
+  cache.cache_len = int32Array(lengths, "cache_len", 1, device, &lengthShape);
   if (tableShape[0] != qt.shape[0] || lengthShape[0] != qt.shape[0])
     throw BadArgument("page_table and cache_len: want one row / entry per sequence (B = " + std::to_string(qt.shape[0]) +
                       "), got " + shapeString(tableShape) + " and " + shapeString(lengthShape));
   cache.max_pages = tableShape[1];
   cache.layout = layout;
-  check(validateDecodeTensors(spec, tensors, cache, kHostDevice), true);
-  const cpu::CpuOptions options{cacheDir, threads};
-  {
+  if (onHost) {
+    check(validateDecodeTensors(spec, tensors, cache, kHostDevice), true);
+    const cpu::CpuOptions options{cacheDir, threads};
     py::gil_scoped_release release;
     check(runDecodeOnHost(spec, tensors, cache, schedule, options), false);
+  } else {
+    // launchDecode checks the tensors, then copies page_table and cache_len
+    // back to check every entry before the launch.
+    std::shared_ptr<Kernel> kernel =
+        kernelFor(*runtime, spec, schedule, service,
+                  layout == CacheLayout::mixed ? v1::direction_decode_mixed : v1::direction_decode);
+    py::gil_scoped_release release;
+    check(kernel->launchDecode(tensors, cache, reinterpret_cast<CUstream>(stream.value_or(0))), false);
   }
   if (outGiven) return out;
   return py::cast(made.tensor);
@@ -661,12 +682,15 @@ PYBIND11_MODULE(_loom, m) {
         "[num_pages, page_size, G, d] (cache='raw') or [num_pages, page_size, G, P, d] (cache='mixed') in the\n"
         "spec's dtype; page_table [B, max_pages] and cache_len [B], int32. Appends the step's k and v at\n"
         "positions cache_len .. cache_len + T - 1 (in place; advance cache_len by T yourself) and returns out\n"
-        "[B, T, H, d] (or writes `out`; `lse` [B, H, T*P] when given). Runs the generated decode program on the\n"
-        "host tile API (CUDA tensors are not taken yet: the CUDA kernel is launched from C++, Kernel::launchDecode).",
+        "[B, T, H, d] (or writes `out`; `lse` [B, H, T*P] when given). CUDA tensors (all on one device, page_table\n"
+        "and cache_len too) run loom's decode kernel on `stream` (the tuned schedule from the kernel cache, else\n"
+        "the default; `service`: fetched from a loom-service), host tensors the generated decode program on the\n"
+        "host tile API.",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha_q"), py::arg("alpha_k"), py::arg("alpha_v"),
         py::arg("collapse"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"), py::arg("cache_len"),
         py::arg("spec"), py::arg("cache") = "raw", py::arg("out") = py::none(), py::arg("lse") = py::none(),
-        py::arg("schedule") = py::none(), py::arg("cache_dir") = "", py::arg("threads") = 0);
+        py::arg("stream") = py::none(), py::arg("schedule") = py::none(), py::arg("cache_dir") = "",
+        py::arg("service") = "", py::arg("threads") = 0);
   m.def("reference_backward", &referenceBackward,
         "The seven gradients of sum(out * dout) by the float64 backward reference, on host tensors, as float64\n"
         "loom.Tensors (inputs may be float64, float32 or the 16-bit dtypes)",

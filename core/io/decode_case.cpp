@@ -101,13 +101,14 @@ Result<DecodeCase> decodeCaseFrom(const IhaCase& c, const DecodeLayout& layout) 
   dc.step.q.clear();
   dc.step.k.clear();
   dc.step.v.clear();
-  dc.expected.reserve(size_t(B * T * H * d));
+  if (layout.expected) dc.expected.reserve(size_t(B * T * H * d));
   for (int64_t b = 0; b < B; ++b) {
     const int64_t from = cached[size_t(b)], to = from + T;
     const reference::IhaInputs step = sliceTokens(c.spec, c.inputs, b, from, to);
     dc.step.q.insert(dc.step.q.end(), step.q.begin(), step.q.end());
     dc.step.k.insert(dc.step.k.end(), step.k.begin(), step.k.end());
     dc.step.v.insert(dc.step.v.end(), step.v.begin(), step.v.end());
+    if (!layout.expected) continue;
     const std::vector<double> want =
         to == N && c.expected ? rows(*c.expected, N, H, d, b, from, to)
                               : rows(reference::ihaForward(c.spec, sliceTokens(c.spec, c.inputs, b, 0, to)).out, to, H,

@@ -21,6 +21,9 @@ struct DecodeLayout {
   // step decodes the case's last T tokens.
   std::vector<int64_t> cached;
   uint64_t seed = 1;  // the page table's shuffle
+  // false: DecodeCase::expected stays empty (a step to time, whose cache is
+  // too long for the float64 forward).
+  bool expected = true;
 };
 
 struct DecodeCase {

@@ -179,14 +179,15 @@ def iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, *, schedule=None, ca
 
 
 def decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len, spec, *,
-           cache: str = "raw", schedule=None, cache_dir: str = "", threads: int = 0) -> torch.Tensor:
+           cache: str = "raw", schedule=None, cache_dir: str = "", service: str = "",
+           threads: int = 0) -> torch.Tensor:
     """One decode step over a paged cache (docs/IHA.md, Decode over a paged cache): the new tokens' q
     [B, T, H, d], k and v [B, T, G, d]; k_cache and v_cache [num_pages, page_size, G, d] (cache="raw": the
     projections, P times smaller) or [num_pages, page_size, G, P, d] (cache="mixed"), the spec's dtype;
     page_table [B, max_pages] and cache_len [B], int32. Appends k and v to the caches in place at positions
-    cache_len .. cache_len + T - 1 (advance cache_len by T afterwards) and returns out [B, T, H, d]. Host
-    tensors run the generated decode program on the host tile API; CUDA tensors are not taken yet (the CUDA
-    decode kernel is launched from C++: Kernel::launchDecode)."""
+    cache_len .. cache_len + T - 1 (advance cache_len by T afterwards) and returns out [B, T, H, d]. CUDA
+    tensors (all on one device, page_table and cache_len too) run loom's decode kernel on the current stream;
+    host tensors run the generated decode program on the host tile API."""
     spec_json = json.dumps(spec_for(spec, q.dtype), sort_keys=True)
     schedule_json = None if schedule is None else (schedule if isinstance(schedule, str) else json.dumps(schedule))
     _check_inputs(q, (alpha_q, alpha_k, alpha_v, collapse))
@@ -197,7 +198,8 @@ def decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_
     out = torch.empty((q.shape[0], q.shape[1], s["heads"], s["head_dim"]), dtype=q.dtype, device=q.device)
     tensors = _prepared((q, k, v, alpha_q, alpha_k, alpha_v, collapse))
     _loom.decode(*tensors, k_cache.detach(), v_cache.detach(), page_table.contiguous(), cache_len.contiguous(),
-                 spec_json, cache=cache, out=out, schedule=schedule_json, cache_dir=cache_dir, threads=threads)
+                 spec_json, cache=cache, out=out, stream=_stream(q), schedule=schedule_json, cache_dir=cache_dir,
+                 service=service, threads=threads)
     return out
 
 

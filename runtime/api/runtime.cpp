@@ -50,6 +50,19 @@ Result<std::shared_ptr<Kernel>> Runtime::backwardKernel(const KernelSpec& spec, 
   return kernel;
 }
 
+Result<std::shared_ptr<Kernel>> Runtime::decodeKernel(const KernelSpec& spec, CacheLayout layout,
+                                                      const Schedule& schedule) {
+  const bool mixed = layout == CacheLayout::mixed;
+  auto provided =
+      state_->provider->provide(spec, target(), schedule, mixed ? v1::direction_decode_mixed : v1::direction_decode);
+  if (!provided) return provided.error();
+  auto kernel = load(provided->kernel);
+  if (kernel)
+    (*kernel)->provenance_ = provided->origin + ", " + provided->scheduleSource + " schedule (decode, " +
+                             (mixed ? "mixed" : "raw") + " cache)";
+  return kernel;
+}
+
 Result<std::shared_ptr<Kernel>> Runtime::load(const v1::CompiledKernel& compiled) {
   return Kernel::load(state_->device, compiled);
 }

@@ -318,6 +318,12 @@ double decodeCacheBytes(const KernelSpec& spec, int64_t batch, int64_t cachedTok
   return double(batch) * double(visibleTokens(spec, cachedTokens, newTokens)) * perToken;
 }
 
+double ihaDecodeFlops(const KernelSpec& spec, int64_t batch, int64_t cachedTokens, int64_t newTokens) {
+  const int64_t P = spec.pseudo_heads();
+  return 4.0 * double(spec.head_dim()) * double(spec.heads()) * double(batch) * double(newTokens * P) *
+         double(visibleTokens(spec, cachedTokens, newTokens) * P);
+}
+
 CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& s, const v1::Target& target, int64_t batch,
                                 int64_t cachedTokens, int64_t newTokens, bool mixedCache,
                                 std::optional<int> registersPerThread) {
@@ -333,7 +339,7 @@ CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& s, const
   const double paddedDim = double((d + 15) / 16 * 16);
 
   CostEstimate e;
-  e.usefulFlops = 4.0 * double(d) * double(H) * double(batch) * double(newTokens * P) * double(visible * P);
+  e.usefulFlops = ihaDecodeFlops(spec, batch, cachedTokens, newTokens);
   e.matrixFlops = 4.0 * double(gridCtas) * double(blocksPerCta) * double(s.block_m() * s.block_n()) * paddedDim;
   // Each CTA's share of the cache: a raw one's G heads per token, a mixed
   // one's P rows of the CTA's group.

@@ -103,6 +103,10 @@ double ihaFlops(const KernelSpec& spec, int64_t batch, int64_t tokens);
 // the forward's two: 2.5 forwards), whatever a schedule recomputes.
 double ihaBackwardFlops(const KernelSpec& spec, int64_t batch, int64_t tokens);
 
+// A decode step's useful work: 4 d H B times its T P query rows times the
+// rows of the tokens they can see (the cache's and the step's).
+double ihaDecodeFlops(const KernelSpec& spec, int64_t batch, int64_t cachedTokens, int64_t newTokens);
+
 // q, k, v read and out written once, 16-bit: the bytes a pass must move.
 double operandBytes(const KernelSpec& spec, int64_t batch, int64_t tokens);
 

@@ -4,10 +4,12 @@
 #include <chrono>
 #include <cmath>
 #include <map>
+#include <optional>
 
 #include "autotune/cost_model.h"
 #include "cuda/case_runner.h"
 #include "io/case.h"
+#include "io/decode_case.h"
 #include "reference/iha_reference.h"
 
 namespace loom::autotune {
@@ -16,8 +18,10 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 constexpr int64_t kVerifyTokens = 96;       // small enough for the float64 reference
+constexpr int64_t kDecodeVerifyTokens = 256;  // a decode step's: key blocks for several splits
 constexpr int kInputSets = 2;               // rotated so the cache does not flatter small problems
 constexpr double kNoiseFraction = 0.02;     // medians closer than this are ties
+constexpr int64_t kDecodePageSize = 16;     // the page size timed decode steps use
 
 }  // namespace
 
@@ -105,15 +109,39 @@ Status measure(const KernelSpec& spec, std::shared_ptr<cuda::Device> device, con
     if (progress) progress(state);
   };
   const bool backward = options.direction == v1::direction_backward;
-  // Trusted result: the float64 reference (forward or backward) on a small fresh case.
-  const int64_t verifyTokens = std::min(options.tokens, kVerifyTokens);
+  const bool mixedCache = options.direction == v1::direction_decode_mixed;
+  const bool decode = options.direction == v1::direction_decode || mixedCache;
+  const int64_t T = options.newTokens;
+  auto decodeLayout = [&](uint64_t seed, bool expected) {
+    return DecodeLayout{T, kDecodePageSize, mixedCache ? CacheLayout::mixed : CacheLayout::raw, {}, seed, expected};
+  };
+  // Trusted result: the float64 reference (forward or backward) on a small
+  // fresh case; for a decode step, the forward's rows of its last T tokens.
+  const int64_t verifyTokens = decode ? std::max(T + 1, std::min(options.tokens + T, kDecodeVerifyTokens))
+                                      : std::min(options.tokens, kVerifyTokens);
   const IhaCase verify = backward ? drawCheckableBackwardCase(spec, 1, verifyTokens, options.seed)
                                   : drawCheckableCase(spec, 1, verifyTokens, options.seed);
+  std::optional<DecodeCase> verifyStep;
+  if (decode) {
+    auto step = decodeCaseFrom(verify, decodeLayout(options.seed, true));
+    if (!step) return step.error();
+    verifyStep = std::move(*step);
+  }
   std::vector<cuda::CaseBuffers> buffers;
   std::vector<cuda::GradBuffers> gradBuffers;
+  std::vector<cuda::DecodeBuffers> decodeBuffers;
   std::vector<IhaTensors> inputs;
   std::vector<IhaGradTensors> grads;
   for (int set = 0; set < kInputSets; ++set) {
+    if (decode) {  // a step over a cache of options.tokens tokens per sequence
+      const IhaCase drawn = drawCase(spec, options.batch, options.tokens + T, options.seed + 1 + set);
+      auto step = decodeCaseFrom(drawn, decodeLayout(options.seed + 1 + set, false));
+      if (!step) return step.error();
+      auto uploaded = cuda::DecodeBuffers::upload(*device, *step);
+      if (!uploaded) return uploaded.error();
+      decodeBuffers.push_back(std::move(*uploaded));
+      continue;
+    }
     IhaCase drawn = drawCase(spec, options.batch, options.tokens, options.seed + 1 + set);
     if (backward) drawn.dout = drawDout(spec, options.batch, options.tokens, options.seed + 101 + set);
     auto uploaded = cuda::CaseBuffers::upload(*device, drawn);
@@ -145,6 +173,10 @@ Status measure(const KernelSpec& spec, std::shared_ptr<cuda::Device> device, con
       auto run = cuda::runBackwardCase(**kernel, *device, verify);
       if (!run) ran = run.error();
       r.error = run ? worstGradientError(spec, verify.tokens, *run, *verify.expectedGradients) : std::nan("");
+    } else if (decode) {
+      auto run = cuda::runDecodeCase(**kernel, *device, *verifyStep);
+      if (!run) ran = run.error();
+      r.error = run ? relativeError(run->out, verifyStep->expected) : std::nan("");
     } else {
       auto run = cuda::runCase(**kernel, *device, verify);
       if (!run) ran = run.error();
@@ -177,6 +209,15 @@ Status measure(const KernelSpec& spec, std::shared_ptr<cuda::Device> device, con
                                      return kernel.launchBackward(inputs[set], grads[set]);
                                    },
                                    *device, *flush, plan)
+                    : decode ? timeRuns(
+                                   [&](int run) {
+                                     const cuda::DecodeBuffers& step = decodeBuffers[size_t(run) % decodeBuffers.size()];
+                                     // The kernel alone: the page table was built valid and is
+                                     // not copied back and checked in the timed runs.
+                                     return kernel.launchDecode(step.tensors(), step.cache(), nullptr,
+                                                                /*checkPages=*/false);
+                                   },
+                                   *device, *flush, plan)
                              : timeLaunches(kernel, *device, inputs, *flush, plan);
       if (!timing) {
         results[i].outcome = Outcome::wrong;
@@ -200,10 +241,13 @@ Status measure(const KernelSpec& spec, std::shared_ptr<cuda::Device> device, con
     budgetMs *= 2;
   }
 
-  // Throughput of what was timed.
+  // Throughput of what was timed: a decode step's useful FLOPs and the
+  // cache bytes it must read at least.
   const double flops = backward ? ihaBackwardFlops(spec, options.batch, options.tokens)
+                       : decode ? ihaDecodeFlops(spec, options.batch, options.tokens, T)
                                 : ihaFlops(spec, options.batch, options.tokens);
-  const double bytes = operandBytes(spec, options.batch, options.tokens);
+  const double bytes = decode ? decodeCacheBytes(spec, options.batch, options.tokens, T, mixedCache)
+                              : operandBytes(spec, options.batch, options.tokens);
   for (CandidateResult& r : results)
     if (r.outcome == Outcome::timed) {
       r.tflops = flops / (r.medianMs * 1e-3) / 1e12;

@@ -84,7 +84,12 @@ struct MeasureOptions {
   uint64_t seed = 1;
   // backward: the kernels are backward plans, verified on every gradient
   // against the float64 backward and timed whole by launchBackward.
+  // decode (raw or mixed cache): decode steps of `newTokens` new tokens per
+  // sequence over a paged cache of `tokens` tokens (pages of 16, shuffled),
+  // verified on a short step against the forward's rows and timed by
+  // launchDecode.
   v1::Direction direction = v1::direction_forward;
+  int64_t newTokens = 1;
 };
 
 // Verifies and times `kernels[i]` for every i in `which` (empty binaries are

@@ -263,8 +263,7 @@ Result<TuneReport> tune(const KernelSpec& spec, const v1::Target& target, std::s
   const Clock::time_point start = Clock::now();
   const bool backward = options.direction == Direction::backward;
   const bool decode = options.direction == Direction::decode;
-  // Decode candidates are not timed on a GPU yet: ranked and emulated, untimed.
-  const bool measured = device != nullptr && !decode;
+  const bool measured = device != nullptr;
   if (decode && options.newTokens < 1) return makeError("a decode step has at least one new token per sequence");
 
   // Space and prediction.
@@ -381,7 +380,8 @@ Result<TuneReport> tune(const KernelSpec& spec, const v1::Target& target, std::s
     measureOptions.deadlineSeconds = options.budgetSeconds - secondsSince(start);
     measureOptions.halving = strategy == Strategy::halving;
     measureOptions.seed = options.seed;
-    measureOptions.direction = backward ? v1::direction_backward : v1::direction_forward;
+    measureOptions.direction = directionOf(options.direction, options.mixedCache);
+    measureOptions.newTokens = options.newTokens;
     if (Status ok = measure(spec, device, chosen, kernels, results, measureOptions, state, progress); !ok)
       return ok.error();
   }

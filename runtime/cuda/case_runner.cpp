@@ -91,21 +91,19 @@ Result<DeviceRun> runCase(Kernel& kernel, const Device& device, const IhaCase& c
   return buffers->download(device, c);
 }
 
-Result<DeviceDecodeRun> runDecodeCase(Kernel& kernel, const Device& device, const DecodeCase& step) {
-  const IhaCase c = stepCase(step);
-  auto buffers = CaseBuffers::upload(device, c);
-  if (!buffers) return buffers.error();
-  if (Status ok = buffers->poison(device); !ok) return ok.error();
-  const NpyType storage = storageTypeOf(step.spec.dtype());
-  std::vector<DeviceBuffer> owned;
+Result<DecodeBuffers> DecodeBuffers::upload(const Device& device, const DecodeCase& step) {
+  auto operands = CaseBuffers::upload(device, stepCase(step));
+  if (!operands) return operands.error();
+  DecodeBuffers buffers;
+  buffers.step_ = std::move(*operands);
   auto upload = [&](const void* bytes, size_t size) -> Result<void*> {
     auto buffer = DeviceBuffer::allocate(device, size);
     if (!buffer) return buffer.error();
     if (Status ok = check(device.api().cuMemcpyHtoD(buffer->get(), bytes, size), "cuMemcpyHtoD"); !ok) return ok.error();
-    owned.push_back(std::move(*buffer));
-    return owned.back().data();
+    buffers.cacheBuffers_.push_back(std::make_shared<DeviceBuffer>(std::move(*buffer)));
+    return buffers.cacheBuffers_.back()->data();
   };
-  owned.reserve(4);
+  const NpyType storage = storageTypeOf(step.spec.dtype());
   const NpyArray k = npyFromDouble(step.cache.k, {int64_t(step.cache.k.size())}, storage);
   const NpyArray v = npyFromDouble(step.cache.v, {int64_t(step.cache.v.size())}, storage);
   auto kData = upload(k.bytes.data(), k.bytes.size());
@@ -117,20 +115,22 @@ Result<DeviceDecodeRun> runDecodeCase(Kernel& kernel, const Device& device, cons
   std::vector<int64_t> shape = {step.shape.numPages, step.shape.pageSize, step.spec.kv_heads()};
   if (step.layout == CacheLayout::mixed) shape.push_back(step.spec.pseudo_heads());
   shape.push_back(step.spec.head_dim());
-  PagedCacheTensors cache;
+  PagedCacheTensors& cache = buffers.cache_;
   cache.k_cache = Tensor{*kData, elementOf(step.spec.dtype()), shape, {}, device.info().ordinal};
   cache.v_cache = Tensor{*vData, elementOf(step.spec.dtype()), shape, {}, device.info().ordinal};
   cache.page_table = static_cast<const int32_t*>(*table);
   cache.cache_len = static_cast<const int32_t*>(*lengths);
   cache.max_pages = step.shape.maxPages;
   cache.layout = step.layout;
-  if (Status ok = kernel.launchDecode(buffers->tensors(), cache); !ok) return ok.error();
-  auto run = buffers->download(device, c);
-  if (!run) return run.error();
-  DeviceDecodeRun result{std::move(run->out), std::move(run->lse), step.cache};
-  for (auto [target, buffer] : {std::pair{&result.cache.k, &owned[0]}, {&result.cache.v, &owned[1]}}) {
+  return buffers;
+}
+
+Result<reference::PagedCache> DecodeBuffers::downloadCache(const Device& device, const DecodeCase& step) const {
+  if (Status ok = check(device.api().cuCtxSynchronize(), "kernel execution"); !ok) return ok.error();
+  reference::PagedCache cache = step.cache;
+  for (auto [target, buffer] : {std::pair{&cache.k, cacheBuffers_[0].get()}, {&cache.v, cacheBuffers_[1].get()}}) {
     NpyArray bytes;
-    bytes.type = storage;
+    bytes.type = storageTypeOf(step.spec.dtype());
     bytes.shape = {int64_t(target->size())};
     bytes.bytes.resize(buffer->size());
     if (Status ok = check(device.api().cuMemcpyDtoH(bytes.bytes.data(), buffer->get(), buffer->size()), "cuMemcpyDtoH");
@@ -138,7 +138,19 @@ Result<DeviceDecodeRun> runDecodeCase(Kernel& kernel, const Device& device, cons
       return ok.error();
     *target = npyToDouble(bytes, step.spec.dtype() == v1::bfloat16);
   }
-  return result;
+  return cache;
+}
+
+Result<DeviceDecodeRun> runDecodeCase(Kernel& kernel, const Device& device, const DecodeCase& step) {
+  auto buffers = DecodeBuffers::upload(device, step);
+  if (!buffers) return buffers.error();
+  if (Status ok = buffers->step().poison(device); !ok) return ok.error();
+  if (Status ok = kernel.launchDecode(buffers->tensors(), buffers->cache()); !ok) return ok.error();
+  auto run = buffers->step().download(device, stepCase(step));
+  if (!run) return run.error();
+  auto cache = buffers->downloadCache(device, step);
+  if (!cache) return cache.error();
+  return DeviceDecodeRun{std::move(run->out), std::move(run->lse), std::move(*cache)};
 }
 
 Result<GradBuffers> GradBuffers::upload(const Device& device, const IhaCase& c) {

@@ -51,6 +51,24 @@ class CaseBuffers {
   IhaTensors tensors_;
 };
 
+// The device buffers of a decode step: the step's operands (CaseBuffers of
+// its T tokens) and the paged cache, page table and lengths, for repeated
+// launches (a step appends the same tokens to the same slots each time).
+class DecodeBuffers {
+ public:
+  static Result<DecodeBuffers> upload(const Device& device, const DecodeCase& step);
+  IhaTensors tensors() const { return step_.tensors(); }
+  const PagedCacheTensors& cache() const { return cache_; }
+  const CaseBuffers& step() const { return step_; }
+  // The cache read back from the device, widened from the dtype.
+  Result<reference::PagedCache> downloadCache(const Device& device, const DecodeCase& step) const;
+
+ private:
+  CaseBuffers step_;
+  std::vector<std::shared_ptr<DeviceBuffer>> cacheBuffers_;  // k_cache v_cache page_table cache_len
+  PagedCacheTensors cache_;
+};
+
 // The device buffers of a backward launch beyond the forward's inputs: dout
 // (the case's, in the spec's dtype) and the seven float32 gradients.
 class GradBuffers {

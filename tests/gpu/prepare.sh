@@ -149,6 +149,10 @@ build/bin/loom tune --spec "$schedules/tune-spec.json" --backward --target "$arc
   --bundles "$out/tune-backward" --out build/gpu-bundles/tune-backward-offline.json >/dev/null
 build/bin/loom tune --spec "$schedules/tune-spec.json" --target "$arch" --tokens 4096 --compile-top 24 \
   --bundles "$out/tune" --out build/gpu-bundles/tune-offline.json >/dev/null
+# The decode step's tuning on the same spec: 8 sequences over caches of 16k
+# tokens, its 8 best-ranked candidates (splits among them).
+build/bin/loom tune --spec "$schedules/tune-spec.json" --decode raw --target "$arch" --tokens 16384 --batch 8 \
+  --compile-top 8 --bundles "$out/tune-decode" --out build/gpu-bundles/tune-decode-offline.json >/dev/null
 
 cp -L "$(ldd build/bin/gpu_test | awk '/libprotobuf/ {print $3}')" build/gpu-libs/
 echo "prepared $(ls "$out" | wc -l) kernels for $arch in $out"

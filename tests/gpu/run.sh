@@ -45,6 +45,8 @@ timeout 110 build/bin/loom-gpu-tune build/gpu-bundles/tune 4096 1 2>&1 | tee "$o
 tune=${PIPESTATUS[0]}
 timeout 50 build/bin/loom-gpu-tune build/gpu-bundles/tune-backward 4096 1 35 2>&1 | tee "$out/tune-backward.log"
 ((tune |= PIPESTATUS[0]))
+timeout 40 build/bin/loom-gpu-tune build/gpu-bundles/tune-decode 16384 8 25 2>&1 | tee "$out/tune-decode.log"
+((tune |= PIPESTATUS[0]))
 # Out-of-bounds and misaligned accesses of the sm_90a kernels, on one case.
 memcheck=0
 if command -v compute-sanitizer >/dev/null; then

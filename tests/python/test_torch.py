@@ -172,38 +172,53 @@ class Decode(unittest.TestCase):
             if spec["mask"] != "none":
                 return spec
 
-    def test_prefill_then_steps_give_the_forwards_rows(self):
-        rng = random.Random(SEED + 7)
-        gen = torch.Generator().manual_seed(SEED + 7)
+    def prefill_then_steps(self, seed, device, dtype, tolerance, head_dims=None):
+        """Per layout, two drawn causal specs: the chunked prefill, then the steps, against the float64 eager
+        forward; the cache's written slots counted, and (raw) read back as k was projected."""
+        rng = random.Random(seed)
+        gen = torch.Generator().manual_seed(seed)
         for layout in ("raw", "mixed"):
             for _ in range(2):
                 spec = self.causal_spec(rng)
+                if head_dims:
+                    spec["head_dim"] = rng.choice(head_dims)
                 B, page, n0 = 2, rng.choice((1, 3, 16)), rng.randint(1, 8)
                 N = n0 + 3
                 G, P, d = spec["kv_heads"], spec["pseudo_heads"], spec["head_dim"]
-                with self.subTest(spec=spec, layout=layout, page=page, prefill=n0):
-                    tensors = draw(spec, B, N, torch.float32, gen, requires_grad=False)
+                with self.subTest(spec=spec, layout=layout, page=page, prefill=n0, device=device):
+                    tensors = draw(spec, B, N, dtype, gen, requires_grad=False)
                     want = lt.iha_eager(*[t.double() for t in tensors], spec)
+                    tensors = [t.to(device) for t in tensors]
                     q, k, v, weights = tensors[0], tensors[1], tensors[2], tensors[3:]
                     per = -(-N // page)
                     pages = B * per + 1
-                    table = torch.randperm(pages, generator=gen)[:B * per].view(B, per).to(torch.int32)
+                    table = torch.randperm(pages, generator=gen)[:B * per].view(B, per).to(torch.int32).to(device)
                     shape = (pages, page, G, d) if layout == "raw" else (pages, page, G, P, d)
-                    k_cache = torch.full(shape, float("nan"))
-                    v_cache = torch.full(shape, float("nan"))
-                    cache_len = torch.zeros(B, dtype=torch.int32)
+                    k_cache = torch.full(shape, float("nan"), dtype=q.dtype, device=device)
+                    v_cache = torch.full(shape, float("nan"), dtype=q.dtype, device=device)
+                    cache_len = torch.zeros(B, dtype=torch.int32, device=device)
                     outs = []
                     for lo, hi in ((0, n0), (n0, n0 + 2), (n0 + 2, N)):
                         outs.append(lt.decode(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], *weights, k_cache, v_cache,
                                               table, cache_len, spec, cache=layout, cache_dir=CACHE, threads=2))
                         cache_len += hi - lo
-                    self.assertLess(relative(torch.cat(outs, dim=1), want), 1e-5)
+                    self.assertLess(relative(torch.cat(outs, dim=1).cpu(), want.cpu()), tolerance)
                     filled = int(torch.isfinite(k_cache).flatten(2).all(dim=2).sum())
                     self.assertEqual(filled, B * N, "cache slots written: one per token")
                     if layout == "raw":
                         slots = [table[b, t // page] * page + t % page for b in range(B) for t in range(N)]
-                        got = k_cache.flatten(0, 1)[torch.tensor(slots, dtype=torch.long)].view(B, N, G, d)
-                        self.assertTrue(torch.equal(got, k), "the raw cache holds k as projected")
+                        got = k_cache.flatten(0, 1)[torch.tensor(slots, dtype=torch.long, device=device)]
+                        self.assertTrue(torch.equal(got.view(B, N, G, d), k), "the raw cache holds k as projected")
+
+    def test_prefill_then_steps_give_the_forwards_rows(self):
+        self.prefill_then_steps(SEED + 7, "cpu", torch.float32, 1e-5)
+
+    @unittest.skipUnless(torch.cuda.is_available() and loom.devices(),
+                         "no CUDA device for PyTorch and loom here (" + (loom.gpu_error()[:80] or "torch sees none")
+                         + ")")
+    def test_cuda_tensors_run_the_decode_kernel(self):
+        # loom's CUDA kernels take the 16-bit dtypes and head dims of multiples of 8.
+        self.prefill_then_steps(SEED + 9, "cuda", torch.bfloat16, 3e-2, head_dims=(16, 64))
 
     def test_errors_name_what_is_wrong(self):
         spec = {"heads": 2, "kv_heads": 1, "pseudo_heads": 2, "head_dim": 8, "mask": "flat_causal", "collapse": "per_head"}

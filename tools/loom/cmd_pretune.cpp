@@ -155,8 +155,8 @@ void addPretuneCommand(CLI::App& app, std::function<int()>* action) {
   cmd->add_option("--worker", options->worker, "worker name in leases (default host:pid)");
   cmd->add_option("--decode", options->decode,
                   "also pretune the decode step over this cache layout (raw, mixed; may be given twice): one new\n"
-                  "token per sequence over caches of --tokens, ranked by the cost model and checked on the\n"
-                  "emulator (decode candidates are not timed on a GPU yet)")
+                  "token per sequence over caches of --tokens: timed by launchDecode with a GPU, without one\n"
+                  "ranked by the cost model and checked on the emulator")
       ->check(CLI::IsMember({"raw", "mixed"}));
   cmd->add_option("--decode-batch", options->decodeBatch, "with --decode: the sequences per step tuned for")
       ->capture_default_str();

@@ -102,8 +102,6 @@ int tuneCommand(const TuneCliOptions& options) {
   if (!options.decode.empty()) {
     tuneOptions.direction = Direction::decode;
     tuneOptions.mixedCache = options.decode == "mixed";
-    if (device)
-      std::fprintf(stderr, "decode candidates are not timed on a GPU yet: ranking with the cost model (untimed)\n");
   }
   const bool live = ::isatty(STDERR_FILENO);
   auto progress = [&](const autotune::TuneProgress& p) {

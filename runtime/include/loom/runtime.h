@@ -276,6 +276,10 @@ class Runtime {
   // The spec's backward kernel (Kernel::launchBackward), cached apart from
   // the forward's.
   Result<std::shared_ptr<Kernel>> backwardKernel(const KernelSpec& spec, const Schedule& schedule = {});
+  // The spec's decode kernel over a cache of `layout` (Kernel::launchDecode),
+  // tuned and cached apart from the other directions (and layouts).
+  Result<std::shared_ptr<Kernel>> decodeKernel(const KernelSpec& spec, CacheLayout layout = CacheLayout::raw,
+                                               const Schedule& schedule = {});
   // Loads an already compiled kernel (from the cache or the service).
   Result<std::shared_ptr<Kernel>> load(const v1::CompiledKernel& compiled);
 

@@ -694,32 +694,53 @@ __device__ void store_split(AccTile<C>& acc, SoftmaxState<C>& state, const IhaAr
     }
 }
 
-// The combine (flash-decoding's second pass): every element of the CTA's
-// tokens' rows, of every head, weighs its splits by e^(lse_s - M), M the
-// largest split lse; the last column of each row is its merged lse.
+// The combine (flash-decoding's second pass): one warp a row of the CTA's
+// tokens, of every head. Its lanes take the splits' lse, M the largest, and
+// each keeps the weights e^(lse_s - M) of the splits s = lane + 32k; then
+// lane by lane the columns sum their splits, each weight read from its
+// lane by a shuffle (computed once a row, not once a column).
 template <class C>
 __device__ void combine_splits(const IhaArgs& a, int64_t token0, int64_t b) {
-  constexpr int P = C::pseudo_heads, D = C::head_dim, rows = C::block_m / P * P;
+  constexpr int P = C::pseudo_heads, D = C::head_dim, rows = C::block_m / P * P, S = C::kv_splits;
+  constexpr int perLane = (S + kWarpSize - 1) / kWarpSize;
   const int64_t L = seq_len<C>(a);
-  for (int index = threadIdx.x; index < rows * C::heads * (D + 1); index += blockDim.x) {
-    const int c = index % (D + 1), h = (index / (D + 1)) % C::heads;
-    const int64_t i = token0 * P + index / (D + 1) / C::heads;
-    if (i >= L) continue;
+  const int l = cuda::lane();
+  for (int task = cuda::warp(); task < rows * C::heads; task += int(blockDim.x) / kWarpSize) {
+    const int h = task % C::heads;
+    const int64_t i = token0 * P + task / C::heads;
+    if (i >= L) continue;  // the whole warp: i is the warp's
+    float lse[perLane], weight[perLane];
     float most = cuda::negativeInfinity();
-    for (int s = 0; s < C::kv_splits; ++s) most = fmaxf(most, split_row<C>(a, b, h, s, i)[D]);
-    float sum = 0.0f, total = 0.0f;
-    if (most != cuda::negativeInfinity())
-      for (int s = 0; s < C::kv_splits; ++s) {
-        const float* row = split_row<C>(a, b, h, s, i);
-        const float weight = expf(row[D] - most);
-        if (weight == 0.0f) continue;  // a share without keys
-        total += weight;
-        if (c < D) sum += weight * row[c];
-      }
-    if (c < D)
-      static_cast<Bits16*>(a.o_pseudo)[((b * C::heads + h) * L + i) * D + c] =
-          cuda::toBits<C>(total > 0.0f ? sum / total : 0.0f);
-    else if (a.lse)
+    #pragma unroll
+    for (int k = 0; k < perLane; ++k) {
+      const int s = l + k * kWarpSize;
+      lse[k] = s < S ? split_row<C>(a, b, h, s, i)[D] : cuda::negativeInfinity();
+      most = fmaxf(most, lse[k]);
+    }
+    #pragma unroll
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) most = fmaxf(most, __shfl_xor_sync(0xffffffffu, most, offset));
+    float total = 0.0f;
+    #pragma unroll
+    for (int k = 0; k < perLane; ++k) {
+      weight[k] = most == cuda::negativeInfinity() ? 0.0f : expf(lse[k] - most);  // 0: a share without keys
+      total += weight[k];
+    }
+    total = cuda::warpSum(total);
+    // Every lane shuffles (the mask is the whole warp); lanes past D drop their sums.
+    for (int c0 = 0; c0 < D; c0 += kWarpSize) {
+      const int c = c0 + l;
+      float sum = 0.0f;
+      #pragma unroll
+      for (int k = 0; k < perLane; ++k)
+        for (int j = 0; j < kWarpSize && k * kWarpSize + j < S; ++j) {
+          const float w = __shfl_sync(0xffffffffu, weight[k], j);
+          if (w != 0.0f && c < D) sum += w * split_row<C>(a, b, h, k * kWarpSize + j, i)[c];
+        }
+      if (c < D)
+        static_cast<Bits16*>(a.o_pseudo)[((b * C::heads + h) * L + i) * D + c] =
+            cuda::toBits<C>(total > 0.0f ? sum / total : 0.0f);
+    }
+    if (l == 0 && a.lse)
       a.lse[(b * C::heads + h) * L + i] = total > 0.0f ? most + logf(total) : cuda::negativeInfinity();
   }
 }
