@@ -12,6 +12,7 @@
 #include "autotune/cost_model.h"
 #include "autotune/measure.h"
 #include "cuda/driver.h"
+#include "loom/decode.h"
 
 namespace fs = std::filesystem;
 using namespace loom;
@@ -45,7 +46,7 @@ int main(int argc, char** argv) {
                              kernel.direction() != kernels.front().direction()))
       continue;
     const bool backward = kernel.direction() == v1::direction_backward;
-    const bool decode = kernel.direction() == v1::direction_decode || kernel.direction() == v1::direction_decode_mixed;
+    const bool decode = isDecode(kernel.direction());
     options.direction = kernel.direction();
     autotune::CandidateResult r;
     r.candidate = {kernel.schedule(), path.stem().string().substr(5)};
@@ -53,7 +54,7 @@ int main(int argc, char** argv) {
                                                               options.tokens)
                      : decode ? autotune::estimateDecodeCost(kernel.spec(), kernel.schedule(), target, options.batch,
                                                              options.tokens, options.newTokens,
-                                                             kernel.direction() == v1::direction_decode_mixed)
+                                                             mixedCacheOf(kernel.direction()))
                               : autotune::estimateCost(kernel.spec(), kernel.schedule(), target, options.batch,
                                                        options.tokens))
                         .seconds *

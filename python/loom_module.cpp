@@ -238,8 +238,11 @@ std::shared_ptr<Kernel> kernelFor(Runtime& runtime, const KernelSpec& spec, cons
   if (service.empty()) {
     switch (direction) {
       case v1::direction_backward: return valueOr(runtime.backwardKernel(spec, schedule), false);
-      case v1::direction_decode: return valueOr(runtime.decodeKernel(spec, CacheLayout::raw, schedule), false);
-      case v1::direction_decode_mixed: return valueOr(runtime.decodeKernel(spec, CacheLayout::mixed, schedule), false);
+      case v1::direction_decode:
+      case v1::direction_decode_mixed:
+        return valueOr(runtime.decodeKernel(spec, mixedCacheOf(direction) ? CacheLayout::mixed : CacheLayout::raw,
+                                            schedule),
+                       false);
       default: return valueOr(runtime.kernel(spec, schedule), false);
     }
   }
@@ -544,8 +547,7 @@ py::object decode(const py::object& q, const py::object& k, const py::object& v,
     // launchDecode checks the tensors, then copies page_table and cache_len
     // back to check every entry before the launch.
     std::shared_ptr<Kernel> kernel =
-        kernelFor(*runtime, spec, schedule, service,
-                  layout == CacheLayout::mixed ? v1::direction_decode_mixed : v1::direction_decode);
+        kernelFor(*runtime, spec, schedule, service, decodeDirectionOf(layout));
     py::gil_scoped_release release;
     check(kernel->launchDecode(tensors, cache, reinterpret_cast<CUstream>(stream.value_or(0))), false);
   }

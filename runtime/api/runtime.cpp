@@ -34,33 +34,29 @@ const cuda::DeviceInfo& Runtime::device() const { return state_->device->info();
 
 v1::Target Runtime::target() const { return cuda::targetOf(device()); }
 
-Result<std::shared_ptr<Kernel>> Runtime::kernel(const KernelSpec& spec, const Schedule& schedule) {
-  auto provided = state_->provider->provide(spec, target(), schedule);
+// The provider's kernel for `direction`, loaded, its provenance saying
+// where it came from (`what` names a direction other than the forward).
+Result<std::shared_ptr<Kernel>> Runtime::provideAndLoad(const KernelSpec& spec, const Schedule& schedule,
+                                                        v1::Direction direction, const std::string& what) {
+  auto provided = state_->provider->provide(spec, target(), schedule, direction);
   if (!provided) return provided.error();
   auto kernel = load(provided->kernel);
-  if (kernel) (*kernel)->provenance_ = provided->origin + ", " + provided->scheduleSource + " schedule";
+  if (kernel) (*kernel)->provenance_ = provided->origin + ", " + provided->scheduleSource + " schedule" + what;
   return kernel;
 }
 
+Result<std::shared_ptr<Kernel>> Runtime::kernel(const KernelSpec& spec, const Schedule& schedule) {
+  return provideAndLoad(spec, schedule, v1::direction_forward, "");
+}
+
 Result<std::shared_ptr<Kernel>> Runtime::backwardKernel(const KernelSpec& spec, const Schedule& schedule) {
-  auto provided = state_->provider->provide(spec, target(), schedule, v1::direction_backward);
-  if (!provided) return provided.error();
-  auto kernel = load(provided->kernel);
-  if (kernel) (*kernel)->provenance_ = provided->origin + ", " + provided->scheduleSource + " schedule (backward)";
-  return kernel;
+  return provideAndLoad(spec, schedule, v1::direction_backward, " (backward)");
 }
 
 Result<std::shared_ptr<Kernel>> Runtime::decodeKernel(const KernelSpec& spec, CacheLayout layout,
                                                       const Schedule& schedule) {
-  const bool mixed = layout == CacheLayout::mixed;
-  auto provided =
-      state_->provider->provide(spec, target(), schedule, mixed ? v1::direction_decode_mixed : v1::direction_decode);
-  if (!provided) return provided.error();
-  auto kernel = load(provided->kernel);
-  if (kernel)
-    (*kernel)->provenance_ = provided->origin + ", " + provided->scheduleSource + " schedule (decode, " +
-                             (mixed ? "mixed" : "raw") + " cache)";
-  return kernel;
+  return provideAndLoad(spec, schedule, decodeDirectionOf(layout),
+                        std::string(" (decode, ") + cacheLayoutName(layout) + " cache)");
 }
 
 Result<std::shared_ptr<Kernel>> Runtime::load(const v1::CompiledKernel& compiled) {

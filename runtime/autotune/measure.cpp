@@ -10,6 +10,7 @@
 #include "cuda/case_runner.h"
 #include "io/case.h"
 #include "io/decode_case.h"
+#include "loom/decode.h"
 #include "reference/iha_reference.h"
 
 namespace loom::autotune {
@@ -109,8 +110,7 @@ Status measure(const KernelSpec& spec, std::shared_ptr<cuda::Device> device, con
     if (progress) progress(state);
   };
   const bool backward = options.direction == v1::direction_backward;
-  const bool mixedCache = options.direction == v1::direction_decode_mixed;
-  const bool decode = options.direction == v1::direction_decode || mixedCache;
+  const bool decode = isDecode(options.direction), mixedCache = mixedCacheOf(options.direction);
   const int64_t T = options.newTokens;
   auto decodeLayout = [&](uint64_t seed, bool expected) {
     return DecodeLayout{T, kDecodePageSize, mixedCache ? CacheLayout::mixed : CacheLayout::raw, {}, seed, expected};

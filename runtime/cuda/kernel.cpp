@@ -422,7 +422,7 @@ IhaArgs operandArgs(const IhaTensors& t, const Tensor& outLike, const std::funct
 
 Status Kernel::launchDecode(const IhaTensors& step, const PagedCacheTensors& cache, CUstream stream,
                             bool checkPages) {
-  const bool mixedKernel = compiled_.direction() == v1::direction_decode_mixed;
+  const bool mixedKernel = mixedCacheOf(compiled_.direction());
   if (!mixedKernel && compiled_.direction() != v1::direction_decode)
     return makeError("this is not a decode kernel: compile one with direction decode (loom compile --decode)");
   if (mixedKernel != (cache.layout == CacheLayout::mixed))
@@ -466,7 +466,7 @@ Status Kernel::launchDecode(const IhaTensors& step, const PagedCacheTensors& cac
 Status Kernel::launch(const IhaTensors& t, CUstream stream, const IhaSaved* keep) {
   if (compiled_.direction() == v1::direction_backward)
     return makeError("this is a backward kernel: call launchBackward with dout and the gradients");
-  if (compiled_.direction() == v1::direction_decode || compiled_.direction() == v1::direction_decode_mixed)
+  if (isDecode(compiled_.direction()))
     return makeError("this is a decode kernel: call launchDecode with the step and its paged cache");
   if (Status ok = validateTensors(compiled_.spec(), t, device_->info().ordinal); !ok) return ok;
   if (keep) {

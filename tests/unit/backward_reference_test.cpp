@@ -198,10 +198,11 @@ TEST(BackwardReference, VanishingGradientsAreTheOnesNamed) {
     const int64_t N = 1 + int64_t(rng() % 5);
     const IhaCase c = drawCase(spec, 1, N, rng());
     const reference::IhaGradients g = reference::ihaBackward(spec, c.inputs, drawDout(c, rng));
-    double total = 0;
-    for (const auto* slot : reference::gradientsOf(g))
-      for (double x : *slot) total += x * x;
     const auto slots = reference::gradientsOf(g);
+    double total = 0;
+    for (const auto* slot : slots)
+      for (double x : *slot) total += x * x;
+    const double epsilonWeight = reference::qkNormEpsilonWeight(spec, c.inputs);
     for (size_t i = 0; i < slots.size(); ++i) {
       double norm = 0;
       for (double x : *slots[i]) norm += x * x;
@@ -211,8 +212,7 @@ TEST(BackwardReference, VanishingGradientsAreTheOnesNamed) {
       const std::string what = spec.ShortDebugString() + " N=" + std::to_string(N) + " " +
                                reference::kGradientNames[i] + ": " + std::to_string(share) + " of all the gradients";
       if (named) {
-        EXPECT_LT(share, std::max(1e-9, 100 * reference::qkNormEpsilonWeight(spec, c.inputs)))
-            << what << " (epsilon's weight " << reference::qkNormEpsilonWeight(spec, c.inputs) << ")";
+        EXPECT_LT(share, std::max(1e-9, 100 * epsilonWeight)) << what << " (epsilon's weight " << epsilonWeight << ")";
       } else {
         EXPECT_GT(share, 1e-9) << what;
       }

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "loom/decode.h"
 #include "loom/result.h"
 #include "loom/spec.h"
 
@@ -65,17 +66,16 @@ enum class Workspace {
 // Which function a plan computes (the schema's v1::Direction).
 // decode: one step over a paged cache (docs/IHA.md, Decode over a paged cache).
 enum class Direction { forward, backward, decode };
-// The schema tells the two caches' decode kernels apart (direction_decode,
-// direction_decode_mixed); a plan says decode and its mixedCache.
+// The schema tells the two caches' decode kernels apart (loom/decode.h:
+// isDecode, mixedCacheOf); a plan says decode and its mixedCache.
 inline Direction directionOf(v1::Direction direction) {
-  return direction == v1::direction_backward                                          ? Direction::backward
-         : direction == v1::direction_decode || direction == v1::direction_decode_mixed ? Direction::decode
-                                                                                       : Direction::forward;
+  return direction == v1::direction_backward ? Direction::backward
+         : isDecode(direction)               ? Direction::decode
+                                             : Direction::forward;
 }
-inline bool mixedCacheOf(v1::Direction direction) { return direction == v1::direction_decode_mixed; }
 inline v1::Direction directionOf(Direction direction, bool mixedCache = false) {
   return direction == Direction::backward ? v1::direction_backward
-         : direction == Direction::decode ? (mixedCache ? v1::direction_decode_mixed : v1::direction_decode)
+         : direction == Direction::decode ? decodeDirectionOf(mixedCache ? CacheLayout::mixed : CacheLayout::raw)
                                           : v1::direction_forward;
 }
 

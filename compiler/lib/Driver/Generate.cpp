@@ -375,18 +375,7 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
                                     "mixes each cached block as it streams (leave mix unset or fused)");
     if (given.engine == Engine::wgmma)
       return makeError("schedule.engine wgmma has no decode kernel yet (leave engine unset or mma)");
-    given.mix = mix;
-    given.engine = Engine::mma;
-    // Over a raw cache, key blocks of 16 rows unless asked otherwise: the
-    // mixing of all G staged heads (twice per element with RoPE) keeps
-    // ptxas near 255 registers, and only 16 stays clear of spills for every
-    // shape. ptxas 13, block_m 64 of 4 warps, stages 1 to 3, sm_80 and
-    // sm_90a: block_n 16 compiled clean over head_dim 64-256, G 1-8, P 2-8,
-    // RoPE and qk_norm; block_n 32 spilled at H 32 G 8 P 2 d 128 with RoPE
-    // (sm_90a, two stages) and at d 256; 64 more so. A memory-bound step
-    // loses little with it: the smaller staging leaves room for more CTAs
-    // per SM. The tuner searches the wider blocks (and drops what spills).
-    if (!mixedCache && !given.blockN) given.blockN = kDecodeRawBlockN;
+    completeDecodeFields(given, mixedCache);
     // Split CTAs merge their rows in the combine launch, then collapse.
     if (given.kvSplits > 1) given.collapse = given.collapse.value_or(CollapseStrategy::separate);
   }

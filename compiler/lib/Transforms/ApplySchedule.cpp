@@ -136,11 +136,7 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
       auto fields = fieldsFromOptions(blockM, blockN, warps, stages, mix, collapse, engine, producerRegisters, dq, &error);
       if (!fields) return kernel.emitError() << error;
       if (auto why = checkScheduleFields(*fields)) return kernel.emitError() << *why;
-      if (kernel.getDecode()) {  // a decode step mixes each cached block as it streams, or reads it mixed
-        fields->mix = kernel.getMixedCache() ? MixStrategy::materialized : MixStrategy::fused;
-        if (!kernel.getMixedCache() && !fields->blockN) fields->blockN = kDecodeRawBlockN;
-        fields->engine = fields->engine.value_or(Engine::mma);
-      }
+      if (kernel.getDecode()) completeDecodeFields(*fields, kernel.getMixedCache());
       if (kernel.getBackward()) {  // the backward reads mixed rows from workspaces
         fields->mix = fields->mix.value_or(MixStrategy::materialized);
         fields->collapse = fields->collapse.value_or(CollapseStrategy::separate);

@@ -20,6 +20,16 @@ enum class CacheLayout { raw, mixed };
 Result<CacheLayout> parseCacheLayout(const std::string& name);  // "raw" | "mixed"
 const char* cacheLayoutName(CacheLayout layout);
 
+// The schema tells the two layouts' decode kernels apart: direction_decode
+// (raw) and direction_decode_mixed.
+inline bool isDecode(v1::Direction direction) {
+  return direction == v1::direction_decode || direction == v1::direction_decode_mixed;
+}
+inline bool mixedCacheOf(v1::Direction direction) { return direction == v1::direction_decode_mixed; }
+inline v1::Direction decodeDirectionOf(CacheLayout layout) {
+  return layout == CacheLayout::mixed ? v1::direction_decode_mixed : v1::direction_decode;
+}
+
 // Bytes of k and v together that one cached token takes, in the spec's dtype.
 int64_t cacheBytesPerToken(const KernelSpec& spec, CacheLayout layout);
 

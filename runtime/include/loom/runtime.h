@@ -285,6 +285,8 @@ class Runtime {
 
  private:
   Runtime() = default;
+  Result<std::shared_ptr<Kernel>> provideAndLoad(const KernelSpec& spec, const Schedule& schedule,
+                                                 v1::Direction direction, const std::string& what);
   struct State;
   std::unique_ptr<State> state_;
 };

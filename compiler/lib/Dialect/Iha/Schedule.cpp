@@ -158,6 +158,22 @@ ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool h
 
 
 
+void completeDecodeFields(ScheduleFields& fields, bool mixedCache) {
+  fields.mix = mixedCache ? MixStrategy::materialized : MixStrategy::fused;
+  fields.engine = fields.engine.value_or(Engine::mma);
+  // Over a raw cache, key blocks of 16 rows unless asked otherwise: the
+  // mixing of all G staged heads (twice per element with RoPE) keeps
+  // ptxas near 255 registers, and only 16 stays clear of spills for every
+  // shape. ptxas 13, block_m 64 of 4 warps, stages 1 to 3, sm_80 and
+  // sm_90a: block_n 16 compiled clean over head_dim 64-256, G 1-8, P 2-8,
+  // RoPE and qk_norm; block_n 32 spilled at H 32 G 8 P 2 d 128 with RoPE
+  // (sm_90a, two stages) and at d 256; 64 more so. A memory-bound step
+  // loses little with it: the smaller staging leaves room for more CTAs
+  // per SM. The tuner searches the wider blocks (and drops what spills).
+  constexpr int64_t kRawCacheBlockN = 16;
+  if (!mixedCache && !fields.blockN) fields.blockN = kRawCacheBlockN;
+}
+
 std::optional<std::string> checkBackwardSchedule(ScheduleAttr schedule) {
   if (schedule.getEngine() != Engine::mma) return "schedule.engine must be mma for a backward kernel (no wgmma backward yet)";
   if (schedule.getMix() != MixStrategy::materialized)

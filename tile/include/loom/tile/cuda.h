@@ -717,8 +717,7 @@ __device__ void combine_splits(const IhaArgs& a, int64_t token0, int64_t b) {
       lse[k] = s < S ? split_row<C>(a, b, h, s, i)[D] : cuda::negativeInfinity();
       most = fmaxf(most, lse[k]);
     }
-    #pragma unroll
-    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) most = fmaxf(most, __shfl_xor_sync(0xffffffffu, most, offset));
+    most = cuda::warpMax(most);
     float total = 0.0f;
     #pragma unroll
     for (int k = 0; k < perLane; ++k) {

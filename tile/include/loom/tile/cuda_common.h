@@ -146,6 +146,11 @@ __device__ __forceinline__ float warpSum(float x) {
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
   return x;
 }
+__device__ __forceinline__ float warpMax(float x) {
+  #pragma unroll
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
 
 // qk_norm "rms" on rows already mixed, rotated and stored: each becomes
 // x / sqrt(mean(x^2) + eps). Normalising after the rotation is the same

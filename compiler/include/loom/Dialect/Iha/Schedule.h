@@ -19,10 +19,6 @@ inline constexpr int64_t kMaxHeadDim = 256;
 inline constexpr int64_t kMaxBlockRows = 256;
 inline constexpr int64_t kMaxStages = 4;
 inline constexpr int64_t kThreadsPerWarp = 32;
-// A decode step's key block over a raw cache where the schedule leaves it
-// unset: the one width that compiles without spills for every shape
-// (Generate.cpp's resolve says what ptxas showed).
-inline constexpr int64_t kDecodeRawBlockN = 16;
 
 // The wgmma engine (sm_90a): 64 query rows per consumer warpgroup, one
 // producer warpgroup, registers moved between them by setmaxnreg.
@@ -64,6 +60,13 @@ std::optional<std::string> checkScheduleFields(const ScheduleFields& given);
 // registers 24 (56 when the producer mixes on chip, 72 when it also applies
 // qk_norm).
 ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool hopper = false);
+
+// A decode step's fields before completeSchedule: the mixing its cache
+// fixes (fused over a raw cache, which it mixes as each block streams;
+// materialized over a mixed one, read as stored), the mma engine where
+// none is given, and over a raw cache key blocks of 16 where block_n is
+// unset. The caller refuses a contrary mix or wgmma first.
+void completeDecodeFields(ScheduleFields& fields, bool mixedCache);
 
 // Why a complete schedule cannot compute a backward kernel, naming the
 // field: the backward reads the mixed rows from workspaces (mix
