@@ -82,6 +82,21 @@ def drawn_cases(seed, count, tokens, head_dims=(8, 16)):
         yield spec, draw(spec, B, N, torch.float64, gen), gen
 
 
+CHECKABLE_SHARE = 0.25  # core/io/case.h, kCheckableBackwardShare
+CHECKABLE_DRAWS = 16
+
+
+def float32_share(spec, exact, dout, want):
+    """PyTorch's own float32 autograd of iha_eager on the draw, its worst gradient error against the float64 ones
+    `want` as a share of the tolerance. Gradients that cancel (dq and dk of a row whose few keys nearly agree, as
+    when one kv head's rows of a token are multiples of one row and dP - D cancels) lose more than the tolerance to
+    float32 rounding in any implementation; like drawCheckableBackwardCase in C++, the test draws again where
+    that rounding alone costs over a quarter of it (docs/IHA.md, Backward, loom's notes (2))."""
+    single = [t.detach().float().requires_grad_() for t in exact]
+    got = torch.autograd.grad(lt.iha_eager(*single, spec), single, dout.float())
+    return max(relative(g, w) for g, w in zip(got, want)) / FLOAT32_GRADIENT_TOLERANCE
+
+
 def iha(*tensors, spec):
     return lt.iha(*tensors, spec, cache_dir=CACHE, threads=2)
 
@@ -116,14 +131,22 @@ class HostKernels(unittest.TestCase):
     def test_gradients_match_the_float64_reference_and_eager_autograd(self):
         for spec, exact, gen in drawn_cases(SEED + 2, 4, (2, 24)):
             with self.subTest(spec=spec, q_shape=tuple(exact[0].shape)):
+                B, N = exact[0].shape[:2]
+                for _ in range(CHECKABLE_DRAWS):
+                    dout = torch.randn(B, N, spec["heads"], spec["head_dim"], generator=gen, dtype=torch.float64)
+                    want_out = lt.iha_eager(*exact, spec)
+                    want = torch.autograd.grad(want_out, exact, dout)
+                    if float32_share(spec, exact, dout, want) <= CHECKABLE_SHARE:
+                        break
+                    exact = draw(spec, B, N, torch.float64, gen)
+                else:
+                    self.fail(f"no draw of {CHECKABLE_DRAWS} whose float32 rounding alone leaves its gradients "
+                              "within a quarter of the tolerance")
                 single = [t.detach().float().requires_grad_() for t in exact]
                 out = iha(*single, spec=spec)
                 self.assertEqual(out.dtype, torch.float32)
-                dout = torch.randn(out.shape, generator=gen, dtype=torch.float64)
                 out.backward(dout.float())
-                want_out = lt.iha_eager(*exact, spec)
                 self.assertLess(relative(out, want_out), 1e-5)
-                want = torch.autograd.grad(want_out, exact, dout)
                 for name, t, w in zip(GRADIENTS, single, want):
                     self.assertEqual(t.grad.dtype, t.dtype, name)
                     self.assertLess(relative(t.grad, w), FLOAT32_GRADIENT_TOLERANCE, name)
