@@ -330,12 +330,15 @@ CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& s, const
   const DeviceModel device = deviceModel(target);
   const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
   const int64_t splits = std::max<int64_t>(1, s.kv_splits());
-  const int64_t ownedRows = std::max<int64_t>(P, s.block_m() / P * P);
+  // Stacked, a CTA holds every query head of its kv group (block_m / (H / G)
+  // rows of each): H / G times fewer CTAs stage and mix the cache.
+  const int64_t stacked = s.stack_heads() ? H / G : 1;
+  const int64_t ownedRows = std::max<int64_t>(P, s.block_m() / stacked / P * P);
   const int64_t queryBlocks = (newTokens * P + ownedRows - 1) / ownedRows;
   const int64_t visible = visibleTokens(spec, cachedTokens, newTokens);
   const int64_t keyBlocks = (visible * P + s.block_n() - 1) / s.block_n();
   const int64_t blocksPerCta = (keyBlocks + splits - 1) / splits;
-  const int64_t gridCtas = queryBlocks * H * splits * batch;
+  const int64_t gridCtas = queryBlocks * (H / stacked) * splits * batch;
   const double paddedDim = double((d + 15) / 16 * 16);
 
   CostEstimate e;

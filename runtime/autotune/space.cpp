@@ -3,6 +3,7 @@
 #include "autotune/cost_model.h"
 
 #include <set>
+#include <vector>
 
 #include "loom/compiler.h"
 #include "loom/tile/layout.h"
@@ -61,6 +62,7 @@ std::string scheduleKey(const Schedule& s) {
   if (s.engine() == v1::engine_wgmma) key += ".wgmma.p" + std::to_string(s.producer_registers());
   if (s.dq() == v1::dq_atomic) key += ".dq-atomic";
   if (s.kv_splits() > 1) key += ".splits" + std::to_string(s.kv_splits());
+  if (s.stack_heads()) key += ".stacked";
   return key;
 }
 
@@ -170,18 +172,24 @@ SearchSpace decodeSearchSpace(const KernelSpec& spec, const v1::Target& target, 
   SearchSpace space;
   std::set<std::string> seen;
   const std::string suffix = mixedCache ? ".decode-mixed" : ".decode";
-  for (int warps : {1, 2, 4})
-    for (int blockN : {16, 32, 64})
-      for (int stages : {1, 2})
-        for (int splits : kDecodeSplitChoices) {
-          Schedule s;
-          s.set_warps(warps);
-          s.set_block_n(blockN);
-          s.set_stages(stages);
-          s.set_kv_splits(splits);
-          consider(space, seen, spec, target, s, resolveSchedule(spec, s, target, Direction::decode, mixedCache),
-                   suffix);
-        }
+  // With kv groups of several query heads, each schedule also with the
+  // group's heads stacked in one CTA (each key block staged and mixed once).
+  const std::vector<bool> stackings = spec.heads() > spec.kv_heads() ? std::vector<bool>{false, true}
+                                                                      : std::vector<bool>{false};
+  for (bool stacked : stackings)
+    for (int warps : {1, 2, 4})
+      for (int blockN : {16, 32, 64})
+        for (int stages : {1, 2})
+          for (int splits : kDecodeSplitChoices) {
+            Schedule s;
+            s.set_warps(warps);
+            s.set_block_n(blockN);
+            s.set_stages(stages);
+            s.set_kv_splits(splits);
+            s.set_stack_heads(stacked);
+            consider(space, seen, spec, target, s, resolveSchedule(spec, s, target, Direction::decode, mixedCache),
+                     suffix);
+          }
   if (space.candidates.empty())  // the compiler's default decode schedule, whatever it costs
     if (auto resolved = resolveSchedule(spec, Schedule(), target, Direction::decode, mixedCache); resolved)
       space.candidates.push_back({*resolved, scheduleKey(*resolved) + suffix});

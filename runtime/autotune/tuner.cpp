@@ -301,7 +301,7 @@ Result<TuneReport> tune(const KernelSpec& spec, const v1::Target& target, std::s
       const Schedule& s = results[i].candidate.schedule;
       const std::string shape = std::to_string(s.block_m()) + "/" + std::to_string(s.block_n()) + "/" +
                                 std::to_string(s.warps()) + "/" + std::to_string(int(s.mix())) + "/" +
-                                std::to_string(s.kv_splits());
+                                std::to_string(s.kv_splits()) + (s.stack_heads() ? "/stacked" : "");
       if (shapes.insert(shape).second) {
         chosen.push_back(i);
         taken[i] = true;

@@ -207,6 +207,14 @@ void expectEmulatedStep(const IhaCase& c, const DecodeCase& dc, const std::strin
   expectAppend(c, dc, *run->cache);
 }
 
+// generateKernel refuses the plan, and its message says `why`.
+void expectPlanRefused(const KernelSpec& spec, const Schedule& schedule, const char* target,
+                       const GenerateOptions& options, const std::string& why) {
+  auto plan = generateKernel(spec, schedule, *parseTarget(target), options);
+  ASSERT_FALSE(plan) << "expected a refusal saying: " << why;
+  EXPECT_NE(plan.error().message.find(why), std::string::npos) << plan.error().message;
+}
+
 class SharedCaseDecode : public ::testing::TestWithParam<std::string> {};
 
 // Every shared case: its last T tokens decoded over a cache of the others
@@ -400,6 +408,59 @@ TEST(Decode, SplitKvStepsGiveTheForwardsRows) {
   expectEmulatedStep(c, *dc, "sm_80", rng(), schedule);
 }
 
+// stack_heads: one CTA per kv group holds every query head of the group,
+// the same rows of each. Drawn GQA specs (2 to 4 query heads a kv head),
+// T = 1 to 5 new tokens under query blocks small enough that a head's rows
+// span several CTAs, either collapse, split or not, either layout: the host
+// kernel, and for two of the draws the emulated CUDA step (sm_80, sm_90a),
+// give the forward's rows; the plan's grid has a CTA per kv group.
+TEST(Decode, StackedHeadsGiveTheForwardsRows) {
+  std::mt19937_64 rng(testing::testSeed() ^ 0x57ac4);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  for (int draw = 0; draw < 6; ++draw) {
+    const int64_t group = pick(2, 4);
+    const IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
+      KernelSpec spec = testing::randomSpec(rng);
+      spec.set_kv_heads(int32_t(pick(1, 2)));
+      spec.set_heads(int32_t(spec.kv_heads() * group));
+      spec.set_pseudo_heads(int32_t(pick(1, 3)));
+      spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
+      spec.set_head_dim(int32_t(16 * pick(1, 2)));
+      testing::dropStaleOptions(spec);
+      return testing::DrawnShape{spec, pick(1, 2), pick(6, 30)};
+    });
+    const int64_t T = pick(1, std::min<int64_t>(5, c.tokens));
+    const DecodeLayout layout = drawCheckableLayout(rng, c, T, 16);
+    const int64_t P = c.spec.pseudo_heads();
+    Schedule schedule;
+    schedule.set_stack_heads(true);
+    schedule.set_warps(1);
+    // 16 or 32 rows: as little as one token of each head in a CTA.
+    schedule.set_block_m(int32_t(group * P <= 16 && pick(0, 1) ? 16 : 32 * ((group * P + 31) / 32)));
+    schedule.set_block_n(16);
+    if (pick(0, 2) == 0) schedule.set_kv_splits(int32_t(pick(2, 3)));
+    else schedule.set_collapse(c.spec.collapse() == v1::per_head && pick(0, 1) ? v1::collapse_fused
+                                                                               : v1::collapse_separate);
+    SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " page " + std::to_string(layout.pageSize) + " " +
+                 cacheLayoutName(layout.layout) + " schedule " + schedule.ShortDebugString());
+    auto dc = decodeCaseFrom(c, layout);
+    ASSERT_TRUE(dc) << dc.error().message;
+    GenerateOptions options;
+    options.direction = Direction::decode;
+    options.mixedCache = layout.layout == CacheLayout::mixed;
+    auto plan = generateKernel(c.spec, schedule, *parseTarget("cpu"), options);
+    ASSERT_TRUE(plan) << plan.error().message;
+    EXPECT_TRUE(plan->schedule.stack_heads());
+    for (const LaunchPlan& launch : plan->launches)
+      if (launch.name == kAttentionEntry) {
+        EXPECT_EQ(launch.gridY, c.spec.kv_heads() * std::max(1, schedule.kv_splits())) << "a CTA per (kv group, split)";
+        EXPECT_EQ(launch.rowsPerCta, schedule.block_m() / group / P * P) << "each head's rows";
+      }
+    expectHostStep(c, *dc, schedule);
+    if (draw < 2) expectEmulatedStep(c, *dc, draw == 0 ? "sm_80" : "sm_90a", rng(), schedule);
+  }
+}
+
 // NVRTC compiles the CUDA decode step's launches with zero spills and no stack frame.
 TEST(Decode, NvrtcCompilesTheCudaStepWithoutSpills) {
   KernelSpec spec = testing::makeSpec({.heads = 8, .kvHeads = 2, .pseudoHeads = 4, .headDim = 128,
@@ -440,9 +501,14 @@ TEST(Decode, NvrtcCompilesTheCudaStepWithoutSpills) {
         s.set_qk_norm(v1::KernelSpec::rms);
         return s;
       }()};
+  Schedule stacked;  // and each GQA shape with its kv groups' heads in one CTA
+  stacked.set_stack_heads(true);
   for (const KernelSpec& shape : hard) {
     spec = shape;
-    for (const char* arch : {"sm_80", "sm_90a"}) expectClean({}, arch, false, 2);
+    for (const char* arch : {"sm_80", "sm_90a"}) {
+      expectClean({}, arch, false, 2);
+      if (spec.heads() > spec.kv_heads()) expectClean(stacked, arch, false, 2);
+    }
   }
 }
 
@@ -476,19 +542,13 @@ TEST(Decode, PlansSayWhatTheyCannotBe) {
   decode.direction = Direction::decode;
   Schedule materialized;
   materialized.set_mix(v1::mix_materialized);
-  auto refused = generateKernel(spec, materialized, *parseTarget("cpu"), decode);
-  ASSERT_FALSE(refused);
-  EXPECT_NE(refused.error().message.find("schedule.mix materialized does not apply to a decode step"),
-            std::string::npos);
+  expectPlanRefused(spec, materialized, "cpu", decode, "schedule.mix materialized does not apply to a decode step");
   GenerateOptions mixedDecode = decode;
   mixedDecode.mixedCache = true;
   Schedule fused;
   fused.set_mix(v1::mix_fused);
-  auto mixedFused = generateKernel(spec, fused, *parseTarget("cpu"), mixedDecode);
-  ASSERT_FALSE(mixedFused);
-  EXPECT_NE(mixedFused.error().message.find("schedule.mix fused does not apply to a decode step over a mixed cache"),
-            std::string::npos)
-      << mixedFused.error().message;
+  expectPlanRefused(spec, fused, "cpu", mixedDecode,
+                    "schedule.mix fused does not apply to a decode step over a mixed cache");
   KernelSpec half = spec;
   half.set_dtype(v1::float16);
   EXPECT_TRUE(generateKernel(half, {}, *parseTarget("sm_80"), decode));
@@ -503,26 +563,17 @@ TEST(Decode, PlansSayWhatTheyCannotBe) {
   Schedule pinned;
   pinned.set_block_n(64);
   pinned.set_stages(2);
-  auto refusedWide = generateKernel(wide, pinned, *parseTarget("sm_90a"), decode);
-  ASSERT_FALSE(refusedWide);
-  EXPECT_NE(refusedWide.error().message.find("bytes of shared memory per block"), std::string::npos)
-      << refusedWide.error().message;
+  expectPlanRefused(wide, pinned, "sm_90a", decode, "bytes of shared memory per block");
   GenerateOptions mixedForward;
   mixedForward.mixedCache = true;
   EXPECT_FALSE(generateKernel(spec, {}, *parseTarget("cpu"), mixedForward));
   // kv_splits: a decode step's, with the collapse after the combine.
   Schedule split;
   split.set_kv_splits(3);
-  auto forwardSplit = generateKernel(spec, split, *parseTarget("cpu"), GenerateOptions{});
-  ASSERT_FALSE(forwardSplit);
-  EXPECT_NE(forwardSplit.error().message.find("kv_splits is for decode plans only"), std::string::npos)
-      << forwardSplit.error().message;
+  expectPlanRefused(spec, split, "cpu", GenerateOptions{}, "kv_splits is for decode plans only");
   Schedule splitFused = split;
   splitFused.set_collapse(v1::collapse_fused);
-  auto fusedSplit = generateKernel(spec, splitFused, *parseTarget("sm_80"), decode);
-  ASSERT_FALSE(fusedSplit);
-  EXPECT_NE(fusedSplit.error().message.find("needs collapse separate"), std::string::npos)
-      << fusedSplit.error().message;
+  expectPlanRefused(spec, splitFused, "sm_80", decode, "needs collapse separate");
   Schedule tooMany;
   tooMany.set_kv_splits(65);
   EXPECT_FALSE(generateKernel(spec, tooMany, *parseTarget("cpu"), decode));
@@ -539,6 +590,26 @@ TEST(Decode, PlansSayWhatTheyCannotBe) {
   EXPECT_EQ(names, (std::vector<std::string>{kDecodeAppendEntry, kAttentionEntry, kDecodeCombineEntry, "iha_collapse"}));
   EXPECT_NE(std::find(splitPlan->workspaces.begin(), splitPlan->workspaces.end(), Workspace::splits),
             splitPlan->workspaces.end());
+  // stack_heads: a decode step's, of kv groups of several heads, each head a token at least.
+  Schedule stack;
+  stack.set_stack_heads(true);
+  expectPlanRefused(spec, stack, "cpu", decode, "stack_heads needs kv groups of several query heads");
+  const KernelSpec gqa = testing::makeSpec({.heads = 8, .kvHeads = 2, .pseudoHeads = 4, .headDim = 64});
+  expectPlanRefused(gqa, stack, "cpu", GenerateOptions{}, "stack_heads is for decode plans only");
+  Schedule stackNarrow = stack;
+  stackNarrow.set_block_m(8);
+  stackNarrow.set_warps(1);
+  expectPlanRefused(gqa, stackNarrow, "cpu", decode, "must hold a token of each of the 4 stacked heads");
+  KernelSpec gqaGlobal = gqa;
+  gqaGlobal.set_collapse(v1::global);
+  Schedule stackFused = stack;
+  stackFused.set_collapse(v1::collapse_fused);
+  expectPlanRefused(gqaGlobal, stackFused, "cpu", decode,
+                    "stack_heads needs collapse separate under a global collapse");
+  auto stackPlan = generateKernel(gqa, stack, *parseTarget("cpu"), decode);
+  ASSERT_TRUE(stackPlan) << stackPlan.error().message;
+  EXPECT_TRUE(stackPlan->schedule.stack_heads());
+  EXPECT_EQ(stackPlan->schedule.block_m(), 64) << "four warps' rows hold 4 heads x 4 rows";
   auto plan = generateKernel(spec, {}, *parseTarget("cpu"), decode);
   ASSERT_TRUE(plan) << plan.error().message;
   EXPECT_EQ(plan->direction, Direction::decode);

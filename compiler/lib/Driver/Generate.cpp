@@ -51,6 +51,7 @@ ScheduleFields fieldsOf(const Schedule& schedule) {
   if (schedule.dq() == v1::dq_separate) fields.dq = DqStrategy::separate;
   if (schedule.dq() == v1::dq_atomic) fields.dq = DqStrategy::atomic;
   fields.kvSplits = schedule.kv_splits();
+  fields.stackHeads = schedule.stack_heads();
   return fields;
 }
 
@@ -68,7 +69,10 @@ Schedule scheduleOf(ScheduleAttr attr, Direction direction) {
   schedule.set_producer_registers(int32_t(attr.getProducerRegisters()));
   if (direction == Direction::backward)
     schedule.set_dq(attr.getDq() == DqStrategy::atomic ? v1::dq_atomic : v1::dq_separate);
-  if (direction == Direction::decode) schedule.set_kv_splits(int32_t(attr.getKvSplits()));
+  if (direction == Direction::decode) {
+    schedule.set_kv_splits(int32_t(attr.getKvSplits()));
+    schedule.set_stack_heads(attr.getStackHeads());
+  }
   return schedule;
 }
 
@@ -151,7 +155,7 @@ std::optional<std::string> fitCudaTarget(SpecAttr spec, ScheduleAttr& schedule, 
     schedule = ScheduleAttr::get(spec.getContext(), schedule.getBlockM(), schedule.getBlockN(), schedule.getWarps(),
                                  schedule.getStages(), MixStrategy::materialized, schedule.getCollapse(),
                                  schedule.getEngine(), schedule.getProducerRegisters(), schedule.getDq(),
-                                 schedule.getKvSplits());
+                                 schedule.getKvSplits(), schedule.getStackHeads());
   }
   const int64_t bytes = attentionSharedMemory(spec, schedule);
   if (bytes > limit)
@@ -343,6 +347,8 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
   if (auto why = checkScheduleFields(given)) return makeError(*why);
   if (given.kvSplits > 1 && direction != Direction::decode)
     return makeError("schedule.kv_splits is for decode plans only (it splits a decode step's cached key blocks)");
+  if (given.stackHeads && direction != Direction::decode)
+    return makeError("schedule.stack_heads is for decode plans only (it stacks a kv group's query heads in one CTA)");
   if (direction == Direction::backward) {
     if (target.kind() == v1::Target::cuda && spec.head_dim() > kMaxBackwardHeadDim)
       return makeError("head_dim " + std::to_string(spec.head_dim()) + " has no CUDA backward yet: its dK and dV "
@@ -375,7 +381,7 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
                                     "mixes each cached block as it streams (leave mix unset or fused)");
     if (given.engine == Engine::wgmma)
       return makeError("schedule.engine wgmma has no decode kernel yet (leave engine unset or mma)");
-    completeDecodeFields(given, mixedCache);
+    completeDecodeFields(given, mixedCache, spec.heads() / spec.kv_heads() * spec.pseudo_heads());
     // Split CTAs merge their rows in the combine launch, then collapse.
     if (given.kvSplits > 1) given.collapse = given.collapse.value_or(CollapseStrategy::separate);
   }
@@ -414,7 +420,7 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
       scheduleAttr = ScheduleAttr::get(specAttr.getContext(), scheduleAttr.getBlockM(), blockN, scheduleAttr.getWarps(),
                                        stages, scheduleAttr.getMix(), scheduleAttr.getCollapse(),
                                        scheduleAttr.getEngine(), scheduleAttr.getProducerRegisters(),
-                                       scheduleAttr.getDq(), scheduleAttr.getKvSplits());
+                                       scheduleAttr.getDq(), scheduleAttr.getKvSplits(), scheduleAttr.getStackHeads());
     }
     if (auto why = checkSchedule(specAttr, scheduleAttr)) return makeError(*why);
   }

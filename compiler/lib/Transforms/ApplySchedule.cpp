@@ -88,19 +88,26 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
     const mlir::Location loc = kernel.getLoc();
     const SpecAttr spec = kernel.getSpec();
     const int64_t P = spec.getPseudoHeads();
-    const int64_t ownedRows = chosen.getBlockM() / P * P;
+    // With stack_heads a CTA holds the rows of every query head of a kv
+    // group, head after head, each head the same whole tokens (block_m /
+    // (H / G) rows of its own), and stages and mixes each key block once
+    // for them all.
+    const int64_t stacked = chosen.getStackHeads() ? spec.getHeads() / spec.getKvHeads() : 1;
+    const int64_t ownedRows = chosen.getBlockM() / stacked / P * P;
     tokenLaunch(kDecodeAppendLaunch, [&](mlir::OpBuilder& body, Value token0, Value batch) {
       body.create<AppendCacheOp>(loc, token0, batch);
     });
     // With kv_splits S the grid's y is (head, split): CTA y = head * S + split
-    // takes split's share of the key blocks (iha-analyze-mask divides them).
+    // takes split's share of the key blocks (iha-analyze-mask divides them);
+    // stacked, (kv group, split), and the CTA's head is the group's first.
     const int64_t splits = chosen.getKvSplits();
-    LaunchOp attention = createLaunch(builder, loc, kAttentionLaunch, P, ownedRows, spec.getHeads() * splits,
-                                      chosen.getWarps() * kThreadsPerWarp);
+    LaunchOp attention = createLaunch(builder, loc, kAttentionLaunch, P, ownedRows,
+                                      spec.getHeads() / stacked * splits, chosen.getWarps() * kThreadsPerWarp);
     {
       mlir::OpBuilder body = mlir::OpBuilder::atBlockEnd(&attention.getBlock());
       IndexMath math(body, loc);
       Value head = splitHeadOf(math, attention.getBlockY(), splits), batch = attention.getBatch();
+      if (stacked > 1) head = math.mul(head, math.c(stacked));
       Value cached = body.create<CachedRowsOp>(loc, body.getI64Type(), batch);
       Value row0 = math.add(cached, math.mul(attention.getBlockX(), math.c(ownedRows)));
       Value length = body.create<DecodeLenOp>(loc, body.getI64Type(), batch);
@@ -136,7 +143,9 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
       auto fields = fieldsFromOptions(blockM, blockN, warps, stages, mix, collapse, engine, producerRegisters, dq, &error);
       if (!fields) return kernel.emitError() << error;
       if (auto why = checkScheduleFields(*fields)) return kernel.emitError() << *why;
-      if (kernel.getDecode()) completeDecodeFields(*fields, kernel.getMixedCache());
+      if (kernel.getDecode())
+        completeDecodeFields(*fields, kernel.getMixedCache(),
+                             spec.getHeads() / spec.getKvHeads() * spec.getPseudoHeads());
       if (kernel.getBackward()) {  // the backward reads mixed rows from workspaces
         fields->mix = fields->mix.value_or(MixStrategy::materialized);
         fields->collapse = fields->collapse.value_or(CollapseStrategy::separate);

@@ -54,9 +54,13 @@ std::string configStruct(SpecAttr spec, ScheduleAttr schedule, bool backward, bo
   text += line("bool", "window_token_aligned", spec.getWindowAlign() == WindowAlign::token ? "true" : "false");
   text += line("int", "window_rows", std::to_string(spec.getWindowRows()));
   text += line("int", "block_m", std::to_string(schedule.getBlockM()));
-  // The rows a CTA owns and stores: the whole tokens among its block_m.
+  // The rows a CTA owns and stores of each of its heads: the whole tokens
+  // among its block_m, or with stack_heads among block_m / (H / G) rows
+  // (loom/tile/common.h, ctaRow).
+  const int64_t stacked = decode && schedule.getStackHeads() ? spec.getHeads() / spec.getKvHeads() : 1;
   text += line("int", "cta_rows",
-               std::to_string(schedule.getBlockM() / spec.getPseudoHeads() * spec.getPseudoHeads()));
+               std::to_string(schedule.getBlockM() / stacked / spec.getPseudoHeads() * spec.getPseudoHeads()));
+  text += line("int", "stacked_heads", std::to_string(stacked));
   text += line("int", "block_n", std::to_string(schedule.getBlockN()));
   text += line("int", "warps", std::to_string(schedule.getWarps()));
   text += line("int", "stages", std::to_string(schedule.getStages()));

@@ -23,6 +23,8 @@ LogicalResult KernelOp::verify() {
   if (specLevel && launchLevel) return emitOpError() << "mixes spec-level steps with launches";
   if (getDecode() && getBackward()) return emitOpError() << "cannot be both a decode step and a backward";
   if (getMixedCache() && !getDecode()) return emitOpError() << "has a mixed_cache but is not a decode kernel";
+  if (getScheduleAttr() && getScheduleAttr().getStackHeads() && !getDecode())
+    return emitOpError() << "stacks heads (schedule stack_heads) but is not a decode kernel";
   if (launchLevel && !getScheduleAttr()) return emitOpError() << "has launches but no schedule";
   return success();
 }

@@ -60,7 +60,7 @@ ScheduleAttr completeWgmma(SpecAttr spec, const ScheduleFields& given) {
           : (mix != MixStrategy::fused                ? kTmaProducerRegisters
              : spec.getQkNorm() == QkNorm::rms ? kNormalizingProducerRegisters
                                                : kMixingProducerRegisters),
-      given.dq.value_or(DqStrategy::separate), given.kvSplits ? given.kvSplits : 1);
+      given.dq.value_or(DqStrategy::separate), given.kvSplits ? given.kvSplits : 1, given.stackHeads);
 }
 
 std::optional<std::string> checkWgmma(SpecAttr spec, ScheduleAttr schedule) {
@@ -153,12 +153,12 @@ ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool h
   return ScheduleAttr::get(spec.getContext(), blockM, blockN, warps, given.stages ? given.stages : kDefaultStages,
                            given.mix.value_or(MixStrategy::fused), given.collapse.value_or(defaultCollapse(spec)),
                            Engine::mma, given.producerRegisters, given.dq.value_or(DqStrategy::separate),
-                           given.kvSplits ? given.kvSplits : 1);
+                           given.kvSplits ? given.kvSplits : 1, given.stackHeads);
 }
 
 
 
-void completeDecodeFields(ScheduleFields& fields, bool mixedCache) {
+void completeDecodeFields(ScheduleFields& fields, bool mixedCache, int64_t stackRows) {
   fields.mix = mixedCache ? MixStrategy::materialized : MixStrategy::fused;
   fields.engine = fields.engine.value_or(Engine::mma);
   // Over a raw cache, key blocks of 16 rows unless asked otherwise: the
@@ -172,6 +172,10 @@ void completeDecodeFields(ScheduleFields& fields, bool mixedCache) {
   // per SM. The tuner searches the wider blocks (and drops what spills).
   constexpr int64_t kRawCacheBlockN = 16;
   if (!mixedCache && !fields.blockN) fields.blockN = kRawCacheBlockN;
+  // Stacked heads share the query block: one 16-row m-tile a warp (four
+  // warps unless given) unless a token of every head needs more.
+  const int64_t step = kMmaRows * (fields.warps ? fields.warps : kDefaultWarps);
+  if (fields.stackHeads && !fields.blockM) fields.blockM = std::max<int64_t>(1, (stackRows + step - 1) / step) * step;
 }
 
 std::optional<std::string> checkBackwardSchedule(ScheduleAttr schedule) {
@@ -194,6 +198,19 @@ std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule) {
   if (schedule.getKvSplits() > 1 && schedule.getCollapse() != CollapseStrategy::separate)
     return "schedule.kv_splits (" + str(schedule.getKvSplits()) + ") needs collapse separate: a split CTA holds "
            "part of each row's keys, so its rows are collapsed only after the combine launch merges them";
+  if (schedule.getStackHeads()) {
+    const int64_t group = spec.getHeads() / spec.getKvHeads();
+    if (group < 2)
+      return "schedule.stack_heads needs kv groups of several query heads (heads " + str(spec.getHeads()) +
+             ", kv_heads " + str(spec.getKvHeads()) + ")";
+    if (schedule.getEngine() != Engine::mma) return "schedule.stack_heads needs engine mma";
+    if (blockM / group < P)
+      return "schedule.block_m (" + str(blockM) + ") must hold a token of each of the " + str(group) +
+             " stacked heads (" + str(group * P) + " rows) with stack_heads";
+    if (spec.getCollapse() == CollapseMode::global && schedule.getCollapse() == CollapseStrategy::epilogue)
+      return "schedule.stack_heads needs collapse separate under a global collapse (its fused epilogue loops over "
+             "every head in one CTA)";
+  }
   if (schedule.getEngine() == Engine::wgmma) return checkWgmma(spec, schedule);
   if (schedule.getProducerRegisters() != 0)
     return "schedule.producer_registers is for engine wgmma only (its producer warpgroup)";

@@ -127,6 +127,22 @@ LOOM_HOST_DEVICE inline float* split_row(const IhaArgs& args, int64_t b, int64_t
          (((b * C::heads + h) * C::kv_splits + s) * seq_len<C>(args) + i) * int64_t(C::head_dim + 1);
 }
 
+// Tile row r of an attention CTA. A CTA owns cta_rows rows of its head
+// (the whole tokens among its block_m; the rows after are the next CTA's);
+// a decode CTA with stack_heads holds every query head of a kv group,
+// stacked_heads of them, the same cta_rows rows of each, head after head.
+// `head` is the offset from the CTA's first head, `row` from its row0, and
+// `owned` says whether the CTA stores the row.
+struct CtaRow {
+  int head, row;
+  bool owned;
+};
+template <class C>
+LOOM_HOST_DEVICE constexpr CtaRow ctaRow(int r) {
+  if constexpr (C::stacked_heads == 1) return {0, r, r < C::cta_rows};
+  else return {r / C::cta_rows, r % C::cta_rows, r < C::stacked_heads * C::cta_rows};
+}
+
 // The cache slot (page * page_size + offset) of token t of sequence b.
 LOOM_HOST_DEVICE inline int64_t cache_slot(const IhaArgs& args, int64_t b, int64_t t) {
   return int64_t(args.page_table[b * args.max_pages + t / args.page_size]) * args.page_size + t % args.page_size;

@@ -211,6 +211,7 @@ __device__ void append_cache(const IhaArgs& a, int64_t token0, int64_t b) {
 //             while those copies fly; then each warp loads its A fragments.
 template <class C, bool Mixed>
 __device__ void q_begin(QTile<C>&, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
+  static_assert(C::stacked_heads == 1 || Mixed, "stacked heads mix their queries as they load");
   if constexpr (!Mixed) {
     using G = cuda::Geometry<C>;
     const int64_t L = seq_len<C>(a);
@@ -235,12 +236,13 @@ __device__ void q_wait(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head
     const int64_t L = C::decode ? decode_len<C>(a, b) : seq_len<C>(a);
     const int64_t firstToken = C::decode ? a.cache_len[b] : 0;
     cuda::forEachTileChunk<C, C::block_m>([&](int r, int chunk) {
-      const int64_t i = row0 + r;
+      const CtaRow t = ctaRow<C>(r);
+      const int64_t i = row0 + t.row;
       float values[kChunkElements] = {};
-      if (i < L && chunk * kChunkElements < G::D)
+      if ((C::stacked_heads == 1 || t.owned) && i < L && chunk * kChunkElements < G::D)
         #pragma unroll
         for (int e = 0; e < kChunkElements; ++e)
-          values[e] = cuda::mixedElement<C, Role::query>(a, b, i / C::pseudo_heads - firstToken, int(head),
+          values[e] = cuda::mixedElement<C, Role::query>(a, b, i / C::pseudo_heads - firstToken, int(head) + t.head,
                                                          int(i % C::pseudo_heads), chunk * kChunkElements + e);
       cuda::storeChunk<C>(tile + r * G::pitch + chunk * kChunkElements, values);
     });
@@ -520,7 +522,7 @@ __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int
     for (int nt = 0; nt < G::NT; ++nt)
       #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int i = i0 + cuda::tileRow<C>(mt) + fragment::accumulatorRow(l, e);
+        const int i = i0 + ctaRow<C>(cuda::tileRow<C>(mt) + fragment::accumulatorRow(l, e)).row;
         const int j = j0 + nt * 8 + fragment::accumulatorColumn(l, e);
         if (j >= L || !allowed<C, int>(i, j)) s.s[mt][nt][e] = cuda::negativeInfinity();
       }
@@ -613,9 +615,10 @@ __device__ void storeLse(SoftmaxState<C>& state, const IhaArgs& a, int64_t row0,
   for (int mt = 0; mt < Geometry<C>::MT; ++mt)
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = tileRow<C>(mt) + lane() / kQuadSize + h * 8;
-      const int64_t i = storedRow<C>(a, row0, b) + r;
-      if (r < C::cta_rows && i < L) a.lse[(b * C::heads + head) * L + i] = kLn2 * (state.m[mt][h] + log2f(state.l[mt][h]));
+      const CtaRow t = ctaRow<C>(tileRow<C>(mt) + lane() / kQuadSize + h * 8);
+      const int64_t i = storedRow<C>(a, row0, b) + t.row;
+      if (t.owned && i < L)
+        a.lse[(b * C::heads + head + t.head) * L + i] = kLn2 * (state.m[mt][h] + log2f(state.l[mt][h]));
     }
 }
 
@@ -654,11 +657,11 @@ __device__ void store_rows(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArg
     for (int ot = 0; ot < G::OT; ++ot)
       #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const int r = cuda::tileRow<C>(mt) + l / kQuadSize + h * 8;
-        const int64_t i = cuda::storedRow<C>(a, row0, b) + r;
+        const CtaRow t = ctaRow<C>(cuda::tileRow<C>(mt) + l / kQuadSize + h * 8);
+        const int64_t i = cuda::storedRow<C>(a, row0, b) + t.row;
         const int c = ot * 8 + (l % kQuadSize) * 2;
-        if (r >= C::cta_rows || i >= L || c >= G::D) continue;
-        *reinterpret_cast<Bits32*>(o + ((b * C::heads + head) * L + i) * G::D + c) =
+        if (!t.owned || i >= L || c >= G::D) continue;
+        *reinterpret_cast<Bits32*>(o + ((b * C::heads + head + t.head) * L + i) * G::D + c) =
             cuda::pack<C>(acc.o[mt][ot][2 * h], acc.o[mt][ot][2 * h + 1]);
       }
   cuda::storeLse<C>(state, a, row0, head, b);
@@ -677,10 +680,10 @@ __device__ void store_split(AccTile<C>& acc, SoftmaxState<C>& state, const IhaAr
   for (int mt = 0; mt < G::MT; ++mt)
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int r = cuda::tileRow<C>(mt) + l / kQuadSize + h * 8;
-      const int64_t i = cuda::storedRow<C>(a, row0, b) + r;
-      if (r >= C::cta_rows || i >= L) continue;
-      float* row = split_row<C>(a, b, head, split, i);
+      const CtaRow t = ctaRow<C>(cuda::tileRow<C>(mt) + l / kQuadSize + h * 8);
+      const int64_t i = cuda::storedRow<C>(a, row0, b) + t.row;
+      if (!t.owned || i >= L) continue;
+      float* row = split_row<C>(a, b, head + t.head, split, i);
       #pragma unroll
       for (int ot = 0; ot < G::OT; ++ot) {
         const int c = ot * 8 + (l % kQuadSize) * 2;
@@ -765,6 +768,7 @@ __device__ void out_init(OutTile<C>&) {
 template <class C>
 __device__ void accumulate_collapsed(OutTile<C>&, AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a,
                                      int64_t row0, int64_t head, int64_t b) {
+  static_assert(C::stacked_heads == 1, "a fused global collapse loops over the heads itself");
   using G = cuda::Geometry<C>;
   const float* staging = cuda::stageOutput<C>(acc);
   cuda::accumulateCollapsed<C>(reinterpret_cast<float*>(cuda::smem() + cuda::layout<C>().out), G::Dp, staging,

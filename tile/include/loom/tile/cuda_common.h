@@ -207,15 +207,16 @@ __device__ __forceinline__ void storeChunk(Bits16* destination, const float (&va
 template <class C>
 __device__ void storeCollapsed(const float* staging, int pitch, const IhaArgs& a, int64_t row0, int64_t head,
                                int64_t b, int thread, int threads) {
-  constexpr int P = C::pseudo_heads, D = C::head_dim;
+  // A head's whole tokens (cta_rows % P == 0); stacked heads' follow.
+  constexpr int P = C::pseudo_heads, D = C::head_dim, tokens = C::cta_rows / P;
   Bits16* out = static_cast<Bits16*>(a.out);
-  for (int index = thread; index < (C::block_m / P) * D; index += threads) {
+  for (int index = thread; index < C::stacked_heads * tokens * D; index += threads) {
     const int t = index / D, c = index % D;
-    const int64_t n = storedRow<C>(a, row0, b) / P + t;
+    const int64_t n = storedRow<C>(a, row0, b) / P + t % tokens, h = head + t / tokens;
     if (n >= a.tokens) continue;
     float sum = 0.0f;
-    for (int p = 0; p < P; ++p) sum += a.collapse[head * P + p] * staging[(t * P + p) * pitch + c];
-    out[b * a.out_stride[0] + n * a.out_stride[1] + head * a.out_stride[2] + c] = toBits<C>(sum);
+    for (int p = 0; p < P; ++p) sum += a.collapse[h * P + p] * staging[(t * P + p) * pitch + c];
+    out[b * a.out_stride[0] + n * a.out_stride[1] + h * a.out_stride[2] + c] = toBits<C>(sum);
   }
 }
 

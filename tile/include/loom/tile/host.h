@@ -305,8 +305,16 @@ void collapse_rows(const IhaArgs& a, int64_t token0, int64_t b) {
 // starts it, q_wait completes it; mma_qk checks the order.
 template <class C, bool Mixed>
 void q_begin(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
+  static_assert(C::stacked_heads == 1 || Mixed, "stacked heads mix their queries as they load");
   host::stats.ctas++;
-  for (int r = 0; r < C::block_m; ++r) host::virtualRow<C, Role::query, Mixed>(a, b, head, row0 + r, q.row(r));
+  for (int r = 0; r < C::block_m; ++r) {
+    const CtaRow t = ctaRow<C>(r);
+    if (C::stacked_heads > 1 && !t.owned) {  // past the stacked heads' rows: zeros
+      std::fill(q.row(r), q.row(r) + C::head_dim, 0.0f);
+      continue;
+    }
+    host::virtualRow<C, Role::query, Mixed>(a, b, head + t.head, row0 + t.row, q.row(r));
+  }
   q.issued = true;
   q.ready = false;
 }
@@ -441,7 +449,7 @@ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int64_t block)
   for (int r = 0; r < C::block_m; ++r)
     for (int c = 0; c < C::block_n; ++c) {
       const int64_t j = block * C::block_n + c;
-      if (j >= L || !allowed<C>(row0 + r, j)) s.at(r, c) = -std::numeric_limits<float>::infinity();
+      if (j >= L || !allowed<C>(row0 + ctaRow<C>(r).row, j)) s.at(r, c) = -std::numeric_limits<float>::infinity();
     }
 }
 
@@ -495,17 +503,23 @@ template <class C>
 void storeLse(SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
   if (!a.lse) return;
   const int64_t L = seq_len<C>(a), first = host::storedRow<C>(a, row0, b);
-  for (int r = 0; r < C::cta_rows && first + r < L; ++r)
-    a.lse[(b * C::heads + head) * L + first + r] = state.m[r] + std::log(state.l[r]);
+  for (int r = 0; r < C::block_m; ++r) {
+    const CtaRow t = ctaRow<C>(r);
+    if (t.owned && first + t.row < L)
+      a.lse[(b * C::heads + head + t.head) * L + first + t.row] = state.m[r] + std::log(state.l[r]);
+  }
 }
 }  // namespace host
 
 template <class C>
 void store_rows(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
   const int64_t L = seq_len<C>(a), first = host::storedRow<C>(a, row0, b);
-  for (int r = 0; r < C::cta_rows && first + r < L; ++r)
-    std::memcpy(static_cast<float*>(a.o_pseudo) + ((b * C::heads + head) * L + first + r) * C::head_dim, acc.row(r),
-                sizeof(float) * C::head_dim);
+  for (int r = 0; r < C::block_m; ++r) {
+    const CtaRow t = ctaRow<C>(r);
+    if (t.owned && first + t.row < L)
+      std::memcpy(static_cast<float*>(a.o_pseudo) + ((b * C::heads + head + t.head) * L + first + t.row) * C::head_dim,
+                  acc.row(r), sizeof(float) * C::head_dim);
+  }
   host::storeLse<C>(state, a, row0, head, b);
 }
 
@@ -515,8 +529,10 @@ template <class C>
 void store_split(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head, int64_t b,
                  int64_t split) {
   const int64_t L = seq_len<C>(a), first = host::storedRow<C>(a, row0, b);
-  for (int r = 0; r < C::cta_rows && first + r < L; ++r) {
-    float* row = split_row<C>(a, b, head, split, first + r);
+  for (int r = 0; r < C::block_m; ++r) {
+    const CtaRow t = ctaRow<C>(r);
+    if (!t.owned || first + t.row >= L) continue;
+    float* row = split_row<C>(a, b, head + t.head, split, first + t.row);
     std::memcpy(row, acc.row(r), sizeof(float) * C::head_dim);
     row[C::head_dim] = state.l[r] > 0.0f ? state.m[r] + std::log(state.l[r]) : -INFINITY;
   }
@@ -550,14 +566,14 @@ void combine_splits(const IhaArgs& a, int64_t token0, int64_t b) {
 template <class C>
 void store_collapsed(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head,
                      int64_t b) {
-  constexpr int P = C::pseudo_heads;
-  for (int t = 0; t < C::block_m / P; ++t) {
-    const int64_t n = host::storedRow<C>(a, row0, b) / P + t;
-    if (n >= a.tokens) break;
-    const int64_t base = b * a.out_stride[0] + n * a.out_stride[1] + head * a.out_stride[2];
+  constexpr int P = C::pseudo_heads, tokens = C::cta_rows / P;  // a head's tokens (whole: cta_rows % P == 0)
+  for (int t = 0; t < C::stacked_heads * tokens; ++t) {
+    const int64_t n = host::storedRow<C>(a, row0, b) / P + t % tokens, h = head + t / tokens;
+    if (n >= a.tokens) continue;
+    const int64_t base = b * a.out_stride[0] + n * a.out_stride[1] + h * a.out_stride[2];
     for (int d = 0; d < C::head_dim; ++d) {
       float sum = 0.0f;
-      for (int p = 0; p < P; ++p) sum += a.collapse[head * P + p] * acc.row(t * P + p)[d];
+      for (int p = 0; p < P; ++p) sum += a.collapse[h * P + p] * acc.row(t * P + p)[d];
       host::storeElement<C>(a.out, base + d, sum);
     }
   }
@@ -573,6 +589,7 @@ void out_init(OutTile<C>& out) {
 template <class C>
 void accumulate_collapsed(OutTile<C>& out, AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0,
                           int64_t head, int64_t b) {
+  static_assert(C::stacked_heads == 1, "a fused global collapse loops over the heads itself");
   constexpr int P = C::pseudo_heads;
   for (int t = 0; t < C::block_m / P; ++t)
     for (int h = 0; h < C::heads; ++h) {

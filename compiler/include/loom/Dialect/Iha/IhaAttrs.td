@@ -112,7 +112,10 @@ def Iha_ScheduleAttr : AttrDef<Iha_Dialect, "Schedule"> {
     atomic adds from the key-block-outer one); it defaults to `separate`.
     `kv_splits` (decode kernels) splits each query block's key blocks over
     that many CTAs, whose partial rows a combine launch merges; it defaults
-    to 1.
+    to 1. `stack_heads` (decode kernels) has one CTA run every query head of
+    a kv group: the H / G heads' rows stacked in its query block, each head
+    the same block_m / (H / G) rows (whole tokens), so that each key block
+    is staged and mixed once for the group; it defaults to false.
 
     Example:
     ```mlir
@@ -125,7 +128,8 @@ def Iha_ScheduleAttr : AttrDef<Iha_Dialect, "Schedule"> {
                         DefaultValuedParameter<"Engine", "Engine::mma">:$engine,
                         DefaultValuedParameter<"int64_t", "0">:$producer_registers,
                         DefaultValuedParameter<"DqStrategy", "DqStrategy::separate">:$dq,
-                        DefaultValuedParameter<"int64_t", "1">:$kv_splits);
+                        DefaultValuedParameter<"int64_t", "1">:$kv_splits,
+                        DefaultValuedParameter<"bool", "false">:$stack_heads);
   let assemblyFormat = "`<` struct(params) `>`";
 }
 

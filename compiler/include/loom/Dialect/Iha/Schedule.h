@@ -37,6 +37,7 @@ struct ScheduleFields {
   int64_t producerRegisters = 0;
   std::optional<DqStrategy> dq;
   int64_t kvSplits = 0;
+  bool stackHeads = false;
 };
 
 // Registers per consumer thread: loom::consumerRegisters (loom/tile/layout.h).
@@ -64,9 +65,11 @@ ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool h
 // A decode step's fields before completeSchedule: the mixing its cache
 // fixes (fused over a raw cache, which it mixes as each block streams;
 // materialized over a mixed one, read as stored), the mma engine where
-// none is given, and over a raw cache key blocks of 16 where block_n is
-// unset. The caller refuses a contrary mix or wgmma first.
-void completeDecodeFields(ScheduleFields& fields, bool mixedCache);
+// none is given, over a raw cache key blocks of 16 where block_n is unset,
+// and with stack_heads a block_m holding a token of every stacked head
+// (`stackRows`, H / G * P) where block_m is unset. The caller refuses a
+// contrary mix or wgmma first.
+void completeDecodeFields(ScheduleFields& fields, bool mixedCache, int64_t stackRows);
 
 // Why a complete schedule cannot compute a backward kernel, naming the
 // field: the backward reads the mixed rows from workspaces (mix
