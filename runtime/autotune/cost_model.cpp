@@ -32,6 +32,7 @@ constexpr int kWarpsToSaturateTensorCores = 8;
 constexpr int kWgmmaBaseRegisters = 48;  // a consumer's addresses, barriers, softmax rows, the loop
 constexpr int kBytes16 = 2;
 constexpr int kMmaK = 16;
+constexpr int kWarpgroupWarps = 4;
 
 // CTAs an SM holds by shared memory (`smem` bytes each; 0: not limiting),
 // registers (unless `wgmma`: setmaxnreg moves them, one CTA a SM) and threads.
@@ -361,12 +362,15 @@ CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& s, const
                                            double(d) * (1.0 + rope);
   const double exps = double(gridCtas) * double(blocksPerCta) * double(s.block_m() * s.block_n());
 
-  const int threads = s.warps() * 32;
+  // wgmma (sm_90a): one CTA an SM with its producer warpgroup, which alone
+  // mixes (or copies) the pages while the consumers' products overlap it.
+  const bool wgmma = s.engine() == v1::engine_wgmma;
+  const int threads = (s.warps() + (wgmma ? kWarpgroupWarps : 0)) * 32;
   const int registers = registersPerThread.value_or(int(estimatedRegisters(spec, s)));
-  const int64_t smem = ctaSharedMemory(false, int(s.block_m()), int(s.block_n()), int(d), int(s.stages()), int(H),
+  const int64_t smem = ctaSharedMemory(wgmma, int(s.block_m()), int(s.block_n()), int(d), int(s.stages()), int(H),
                                        int(G), int(P), !mixedCache, s.collapse() == v1::collapse_fused,
                                        s.collapse() == v1::collapse_fused && spec.collapse() == v1::global);
-  e.ctasPerSm = ctasPerSmOf(device, smem, registers, threads);
+  e.ctasPerSm = ctasPerSmOf(device, smem, registers, threads, wgmma);
   if (e.ctasPerSm == 0) {
     e.seconds = 1e9;
     e.bound = "resources";
@@ -381,8 +385,16 @@ CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& s, const
       e.waveEfficiency;
   const double memoryTime = e.dramBytes / device.dramBytesPerSecond + l2Bytes / device.l2BytesPerSecond;
   const double computeShare = std::min(1.0, double(gridCtas) / device.smCount) * e.waveEfficiency;
-  const double tensorTime = e.matrixFlops / (device.tensorFlops * device.mmaSyncEfficiency);
-  const double simtTime = mixFlops / device.fmaFlops + exps / device.expPerSecond;
+  const double tensorTime =
+      e.matrixFlops / (device.tensorFlops * (wgmma ? device.wgmmaEfficiency : device.mmaSyncEfficiency));
+  // On mma.sync every warp mixes, then multiplies; on wgmma the producer's
+  // four warps mix (half the issue rate of the eight that saturate an SM)
+  // while the consumers multiply: compute is the longer of the two.
+  const double mixTime = mixFlops / device.fmaFlops;
+  const double expTime = exps / device.expPerSecond;
+  const double simtTime =
+      wgmma ? std::max(mixTime * kWarpsToSaturateTensorCores / kWarpgroupWarps - tensorTime - expTime, 0.0) + expTime
+            : mixTime + expTime;
   // A CTA's key blocks run one after another: its loop's issue latency.
   const double loopTime = double(blocksPerCta) * kLoopInstructionsPerWarp * 4.0 / 1.5e9 *
                           std::ceil(double(gridCtas) / slots);

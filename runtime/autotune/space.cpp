@@ -190,6 +190,20 @@ SearchSpace decodeSearchSpace(const KernelSpec& spec, const v1::Target& target, 
             consider(space, seen, spec, target, s, resolveSchedule(spec, s, target, Direction::decode, mixedCache),
                      suffix);
           }
+  // sm_90a: the wgmma step too (one consumer warpgroup, wgmma's key
+  // blocks; pruned, with the compiler's reason, where head_dim rules it out).
+  if (target.kind() == v1::Target::cuda && target.arch() == "sm_90a")
+    for (int blockN : {64, 128})
+      for (int stages : {2, 3})
+        for (int splits : kDecodeSplitChoices) {
+          Schedule s;
+          s.set_engine(v1::engine_wgmma);
+          s.set_block_n(blockN);
+          s.set_stages(stages);
+          s.set_kv_splits(splits);
+          consider(space, seen, spec, target, s, resolveSchedule(spec, s, target, Direction::decode, mixedCache),
+                   suffix);
+        }
   if (space.candidates.empty())  // the compiler's default decode schedule, whatever it costs
     if (auto resolved = resolveSchedule(spec, Schedule(), target, Direction::decode, mixedCache); resolved)
       space.candidates.push_back({*resolved, scheduleKey(*resolved) + suffix});

@@ -130,8 +130,8 @@ TEST_F(Gpu, EveryBundleMatchesTheReferenceOnSharedAndDrawnCases) {
   }
 }
 
-// The decode kernels (tests/gpu/prepare.sh's "decode" bundles, a raw
-// cache): each shared case's last T tokens decoded over a shuffled paged
+// The decode kernels (tests/gpu/prepare.sh's "decode" bundles, and on
+// sm_90a "decode-wgmma" and "decode-wgmma-split", a raw cache): each shared case's last T tokens decoded over a shuffled paged
 // cache of the others (T = 1 over 16-token pages; T = 3 over 7-token pages
 // with ragged lengths), out and lse poisoned, within the dtype's tolerance
 // of the forward's rows; the new tokens' k and v exactly at their slots and
@@ -151,7 +151,7 @@ TEST_F(Gpu, EveryDecodeBundleMatchesTheForwardsRows) {
     for (const DecodeLayout& layout : {DecodeLayout{1, 16, CacheLayout::raw, {}, rng()}, ragged}) {
       auto step = decodeCaseFrom(c, layout);
       ASSERT_TRUE(step) << step.error().message;
-      const std::string what = b.caseName + " " + b.dtype + " decode T=" + std::to_string(layout.newTokens) +
+      const std::string what = b.caseName + " " + b.dtype + " " + b.label + " T=" + std::to_string(layout.newTokens) +
                                " page " + std::to_string(layout.pageSize);
       auto first = cuda::runDecodeCase(**kernel, *device_, *step);
       ASSERT_TRUE(first) << what << ": " << first.error().message;

@@ -68,14 +68,25 @@ for case in tests/data/cases/bwd-*/; do
   done
 done
 # The decode step over a paged raw cache (mma.sync on every arch) of each
-# shared case.
+# shared case; on sm_90a also the wgmma step, whole and split four ways,
+# where head_dim allows it (a multiple of 64).
+echo '{"engine": "engine_wgmma"}' >"$schedules/decode-wgmma.json"
+echo '{"engine": "engine_wgmma", "kv_splits": 4}' >"$schedules/decode-wgmma-split.json"
 for case in tests/data/cases/*/; do
   name=$(basename "$case")
+  labels=(decode)
+  if [[ $arch == sm_90a ]] && grep -Eq '"head_dim": *(64|128|192|256)[,} ]' "$case/spec.json"; then
+    labels+=(decode-wgmma decode-wgmma-split)
+  fi
   for dtype in float16 bfloat16; do
-    build/bin/loom compile --spec "$case/spec.json" --dtype "$dtype" --decode --target "$arch" \
-      --out "$out/$name.$dtype.decode.pb" >/dev/null &
-    jobs+=($!)
-    if ((${#jobs[@]} >= $(nproc))); then wait "${jobs[0]}"; jobs=("${jobs[@]:1}"); fi
+    for label in "${labels[@]}"; do
+      schedule=()
+      [[ $label != decode ]] && schedule=(--schedule "$schedules/$label.json")
+      build/bin/loom compile --spec "$case/spec.json" --dtype "$dtype" --decode --target "$arch" "${schedule[@]}" \
+        --out "$out/$name.$dtype.$label.pb" >/dev/null &
+      jobs+=($!)
+      if ((${#jobs[@]} >= $(nproc))); then wait "${jobs[0]}"; jobs=("${jobs[@]:1}"); fi
+    done
   done
 done
 for job in "${jobs[@]}"; do wait "$job"; done
@@ -131,11 +142,18 @@ while read -r name tokens batch; do
   done
 done <"$schedules/peers/problems.txt"
 for job in "${jobs[@]}"; do wait "$job"; done
-# The decode grid (bench/peers.py --decode): loom's step over a raw paged cache.
+# The decode grid (bench/peers.py --decode): loom's step over a raw paged
+# cache (the default, mma.sync), and on sm_90a the wgmma step beside it.
 while read -r name cached batch; do
   build/bin/loom compile --spec "$schedules/peers/$name.json" --decode --target "$arch" \
     --out "$out/bench-decode.c${cached}b${batch}.$name.pb" >/dev/null &
   jobs+=($!)
+  if [[ $arch == sm_90a ]]; then
+    build/bin/loom compile --spec "$schedules/peers/$name.json" --decode --target "$arch" \
+      --schedule "$schedules/decode-wgmma.json" --out "$out/bench-decode.c${cached}b${batch}.$name-wgmma.pb" \
+      >/dev/null 2>&1 || true &  # head dims wgmma cannot take have no wgmma row
+    jobs+=($!)
+  fi
   if ((${#jobs[@]} >= $(nproc))); then wait "${jobs[0]}"; jobs=("${jobs[@]:1}"); fi
 done <"$schedules/peers/decode-problems.txt"
 for job in "${jobs[@]}"; do wait "$job"; done

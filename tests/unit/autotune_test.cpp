@@ -405,19 +405,31 @@ TEST(CostModel, DecodeStepsAreMemoryBoundAndSplitWhereTheGridIsSmall) {
     SCOPED_TRACE(mixed ? "mixed cache" : "raw cache");
     const SearchSpace space = decodeSearchSpace(s, h, mixed);
     ASSERT_FALSE(space.candidates.empty());
-    std::set<int> splits;
+    std::set<int> splits, wgmmaSplits;
     for (const Candidate& c : space.candidates) {
       splits.insert(c.schedule.kv_splits());
       EXPECT_EQ(c.schedule.mix(), mixed ? v1::mix_materialized : v1::mix_fused) << c.key;
-      EXPECT_EQ(c.schedule.engine(), v1::engine_mma) << c.key;
+      if (c.schedule.engine() == v1::engine_wgmma) {  // sm_90a's: one consumer warpgroup, wgmma's key blocks
+        wgmmaSplits.insert(c.schedule.kv_splits());
+        EXPECT_EQ(c.schedule.warps(), 4) << c.key;
+        EXPECT_GE(c.schedule.block_n(), 64) << c.key;
+        EXPECT_FALSE(c.schedule.stack_heads()) << c.key;
+        const CostEstimate cost = estimateDecodeCost(s, c.schedule, h, 4, 8192, 1, mixed);
+        EXPECT_EQ(cost.ctasPerSm, 1) << c.key << ": one warp-specialised CTA an SM";
+        EXPECT_LT(cost.seconds, 1.0) << c.key;
+      }
       if (c.schedule.kv_splits() > 1) {
         EXPECT_EQ(c.schedule.collapse(), v1::collapse_separate) << c.key;
       }
       EXPECT_NE(c.key.find(mixed ? ".decode-mixed" : ".decode"), std::string::npos) << c.key;
     }
     EXPECT_EQ(splits, (std::set<int>{1, 2, 4, 8, 16, 32}));
+    EXPECT_EQ(wgmmaSplits, splits) << "sm_90a tries the wgmma step at every split";
+    // The mma.sync step's choices (the wgmma one's are below).
+    SearchSpace mmaSpace = space;
+    std::erase_if(mmaSpace.candidates, [](const Candidate& c) { return c.schedule.engine() == v1::engine_wgmma; });
     auto best = [&](int64_t batch, int64_t cached) {
-      const auto ranked = rankByModel(s, h, space, batch, cached, Direction::decode, mixed, 1);
+      const auto ranked = rankByModel(s, h, mmaSpace, batch, cached, Direction::decode, mixed, 1);
       return ranked.front().candidate.schedule;
     };
     const Schedule longSingle = best(1, 32768);
@@ -440,6 +452,26 @@ TEST(CostModel, DecodeStepsAreMemoryBoundAndSplitWhereTheGridIsSmall) {
       EXPECT_EQ(single.bound, "memory");
     }
     EXPECT_EQ(split.bound, "memory");
+    // wgmma multiplies 64-row blocks: a one-token step's P = 4 rows issue
+    // more matrix work than on mma.sync's 16-row tiles; a chunk of 16
+    // tokens fills them: the same work as mma.sync's 64-row blocks (which
+    // wgmma issues at its higher rate).
+    Schedule wgmma;
+    wgmma.set_engine(v1::engine_wgmma);
+    wgmma.set_kv_splits(8);
+    auto wgmmaStep = resolveSchedule(s, wgmma, h, Direction::decode, mixed);
+    ASSERT_TRUE(wgmmaStep) << wgmmaStep.error().message;
+    Schedule narrow = many;
+    narrow.set_warps(1);
+    narrow.set_block_m(16);
+    narrow.set_block_n(wgmmaStep->block_n());
+    EXPECT_GT(estimateDecodeCost(s, *wgmmaStep, h, 1, 32768, 1, mixed).matrixFlops,
+              estimateDecodeCost(s, narrow, h, 1, 32768, 1, mixed).matrixFlops);
+    Schedule chunk = narrow;
+    chunk.set_warps(4);
+    chunk.set_block_m(64);
+    EXPECT_DOUBLE_EQ(estimateDecodeCost(s, *wgmmaStep, h, 1, 32768, 16, mixed).matrixFlops,
+                     estimateDecodeCost(s, chunk, h, 1, 32768, 16, mixed).matrixFlops);
   }
   // Against the same schedule, a mixed cache's step reads more (G P d against G d
   // per token) and costs more.

@@ -136,12 +136,17 @@ IhaCase drawCudaCase(std::mt19937_64& rng, int64_t minTokens, int64_t maxTokens)
   });
 }
 
-// The generated decode step on the host tile API.
-Result<cpu::CpuDecodeOutputs> runOnHost(const DecodeCase& dc, const Schedule& schedule = {}) {
+// The decode plan of the step's spec and cache layout for `target`.
+Result<KernelPlan> decodePlan(const DecodeCase& dc, const Schedule& schedule, const std::string& target) {
   GenerateOptions options;
   options.direction = Direction::decode;
   options.mixedCache = dc.layout == CacheLayout::mixed;
-  auto plan = generateKernel(dc.spec, schedule, *parseTarget("cpu"), options);
+  return generateKernel(dc.spec, schedule, *parseTarget(target), options);
+}
+
+// The generated decode step on the host tile API.
+Result<cpu::CpuDecodeOutputs> runOnHost(const DecodeCase& dc, const Schedule& schedule = {}) {
+  auto plan = decodePlan(dc, schedule, "cpu");
   if (!plan) return plan.error();
   return cpu::runDecodePlan(*plan, dc, {LOOM_TEST_CACHE, 2});
 }
@@ -186,10 +191,7 @@ void expectHostStep(const IhaCase& c, const DecodeCase& dc, const Schedule& sche
 // forward's rows, and its append.
 void expectEmulatedStep(const IhaCase& c, const DecodeCase& dc, const std::string& arch, uint64_t seed,
                         const Schedule& schedule = {}) {
-  GenerateOptions options;
-  options.direction = Direction::decode;
-  options.mixedCache = dc.layout == CacheLayout::mixed;
-  auto plan = generateKernel(dc.spec, schedule, *parseTarget(arch), options);
+  auto plan = decodePlan(dc, schedule, arch);
   ASSERT_TRUE(plan) << plan.error().message;
   emu::EmuOptions emuOptions;
   emuOptions.cacheDir = LOOM_TEST_CACHE;
@@ -445,10 +447,7 @@ TEST(Decode, StackedHeadsGiveTheForwardsRows) {
                  cacheLayoutName(layout.layout) + " schedule " + schedule.ShortDebugString());
     auto dc = decodeCaseFrom(c, layout);
     ASSERT_TRUE(dc) << dc.error().message;
-    GenerateOptions options;
-    options.direction = Direction::decode;
-    options.mixedCache = layout.layout == CacheLayout::mixed;
-    auto plan = generateKernel(c.spec, schedule, *parseTarget("cpu"), options);
+    auto plan = decodePlan(*dc, schedule, "cpu");
     ASSERT_TRUE(plan) << plan.error().message;
     EXPECT_TRUE(plan->schedule.stack_heads());
     for (const LaunchPlan& launch : plan->launches)
@@ -458,6 +457,43 @@ TEST(Decode, StackedHeadsGiveTheForwardsRows) {
       }
     expectHostStep(c, *dc, schedule);
     if (draw < 2) expectEmulatedStep(c, *dc, draw == 0 ? "sm_80" : "sm_90a", rng(), schedule);
+  }
+}
+
+// sm_90a's wgmma step (engine wgmma): a producer warpgroup mixes each raw
+// page's rows on chip (or copies a mixed cache's) into the swizzled stages,
+// a consumer warpgroup takes 64 of the step's rows. Drawn specs of head_dim
+// 64 or 128, T = 1 to 5, ragged caches over pages of 1 to 16 tokens, either
+// layout, split (some shares empty) or not, either collapse: the emulated
+// step gives the forward's rows with no finding, from a warp-specialised
+// launch.
+TEST(Decode, WgmmaStepsGiveTheForwardsRows) {
+  std::mt19937_64 rng(testing::testSeed() ^ 0x90a);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  for (int draw = 0; draw < 4; ++draw) {
+    const IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
+      KernelSpec spec = testing::randomSpec(rng);
+      spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
+      spec.set_head_dim(int32_t(64 * pick(1, 2)));
+      return testing::DrawnShape{spec, pick(1, 2), pick(4, 40)};
+    });
+    const int64_t T = pick(1, std::min<int64_t>(5, c.tokens));
+    const DecodeLayout layout = drawCheckableLayout(rng, c, T, 16);
+    Schedule schedule;
+    schedule.set_engine(v1::engine_wgmma);
+    if (draw % 2) schedule.set_kv_splits(int32_t(pick(2, 4)));
+    else schedule.set_collapse(pick(0, 1) ? v1::collapse_fused : v1::collapse_separate);
+    if (pick(0, 1)) schedule.set_block_n(64);
+    SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " page " + std::to_string(layout.pageSize) + " " +
+                 cacheLayoutName(layout.layout) + " schedule " + schedule.ShortDebugString());
+    auto dc = decodeCaseFrom(c, layout);
+    ASSERT_TRUE(dc) << dc.error().message;
+    auto plan = decodePlan(*dc, schedule, "sm_90a");
+    ASSERT_TRUE(plan) << plan.error().message;
+    EXPECT_EQ(plan->schedule.engine(), v1::engine_wgmma);
+    for (const LaunchPlan& launch : plan->launches)
+      if (launch.name == kAttentionEntry) EXPECT_EQ(launch.threads, 256) << "a producer and a consumer warpgroup";
+    expectEmulatedStep(c, *dc, "sm_90a", rng(), schedule);
   }
 }
 
@@ -474,7 +510,8 @@ TEST(Decode, NvrtcCompilesTheCudaStepWithoutSpills) {
     auto kernel = compileKernel(spec, schedule, *parseTarget(arch), compiler, &artifact, Direction::decode, mixed);
     ASSERT_TRUE(kernel) << kernel.error().message << "\n" << kernel.error().log;
     EXPECT_EQ(kernel->direction(), mixed ? v1::direction_decode_mixed : v1::direction_decode);
-    EXPECT_TRUE(artifact->usesAsyncCopies()) << "the cache's pages come in by cp.async";
+    if (schedule.engine() != v1::engine_wgmma)  // wgmma's producer warpgroup reads the pages itself
+      EXPECT_TRUE(artifact->usesAsyncCopies()) << "the cache's pages come in by cp.async";
     ASSERT_EQ(artifact->resources.size(), entries) << artifact->log;
     for (const auto& usage : artifact->resources) {
       EXPECT_EQ(usage.spill_store_bytes() + usage.spill_load_bytes(), 0) << usage.ShortDebugString();
@@ -486,6 +523,16 @@ TEST(Decode, NvrtcCompilesTheCudaStepWithoutSpills) {
   for (const char* arch : {"sm_80", "sm_90a"}) {
     for (bool mixed : {false, true}) expectClean({}, arch, mixed, 2);  // iha_append, iha_attention
     expectClean(split, arch, false, 4);                                 // + iha_combine, iha_collapse
+  }
+  // sm_90a's wgmma step: its producer warpgroup mixing the raw pages, or
+  // copying a mixed cache's, at the registers setmaxnreg leaves it.
+  Schedule wgmma;
+  wgmma.set_engine(v1::engine_wgmma);
+  Schedule wgmmaSplit = wgmma;
+  wgmmaSplit.set_kv_splits(4);
+  for (bool mixed : {false, true}) {
+    expectClean(wgmma, "sm_90a", mixed, 2);
+    expectClean(wgmmaSplit, "sm_90a", mixed, 4);
   }
   // The default schedules of the shapes that press the registers hardest:
   // a GQA model's H 32 G 8 d 128 with RoPE (all eight heads mixed on chip),
@@ -509,6 +556,7 @@ TEST(Decode, NvrtcCompilesTheCudaStepWithoutSpills) {
       expectClean({}, arch, false, 2);
       if (spec.heads() > spec.kv_heads()) expectClean(stacked, arch, false, 2);
     }
+    for (bool mixed : {false, true}) expectClean(wgmma, "sm_90a", mixed, 2);
   }
 }
 
@@ -606,6 +654,28 @@ TEST(Decode, PlansSayWhatTheyCannotBe) {
   stackFused.set_collapse(v1::collapse_fused);
   expectPlanRefused(gqaGlobal, stackFused, "cpu", decode,
                     "stack_heads needs collapse separate under a global collapse");
+  Schedule stackWgmma = stack;
+  stackWgmma.set_engine(v1::engine_wgmma);
+  expectPlanRefused(gqa, stackWgmma, "sm_90a", decode, "stack_heads needs engine mma");
+  // wgmma: sm_90a's, on its head dims and key blocks.
+  Schedule wgmma;
+  wgmma.set_engine(v1::engine_wgmma);
+  expectPlanRefused(half, wgmma, "sm_80", decode, "wgmma needs target sm_90a");
+  KernelSpec narrow = half;
+  narrow.set_head_dim(32);
+  expectPlanRefused(narrow, wgmma, "sm_90a", decode, "engine wgmma needs head_dim");
+  Schedule wgmmaNarrowBlocks = wgmma;
+  wgmmaNarrowBlocks.set_block_n(16);
+  expectPlanRefused(half, wgmmaNarrowBlocks, "sm_90a", decode, "must be 64, 128, 192 or 256 with engine wgmma");
+  for (bool mixed : {false, true}) {
+    GenerateOptions options = decode;
+    options.mixedCache = mixed;
+    auto wgmmaPlan = generateKernel(half, wgmma, *parseTarget("sm_90a"), options);
+    ASSERT_TRUE(wgmmaPlan) << wgmmaPlan.error().message;
+    EXPECT_EQ(wgmmaPlan->schedule.warps(), 4) << "one consumer warpgroup: a step's rows are few";
+    EXPECT_EQ(wgmmaPlan->schedule.block_m(), 64);
+    EXPECT_GE(wgmmaPlan->schedule.producer_registers(), 40) << "the producer reads the pages through the table";
+  }
   auto stackPlan = generateKernel(gqa, stack, *parseTarget("cpu"), decode);
   ASSERT_TRUE(stackPlan) << stackPlan.error().message;
   EXPECT_TRUE(stackPlan->schedule.stack_heads());

@@ -379,8 +379,6 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
                                     "keys and values are read mixed (leave mix unset or materialized)"
                                   : "schedule.mix materialized does not apply to a decode step over a raw cache: it "
                                     "mixes each cached block as it streams (leave mix unset or fused)");
-    if (given.engine == Engine::wgmma)
-      return makeError("schedule.engine wgmma has no decode kernel yet (leave engine unset or mma)");
     completeDecodeFields(given, mixedCache, spec.heads() / spec.kv_heads() * spec.pseudo_heads());
     // Split CTAs merge their rows in the combine launch, then collapse.
     if (given.kvSplits > 1) given.collapse = given.collapse.value_or(CollapseStrategy::separate);
@@ -411,11 +409,14 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
     // A decode step keeps its mixing (fused over a raw cache): where the
     // stages do not fit, halve the key blocks, then keep one stage (of the
     // fields the schedule left unset).
+    // wgmma keeps blocks of 64 keys and two stages at least.
     const int64_t limit = sharedMemoryLimit(target);
+    const bool wgmma = scheduleAttr.getEngine() == Engine::wgmma;
+    const int64_t leastBlockN = wgmma ? kWarpgroupRows : kMmaRows, leastStages = wgmma ? kMinWgmmaStages : 1;
     while (attentionSharedMemory(specAttr, scheduleAttr) > limit) {
       int64_t blockN = scheduleAttr.getBlockN(), stages = scheduleAttr.getStages();
-      if (!given.blockN && blockN > 16) blockN /= 2;
-      else if (!given.stages && stages > 1) stages = 1;
+      if (!given.blockN && blockN > leastBlockN) blockN /= 2;
+      else if (!given.stages && stages > leastStages) stages = leastStages;
       else break;
       scheduleAttr = ScheduleAttr::get(specAttr.getContext(), scheduleAttr.getBlockM(), blockN, scheduleAttr.getWarps(),
                                        stages, scheduleAttr.getMix(), scheduleAttr.getCollapse(),

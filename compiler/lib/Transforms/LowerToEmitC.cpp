@@ -74,7 +74,7 @@ std::string configStruct(SpecAttr spec, ScheduleAttr schedule, bool backward, bo
   // A decode step (loom/tile/common.h's decode fields of IhaArgs).
   text += line("bool", "decode", decode ? "true" : "false");
   text += line("bool", "mixed_cache", mixedCache ? "true" : "false");
-  if (decode) text += line("int", "kv_splits", std::to_string(schedule.getKvSplits()));
+  text += line("int", "kv_splits", std::to_string(decode ? schedule.getKvSplits() : 1));
   if (schedule.getEngine() == Engine::wgmma) {
     text += line("int", "producer_registers", std::to_string(schedule.getProducerRegisters()));
     text += line("int", "consumer_registers",

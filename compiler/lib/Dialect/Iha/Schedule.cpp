@@ -10,7 +10,6 @@ constexpr int64_t kDefaultWarps = 4;
 constexpr int64_t kDefaultWarpgroups = 2;
 constexpr int64_t kDefaultBlockNs[] = {64, 32, 16};
 constexpr int64_t kDefaultStages = 2;
-constexpr int64_t kMinWgmmaStages = 2;
 
 constexpr int64_t kTmaProducerRegisters = 24;
 constexpr int64_t kMixingProducerRegisters = 56;
@@ -171,6 +170,18 @@ void completeDecodeFields(ScheduleFields& fields, bool mixedCache, int64_t stack
   // loses little with it: the smaller staging leaves room for more CTAs
   // per SM. The tuner searches the wider blocks (and drops what spills).
   constexpr int64_t kRawCacheBlockN = 16;
+  if (fields.engine == Engine::wgmma) {
+    // wgmma (asked for; sm_90a): one consumer warpgroup unless given, its 64
+    // rows already T * P of a step's; wgmma's key blocks (64 to 256, the
+    // engine's default) and a producer warpgroup mixing them on chip.
+    if (!fields.warps && !fields.blockM) fields.warps = kWarpgroupWarps;
+    // Over a mixed cache the producer copies the rows through the page
+    // table (no TMA): at the TMA producer's 24 registers, or 32, ptxas spills
+    // its slot arithmetic; 40 compiled clean (d 64 and 128, sm_90a), so the
+    // mixing producer's 56.
+    if (mixedCache && !fields.producerRegisters) fields.producerRegisters = kMixingProducerRegisters;
+    return;
+  }
   if (!mixedCache && !fields.blockN) fields.blockN = kRawCacheBlockN;
   // Stacked heads share the query block: one 16-row m-tile a warp (four
   // warps unless given) unless a token of every head needs more.

@@ -341,4 +341,118 @@ __device__ void collapse_rows(const IhaArgs& a, int64_t token0, int64_t b) {
   }
 }
 
+//===----------------------------------------------------------------------===//
+// A decode step's append (docs/IHA.md, Decode over a paged cache)
+//===----------------------------------------------------------------------===//
+
+// The step's new tokens' k and v into their pages: token n goes to position
+// cache_len[b] + n. A raw cache takes the rows as they are, 16 bytes a thread
+// at a time. A mixed cache takes each token's G x P pseudo-rows mixed (keys
+// normalised and rotated at their virtual position), in the dtype: one warp
+// a row, a warp sum for qk_norm's mean of squares, taken on the mixed row
+// before the rotation (which keeps it).
+template <class C>
+__device__ void append_cache(const IhaArgs& a, int64_t token0, int64_t b) {
+  constexpr int D = C::head_dim, tokens = C::block_m / C::pseudo_heads;
+  if constexpr (C::mixed_cache) {
+    constexpr int P = C::pseudo_heads, G = C::kv_heads;
+    const int warps = int(blockDim.x) / kWarpSize;
+    #pragma unroll 1
+    for (int row = cuda::warp(); row < 2 * tokens * G * P; row += warps) {
+      const int p = row % P, g = (row / P) % G, t = (row / P / G) % tokens;
+      const bool key = row / P / G / tokens == 0;
+      const int64_t n = token0 + t;
+      if (n >= a.tokens) continue;  // the whole warp
+      float factor = 1.0f;
+      if constexpr (C::qk_norm) {
+        if (key) {
+          float squares = 0.0f;
+          #pragma unroll 1
+          for (int c = cuda::lane(); c < D; c += kWarpSize) {
+            const float x = cuda::mixFromGlobal<C, Role::key>(a, b, n, g, p, c);
+            squares += x * x;
+          }
+          factor = rsqrtf(cuda::warpSum(squares) * (1.0f / D) + C::qk_norm_eps);
+        }
+      }
+      Bits16* target = static_cast<Bits16*>(key ? a.k_cache : a.v_cache) +
+                       ((cache_slot(a, b, a.cache_len[b] + n) * G + g) * P + p) * D;
+      #pragma unroll 1
+      for (int c = cuda::lane(); c < D; c += kWarpSize) {
+        const float x = key ? cuda::mixedElement<C, Role::key>(a, b, n, g, p, c)
+                            : cuda::mixedElement<C, Role::value>(a, b, n, g, p, c);
+        target[c] = cuda::toBits<C>(x * factor);
+      }
+    }
+  } else {
+    constexpr int chunks = D / kChunkElements;
+    for (int index = threadIdx.x; index < 2 * tokens * C::kv_heads * chunks; index += blockDim.x) {
+      const int chunk = index % chunks, g = (index / chunks) % C::kv_heads;
+      const int t = (index / chunks / C::kv_heads) % tokens, role = index / chunks / C::kv_heads / tokens;
+      const int64_t n = token0 + t;
+      if (n >= a.tokens) continue;
+      const int64_t* stride = role == 0 ? a.k_stride : a.v_stride;
+      const Bits16* source = static_cast<const Bits16*>(role == 0 ? a.k : a.v) + b * stride[0] + n * stride[1] +
+                             g * stride[2] + chunk * kChunkElements;
+      Bits16* target = static_cast<Bits16*>(role == 0 ? a.k_cache : a.v_cache) +
+                       (cache_slot(a, b, a.cache_len[b] + n) * C::kv_heads + g) * D + chunk * kChunkElements;
+      *reinterpret_cast<uint4*>(target) = *reinterpret_cast<const uint4*>(source);
+    }
+  }
+}
+
+//===----------------------------------------------------------------------===//
+// A decode step's combine of its kv splits
+//===----------------------------------------------------------------------===//
+
+// The combine (flash-decoding's second pass): one warp a row of the CTA's
+// tokens, of every head. Its lanes take the splits' lse, M the largest, and
+// each keeps the weights e^(lse_s - M) of the splits s = lane + 32k; then
+// lane by lane the columns sum their splits, each weight read from its
+// lane by a shuffle (computed once a row, not once a column).
+template <class C>
+__device__ void combine_splits(const IhaArgs& a, int64_t token0, int64_t b) {
+  constexpr int P = C::pseudo_heads, D = C::head_dim, rows = C::block_m / P * P, S = C::kv_splits;
+  constexpr int perLane = (S + kWarpSize - 1) / kWarpSize;
+  const int64_t L = seq_len<C>(a);
+  const int l = cuda::lane();
+  for (int task = cuda::warp(); task < rows * C::heads; task += int(blockDim.x) / kWarpSize) {
+    const int h = task % C::heads;
+    const int64_t i = token0 * P + task / C::heads;
+    if (i >= L) continue;  // the whole warp: i is the warp's
+    float lse[perLane], weight[perLane];
+    float most = cuda::negativeInfinity();
+    #pragma unroll
+    for (int k = 0; k < perLane; ++k) {
+      const int s = l + k * kWarpSize;
+      lse[k] = s < S ? split_row<C>(a, b, h, s, i)[D] : cuda::negativeInfinity();
+      most = fmaxf(most, lse[k]);
+    }
+    most = cuda::warpMax(most);
+    float total = 0.0f;
+    #pragma unroll
+    for (int k = 0; k < perLane; ++k) {
+      weight[k] = most == cuda::negativeInfinity() ? 0.0f : expf(lse[k] - most);  // 0: a share without keys
+      total += weight[k];
+    }
+    total = cuda::warpSum(total);
+    // Every lane shuffles (the mask is the whole warp); lanes past D drop their sums.
+    for (int c0 = 0; c0 < D; c0 += kWarpSize) {
+      const int c = c0 + l;
+      float sum = 0.0f;
+      #pragma unroll
+      for (int k = 0; k < perLane; ++k)
+        for (int j = 0; j < kWarpSize && k * kWarpSize + j < S; ++j) {
+          const float w = __shfl_sync(0xffffffffu, weight[k], j);
+          if (w != 0.0f && c < D) sum += w * split_row<C>(a, b, h, k * kWarpSize + j, i)[c];
+        }
+      if (c < D)
+        static_cast<Bits16*>(a.o_pseudo)[((b * C::heads + h) * L + i) * D + c] =
+            cuda::toBits<C>(total > 0.0f ? sum / total : 0.0f);
+    }
+    if (l == 0 && a.lse)
+      a.lse[(b * C::heads + h) * L + i] = total > 0.0f ? most + logf(total) : cuda::negativeInfinity();
+  }
+}
+
 }  // namespace loom

@@ -63,6 +63,7 @@ constexpr int kProducerBarrier = kWarpgroupBarrier + kMaxConsumerWarpgroups;  //
 template <class C>
 struct Geometry {
   static_assert(C::dtype != DType::f32, "CUDA tiles take float16 or bfloat16 inputs");
+  static_assert(C::stacked_heads == 1, "sm_90a: one query head a CTA (stack_heads is the mma engine's)");
   static_assert(C::warps % kWarpsPerWarpgroup == 0 && C::block_m == 16 * C::warps,
                 "sm_90a: block_m is 64 rows per consumer warpgroup");
   static_assert(C::warps / kWarpsPerWarpgroup <= kMaxConsumerWarpgroups, "at most 4 consumer warpgroups");
@@ -231,12 +232,21 @@ __device__ void pipeline_init() {
   using G = hopper::Geometry<C>;
   if (threadIdx.x == 0) {
     for (int s = 0; s < C::stages; ++s) {
-      // TMA: the producer's expect_tx arrival; on-chip mixing: every producer thread.
-      hopper::mbarrierInit(hopper::fullBarrier<C>(s), C::fused_mix ? hopper::kWarpgroupThreads : 1);
+      // TMA: the producer's expect_tx arrival; on-chip mixing, or a decode
+      // step's copies from its paged cache: every producer thread.
+      hopper::mbarrierInit(hopper::fullBarrier<C>(s), C::fused_mix || C::decode ? hopper::kWarpgroupThreads : 1);
       hopper::mbarrierInit(hopper::emptyBarrier<C>(s), G::consumerThreads);
     }
     for (int w = 0; w < G::consumers; ++w) hopper::mbarrierInit(hopper::qBarrier<C>(w), 1);
     ptx::fenceMbarrierInit();
+  }
+  if constexpr (C::decode && C::kv_splits > 1) {
+    // A split of a short sequence may have no key block; its kv_finish still
+    // issues the (zero) P V product, over stage 0's V, which must then hold
+    // finite values: zeros, before any block lands there.
+    uint4* v = reinterpret_cast<uint4*>(hopper::smem() + hopper::layout<C>().v);
+    for (int i = threadIdx.x; i < G::kvTileBytes / 16; i += G::threads) v[i] = {0u, 0u, 0u, 0u};
+    hopper::fenceAsyncProxy();
   }
   __syncthreads();
 }
@@ -261,20 +271,33 @@ namespace hopper {
 // One 16-byte chunk (8 columns from `column`) of the mixed row n*P + p of
 // head h: sum_m alpha[m, h, p] * x[b, n, m, column..]. The heads are taken
 // one 16-byte load at a time, not unrolled, so the producer's few registers
-// suffice.
+// suffice. In a decode step n is the token's place in its sequence: keys
+// and values come from its cache slot (the step's own tokens were appended
+// before the attention launch), queries from the step's q, token
+// n - cache_len[b].
 template <class C, Role R>
 __device__ __forceinline__ void mixChunk(const IhaArgs& a, int64_t b, int64_t n, int h, int p, int column,
                                          float (&sum)[kChunkElements]) {
   using Role_ = cuda::RoleOf<C, R>;
   const int64_t* stride = Role_::stride(a);
   const float* alpha = Role_::alpha(a);
-  const Bits16* row = static_cast<const Bits16*>(Role_::source(a)) + b * stride[0] + n * stride[1] + column;
+  const Bits16* row;
+  int64_t headStride;
+  if constexpr (C::decode && R != Role::query) {
+    row = static_cast<const Bits16*>(R == Role::key ? a.k_cache : a.v_cache) +
+          cache_slot(a, b, n) * C::kv_heads * C::head_dim + column;
+    headStride = C::head_dim;
+  } else {
+    const int64_t token = C::decode ? n - a.cache_len[b] : n;
+    row = static_cast<const Bits16*>(Role_::source(a)) + b * stride[0] + token * stride[1] + column;
+    headStride = stride[2];
+  }
   #pragma unroll
   for (int e = 0; e < kChunkElements; ++e) sum[e] = 0.0f;
   #pragma unroll 1
   for (int m = 0; m < Role_::heads; ++m) {
     const float w = alpha[(m * Role_::heads + h) * C::pseudo_heads + p];
-    const uint4 raw = *reinterpret_cast<const uint4*>(row + m * stride[2]);
+    const uint4 raw = *reinterpret_cast<const uint4*>(row + m * headStride);
     const Bits32 words[4] = {raw.x, raw.y, raw.z, raw.w};
     #pragma unroll
     for (int e = 0; e < kChunkElements; ++e)
@@ -311,7 +334,7 @@ template <class C>
 __device__ void mixKvTile(const IhaArgs& a, int64_t g, int64_t b, int64_t block, unsigned char* kTile,
                           unsigned char* vTile) {
   using G = Geometry<C>;
-  const int64_t L = seq_len<C>(a);
+  const int64_t L = C::decode ? decode_len<C>(a, b) : seq_len<C>(a);
   for (int index = threadIdx.x; index < C::block_n * G::chunks; index += kWarpgroupThreads) {
     const int r = index / G::chunks, chunk = index % G::chunks;
     const int64_t j = block * C::block_n + r;
@@ -330,11 +353,44 @@ __device__ void mixKvTile(const IhaArgs& a, int64_t g, int64_t b, int64_t block,
   }
 }
 
+// A decode step over a mixed cache: copies key block `block` of kv head g
+// (row n*P + p at token n's slot, the row as the append stored it: mixed,
+// rotated, normalised) into the stage's swizzled K and V tiles, 16 bytes a
+// thread at a time; rows past the sequence are zero.
+template <class C>
+__device__ void copyCachedKvTile(const IhaArgs& a, int64_t g, int64_t b, int64_t block, unsigned char* kTile,
+                                 unsigned char* vTile) {
+  using G = Geometry<C>;
+  constexpr int P = C::pseudo_heads;
+  const int64_t L = decode_len<C>(a, b);
+  const Bits16* keys = static_cast<const Bits16*>(a.k_cache);
+  const Bits16* values = static_cast<const Bits16*>(a.v_cache);
+  for (int index = threadIdx.x; index < C::block_n * G::chunks; index += kWarpgroupThreads) {
+    const int r = index / G::chunks, chunk = index % G::chunks;
+    const int64_t j = block * C::block_n + r;
+    const int offset = (chunk / 8) * G::kvAtomBytes + swizzledChunk(r, chunk % 8);
+    // Word by word into the 16-byte vectors: a whole-struct copy would be a
+    // memcpy the emulator's access hooks do not see.
+    uint4 k = {0u, 0u, 0u, 0u}, v = k;
+    if (j < L) {
+      const int64_t element = ((cache_slot(a, b, j / P) * C::kv_heads + g) * P + j % P) * G::D + chunk * kChunkElements;
+      const uint4 key = *reinterpret_cast<const uint4*>(keys + element);
+      const uint4 value = *reinterpret_cast<const uint4*>(values + element);
+      k = {key.x, key.y, key.z, key.w};
+      v = {value.x, value.y, value.z, value.w};
+    }
+    *reinterpret_cast<uint4*>(kTile + offset) = {k.x, k.y, k.z, k.w};
+    *reinterpret_cast<uint4*>(vTile + offset) = {v.x, v.y, v.z, v.w};
+  }
+}
+
 }  // namespace hopper
 
 // Producer: fills the next stage with key block `block` of kv head g. With
 // materialised mixing one thread issues the TMA copies of the mixed K and V
-// rows; with fused mixing the whole warpgroup mixes them on chip.
+// rows; with fused mixing the whole warpgroup mixes them on chip. A decode
+// step's producer reads its paged cache: it mixes the raw rows on chip, or
+// copies the mixed rows of a mixed cache (a page table is no tensor map).
 template <class C, bool Mixed>
 __device__ void kv_load(KvPipeline<C>& pipe, const IhaArgs& a, const TmaMaps& maps, int64_t g, int64_t b,
                         int64_t block) {
@@ -345,9 +401,10 @@ __device__ void kv_load(KvPipeline<C>& pipe, const IhaArgs& a, const TmaMaps& ma
   const HopperSmem s = hopper::layout<C>();
   unsigned char* kTile = hopper::smem() + s.k + stage * G::kvTileBytes;
   unsigned char* vTile = hopper::smem() + s.v + stage * G::kvTileBytes;
-  if constexpr (Mixed) {
+  if constexpr (Mixed || C::decode) {
     hopper::mbarrierWait(hopper::emptyBarrier<C>(stage), parity ^ 1);  // the consumers' release of its last use
-    hopper::mixKvTile<C>(a, g, b, block, kTile, vTile);
+    if constexpr (Mixed) hopper::mixKvTile<C>(a, g, b, block, kTile, vTile);
+    else hopper::copyCachedKvTile<C>(a, g, b, block, kTile, vTile);
     hopper::fenceAsyncProxy();
     hopper::mbarrierArrive(hopper::fullBarrier<C>(stage));
   } else {
@@ -372,7 +429,7 @@ __device__ void load_q(QTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int64
   const int wg = hopper::consumerWarpgroup();
   unsigned char* tile = hopper::smem() + hopper::layout<C>().q + wg * hopper::kWgmmaRows * kSwizzleRowBytes;
   if constexpr (Mixed) {
-    const int64_t L = seq_len<C>(a);
+    const int64_t L = C::decode ? decode_len<C>(a, b) : seq_len<C>(a);  // a decode step's rows end with its sequence
     const int t = hopper::consumerThread() % hopper::kWarpgroupThreads;
     for (int index = t; index < hopper::kWgmmaRows * G::chunks; index += hopper::kWarpgroupThreads) {
       const int r = index / G::chunks, chunk = index % G::chunks;
@@ -393,6 +450,7 @@ __device__ void load_q(QTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int64
     hopper::fenceAsyncProxy();
     hopper::warpgroupBarrier(wg);
   } else {
+    static_assert(!C::decode, "a decode step mixes its queries as they load");
     Bits64* bar = hopper::qBarrier<C>(wg);
     if (hopper::consumerThread() % hopper::kWarpgroupThreads == 0) {
       hopper::mbarrierExpectBytes(bar, G::atoms * hopper::kWgmmaRows * kSwizzleRowBytes);
@@ -497,7 +555,8 @@ template <class C>
 __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int64_t block) {
   using G = hopper::Geometry<C>;
   // Rows fit in int (launches check L = N * P < 2^31).
-  const int L = int(seq_len<C>(a)), i0 = int(row0), j0 = int(block * C::block_n);
+  const int L = int(C::decode ? decode_len<C>(a, block_z(a)) : seq_len<C>(a)), i0 = int(row0),
+            j0 = int(block * C::block_n);
   const int l = cuda::lane();
   #pragma unroll
   for (int t = 0; t < G::NT; ++t)
@@ -596,7 +655,7 @@ __device__ void storeLse(SoftmaxState<C>& state, const IhaArgs& a, int64_t row0,
   #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int r = accumulatorRow(2 * h);
-    const int64_t i = row0 + r;
+    const int64_t i = cuda::storedRow<C>(a, row0, b) + r;
     if (r < C::cta_rows && i < L) a.lse[(b * C::heads + head) * L + i] = kLn2 * (state.m[h] + log2f(state.l[h]));
   }
 }
@@ -634,13 +693,39 @@ __device__ void store_rows(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArg
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int r = hopper::accumulatorRow(2 * h);
-      const int64_t i = row0 + r;
+      const int64_t i = cuda::storedRow<C>(a, row0, b) + r;
       const int c = t * 8 + fragment::accumulatorColumn(l, 0);
       if (r < C::cta_rows && i < L)
         *reinterpret_cast<Bits32*>(o + ((b * C::heads + head) * L + i) * G::D + c) =
             cuda::pack<C>(acc.o[t * 4 + 2 * h], acc.o[t * 4 + 2 * h + 1]);
     }
   hopper::storeLse<C>(state, a, row0, head, b);
+}
+
+// A split CTA's share (kv_splits > 1, decode): its normalised rows as f32
+// and their lse (-inf for a share without an allowed key) into the splits
+// workspace, for the combine launch (combine_splits, cuda_common.h).
+template <class C>
+__device__ void store_split(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head,
+                            int64_t b, int64_t split) {
+  using G = hopper::Geometry<C>;
+  const int64_t L = seq_len<C>(a);
+  const int l = cuda::lane();
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = hopper::accumulatorRow(2 * h);
+    const int64_t i = cuda::storedRow<C>(a, row0, b) + r;
+    if (r >= C::cta_rows || i >= L) continue;
+    float* row = split_row<C>(a, b, head, split, i);
+    #pragma unroll
+    for (int t = 0; t < G::OT; ++t) {
+      const int c = t * 8 + fragment::accumulatorColumn(l, 0);
+      row[c] = acc.o[t * 4 + 2 * h];
+      row[c + 1] = acc.o[t * 4 + 2 * h + 1];
+    }
+    if (l % kQuadSize == 0)
+      row[C::head_dim] = state.l[h] > 0.0f ? kLn2 * (state.m[h] + log2f(state.l[h])) : cuda::negativeInfinity();
+  }
 }
 
 // per_head collapse: out[n, head] = sum_p collapse[head, p] * O[n*P + p].

@@ -24,6 +24,7 @@ inline constexpr int64_t kThreadsPerWarp = 32;
 // producer warpgroup, registers moved between them by setmaxnreg.
 inline constexpr int64_t kWarpgroupWarps = 4;
 inline constexpr int64_t kWarpgroupRows = 64;
+inline constexpr int64_t kMinWgmmaStages = 2;  // a consumer returns a stage only after the next block's softmax
 inline constexpr int64_t kMinWarpgroupRegisters = 24;
 inline constexpr int64_t kMaxWarpgroupRegisters = 256;
 inline constexpr int64_t kMaxWarps = 3 * kWarpgroupWarps;  // three consumer warpgroups
