@@ -120,6 +120,12 @@ template <class C>
 LOOM_HOST_DEVICE constexpr int64_t decode_len(const IhaArgs& args, int64_t b) {
   return (int64_t(args.cache_len[b]) + args.tokens) * C::pseudo_heads;
 }
+// Where the virtual rows of sequence b end: L, or a decode step's
+// decode_len (its cached rows and its own).
+template <class C>
+LOOM_HOST_DEVICE constexpr int64_t rows_end(const IhaArgs& args, int64_t b) {
+  return C::decode ? decode_len<C>(args, b) : seq_len<C>(args);
+}
 // Row i (of the step's T * P) of split s of head h in the splits workspace.
 template <class C>
 LOOM_HOST_DEVICE inline float* split_row(const IhaArgs& args, int64_t b, int64_t h, int64_t s, int64_t i) {

@@ -173,7 +173,7 @@ __device__ void q_wait(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head
   Bits16* tile = reinterpret_cast<Bits16*>(cuda::smem() + cuda::layout<C>().q);
   if constexpr (Mixed) {
     // A decode step's rows end with its sequence, and its q holds only the step's tokens.
-    const int64_t L = C::decode ? decode_len<C>(a, b) : seq_len<C>(a);
+    const int64_t L = rows_end<C>(a, b);
     const int64_t firstToken = C::decode ? a.cache_len[b] : 0;
     cuda::forEachTileChunk<C, C::block_m>([&](int r, int chunk) {
       const CtaRow t = ctaRow<C>(r);
@@ -254,7 +254,7 @@ __device__ void issueKv(const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
   } else {
     // Mixed rows: from the workspaces, or in a decode step from a mixed
     // cache, row n*P + p of kv head g at its token's slot.
-    const int64_t L = C::decode ? decode_len<C>(a, b) : seq_len<C>(a);
+    const int64_t L = rows_end<C>(a, b);
     Bits16* kTile = reinterpret_cast<Bits16*>(smem() + s.k) + stage * C::block_n * G::pitch;
     Bits16* vTile = reinterpret_cast<Bits16*>(smem() + s.v) + stage * C::block_n * G::pitch;
     const Bits16* kSource = static_cast<const Bits16*>(C::decode ? a.k_cache : a.k_mixed);
@@ -311,7 +311,7 @@ __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t b, int64_t bloc
   const Bits16* raw = reinterpret_cast<const Bits16*>(smem() + s.raw) + int(block % C::stages) * 2 * G::rawRole;
   Bits16* kTile = reinterpret_cast<Bits16*>(smem() + s.k);
   Bits16* vTile = reinterpret_cast<Bits16*>(smem() + s.v);
-  const int64_t L = C::decode ? decode_len<C>(a, b) : seq_len<C>(a), token0 = block * C::block_n / C::pseudo_heads;
+  const int64_t L = rows_end<C>(a, b), token0 = block * C::block_n / C::pseudo_heads;
   constexpr int half = C::head_dim / 2;
   auto mix = [&](const Bits16* rows, const float* alpha, int t, int p, int c) {
     float sum = 0.0f;
@@ -453,7 +453,7 @@ template <class C>
 __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int64_t block) {
   using G = cuda::Geometry<C>;
   // Rows fit in int (launches check L = N * P < 2^31).
-  const int L = int(C::decode ? decode_len<C>(a, block_z(a)) : seq_len<C>(a)), i0 = int(row0),
+  const int L = int(rows_end<C>(a, block_z(a))), i0 = int(row0),
             j0 = int(block * C::block_n);
   const int l = cuda::lane();
   #pragma unroll
@@ -632,8 +632,7 @@ __device__ void store_split(AccTile<C>& acc, SoftmaxState<C>& state, const IhaAr
         row[c + 1] = acc.o[mt][ot][2 * h + 1];
       }
       if (l % kQuadSize == 0)
-        row[C::head_dim] = state.l[mt][h] > 0.0f ? kLn2 * (state.m[mt][h] + log2f(state.l[mt][h]))
-                                                 : cuda::negativeInfinity();
+        row[C::head_dim] = cuda::splitLse(state.m[mt][h], state.l[mt][h]);
     }
 }
 

@@ -141,6 +141,12 @@ __device__ __forceinline__ int64_t storedRow(const IhaArgs& a, int64_t row, int6
   return C::decode ? row - cached_rows<C>(a, b) : row;
 }
 
+// A split share's lse, ln 2 * (m + log2 l) of its running max (log2
+// domain) and denominator; -inf for a share without an allowed key.
+__device__ __forceinline__ float splitLse(float m, float l) {
+  return l > 0.0f ? kLn2 * (m + log2f(l)) : negativeInfinity();
+}
+
 __device__ __forceinline__ float warpSum(float x) {
   #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);

@@ -334,7 +334,7 @@ template <class C>
 __device__ void mixKvTile(const IhaArgs& a, int64_t g, int64_t b, int64_t block, unsigned char* kTile,
                           unsigned char* vTile) {
   using G = Geometry<C>;
-  const int64_t L = C::decode ? decode_len<C>(a, b) : seq_len<C>(a);
+  const int64_t L = rows_end<C>(a, b);
   for (int index = threadIdx.x; index < C::block_n * G::chunks; index += kWarpgroupThreads) {
     const int r = index / G::chunks, chunk = index % G::chunks;
     const int64_t j = block * C::block_n + r;
@@ -429,7 +429,7 @@ __device__ void load_q(QTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int64
   const int wg = hopper::consumerWarpgroup();
   unsigned char* tile = hopper::smem() + hopper::layout<C>().q + wg * hopper::kWgmmaRows * kSwizzleRowBytes;
   if constexpr (Mixed) {
-    const int64_t L = C::decode ? decode_len<C>(a, b) : seq_len<C>(a);  // a decode step's rows end with its sequence
+    const int64_t L = rows_end<C>(a, b);
     const int t = hopper::consumerThread() % hopper::kWarpgroupThreads;
     for (int index = t; index < hopper::kWgmmaRows * G::chunks; index += hopper::kWarpgroupThreads) {
       const int r = index / G::chunks, chunk = index % G::chunks;
@@ -555,7 +555,7 @@ template <class C>
 __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int64_t block) {
   using G = hopper::Geometry<C>;
   // Rows fit in int (launches check L = N * P < 2^31).
-  const int L = int(C::decode ? decode_len<C>(a, block_z(a)) : seq_len<C>(a)), i0 = int(row0),
+  const int L = int(rows_end<C>(a, block_z(a))), i0 = int(row0),
             j0 = int(block * C::block_n);
   const int l = cuda::lane();
   #pragma unroll
@@ -724,7 +724,7 @@ __device__ void store_split(AccTile<C>& acc, SoftmaxState<C>& state, const IhaAr
       row[c + 1] = acc.o[t * 4 + 2 * h + 1];
     }
     if (l % kQuadSize == 0)
-      row[C::head_dim] = state.l[h] > 0.0f ? kLn2 * (state.m[h] + log2f(state.l[h])) : cuda::negativeInfinity();
+      row[C::head_dim] = cuda::splitLse(state.m[h], state.l[h]);
   }
 }
 

@@ -152,7 +152,7 @@ void cachedRow(const IhaArgs& a, int64_t b, int64_t n, int64_t g, int64_t p, flo
 // decode step a query row from the step's q, a key or value row from the cache.
 template <class C, Role R, bool Mixed>
 void virtualRow(const IhaArgs& a, int64_t b, int64_t h, int64_t i, float* out) {
-  if (i >= (C::decode ? decode_len<C>(a, b) : seq_len<C>(a))) {
+  if (i >= rows_end<C>(a, b)) {
     for (int c = 0; c < C::head_dim; ++c) out[c] = 0.0f;  // past the end: zeros
     return;
   }
@@ -445,7 +445,7 @@ void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_t block) {
 template <class C>
 void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int64_t block) {
   host::stats.masked_blocks++;
-  const int64_t L = C::decode ? decode_len<C>(a, block_z(a)) : seq_len<C>(a);
+  const int64_t L = rows_end<C>(a, block_z(a));
   for (int r = 0; r < C::block_m; ++r)
     for (int c = 0; c < C::block_n; ++c) {
       const int64_t j = block * C::block_n + c;
