@@ -6,8 +6,12 @@
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 #include <httplib.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <mutex>
@@ -546,6 +550,34 @@ TEST(ServiceStartup, RefusesPlaintextOffLoopbackAndShortTokens) {
   EXPECT_NE(weak.error().message.find("at least 16 characters"), std::string::npos);
 }
 
+// Waits until a `loom serve` child accepts TCP connections on 127.0.0.1:port,
+// or has exited, or the deadline passed; a child that never listened is killed
+// and reaped, so a failed wait leaves no server behind. Polling with plain sockets keeps the
+// gRPC client out of its reconnect backoff: a channel that failed to connect
+// while the server was still starting (slowly, under a sanitizer) waits up to
+// seconds before it tries again, however soon the server is up.
+::testing::AssertionResult waitUntilListening(pid_t server, int port, std::chrono::seconds deadline = std::chrono::seconds(90)) {
+  const auto until = std::chrono::steady_clock::now() + deadline;
+  while (std::chrono::steady_clock::now() < until) {
+    int status = 0;
+    if (::waitpid(server, &status, WNOHANG) == server)
+      return ::testing::AssertionFailure() << "loom serve exited before it listened (status " << status << ")";
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) return ::testing::AssertionFailure() << "socket() failed";
+    sockaddr_in address{};
+    address.sin_family = AF_INET;
+    address.sin_port = htons(uint16_t(port));
+    address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    const bool connected = ::connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof address) == 0;
+    ::close(fd);
+    if (connected) return ::testing::AssertionSuccess();
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ::kill(server, SIGKILL);
+  ::waitpid(server, nullptr, 0);
+  return ::testing::AssertionFailure() << "loom serve did not listen on port " << port << " within " << deadline.count() << " s";
+}
+
 // `loom serve` killed with SIGKILL while uploads stream in: after a restart
 // every acknowledged write is there.
 TEST(ServiceCrash, AcknowledgedWritesSurviveSigkill) {
@@ -563,6 +595,7 @@ TEST(ServiceCrash, AcknowledgedWritesSurviveSigkill) {
   };
   const int port = 20000 + int(::getpid() % 20000);
   pid_t server = startServer(port);
+  ASSERT_TRUE(waitUntilListening(server, port));
   const std::string address = "127.0.0.1:" + std::to_string(port);
   auto writer = KernelClient::connect(address, dir / "token");
   ASSERT_TRUE(writer);
@@ -591,6 +624,7 @@ TEST(ServiceCrash, AcknowledgedWritesSurviveSigkill) {
   ASSERT_GE(acknowledged.size(), 10u) << "the server took too few writes before it was killed";
 
   server = startServer(port);
+  ASSERT_TRUE(waitUntilListening(server, port));
   auto reader = KernelClient::connect(address);
   Result<v1::ListKernelsResponse> listed = makeError("not yet");
   for (int wait = 0; wait < 100 && !listed; ++wait) {
@@ -618,10 +652,10 @@ TEST(ServiceShutdown, FinishesRequestsInFlight) {
             static_cast<char*>(nullptr));
     ::_exit(127);
   }
+  ASSERT_TRUE(waitUntilListening(server, port));
   auto client = KernelClient::connect("127.0.0.1:" + std::to_string(port));
   ASSERT_TRUE(client);
-  for (int wait = 0; wait < 100 && !(*client)->listKernels(); ++wait)
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_TRUE((*client)->listKernels());
   Result<v1::GetKernelResponse> response = makeError("not sent");
   std::thread request([&] { response = (*client)->getKernel(spec(8, 24), sm80()); });
   std::this_thread::sleep_for(std::chrono::milliseconds(150));  // the compile is under way
