@@ -30,9 +30,11 @@ Two modes:
       attention library must take it: over a cache of the mixed, rotated
       pseudo-keys and values (G*P*d per token, materialised and contiguous,
       the layout most favourable to it), the new token's rows mixed, rotated
-      and written in, SDPA with the step's mask, the collapse. With
-      loom-gpu-bench's JSON it prints loom's raw-cache step beside it, and
-      both layouts' cache bytes.
+      and written in, the attention with the step's mask, the collapse; the
+      attention once by SDPA (a boolean mask) and once by torch.compile'd
+      flex_attention (a block mask, its decoding kernel for short queries).
+      With loom-gpu-bench's JSON it prints loom's raw-cache step beside
+      them (the speedup over the faster), and both layouts' cache bytes.
 
 bench/report.py joins OUT.json with loom-gpu-bench's JSON into the table.
 """
@@ -136,11 +138,20 @@ def run_decode(out_path, loom_path=None):
         return 2
     device = torch.device("cuda")
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        import torch._dynamo
+        # Every problem is a shape of its own: compile each rather than fall back to eager.
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        flex = torch.compile(flex_attention, dynamic=False)
+    except Exception as error:  # noqa: BLE001 - any import or compile failure means "unavailable"
+        flex, flex_error = None, str(error)
     loom = {}
     if loom_path and os.path.exists(loom_path):
         loom = {r["name"]: r for r in json.load(open(loom_path))["results"] if r.get("direction") == "decode"}
     results = []
-    print(f"{'problem':32s} {'sdpa ms':>9s} {'loom ms':>9s} {'speedup':>8s} {'mixed GB':>9s} {'raw GB':>8s}")
+    print(f"{'problem':32s} {'sdpa ms':>9s} {'flex ms':>9s} {'loom ms':>9s} {'speedup':>8s} {'mixed GB':>9s} "
+          f"{'raw GB':>8s}")
     for problem in decode_grid():
         spec, C, B = problem["spec"], problem["cached"], problem["batch"]
         H, G, P, d = spec["heads"], spec["kv_heads"], spec["pseudo_heads"], spec["head_dim"]
@@ -149,6 +160,7 @@ def run_decode(out_path, loom_path=None):
         gen = torch.Generator(device=device).manual_seed(len(results) + 1)
         row = {"name": problem["name"], "cached": C, "batch": B, "methods": {},
                "cache_bytes_mixed": B * (C + 1) * 2 * G * P * d * 2, "cache_bytes_raw": B * (C + 1) * 2 * G * d * 2}
+        methods = ("sdpa-mixed-cache", "flex-mixed-cache")
         try:
             keys = torch.randn(B, G, L, d, device=device, dtype=dtype, generator=gen)
             values = torch.randn(B, G, L, d, device=device, dtype=dtype, generator=gen)
@@ -176,30 +188,50 @@ def run_decode(out_path, loom_path=None):
 
             gqa = {} if G == H else {"enable_gqa": True}
 
-            def step():
+            def step(attend):  # the step around one attention: append, attend, collapse
                 keys[:, :, C * P:] = rope(mix(k, ak))
                 values[:, :, C * P:] = mix(v, av)
-                o = F.scaled_dot_product_attention(rope(mix(q, aq)), keys, values, attn_mask=mask, **gqa)
+                o = attend(rope(mix(q, aq)), keys, values)
                 return torch.einsum("hp,bhpc->bhc", collapse, o.float()).to(dtype)
 
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            ms = median_ms(torch, step, runs=RUNS, warmup=WARMUP, before=lambda: flush.random_(0, 255))
-            row["methods"]["sdpa-mixed-cache"] = {"median_ms": ms, "peak_bytes": torch.cuda.max_memory_allocated()}
+            def measure(method, attend):
+                try:
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    ms = median_ms(torch, lambda: step(attend), runs=RUNS, warmup=WARMUP,
+                                   before=lambda: flush.random_(0, 255))
+                    row["methods"][method] = {"median_ms": ms, "peak_bytes": torch.cuda.max_memory_allocated()}
+                except Exception as error:  # noqa: BLE001 - recorded, the table says why
+                    row["methods"][method] = {"error": f"{type(error).__name__}: {str(error)[:160]}"}
+
+            measure("sdpa-mixed-cache", lambda qs, ks, vs: F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask,
+                                                                                          **gqa))
+            if flex is not None:
+                # The same mask as a block mask: new row i (of P) sees keys up to C*P + i.
+                block_mask = create_block_mask(lambda b, h, qi, kj: kj <= C * P + qi, None, None, P, L, device=device)
+                measure("flex-mixed-cache", lambda qs, ks, vs: flex(qs, ks, vs, block_mask=block_mask, **gqa))
+            else:
+                row["methods"]["flex-mixed-cache"] = {"error": f"unavailable: {flex_error[:160]}"}
             del keys, values
         except Exception as error:  # noqa: BLE001 - recorded, the table says why
-            row["methods"]["sdpa-mixed-cache"] = {"error": f"{type(error).__name__}: {str(error)[:160]}"}
+            for method in methods:
+                row["methods"].setdefault(method, {"error": f"{type(error).__name__}: {str(error)[:160]}"})
         torch.cuda.empty_cache()
         results.append(row)
         sdpa = row["methods"]["sdpa-mixed-cache"].get("median_ms")
+        flex_ms = row["methods"]["flex-mixed-cache"].get("median_ms")
+        peers = [x for x in (sdpa, flex_ms) if x]
         mine = loom.get(problem["name"], {}).get("median_ms")
         cell = lambda x: f"{x:9.3f}" if x else f"{'-':>9s}"
-        speedup = f"{sdpa / mine:7.2f}x" if sdpa and mine else f"{'-':>8s}"
-        print(f"{problem['name']:32s} {cell(sdpa)} {cell(mine)} {speedup} {row['cache_bytes_mixed'] / 1e9:9.2f} "
-              f"{row['cache_bytes_raw'] / 1e9:8.2f}", flush=True)
-    with open(out_path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "direction": "decode",
-                   "results": results}, f, indent=2)
+        # loom against the faster peer
+        speedup = f"{min(peers) / mine:7.2f}x" if peers and mine else f"{'-':>8s}"
+        print(f"{problem['name']:32s} {cell(sdpa)} {cell(flex_ms)} {cell(mine)} {speedup} "
+              f"{row['cache_bytes_mixed'] / 1e9:9.2f} {row['cache_bytes_raw'] / 1e9:8.2f}", flush=True)
+        # Written after every problem: a run cut short by its time limit keeps the rows it measured.
+        with open(out_path + ".tmp", "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "direction": "decode",
+                       "results": results}, f, indent=2)
+        os.replace(out_path + ".tmp", out_path)
     return 0
 
 

@@ -45,6 +45,18 @@ struct DecodeCase {
 // against the case's N, the page size.
 Result<DecodeCase> decodeCaseFrom(const IhaCase& c, const DecodeLayout& layout);
 
+// What a backend's step left in the cache (`after`), against the reference's
+// append to the step's cache rounded to the spec's dtype. A raw cache must
+// hold exactly that: the new tokens' k and v at their slots, every other
+// element as it was (NaN where no token is). A mixed cache's rows are
+// computed, so they are compared by relative error; its elements must still
+// be finite exactly where a sequence's token is.
+struct AppendCheck {
+  int64_t wrongElements = 0;  // differing (raw), or finite where NaN is due or NaN where not (mixed)
+  double mixedError = 0;      // the mixed rows' relative error over the finite elements; 0 for raw
+};
+AppendCheck checkAppend(const DecodeCase& step, const reference::PagedCache& after);
+
 // The step's new tokens as a case of N = T (what the backends launch on).
 IhaCase stepCase(const DecodeCase& step);
 

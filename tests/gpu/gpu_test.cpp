@@ -161,13 +161,7 @@ TEST_F(Gpu, EveryDecodeBundleMatchesTheForwardsRows) {
       EXPECT_LE(error, toleranceFor(c.spec.dtype())) << what;
       EXPECT_EQ(first->out, second->out) << what << ": two runs differ";
       // The cache: the step's slots hold its k and v, the rest what it held.
-      reference::PagedCache want = step->cache;
-      reference::appendToCache(c.spec, step->step, want);
-      int64_t wrong = 0;
-      for (size_t i = 0; i < want.k.size(); ++i)
-        for (auto [got, expected] : {std::pair{first->cache.k[i], want.k[i]}, {first->cache.v[i], want.v[i]}})
-          wrong += std::isnan(expected) ? !std::isnan(got) : got != expected;
-      EXPECT_EQ(wrong, 0) << what << ": cache elements other than the append's";
+      EXPECT_EQ(checkAppend(*step, first->cache).wrongElements, 0) << what << ": cache elements other than the append's";
       std::printf("[ gpu dec  ] %-48s rel. error %.2e\n", what.c_str(), error);
     }
     ++checked;

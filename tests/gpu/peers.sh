@@ -19,8 +19,9 @@ timeout 240 python3 bench/peers.py --run "$out/peers-backward.json" --backward 2
 ((peers |= PIPESTATUS[0]))
 timeout 150 build/bin/loom-gpu-bench build/gpu-bundles "$out/bench.json" 2>&1 | tee "$out/bench.log"
 bench=${PIPESTATUS[0]}
-# Decode: loom's raw-cache step against SDPA over a materialised pseudo-head cache.
-timeout 120 python3 bench/peers.py --run "$out/peers-decode.json" --decode --loom "$out/bench.json" 2>&1 |
+# Decode: loom's raw-cache step against SDPA and FlexAttention over a materialised pseudo-head
+# cache (peers-decode.json is rewritten after every problem, so a run cut short keeps its rows).
+timeout 150 python3 bench/peers.py --run "$out/peers-decode.json" --decode --loom "$out/bench.json" 2>&1 |
   tee "$out/peers-decode.log"
 ((peers |= PIPESTATUS[0]))
 python3 bench/report.py --loom "$out/bench.json" --peers "$out/peers.json" --ceilings "$out/ceilings.json" \

@@ -38,8 +38,10 @@ double lseError(const IhaCase& c, const DecodeCase& dc, const reference::DecodeO
   return relativeError(have, want);
 }
 
-// Slots the step must have filled are finite; every other slot is still the
-// NaN it was poisoned with (nothing written outside the sequences' tokens).
+// The reference's own append, checked apart from appendToCache (which
+// checkAppend, and so the backends' checks, build on). Slots the step must
+// have filled are finite; every other slot is still the NaN it was poisoned
+// with (nothing written outside the sequences' tokens).
 void expectOnlyTheSequencesSlotsFilled(const DecodeCase& dc, const reference::PagedCache& after) {
   const int64_t E = reference::cacheTokenElements(dc.spec, after.mixed);
   std::vector<bool> owned(size_t(after.numPages * after.pageSize), false);
@@ -151,28 +153,14 @@ Result<cpu::CpuDecodeOutputs> runOnHost(const DecodeCase& dc, const Schedule& sc
   return cpu::runDecodePlan(*plan, dc, {LOOM_TEST_CACHE, 2});
 }
 
-// The host kernel's step against the forward's rows (out and lse) within the
-// dtype's tolerance, and its append: the raw cache holds exactly the new
-// tokens' k and v, a mixed one the reference's mixed rows, and no slot
-// outside the sequences' tokens was written.
-// The append a step made: the raw cache holds exactly the new tokens' k and
-// v, a mixed one the reference's mixed rows within the dtype's tolerance,
-// and no slot outside the sequences' tokens was written.
+// The append a backend's step made (checkAppend): a raw cache holds exactly
+// the reference's append of the new tokens' k and v and what it held
+// before, a mixed one the reference's mixed rows within the dtype's
+// tolerance, finite exactly where a sequence's tokens are.
 void expectAppend(const IhaCase& c, const DecodeCase& dc, const reference::PagedCache& got) {
-  expectOnlyTheSequencesSlotsFilled(dc, got);
-  if (dc.layout == CacheLayout::raw) {
-    expectRawAppend(dc, got);
-    return;
-  }
-  reference::PagedCache want = dc.cache;
-  reference::appendToCache(c.spec, dc.step, want);
-  auto finite = [](std::vector<double> x) {
-    for (double& e : x) e = std::isfinite(e) ? e : 0.0;
-    return x;
-  };
-  const double tolerance = toleranceFor(c.spec.dtype());
-  EXPECT_LE(relativeError(finite(got.k), finite(want.k)), tolerance) << "mixed keys appended";
-  EXPECT_LE(relativeError(finite(got.v), finite(want.v)), tolerance) << "mixed values appended";
+  const AppendCheck check = checkAppend(dc, got);
+  EXPECT_EQ(check.wrongElements, 0) << cacheLayoutName(dc.layout) << " cache elements other than the append's";
+  EXPECT_LE(check.mixedError, toleranceFor(c.spec.dtype())) << "mixed rows appended";
 }
 
 // The host kernel's step: out and lse within the dtype's tolerance, and its append.
@@ -764,8 +752,7 @@ TEST(DecodeHostApi, StepsInPlaceAndChecksItsTensors) {
     reference::PagedCache after = dc->cache;
     after.k = hostValues(cache.k_cache);
     after.v = hostValues(cache.v_cache);
-    expectOnlyTheSequencesSlotsFilled(*dc, after);
-    if (layout == CacheLayout::raw) expectRawAppend(*dc, after);
+    expectAppend(c, *dc, after);
 
     auto expectRefused = [&](const PagedCacheTensors& bad, const std::string& words) {
       Status status = runDecodeOnHost(spec, t.inputs(), bad, {}, options);
@@ -814,9 +801,25 @@ TEST(DecodeCli, DecodesACaseAndSaysWhatDoesNotFit) {
                               std::string(LOOM_TEST_CACHE) + " --out " + (dir / "emu.npy"));
   EXPECT_EQ(emu.exitCode, 0) << emu.output;
   EXPECT_NE(emu.output.find("0 findings"), std::string::npos) << emu.output;
-  auto cuda = testing::runLoom("run --case " + cs + " --decode 1 --backend cuda --out " + (dir / "x.npy"));
-  EXPECT_EQ(cuda.exitCode, 2) << cuda.output;
-  EXPECT_NE(cuda.output.find("has no decode launch yet"), std::string::npos) << cuda.output;
+  EXPECT_NE(cpu.output.find("append: 0 cache elements differ"), std::string::npos) << cpu.output;
+  EXPECT_NE(emu.output.find("append: 0 cache elements differ"), std::string::npos) << emu.output;
+  auto mixed = testing::runLoom("run --case " + cs + " --decode 2 --page-size 3 --cache mixed --backend cpu --cache-dir " +
+                                std::string(LOOM_TEST_CACHE) + " --out " + (dir / "mixed.npy"));
+  EXPECT_EQ(mixed.exitCode, 0) << mixed.output;
+  EXPECT_NE(mixed.output.find("append: mixed rows' relative error"), std::string::npos) << mixed.output;
+  EXPECT_NE(mixed.output.find(", 0 elements finite where no token"), std::string::npos) << mixed.output;
+  // The CUDA step: with no driver it says so and what to use instead; with
+  // a GPU it must pass, out and append.
+  auto cuda = testing::runLoom("run --case " + cs + " --decode 2 --page-size 5 --backend cuda --dtype float16 --out " +
+                               (dir / "cuda.npy") + " --cache-dir " + LOOM_TEST_CACHE);
+  if (cuda.output.find("no CUDA driver") != std::string::npos) {
+    EXPECT_EQ(cuda.exitCode, 2) << cuda.output;
+    EXPECT_NE(cuda.output.find("--backend cpu"), std::string::npos) << cuda.output;
+  } else {
+    EXPECT_EQ(cuda.exitCode, 0) << cuda.output;
+    EXPECT_NE(cuda.output.find("cuda decode: "), std::string::npos) << cuda.output;
+    EXPECT_NE(cuda.output.find("append: 0 cache elements differ"), std::string::npos) << cuda.output;
+  }
 }
 
 }  // namespace

@@ -52,40 +52,54 @@ std::string compiledText(const cpu::CpuRunStats& stats) {
   return stats.compiled ? "compiled in " + std::to_string(stats.compileSeconds).substr(0, 4) + " s" : "from the cache";
 }
 
-// The generated program through NVRTC on the GPU.
-Result<std::vector<double>> runOnCuda(const RunOptions& options, const IhaCase& c) {
+// A kernel the runtime on --device provides (`get`, given the runtime and
+// the --schedule), with that device opened to run it; prints what was loaded
+// ("cuda backward: NVIDIA H200 (sm_90a); schedule ...; toolchain; provenance").
+struct CudaKernel {
+  std::shared_ptr<Kernel> kernel;
+  std::shared_ptr<cuda::Device> device;
+};
+template <class Get>
+Result<CudaKernel> loadOnCuda(const RunOptions& options, const char* label, Get get) {
   auto schedule = readScheduleFile(options.schedulePath);
   if (!schedule) return schedule.error();
   auto runtime = Runtime::create({options.device, options.cacheDir});
   if (!runtime) return runtime.error();
-  auto kernel = (*runtime)->kernel(c.spec, *schedule);
+  Result<std::shared_ptr<Kernel>> kernel = get(**runtime, *schedule);
   if (!kernel) return kernel.error();
   const v1::CompiledKernel& compiled = (*kernel)->compiled();
-  std::printf("cuda: %s (%s); schedule %s; %s; %s\n", (*runtime)->device().name.c_str(),
+  std::printf("%s: %s (%s); schedule %s; %s; %s\n", label, (*runtime)->device().name.c_str(),
               (*runtime)->device().arch().c_str(), compiled.schedule().ShortDebugString().c_str(),
               compiled.toolchain().c_str(), (*kernel)->provenance().c_str());
   auto device = cuda::Device::open(options.device);
   if (!device) return device.error();
-  auto run = cuda::runCase(**kernel, **device, c);
+  return CudaKernel{std::move(*kernel), std::move(*device)};
+}
+
+// The generated program through NVRTC on the GPU.
+Result<std::vector<double>> runOnCuda(const RunOptions& options, const IhaCase& c) {
+  auto loaded = loadOnCuda(options, "cuda", [&](Runtime& r, const Schedule& s) { return r.kernel(c.spec, s); });
+  if (!loaded) return loaded.error();
+  auto run = cuda::runCase(*loaded->kernel, *loaded->device, c);
   if (!run) return run.error();
   return std::move(run->out);
 }
 
 // The generated backward through NVRTC on the GPU.
 Result<reference::IhaGradients> runBackwardOnCuda(const RunOptions& options, const IhaCase& c) {
-  auto schedule = readScheduleFile(options.schedulePath);
-  if (!schedule) return schedule.error();
-  auto runtime = Runtime::create({options.device, options.cacheDir});
-  if (!runtime) return runtime.error();
-  auto kernel = (*runtime)->backwardKernel(c.spec, *schedule);
-  if (!kernel) return kernel.error();
-  const v1::CompiledKernel& compiled = (*kernel)->compiled();
-  std::printf("cuda backward: %s (%s); schedule %s; %s; %s\n", (*runtime)->device().name.c_str(),
-              (*runtime)->device().arch().c_str(), compiled.schedule().ShortDebugString().c_str(),
-              compiled.toolchain().c_str(), (*kernel)->provenance().c_str());
-  auto device = cuda::Device::open(options.device);
-  if (!device) return device.error();
-  return cuda::runBackwardCase(**kernel, **device, c);
+  auto loaded =
+      loadOnCuda(options, "cuda backward", [&](Runtime& r, const Schedule& s) { return r.backwardKernel(c.spec, s); });
+  if (!loaded) return loaded.error();
+  return cuda::runBackwardCase(*loaded->kernel, *loaded->device, c);
+}
+
+// The generated decode step through NVRTC on the GPU, over a cache of `layout`.
+Result<cuda::DeviceDecodeRun> runDecodeOnCuda(const RunOptions& options, const DecodeCase& step) {
+  auto loaded = loadOnCuda(options, "cuda decode", [&](Runtime& r, const Schedule& s) {
+    return r.decodeKernel(step.spec, step.layout, s);
+  });
+  if (!loaded) return loaded.error();
+  return cuda::runDecodeCase(*loaded->kernel, *loaded->device, step);
 }
 
 // The generated program, compiled for the host and run CTA by CTA.
@@ -224,9 +238,6 @@ int runBackward(const RunOptions& options, const IhaCase& c) {
 // shuffled page table, one step over the last T, compared with the forward's
 // rows at those tokens.
 int runDecode(const RunOptions& options, const IhaCase& c) {
-  if (options.backend == "cuda")
-    return badInput("--decode: backend 'cuda' has no decode launch yet; the decode step runs on --backend "
-                    "reference, cpu or emu (the CUDA program on the emulator)");
   auto layout = parseCacheLayout(options.cacheLayout);
   if (!layout) return badInput("--cache: " + layout.error().message);
   DecodeLayout decodeLayout;
@@ -259,6 +270,7 @@ int runDecode(const RunOptions& options, const IhaCase& c) {
     return generateKernel(c.spec, *schedule, target, generate);
   };
   std::vector<double> out;
+  std::optional<reference::PagedCache> appended;  // a backend's cache after the step
   bool clean = true;  // no emulator findings
   if (options.backend == "emu") {
     auto target = parseTarget(options.target);
@@ -277,6 +289,15 @@ int runDecode(const RunOptions& options, const IhaCase& c) {
     clean = run->findingCount == 0 && !run->deadlocked;
     if (!clean) std::printf("emulator findings: %lld: FAILED\n", (long long)run->findingCount);
     out = std::move(run->out);
+    appended = std::move(run->cache);
+  } else if (options.backend == "cuda") {
+    auto run = runDecodeOnCuda(options, dc);
+    if (!run) {
+      if (!run.error().log.empty()) std::fprintf(stderr, "%s\n", run.error().log.c_str());
+      return badInput(run.error().message);
+    }
+    out = std::move(run->out);
+    appended = std::move(run->cache);
   } else if (options.backend == "cpu") {
     auto plan = decodePlan(*parseTarget("cpu"));
     if (!plan) return badInput(plan.error().message);
@@ -291,6 +312,7 @@ int runDecode(const RunOptions& options, const IhaCase& c) {
                 compiledText(stats).c_str(),
                 (long long)stats.keyBlocks, (long long)stats.maskedBlocks);
     out = std::move(run->out);
+    appended = std::move(run->cache);
   } else {
     out = reference::ihaDecode(c.spec, dc.step, dc.cache).out;
   }
@@ -303,7 +325,20 @@ int runDecode(const RunOptions& options, const IhaCase& c) {
   const bool pass = error <= tolerance;  // false for NaN
   std::printf("relative error %.3e against the forward's rows of the last %lld tokens (tolerance %.0e for %s): %s\n",
               error, (long long)options.decode, tolerance, dtypeName(c.spec.dtype()).c_str(), pass ? "ok" : "FAILED");
-  return pass && clean ? kExitOk : kExitCheckFailed;
+  bool appendOk = true;
+  if (appended) {  // the reference's own append is what the check compares with
+    const AppendCheck check = checkAppend(dc, *appended);
+    appendOk = check.wrongElements == 0 && check.mixedError <= tolerance;
+    if (*layout == CacheLayout::raw)
+      std::printf("append: %lld cache elements differ from the new tokens' k and v at their slots and the rest "
+                  "as it was: %s\n",
+                  (long long)check.wrongElements, appendOk ? "ok" : "FAILED");
+    else
+      std::printf("append: mixed rows' relative error %.3e (tolerance %.0e), %lld elements finite where no token "
+                  "is or NaN where one is: %s\n",
+                  check.mixedError, tolerance, (long long)check.wrongElements, appendOk ? "ok" : "FAILED");
+  }
+  return pass && appendOk && clean ? kExitOk : kExitCheckFailed;
 }
 
 int run(const RunOptions& options) {
@@ -417,9 +452,11 @@ void addRunCommand(CLI::App& app, std::function<int()>* action) {
   cmd->add_option("--decode", options->decode,
                   "decode the case's last T tokens over a paged cache of the earlier ones (docs/IHA.md, Decode):\n"
                   "the cache gets tokens 0 .. N-T-1 under a shuffled page table (--seed), one step appends\n"
-                  "and attends the last T, and out [B, T, H, d] is compared with the forward's rows there;\n"
-                  "prints the cache bytes of both layouts. Backends: reference, cpu (the generated decode step), emu\n"
-                  "(its CUDA program for --target on the emulator; raw cache)")
+                  "and attends the last T, and out [B, T, H, d] is compared with the forward's rows there (and a\n"
+                  "backend's cache after the step with the reference's append: a raw one exactly, a mixed one within\n"
+                  "the tolerance); prints the cache bytes of both layouts. Backends: reference, cpu (the generated\n"
+                  "decode step), emu (its CUDA program for --target on the emulator), cuda (the runtime's decode\n"
+                  "kernel on --device, out poisoned first)")
       ->check(CLI::Range(int64_t(1), std::numeric_limits<int64_t>::max()));
   cmd->add_option("--page-size", options->pageSize, "with --decode: tokens per cache page")
       ->check(CLI::Range(int64_t(1), int64_t(1) << 20))
