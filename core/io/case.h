@@ -104,13 +104,22 @@ std::vector<double> drawDout(const KernelSpec& spec, int64_t batch, int64_t toke
 // (dalpha of one head), or dq of a row whose few keys nearly agree (dS
 // rounded no longer sums to zero; in float32 dP - D cancelling for one
 // token of collinear keys) can lose more than the tolerance to those
-// roundings alone. Some specs have no such draw in a 16-bit dtype (one kv
+// roundings alone; or while the backward of q, k, v and dout moved by a
+// random relative 4 units of float32's roundoff is (the float32 arithmetic
+// every backend computes in: a dalpha whose reduction cancels, in float32,
+// measured at 2.1 times the tolerance on a draw the rounding model passed).
+// Some specs have no such draw in a 16-bit dtype (one kv
 // head under a one-token window: a query's P keys are multiples of one row,
 // their scores nearly agree, and every draw loses several times the
 // tolerance to the roundings): findCheckableBackwardCase then gives none,
 // drawCheckableBackwardCase the draw they hurt least.
 std::optional<IhaCase> findCheckableBackwardCase(const KernelSpec& spec, int64_t batch, int64_t tokens,
                                                  uint64_t seed);
+// The share of the gradient tolerance that measure gives a case with dout
+// and expectedGradients: the larger of the rounding model's and the float32
+// perturbation's worst gradient error, over the tolerance (the rounding
+// model's alone where it is already over kCheckableBackwardShare).
+double backwardCheckShare(const IhaCase& c);
 IhaCase drawCheckableBackwardCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed);
 
 NpyType storageTypeOf(v1::DType dtype);

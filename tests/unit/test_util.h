@@ -244,17 +244,19 @@ inline std::vector<double> drawDout(const IhaCase& c, std::mt19937_64& rng) {
 
 // drawDout for a fixed case (a shared one), drawn again while what a kernel
 // rounds in the dtype alone (reference::ihaBackwardWithRoundedMixing: for
-// float32 every partial sum, dcollapse's too) costs a gradient over
-// kCheckableBackwardShare of its tolerance, as drawCheckableBackwardCase
-// does for drawn cases; at most 16 draws, the one rounding hurts least.
+// float32 every partial sum, dcollapse's too) or its float32 arithmetic
+// (backwardCheckShare) costs a gradient over kCheckableBackwardShare of its
+// tolerance, as drawCheckableBackwardCase does for drawn cases; at most 16
+// draws, the one they hurt least.
 inline std::vector<double> drawCheckableDout(const IhaCase& c, std::mt19937_64& rng) {
   std::vector<double> best;
   double bestShare = std::numeric_limits<double>::infinity();
   for (int tries = 0; tries < 16; ++tries) {
     std::vector<double> dout = drawDout(c, rng);
-    const auto want = reference::ihaBackward(c.spec, c.inputs, dout);
-    const auto rounded = reference::ihaBackwardWithRoundedMixing(c.spec, c.inputs, dout, c.spec.dtype());
-    const double share = worstGradientError(c.spec, c.tokens, rounded, want) / gradientToleranceFor(c.spec.dtype());
+    IhaCase withDout = c;
+    withDout.dout = dout;
+    withDout.expectedGradients = reference::ihaBackward(c.spec, c.inputs, dout);
+    const double share = backwardCheckShare(withDout);
     if (share <= kCheckableBackwardShare) return dout;
     if (share < bestShare) {
       bestShare = share;
