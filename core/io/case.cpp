@@ -58,6 +58,10 @@ NpyType storageTypeOf(v1::DType dtype) {
   }
 }
 
+std::vector<double> roundedToDtype(const std::vector<double>& values, v1::DType dtype) {
+  return npyToDouble(npyFromDouble(values, {int64_t(values.size())}, storageTypeOf(dtype)), dtype == v1::bfloat16);
+}
+
 double toleranceFor(v1::DType dtype) {
   switch (dtype) {
     case v1::float16: return kFloat16Tolerance;
@@ -312,8 +316,7 @@ std::vector<double> drawDout(const KernelSpec& spec, int64_t batch, int64_t toke
   std::normal_distribution<double> normal(0.0, 1.0);
   std::vector<double> dout(size_t(batch * tokens * spec.heads() * spec.head_dim()));
   for (double& x : dout) x = normal(rng);
-  return npyToDouble(npyFromDouble(dout, {int64_t(dout.size())}, storageTypeOf(spec.dtype())),
-                     spec.dtype() == v1::bfloat16);
+  return roundedToDtype(dout, spec.dtype());
 }
 
 namespace {
@@ -324,26 +327,25 @@ namespace {
 // float32's roundoff, through the float64 backward. The model of rounded
 // mixing leaves it out, as it rounds only what a kernel stores in the dtype.
 constexpr double kFloat32Ulps = 4;
-reference::IhaGradients backwardOfFloat32Perturbation(const IhaCase& c) {
-  std::mt19937_64 rng(0x5eed + uint64_t(c.tokens) * 1000003 + uint64_t(c.batch));
+reference::IhaGradients backwardOfFloat32Perturbation(const KernelSpec& spec, reference::IhaInputs inputs,
+                                                      std::vector<double> dout) {
+  std::mt19937_64 rng(0x5eed + uint64_t(inputs.tokens) * 1000003 + uint64_t(inputs.batch));
   std::uniform_real_distribution<double> unit(-1.0, 1.0);
   const double relative = kFloat32Ulps * std::ldexp(1.0, -24);
-  reference::IhaInputs inputs = c.inputs;
-  std::vector<double> dout = *c.dout;
   for (std::vector<double>* x : {&inputs.q, &inputs.k, &inputs.v, &dout})
     for (double& e : *x) e *= 1 + relative * unit(rng);
-  return reference::ihaBackward(c.spec, inputs, dout);
+  return reference::ihaBackward(spec, inputs, dout);
 }
 }  // namespace
 
-double backwardCheckShare(const IhaCase& c) {
-  const double tolerance = gradientToleranceFor(c.spec.dtype());
-  const auto rounded = reference::ihaBackwardWithRoundedMixing(c.spec, c.inputs, *c.dout, c.spec.dtype());
-  const double roundings = worstGradientError(c.spec, c.tokens, rounded, *c.expectedGradients) / tolerance;
+double backwardCheckShare(const KernelSpec& spec, const reference::IhaInputs& inputs, const std::vector<double>& dout,
+                          const reference::IhaGradients& expected) {
+  const double tolerance = gradientToleranceFor(spec.dtype());
+  const auto rounded = reference::ihaBackwardWithRoundedMixing(spec, inputs, dout, spec.dtype());
+  const double roundings = worstGradientError(spec, inputs.tokens, rounded, expected) / tolerance;
   if (std::isnan(roundings) || roundings > kCheckableBackwardShare) return roundings;  // refused already
-  const double arithmetic =
-      worstGradientError(c.spec, c.tokens, backwardOfFloat32Perturbation(c), *c.expectedGradients) / tolerance;
-  return std::max(roundings, arithmetic);
+  const auto perturbed = backwardOfFloat32Perturbation(spec, inputs, dout);
+  return std::max(roundings, worstGradientError(spec, inputs.tokens, perturbed, expected) / tolerance);
 }
 
 namespace {
@@ -354,7 +356,8 @@ Drawn drawBackward(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64
     c.expectedGradients = reference::ihaBackward(spec, c.inputs, *c.dout);
     return c;
   };
-  return drawWhile(draw, backwardCheckShare, kCheckableBackwardShare);
+  auto share = [](const IhaCase& c) { return backwardCheckShare(c.spec, c.inputs, *c.dout, *c.expectedGradients); };
+  return drawWhile(draw, share, kCheckableBackwardShare);
 }
 }  // namespace
 
@@ -370,10 +373,7 @@ IhaCase drawCheckableBackwardCase(const KernelSpec& spec, int64_t batch, int64_t
 IhaCase withDtype(const IhaCase& c, v1::DType dtype) {
   IhaCase converted = c;
   converted.spec.set_dtype(dtype);
-  const NpyType type = storageTypeOf(dtype);
-  auto round = [&](std::vector<double>& values) {
-    values = npyToDouble(npyFromDouble(values, {int64_t(values.size())}, type), dtype == v1::bfloat16);
-  };
+  auto round = [&](std::vector<double>& values) { values = roundedToDtype(values, dtype); };
   for (std::vector<double>* values : {&converted.inputs.q, &converted.inputs.k, &converted.inputs.v}) round(*values);
   if (converted.dout) round(*converted.dout);  // a kernel reads dout in the dtype too
   converted.expected = reference::ihaForward(converted.spec, converted.inputs).out;

@@ -115,13 +115,18 @@ std::vector<double> drawDout(const KernelSpec& spec, int64_t batch, int64_t toke
 // drawCheckableBackwardCase the draw they hurt least.
 std::optional<IhaCase> findCheckableBackwardCase(const KernelSpec& spec, int64_t batch, int64_t tokens,
                                                  uint64_t seed);
-// The share of the gradient tolerance that measure gives a case with dout
-// and expectedGradients: the larger of the rounding model's and the float32
-// perturbation's worst gradient error, over the tolerance (the rounding
-// model's alone where it is already over kCheckableBackwardShare).
-double backwardCheckShare(const IhaCase& c);
+// The share of the gradient tolerance that measure gives inputs and dout
+// whose float64 gradients are `expected`: the larger of the rounding model's
+// and the float32 perturbation's worst gradient error, over the tolerance
+// (the rounding model's alone where it is already over
+// kCheckableBackwardShare).
+double backwardCheckShare(const KernelSpec& spec, const reference::IhaInputs& inputs, const std::vector<double>& dout,
+                          const reference::IhaGradients& expected);
 IhaCase drawCheckableBackwardCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed);
 
 NpyType storageTypeOf(v1::DType dtype);
+// `values` rounded to the storage type of `dtype`, as a kernel reads or
+// stores them (float32 for float32).
+std::vector<double> roundedToDtype(const std::vector<double>& values, v1::DType dtype);
 
 }  // namespace loom

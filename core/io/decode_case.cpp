@@ -21,17 +21,13 @@ std::vector<double> rows(const std::vector<double>& x, int64_t tokens, int64_t h
 AppendCheck checkAppend(const DecodeCase& step, const reference::PagedCache& after) {
   reference::PagedCache want = step.cache;
   reference::appendToCache(step.spec, step.step, want);
-  const NpyType storage = storageTypeOf(step.spec.dtype());
-  auto rounded = [&](const std::vector<double>& x) {
-    return npyToDouble(npyFromDouble(x, {int64_t(x.size())}, storage), step.spec.dtype() == v1::bfloat16);
-  };
   AppendCheck check;
   if (after.k.size() != want.k.size() || after.v.size() != want.v.size()) {
     check.wrongElements = int64_t(std::max(after.k.size(), want.k.size()) + std::max(after.v.size(), want.v.size()));
     return check;
   }
   std::vector<double> gotFinite, wantFinite;  // the mixed rows where both are finite
-  for (auto [got, expected] : {std::pair{&after.k, rounded(want.k)}, {&after.v, rounded(want.v)}})
+  for (auto [got, expected] : {std::pair{&after.k, roundedToDtype(want.k, step.spec.dtype())}, {&after.v, roundedToDtype(want.v, step.spec.dtype())}})
     for (size_t i = 0; i < expected.size(); ++i) {
       const double g = (*got)[i], e = expected[i];
       if (step.layout == CacheLayout::raw) {

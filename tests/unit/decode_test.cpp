@@ -79,13 +79,9 @@ bool stepCheckable(const IhaCase& c, DecodeLayout layout) {
   layout.layout = CacheLayout::mixed;
   auto dc = decodeCaseFrom(c, layout);
   if (!dc) return false;
-  const NpyType storage = storageTypeOf(c.spec.dtype());
-  auto rounded = [&](std::vector<double> x) {
-    return npyToDouble(npyFromDouble(x, {int64_t(x.size())}, storage), c.spec.dtype() == v1::bfloat16);
-  };
   reference::PagedCache cache = dc->cache;
-  cache.k = rounded(cache.k);
-  cache.v = rounded(cache.v);
+  cache.k = roundedToDtype(cache.k, c.spec.dtype());
+  cache.v = roundedToDtype(cache.v, c.spec.dtype());
   const double mixing = relativeError(reference::ihaDecode(c.spec, dc->step, cache).out, dc->expected);
   // Pseudo-head p's outputs of every head, by a collapse that picks p alone.
   const int64_t H = c.spec.heads(), P = c.spec.pseudo_heads(), d = c.spec.head_dim();
@@ -97,7 +93,7 @@ bool stepCheckable(const IhaCase& c, DecodeLayout layout) {
     std::fill(pick.collapse.begin(), pick.collapse.end(), 0.0);
     for (int64_t h = 0; h < H; ++h) pick.collapse[size_t(global ? (h * H + h) * P + p : h * P + p)] = 1.0;
     reference::PagedCache fresh = dc->cache;
-    const std::vector<double> o = rounded(reference::ihaDecode(c.spec, pick, fresh).out);  // [B, T, H, d]
+    const std::vector<double> o = roundedToDtype(reference::ihaDecode(c.spec, pick, fresh).out, c.spec.dtype());  // [B, T, H, d]
     for (size_t row = 0; row < o.size() / size_t(H * d); ++row)
       for (int64_t h = 0; h < H; ++h)
         for (int64_t source = 0; source < H; ++source) {

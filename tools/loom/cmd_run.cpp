@@ -52,6 +52,12 @@ std::string compiledText(const cpu::CpuRunStats& stats) {
   return stats.compiled ? "compiled in " + std::to_string(stats.compileSeconds).substr(0, 4) + " s" : "from the cache";
 }
 
+// A backend's failure: its tool log (a compiler's) on stderr, then the message.
+int failed(const Error& error) {
+  if (!error.log.empty()) std::fprintf(stderr, "%s\n", error.log.c_str());
+  return badInput(error.message);
+}
+
 // A kernel the runtime on --device provides (`get`, given the runtime and
 // the --schedule), with that device opened to run it; prints what was loaded
 // ("cuda backward: NVIDIA H200 (sm_90a); schedule ...; toolchain; provenance").
@@ -179,10 +185,6 @@ int runBackward(const RunOptions& options, const IhaCase& c) {
   reference::IhaGradients gradients;
   NpyType fileType = NpyType::float64;
   bool clean = true;  // no emulator findings
-  auto failed = [](const Error& error) {
-    if (!error.log.empty()) std::fprintf(stderr, "%s\n", error.log.c_str());
-    return badInput(error.message);
-  };
   if (options.backend == "cpu") {
     auto result = runBackwardOnCpu(options, c);
     if (!result) return failed(result.error());
@@ -292,20 +294,14 @@ int runDecode(const RunOptions& options, const IhaCase& c) {
     appended = std::move(run->cache);
   } else if (options.backend == "cuda") {
     auto run = runDecodeOnCuda(options, dc);
-    if (!run) {
-      if (!run.error().log.empty()) std::fprintf(stderr, "%s\n", run.error().log.c_str());
-      return badInput(run.error().message);
-    }
+    if (!run) return failed(run.error());
     out = std::move(run->out);
     appended = std::move(run->cache);
   } else if (options.backend == "cpu") {
     auto plan = decodePlan(*parseTarget("cpu"));
     if (!plan) return badInput(plan.error().message);
     auto run = cpu::runDecodePlan(*plan, dc, {options.cacheDir, options.threads});
-    if (!run) {
-      if (!run.error().log.empty()) std::fprintf(stderr, "%s\n", run.error().log.c_str());
-      return badInput(run.error().message);
-    }
+    if (!run) return failed(run.error());
     const cpu::CpuRunStats& stats = run->stats;
     std::printf("cpu decode: schedule %s; %s; %lld key blocks visited, %lld masked\n",
                 plan->schedule.ShortDebugString().c_str(),
@@ -355,11 +351,6 @@ int run(const RunOptions& options) {
   if (options.backward) return runBackward(options, c);
   if (options.decode > 0) return runDecode(options, c);
 
-  // A backend's failure: its tool log (a compiler's) on stderr, then the message.
-  auto failed = [](const Error& error) {
-    if (!error.log.empty()) std::fprintf(stderr, "%s\n", error.log.c_str());
-    return badInput(error.message);
-  };
   std::vector<double> out;
   std::optional<emu::EmuRun> emulated;
   if (options.backend == "reference") {
