@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -59,8 +60,9 @@ int main(int argc, char** argv) {
   loom::jit::NvrtcCompiler compiler("");
   std::printf("loom-static-report: %s, B=%lld N=%lld, bf16, causal; NVRTC %s; no GPU: every time is a prediction\n",
               arch.c_str(), (long long)batch, (long long)tokens, loom::jit::nvrtcVersion().c_str());
-  std::printf("%-3s %-2s %-4s %-8s %-48s %5s %9s %8s %7s %11s %9s %8s\n", "H", "P", "d", "schedule", "key", "regs",
-              "smem KiB", "CTAs/SM", "losses", "model ms", "TFLOP/s", "of 790");
+  std::printf("%-3s %-2s %-4s %-8s %-48s %5s %9s %8s %7s %11s %9s %8s  %s\n", "H", "P", "d", "schedule", "key", "regs",
+              "smem KiB", "CTAs/SM", "losses", "model ms", "TFLOP/s", "of 790",
+              "SASS loops: instructions a warp a block (per tensor MFLOP; m masked), exp in the P V window, ping-pong");
   for (int H : {8, 16})
     for (int P : {2, 4, 8})
       for (int d : {64, 128}) {
@@ -96,14 +98,31 @@ int main(int argc, char** argv) {
           for (const auto& entry : kernel->entries())
             if (entry.name() == loom::kAttentionEntry) row.sharedMemory = entry.shared_memory_bytes();
           row.losses = artifact->performanceLosses().size();
+          // The machine code's loops (sass.h), which the prediction reads.
+          std::optional<loom::autotune::LoopIssue> issue;
+          std::string loops;
+          for (const auto& usage : artifact->resources)
+            if (usage.entry() == loom::kAttentionEntry) {
+              if (schedule.engine() == loom::v1::engine_wgmma) issue = loom::autotune::loopIssueOf(usage);
+              for (const auto& loop : usage.loops()) {
+                char text[96];
+                std::snprintf(text, sizeof text, "%s%d (%.0f%s) %d/%d%s", loops.empty() ? "" : ", ",
+                              loop.instructions(), loop.instructions_per_tensor_mflop(), loop.masked() ? "m" : "",
+                              std::max(0, loop.exponentials_in_pv_window()), loop.exponentials(),
+                              loop.ping_pong() ? " pp" : "");
+                loops += text;
+              }
+              if (!usage.sass_read()) loops = "SASS not read (no nvdisasm)";
+            }
           const loom::autotune::CostEstimate e =
-              loom::autotune::estimateCost(spec, schedule, *target, batch, tokens, row.registers);
+              loom::autotune::estimateCost(spec, schedule, *target, batch, tokens, row.registers, issue);
           row.ctasPerSm = e.ctasPerSm;
           row.predictedMs = e.seconds * 1e3;
           row.tflops = flops / e.seconds / 1e12;
-          std::printf("%-3d %-2d %-4d %-8s %-48s %5d %9.1f %8d %7zu %11.3f %9.0f %7.0f%%\n", H, P, d, row.kind.c_str(),
-                      row.key.c_str(), row.registers, row.sharedMemory / 1024.0, row.ctasPerSm, row.losses,
-                      row.predictedMs, row.tflops, 100.0 * row.tflops / kMeasuredCeilingTflops);
+          std::printf("%-3d %-2d %-4d %-8s %-48s %5d %9.1f %8d %7zu %11.3f %9.0f %7.0f%%  %s\n", H, P, d,
+                      row.kind.c_str(), row.key.c_str(), row.registers, row.sharedMemory / 1024.0, row.ctasPerSm,
+                      row.losses, row.predictedMs, row.tflops, 100.0 * row.tflops / kMeasuredCeilingTflops,
+                      loops.c_str());
           std::fflush(stdout);
         }
       }

@@ -117,8 +117,25 @@ BlockCounts countBlocks(const KernelSpec& spec, int64_t blockM, int64_t blockN, 
   return counts;
 }
 
+std::optional<LoopIssue> loopIssueOf(const v1::ResourceUsage& attention) {
+  if (!attention.sass_read() || attention.loops_size() == 0) return std::nullopt;
+  LoopIssue issue;
+  issue.pingPong = true;
+  for (const v1::SassLoop& loop : attention.loops()) {
+    double& slot = loop.masked() ? issue.masked : issue.unmasked;
+    slot = std::max(slot, double(loop.instructions()));
+    issue.exponentials = std::max(issue.exponentials, double(loop.exponentials()));
+    const double window = std::max(0, loop.exponentials_in_pv_window());
+    issue.inWindow = issue.inWindow == 0 ? window : std::min(issue.inWindow, window);
+    issue.pingPong = issue.pingPong && loop.ping_pong();
+  }
+  if (issue.unmasked == 0) issue.unmasked = issue.masked;
+  if (issue.masked == 0) issue.masked = issue.unmasked;
+  return issue;
+}
+
 CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::Target& target, int64_t batch,
-                          int64_t tokens, std::optional<int> registersPerThread) {
+                          int64_t tokens, std::optional<int> registersPerThread, const std::optional<LoopIssue>& issue) {
   const DeviceModel device = deviceModel(target);
   const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
   const int64_t L = tokens * P, heads = batch * H;
@@ -203,8 +220,24 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::T
   // The output is rescaled at every block: one multiply per element.
   const double rescaleOps = double(heads) * double(blocks.visited) * double(bm) * paddedDim;
   const double loopTime = (loopOps + rescaleOps) / device.fmaFlops;
-  const double computeTime = std::max(tensorTime, sharedTime) +
-                             (wgmma ? kWgmmaExposedSimtShare : kExposedSimtShare) * (expTime + simtTime + loopTime);
+  double computeTime = std::max(tensorTime, sharedTime) +
+                       (wgmma ? kWgmmaExposedSimtShare : kExposedSimtShare) * (expTime + simtTime + loopTime);
+  if (wgmma && issue) {
+    // The machine code's loop: warp instructions issue at 4 a cycle an SM
+    // (fmaFlops / 64 over the device: 2 FLOP x 128 lanes a cycle an SM), its
+    // MUFU.EX2 at 16 lanes a cycle an SM (fmaFlops / 512).
+    const double warps = double(heads) * double(s.warps());
+    const double unmaskedBlocks = double(blocks.visited - blocks.masked), maskedBlocks = double(blocks.masked);
+    const double issued = warps * (unmaskedBlocks * issue->unmasked + maskedBlocks * issue->masked);
+    const double issueTime = issued / (device.fmaFlops / 64.0) / std::max(tensorShare / device.wgmmaEfficiency, 1e-3);
+    const double mufuTime =
+        warps * double(blocks.visited) * issue->exponentials / (device.fmaFlops / 512.0);
+    const double softmaxTime = std::max(issueTime, mufuTime);
+    const double hidden = issue->pingPong ? 1.0 : issue->exponentials > 0 ? issue->inWindow / issue->exponentials : 0.0;
+    const double busy = std::max(tensorTime, sharedTime);
+    computeTime = std::max(busy, softmaxTime) + (1.0 - hidden) * std::min(busy, softmaxTime) +
+                  kWgmmaExposedSimtShare * simtTime;
+  }
   // q, k, v and out from DRAM once (more with workspaces), and every query
   // block's re-reads of its K and V blocks from L2: a block of few rows reads
   // the same keys many times over.

@@ -15,7 +15,7 @@ namespace loom::autotune {
 // Names the model's ranking: a choice kept in the kernel cache under an
 // older version is ranked again. Change it with any change that can reorder
 // the model's candidates.
-inline constexpr const char* kCostModelVersion = "cost-model-2026-12-01";
+inline constexpr const char* kCostModelVersion = "cost-model-2026-12-03-sass";
 
 // Ceilings of a device, from measurements where the workplace has them
 // (docs/gpu-results.md) and vendor figures otherwise.
@@ -55,9 +55,30 @@ struct CostEstimate {
   std::string bound;  // "tensor", "memory", "exp", "mixing"
 };
 
-// `registersPerThread` from ptxas when known, else estimated.
+// The machine code's figures of a compiled wgmma candidate's attention
+// loops (runtime/jit/sass.h; SassLoop): instructions one warp issues per
+// unmasked and per masked key block, its exponentials, how many of them sit
+// in the P V window, and whether the consumer warpgroups ping-pong.
+struct LoopIssue {
+  double unmasked = 0;  // instructions per warp per unmasked key block
+  double masked = 0;    // per masked key block (0: as unmasked)
+  double exponentials = 0;
+  double inWindow = 0;  // of the exponentials
+  bool pingPong = false;
+};
+// From a compiled kernel's attention-entry figures; nullopt without them.
+std::optional<LoopIssue> loopIssueOf(const v1::ResourceUsage& attention);
+
+// `registersPerThread` from ptxas when known, else estimated. With `issue`
+// (a compiled wgmma candidate), the softmax's cost is the machine code's:
+// its loop's instructions at one a cycle on each of an SM's four
+// sub-partitions (and its exponentials at the special-function unit's
+// rate), hidden under the tensor time as far as the ping-pong (wholly) or
+// the exponentials in the P V window (their share) hide it, in place of the
+// assumed exposed share.
 CostEstimate estimateCost(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target, int64_t batch,
-                          int64_t tokens, std::optional<int> registersPerThread = std::nullopt);
+                          int64_t tokens, std::optional<int> registersPerThread = std::nullopt,
+                          const std::optional<LoopIssue>& issue = std::nullopt);
 
 // The backward plan (docs/compiler.md, The backward): the forward's
 // attention recomputed (two products per visited block pair), the

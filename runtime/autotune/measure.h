@@ -34,6 +34,10 @@ struct CandidateResult {
   int64_t spillBytes = 0;
   int64_t sharedMemory = 0;
   double compileSeconds = 0;
+  // The compiled forward's attention loops in the SASS (sass.h): per loop,
+  // instructions per tensor MFLOP ("m": masked), exponentials in the P V
+  // window, "pp" for ping-pong; empty when not read.
+  std::string sass;
 };
 
 struct TuneProgress {

@@ -50,14 +50,15 @@ void onThreads(const TuneOptions& options, size_t count, const std::function<boo
 // The cost model of the tuned direction.
 CostEstimate predict(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target, int64_t batch,
                      int64_t tokens, Direction direction, bool mixedCache, int64_t newTokens,
-                     std::optional<int> registers = std::nullopt) {
+                     std::optional<int> registers = std::nullopt,
+                     const std::optional<LoopIssue>& issue = std::nullopt) {
   switch (direction) {
     case Direction::backward: return estimateBackwardCost(spec, schedule, target, batch, tokens, registers);
     case Direction::decode:
       return estimateDecodeCost(spec, schedule, target, batch, tokens, newTokens, mixedCache, registers);
     case Direction::forward: break;
   }
-  return estimateCost(spec, schedule, target, batch, tokens, registers);
+  return estimateCost(spec, schedule, target, batch, tokens, registers, issue);
 }
 
 // Compiles candidates on the tuner's threads; results land in `results`
@@ -89,9 +90,24 @@ void compileAll(const KernelSpec& spec, const v1::Target& target, const std::vec
       // estimate: occupancy as the compiled kernel will really have it.
       const int attentionRegisters =
           jit::registersOf(artifact->resources, backward ? kBackwardKvEntry : kAttentionEntry);
+      // And the machine code's loop (sass.h) in place of the assumed
+      // softmax overlap, for the forward's wgmma kernels.
+      std::optional<LoopIssue> issue;
+      for (const v1::ResourceUsage& usage : artifact->resources)
+        if (usage.entry() == kAttentionEntry && options.direction == Direction::forward) {
+          issue = loopIssueOf(usage);
+          for (const v1::SassLoop& loop : usage.loops()) {
+            char figures[96];
+            std::snprintf(figures, sizeof figures, "%s%.0f%s %d/%d%s", r.sass.empty() ? "" : " ",
+                          loop.instructions_per_tensor_mflop(), loop.masked() ? "m" : "",
+                          std::max(0, loop.exponentials_in_pv_window()), loop.exponentials(),
+                          loop.ping_pong() ? " pp" : "");
+            r.sass += figures;
+          }
+        }
       if (attentionRegisters > 0)
         r.predictedMs = predict(spec, r.candidate.schedule, target, options.batch, options.tokens, options.direction,
-                                options.mixedCache, options.newTokens, attentionRegisters)
+                                options.mixedCache, options.newTokens, attentionRegisters, issue)
                             .seconds *
                         1e3;
       // A kernel that ptxas or its PTX shows losing speed is no candidate.

@@ -262,7 +262,7 @@ bool Cta::collective(int scope, const char* kind, const Members& members, void* 
   return true;
 }
 
-void Cta::barrier(int id, int count, const void* pc) {
+void Cta::barrier(int id, int count, const void* pc, bool wait) {
   ++coverage_.barriers;
   const int T = threadCount();
   if (id < 0 || id >= kNamedBarriers) {
@@ -286,8 +286,14 @@ void Cta::barrier(int id, int count, const void* pc) {
                " threads while others wait on it with " + std::to_string(b.expected));
   }
   b.arrived.push_back(t.index);
+  if (wait) b.waiting.push_back(t.index);
+  if (!wait) {  // bar.arrive: its accesses so far are released to the waiters
+    b.arrivals.resize(size_t(T) + 1, 0);
+    join(b.arrivals, t.clock);
+    ++t.clock[size_t(t.index)];
+  }
   if (int(b.arrived.size()) < b.expected) {
-    block("bar.sync " + std::to_string(id) + " (" + std::to_string(b.expected) + " threads)", pc);
+    if (wait) block("bar.sync " + std::to_string(id) + " (" + std::to_string(b.expected) + " threads)", pc);
     return;
   }
   // bar.sync is .aligned: a warp arrives whole or the code diverged.
@@ -298,15 +304,20 @@ void Cta::barrier(int id, int count, const void* pc) {
       report(FindingKind::barrier, "bar.sync", pc,
              "barrier " + std::to_string(id) + " completed with " + std::to_string(n) + " of warp " +
                  std::to_string(warp) + "'s threads: the warp diverged at an aligned barrier");
+  // The waiting threads (not those that only arrived, which went on) leave
+  // with everything every participant did before it reached the barrier.
   std::vector<Clock> joined(size_t(T) + 1, 0);
-  for (int a : b.arrived) join(joined, threads_[size_t(a)].clock);
-  const std::vector<int> arrived = b.arrived;
+  join(joined, b.arrivals);
+  const std::vector<int> waiting = std::move(b.waiting);
+  for (int a : waiting) join(joined, threads_[size_t(a)].clock);
   b.arrived.clear();
-  for (int a : arrived) {
+  b.waiting.clear();
+  b.arrivals.clear();
+  for (int a : waiting) {
     threads_[size_t(a)].clock = joined;
     ++threads_[size_t(a)].clock[size_t(a)];
   }
-  for (int a : arrived)
+  for (int a : waiting)
     if (a != t.index) wake(threads_[size_t(a)]);
 }
 

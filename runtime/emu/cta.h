@@ -145,8 +145,10 @@ class Cta {
   // Every thread of the caller's warpgroup (that exists).
   Members warpgroupMembers();
 
-  // bar.sync id, count (count 0: every thread of the CTA).
-  void barrier(int id, int count, const void* pc);
+  // bar.sync id, count (count 0: every thread of the CTA); `wait` false:
+  // bar.arrive, which counts toward the barrier and goes on (a release: the
+  // threads that wait there see the arriving thread's earlier accesses).
+  void barrier(int id, int count, const void* pc, bool wait = true);
 
   // Happens-before: `into` takes every epoch of `from` it lacks.
   static void join(std::vector<Clock>& into, const std::vector<Clock>& from);
@@ -274,7 +276,9 @@ class Cta {
   std::vector<std::list<Rendezvous>> warpRendezvous_, warpgroupRendezvous_;
   struct Barrier {
     int expected = 0;
-    std::vector<int> arrived;
+    std::vector<int> arrived;        // every thread counted, waiting or not
+    std::vector<int> waiting;        // those of them at bar.sync
+    std::vector<Clock> arrivals;     // the clocks bar.arrive's threads released
     const void* pc = nullptr;
   };
   std::array<Barrier, kNamedBarriers> barriers_;

@@ -88,6 +88,11 @@ void barSync(int id, int threads, const void* pc) {
   cta().barrier(id, threads, pc);
 }
 
+void barArrive(int id, int threads, const void* pc) {
+  cta().maybeLand();
+  cta().barrier(id, threads, pc, /*wait=*/false);
+}
+
 uint32_t shfl(int mode, uint32_t a, uint32_t b, uint32_t c, uint32_t membermask, const void* pc) {
   Cta& x = cta();
   x.maybeLand();
@@ -789,6 +794,7 @@ const Api& api() {
       .wgmmaMmaAsync = wgmmaMmaAsync,
       .setmaxnreg = setmaxnreg,
       .redGlobalAddF32 = redGlobalAddF32,
+      .barArrive = barArrive,
   };
   return table;
 }

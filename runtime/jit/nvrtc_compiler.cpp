@@ -1,5 +1,7 @@
 #include "jit/nvrtc_compiler.h"
 
+#include "jit/sass.h"
+
 #include <google/protobuf/util/json_util.h>
 #include <nvrtc.h>
 
@@ -252,6 +254,8 @@ Result<std::shared_ptr<const Artifact>> NvrtcCompiler::compileUncached(const std
   artifact->arch = arch;
   artifact->key = key;
   artifact->resources = parsePtxasReport(artifact->log, artifact->ptx);
+  // The machine code's loops (sass.h); without nvdisasm they stay unread.
+  if (cubin) (void)sass::readLoops(artifact->binary, artifact->resources);
   artifact->compileSeconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return std::shared_ptr<const Artifact>(artifact);
 }
@@ -270,6 +274,20 @@ std::shared_ptr<const Artifact> NvrtcCompiler::readDisk(const std::string& key) 
   artifact->ptx = readAll(base.string() + ".ptx");
   artifact->log = record.compile_log();
   artifact->resources = parsePtxasReport(artifact->log, artifact->ptx);  // today's reading of the stored log
+  // The SASS figures as stored; read now where they were not.
+  bool sassRead = artifact->binaryKind == "cubin";
+  for (v1::ResourceUsage& u : artifact->resources) {
+    bool found = false;
+    for (const v1::ResourceUsage& stored : record.resources())
+      if (stored.entry() == u.entry() && stored.sass_read()) {
+        *u.mutable_loops() = stored.loops();
+        *u.mutable_setmaxnreg() = stored.setmaxnreg();
+        u.set_sass_read(true);
+        found = true;
+      }
+    sassRead = sassRead && found;
+  }
+  if (artifact->binaryKind == "cubin" && !sassRead) (void)sass::readLoops(artifact->binary, artifact->resources);
   artifact->compileSeconds = record.compile_seconds();
   artifact->fromCache = true;
   artifact->key = key;

@@ -3,6 +3,11 @@
 // real NVRTC.
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <sstream>
+
+#include "jit/sass.h"
+
 #include <set>
 #include <string_view>
 
@@ -184,6 +189,62 @@ TEST(CostModel, RanksPlainAttentionLikePublishedKernels) {
       EXPECT_GT(smallTileSeconds, 1.1 * bestSeconds) << a.arch << " d=" << a.headDim;
     }
   }
+}
+
+// The machine code's loop in the model (LoopIssue, from the SASS reader):
+// the old loop (930 instructions a warp a block, every exponential after
+// the wait for P V, no ping-pong; tests/data/sass/before-unmasked.sass) is
+// predicted slower than the FlashAttention-3-style loop (unmasked.sass);
+// with the new loop the wgmma default of plain attention (P = 1) stays an
+// FA-class tile (128 rows, two consumer warpgroups) and ahead of the best
+// 32-row tile.
+TEST(CostModel, ReadsTheLoopFromTheMachineCode) {
+  auto loopOf = [](const std::string& name) {
+    std::ifstream in(testing::dataDir() + "/sass/" + name);
+    std::stringstream text;
+    text << in.rdbuf();
+    const auto functions = jit::sass::parseListing(text.str());
+    v1::ResourceUsage usage;
+    if (!functions.empty()) jit::sass::analyzeFunction(functions[0], usage);
+    return loopIssueOf(usage);
+  };
+  const std::optional<LoopIssue> before = loopOf("before-unmasked.sass"), after = loopOf("unmasked.sass");
+  ASSERT_TRUE(before && after);
+  EXPECT_EQ(before->unmasked, 930);
+  EXPECT_FALSE(before->pingPong);
+  EXPECT_TRUE(after->pingPong);
+  KernelSpec s = spec(16, 16, 4, 128, v1::flat_causal);
+  s.set_dtype(v1::bfloat16);
+  Schedule fa;
+  fa.set_block_m(128);
+  fa.set_block_n(128);
+  fa.set_warps(8);
+  fa.set_stages(3);
+  fa.set_engine(v1::engine_wgmma);
+  fa.set_mix(v1::mix_materialized);
+  fa.set_collapse(v1::collapse_fused);
+  const double old = estimateCost(s, fa, target("sm_90a"), 1, 8192, std::nullopt, before).seconds;
+  const double now = estimateCost(s, fa, target("sm_90a"), 1, 8192, std::nullopt, after).seconds;
+  std::printf("[ sass     ] predicted %.3f ms with the old loop, %.3f ms with the new\n", old * 1e3, now * 1e3);
+  EXPECT_GT(old, 1.15 * now);
+
+  KernelSpec plain = spec(16, 16, 1, 128, v1::flat_causal);
+  plain.set_dtype(v1::bfloat16);
+  const SearchSpace space = searchSpace(plain, target("sm_90a"));
+  const Candidate* best = nullptr;
+  double bestSeconds = 0, smallTile = 0;
+  for (const Candidate& c : space.candidates) {
+    const bool wgmma = c.schedule.engine() == v1::engine_wgmma;
+    const double seconds =
+        estimateCost(plain, c.schedule, target("sm_90a"), 1, 16384, std::nullopt, wgmma ? after : std::nullopt).seconds;
+    if (!best || seconds < bestSeconds) best = &c, bestSeconds = seconds;
+    if (c.schedule.block_m() == 32 && (smallTile == 0 || seconds < smallTile)) smallTile = seconds;
+  }
+  ASSERT_NE(best, nullptr);
+  EXPECT_EQ(best->schedule.block_m(), 128) << best->key;
+  EXPECT_EQ(best->schedule.engine(), v1::engine_wgmma) << best->key;
+  EXPECT_EQ(best->schedule.warps(), 8) << best->key;
+  EXPECT_GT(smallTile, 1.1 * bestSeconds);
 }
 
 TEST(CostModel, BlockCountsMatchBruteForce) {

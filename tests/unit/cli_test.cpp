@@ -286,6 +286,33 @@ TEST(Cli, CompileReportsResourcesAsJson) {
   EXPECT_NE(fp32.output.find("float32 is not supported on CUDA targets"), std::string::npos) << fp32.output;
 }
 
+// loom compile --sass on two shared cases: each sm_90a attention loop's
+// figures, within the gate; the JSON report carries them too; loom sass
+// reads the listing --sass-listing saved.
+TEST(Cli, CompileReadsTheMachineCode) {
+  TempDir dir;
+  for (const char* name : {"gqa-rope", "h8p8-d64-fp16"}) {
+    const auto result = runLoom("compile --spec " + testing::casesDir() + "/" + name +
+                                "/spec.json --dtype bfloat16 --target sm_90a --sass --sass-listing " + (dir / "k.sass"));
+    ASSERT_EQ(result.exitCode, 0) << result.output;
+    for (const char* expected : {"SASS (nvdisasm", "iha_attention: ", "tensor-core loop", "per tensor MFLOP",
+                                 "MUFU.EX2 in the P V window: ", "(ping-pong)", "within the gate", "setmaxnreg"})
+      EXPECT_NE(result.output.find(expected), std::string::npos) << name << ": " << expected << "\n" << result.output;
+    EXPECT_EQ(result.output.find("misses the gate"), std::string::npos) << result.output;
+    const auto listing = runLoom("sass --listing " + (dir / "k.sass") + " --function iha_attention");
+    ASSERT_EQ(listing.exitCode, 0) << listing.output;
+    EXPECT_NE(listing.output.find("per tensor MFLOP"), std::string::npos) << listing.output;
+  }
+  const auto json = runLoom("compile --spec " + testing::casesDir() +
+                            "/gqa-rope/spec.json --dtype bfloat16 --target sm_90a --json");
+  ASSERT_EQ(json.exitCode, 0) << json.output;
+  for (const char* expected : {"\"sass\"", "\"instructions_per_tensor_mflop\"", "\"exponentials_in_pv_window\"",
+                               "\"ping_pong\": true"})
+    EXPECT_NE(json.output.find(expected), std::string::npos) << expected << "\n" << json.output;
+  const auto missing = runLoom("sass " + (dir / "nothing.cubin"));
+  EXPECT_EQ(missing.exitCode, 2);
+}
+
 // With no driver the CUDA backend says so and what to use instead; with a
 // GPU it must pass.
 TEST(Cli, CudaBackendRunsOrSaysThereIsNoGpu) {

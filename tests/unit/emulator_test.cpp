@@ -314,7 +314,7 @@ std::vector<Fault> faults() {
       {"boundary_predicate_of_the_last_key_block_removed", "loom/tile/cuda.h",
        "const bool inside = j < L && chunk < dChunks;", "const bool inside = chunk < dChunks;", "sm_80",
        materialized, {FindingKind::outOfBounds}},
-      {"wrong_swizzle_mode_in_a_wgmma_descriptor", "loom/tile/hopper.h", "Bits64(1) << 62", "Bits64(2) << 62",
+      {"wrong_swizzle_mode_in_a_wgmma_descriptor", "loom/tile/hopper.h", "Bits32(1) << 30", "Bits32(2) << 30",
        "sm_90a", hopper, {}},
       {"expect_tx_16_bytes_short", "loom/tile/hopper.h", "hopper::mbarrierExpectBytes(full, 2 * G::kvTileBytes);",
        "hopper::mbarrierExpectBytes(full, 2 * G::kvTileBytes - 16);", "sm_90a", hopper,

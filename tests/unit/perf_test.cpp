@@ -17,10 +17,12 @@
 #include <cstdlib>
 #include <random>
 #include <string_view>
+#include <tuple>
 
 #include "api/compile.h"
 #include "autotune/tuner.h"
 #include "jit/nvrtc_compiler.h"
+#include "jit/sass.h"
 #include "loom/compiler.h"
 #include "loom/tile_headers.h"
 #include "test_util.h"
@@ -117,6 +119,133 @@ INSTANTIATE_TEST_SUITE_P(Specs, Grid, ::testing::Range(0, kGridSpecs), [](const 
          std::to_string(spec.heads()) + "_g" + std::to_string(spec.kv_heads()) + "_" + std::to_string(info.param);
 });
 
+//===--- the SASS gates --------------------------------------------------===//
+
+// The sm_90a default forward of the paper's settings (H 16, P 4, d 128,
+// bf16, flat_causal) and a drawn grid (H 8-32 with G dividing it, P 1-8,
+// d 64 and 128, every mask, windows on and off, both collapses, bf16 and
+// fp16), read in the machine code (runtime/jit/sass.h): every tensor-core
+// loop of the attention entry within the gate of docs/performance.md
+// (instructions per tensor MFLOP), at least 13 of every 66 exponentials
+// between the wait for S and the wait for P V, the ping-pong between
+// consumer warpgroups where there are two or more, and no local memory.
+constexpr int kSassGridSpecs = 12;
+
+KernelSpec sassGridSpec(int index) {
+  if (index == 0)
+    return testing::makeSpec({.heads = 16, .kvHeads = 16, .pseudoHeads = 4, .headDim = 128, .dtype = v1::bfloat16,
+                              .mask = v1::flat_causal, .window = 0, .collapse = v1::per_head, .ropeTheta = 0});
+  std::mt19937_64 rng(gridSeed() + uint64_t(index) * 104729);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  KernelSpec spec;
+  const int H = 8 << pick(0, 2);
+  spec.set_heads(H);
+  spec.set_kv_heads(H >> pick(0, 3));
+  spec.set_pseudo_heads(pick(1, 8));
+  spec.set_head_dim(index % 2 ? 64 : 128);
+  spec.set_dtype(pick(0, 1) ? v1::bfloat16 : v1::float16);
+  spec.set_mask(static_cast<v1::MaskMode>(1 + index % 3));
+  spec.set_window(pick(0, 2) ? 0 : pick(1, 512));
+  spec.set_collapse(pick(0, 1) ? v1::per_head : v1::global);
+  spec.set_rope_theta(pick(0, 1) ? 0.0 : 10000.0);
+  return spec;
+}
+
+v1::ResourceUsage attentionUsage(const jit::Artifact& artifact) {
+  for (const v1::ResourceUsage& u : artifact.resources)
+    if (u.entry() == kAttentionEntry) return u;
+  return v1::ResourceUsage();
+}
+
+class SassGate : public ::testing::TestWithParam<int> {};
+
+TEST_P(SassGate, DefaultForwardLoopsMeetTheGate) {
+  const KernelSpec spec = sassGridSpec(GetParam());
+  ASSERT_TRUE(validateSpec(spec)) << describe(spec);
+  jit::NvrtcCompiler compiler(std::string(LOOM_TEST_CACHE) + "/perf");
+  std::shared_ptr<const jit::Artifact> artifact;
+  auto kernel = compileKernel(spec, Schedule(), *parseTarget("sm_90a"), compiler, &artifact);
+  ASSERT_TRUE(kernel) << describe(spec) << ": " << kernel.error().message;
+  ASSERT_EQ(kernel->schedule().engine(), v1::engine_wgmma) << describe(spec);
+  const v1::ResourceUsage usage = attentionUsage(*artifact);
+  ASSERT_TRUE(usage.sass_read()) << "the SASS was not read: " << jit::sass::nvdisasmPath()
+                                 << " (scripts/setup installs nvdisasm under .tools/)";
+  ASSERT_GE(usage.loops_size(), 1) << describe(spec) << ": no tensor-core loop found";
+  const bool pingPong = kernel->schedule().warps() > 4;
+  const std::vector<std::string> misses =
+      jit::sass::budgetMisses(usage, spec.head_dim(), pingPong, spec.window() > 0);
+  EXPECT_TRUE(misses.empty()) << describe(spec) << " default " << kernel->schedule().ShortDebugString()
+                              << joined(misses);
+  for (const v1::SassLoop& loop : usage.loops())
+    std::printf("[ sass     ] %s %s: %s loop %d instructions, %.0f per tensor MFLOP (gate %.0f, FA3 %.0f), %d of %d "
+                "exponentials in the P V window%s\n",
+                describe(spec).c_str(), kernel->schedule().ShortDebugString().c_str(),
+                loop.masked() ? "masked" : "unmasked", loop.instructions(), loop.instructions_per_tensor_mflop(),
+                jit::sass::budgetPerTensorMflop(spec.head_dim(), loop.masked(), spec.window() > 0),
+                jit::sass::fa3PerTensorMflop(spec.head_dim(), loop.masked()), loop.exponentials_in_pv_window(),
+                loop.exponentials(), loop.ping_pong() ? ", ping-pong" : "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Specs, SassGate, ::testing::Range(0, kSassGridSpecs), [](const auto& info) {
+  const KernelSpec spec = sassGridSpec(info.param);
+  return std::string(info.param == 0 ? "paper_" : "") + "p" + std::to_string(spec.pseudo_heads()) + "_d" +
+         std::to_string(spec.head_dim()) + "_h" + std::to_string(spec.heads()) + "_" + std::to_string(info.param);
+});
+
+// The gate fails a kernel whose loop lost the overlap or the ping-pong: the
+// shipped hopper.h, then with the wait for P V moved to the start of the
+// softmax (every exponential after it), then with the turns at the tensor
+// cores taken and given nowhere.
+TEST(SassGate, FailsALoopWithoutOverlapOrPingPong) {
+  const KernelSpec spec = sassGridSpec(0);
+  auto plan = generateKernel(spec, Schedule(), *parseTarget("sm_90a"));
+  ASSERT_TRUE(plan) << plan.error().message;
+  std::string hopper;
+  for (const tile::EmbeddedFile& file : tile::embeddedHeaders())
+    if (std::string_view(file.path) == "loom/tile/hopper.h") hopper = file.text;
+  const std::string include = "#include \"loom/tile/hopper.h\"";
+  const size_t included = plan->source.find(include);
+  ASSERT_NE(included, std::string::npos);
+  auto withHopper = [&](const std::string& text) {
+    return std::string(plan->source).replace(included, include.size(), text);
+  };
+  auto mutated = [&](const std::string& from, const std::string& to) {
+    const size_t at = hopper.find(from);
+    EXPECT_NE(at, std::string::npos) << "hopper.h changed; update this test: " << from;
+    return at == std::string::npos ? std::string() : withHopper(std::string(hopper).replace(at, from.size(), to));
+  };
+  const std::string softmax = "  constexpr float scale = C::scale * kLog2e;\n  #pragma unroll\n  for (int h = 0; h < 2; ++h) {\n"
+                              "    float rowMax";
+  const std::string waitFirst = "  constexpr float scale = C::scale * kLog2e;\n  hopper::wgmmaWait<0>();\n"
+                                "  #pragma unroll\n  for (int h = 0; h < 2; ++h) {\n    float rowMax";
+  const std::string turns = "  if constexpr (Geometry<C>::consumers > 1)\n    ptx::barSyncId";
+  const std::string noTurns = "  if constexpr (Geometry<C>::consumers > 100)\n    ptx::barSyncId";
+  const std::string give = "  constexpr int consumers = Geometry<C>::consumers;\n  if constexpr (consumers > 1) {\n    const int next";
+  const std::string noGive = "  constexpr int consumers = Geometry<C>::consumers;\n  if constexpr (consumers > 100) {\n    const int next";
+  const std::string hoisted = mutated(softmax, waitFirst);
+  std::string unscheduled = mutated(turns, noTurns);
+  ASSERT_FALSE(hoisted.empty());
+  ASSERT_FALSE(unscheduled.empty());
+  {
+    const size_t at = unscheduled.find(give);
+    ASSERT_NE(at, std::string::npos);
+    unscheduled.replace(at, give.size(), noGive);
+  }
+  jit::NvrtcCompiler compiler("");
+  for (const auto& [name, source, shouldPass] :
+       {std::tuple<std::string, std::string, bool>{"shipped", plan->source, true},
+        {"wait for P V first", hoisted, false},
+        {"no ping-pong", unscheduled, false}}) {
+    auto artifact = compiler.compile(source, "sm_90a");
+    ASSERT_TRUE(artifact) << name << ": " << artifact.error().message << "\n" << artifact.error().log;
+    const v1::ResourceUsage usage = attentionUsage(**artifact);
+    ASSERT_TRUE(usage.sass_read()) << name;
+    const std::vector<std::string> misses = jit::sass::budgetMisses(usage, 128, /*pingPong=*/true);
+    if (shouldPass) EXPECT_TRUE(misses.empty()) << name << joined(misses);
+    else EXPECT_FALSE(misses.empty()) << name << ": the gate let it through";
+  }
+}
+
 //===--- the report -----------------------------------------------------===//
 
 // ptxas's C7xxx notes come through as fields of the entry they name (once
@@ -192,13 +321,16 @@ TEST(Report, ConditionalOwedProductSerialisesWgmma) {
   const std::string unconditional =
       "  hopper::issueOwedPv<C>(acc, pipe);\n"
       "  hopper::wgmmaCommit();\n"
+      "  hopper::giveTurn<C>();\n"
       "  hopper::wgmmaWait<1>();";
   const std::string conditional =
       "  if (acc.owedStage >= 0) {\n"
       "    hopper::issueOwedPv<C>(acc, pipe);\n"
       "    hopper::wgmmaCommit();\n"
+      "    hopper::giveTurn<C>();\n"
       "    hopper::wgmmaWait<1>();\n"
       "  } else {\n"
+      "    hopper::giveTurn<C>();\n"
       "    hopper::wgmmaWait<0>();\n"
       "  }";
   const size_t at = hopper.find(unconditional);
@@ -220,9 +352,9 @@ TEST(Report, ConditionalOwedProductSerialisesWgmma) {
     return v1::ResourceUsage();
   };
   EXPECT_FALSE(attention(**shipped).serialized_wgmma());
-  // Named barriers take their ids and thread counts as immediates.
-  EXPECT_EQ((*shipped)->ptx.find("bar.sync \t%r"), std::string::npos);
-  EXPECT_EQ((*shipped)->ptx.find("bar.sync %r"), std::string::npos);
+  // Named barriers take their thread counts as immediates (the ping-pong's
+  // ids are warp-uniform registers: a branch choosing among immediates
+  // would itself serialise the wgmma, see ptx::barSyncId).
   EXPECT_NE((*shipped)->ptx.find("bar.sync"), std::string::npos);
   EXPECT_EQ((*shipped)->performanceLosses(), std::vector<std::string>{});
   EXPECT_TRUE(attention(**serialised).serialized_wgmma()) << (*serialised)->log;

@@ -11,6 +11,7 @@
 #include "commands.h"
 #include "api/compile.h"
 #include "jit/nvrtc_compiler.h"
+#include "jit/sass.h"
 #include "loom/compiler.h"
 #include "loom/decode.h"
 
@@ -28,6 +29,8 @@ struct CompileOptions {
   std::string cacheDir;
   std::string outPath;
   bool json = false;
+  bool sass = false;
+  std::string sassListing;
 };
 
 nlohmann::json report(const KernelPlan& plan, const jit::Artifact& artifact) {
@@ -48,6 +51,12 @@ nlohmann::json report(const KernelPlan& plan, const jit::Artifact& artifact) {
         entry["serialized_wgmma"] = usage.serialized_wgmma();
         entry["fp64_instructions"] = usage.fp64_instructions();
         entry["local_memory_instructions"] = usage.local_memory_instructions();
+        if (usage.sass_read()) {
+          nlohmann::json loops = nlohmann::json::array();
+          for (const v1::SassLoop& loop : usage.loops()) loops.push_back(nlohmann::json::parse(toJson(loop)));
+          entry["sass"] = {{"loops", loops},
+                           {"setmaxnreg", std::vector<int>(usage.setmaxnreg().begin(), usage.setmaxnreg().end())}};
+        }
       }
     entries.push_back(entry);
   }
@@ -94,6 +103,16 @@ int compile(const CompileOptions& options) {
     return badInput(kernel.error().message);
   }
   const jit::Artifact& a = *artifact;
+  if (options.sass || !options.sassListing.empty()) {
+    if (a.binaryKind != "cubin") return badInput("--sass needs a cubin; NVRTC gives only PTX for " + a.arch);
+    auto listing = jit::sass::disassemble(a.binary);
+    if (!listing) return badInput(listing.error().message + (listing.error().log.empty() ? "" : "\n" + listing.error().log));
+    if (!options.sassListing.empty()) {
+      std::ofstream out(options.sassListing, std::ios::trunc);
+      out << *listing;
+      if (!out) return badInput(options.sassListing + ": write failed");
+    }
+  }
   if (!options.outPath.empty()) {
     std::ofstream out(options.outPath, std::ios::binary | std::ios::trunc);
     if (!kernel->SerializeToOstream(&out)) return badInput(options.outPath + ": write failed");
@@ -121,6 +140,29 @@ int compile(const CompileOptions& options) {
         std::printf(", %3d registers, %lld B spilled", r.registers(), (long long)(r.spill_store_bytes() + r.spill_load_bytes()));
     std::printf("\n");
   }
+  if (options.sass) {
+    std::vector<v1::ResourceUsage> entries;
+    for (const LaunchPlan& launch : plan->launches)
+      for (const auto& r : a.resources)
+        if (r.entry() == launch.name) entries.push_back(r);
+    std::printf("SASS (nvdisasm; per warp per iteration of each tensor-core loop):\n%s",
+                jit::sass::formatLoops(entries).c_str());
+    const int d = spec->head_dim();
+    const bool windowed = spec->window() > 0 || spec->window_rows() > 0;
+    const bool pingPong = kernel->schedule().engine() == v1::engine_wgmma && kernel->schedule().warps() > 4;
+    for (const v1::ResourceUsage& u : entries) {
+      if (u.entry() != kAttentionEntry || a.arch != "sm_90a" || kernel->schedule().engine() != v1::engine_wgmma ||
+          jit::sass::budgetPerTensorMflop(d, false) == 0)
+        continue;
+      std::printf("  gate (docs/performance.md): %.0f / %.0f instructions per tensor MFLOP (unmasked / masked%s); "
+                  "FlashAttention-3: %.0f / %.0f\n",
+                  jit::sass::budgetPerTensorMflop(d, false), jit::sass::budgetPerTensorMflop(d, true, windowed),
+                  windowed ? ", windowed" : "", jit::sass::fa3PerTensorMflop(d, false), jit::sass::fa3PerTensorMflop(d, true));
+      const std::vector<std::string> misses = jit::sass::budgetMisses(u, d, pingPong, windowed);
+      if (misses.empty()) std::printf("  within the gate\n");
+      for (const std::string& miss : misses) std::printf("  misses the gate: %s\n", miss.c_str());
+    }
+  }
   return kExitOk;
 }
 
@@ -140,6 +182,12 @@ void addCompileCommand(CLI::App& app, std::function<int()>* action) {
   cmd->add_option("--cache-dir", options->cacheDir, "keep compiled artifacts here (default: none)");
   cmd->add_option("--out", options->outPath, "write the CompiledKernel (plan + binary) as binary protobuf");
   cmd->add_flag("--json", options->json, "print the report as JSON");
+  cmd->add_flag("--sass", options->sass,
+                "read the machine code (nvdisasm): per entry, each tensor-core loop's instructions per warp per\n"
+                "iteration by class, per tensor MFLOP, the exponentials between the wait for S and the wait for\n"
+                "P V, named barriers (ping-pong), registers and setmaxnreg; sm_90a attention loops are checked\n"
+                "against the SASS budget (docs/performance.md). --json always carries these figures");
+  cmd->add_option("--sass-listing", options->sassListing, "write nvdisasm's listing of the cubin to this file");
   cmd->add_flag("--backward", options->backward,
                 "compile the backward plan (every gradient of sum(out * dout); Kernel::launchBackward) instead");
   cmd->add_flag("--decode", options->decode,

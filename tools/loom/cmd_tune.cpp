@@ -49,6 +49,7 @@ Result<double> parseSeconds(const std::string& text) {
 nlohmann::json candidateJson(const autotune::CandidateResult& r) {
   nlohmann::json j = {{"schedule", r.candidate.key}, {"outcome", autotune::outcomeName(r.outcome)},
                       {"predicted_ms", r.predictedMs}};
+  if (!r.sass.empty()) j["sass"] = r.sass;
   if (!r.reason.empty()) j["reason"] = r.reason;
   if (r.outcome == autotune::Outcome::timed) {
     j["median_ms"] = r.medianMs;
@@ -160,17 +161,18 @@ int tuneCommand(const TuneCliOptions& options) {
               (long long)options.tokens,
               measured ? "measured" : "UNTIMED (cost model ranking, no GPU)", report->result.candidates_tried(),
               report->result.candidates_rejected(), report->pruned);
-  std::printf("%-4s %-50s %10s %10s %9s %5s %8s  %s\n", "rank", "schedule", "median ms", "model ms", "TFLOP/s", "regs",
-              "smem KiB", "outcome");
+  std::printf("%-4s %-50s %10s %10s %9s %5s %8s  %-10s %s\n", "rank", "schedule", "median ms", "model ms", "TFLOP/s",
+              "regs", "smem KiB", "outcome", "SASS loops (instr/tensor MFLOP, exp in P V window, ping-pong)");
   int shown = 0;
   for (const auto& r : report->candidates) {
     if (shown >= options.top) break;
     if (r.outcome != autotune::Outcome::timed && r.outcome != autotune::Outcome::unmeasured) continue;
     ++shown;
-    std::printf("%-4d %-50s %10s %10.3f %9s %5d %8.1f  %s\n", shown, r.candidate.key.c_str(),
+    std::printf("%-4d %-50s %10s %10.3f %9s %5d %8.1f  %-10s %s\n", shown, r.candidate.key.c_str(),
                 r.outcome == autotune::Outcome::timed ? std::to_string(r.medianMs).substr(0, 7).c_str() : "-",
                 r.predictedMs, r.outcome == autotune::Outcome::timed ? std::to_string(r.tflops).substr(0, 6).c_str() : "-",
-                r.registers, r.sharedMemory / 1024.0, autotune::outcomeName(r.outcome));
+                r.registers, r.sharedMemory / 1024.0, autotune::outcomeName(r.outcome),
+                r.sass.empty() ? "-" : r.sass.c_str());
   }
   // The compiled candidates that were turned down, and why.
   for (const auto& r : report->candidates)

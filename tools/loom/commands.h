@@ -21,6 +21,7 @@ void addRunCommand(CLI::App& app, std::function<int()>* action);
 void addDrawCommand(CLI::App& app, std::function<int()>* action);
 void addGenCommand(CLI::App& app, std::function<int()>* action);
 void addCompileCommand(CLI::App& app, std::function<int()>* action);
+void addSassCommand(CLI::App& app, std::function<int()>* action);
 void addTuneCommand(CLI::App& app, std::function<int()>* action);
 void addCacheCommand(CLI::App& app, std::function<int()>* action);
 void addServeCommands(CLI::App& app, std::function<int()>* action);

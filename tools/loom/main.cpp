@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   loom::cli::addDrawCommand(app, &action);
   loom::cli::addGenCommand(app, &action);
   loom::cli::addCompileCommand(app, &action);
+  loom::cli::addSassCommand(app, &action);
   loom::cli::addTuneCommand(app, &action);
   loom::cli::addCacheCommand(app, &action);
   loom::cli::addServeCommands(app, &action);

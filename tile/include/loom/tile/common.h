@@ -173,6 +173,33 @@ LOOM_HOST_DEVICE constexpr bool allowed(Int i, Int j) {
   return W == 0 || (ti > tj ? ti - tj : tj - ti) < W;
 }
 
+// The keys row i may see, as one interval: allowed<C>(i, j) holds exactly
+// for lo <= j <= hi (every mask rule allows a contiguous run of keys), so a
+// masked block costs two comparisons an element (one without a window).
+template <class Int>
+struct ColumnRange {
+  Int lo, hi;
+};
+template <class C, class Int = int64_t>
+LOOM_HOST_DEVICE constexpr ColumnRange<Int> allowedColumns(Int i) {
+  const Int P = C::pseudo_heads, W = C::window;
+  const Int ti = i / P;
+  const Int tokenEnd = ti * P + P - 1;  // the last row of i's token
+  if (C::window_rows > 0) return {i - C::window_rows + 1, i};
+  if (C::window_token_aligned && W > 0)
+    return {(ti - W + 1) * P, C::mask == Mask::flat_causal ? i : tokenEnd};
+  if (C::mask == Mask::flat_causal) return {W == 0 ? Int(0) : i - W * P + 1, i};
+  if (C::mask == Mask::token_causal) return {W == 0 ? Int(0) : (ti - W + 1) * P, tokenEnd};
+  if (W == 0) return {Int(0), i + (Int(1) << (sizeof(Int) * 8 - 3))};
+  return {(ti - W + 1) * P, (ti + W - 1) * P + P - 1};
+}
+// Whether allowedColumns' lower end can exclude a key (a window), or every
+// row may see from key 0.
+template <class C>
+LOOM_HOST_DEVICE constexpr bool windowed() {
+  return C::window_rows > 0 || C::window > 0;
+}
+
 // The backward's partial sums: one slot per token CTA (block_m / P tokens) of
 // each batch entry, laid out as loom::backwardPartialEntries says (dcollapse,
 // then dalpha_q, dalpha_k, dalpha_v); both tile implementations use these.

@@ -215,6 +215,21 @@ template <int Id, int Threads>
 LOOM_EMU_LEAF inline void barSync() {
   emu::api->barSync(Id, Threads, LOOM_EMU_PC);
 }
+template <int Threads>
+LOOM_EMU_LEAF inline void barSyncId(int id) {
+  emu::api->barSync(id, Threads, LOOM_EMU_PC);
+}
+template <int Threads>
+LOOM_EMU_LEAF inline void barArriveId(int id) {
+  emu::api->barArrive(id, Threads, LOOM_EMU_PC);
+}
+// ex2.approx.ftz.f32: subnormal inputs and results flushed to zero (the
+// host's exp2 stands for the special-function unit's approximation).
+inline float exp2Ftz(float x) {
+  if (std::fabs(x) < 1.17549435e-38f) x = 0.0f;
+  const float y = std::exp2(x);
+  return y < 1.17549435e-38f ? 0.0f : y;
+}
 LOOM_EMU_LEAF inline void mbarrierInit(Bits32 bar, unsigned count) { emu::api->mbarrierInit(bar, count, LOOM_EMU_PC); }
 LOOM_EMU_LEAF inline void mbarrierArrive(Bits32 bar) { emu::api->mbarrierArrive(bar, -1, LOOM_EMU_PC); }
 LOOM_EMU_LEAF inline void mbarrierArriveExpectTx(Bits32 bar, unsigned bytes) {

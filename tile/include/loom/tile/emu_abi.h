@@ -13,7 +13,7 @@
 
 namespace loom::emu {
 
-constexpr uint32_t kAbiVersion = 2;
+constexpr uint32_t kAbiVersion = 3;
 
 struct Dim3 {
   unsigned x, y, z;
@@ -80,6 +80,8 @@ struct Api {
 
   // red.global.add.f32 [address], value: atomic against every CTA's.
   void (*redGlobalAddF32)(float* address, float value, const void* pc);
+  // bar.arrive id, threads: counts toward the barrier without waiting.
+  void (*barArrive)(int id, int threads, const void* pc);
 };
 
 }  // namespace loom::emu

@@ -23,11 +23,21 @@
 //   them for the async proxy (fence.proxy.async) before it arrives.
 // - A `stages`-deep ring of K/V buffers with full / empty mbarriers.
 // - Softmax overlapped with the matrix products, as FlashAttention-3 does
-//   within a warpgroup: mma_pv only packs P; the next mma_qk issues that
-//   block's S = Q K^T first and the deferred P V after it, and waits for S
-//   alone, so the exponentials of softmax_update run while P V is on the
-//   tensor cores. softmax_update waits for P V only before it rescales O,
-//   and hands the P V block's stage back to the producer then.
+//   within a warpgroup: mma_pv packs P and owes its product; the next mma_qk
+//   issues that block's S = Q K^T, rescales O by the correction the last
+//   softmax owed, issues the owed P V and waits for S alone, so the
+//   exponentials of softmax_update run while P V is on the tensor cores.
+//   softmax_update touches only S and the row statistics; mma_pv waits for
+//   P V (its registers become the next P) and hands its stage back.
+// - Across warpgroups (two or more consumers), ping-pong: each takes its
+//   turn at the tensor cores on a named barrier of its own, issues its
+//   S = Q K^T and P V, and hands the turn to the next, so one warpgroup's
+//   softmax runs while the other's products do. Warpgroup 0 starts.
+// - The loop's arithmetic is FlashAttention-3's: S stays unscaled, the row
+//   maximum is taken on it, and each exponential is one FFMA (s * scale -
+//   max) and one MUFU.EX2 (ex2.approx.ftz); row sums stay per thread until
+//   normalize; descriptors are warp-uniform (the warpgroup index is
+//   broadcast from lane 0) and stage indices 32-bit counters.
 #pragma once
 
 #include "loom/tile/cuda_common.h"
@@ -59,6 +69,8 @@ constexpr int kWgmmaK = 16;
 constexpr int kConsumerBarrier = 1;  // named barrier of all consumer threads; 0 is __syncthreads
 constexpr int kWarpgroupBarrier = 2; // + consumer warpgroup: one warpgroup's threads
 constexpr int kProducerBarrier = kWarpgroupBarrier + kMaxConsumerWarpgroups;  // the producer warpgroup's threads
+// + consumer warpgroup: its turn at the tensor cores (ping-pong, below)
+constexpr int kSchedulerBarrier = kProducerBarrier + 1;
 
 template <class C>
 struct Geometry {
@@ -131,6 +143,10 @@ __device__ __forceinline__ void mbarrierExpectBytes(Bits64* bar, unsigned bytes)
 __device__ __forceinline__ void mbarrierWait(Bits64* bar, int parity) {
   ptx::mbarrierWaitParity(cuda::sharedAddress(bar), parity);
 }
+// The consumers' loop addresses the stage barriers as 32-bit shared-window
+// addresses (barrierAddress, below), with no generic-pointer arithmetic.
+__device__ __forceinline__ void mbarrierWait(Bits32 bar, int parity) { ptx::mbarrierWaitParity(bar, parity); }
+__device__ __forceinline__ void mbarrierArrive(Bits32 bar) { ptx::mbarrierArrive(bar); }
 template <int Id, int Threads>
 __device__ __forceinline__ void namedBarrier() {
   ptx::barSync<Id, Threads>();
@@ -163,13 +179,37 @@ __device__ __forceinline__ void tmaLoad(void* destination, const TensorMap* map,
 
 //===--- wgmma ----------------------------------------------------------------===//
 
-// A shared-memory matrix descriptor for 128-byte swizzled tiles. `leading`
+// Shared-memory matrix descriptors for 128-byte swizzled tiles. `leading`
 // is the byte step between 64-column atoms along N of an N-major operand
 // (unused, 16, for K-major ones); `stride` the step between 8-row groups.
-__device__ __forceinline__ Bits64 descriptor(const void* start, int leading, int stride) {
-  const Bits32 address = cuda::sharedAddress(start);
-  return Bits64((address & 0x3FFFF) >> 4) | Bits64((leading >> 4) & 0x3FFF) << 16 |
-         Bits64((stride >> 4) & 0x3FFF) << 32 | Bits64(1) << 62;
+// The aligned dynamic shared memory (smem()) as a 32-bit shared-window
+// address: descriptors are computed in 32 bits from it.
+__device__ __forceinline__ Bits32 smemAddress() {
+  const Bits32 base = cuda::sharedAddress(ptx::dynamicShared<kSwizzlePeriodBytes>());
+  return (base + (kSwizzlePeriodBytes - 1)) & ~Bits32(kSwizzlePeriodBytes - 1);
+}
+
+// Barrier `index` of barrier<C>(index) as a shared-window address.
+template <class C>
+__device__ __forceinline__ Bits32 barrierAddress(int index) {
+  return smemAddress() + layout<C>().barriers + index * Bits32(sizeof(Bits64));
+}
+
+// A descriptor as its two words: the low one holds the start address (bits
+// 0-13, in 16-byte units) and the leading byte offset, the high one the
+// stride and the swizzle mode (bits 62-63 of the whole: 1, 128-byte), the
+// same for every tile of a kind.
+struct Descriptor {
+  Bits32 lo, hi;
+};
+__device__ __forceinline__ Descriptor descriptorAt(Bits32 address, int leading, int stride) {
+  return {((address >> 4) & 0x3FFF) | Bits32((leading >> 4) & 0x3FFF) << 16,
+          Bits32((stride >> 4) & 0x3FFF) | Bits32(1) << 30};
+}
+// The descriptor `bytes` further on: only the start address grows (shared
+// addresses stay below 2^18, so it never carries into the next field).
+__device__ __forceinline__ Bits64 advanced(Descriptor d, int bytes) {
+  return Bits64(d.hi) << 32 | Bits64(d.lo + Bits32(bytes >> 4));
 }
 
 using ptx::pinRegisters;
@@ -185,13 +225,15 @@ using ptx::wgmmaWait;
 
 template <class C>
 struct QTile {
-  int loads = 0;  // Q tiles loaded so far: the parity of the next one's barrier phase
+  int loads = 0;    // Q tiles loaded so far: the parity of the next one's barrier phase
+  Bits32 base = 0;  // this warpgroup's rows: their shared address (set by load_q)
 };
 
 template <class C>
 struct KvPipeline {
-  int64_t count = 0;  // blocks produced (producer) or consumed (consumer) so far
-  int stage = 0;      // the stage being consumed
+  int next = 0;   // the stage the next block goes to (producer) or comes from (consumer)
+  int phase = 0;  // the parity of that stage's current round
+  int stage = 0;  // consumer: the stage being consumed
 };
 
 template <class C>
@@ -202,7 +244,7 @@ struct ScoreTile {
 template <class C>
 struct SoftmaxState {
   float m[2];  // running max (log2 domain) of this thread's rows (accumulatorRow(0), accumulatorRow(2))
-  float l[2];  // running denominator
+  float l[2];  // running denominator: this thread's columns until normalize sums the quad
 };
 
 // The output accumulator and the P V product owed to it: P of the last
@@ -216,6 +258,7 @@ template <class C>
 struct AccTile {
   float o[hopper::Geometry<C>::OT * 4];
   Bits32 p[hopper::Geometry<C>::PK][4];
+  float scale[2];      // O's rescale owed by the last softmax, applied before the owed P V
   int owedStage = -1;  // the stage of the P V owed; -1: none (P is zero)
 };
 
@@ -395,9 +438,8 @@ template <class C, bool Mixed>
 __device__ void kv_load(KvPipeline<C>& pipe, const IhaArgs& a, const TmaMaps& maps, int64_t g, int64_t b,
                         int64_t block) {
   using G = hopper::Geometry<C>;
-  const int stage = int(pipe.count % C::stages);
-  const int parity = int(pipe.count / C::stages) & 1;
-  ++pipe.count;
+  const int stage = pipe.next, parity = pipe.phase;
+  if (++pipe.next == C::stages) pipe.next = 0, pipe.phase ^= 1;
   const HopperSmem s = hopper::layout<C>();
   unsigned char* kTile = hopper::smem() + s.k + stage * G::kvTileBytes;
   unsigned char* vTile = hopper::smem() + s.v + stage * G::kvTileBytes;
@@ -428,6 +470,7 @@ __device__ void load_q(QTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int64
   using G = hopper::Geometry<C>;
   const int wg = hopper::consumerWarpgroup();
   unsigned char* tile = hopper::smem() + hopper::layout<C>().q + wg * hopper::kWgmmaRows * kSwizzleRowBytes;
+  q.base = hopper::smemAddress() + hopper::layout<C>().q + wg * hopper::kWgmmaRows * kSwizzleRowBytes;
   if constexpr (Mixed) {
     const int64_t L = rows_end<C>(a, b);
     const int t = hopper::consumerThread() % hopper::kWarpgroupThreads;
@@ -477,15 +520,19 @@ __device__ void softmax_init(SoftmaxState<C>& state, AccTile<C>& acc) {
   for (int kk = 0; kk < hopper::Geometry<C>::PK; ++kk)
     #pragma unroll
     for (int r = 0; r < 4; ++r) acc.p[kk][r] = 0u;
+  acc.scale[0] = acc.scale[1] = 1.0f;
   acc.owedStage = -1;
+  if constexpr (hopper::Geometry<C>::consumers > 1)  // warpgroup 0's first turn (ping-pong)
+    if (hopper::consumerWarpgroup() == hopper::Geometry<C>::consumers - 1)
+      ptx::barArriveId<2 * hopper::kWarpgroupThreads>(hopper::kSchedulerBarrier);
 }
 
 // Consumer: waits until the next stage holds key block `block`.
 template <class C, bool Mixed>
 __device__ void kv_wait(KvPipeline<C>& pipe, const IhaArgs&, int64_t, int64_t, int64_t) {
-  pipe.stage = int(pipe.count % C::stages);
-  hopper::mbarrierWait(hopper::fullBarrier<C>(pipe.stage), int(pipe.count / C::stages) & 1);
-  ++pipe.count;
+  pipe.stage = pipe.next;
+  hopper::mbarrierWait(hopper::barrierAddress<C>(pipe.stage), pipe.phase);  // full[stage]
+  if (++pipe.next == C::stages) pipe.next = 0, pipe.phase ^= 1;
 }
 
 namespace hopper {
@@ -497,11 +544,11 @@ template <class C>
 __device__ __forceinline__ void issueOwedPv(AccTile<C>& acc, const KvPipeline<C>& pipe) {
   using G = Geometry<C>;
   const int stage = acc.owedStage >= 0 ? acc.owedStage : pipe.stage;
-  const unsigned char* v = smem() + layout<C>().v + stage * G::kvTileBytes;
+  const Descriptor v = descriptorAt(smemAddress() + layout<C>().v + stage * G::kvTileBytes, G::kvAtomBytes,
+                                    kSwizzlePeriodBytes);
   #pragma unroll
   for (int kk = 0; kk < G::PK; ++kk)
-    wgmma::Wgmma<C::dtype, C::head_dim>::rs(
-        acc.o, acc.p[kk], descriptor(v + kk * kWgmmaK * kSwizzleRowBytes, G::kvAtomBytes, kSwizzlePeriodBytes), true);
+    wgmma::Wgmma<C::dtype, C::head_dim>::rs(acc.o, acc.p[kk], advanced(v, kk * kWgmmaK * kSwizzleRowBytes), true);
 }
 
 // Waits for the P V product in flight, then hands the owed stage back.
@@ -509,97 +556,144 @@ template <class C>
 __device__ __forceinline__ void retirePv(AccTile<C>& acc) {
   wgmmaWait<0>();
   pinRegisters(acc.o);
-  if (acc.owedStage >= 0) mbarrierArrive(emptyBarrier<C>(acc.owedStage));
+  if (acc.owedStage >= 0) mbarrierArrive(barrierAddress<C>(C::stages + acc.owedStage));  // empty[owed]
   acc.owedStage = -1;
+}
+
+// O *= the correction the last softmax owed (before the owed P V adds to it).
+template <class C>
+__device__ __forceinline__ void rescaleOutput(AccTile<C>& acc) {
+  #pragma unroll
+  for (int t = 0; t < Geometry<C>::OT; ++t)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) acc.o[t * 4 + e] *= acc.scale[e / 2];
+}
+
+// Ping-pong: consumer warpgroup w waits on its own named barrier for its
+// turn at the tensor cores (given by warpgroup w - 1 when that one has issued
+// its products) and, once it has issued its own, gives the turn to w + 1.
+// Each barrier counts the waiting warpgroup and the giving one. Warpgroup 0
+// takes its first turn of a tile without waiting, and the last warpgroup
+// gives no turn after its last, so every turn given is taken within the
+// tile (nothing is left pending on a barrier).
+//
+// Every turn is taken and given unconditionally (a branch among wgmma makes
+// ptxas serialise them all): the last warpgroup gives warpgroup 0 its first
+// turn of a tile in softmax_init, and warpgroup 0 takes the turn the last
+// warpgroup gives after its last product in normalize, so nothing is left
+// pending on a barrier when the tile ends.
+template <class C>
+__device__ __forceinline__ void takeTurn() {
+  if constexpr (Geometry<C>::consumers > 1)
+    ptx::barSyncId<2 * kWarpgroupThreads>(kSchedulerBarrier + consumerWarpgroup());
+}
+template <class C>
+__device__ __forceinline__ void giveTurn() {
+  constexpr int consumers = Geometry<C>::consumers;
+  if constexpr (consumers > 1) {
+    const int next = consumerWarpgroup() + 1;
+    ptx::barArriveId<2 * kWarpgroupThreads>(kSchedulerBarrier + (next == consumers ? 0 : next));
+  }
 }
 
 }  // namespace hopper
 
 // Nothing to do here: the stage goes back when the P V product reading it
-// retires (softmax_update of the next block, or kv_finish).
+// retires (mma_pv of the next block, or kv_finish).
 template <class C>
 __device__ __forceinline__ void kv_release(KvPipeline<C>&, int64_t) {}
 
-// S = Q K^T * scale * log2(e): block_n-wide wgmma over d / 16 k-steps, Q and
-// K from their swizzled tiles. The last block's owed P V is issued after it,
-// and only S is waited for: P V runs on while softmax_update works on S.
+// S = Q K^T (unscaled: the softmax folds the scale into its exponentials):
+// block_n-wide wgmma over d / 16 k-steps, Q and K from their swizzled tiles.
+// Then O is rescaled and the last block's owed P V issued, and only S is
+// waited for: P V runs on while softmax_update works on S.
 template <class C>
-__device__ void mma_qk(ScoreTile<C>& s, QTile<C>&, KvPipeline<C>& pipe, int64_t, AccTile<C>& acc) {
+__device__ void mma_qk(ScoreTile<C>& s, QTile<C>& qt, KvPipeline<C>& pipe, int64_t, AccTile<C>& acc) {
   using G = hopper::Geometry<C>;
-  const HopperSmem l = hopper::layout<C>();
-  const unsigned char* q = hopper::smem() + l.q + hopper::consumerWarpgroup() * hopper::kWgmmaRows * kSwizzleRowBytes;
-  const unsigned char* k = hopper::smem() + l.k + pipe.stage * G::kvTileBytes;
+  const hopper::Descriptor q = hopper::descriptorAt(qt.base, 16, kSwizzlePeriodBytes);
+  const hopper::Descriptor k =
+      hopper::descriptorAt(hopper::smemAddress() + hopper::layout<C>().k + pipe.stage * G::kvTileBytes, 16,
+                           kSwizzlePeriodBytes);
+  hopper::takeTurn<C>();
   hopper::pinRegisters(s.s);
-  hopper::pinRegisters(acc.o);
   hopper::wgmmaFence();
   #pragma unroll
   for (int kt = 0; kt < G::KT; ++kt) {
     const int atom = kt / (kSwizzleAtomColumns / hopper::kWgmmaK);
     const int inner = (kt % (kSwizzleAtomColumns / hopper::kWgmmaK)) * hopper::kWgmmaK * kTileElementBytes;
-    wgmma::Wgmma<C::dtype, C::block_n>::ss(s.s, hopper::descriptor(q + atom * G::qAtomBytes + inner, 16, kSwizzlePeriodBytes),
-                                           hopper::descriptor(k + atom * G::kvAtomBytes + inner, 16, kSwizzlePeriodBytes),
-                                           kt > 0);
+    wgmma::Wgmma<C::dtype, C::block_n>::ss(s.s, hopper::advanced(q, atom * G::qAtomBytes + inner),
+                                           hopper::advanced(k, atom * G::kvAtomBytes + inner), kt > 0);
   }
   hopper::wgmmaCommit();
   hopper::issueOwedPv<C>(acc, pipe);
   hopper::wgmmaCommit();
+  hopper::giveTurn<C>();
   hopper::wgmmaWait<1>();  // groups retire in order: S is done, P V may run on
   hopper::pinRegisters(s.s);
-  constexpr float scale = C::scale * kLog2e;
-  #pragma unroll
-  for (int i = 0; i < G::NT * 4; ++i) s.s[i] *= scale;
 }
 
-// -inf for pairs the mask forbids and columns past the end.
+// -inf for pairs the mask forbids and columns past the end. Each of the
+// thread's two rows sees one interval of keys (allowedColumns), so an element
+// costs a comparison against a bound taken relative to the thread's first
+// column (one more with a window) and a select.
 template <class C>
 __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int64_t block) {
   using G = hopper::Geometry<C>;
   // Rows fit in int (launches check L = N * P < 2^31).
-  const int L = int(rows_end<C>(a, block_z(a))), i0 = int(row0),
-            j0 = int(block * C::block_n);
-  const int l = cuda::lane();
+  const int L = int(rows_end<C>(a, block_z(a)));
+  const int first = int(block * C::block_n) + fragment::accumulatorColumn(cuda::lane(), 0);
   #pragma unroll
-  for (int t = 0; t < G::NT; ++t)
+  for (int h = 0; h < 2; ++h) {
+    const ColumnRange<int> range = allowedColumns<C, int>(int(row0) + hopper::accumulatorRow(2 * h));
+    const int hi = min(range.hi, L - 1) - first, lo = range.lo - first;  // columns relative to `first`
     #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = i0 + hopper::accumulatorRow(e);
-      const int j = j0 + t * 8 + fragment::accumulatorColumn(l, e);
-      if (j >= L || !allowed<C, int>(i, j)) s.s[t * 4 + e] = cuda::negativeInfinity();
-    }
+    for (int t = 0; t < G::NT; ++t)
+      #pragma unroll
+      for (int e = 2 * h; e < 2 * h + 2; ++e) {
+        const int column = t * 8 + (e & 1);
+        if (column > hi || (windowed<C>() && column < lo)) s.s[t * 4 + e] = cuda::negativeInfinity();
+      }
+  }
 }
 
 // Online softmax on the accumulator fragments, as in cuda.h: a row's values
 // sit in the 4 threads of a quad. The maxima and exponentials of S come
 // first, while the last block's P V may still be running; O is rescaled
 // after it retires.
+//
+// S is unscaled: the maximum is taken on it and scaled once, and each
+// exponential is exp2(s * scale - max), one FFMA and one MUFU.EX2. O is not
+// touched (P V may still be adding to it): its correction is owed to the
+// next mma_qk or kv_finish. The row sums stay per thread (normalize adds
+// the quad's).
 template <class C>
 __device__ void softmax_update(SoftmaxState<C>& state, ScoreTile<C>& s, AccTile<C>& acc) {
   using G = hopper::Geometry<C>;
-  float correction[2];
+  constexpr float scale = C::scale * kLog2e;
   #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    float rowMax = cuda::negativeInfinity();
+    float rowMax = fmaxf(s.s[2 * h], s.s[2 * h + 1]);
     #pragma unroll
-    for (int t = 0; t < G::NT; ++t) rowMax = fmaxf(rowMax, fmaxf(s.s[t * 4 + 2 * h], s.s[t * 4 + 2 * h + 1]));
-    const float newMax = fmaxf(state.m[h], cuda::quadMax(rowMax));
+    for (int t = 1; t < G::NT; ++t) rowMax = fmaxf(rowMax, fmaxf(s.s[t * 4 + 2 * h], s.s[t * 4 + 2 * h + 1]));
+    const float newMax = fmaxf(state.m[h], cuda::quadMax(rowMax) * scale);
     const float base = newMax == cuda::negativeInfinity() ? 0.0f : newMax;
-    correction[h] = exp2f(state.m[h] - base);
+    acc.scale[h] = ptx::exp2Ftz(state.m[h] - base);
     float rowSum = 0.0f;
     #pragma unroll
     for (int t = 0; t < G::NT; ++t)
       #pragma unroll
-      for (int e = 2 * h; e < 2 * h + 2; ++e) rowSum += (s.s[t * 4 + e] = exp2f(s.s[t * 4 + e] - base));
-    state.l[h] = state.l[h] * correction[h] + cuda::quadSum(rowSum);
+      for (int e = 2 * h; e < 2 * h + 2; ++e)
+        rowSum += (s.s[t * 4 + e] = ptx::exp2Ftz(fmaf(s.s[t * 4 + e], scale, -base)));
+    state.l[h] = state.l[h] * acc.scale[h] + rowSum;
     state.m[h] = newMax;
   }
-  hopper::retirePv<C>(acc);
-  #pragma unroll
-  for (int h = 0; h < 2; ++h)
-    #pragma unroll
-    for (int t = 0; t < G::OT; ++t) {
-      acc.o[t * 4 + 2 * h] *= correction[h];
-      acc.o[t * 4 + 2 * h + 1] *= correction[h];
-    }
+  // The scheduling anchor: a store of the row sums, which need every
+  // exponential, ahead of mma_pv's wait for P V. ptxas keeps a shared store
+  // before a wgmma wait, so the exponentials stay in the P V window instead
+  // of all following a wait hoisted above them (loom compile --sass shows
+  // how many do; the SASS gates hold it).
+  reinterpret_cast<float*>(hopper::smem() + hopper::layout<C>().anchors)[hopper::consumerThread()] =
+      state.l[0] + state.l[1];
 }
 
 // O += P V, owed: P is re-packed from the S fragments into wgmma's register
@@ -608,6 +702,8 @@ __device__ void softmax_update(SoftmaxState<C>& state, ScoreTile<C>& s, AccTile<
 template <class C>
 __device__ void mma_pv(AccTile<C>& acc, ScoreTile<C>& s, KvPipeline<C>& pipe, int64_t) {
   using G = hopper::Geometry<C>;
+  hopper::retirePv<C>(acc);  // the last P V is done: its P registers are free, O may change
+  hopper::rescaleOutput<C>(acc);
   #pragma unroll
   for (int kk = 0; kk < G::PK; ++kk) {
     acc.p[kk][0] = cuda::pack<C>(s.s[(2 * kk) * 4 + 0], s.s[(2 * kk) * 4 + 1]);
@@ -624,18 +720,23 @@ __device__ void mma_pv(AccTile<C>& acc, ScoreTile<C>& s, KvPipeline<C>& pipe, in
 // is owed; were nothing, P is zero and normalize() writes zero rows.
 template <class C>
 __device__ void kv_finish(KvPipeline<C>& pipe, AccTile<C>& acc) {
+  hopper::takeTurn<C>();
   hopper::pinRegisters(acc.o);
   hopper::wgmmaFence();
   hopper::issueOwedPv<C>(acc, pipe);
   hopper::wgmmaCommit();
+  hopper::giveTurn<C>();
   hopper::retirePv<C>(acc);
 }
 
 template <class C>
 __device__ void normalize(SoftmaxState<C>& state, AccTile<C>& acc) {
   using G = hopper::Geometry<C>;
+  if constexpr (G::consumers > 1)  // the turn the last warpgroup gave after its last product (ping-pong)
+    if (hopper::consumerWarpgroup() == 0) ptx::barSyncId<2 * hopper::kWarpgroupThreads>(hopper::kSchedulerBarrier);
   #pragma unroll
   for (int h = 0; h < 2; ++h) {
+    state.l[h] = cuda::quadSum(state.l[h]);
     const bool empty = !(state.l[h] > 0.0f);
     const float inverse = empty ? 0.0f : 1.0f / state.l[h];
     #pragma unroll

@@ -133,6 +133,7 @@ struct HopperSmem {
   int staging = 0;   // collapse epilogues: [block_m][stagingPitch] f32
   int out = 0;       // fused global collapse: [block_m / P][H][d] f32
   int barriers = 0;  // full[stages], empty[stages], q[consumer warpgroups]
+  int anchors = 0;   // one f32 a consumer thread: the softmax's scheduling anchor (hopper.h)
   int total = 0;     // bytes of dynamic shared memory, alignment slack included
 };
 
@@ -155,7 +156,9 @@ constexpr HopperSmem hopperSmem(int blockM, int blockN, int headDim, int stages,
   s.out = operandsEnd > stagingEnd ? operandsEnd : stagingEnd;
   const int outBytes = outTile ? (blockM / pseudoHeads) * heads * dPadded * kAccumulatorBytes : 0;
   s.barriers = alignUp(s.out + outBytes, kBarrierBytes);
-  s.total = s.barriers + (2 * stages + kMaxConsumerWarpgroups) * kBarrierBytes + kSwizzlePeriodBytes;
+  s.anchors = s.barriers + (2 * stages + kMaxConsumerWarpgroups) * kBarrierBytes;
+  const int consumerThreads = 2 * blockM;  // a 128-thread warpgroup for each 64 rows
+  s.total = s.anchors + consumerThreads * kAccumulatorBytes + kSwizzlePeriodBytes;
   return s;
 }
 

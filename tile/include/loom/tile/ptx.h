@@ -118,12 +118,35 @@ __device__ __forceinline__ void redGlobalAddF32(float* address, float value) {
   asm volatile("red.global.add.f32 [%0], %1;" ::"l"(address), "f"(value) : "memory");
 }
 
+//===--- the special-function unit -------------------------------------------===//
+
+// 2^x on the special-function unit, subnormal inputs and results flushed to
+// zero: one MUFU.EX2 (without .ftz ptxas wraps each in a range check and two
+// predicated multiplies). Relative error within 2^-22; a result below
+// 2^-126 is 0, which a softmax's exponentials of x - max lose nothing to.
+__device__ __forceinline__ float exp2Ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
 //===--- barriers, mbarriers, fences (sm_90) --------------------------------===//
 
 // Named barrier `Id` of `Threads` threads, both immediates.
 template <int Id, int Threads>
 __device__ __forceinline__ void barSync() {
   asm volatile("bar.sync %0, %1;" ::"n"(Id), "n"(Threads) : "memory");
+}
+// Named barrier `id` (a warp-uniform register: no branch picks among
+// immediates, and none may stand between wgmma instructions) of `Threads`
+// threads; bar.arrive counts toward it without waiting.
+template <int Threads>
+__device__ __forceinline__ void barSyncId(int id) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(Threads) : "memory");
+}
+template <int Threads>
+__device__ __forceinline__ void barArriveId(int id) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(Threads) : "memory");
 }
 __device__ __forceinline__ void mbarrierInit(Bits32 bar, unsigned count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");

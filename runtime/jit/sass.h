@@ -1,0 +1,99 @@
+// The machine code as evidence: a cubin's SASS (nvdisasm's text) read into
+// per-entry figures of each tensor-core loop, the innermost loop that holds
+// HGMMA or HMMA instructions. The figures are static counts over the loop's
+// body, what one warp issues per iteration (one key block) when every path
+// of the body runs:
+//
+//   - instructions by class (tensor, MUFU.EX2, fp32, conversions, shuffles,
+//     integer, uniform, sync, memory, local, branch, other);
+//   - the tensor FLOP one warp's HGMMA / HMMA issue per iteration, and so
+//     instructions per million tensor FLOP, which compares any tile;
+//   - where the warpgroup waits sit relative to the exponentials: how many
+//     MUFU.EX2 lie between the wait that retires S (wait_group 1) and the
+//     wait that retires P V (wait_group 0), following the loop around;
+//   - the named barriers (ids other than 0) synced and arrived at: a loop
+//     that syncs one and arrives at another hands the tensor cores back and
+//     forth between consumer warpgroups (ping-pong);
+//   - local memory (LDL / STL).
+//
+// Loops are natural loops of the control-flow graph (a back edge whose
+// target dominates its source), so an out-of-line retry of an mbarrier wait
+// belongs to the loop it came from and is no loop of its own.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "loom/result.h"
+#include "loom/v1/loom.pb.h"
+
+namespace loom::jit::sass {
+
+// One instruction of nvdisasm's listing.
+struct Instruction {
+  int offset = 0;          // byte offset in the function
+  std::string predicate;   // "@!P0", or empty
+  std::string opcode;      // "HGMMA.64x128x16.F32.BF16"
+  std::string operands;    // the rest, without the trailing ';'
+  std::string target;      // a branch's label, or empty
+};
+
+struct Function {
+  std::string name;
+  std::vector<Instruction> code;
+  std::map<std::string, int> labels;  // label -> index of the instruction it names
+};
+
+// The functions of nvdisasm's listing (`nvdisasm -c`), in order.
+std::vector<Function> parseListing(const std::string& text);
+
+// The figures of `function`'s tensor-core loops, in address order, and its
+// setmaxnreg requests (filled into `usage`'s loops and setmaxnreg).
+void analyzeFunction(const Function& function, v1::ResourceUsage& usage);
+
+// The class of an opcode, one of kClasses.
+std::string classOf(const std::string& opcode);
+inline constexpr const char* kClasses[] = {"tensor", "mufu_ex2", "mufu", "fp32", "conversion", "shuffle", "integer",
+                                           "uniform", "sync", "memory", "local", "branch", "other"};
+
+// The nvdisasm used: $LOOM_NVDISASM, else the project's own (scripts/setup
+// installs it under .tools/), else one on PATH or in /usr/local/cuda/bin.
+// Empty when there is none.
+std::string nvdisasmPath();
+
+// nvdisasm's listing of a cubin (code sections only).
+Result<std::string> disassemble(const std::string& cubin);
+
+// Disassembles `cubin` and fills the loop figures of every entry of
+// `resources` it names (entries the listing adds are appended). An error
+// when there is no nvdisasm or it fails; `resources` is then unchanged.
+Status readLoops(const std::string& cubin, std::vector<v1::ResourceUsage>& resources);
+
+// FlashAttention-3's loops read by this reader (docs/performance.md, The
+// SASS budget: flash-attention 0251105a, bf16, causal, sm90, compiled with
+// nvcc 13.0 and its own flags): instructions per million tensor FLOP of the
+// unmasked and the masked loop. 0 where no anchor was measured.
+double fa3PerTensorMflop(int headDim, bool masked);
+
+// The gate CI holds every sm_90a default's attention loops to: the figures
+// loom's loop reaches today (a ratchet, lowered as the loop improves,
+// never raised), which are still above FlashAttention-3's. A masked loop
+// with a window compares twice an element and gets the windowed figure.
+// 0 where no gate is set for this head_dim.
+double budgetPerTensorMflop(int headDim, bool masked, bool windowed = false);
+// The share of a loop's exponentials that must sit in the P V window
+// (FlashAttention-3's unmasked loop: 13 of 66).
+inline constexpr double kMinExpInPvWindowShare = 13.0 / 66.0;
+
+// One line per way a loop of `usage` misses the gate (head_dim `headDim`):
+// too many instructions per tensor FLOP, exponentials outside the P V
+// window, no ping-pong where `pingPong` is expected, local memory. Empty
+// when every loop meets it.
+std::vector<std::string> budgetMisses(const v1::ResourceUsage& usage, int headDim, bool pingPong,
+                                      bool windowed = false);
+
+// A table of the loops of `resources`, for people (loom compile --sass).
+std::string formatLoops(const std::vector<v1::ResourceUsage>& resources);
+
+}  // namespace loom::jit::sass

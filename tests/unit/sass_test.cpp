@@ -1,0 +1,149 @@
+// The SASS reader (runtime/jit/sass.h) on checked-in excerpts of loom's own
+// machine code (tests/data/sass: one tensor-core loop each, cut from
+// `loom compile --sass-listing` of the paper's sm_90a default, H 16 P 4
+// d 128 bf16 flat_causal), before and after the FlashAttention-3 loop, and
+// on small listings written here that exercise the control-flow reading.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "jit/sass.h"
+#include "test_util.h"
+
+namespace loom {
+namespace {
+
+using jit::sass::analyzeFunction;
+using jit::sass::parseListing;
+
+std::string readExcerpt(const std::string& name) {
+  std::ifstream in(testing::dataDir() + "/sass/" + name, std::ios::binary);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+v1::ResourceUsage analyze(const std::string& listing) {
+  const auto functions = parseListing(listing);
+  EXPECT_EQ(functions.size(), 1u);
+  v1::ResourceUsage usage;
+  if (!functions.empty()) analyzeFunction(functions[0], usage);
+  return usage;
+}
+
+int classCount(const v1::SassLoop& loop, const std::string& name) {
+  const auto found = loop.classes().find(name);
+  return found == loop.classes().end() ? 0 : found->second;
+}
+
+// The loop before: exponentials without .ftz (a range check and two
+// predicated multiplies each), a separate scale, descriptors rebuilt per
+// HGMMA, a 64-bit stage counter; ptxas hoists the wait for P V above every
+// exponential; no ping-pong.
+TEST(SassReader, ReadsTheOldLoop) {
+  const v1::ResourceUsage u = analyze(readExcerpt("before-unmasked.sass"));
+  ASSERT_EQ(u.loops_size(), 1);
+  const v1::SassLoop& l = u.loops(0);
+  EXPECT_EQ(l.instructions(), 930);
+  EXPECT_EQ(classCount(l, "tensor"), 16);  // 8 HGMMA for S, 8 for P V
+  EXPECT_EQ(l.exponentials(), 66);         // 64 of P, 2 corrections
+  EXPECT_EQ(classCount(l, "fp32"), 536);
+  EXPECT_DOUBLE_EQ(l.tensor_flops_per_warp(), 16 * 2.0 * 64 * 128 * 16 / 4);
+  EXPECT_NEAR(l.instructions_per_tensor_mflop(), 930 / 1.048576, 1e-6);
+  EXPECT_EQ(l.exponentials_in_pv_window(), 0);
+  EXPECT_FALSE(l.ping_pong());
+  EXPECT_TRUE(l.named_barriers_synced().empty());
+  EXPECT_FALSE(l.masked());
+  EXPECT_EQ(l.local_memory(), 0);
+  // It misses the budget on both counts.
+  const auto misses = jit::sass::budgetMisses(u, 128, true);
+  EXPECT_EQ(misses.size(), 3u) << ::testing::PrintToString(misses);
+}
+
+// The loop now: one FFMA and one MUFU.EX2 an exponential, every exponential
+// between the wait for S and the wait for P V, the turn taken on one named
+// barrier and given on another.
+TEST(SassReader, ReadsTheFlashAttention3Loop) {
+  const v1::ResourceUsage u = analyze(readExcerpt("unmasked.sass"));
+  ASSERT_EQ(u.loops_size(), 1);
+  const v1::SassLoop& l = u.loops(0);
+  EXPECT_EQ(classCount(l, "tensor"), 16);
+  EXPECT_EQ(l.exponentials(), 66);
+  EXPECT_LE(classCount(l, "fp32"), 272);  // max, FFMA, sum, rescale: 4 x 64 and the row bookkeeping
+  EXPECT_EQ(l.exponentials_in_pv_window(), 66);
+  EXPECT_TRUE(l.ping_pong());
+  EXPECT_EQ(l.named_barriers_synced_size(), 1);
+  EXPECT_EQ(l.named_barriers_arrived_size(), 1);
+  EXPECT_FALSE(l.masked());
+  EXPECT_LT(l.instructions(), 560);
+
+  const v1::ResourceUsage m = analyze(readExcerpt("masked.sass"));
+  ASSERT_EQ(m.loops_size(), 1);
+  EXPECT_TRUE(m.loops(0).masked());
+  EXPECT_GT(m.loops(0).instructions(), l.instructions());
+}
+
+// Control flow: the loop is the natural loop of a back edge; a wait's retry
+// placed after the exit (a branch out and one back in) belongs to it and is
+// no loop of its own; a loop without tensor instructions is not reported,
+// and of two nested tensor loops only the inner one is.
+TEST(SassReader, FindsInnermostNaturalLoops) {
+  const std::string listing = R"(
+	.text.k:
+        /*0000*/                   USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xf0 ;
+        /*0010*/                   MOV R0, RZ ;
+.L_x_0:
+        /*0020*/                   IADD3 R1, R1, 0x1, RZ ;
+.L_x_1:
+        /*0030*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R2+URZ], R3 ;
+        /*0040*/              @!P0 BRA `(.L_x_9) ;
+.L_x_2:
+        /*0050*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0060*/                   MUFU.EX2 R5, R5 ;
+        /*0070*/                   ISETP.NE.AND P1, PT, R1, 0x4, PT ;
+        /*0080*/               @P1 BRA `(.L_x_1) ;
+        /*0090*/                   ISETP.NE.AND P2, PT, R0, 0x8, PT ;
+        /*00a0*/               @P2 BRA `(.L_x_0) ;
+.L_x_3:
+        /*00b0*/                   FADD R6, R6, 1 ;
+        /*00c0*/                   ISETP.NE.AND P3, PT, R6, 0x8, PT ;
+        /*00d0*/               @P3 BRA `(.L_x_3) ;
+        /*00e0*/                   EXIT ;
+.L_x_9:
+        /*00f0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R2+URZ], R3 ;
+        /*0100*/              @!P0 BRA `(.L_x_9) ;
+        /*0110*/                   BRA `(.L_x_2) ;
+)";
+  const v1::ResourceUsage u = analyze(listing);
+  ASSERT_EQ(u.setmaxnreg_size(), 1);
+  EXPECT_EQ(u.setmaxnreg(0), 240);
+  ASSERT_EQ(u.loops_size(), 1) << u.ShortDebugString();
+  const v1::SassLoop& l = u.loops(0);
+  EXPECT_EQ(l.first_offset(), 0x30);
+  // 0x30..0x80 (six) and the out-of-line retry 0xf0..0x110 (three).
+  EXPECT_EQ(l.instructions(), 9);
+  EXPECT_DOUBLE_EQ(l.tensor_flops_per_warp(), 2.0 * 16 * 8 * 16);
+  EXPECT_EQ(l.exponentials_in_pv_window(), -1);  // no wgmma waits
+}
+
+TEST(SassReader, ClassifiesOpcodes) {
+  EXPECT_EQ(jit::sass::classOf("HGMMA.64x128x16.F32.BF16"), "tensor");
+  EXPECT_EQ(jit::sass::classOf("MUFU.EX2"), "mufu_ex2");
+  EXPECT_EQ(jit::sass::classOf("MUFU.RCP"), "mufu");
+  EXPECT_EQ(jit::sass::classOf("FFMA.FTZ"), "fp32");
+  EXPECT_EQ(jit::sass::classOf("F2FP.BF16.F32.PACK_AB"), "conversion");
+  EXPECT_EQ(jit::sass::classOf("SHFL.BFLY"), "shuffle");
+  EXPECT_EQ(jit::sass::classOf("IMAD.WIDE.U32"), "integer");
+  EXPECT_EQ(jit::sass::classOf("R2UR"), "uniform");
+  EXPECT_EQ(jit::sass::classOf("UIADD3"), "uniform");
+  EXPECT_EQ(jit::sass::classOf("WARPGROUP.DEPBAR.LE"), "sync");
+  EXPECT_EQ(jit::sass::classOf("BAR.ARV"), "sync");
+  EXPECT_EQ(jit::sass::classOf("LDS.128"), "memory");
+  EXPECT_EQ(jit::sass::classOf("STL"), "local");
+  EXPECT_EQ(jit::sass::classOf("BRA"), "branch");
+  EXPECT_EQ(jit::sass::classOf("MOV"), "other");
+}
+
+}  // namespace
+}  // namespace loom
