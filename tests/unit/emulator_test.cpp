@@ -315,7 +315,7 @@ std::vector<Fault> faults() {
        "const bool inside = j < L && chunk < dChunks;", "const bool inside = chunk < dChunks;", "sm_80",
        materialized, {FindingKind::outOfBounds}},
       {"wrong_swizzle_mode_in_a_wgmma_descriptor", "loom/tile/hopper.h", "Bits32(1) << 30", "Bits32(2) << 30",
-       "sm_90a", hopper, {}},
+       "sm_90a", hopper, {FindingKind::uninitialized}},
       {"expect_tx_16_bytes_short", "loom/tile/hopper.h", "hopper::mbarrierExpectBytes(full, 2 * G::kvTileBytes);",
        "hopper::mbarrierExpectBytes(full, 2 * G::kvTileBytes - 16);", "sm_90a", hopper,
        {FindingKind::mbarrier, FindingKind::deadlock}},
