@@ -20,6 +20,7 @@
 #include "autotune/space.h"
 #include "autotune/tuner.h"
 #include "jit/nvrtc_compiler.h"
+#include "jit/sass.h"
 #include "loom/compiler.h"
 
 namespace {
@@ -62,7 +63,7 @@ int main(int argc, char** argv) {
               arch.c_str(), (long long)batch, (long long)tokens, loom::jit::nvrtcVersion().c_str());
   std::printf("%-3s %-2s %-4s %-8s %-48s %5s %9s %8s %7s %11s %9s %8s  %s\n", "H", "P", "d", "schedule", "key", "regs",
               "smem KiB", "CTAs/SM", "losses", "model ms", "TFLOP/s", "of 790",
-              "SASS loops: instructions a warp a block (per tensor MFLOP; m masked), exp in the P V window, ping-pong");
+              "SASS loops: instructions per tensor MFLOP (m: masked), exp in the P V window, ping-pong");
   for (int H : {8, 16})
     for (int P : {2, 4, 8})
       for (int d : {64, 128}) {
@@ -104,15 +105,7 @@ int main(int argc, char** argv) {
           for (const auto& usage : artifact->resources)
             if (usage.entry() == loom::kAttentionEntry) {
               if (schedule.engine() == loom::v1::engine_wgmma) issue = loom::autotune::loopIssueOf(usage);
-              for (const auto& loop : usage.loops()) {
-                char text[96];
-                std::snprintf(text, sizeof text, "%s%d (%.0f%s) %d/%d%s", loops.empty() ? "" : ", ",
-                              loop.instructions(), loop.instructions_per_tensor_mflop(), loop.masked() ? "m" : "",
-                              std::max(0, loop.exponentials_in_pv_window()), loop.exponentials(),
-                              loop.ping_pong() ? " pp" : "");
-                loops += text;
-              }
-              if (!usage.sass_read()) loops = "SASS not read (no nvdisasm)";
+              loops = loom::jit::sass::loopsBrief(usage);
             }
           const loom::autotune::CostEstimate e =
               loom::autotune::estimateCost(spec, schedule, *target, batch, tokens, row.registers, issue);

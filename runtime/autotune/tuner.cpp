@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "api/compile.h"
+#include "jit/sass.h"
 #include "emu/emulator.h"
 #include "io/decode_case.h"
 #include "loom/compiler.h"
@@ -96,14 +97,7 @@ void compileAll(const KernelSpec& spec, const v1::Target& target, const std::vec
       for (const v1::ResourceUsage& usage : artifact->resources)
         if (usage.entry() == kAttentionEntry && options.direction == Direction::forward) {
           issue = loopIssueOf(usage);
-          for (const v1::SassLoop& loop : usage.loops()) {
-            char figures[96];
-            std::snprintf(figures, sizeof figures, "%s%.0f%s %d/%d%s", r.sass.empty() ? "" : " ",
-                          loop.instructions_per_tensor_mflop(), loop.masked() ? "m" : "",
-                          std::max(0, loop.exponentials_in_pv_window()), loop.exponentials(),
-                          loop.ping_pong() ? " pp" : "");
-            r.sass += figures;
-          }
+          r.sass = jit::sass::loopsBrief(usage);
         }
       if (attentionRegisters > 0)
         r.predictedMs = predict(spec, r.candidate.schedule, target, options.batch, options.tokens, options.direction,

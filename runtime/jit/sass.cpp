@@ -296,7 +296,11 @@ void analyzeFunction(const Function& f, v1::ResourceUsage& usage) {
       }
     }
     loop.set_instructions(int(code.size()));
-    for (const auto& [name, count] : classes) (*loop.mutable_classes())[name] = count;
+    for (const char* name : kClasses) {
+      v1::SassClassCount& c = *loop.add_classes();
+      c.set_name(name);
+      c.set_count(classes[name]);
+    }
     loop.set_tensor_flops_per_warp(flops);
     loop.set_instructions_per_tensor_mflop(flops > 0 ? code.size() / (flops / 1e6) : 0);
     loop.set_masked(maskSelects >= 8);
@@ -440,6 +444,22 @@ std::vector<std::string> budgetMisses(const v1::ResourceUsage& usage, int headDi
   return misses;
 }
 
+int classCount(const v1::SassLoop& loop, const std::string& name) {
+  for (const v1::SassClassCount& c : loop.classes())
+    if (c.name() == name) return c.count();
+  return 0;
+}
+
+std::string loopsBrief(const v1::ResourceUsage& usage) {
+  if (!usage.sass_read()) return "SASS not read";
+  std::ostringstream out;
+  for (const v1::SassLoop& loop : usage.loops())
+    out << (out.tellp() > 0 ? ", " : "") << std::fixed << std::setprecision(0) << loop.instructions_per_tensor_mflop()
+        << (loop.masked() ? "m" : "") << " " << std::max(0, loop.exponentials_in_pv_window()) << "/"
+        << loop.exponentials() << (loop.ping_pong() ? " pp" : "");
+  return usage.loops().empty() ? "-" : out.str();
+}
+
 std::string formatLoops(const std::vector<v1::ResourceUsage>& resources) {
   std::ostringstream out;
   for (const v1::ResourceUsage& u : resources) {
@@ -458,11 +478,8 @@ std::string formatLoops(const std::vector<v1::ResourceUsage>& resources) {
           << l.instructions() << " instructions per warp per iteration, " << std::fixed << std::setprecision(0)
           << l.instructions_per_tensor_mflop() << " per tensor MFLOP (" << std::setprecision(3)
           << l.tensor_flops_per_warp() / 1e6 << " MFLOP a warp)\n    ";
-      for (const char* c : kClasses) {
-        const auto found = l.classes().find(c);
-        const int count = found == l.classes().end() ? 0 : found->second;
-        if (count) out << c << " " << count << "  ";
-      }
+      for (const v1::SassClassCount& c : l.classes())
+        if (c.count()) out << c.name() << " " << c.count() << "  ";
       out << "\n    MUFU.EX2 in the P V window: ";
       if (l.exponentials_in_pv_window() < 0) out << "no window";
       else out << l.exponentials_in_pv_window() << " of " << l.exponentials();

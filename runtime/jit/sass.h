@@ -93,6 +93,15 @@ inline constexpr double kMinExpInPvWindowShare = 13.0 / 66.0;
 std::vector<std::string> budgetMisses(const v1::ResourceUsage& usage, int headDim, bool pingPong,
                                       bool windowed = false);
 
+// A loop's instructions of class `name` (0 for a class it lacks).
+int classCount(const v1::SassLoop& loop, const std::string& name);
+
+// One entry's loops in a line, as the tuner's table and the static report
+// show them: per loop, instructions per tensor MFLOP ("m": masked), the
+// exponentials in the P V window and "pp" for ping-pong; "-" without
+// loops, "SASS not read" when nvdisasm was not there.
+std::string loopsBrief(const v1::ResourceUsage& usage);
+
 // A table of the loops of `resources`, for people (loom compile --sass).
 std::string formatLoops(const std::vector<v1::ResourceUsage>& resources);
 

@@ -215,8 +215,9 @@ TEST(HopperLayout, TilesStartOnTheSwizzlePeriodAndDoNotOverlap) {
               }
               EXPECT_GE(s.barriers, s.out);
               EXPECT_EQ(s.barriers % kBarrierBytes, 0);
-              EXPECT_EQ(s.total, s.barriers + (2 * stages + kMaxConsumerWarpgroups) * kBarrierBytes +
-                                     kSwizzlePeriodBytes) << "room to align the base";
+              EXPECT_EQ(s.anchors, s.barriers + (2 * stages + kMaxConsumerWarpgroups) * kBarrierBytes);
+              EXPECT_EQ(s.total, s.anchors + 2 * blockM * kAccumulatorBytes + kSwizzlePeriodBytes)
+                  << "an anchor a consumer thread, and room to align the base";
             }
 }
 

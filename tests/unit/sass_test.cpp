@@ -32,10 +32,7 @@ v1::ResourceUsage analyze(const std::string& listing) {
   return usage;
 }
 
-int classCount(const v1::SassLoop& loop, const std::string& name) {
-  const auto found = loop.classes().find(name);
-  return found == loop.classes().end() ? 0 : found->second;
-}
+using jit::sass::classCount;
 
 // The loop before: exponentials without .ftz (a range check and two
 // predicated multiplies each), a separate scale, descriptors rebuilt per

@@ -250,7 +250,7 @@ struct SoftmaxState {
 // The output accumulator and the P V product owed to it: P of the last
 // block, packed as wgmma's A operand, and the stage holding its V. The
 // product is issued by the next mma_qk (or kv_finish) and retired by the
-// next softmax_update (or kv_finish). Every wgmma is issued on every path
+// next mma_pv (or kv_finish). Every wgmma is issued on every path
 // (ptxas serialises all of a kernel's wgmma when one sits in a branch it
 // cannot prove warpgroup-uniform): before a tile's first block nothing is
 // owed, P is zero and the product adds nothing.
@@ -258,7 +258,7 @@ template <class C>
 struct AccTile {
   float o[hopper::Geometry<C>::OT * 4];
   Bits32 p[hopper::Geometry<C>::PK][4];
-  float scale[2];      // O's rescale owed by the last softmax, applied before the owed P V
+  float scale[2];      // O's correction from the last softmax: mma_pv applies it once P V retires
   int owedStage = -1;  // the stage of the P V owed; -1: none (P is zero)
 };
 
@@ -560,7 +560,8 @@ __device__ __forceinline__ void retirePv(AccTile<C>& acc) {
   acc.owedStage = -1;
 }
 
-// O *= the correction the last softmax owed (before the owed P V adds to it).
+// O *= the last softmax's correction, once the P V before it has retired
+// (and before the next one adds to O).
 template <class C>
 __device__ __forceinline__ void rescaleOutput(AccTile<C>& acc) {
   #pragma unroll
