@@ -65,6 +65,8 @@ std::string nvrtcVersion() {
   return "nvrtc-" + std::to_string(major) + "." + std::to_string(minor);
 }
 
+bool readsSassOnCompile(const std::string& arch) { return arch == "sm_90a"; }
+
 bool nvrtcKnowsArch(const std::string& arch) {
   // Asked on every request the service takes: the list and the pattern once.
   static const std::vector<int> archs = [] {
@@ -254,8 +256,10 @@ Result<std::shared_ptr<const Artifact>> NvrtcCompiler::compileUncached(const std
   artifact->arch = arch;
   artifact->key = key;
   artifact->resources = parsePtxasReport(artifact->log, artifact->ptx);
-  // The machine code's loops (sass.h); without nvdisasm they stay unread.
-  if (cubin) (void)sass::readLoops(artifact->binary, artifact->resources);
+  // The machine code's loops (sass.h) of the arch whose gates and cost
+  // model read them; without nvdisasm they stay unread. (`loom compile
+  // --sass` reads any arch's on demand.)
+  if (cubin && readsSassOnCompile(arch)) (void)sass::readLoops(artifact->binary, artifact->resources);
   artifact->compileSeconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return std::shared_ptr<const Artifact>(artifact);
 }
@@ -287,7 +291,8 @@ std::shared_ptr<const Artifact> NvrtcCompiler::readDisk(const std::string& key) 
       }
     sassRead = sassRead && found;
   }
-  if (artifact->binaryKind == "cubin" && !sassRead) (void)sass::readLoops(artifact->binary, artifact->resources);
+  if (artifact->binaryKind == "cubin" && readsSassOnCompile(artifact->arch) && !sassRead)
+    (void)sass::readLoops(artifact->binary, artifact->resources);
   artifact->compileSeconds = record.compile_seconds();
   artifact->fromCache = true;
   artifact->key = key;

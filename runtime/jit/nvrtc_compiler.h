@@ -51,6 +51,11 @@ struct Artifact {
 // "nvrtc-13.0"
 std::string nvrtcVersion();
 
+// Whether every compile for `arch` reads its SASS into the resources'
+// loops (sass.h): sm_90a, whose wgmma loops the SASS gates and the cost
+// model read. Other archs' are read on demand (sass::readLoops).
+bool readsSassOnCompile(const std::string& arch);
+
 // Whether NVRTC can produce a cubin for `arch` (else PTX for its compute arch).
 bool nvrtcKnowsArch(const std::string& arch);
 

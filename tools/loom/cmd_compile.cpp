@@ -145,6 +145,8 @@ int compile(const CompileOptions& options) {
     for (const LaunchPlan& launch : plan->launches)
       for (const auto& r : a.resources)
         if (r.entry() == launch.name) entries.push_back(r);
+    if (!entries.empty() && !entries.front().sass_read())  // an arch not read on every compile
+      if (Status read = jit::sass::readLoops(a.binary, entries); !read) return badInput(read.error().message);
     std::printf("SASS (nvdisasm; per warp per iteration of each tensor-core loop):\n%s",
                 jit::sass::formatLoops(entries).c_str());
     const int d = spec->head_dim();
