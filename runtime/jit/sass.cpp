@@ -412,8 +412,8 @@ double fa3PerTensorMflop(int headDim, bool masked) {
 }
 
 double budgetPerTensorMflop(int headDim, bool masked, bool windowed) {
-  if (headDim == 128) return !masked ? 520 : windowed ? 740 : 660;
-  if (headDim == 64) return !masked ? 920 : windowed ? 1340 : 1180;
+  if (headDim == 128) return !masked ? 510 : windowed ? 725 : 640;
+  if (headDim == 64) return !masked ? 895 : windowed ? 1320 : 1150;
   return 0;
 }
 

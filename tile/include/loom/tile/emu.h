@@ -223,6 +223,12 @@ template <int Threads>
 LOOM_EMU_LEAF inline void barArriveId(int id) {
   emu::api->barArrive(id, Threads, LOOM_EMU_PC);
 }
+// st.shared.f32 at a shared-window address: an ordinary store into the
+// CTA's shared memory (not a leaf, so the emulator checks it as any other).
+inline void stSharedF32(Bits32 address, float value) {
+  unsigned char* base = dynamicShared<16>();
+  *reinterpret_cast<float*>(base + (address - sharedAddress(base))) = value;
+}
 // ex2.approx.ftz.f32: subnormal inputs and results flushed to zero (the
 // host's exp2 stands for the special-function unit's approximation).
 inline float exp2Ftz(float x) {

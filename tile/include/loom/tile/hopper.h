@@ -189,10 +189,11 @@ __device__ __forceinline__ Bits32 smemAddress() {
   return (base + (kSwizzlePeriodBytes - 1)) & ~Bits32(kSwizzlePeriodBytes - 1);
 }
 
-// Barrier `index` of barrier<C>(index) as a shared-window address.
+// Barrier `index` of barrier<C>(index) as a shared-window address, from
+// smemAddress() computed once (`smem`).
 template <class C>
-__device__ __forceinline__ Bits32 barrierAddress(int index) {
-  return smemAddress() + layout<C>().barriers + index * Bits32(sizeof(Bits64));
+__device__ __forceinline__ Bits32 barrierAddress(Bits32 smem, int index) {
+  return smem + layout<C>().barriers + index * Bits32(sizeof(Bits64));
 }
 
 // A descriptor as its two words: the low one holds the start address (bits
@@ -234,6 +235,7 @@ struct KvPipeline {
   int next = 0;   // the stage the next block goes to (producer) or comes from (consumer)
   int phase = 0;  // the parity of that stage's current round
   int stage = 0;  // consumer: the stage being consumed
+  Bits32 smem = hopper::smemAddress();  // computed once: the loop adds offsets to it
 };
 
 template <class C>
@@ -258,6 +260,7 @@ template <class C>
 struct AccTile {
   float o[hopper::Geometry<C>::OT * 4];
   Bits32 p[hopper::Geometry<C>::PK][4];
+  Bits32 smem = 0;     // hopper::smemAddress(), kept from softmax_init
   float scale[2];      // O's correction from the last softmax: mma_pv applies it once P V retires
   int owedStage = -1;  // the stage of the P V owed; -1: none (P is zero)
 };
@@ -522,6 +525,7 @@ __device__ void softmax_init(SoftmaxState<C>& state, AccTile<C>& acc) {
     for (int r = 0; r < 4; ++r) acc.p[kk][r] = 0u;
   acc.scale[0] = acc.scale[1] = 1.0f;
   acc.owedStage = -1;
+  acc.smem = hopper::smemAddress();
   if constexpr (hopper::Geometry<C>::consumers > 1)  // warpgroup 0's first turn (ping-pong)
     if (hopper::consumerWarpgroup() == hopper::Geometry<C>::consumers - 1)
       ptx::barArriveId<2 * hopper::kWarpgroupThreads>(hopper::kSchedulerBarrier);
@@ -531,7 +535,7 @@ __device__ void softmax_init(SoftmaxState<C>& state, AccTile<C>& acc) {
 template <class C, bool Mixed>
 __device__ void kv_wait(KvPipeline<C>& pipe, const IhaArgs&, int64_t, int64_t, int64_t) {
   pipe.stage = pipe.next;
-  hopper::mbarrierWait(hopper::barrierAddress<C>(pipe.stage), pipe.phase);  // full[stage]
+  hopper::mbarrierWait(hopper::barrierAddress<C>(pipe.smem, pipe.stage), pipe.phase);  // full[stage]
   if (++pipe.next == C::stages) pipe.next = 0, pipe.phase ^= 1;
 }
 
@@ -544,7 +548,7 @@ template <class C>
 __device__ __forceinline__ void issueOwedPv(AccTile<C>& acc, const KvPipeline<C>& pipe) {
   using G = Geometry<C>;
   const int stage = acc.owedStage >= 0 ? acc.owedStage : pipe.stage;
-  const Descriptor v = descriptorAt(smemAddress() + layout<C>().v + stage * G::kvTileBytes, G::kvAtomBytes,
+  const Descriptor v = descriptorAt(acc.smem + layout<C>().v + stage * G::kvTileBytes, G::kvAtomBytes,
                                     kSwizzlePeriodBytes);
   #pragma unroll
   for (int kk = 0; kk < G::PK; ++kk)
@@ -556,7 +560,7 @@ template <class C>
 __device__ __forceinline__ void retirePv(AccTile<C>& acc) {
   wgmmaWait<0>();
   pinRegisters(acc.o);
-  if (acc.owedStage >= 0) mbarrierArrive(barrierAddress<C>(C::stages + acc.owedStage));  // empty[owed]
+  if (acc.owedStage >= 0) mbarrierArrive(barrierAddress<C>(acc.smem, C::stages + acc.owedStage));  // empty[owed]
   acc.owedStage = -1;
 }
 
@@ -613,7 +617,7 @@ __device__ void mma_qk(ScoreTile<C>& s, QTile<C>& qt, KvPipeline<C>& pipe, int64
   using G = hopper::Geometry<C>;
   const hopper::Descriptor q = hopper::descriptorAt(qt.base, 16, kSwizzlePeriodBytes);
   const hopper::Descriptor k =
-      hopper::descriptorAt(hopper::smemAddress() + hopper::layout<C>().k + pipe.stage * G::kvTileBytes, 16,
+      hopper::descriptorAt(pipe.smem + hopper::layout<C>().k + pipe.stage * G::kvTileBytes, 16,
                            kSwizzlePeriodBytes);
   hopper::takeTurn<C>();
   hopper::pinRegisters(s.s);
@@ -693,8 +697,8 @@ __device__ void softmax_update(SoftmaxState<C>& state, ScoreTile<C>& s, AccTile<
   // before a wgmma wait, so the exponentials stay in the P V window instead
   // of all following a wait hoisted above them (loom compile --sass shows
   // how many do; the SASS gates hold it).
-  reinterpret_cast<float*>(hopper::smem() + hopper::layout<C>().anchors)[hopper::consumerThread()] =
-      state.l[0] + state.l[1];
+  ptx::stSharedF32(acc.smem + hopper::layout<C>().anchors + kAccumulatorBytes * hopper::consumerThread(),
+                   state.l[0] + state.l[1]);
 }
 
 // O += P V, owed: P is re-packed from the S fragments into wgmma's register

@@ -118,6 +118,11 @@ __device__ __forceinline__ void redGlobalAddF32(float* address, float value) {
   asm volatile("red.global.add.f32 [%0], %1;" ::"l"(address), "f"(value) : "memory");
 }
 
+// st.shared.f32 at a 32-bit shared-window address.
+__device__ __forceinline__ void stSharedF32(Bits32 address, float value) {
+  asm volatile("st.shared.f32 [%0], %1;" ::"r"(address), "f"(value) : "memory");
+}
+
 //===--- the special-function unit -------------------------------------------===//
 
 // 2^x on the special-function unit, subnormal inputs and results flushed to
