@@ -262,7 +262,11 @@ __device__ void storeOutTile(const float* tile, int pitch, const IhaArgs& a, int
 
 }  // namespace cuda
 
-__device__ __forceinline__ int64_t block_x(const IhaArgs&) { return blockIdx.x; }
+// The CTA's block along x (the query block of an attention launch), last
+// first: the GPU starts CTAs in blockIdx order, so under a causal mask the
+// query blocks with the most key blocks go first and the light ones fill
+// the tail of the grid.
+__device__ __forceinline__ int64_t block_x(const IhaArgs&) { return gridDim.x - 1 - blockIdx.x; }
 __device__ __forceinline__ int64_t block_y(const IhaArgs&) { return blockIdx.y; }
 // The batch entry: launches of more than 65535 entries are split in z.
 __device__ __forceinline__ int64_t block_z(const IhaArgs& a) { return a.batch_offset + blockIdx.z; }
