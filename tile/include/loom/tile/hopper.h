@@ -24,11 +24,11 @@
 // - A `stages`-deep ring of K/V buffers with full / empty mbarriers.
 // - Softmax overlapped with the matrix products, as FlashAttention-3 does
 //   within a warpgroup: mma_pv packs P and owes its product; the next mma_qk
-//   issues that block's S = Q K^T, rescales O by the correction the last
-//   softmax owed, issues the owed P V and waits for S alone, so the
-//   exponentials of softmax_update run while P V is on the tensor cores.
-//   softmax_update touches only S and the row statistics; mma_pv waits for
-//   P V (its registers become the next P) and hands its stage back.
+//   issues that block's S = Q K^T and the owed P V and waits for S alone,
+//   so the exponentials of softmax_update run while P V is on the tensor
+//   cores. softmax_update touches only S and the row statistics; mma_pv
+//   waits for P V (its registers become the next P), hands its stage back
+//   and rescales O by the softmax's correction.
 // - Across warpgroups (two or more consumers), ping-pong: each takes its
 //   turn at the tensor cores on a named barrier of its own, issues its
 //   S = Q K^T and P V, and hands the turn to the next, so one warpgroup's
@@ -36,8 +36,10 @@
 // - The loop's arithmetic is FlashAttention-3's: S stays unscaled, the row
 //   maximum is taken on it, and each exponential is one FFMA (s * scale -
 //   max) and one MUFU.EX2 (ex2.approx.ftz); row sums stay per thread until
-//   normalize; descriptors are warp-uniform (the warpgroup index is
-//   broadcast from lane 0) and stage indices 32-bit counters.
+//   normalize; descriptors, stage indices and barrier addresses are 32-bit,
+//   from a shared-window base computed once a tile. A store of the row sums
+//   (the anchor) keeps the exponentials ahead of the wait for P V in the
+//   machine code (softmax_update).
 #pragma once
 
 #include "loom/tile/cuda_common.h"
@@ -577,10 +579,7 @@ __device__ __forceinline__ void rescaleOutput(AccTile<C>& acc) {
 // Ping-pong: consumer warpgroup w waits on its own named barrier for its
 // turn at the tensor cores (given by warpgroup w - 1 when that one has issued
 // its products) and, once it has issued its own, gives the turn to w + 1.
-// Each barrier counts the waiting warpgroup and the giving one. Warpgroup 0
-// takes its first turn of a tile without waiting, and the last warpgroup
-// gives no turn after its last, so every turn given is taken within the
-// tile (nothing is left pending on a barrier).
+// Each barrier counts the waiting warpgroup and the giving one.
 //
 // Every turn is taken and given unconditionally (a branch among wgmma makes
 // ptxas serialise them all): the last warpgroup gives warpgroup 0 its first
@@ -610,8 +609,8 @@ __device__ __forceinline__ void kv_release(KvPipeline<C>&, int64_t) {}
 
 // S = Q K^T (unscaled: the softmax folds the scale into its exponentials):
 // block_n-wide wgmma over d / 16 k-steps, Q and K from their swizzled tiles.
-// Then O is rescaled and the last block's owed P V issued, and only S is
-// waited for: P V runs on while softmax_update works on S.
+// Then the last block's owed P V is issued, and only S is waited for: P V
+// runs on while softmax_update works on S.
 template <class C>
 __device__ void mma_qk(ScoreTile<C>& s, QTile<C>& qt, KvPipeline<C>& pipe, int64_t, AccTile<C>& acc) {
   using G = hopper::Geometry<C>;
