@@ -392,7 +392,12 @@ Result<std::string> disassemble(const std::string& cubin) {
 Status readLoops(const std::string& cubin, std::vector<v1::ResourceUsage>& resources) {
   auto listing = disassemble(cubin);
   if (!listing) return listing.error();
-  for (const Function& function : parseListing(*listing)) {
+  applyListing(*listing, resources);
+  return Status::success();
+}
+
+void applyListing(const std::string& listing, std::vector<v1::ResourceUsage>& resources) {
+  for (const Function& function : parseListing(listing)) {
     v1::ResourceUsage* usage = nullptr;
     for (v1::ResourceUsage& u : resources)
       if (u.entry() == function.name) usage = &u;
@@ -402,7 +407,17 @@ Status readLoops(const std::string& cubin, std::vector<v1::ResourceUsage>& resou
     }
     analyzeFunction(function, *usage);
   }
-  return Status::success();
+}
+
+bool windowedMask(const v1::KernelSpec& spec) { return spec.window() > 0 || spec.window_rows() > 0; }
+
+bool pingPongExpected(const v1::Schedule& schedule) {
+  return schedule.engine() == v1::engine_wgmma && schedule.warps() > 4;
+}
+
+std::vector<std::string> gateMisses(const v1::ResourceUsage& usage, const v1::KernelSpec& spec,
+                                    const v1::Schedule& schedule) {
+  return budgetMisses(usage, spec.head_dim(), pingPongExpected(schedule), windowedMask(spec));
 }
 
 double fa3PerTensorMflop(int headDim, bool masked) {

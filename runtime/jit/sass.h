@@ -93,6 +93,21 @@ inline constexpr double kMinExpInPvWindowShare = 13.0 / 66.0;
 std::vector<std::string> budgetMisses(const v1::ResourceUsage& usage, int headDim, bool pingPong,
                                       bool windowed = false);
 
+// The gate's terms for a compiled forward of `spec` under `schedule`: a
+// window (or window_rows) gives masked loops a second comparison an element;
+// two or more consumer warpgroups (the wgmma engine, warps > 4) must
+// ping-pong.
+bool windowedMask(const v1::KernelSpec& spec);
+bool pingPongExpected(const v1::Schedule& schedule);
+// budgetMisses with those terms.
+std::vector<std::string> gateMisses(const v1::ResourceUsage& usage, const v1::KernelSpec& spec,
+                                    const v1::Schedule& schedule);
+
+// The figures of every function of nvdisasm's `listing` into the entries of
+// `resources` it names (entries it adds are appended): what readLoops does
+// after disassembling.
+void applyListing(const std::string& listing, std::vector<v1::ResourceUsage>& resources);
+
 // A loop's instructions of class `name` (0 for a class it lacks).
 int classCount(const v1::SassLoop& loop, const std::string& name);
 

@@ -171,9 +171,7 @@ TEST_P(SassGate, DefaultForwardLoopsMeetTheGate) {
   ASSERT_TRUE(usage.sass_read()) << "the SASS was not read: " << jit::sass::nvdisasmPath()
                                  << " (scripts/setup installs nvdisasm under .tools/)";
   ASSERT_GE(usage.loops_size(), 1) << describe(spec) << ": no tensor-core loop found";
-  const bool pingPong = kernel->schedule().warps() > 4;
-  const std::vector<std::string> misses =
-      jit::sass::budgetMisses(usage, spec.head_dim(), pingPong, spec.window() > 0);
+  const std::vector<std::string> misses = jit::sass::gateMisses(usage, spec, kernel->schedule());
   EXPECT_TRUE(misses.empty()) << describe(spec) << " default " << kernel->schedule().ShortDebugString()
                               << joined(misses);
   for (const v1::SassLoop& loop : usage.loops())
@@ -181,7 +179,7 @@ TEST_P(SassGate, DefaultForwardLoopsMeetTheGate) {
                 "exponentials in the P V window%s\n",
                 describe(spec).c_str(), kernel->schedule().ShortDebugString().c_str(),
                 loop.masked() ? "masked" : "unmasked", loop.instructions(), loop.instructions_per_tensor_mflop(),
-                jit::sass::budgetPerTensorMflop(spec.head_dim(), loop.masked(), spec.window() > 0),
+                jit::sass::budgetPerTensorMflop(spec.head_dim(), loop.masked(), jit::sass::windowedMask(spec)),
                 jit::sass::fa3PerTensorMflop(spec.head_dim(), loop.masked()), loop.exponentials_in_pv_window(),
                 loop.exponentials(), loop.ping_pong() ? ", ping-pong" : "");
 }
@@ -346,18 +344,13 @@ TEST(Report, ConditionalOwedProductSerialisesWgmma) {
   auto serialised = compiler.compile(mutated, "sm_90a");
   ASSERT_TRUE(shipped) << shipped.error().message;
   ASSERT_TRUE(serialised) << serialised.error().message << "\n" << serialised.error().log;
-  auto attention = [](const jit::Artifact& a) {
-    for (const v1::ResourceUsage& u : a.resources)
-      if (u.entry() == "iha_attention") return u;
-    return v1::ResourceUsage();
-  };
-  EXPECT_FALSE(attention(**shipped).serialized_wgmma());
+  EXPECT_FALSE(attentionUsage(**shipped).serialized_wgmma());
   // Named barriers take their thread counts as immediates (the ping-pong's
   // ids are warp-uniform registers: a branch choosing among immediates
   // would itself serialise the wgmma, see ptx::barSyncId).
   EXPECT_NE((*shipped)->ptx.find("bar.sync"), std::string::npos);
   EXPECT_EQ((*shipped)->performanceLosses(), std::vector<std::string>{});
-  EXPECT_TRUE(attention(**serialised).serialized_wgmma()) << (*serialised)->log;
+  EXPECT_TRUE(attentionUsage(**serialised).serialized_wgmma()) << (*serialised)->log;
   EXPECT_FALSE((*serialised)->performanceLosses().empty());
 }
 

@@ -103,13 +103,17 @@ int compile(const CompileOptions& options) {
     return badInput(kernel.error().message);
   }
   const jit::Artifact& a = *artifact;
+  std::string listing;  // nvdisasm's, read once for --sass and --sass-listing
   if (options.sass || !options.sassListing.empty()) {
     if (a.binaryKind != "cubin") return badInput("--sass needs a cubin; NVRTC gives only PTX for " + a.arch);
-    auto listing = jit::sass::disassemble(a.binary);
-    if (!listing) return badInput(listing.error().message + (listing.error().log.empty() ? "" : "\n" + listing.error().log));
+    auto disassembled = jit::sass::disassemble(a.binary);
+    if (!disassembled)
+      return badInput(disassembled.error().message +
+                      (disassembled.error().log.empty() ? "" : "\n" + disassembled.error().log));
+    listing = std::move(*disassembled);
     if (!options.sassListing.empty()) {
       std::ofstream out(options.sassListing, std::ios::trunc);
-      out << *listing;
+      out << listing;
       if (!out) return badInput(options.sassListing + ": write failed");
     }
   }
@@ -146,12 +150,11 @@ int compile(const CompileOptions& options) {
       for (const auto& r : a.resources)
         if (r.entry() == launch.name) entries.push_back(r);
     if (!entries.empty() && !entries.front().sass_read())  // an arch not read on every compile
-      if (Status read = jit::sass::readLoops(a.binary, entries); !read) return badInput(read.error().message);
+      jit::sass::applyListing(listing, entries);
     std::printf("SASS (nvdisasm; per warp per iteration of each tensor-core loop):\n%s",
                 jit::sass::formatLoops(entries).c_str());
     const int d = spec->head_dim();
-    const bool windowed = spec->window() > 0 || spec->window_rows() > 0;
-    const bool pingPong = kernel->schedule().engine() == v1::engine_wgmma && kernel->schedule().warps() > 4;
+    const bool windowed = jit::sass::windowedMask(*spec);
     for (const v1::ResourceUsage& u : entries) {
       if (u.entry() != kAttentionEntry || a.arch != "sm_90a" || kernel->schedule().engine() != v1::engine_wgmma ||
           jit::sass::budgetPerTensorMflop(d, false) == 0)
@@ -160,7 +163,7 @@ int compile(const CompileOptions& options) {
                   "FlashAttention-3: %.0f / %.0f\n",
                   jit::sass::budgetPerTensorMflop(d, false), jit::sass::budgetPerTensorMflop(d, true, windowed),
                   windowed ? ", windowed" : "", jit::sass::fa3PerTensorMflop(d, false), jit::sass::fa3PerTensorMflop(d, true));
-      const std::vector<std::string> misses = jit::sass::budgetMisses(u, d, pingPong, windowed);
+      const std::vector<std::string> misses = jit::sass::gateMisses(u, *spec, kernel->schedule());
       if (misses.empty()) std::printf("  within the gate\n");
       for (const std::string& miss : misses) std::printf("  misses the gate: %s\n", miss.c_str());
     }
