@@ -61,8 +61,8 @@ int main(int argc, char** argv) {
   loom::jit::NvrtcCompiler compiler("");
   std::printf("loom-static-report: %s, B=%lld N=%lld, bf16, causal; NVRTC %s; no GPU: every time is a prediction\n",
               arch.c_str(), (long long)batch, (long long)tokens, loom::jit::nvrtcVersion().c_str());
-  std::printf("%-3s %-2s %-4s %-8s %-48s %5s %9s %8s %7s %11s %9s %8s  %s\n", "H", "P", "d", "schedule", "key", "regs",
-              "smem KiB", "CTAs/SM", "losses", "model ms", "TFLOP/s", "of 790",
+  std::printf("%-3s %-2s %-4s %-8s %-48s %5s %9s %8s %7s %11s %10s %9s %9s %8s  %s\n", "H", "P", "d", "schedule", "key",
+              "regs", "smem KiB", "CTAs/SM", "losses", "model ms", "premix ms", "grid eff", "TFLOP/s", "of 790",
               "SASS loops: instructions per tensor MFLOP (m: masked), exp in the P V window, ping-pong");
   for (int H : {8, 16})
     for (int P : {2, 4, 8})
@@ -112,10 +112,12 @@ int main(int argc, char** argv) {
           row.ctasPerSm = e.ctasPerSm;
           row.predictedMs = e.seconds * 1e3;
           row.tflops = flops / e.seconds / 1e12;
-          std::printf("%-3d %-2d %-4d %-8s %-48s %5d %9.1f %8d %7zu %11.3f %9.0f %7.0f%%  %s\n", H, P, d,
+          // premix ms: materialised mixing's own launch, within model ms; grid eff: the SMs' mean load
+          // over the busiest one's as the CTAs are handed out (a causal grid is uneven).
+          std::printf("%-3d %-2d %-4d %-8s %-48s %5d %9.1f %8d %7zu %11.3f %10.3f %9.2f %9.0f %7.0f%%  %s\n", H, P, d,
                       row.kind.c_str(), row.key.c_str(), row.registers, row.sharedMemory / 1024.0, row.ctasPerSm,
-                      row.losses, row.predictedMs, row.tflops, 100.0 * row.tflops / kMeasuredCeilingTflops,
-                      loops.c_str());
+                      row.losses, row.predictedMs, e.premixSeconds * 1e3, e.waveEfficiency, row.tflops,
+                      100.0 * row.tflops / kMeasuredCeilingTflops, loops.c_str());
           std::fflush(stdout);
         }
       }

@@ -241,7 +241,7 @@ Drawn drawWhile(Draw draw, Share share, double limit) {
 
 double forwardShare(const IhaCase& c) {
   if (c.spec.dtype() == v1::float32) return 0;
-  const auto rounded = reference::ihaForwardWithRoundedMixing(c.spec, c.inputs, c.spec.dtype());
+  const auto rounded = reference::ihaForwardWithTensorCoreRounding(c.spec, c.inputs, c.spec.dtype());
   return relativeError(rounded.out, *c.expected) / toleranceFor(c.spec.dtype());
 }
 

@@ -51,8 +51,9 @@ IhaCase drawCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t
 
 // A case for checking a 16-bit kernel against the contract's tolerance:
 // drawCase with seed, seed + 1, ... until the float64 reference with its
-// mixed rows rounded to the dtype (the least any such kernel loses) is
-// within kCheckableShare of the dtype's tolerance, at most 64 draws;
+// mixed rows, softmax weights and output rounded to the dtype (the least any
+// tensor-core kernel loses: ihaForwardWithTensorCoreRounding) is within
+// kCheckableShare of the dtype's tolerance, at most 64 draws;
 // `expected` from the float64 reference. A spec may have no such draw (its
 // function ill-conditioned in the dtype): findCheckableCase then gives none,
 // so that a test draws another spec, and drawCheckableCase the draw the

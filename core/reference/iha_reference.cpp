@@ -130,7 +130,10 @@ bool allowed(const v1::KernelSpec& spec, int64_t i, int64_t j) {
 
 namespace {
 
-IhaOutputs forward(const v1::KernelSpec& spec, const IhaInputs& in, v1::DType rounding) {
+// `rounding` (unless float32): the mixed rows, and with `tensorCoreRounding`
+// also the softmax weights (the probabilities a tensor-core kernel feeds its
+// P V product in the dtype) and the output (stored in the dtype).
+IhaOutputs forward(const v1::KernelSpec& spec, const IhaInputs& in, v1::DType rounding, bool tensorCoreRounding) {
   using detail::Rows;
   const int64_t B = in.batch, N = in.tokens;
   const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
@@ -154,6 +157,8 @@ IhaOutputs forward(const v1::KernelSpec& spec, const IhaInputs& in, v1::DType ro
       const int64_t g = h / (H / G);
       for (int64_t i = 0; i < L; ++i) {
         result.lse[(b * H + h) * L + i] = detail::softmaxRow(spec, qRows[h][i], kRows[g], i, weights);
+        if (tensorCoreRounding && rounding != v1::float32)
+          for (double& w : weights) w = roundTo(w, rounding);
         for (int64_t j = 0; j < L; ++j)
           if (weights[j] != 0.0)
             for (int64_t c = 0; c < d; ++c) pseudoOut[h][i][c] += weights[j] * vRows[g][j][c];
@@ -172,17 +177,23 @@ IhaOutputs forward(const v1::KernelSpec& spec, const IhaInputs& in, v1::DType ro
           }
       }
   }
+  if (tensorCoreRounding && rounding != v1::float32)
+    for (double& x : result.out) x = roundTo(x, rounding);
   return result;
 }
 
 }  // namespace
 
 IhaOutputs ihaForward(const v1::KernelSpec& spec, const IhaInputs& inputs) {
-  return forward(spec, inputs, v1::float32);
+  return forward(spec, inputs, v1::float32, false);
 }
 
 IhaOutputs ihaForwardWithRoundedMixing(const v1::KernelSpec& spec, const IhaInputs& inputs, v1::DType dtype) {
-  return forward(spec, inputs, dtype);
+  return forward(spec, inputs, dtype, false);
+}
+
+IhaOutputs ihaForwardWithTensorCoreRounding(const v1::KernelSpec& spec, const IhaInputs& inputs, v1::DType dtype) {
+  return forward(spec, inputs, dtype, true);
 }
 
 }  // namespace loom::reference

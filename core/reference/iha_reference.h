@@ -42,6 +42,11 @@ IhaOutputs ihaForward(const v1::KernelSpec& spec, const IhaInputs& inputs);
 // can check such a kernel against the contract's tolerance at all
 // (docs/IHA.md, Numerics).
 IhaOutputs ihaForwardWithRoundedMixing(const v1::KernelSpec& spec, const IhaInputs& inputs, v1::DType dtype);
+// ihaForwardWithRoundedMixing with the softmax weights rounded to `dtype`
+// too (a tensor-core kernel's P V takes them in the dtype) and the output
+// (stored in the dtype): every rounding such a kernel cannot avoid, which
+// a cancelling collapse amplifies alike (case.h, findCheckableCase).
+IhaOutputs ihaForwardWithTensorCoreRounding(const v1::KernelSpec& spec, const IhaInputs& inputs, v1::DType dtype);
 
 // The forward's steps, shared with the backward reference (iha_backward.h).
 namespace detail {

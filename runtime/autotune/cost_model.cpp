@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <queue>
 
 #include "loom/mask_rule.h"
 #include "loom/tile/layout.h"
@@ -29,7 +31,6 @@ constexpr int kLaneCount = 32;
 constexpr int kCopyBytes = 16;  // cp.async chunk
 constexpr int kMaxCtasPerSm = 32;
 constexpr int kWarpsToSaturateTensorCores = 8;
-constexpr int kWgmmaBaseRegisters = 48;  // a consumer's addresses, barriers, softmax rows, the loop
 constexpr int kBytes16 = 2;
 constexpr int kMmaK = 16;
 constexpr int kWarpgroupWarps = 4;
@@ -47,9 +48,13 @@ int ctasPerSmOf(const DeviceModel& device, int64_t smem, int registers, int thre
 }  // namespace
 
 int64_t estimatedRegisters(const KernelSpec& spec, const Schedule& s) {
-  // wgmma: a consumer thread holds S (block_n / 2), O (d / 2) and P as
-  // 16-bit pairs (block_n / 4); Q stays in shared memory.
-  if (s.engine() == v1::engine_wgmma) return kWgmmaBaseRegisters + spec.head_dim() / 2 + 3 * s.block_n() / 4;
+  // wgmma: a consumer thread's fragments (S, O, P, and Q where it fits;
+  // loom::wgmmaQInRegisters) and its loop state.
+  if (s.engine() == v1::engine_wgmma) {
+    const int bn = int(s.block_n()), d = int(spec.head_dim());
+    const bool qInRegisters = wgmmaQInRegisters(bn, d, consumerRegisters(int(s.warps()), int(s.producer_registers())));
+    return kWgmmaLoopRegisters + wgmmaFragmentRegisters(bn, d) + (qInRegisters ? d / 4 : 0);
+  }
   return mmaRegisterEstimate(int(s.block_m() / (kMmaK * s.warps())), int(spec.head_dim()), int(s.block_n()),
                              s.mix() != v1::mix_materialized);
 }
@@ -113,9 +118,38 @@ BlockCounts countBlocks(const KernelSpec& spec, int64_t blockM, int64_t blockN, 
     const BlockRanges<int64_t> r = blockRanges(math, rule, blockM, blockN, r0, L);
     counts.visited += r.hi - r.lo;
     counts.masked += (r.ilo - r.lo) + (r.hi - r.ihi);
+    counts.perQueryBlock.push_back(r.hi - r.lo);
   }
   return counts;
 }
+
+namespace {
+
+// The grid's (query blocks x `copies` heads and batch entries) work spread
+// over `slots` CTA slots as the hardware hands them out: in launch order,
+// block x fastest and counting down (the last query block, under a causal
+// mask the heaviest, first), each CTA to the slot that frees first. The
+// mean load over the makespan: 1 when every slot stays busy to the end.
+double scheduledEfficiency(const std::vector<int64_t>& perQueryBlock, int64_t copies, double slots) {
+  const int64_t count = int64_t(perQueryBlock.size()) * copies;
+  if (count == 0 || slots < 1) return 1.0;
+  const size_t width = size_t(std::min<double>(slots, double(count)));
+  std::priority_queue<double, std::vector<double>, std::greater<double>> free(std::greater<double>(),
+                                                                              std::vector<double>(width, 0.0));
+  double total = 0, makespan = 0;
+  for (int64_t c = 0; c < copies; ++c)
+    for (auto x = perQueryBlock.rbegin(); x != perQueryBlock.rend(); ++x) {
+      const double work = double(*x);
+      const double done = free.top() + work;
+      free.pop();
+      free.push(done);
+      total += work;
+      makespan = std::max(makespan, done);
+    }
+  return makespan > 0 ? total / (slots * makespan) : 1.0;
+}
+
+}  // namespace
 
 std::optional<LoopIssue> loopIssueOf(const v1::ResourceUsage& attention) {
   if (!attention.sass_read() || attention.loops_size() == 0) return std::nullopt;
@@ -161,10 +195,18 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::T
     mixFlops += fusedMix ? double(heads) * (double(blocks.visited) * (3.0 * bn * d + bm * bn) + 3.0 * double(L * d))
                          : double(batch) * double(L * d) * 3.0 * double(H + G);
 
-  double bytes = operandBytes(spec, batch, tokens);
-  if (!fusedMix) bytes += 2.0 * double(batch) * L * (H + 2.0 * G) * d * kBytes16;  // workspaces written and read
+  // Materialised mixing is its own launch (iha_premix) before attention:
+  // it reads the raw q, k, v and writes the mixed rows, which the attention
+  // launch reads; its mixing FLOP are its own, not the attention loop's.
+  const double outBytes = double(batch) * double(tokens) * double(H * d) * kBytes16;
+  const double rawBytes = operandBytes(spec, batch, tokens) - outBytes;
+  const double mixedBytes = double(batch) * L * (H + 2.0 * G) * d * kBytes16;
+  double bytes = fusedMix ? rawBytes + outBytes : mixedBytes + outBytes;
+  const double premixBytes = fusedMix ? 0.0 : rawBytes + mixedBytes;
+  const double premixFlops = fusedMix ? 0.0 : mixFlops;
+  if (!fusedMix) mixFlops = 0;
   if (s.collapse() == v1::collapse_separate) bytes += 2.0 * double(batch) * L * H * d * kBytes16;
-  e.dramBytes = bytes;
+  e.dramBytes = bytes + premixBytes;
   // K/V re-reads per visit come mostly from L2.
   const double kvRawRows = fusedMix ? double(G) * (double(bn) / P + 2.0) : double(bn);
   const double l2Bytes = double(heads) * double(blocks.visited) * kvRawRows * d * 2.0 * kBytes16;
@@ -188,8 +230,7 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::T
   const int64_t owned = bm / P * P;
   const int64_t gridCtas = (L + owned - 1) / owned * (fusedGlobal ? 1 : H) * batch;
   const double slots = double(device.smCount) * e.ctasPerSm;
-  const double waves = std::ceil(double(gridCtas) / slots);
-  e.waveEfficiency = double(gridCtas) / (waves * slots);
+  e.waveEfficiency = scheduledEfficiency(blocks.perQueryBlock, (fusedGlobal ? 1 : H) * batch, slots);
   const double activeWarps = std::min<double>(double(e.ctasPerSm) * s.warps(), double(gridCtas) / device.smCount * s.warps());
   // mma.sync needs many warps in flight; wgmma two consumer warpgroups (one
   // computes while the other runs its softmax).
@@ -248,11 +289,15 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::T
   const double kernelTime = s.stages() > 1
                                 ? std::max(computeTime, memoryTime) + exposed * std::min(computeTime, memoryTime)
                                 : computeTime + memoryTime;
-  const int launches = 1 + (fusedMix ? 0 : 1) + (s.collapse() == v1::collapse_separate ? 1 : 0);
-  e.seconds = kernelTime / std::max(utilisation, 1e-3) + launches * kLaunchSeconds;
-  const double parts[] = {tensorTime, memoryTime, expTime, simtTime, sharedTime};
-  const char* names[] = {"tensor", "memory", "exp", "mixing", "shared memory"};
-  e.bound = names[std::max_element(parts, parts + 5) - parts];
+  // The premix launch: a grid over every row, memory- or FMA-bound.
+  e.premixSeconds = fusedMix ? 0.0
+                             : std::max(premixBytes / device.dramBytesPerSecond, premixFlops / device.fmaFlops) +
+                                   kLaunchSeconds;
+  const int launches = 1 + (s.collapse() == v1::collapse_separate ? 1 : 0);
+  e.seconds = kernelTime / std::max(utilisation, 1e-3) + launches * kLaunchSeconds + e.premixSeconds;
+  const double parts[] = {tensorTime, memoryTime, expTime, simtTime, sharedTime, e.premixSeconds};
+  const char* names[] = {"tensor", "memory", "exp", "mixing", "shared memory", "premix"};
+  e.bound = names[std::max_element(parts, parts + 6) - parts];
   return e;
 }
 

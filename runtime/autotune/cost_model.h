@@ -7,6 +7,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "loom/spec.h"
 
@@ -15,7 +16,7 @@ namespace loom::autotune {
 // Names the model's ranking: a choice kept in the kernel cache under an
 // older version is ranked again. Change it with any change that can reorder
 // the model's candidates.
-inline constexpr const char* kCostModelVersion = "cost-model-2026-12-03-sass";
+inline constexpr const char* kCostModelVersion = "cost-model-2026-12-04-premix-imbalance";
 
 // Ceilings of a device, from measurements where the workplace has them
 // (docs/gpu-results.md) and vendor figures otherwise.
@@ -38,10 +39,12 @@ struct DeviceModel {
 DeviceModel deviceModel(const v1::Target& target);
 
 // Key blocks visited by all query blocks of one (batch entry, head), and of
-// those the ones that need an element-wise mask.
+// those the ones that need an element-wise mask; and each query block's
+// visits, first to last (a causal mask makes them uneven).
 struct BlockCounts {
   int64_t visited = 0;
   int64_t masked = 0;
+  std::vector<int64_t> perQueryBlock;
 };
 BlockCounts countBlocks(const KernelSpec& spec, int64_t blockM, int64_t blockN, int64_t tokens);
 
@@ -51,7 +54,11 @@ struct CostEstimate {
   double usefulFlops = 0;  // 4 * d * allowed pairs (docs/IHA.md)
   double dramBytes = 0;
   int ctasPerSm = 0;
+  // The grid's work over the CTA slots as the hardware starts them, in
+  // launch order (query blocks heaviest first, as loom's CUDA grids run):
+  // the mean load over the busiest slot's (1: even waves).
   double waveEfficiency = 0;
+  double premixSeconds = 0;  // materialised mixing: its own launch (bytes, mixing FLOP), within `seconds`
   std::string bound;  // "tensor", "memory", "exp", "mixing"
 };
 

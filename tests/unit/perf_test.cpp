@@ -179,7 +179,7 @@ TEST_P(SassGate, DefaultForwardLoopsMeetTheGate) {
                 "exponentials in the P V window%s\n",
                 describe(spec).c_str(), kernel->schedule().ShortDebugString().c_str(),
                 loop.masked() ? "masked" : "unmasked", loop.instructions(), loop.instructions_per_tensor_mflop(),
-                jit::sass::budgetPerTensorMflop(spec.head_dim(), loop.masked(), jit::sass::windowedMask(spec)),
+                jit::sass::budgetPerTensorMflop(spec.head_dim(), loop.masked()),
                 jit::sass::fa3PerTensorMflop(spec.head_dim(), loop.masked()), loop.exponentials_in_pv_window(),
                 loop.exponentials(), loop.ping_pong() ? ", ping-pong" : "");
 }
@@ -216,10 +216,10 @@ TEST(SassGate, FailsALoopWithoutOverlapOrPingPong) {
                               "    float rowMax";
   const std::string waitFirst = "  constexpr float scale = C::scale * kLog2e;\n  hopper::wgmmaWait<0>();\n"
                                 "  #pragma unroll\n  for (int h = 0; h < 2; ++h) {\n    float rowMax";
-  const std::string turns = "  if constexpr (Geometry<C>::consumers > 1)\n    ptx::barSyncId";
-  const std::string noTurns = "  if constexpr (Geometry<C>::consumers > 100)\n    ptx::barSyncId";
-  const std::string give = "  constexpr int consumers = Geometry<C>::consumers;\n  if constexpr (consumers > 1) {\n    const int next";
-  const std::string noGive = "  constexpr int consumers = Geometry<C>::consumers;\n  if constexpr (consumers > 100) {\n    const int next";
+  const std::string turns = "  if constexpr (Geometry<C>::consumers > 1) ptx::barSyncId";
+  const std::string noTurns = "  if constexpr (Geometry<C>::consumers > 100) ptx::barSyncId";
+  const std::string give = "  if constexpr (Geometry<C>::consumers > 1) ptx::barArriveId";
+  const std::string noGive = "  if constexpr (Geometry<C>::consumers > 100) ptx::barArriveId";
   const std::string hoisted = mutated(softmax, waitFirst);
   std::string unscheduled = mutated(turns, noTurns);
   ASSERT_FALSE(hoisted.empty());
@@ -302,10 +302,12 @@ extern "C" __global__ void plain(const float* x, float* y) { y[threadIdx.x] = x[
 }
 
 // The fix behind "no serialised wgmma", checked with ptxas itself: the owed
-// P V issued only when something is owed (a branch ptxas cannot prove
-// warpgroup-uniform, as hopper.h had it) makes ptxas serialise every wgmma
-// of the kernel and say so (C7520); the report flags it and the tuner would
-// drop the kernel. As shipped, the same program has no such note.
+// P V issued only under a branch ptxas cannot prove warpgroup-uniform (here
+// on a thread's own softmax correction; hopper.h once branched on whether
+// anything was owed, before the pipeline's state was warp-uniform) makes
+// ptxas serialise every wgmma of the kernel and say so (C7520); the report
+// flags it and the tuner would drop the kernel. As shipped, the same program
+// has no such note.
 TEST(Report, ConditionalOwedProductSerialisesWgmma) {
   const KernelSpec spec = testing::makeSpec({.heads = 4, .kvHeads = 2, .pseudoHeads = 2, .headDim = 64,
                                              .dtype = v1::bfloat16, .mask = v1::flat_causal, .window = 0,
@@ -319,16 +321,16 @@ TEST(Report, ConditionalOwedProductSerialisesWgmma) {
   const std::string unconditional =
       "  hopper::issueOwedPv<C>(acc, pipe);\n"
       "  hopper::wgmmaCommit();\n"
-      "  hopper::giveTurn<C>();\n"
+      "  hopper::giveTurn<C>(acc);\n"
       "  hopper::wgmmaWait<1>();";
   const std::string conditional =
-      "  if (acc.owedStage >= 0) {\n"
+      "  if (acc.scale[0] > 0.0f) {\n"
       "    hopper::issueOwedPv<C>(acc, pipe);\n"
       "    hopper::wgmmaCommit();\n"
-      "    hopper::giveTurn<C>();\n"
+      "    hopper::giveTurn<C>(acc);\n"
       "    hopper::wgmmaWait<1>();\n"
       "  } else {\n"
-      "    hopper::giveTurn<C>();\n"
+      "    hopper::giveTurn<C>(acc);\n"
       "    hopper::wgmmaWait<0>();\n"
       "  }";
   const size_t at = hopper.find(unconditional);

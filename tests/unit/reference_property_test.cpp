@@ -283,6 +283,26 @@ TEST(ReferenceProperty, RoundedMixingRoundsOnlyTheMixedRows) {
   }
 }
 
+// The filter's reference (ihaForwardWithTensorCoreRounding) keeps what a
+// tensor-core kernel keeps: its outputs are values of the dtype, and it is
+// off the mixing-only reference by about one rounding of the weights and of
+// the output.
+TEST(ReferenceProperty, TensorCoreRoundingRoundsWeightsAndOutput) {
+  std::mt19937_64 rng(testing::testSeed() + 13);
+  for (v1::DType dtype : {v1::float16, v1::bfloat16}) {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_dtype(dtype);
+    const IhaCase c = drawCase(spec, 1, 4 + int64_t(rng() % 20), rng());
+    const auto rounded = reference::ihaForwardWithTensorCoreRounding(spec, c.inputs, dtype).out;
+    for (double x : rounded) ASSERT_EQ(x, reference::detail::roundTo(x, dtype)) << spec.ShortDebugString();
+    const auto mixing = reference::ihaForwardWithRoundedMixing(spec, c.inputs, dtype).out;
+    const double unit = dtype == v1::float16 ? 0x1p-11 : 0x1p-8;
+    const double error = relativeError(rounded, mixing);
+    EXPECT_GT(error, 0.01 * unit) << spec.ShortDebugString();
+    EXPECT_LT(error, 4 * unit) << spec.ShortDebugString();
+  }
+}
+
 // Why checks draw again (drawCheckableCase): with one source head and two
 // pseudo-heads the two pseudo outputs are close, and collapse weights of
 // opposite sign leave a small sum. There the mixing's rounding alone, which
@@ -326,7 +346,7 @@ TEST(ReferenceProperty, ACancellingCollapseIsOverTheToleranceFromRoundingAlone) 
     const IhaCase checkable = drawCheckableCase(spec, 1, 48, *over);
     const auto exact = reference::ihaForward(spec, checkable.inputs).out;
     EXPECT_EQ(*checkable.expected, exact);
-    EXPECT_LE(relativeError(reference::ihaForwardWithRoundedMixing(spec, checkable.inputs, dtype).out, exact),
+    EXPECT_LE(relativeError(reference::ihaForwardWithTensorCoreRounding(spec, checkable.inputs, dtype).out, exact),
               kCheckableShare * toleranceFor(dtype));
     EXPECT_NE(checkable.inputs.collapse, drawCase(spec, 1, 48, *over).inputs.collapse) << "the draw was kept";
   }

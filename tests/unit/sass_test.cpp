@@ -1,8 +1,9 @@
 // The SASS reader (runtime/jit/sass.h) on checked-in excerpts of loom's own
 // machine code (tests/data/sass: one tensor-core loop each, cut from
 // `loom compile --sass-listing` of the paper's sm_90a default, H 16 P 4
-// d 128 bf16 flat_causal), before and after the FlashAttention-3 loop, and
-// on small listings written here that exercise the control-flow reading.
+// d 128 bf16 flat_causal), before and after the FlashAttention-3 loop and
+// with its state warp-uniform, and on small listings written here that
+// exercise the control-flow reading.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -79,6 +80,36 @@ TEST(SassReader, ReadsTheFlashAttention3Loop) {
   ASSERT_EQ(m.loops_size(), 1);
   EXPECT_TRUE(m.loops(0).masked());
   EXPECT_GT(m.loops(0).instructions(), l.instructions());
+}
+
+// The loop since the pipeline's state became warp-uniform (uniform-*.sass):
+// descriptors in uniform registers with no R2UR, Q as the register A operand
+// of S = Q K^T (HGMMA with a register source and one descriptor), and the
+// masked loop's mask as R2P (seven predicates from a byte) and FSEL. Cut at
+// the loop text, so the counts are the way of counting: under
+// FlashAttention-3's 469 and 616.
+TEST(SassReader, ReadsTheUniformLoop) {
+  const v1::ResourceUsage u = analyze(readExcerpt("uniform-unmasked.sass"));
+  ASSERT_EQ(u.loops_size(), 1);
+  const v1::SassLoop& l = u.loops(0);
+  EXPECT_EQ(l.instructions(), 453);
+  EXPECT_EQ(classCount(l, "tensor"), 16);
+  EXPECT_DOUBLE_EQ(l.tensor_flops_per_warp(), 16 * 2.0 * 64 * 128 * 16 / 4);  // register-A HGMMA counted alike
+  EXPECT_EQ(classCount(l, "integer"), 8);
+  EXPECT_EQ(l.exponentials_in_pv_window(), 66);
+  EXPECT_TRUE(l.ping_pong());
+  const std::string text = readExcerpt("uniform-unmasked.sass");
+  EXPECT_EQ(text.find("R2UR"), std::string::npos);
+  EXPECT_TRUE(jit::sass::budgetMisses(u, 128, true).empty());
+
+  const v1::ResourceUsage m = analyze(readExcerpt("uniform-masked.sass"));
+  ASSERT_EQ(m.loops_size(), 1);
+  const v1::SassLoop& masked = m.loops(0);
+  EXPECT_TRUE(masked.masked());
+  EXPECT_EQ(masked.instructions(), 560);
+  EXPECT_EQ(classCount(masked, "integer"), 40);
+  EXPECT_NE(readExcerpt("uniform-masked.sass").find("R2P PR"), std::string::npos);
+  EXPECT_TRUE(jit::sass::budgetMisses(m, 128, true).empty());
 }
 
 // Control flow: the loop is the natural loop of a back edge; a wait's retry

@@ -20,7 +20,7 @@ namespace {
 
 std::atomic<bool> stopRequested{false};
 
-int serve(const service::ServerOptions& options) {
+int serve(const service::ServerOptions& options, int graceSeconds) {
   auto server = service::KernelServer::start(options);
   if (!server) return badInput(server.error().message);
   std::printf("loom serve: listening on %s (port %d)%s%s; health and reflection on\n", options.listen.c_str(),
@@ -32,7 +32,7 @@ int serve(const service::ServerOptions& options) {
   std::signal(SIGTERM, [](int) { stopRequested = true; });
   while (!stopRequested) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   std::printf("loom serve: shutting down, finishing requests in flight\n");
-  (*server)->shutdown();
+  (*server)->shutdown(graceSeconds * 1000);
   return kExitOk;
 }
 
@@ -132,7 +132,15 @@ void addServeCommands(CLI::App& app, std::function<int()>* action) {
       ->capture_default_str();
   serveCmd->add_option("--max-compiles", serveOptions->maxConcurrentCompiles, "NVRTC compiles at once")
       ->capture_default_str();
-  serveCmd->callback([serveOptions, action] { *action = [serveOptions] { return serve(*serveOptions); }; });
+  auto graceSeconds = std::make_shared<int>(60);
+  serveCmd->add_option("--grace-seconds", *graceSeconds,
+                       "on SIGTERM or SIGINT: how long requests in flight (a compile, a tuning) may take to finish "
+                       "before they are cancelled")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  serveCmd->callback([serveOptions, graceSeconds, action] {
+    *action = [serveOptions, graceSeconds] { return serve(*serveOptions, *graceSeconds); };
+  });
 
   auto getOptions = std::make_shared<GetOptions>();
   CLI::App* getCmd = app.add_subcommand(

@@ -423,7 +423,8 @@ class LaunchLowering {
     if (specialized_) call("mma_qk", {scores, state("QTile"), kv, block, state("AccTile")});
     else call("mma_qk", {scores, state("QTile"), kv, block});
     if (o.getMasked()) call("mask_scores", {scores, args_, get(o.getRow0()), block});
-    call("softmax_update", {state("SoftmaxState"), scores, state("AccTile")});
+    // Masked: whether a row may have no allowed key in this block (its maximum -inf).
+    call("softmax_update", {state("SoftmaxState"), scores, state("AccTile")}, {flag(o.getMasked())});
     call("mma_pv", {state("AccTile"), scores, kv, block});
     call("kv_release", {kv, block});
     return mlir::success();

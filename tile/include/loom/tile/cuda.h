@@ -470,7 +470,8 @@ __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int
 
 // Online softmax on the fragments: new row max (quad reduction), rescale the
 // accumulator and denominator by exp2(old - new), probabilities in place.
-template <class C>
+// Masked: as hopper.h's (every row is tested here).
+template <class C, bool Masked = true>
 __device__ void softmax_update(SoftmaxState<C>& state, ScoreTile<C>& s, AccTile<C>& acc) {
   using G = cuda::Geometry<C>;
   #pragma unroll

@@ -96,6 +96,11 @@ struct Geometry {
   static constexpr int kvAtomBytes = C::block_n * kSwizzleRowBytes;
   static constexpr int kvTileBytes = atoms * kvAtomBytes;
   static constexpr int chunks = D / kChunkElements;  // 16-byte chunks per row
+  // Q as wgmma's register A operand (S = Q K^T from registers, K-major K)
+  // when the consumer's registers hold it beside S, O and P (layout.h):
+  // each k-step then costs K's descriptor alone, where Q from shared memory
+  // costs a second descriptor's uniform moves per wgmma (ptxas 13).
+  static constexpr bool qInRegisters = wgmmaQInRegisters(C::block_n, D, C::consumer_registers);
 };
 
 template <class C>
@@ -125,6 +130,14 @@ __device__ __forceinline__ Bits64* qBarrier(int warpgroup) { return barrier<C>(2
 // The consumer warpgroup of this thread (0-based; the producer is -1), and
 // the first query row of its 64.
 __device__ __forceinline__ int consumerWarpgroup() { return int(threadIdx.x) / kWarpgroupThreads - 1; }
+// The same, taken from lane 0 (the whole warp must call it): ptxas then
+// knows it warp-uniform, so the role branch is uniform and what derives
+// from it (the pipeline's stage and phase, the shared addresses of the
+// descriptors) lives in uniform registers, not moved into them per wgmma.
+__device__ __forceinline__ int warpgroupIndex() {
+  return __shfl_sync(0xffffffffu, int(threadIdx.x) / kWarpgroupThreads, 0);
+}
+__device__ __forceinline__ int uniformConsumerWarpgroup() { return warpgroupIndex() - 1; }
 __device__ __forceinline__ int consumerThread() { return int(threadIdx.x) - kWarpgroupThreads; }
 // Row of accumulator element e of this thread inside the query block.
 __device__ __forceinline__ int accumulatorRow(int e) {
@@ -211,8 +224,10 @@ __device__ __forceinline__ Descriptor descriptorAt(Bits32 address, int leading, 
 }
 // The descriptor `bytes` further on: only the start address grows (shared
 // addresses stay below 2^18, so it never carries into the next field).
+__device__ __forceinline__ Descriptor offset(Descriptor d, int bytes) { return {d.lo + Bits32(bytes >> 4), d.hi}; }
 __device__ __forceinline__ Bits64 advanced(Descriptor d, int bytes) {
-  return Bits64(d.hi) << 32 | Bits64(d.lo + Bits32(bytes >> 4));
+  const Descriptor at = offset(d, bytes);
+  return Bits64(at.hi) << 32 | Bits64(at.lo);
 }
 
 using ptx::pinRegisters;
@@ -230,6 +245,8 @@ template <class C>
 struct QTile {
   int loads = 0;    // Q tiles loaded so far: the parity of the next one's barrier phase
   Bits32 base = 0;  // this warpgroup's rows: their shared address (set by load_q)
+  // With Geometry::qInRegisters: k-step kt of the rows as wgmma's A operand.
+  Bits32 a[hopper::Geometry<C>::qInRegisters ? hopper::Geometry<C>::KT : 1][4];
 };
 
 template <class C>
@@ -238,6 +255,8 @@ struct KvPipeline {
   int phase = 0;  // the parity of that stage's current round
   int stage = 0;  // consumer: the stage being consumed
   Bits32 smem = hopper::smemAddress();  // computed once: the loop adds offsets to it
+  // Consumer: stage 0's K descriptor, computed once (a stage's is an offset from it).
+  hopper::Descriptor k = hopper::descriptorAt(smem + hopper::layout<C>().k, 16, kSwizzlePeriodBytes);
 };
 
 template <class C>
@@ -265,6 +284,8 @@ struct AccTile {
   Bits32 smem = 0;     // hopper::smemAddress(), kept from softmax_init
   float scale[2];      // O's correction from the last softmax: mma_pv applies it once P V retires
   int owedStage = -1;  // the stage of the P V owed; -1: none (P is zero)
+  int turn = 0;        // ping-pong: this warpgroup's named barrier, and the next one's (set once, softmax_init)
+  int nextTurn = 0;
 };
 
 template <class C>
@@ -301,7 +322,7 @@ __device__ void pipeline_init() {
 
 template <class C>
 __device__ __forceinline__ bool is_producer() {
-  return threadIdx.x < hopper::kWarpgroupThreads;
+  return hopper::warpgroupIndex() == 0;
 }
 
 template <class C>
@@ -473,7 +494,7 @@ __device__ void kv_load(KvPipeline<C>& pipe, const IhaArgs& a, const TmaMaps& ma
 template <class C, bool Mixed>
 __device__ void load_q(QTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int64_t row0, int64_t head, int64_t b) {
   using G = hopper::Geometry<C>;
-  const int wg = hopper::consumerWarpgroup();
+  const int wg = hopper::uniformConsumerWarpgroup();
   unsigned char* tile = hopper::smem() + hopper::layout<C>().q + wg * hopper::kWgmmaRows * kSwizzleRowBytes;
   q.base = hopper::smemAddress() + hopper::layout<C>().q + wg * hopper::kWgmmaRows * kSwizzleRowBytes;
   if constexpr (Mixed) {
@@ -509,6 +530,18 @@ __device__ void load_q(QTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int64
     }
     hopper::mbarrierWait(bar, q.loads & 1);
   }
+  if constexpr (G::qInRegisters) {
+    // ldmatrix.x4 per k-step: lane l gives row l % 16 of its warp's 16, the
+    // 8 columns (l / 16) * 8 of the step's 16, which makes the m16k16 A
+    // fragment of wgmma (and mma.sync).
+    const int l = cuda::lane(), r = (cuda::warp() % hopper::kWarpsPerWarpgroup) * 16 + l % 16;
+    #pragma unroll
+    for (int kt = 0; kt < G::KT; ++kt) {
+      const int column = kt * hopper::kWgmmaK + (l / 16) * kChunkElements;
+      ptx::ldmatrixX4(q.a[kt], q.base + (column / kSwizzleAtomColumns) * G::qAtomBytes +
+                                   swizzledChunk(r, (column % kSwizzleAtomColumns) / kChunkElements));
+    }
+  }
   ++q.loads;
 }
 
@@ -528,8 +561,12 @@ __device__ void softmax_init(SoftmaxState<C>& state, AccTile<C>& acc) {
   acc.scale[0] = acc.scale[1] = 1.0f;
   acc.owedStage = -1;
   acc.smem = hopper::smemAddress();
-  if constexpr (hopper::Geometry<C>::consumers > 1)  // warpgroup 0's first turn (ping-pong)
-    if (hopper::consumerWarpgroup() == hopper::Geometry<C>::consumers - 1)
+  constexpr int consumers = hopper::Geometry<C>::consumers;
+  const int wg = hopper::uniformConsumerWarpgroup();
+  acc.turn = hopper::kSchedulerBarrier + wg;
+  acc.nextTurn = hopper::kSchedulerBarrier + (wg + 1 == consumers ? 0 : wg + 1);
+  if constexpr (consumers > 1)  // warpgroup 0's first turn (ping-pong)
+    if (wg == consumers - 1)
       ptx::barArriveId<2 * hopper::kWarpgroupThreads>(hopper::kSchedulerBarrier);
 }
 
@@ -550,8 +587,8 @@ template <class C>
 __device__ __forceinline__ void issueOwedPv(AccTile<C>& acc, const KvPipeline<C>& pipe) {
   using G = Geometry<C>;
   const int stage = acc.owedStage >= 0 ? acc.owedStage : pipe.stage;
-  const Descriptor v = descriptorAt(acc.smem + layout<C>().v + stage * G::kvTileBytes, G::kvAtomBytes,
-                                    kSwizzlePeriodBytes);
+  const Descriptor v =
+      offset(descriptorAt(acc.smem + layout<C>().v, G::kvAtomBytes, kSwizzlePeriodBytes), stage * G::kvTileBytes);
   #pragma unroll
   for (int kk = 0; kk < G::PK; ++kk)
     wgmma::Wgmma<C::dtype, C::head_dim>::rs(acc.o, acc.p[kk], advanced(v, kk * kWgmmaK * kSwizzleRowBytes), true);
@@ -587,17 +624,12 @@ __device__ __forceinline__ void rescaleOutput(AccTile<C>& acc) {
 // warpgroup gives after its last product in normalize, so nothing is left
 // pending on a barrier when the tile ends.
 template <class C>
-__device__ __forceinline__ void takeTurn() {
-  if constexpr (Geometry<C>::consumers > 1)
-    ptx::barSyncId<2 * kWarpgroupThreads>(kSchedulerBarrier + consumerWarpgroup());
+__device__ __forceinline__ void takeTurn(const AccTile<C>& acc) {
+  if constexpr (Geometry<C>::consumers > 1) ptx::barSyncId<2 * kWarpgroupThreads>(acc.turn);
 }
 template <class C>
-__device__ __forceinline__ void giveTurn() {
-  constexpr int consumers = Geometry<C>::consumers;
-  if constexpr (consumers > 1) {
-    const int next = consumerWarpgroup() + 1;
-    ptx::barArriveId<2 * kWarpgroupThreads>(kSchedulerBarrier + (next == consumers ? 0 : next));
-  }
+__device__ __forceinline__ void giveTurn(const AccTile<C>& acc) {
+  if constexpr (Geometry<C>::consumers > 1) ptx::barArriveId<2 * kWarpgroupThreads>(acc.nextTurn);
 }
 
 }  // namespace hopper
@@ -615,31 +647,56 @@ template <class C>
 __device__ void mma_qk(ScoreTile<C>& s, QTile<C>& qt, KvPipeline<C>& pipe, int64_t, AccTile<C>& acc) {
   using G = hopper::Geometry<C>;
   const hopper::Descriptor q = hopper::descriptorAt(qt.base, 16, kSwizzlePeriodBytes);
-  const hopper::Descriptor k =
-      hopper::descriptorAt(pipe.smem + hopper::layout<C>().k + pipe.stage * G::kvTileBytes, 16,
-                           kSwizzlePeriodBytes);
-  hopper::takeTurn<C>();
+  const hopper::Descriptor k = hopper::offset(pipe.k, pipe.stage * G::kvTileBytes);
+  hopper::takeTurn<C>(acc);
   hopper::pinRegisters(s.s);
   hopper::wgmmaFence();
   #pragma unroll
   for (int kt = 0; kt < G::KT; ++kt) {
     const int atom = kt / (kSwizzleAtomColumns / hopper::kWgmmaK);
     const int inner = (kt % (kSwizzleAtomColumns / hopper::kWgmmaK)) * hopper::kWgmmaK * kTileElementBytes;
-    wgmma::Wgmma<C::dtype, C::block_n>::ss(s.s, hopper::advanced(q, atom * G::qAtomBytes + inner),
-                                           hopper::advanced(k, atom * G::kvAtomBytes + inner), kt > 0);
+    if constexpr (G::qInRegisters)
+      wgmma::Wgmma<C::dtype, C::block_n>::rsKMajor(s.s, qt.a[kt], hopper::advanced(k, atom * G::kvAtomBytes + inner),
+                                                   kt > 0);
+    else
+      wgmma::Wgmma<C::dtype, C::block_n>::ss(s.s, hopper::advanced(q, atom * G::qAtomBytes + inner),
+                                             hopper::advanced(k, atom * G::kvAtomBytes + inner), kt > 0);
   }
   hopper::wgmmaCommit();
   hopper::issueOwedPv<C>(acc, pipe);
   hopper::wgmmaCommit();
-  hopper::giveTurn<C>();
+  hopper::giveTurn<C>(acc);
   hopper::wgmmaWait<1>();  // groups retire in order: S is done, P V may run on
   hopper::pinRegisters(s.s);
 }
 
 // -inf for pairs the mask forbids and columns past the end. Each of the
-// thread's two rows sees one interval of keys (allowedColumns), so an element
-// costs a comparison against a bound taken relative to the thread's first
-// column (one more with a window) and a select.
+// thread's two rows sees one interval of keys (allowedColumns): the columns
+// this thread holds (t * 8 + {0, 1} from its first, bit 2t + e) inside it
+// are a run of bits, built once a row, and each element costs a bit test
+// and a select, with a window or without.
+namespace hopper {
+// The thread's columns t * 8 + {0, 1} (t < NT) from its first as bits 2t + e.
+template <bool Wide>
+struct ColumnWord {
+  using type = Bits32;
+};
+template <>
+struct ColumnWord<true> {
+  using type = Bits64;
+};
+template <int NT>
+using ColumnBits = typename ColumnWord<(2 * NT > 32)>::type;
+// Those of its columns that lie below x (relative to its first).
+template <int NT>
+__device__ __forceinline__ ColumnBits<NT> columnsBelow(int x) {
+  const int c = x < 0 ? 0 : x > 8 * NT ? 8 * NT : x;  // (int: loom::min is the program's int64_t)
+  const int n = ((c >> 2) & ~1) + ((c & 7) < 2 ? (c & 7) : 2);  // 2 per whole 8 columns, 0-2 of the last
+  if constexpr (2 * NT < 64) return ColumnBits<NT>(~(~Bits64(0) << n));  // n <= 2 NT < 64
+  else return n >= 64 ? ~Bits64(0) : ~(~Bits64(0) << n);
+}
+}  // namespace hopper
+
 template <class C>
 __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int64_t block) {
   using G = hopper::Geometry<C>;
@@ -649,14 +706,14 @@ __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int
   #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const ColumnRange<int> range = allowedColumns<C, int>(int(row0) + hopper::accumulatorRow(2 * h));
-    const int hi = min(range.hi, L - 1) - first, lo = range.lo - first;  // columns relative to `first`
+    const int hi = (range.hi < L - 1 ? range.hi : L - 1) - first, lo = range.lo - first;  // relative to `first`
+    hopper::ColumnBits<G::NT> allowed = hopper::columnsBelow<G::NT>(hi + 1);
+    if constexpr (windowed<C>()) allowed &= ~hopper::columnsBelow<G::NT>(lo);
     #pragma unroll
     for (int t = 0; t < G::NT; ++t)
       #pragma unroll
-      for (int e = 2 * h; e < 2 * h + 2; ++e) {
-        const int column = t * 8 + (e & 1);
-        if (column > hi || (windowed<C>() && column < lo)) s.s[t * 4 + e] = cuda::negativeInfinity();
-      }
+      for (int e = 2 * h; e < 2 * h + 2; ++e)
+        if (!((allowed >> (2 * t + (e & 1))) & 1)) s.s[t * 4 + e] = cuda::negativeInfinity();
   }
 }
 
@@ -670,7 +727,11 @@ __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int
 // touched (P V may still be adding to it): its correction is owed to the
 // next mma_qk or kv_finish. The row sums stay per thread (normalize adds
 // the quad's).
-template <class C>
+//
+// Masked: the block's mask may leave a row no key, its maximum -inf, and the
+// exponentials are then taken from 0 (-inf - -inf would be NaN). An unmasked
+// block gives every row a finite maximum, and skips the test.
+template <class C, bool Masked = true>
 __device__ void softmax_update(SoftmaxState<C>& state, ScoreTile<C>& s, AccTile<C>& acc) {
   using G = hopper::Geometry<C>;
   constexpr float scale = C::scale * kLog2e;
@@ -680,7 +741,7 @@ __device__ void softmax_update(SoftmaxState<C>& state, ScoreTile<C>& s, AccTile<
     #pragma unroll
     for (int t = 1; t < G::NT; ++t) rowMax = fmaxf(rowMax, fmaxf(s.s[t * 4 + 2 * h], s.s[t * 4 + 2 * h + 1]));
     const float newMax = fmaxf(state.m[h], cuda::quadMax(rowMax) * scale);
-    const float base = newMax == cuda::negativeInfinity() ? 0.0f : newMax;
+    const float base = Masked && newMax == cuda::negativeInfinity() ? 0.0f : newMax;
     acc.scale[h] = ptx::exp2Ftz(state.m[h] - base);
     float rowSum = 0.0f;
     #pragma unroll
@@ -724,12 +785,12 @@ __device__ void mma_pv(AccTile<C>& acc, ScoreTile<C>& s, KvPipeline<C>& pipe, in
 // is owed; were nothing, P is zero and normalize() writes zero rows.
 template <class C>
 __device__ void kv_finish(KvPipeline<C>& pipe, AccTile<C>& acc) {
-  hopper::takeTurn<C>();
+  hopper::takeTurn<C>(acc);
   hopper::pinRegisters(acc.o);
   hopper::wgmmaFence();
   hopper::issueOwedPv<C>(acc, pipe);
   hopper::wgmmaCommit();
-  hopper::giveTurn<C>();
+  hopper::giveTurn<C>(acc);
   hopper::retirePv<C>(acc);
 }
 

@@ -454,8 +454,10 @@ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int64_t block)
 }
 
 // Online softmax: new row max, rescale the accumulator and denominator by
-// exp(old max - new max), turn scores into probabilities in place.
-template <class C>
+// exp(old max - new max), turn scores into probabilities in place. Masked:
+// the block's mask may leave a row no key (the device tiles test for it only
+// then; here every row is tested).
+template <class C, bool Masked = true>
 void softmax_update(SoftmaxState<C>& state, ScoreTile<C>& s, AccTile<C>& acc) {
   for (int r = 0; r < C::block_m; ++r) {
     float rowMax = state.m[r];

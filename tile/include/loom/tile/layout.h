@@ -123,6 +123,16 @@ constexpr int consumerRegisters(int warps, int producerRegisters) {
   return left < kMaxConsumerRegisters ? left : kMaxConsumerRegisters;
 }
 
+// sm_90a: a consumer thread's fragments in registers, S (block_n / 2), O
+// (d / 2) and P as 16-bit pairs (block_n / 4), and Q as wgmma's register A
+// operand (d / 4) when these and the loop's own (kWgmmaLoopRegisters) fit
+// its budget; otherwise Q is read from shared memory by descriptor.
+constexpr int kWgmmaLoopRegisters = 48;
+constexpr int wgmmaFragmentRegisters(int blockN, int headDim) { return blockN / 2 + headDim / 2 + blockN / 4; }
+constexpr bool wgmmaQInRegisters(int blockN, int headDim, int consumerRegisters) {
+  return wgmmaFragmentRegisters(blockN, headDim) + headDim / 4 + kWgmmaLoopRegisters <= consumerRegisters;
+}
+
 // Byte offset of 16-byte chunk `chunk` (0..7) of row `row` inside an atom.
 constexpr int swizzledChunk(int row, int chunk) { return row * kSwizzleRowBytes + ((chunk ^ (row % 8)) * 16); }
 
