@@ -646,7 +646,6 @@ __device__ __forceinline__ void kv_release(KvPipeline<C>&, int64_t) {}
 template <class C>
 __device__ void mma_qk(ScoreTile<C>& s, QTile<C>& qt, KvPipeline<C>& pipe, int64_t, AccTile<C>& acc) {
   using G = hopper::Geometry<C>;
-  const hopper::Descriptor q = hopper::descriptorAt(qt.base, 16, kSwizzlePeriodBytes);
   const hopper::Descriptor k = hopper::offset(pipe.k, pipe.stage * G::kvTileBytes);
   hopper::takeTurn<C>(acc);
   hopper::pinRegisters(s.s);
@@ -658,9 +657,10 @@ __device__ void mma_qk(ScoreTile<C>& s, QTile<C>& qt, KvPipeline<C>& pipe, int64
     if constexpr (G::qInRegisters)
       wgmma::Wgmma<C::dtype, C::block_n>::rsKMajor(s.s, qt.a[kt], hopper::advanced(k, atom * G::kvAtomBytes + inner),
                                                    kt > 0);
-    else
-      wgmma::Wgmma<C::dtype, C::block_n>::ss(s.s, hopper::advanced(q, atom * G::qAtomBytes + inner),
-                                             hopper::advanced(k, atom * G::kvAtomBytes + inner), kt > 0);
+    else  // Q from shared memory by its own descriptor
+      wgmma::Wgmma<C::dtype, C::block_n>::ss(
+          s.s, hopper::advanced(hopper::descriptorAt(qt.base, 16, kSwizzlePeriodBytes), atom * G::qAtomBytes + inner),
+          hopper::advanced(k, atom * G::kvAtomBytes + inner), kt > 0);
   }
   hopper::wgmmaCommit();
   hopper::issueOwedPv<C>(acc, pipe);
