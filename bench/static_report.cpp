@@ -5,7 +5,9 @@
 // per SM they allow, the performance losses (none expected), the cost
 // model's predicted time and TFLOP/s with ptxas's registers, and the share of
 // the measured H200 bf16 matrix ceiling (790 TFLOP/s) that prediction is.
-// The first GPU run puts its measurements beside these numbers.
+// Then the memory-bound premix: its bytes' floor beside the issue time of
+// its machine code. The first GPU run puts its measurements beside these
+// numbers.
 //
 //   loom-static-report [--target sm_90a] [--tokens 4096] [--batch 1]
 #include <cstdio>
@@ -36,9 +38,105 @@ struct Row {
   size_t losses = 0;
 };
 
+// The paper's settings: H heads (and kv heads), P pseudo-heads, head_dim
+// d, bf16, causal, per-head collapse, RoPE.
+loom::KernelSpec paperSpec(int H, int P, int d) {
+  loom::KernelSpec spec;
+  spec.set_heads(H);
+  spec.set_kv_heads(H);
+  spec.set_pseudo_heads(P);
+  spec.set_head_dim(d);
+  spec.set_dtype(loom::v1::bfloat16);
+  spec.set_mask(loom::v1::flat_causal);
+  spec.set_collapse(loom::v1::per_head);
+  spec.set_rope_theta(10000);
+  return spec;
+}
+
 int usage(const char* self) {
   std::fprintf(stderr, "usage: %s [--target sm_90a|sm_80|...] [--tokens N] [--batch B]\n", self);
   return 2;
+}
+
+// The premix (materialised mixing, cuda_common.h) of the same settings:
+// the bytes it must move, their floor at the device's DRAM bandwidth, the
+// issue time of its mixing loops as the machine code has them, and the
+// ratio (docs/performance.md, The premix).
+void premixFloors(const loom::v1::Target& target, loom::jit::NvrtcCompiler& compiler, int64_t batch, int64_t tokens) {
+  std::printf("\npremix (materialised mixing), B=%lld N=%lld: the bytes' floor against the SASS issue time\n",
+              (long long)batch, (long long)tokens);
+  std::printf("%-3s %-2s %-4s %10s %10s %10s %7s  %s\n", "H", "P", "d", "MB moved", "floor ms", "issue ms", "ratio",
+              "SASS: mixing loops (q / k / v instructions a group), memory instructions");
+  for (int H : {8, 16})
+    for (int P : {2, 4, 8})
+      for (int d : {64, 128}) {
+        const loom::KernelSpec spec = paperSpec(H, P, d);
+        loom::Schedule materialized;
+        materialized.set_mix(loom::v1::mix_materialized);
+        std::shared_ptr<const loom::jit::Artifact> artifact;
+        auto kernel = loom::compileKernel(spec, materialized, target, compiler, &artifact);
+        if (!kernel) {
+          std::printf("%-3d %-2d %-4d %s\n", H, P, d, kernel.error().message.c_str());
+          continue;
+        }
+        const auto read = loom::jit::resourcesWithSass(*artifact);  // without nvdisasm: estimated
+        const std::vector<loom::v1::ResourceUsage> resources = read ? *read : artifact->resources;
+        std::optional<loom::autotune::PremixIssue> issue;
+        std::string memory = "SASS not read";
+        for (const auto& usage : resources)
+          if (usage.entry() == loom::kPremixEntry && usage.sass_read()) {
+            issue = loom::autotune::premixIssueOf(usage);
+            memory = loom::jit::sass::memoryBrief(usage.memory());
+          }
+        const loom::autotune::PremixCost cost =
+            loom::autotune::estimatePremixCost(spec, kernel->schedule(), target, batch, tokens, issue);
+        char loops[64] = "estimated";
+        if (issue)
+          std::snprintf(loops, sizeof loops, "%.0f / %.0f / %.0f", issue->perGroup[0], issue->perGroup[1],
+                        issue->perGroup[2]);
+        std::printf("%-3d %-2d %-4d %10.1f %10.3f %10.3f %6.2fx  %s; %s\n", H, P, d, cost.bytes / 1e6,
+                    cost.memorySeconds * 1e3, cost.issueSeconds * 1e3, cost.floorRatio(), loops, memory.c_str());
+        std::fflush(stdout);
+      }
+}
+
+// The decode step over a raw paged cache (the serving path) of the paper's
+// settings (H = G = 16, P = 4, d = 128, bf16, causal, RoPE), one new token
+// a sequence: for batches of 1 to 64 and caches of 4k to 128k tokens, the
+// bytes it must move, their floor, the issue time of its attention loop as
+// the machine code has it, and the ratio.
+void decodeFloors(const loom::v1::Target& target, loom::jit::NvrtcCompiler& compiler) {
+  const loom::KernelSpec spec = paperSpec(16, 4, 128);
+  for (const bool mixedCache : {false, true}) {
+    std::shared_ptr<const loom::jit::Artifact> artifact;
+    auto kernel = loom::compileKernel(spec, loom::Schedule(), target, compiler, &artifact, loom::Direction::decode,
+                                      mixedCache);
+    std::printf("\ndecode over a %s paged cache, H=G=16 P=4 d=128 bf16 causal RoPE, one new token a sequence\n",
+                mixedCache ? "mixed" : "raw");
+    if (!kernel) {
+      std::printf("  %s\n", kernel.error().message.c_str());
+      continue;
+    }
+    const auto read = loom::jit::resourcesWithSass(*artifact);  // without nvdisasm: estimated
+    const std::vector<loom::v1::ResourceUsage> resources = read ? *read : artifact->resources;
+    std::optional<loom::autotune::LoopIssue> issue;
+    for (const auto& usage : resources)
+      if (usage.entry() == loom::kAttentionEntry) {
+        issue = loom::autotune::loopIssueOf(usage);
+        std::printf("  default %s; attention: %s\n", loom::autotune::scheduleKey(kernel->schedule()).c_str(),
+                    loom::jit::sass::memoryBrief(usage.memory()).c_str());
+      }
+    if (issue) std::printf("  its loop: %.0f instructions a warp a key block (SASS)\n", issue->unmasked);
+    std::printf("%-5s %-7s %10s %10s %10s %8s %8s\n", "B", "cache", "MB moved", "floor ms", "issue ms", "ratio",
+                "CTAs");
+    for (int64_t batch : {1, 8, 64})
+      for (int64_t cache : {4096, 32768, 131072}) {
+        const loom::autotune::DecodeFloor f =
+            loom::autotune::estimateDecodeFloor(spec, kernel->schedule(), target, batch, cache, 1, mixedCache, issue);
+        std::printf("%-5lld %-7lld %10.1f %10.3f %10.3f %7.1fx %8lld\n", (long long)batch, (long long)cache,
+                    f.bytes / 1e6, f.memorySeconds * 1e3, f.issueSeconds * 1e3, f.floorRatio(), (long long)f.ctas);
+      }
+  }
 }
 
 }  // namespace
@@ -67,15 +165,7 @@ int main(int argc, char** argv) {
   for (int H : {8, 16})
     for (int P : {2, 4, 8})
       for (int d : {64, 128}) {
-        loom::KernelSpec spec;
-        spec.set_heads(H);
-        spec.set_kv_heads(H);
-        spec.set_pseudo_heads(P);
-        spec.set_head_dim(d);
-        spec.set_dtype(loom::v1::bfloat16);
-        spec.set_mask(loom::v1::flat_causal);
-        spec.set_collapse(loom::v1::per_head);
-        spec.set_rope_theta(10000);
+        const loom::KernelSpec spec = paperSpec(H, P, d);
         const double flops = loom::autotune::ihaFlops(spec, batch, tokens);
         // The default schedule, and the best-predicted of the tuner's space.
         std::vector<std::pair<std::string, loom::Schedule>> schedules;
@@ -121,5 +211,7 @@ int main(int argc, char** argv) {
           std::fflush(stdout);
         }
       }
+  premixFloors(*target, compiler, batch, tokens);
+  decodeFloors(*target, compiler);
   return 0;
 }

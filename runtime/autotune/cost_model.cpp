@@ -168,8 +168,59 @@ std::optional<LoopIssue> loopIssueOf(const v1::ResourceUsage& attention) {
   return issue;
 }
 
+std::optional<PremixIssue> premixIssueOf(const v1::ResourceUsage& premix) {
+  if (!premix.sass_read()) return std::nullopt;
+  std::vector<double> mixing;
+  for (const v1::SassLoop& loop : premix.simt_loops())
+    for (const v1::SassClassCount& c : loop.classes())
+      if (c.name() == "fp32" && c.count() > 0) mixing.push_back(loop.instructions());
+  if (mixing.size() != 3) return std::nullopt;  // not the loops this model knows
+  PremixIssue issue;
+  for (int role = 0; role < 3; ++role) issue.perGroup[role] = mixing[size_t(role)];
+  return issue;
+}
+
+PremixCost estimatePremixCost(const KernelSpec& spec, const Schedule& s, const v1::Target& target, int64_t batch,
+                              int64_t tokens, const std::optional<PremixIssue>& issue) {
+  const DeviceModel device = deviceModel(target);
+  const int H = int(spec.heads()), G = int(spec.kv_heads()), P = int(spec.pseudo_heads()), D = int(spec.head_dim());
+  const bool rope = spec.rope_theta() > 0, norm = spec.qk_norm() == v1::KernelSpec::rms;
+  PremixCost c;
+  const int tokensPerCta = int(s.block_m()) / P, threads = int(s.warps()) * 32;
+  const double ctas = double(batch) * double((tokens + tokensPerCta - 1) / tokensPerCta);
+  double issued = 0;
+  const int sources[3] = {H, G, G};
+  for (int role = 0; role < 3; ++role) {
+    const int M = sources[role], V = premixVector(M, D), lanes = premixLanes(M, D), R = premixRowGroup(M, D);
+    c.bytes += double(batch) * double(tokens) * double(M) * D * (1.0 + P) * 2.0;  // raw read, P mixed rows written
+    // The warps that mix: those holding a token of the CTA, round by round.
+    const int perRound = std::max(threads / lanes, 1);
+    double warpRounds = 0;
+    for (int first = 0; first < tokensPerCta; first += perRound)
+      warpRounds += double((std::min(perRound, tokensPerCta - first) * lanes + 31) / 32);
+    const double groups = double(P) * M / R;
+    double perGroup = issue ? issue->perGroup[role] : 0.0;
+    if (!issue) {
+      // The loop's parts as the machine code has them (docs/performance.md,
+      // The premix): the FMAs, the weights' vector loads, the packs and
+      // stores with their addresses, the loop; RoPE's angles, shuffles and
+      // rotation; qk_norm's squares, reduction and scale.
+      const bool rotated = role < 2 && rope, normalised = role < 2 && norm;
+      perGroup = double(M) * R * V + double(M) * R / 4 + R * (V / 2.0 + 3) + 20;
+      if (rotated) perGroup += V * 12.0 + R * V * 2.0;
+      if (normalised) perGroup += R * (2.0 * V + 2.0 * std::log2(double(lanes)) + 2);
+    }
+    issued += ctas * warpRounds * groups * perGroup;
+  }
+  c.memorySeconds = c.bytes / device.dramBytesPerSecond;
+  c.issueSeconds = issued / (device.fmaFlops / 64.0);  // warp instructions: 4 a cycle an SM
+  c.issueFromSass = issue.has_value();
+  return c;
+}
+
 CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::Target& target, int64_t batch,
-                          int64_t tokens, std::optional<int> registersPerThread, const std::optional<LoopIssue>& issue) {
+                          int64_t tokens, std::optional<int> registersPerThread, const std::optional<LoopIssue>& issue,
+                          const std::optional<PremixIssue>& premixIssue) {
   const DeviceModel device = deviceModel(target);
   const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
   const int64_t L = tokens * P, heads = batch * H;
@@ -203,7 +254,6 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::T
   const double mixedBytes = double(batch) * L * (H + 2.0 * G) * d * kBytes16;
   double bytes = fusedMix ? rawBytes + outBytes : mixedBytes + outBytes;
   const double premixBytes = fusedMix ? 0.0 : rawBytes + mixedBytes;
-  const double premixFlops = fusedMix ? 0.0 : mixFlops;
   if (!fusedMix) mixFlops = 0;
   if (s.collapse() == v1::collapse_separate) bytes += 2.0 * double(batch) * L * H * d * kBytes16;
   e.dramBytes = bytes + premixBytes;
@@ -289,10 +339,12 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::T
   const double kernelTime = s.stages() > 1
                                 ? std::max(computeTime, memoryTime) + exposed * std::min(computeTime, memoryTime)
                                 : computeTime + memoryTime;
-  // The premix launch: a grid over every row, memory- or FMA-bound.
-  e.premixSeconds = fusedMix ? 0.0
-                             : std::max(premixBytes / device.dramBytesPerSecond, premixFlops / device.fmaFlops) +
-                                   kLaunchSeconds;
+  // The premix launch: a grid over every token, bound by its bytes or by
+  // the instructions it issues, whichever is larger.
+  if (!fusedMix) {
+    const PremixCost premix = estimatePremixCost(spec, s, target, batch, tokens, premixIssue);
+    e.premixSeconds = std::max(premix.memorySeconds, premix.issueSeconds) + kLaunchSeconds;
+  }
   const int launches = 1 + (s.collapse() == v1::collapse_separate ? 1 : 0);
   e.seconds = kernelTime / std::max(utilisation, 1e-3) + launches * kLaunchSeconds + e.premixSeconds;
   const double parts[] = {tensorTime, memoryTime, expTime, simtTime, sharedTime, e.premixSeconds};
@@ -403,21 +455,38 @@ double ihaDecodeFlops(const KernelSpec& spec, int64_t batch, int64_t cachedToken
          double(visibleTokens(spec, cachedTokens, newTokens) * P);
 }
 
-CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& s, const v1::Target& target, int64_t batch,
-                                int64_t cachedTokens, int64_t newTokens, bool mixedCache,
-                                std::optional<int> registersPerThread) {
-  const DeviceModel device = deviceModel(target);
-  const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
-  const int64_t splits = std::max<int64_t>(1, s.kv_splits());
+namespace {
+
+// A decode step's attention grid: its CTAs (query blocks x heads, or kv
+// groups stacked, x splits x batch) and each one's key blocks.
+struct DecodeGrid {
+  int64_t splits = 1, blocksPerCta = 0, ctas = 0;
+};
+DecodeGrid decodeGrid(const KernelSpec& spec, const Schedule& s, int64_t batch, int64_t cachedTokens,
+                      int64_t newTokens) {
+  const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads();
+  DecodeGrid grid;
+  grid.splits = std::max<int64_t>(1, s.kv_splits());
   // Stacked, a CTA holds every query head of its kv group (block_m / (H / G)
   // rows of each): H / G times fewer CTAs stage and mix the cache.
   const int64_t stacked = s.stack_heads() ? H / G : 1;
   const int64_t ownedRows = std::max<int64_t>(P, s.block_m() / stacked / P * P);
   const int64_t queryBlocks = (newTokens * P + ownedRows - 1) / ownedRows;
-  const int64_t visible = visibleTokens(spec, cachedTokens, newTokens);
-  const int64_t keyBlocks = (visible * P + s.block_n() - 1) / s.block_n();
-  const int64_t blocksPerCta = (keyBlocks + splits - 1) / splits;
-  const int64_t gridCtas = queryBlocks * (H / stacked) * splits * batch;
+  const int64_t keyBlocks = (visibleTokens(spec, cachedTokens, newTokens) * P + s.block_n() - 1) / s.block_n();
+  grid.blocksPerCta = (keyBlocks + grid.splits - 1) / grid.splits;
+  grid.ctas = queryBlocks * (H / stacked) * grid.splits * batch;
+  return grid;
+}
+
+}  // namespace
+
+CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& s, const v1::Target& target, int64_t batch,
+                                int64_t cachedTokens, int64_t newTokens, bool mixedCache,
+                                std::optional<int> registersPerThread) {
+  const DeviceModel device = deviceModel(target);
+  const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
+  const DecodeGrid grid = decodeGrid(spec, s, batch, cachedTokens, newTokens);
+  const int64_t splits = grid.splits, blocksPerCta = grid.blocksPerCta, gridCtas = grid.ctas;
   const double paddedDim = double((d + 15) / 16 * 16);
 
   CostEstimate e;
@@ -483,6 +552,40 @@ CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& s, const
   const char* names[] = {"memory", "compute", "latency"};
   e.bound = names[std::max_element(parts, parts + 3) - parts];
   return e;
+}
+
+DecodeFloor estimateDecodeFloor(const KernelSpec& spec, const Schedule& s, const v1::Target& target, int64_t batch,
+                                int64_t cachedTokens, int64_t newTokens, bool mixedCache,
+                                const std::optional<LoopIssue>& issue) {
+  const DeviceModel device = deviceModel(target);
+  const int64_t H = spec.heads(), G = spec.kv_heads(), d = spec.head_dim();
+  const DecodeGrid grid = decodeGrid(spec, s, batch, cachedTokens, newTokens);
+  const int64_t blocksPerCta = grid.blocksPerCta;
+  DecodeFloor f;
+  f.ctas = grid.ctas;
+  f.bytes = decodeCacheBytes(spec, batch, cachedTokens, newTokens, mixedCache) +
+            2.0 * double(batch) * double(newTokens) * double(H + 2 * G) * double(d) * kBytes16;
+  f.memorySeconds = f.bytes / device.dramBytesPerSecond;
+  const bool wgmma = s.engine() == v1::engine_wgmma;
+  const double warps = double(s.warps() + (wgmma ? kWarpgroupWarps : 0));
+  double perBlock = issue ? issue->unmasked : 0.0;
+  if (!issue) {
+    // A raw cache's rows mixed on chip: G FMAs per element of a key and a
+    // value row (twice for a rotated key), over the CTA's warps.
+    const double rope = spec.rope_theta() > 0 ? 2.0 : 1.0;
+    const double mixing = mixedCache ? 0.0 : double(s.block_n() * d) * double(G) * (1.0 + rope) / 32.0 / warps;
+    perBlock = kLoopInstructionsPerWarp + mixing;
+  }
+  f.issueFromSass = issue.has_value();
+  const double rate = device.fmaFlops / 64.0;                          // warp instructions a second, the device
+  const double subPartitionRate = rate / (4.0 * double(device.smCount));  // one sub-partition's
+  const double total = double(f.ctas) * warps * double(blocksPerCta) * perBlock / rate;
+  // One CTA's blocks run one after another, its warps on an SM's four
+  // sub-partitions; the grid's CTAs an SM at a time.
+  const double perCta = double(blocksPerCta) * perBlock * std::ceil(warps / 4.0) / subPartitionRate;
+  const double waves = std::ceil(double(f.ctas) / double(device.smCount));
+  f.issueSeconds = std::max(total, perCta * waves);
+  return f;
 }
 
 }  // namespace loom::autotune

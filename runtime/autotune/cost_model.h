@@ -16,7 +16,7 @@ namespace loom::autotune {
 // Names the model's ranking: a choice kept in the kernel cache under an
 // older version is ranked again. Change it with any change that can reorder
 // the model's candidates.
-inline constexpr const char* kCostModelVersion = "cost-model-2026-12-04-premix-imbalance";
+inline constexpr const char* kCostModelVersion = "cost-model-2026-12-04-premix-issue";
 
 // Ceilings of a device, from measurements where the workplace has them
 // (docs/gpu-results.md) and vendor figures otherwise.
@@ -76,6 +76,33 @@ struct LoopIssue {
 // From a compiled kernel's attention-entry figures; nullopt without them.
 std::optional<LoopIssue> loopIssueOf(const v1::ResourceUsage& attention);
 
+// The machine code's figures of a compiled premix launch (iha_premix;
+// cuda_common.h premix): the instructions one warp issues per group of R
+// mixed rows, for q, k and v (the entry's innermost loops that hold fp32
+// work, in address order, which is the order of the roles).
+struct PremixIssue {
+  double perGroup[3] = {0, 0, 0};
+};
+// From a compiled premix entry's figures; nullopt without them.
+std::optional<PremixIssue> premixIssueOf(const v1::ResourceUsage& premix);
+
+// Materialised mixing's own launch: the bytes it must move (raw q, k, v
+// read once, the mixed rows written once) at the DRAM bandwidth, and the
+// instructions it issues (every warp's mixing groups, layout.h premix*
+// geometry; `issue` from the machine code, else estimated from the same
+// loop's parts) at four warp instructions a cycle an SM. The mixing loops
+// only: the loads, the weights' staging and the round's set-up add about
+// 5% at the paper's settings.
+struct PremixCost {
+  double bytes = 0;
+  double memorySeconds = 0;  // the floor
+  double issueSeconds = 0;
+  bool issueFromSass = false;
+  double floorRatio() const { return memorySeconds > 0 ? issueSeconds / memorySeconds : 0; }
+};
+PremixCost estimatePremixCost(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
+                              int64_t batch, int64_t tokens, const std::optional<PremixIssue>& issue = std::nullopt);
+
 // `registersPerThread` from ptxas when known, else estimated. With `issue`
 // (a compiled wgmma candidate), the softmax's cost is the machine code's:
 // its loop's instructions at one a cycle on each of an SM's four
@@ -85,7 +112,8 @@ std::optional<LoopIssue> loopIssueOf(const v1::ResourceUsage& attention);
 // assumed exposed share.
 CostEstimate estimateCost(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target, int64_t batch,
                           int64_t tokens, std::optional<int> registersPerThread = std::nullopt,
-                          const std::optional<LoopIssue>& issue = std::nullopt);
+                          const std::optional<LoopIssue>& issue = std::nullopt,
+                          const std::optional<PremixIssue>& premixIssue = std::nullopt);
 
 // The backward plan (docs/compiler.md, The backward): the forward's
 // attention recomputed (two products per visited block pair), the
@@ -111,6 +139,25 @@ CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& schedu
 CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
                                 int64_t batch, int64_t cachedTokens, int64_t newTokens, bool mixedCache,
                                 std::optional<int> registersPerThread = std::nullopt);
+
+// A decode step's floor against its issue: the bytes it must move (the
+// visible cache once, the step's q, k, v and out) at the DRAM bandwidth,
+// and the instructions its attention launch issues: every warp's loop per
+// key block (`issue` from the machine code's tensor-core loops, else
+// estimated: the mixing's FMAs and the loop's fixed part), over the whole
+// device or, where the grid is small, one CTA's blocks one after another
+// on its warps' sub-partitions, wave after wave.
+struct DecodeFloor {
+  double bytes = 0;
+  double memorySeconds = 0;
+  double issueSeconds = 0;
+  int64_t ctas = 0;
+  bool issueFromSass = false;
+  double floorRatio() const { return memorySeconds > 0 ? issueSeconds / memorySeconds : 0; }
+};
+DecodeFloor estimateDecodeFloor(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
+                                int64_t batch, int64_t cachedTokens, int64_t newTokens, bool mixedCache,
+                                const std::optional<LoopIssue>& issue = std::nullopt);
 
 // The bytes of cache a decode step reads at least: every visible cached
 // token's k and v once, raw (G d) or mixed (G P d), 16-bit.

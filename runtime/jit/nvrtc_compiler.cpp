@@ -67,6 +67,13 @@ std::string nvrtcVersion() {
 
 bool readsSassOnCompile(const std::string& arch) { return arch == "sm_90a"; }
 
+Result<std::vector<v1::ResourceUsage>> resourcesWithSass(const Artifact& artifact) {
+  std::vector<v1::ResourceUsage> resources = artifact.resources;
+  if (!resources.empty() && resources.front().sass_read()) return resources;
+  if (Status read = sass::readLoops(artifact.binary, resources); !read) return read.error();
+  return resources;
+}
+
 bool nvrtcKnowsArch(const std::string& arch) {
   // Asked on every request the service takes: the list and the pattern once.
   static const std::vector<int> archs = [] {
@@ -283,9 +290,12 @@ std::shared_ptr<const Artifact> NvrtcCompiler::readDisk(const std::string& key) 
   for (v1::ResourceUsage& u : artifact->resources) {
     bool found = false;
     for (const v1::ResourceUsage& stored : record.resources())
-      if (stored.entry() == u.entry() && stored.sass_read()) {
+      if (stored.entry() == u.entry() && stored.sass_read() && stored.sass_reader() == sass::kReaderVersion) {
         *u.mutable_loops() = stored.loops();
+        *u.mutable_simt_loops() = stored.simt_loops();
+        *u.mutable_memory() = stored.memory();
         *u.mutable_setmaxnreg() = stored.setmaxnreg();
+        u.set_sass_reader(stored.sass_reader());
         u.set_sass_read(true);
         found = true;
       }

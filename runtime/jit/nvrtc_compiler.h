@@ -56,6 +56,11 @@ std::string nvrtcVersion();
 // model read. Other archs' are read on demand (sass::readLoops).
 bool readsSassOnCompile(const std::string& arch);
 
+// The artifact's resources with the SASS figures (sass.h) of every entry:
+// as the compile read them, or read now (any arch). An error when there is
+// no nvdisasm or it fails.
+Result<std::vector<v1::ResourceUsage>> resourcesWithSass(const Artifact& artifact);
+
 // Whether NVRTC can produce a cubin for `arch` (else PTX for its compute arch).
 bool nvrtcKnowsArch(const std::string& arch);
 

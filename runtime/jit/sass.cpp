@@ -56,8 +56,18 @@ bool parseInstruction(const std::string& line, Instruction& out) {
   return !out.opcode.empty();
 }
 
-bool isBranch(const std::string& opcode) { return startsWith(opcode, "BRA") || startsWith(opcode, "BRX") || startsWith(opcode, "JMP"); }
+// A transfer of control to a label. CALL.REL.NOINC is one too: ptxas both
+// calls subroutines with it (a shuffle's divergent path, which returns)
+// and jumps with it (out of a loop it peeled, which does not), so its
+// flow goes to the target and on to the next instruction.
+bool isBranch(const std::string& opcode) {
+  return startsWith(opcode, "BRA") || startsWith(opcode, "BRX") || startsWith(opcode, "JMP") ||
+         startsWith(opcode, "CALL.REL.NOINC");
+}
+// Control never reaches the next instruction. BRA.DIV branches only when
+// the warp has diverged; CALL.REL.NOINC, above, falls through.
 bool endsFlow(const Instruction& i) {
+  if (startsWith(i.opcode, "BRA.DIV") || startsWith(i.opcode, "CALL")) return false;
   return (startsWith(i.opcode, "EXIT") || startsWith(i.opcode, "RET") || startsWith(i.opcode, "BRX") ||
           startsWith(i.opcode, "BPT") || isBranch(i.opcode)) &&
          (i.predicate.empty() || i.predicate == "@PT" || i.predicate == "@UPT");
@@ -156,10 +166,114 @@ std::vector<Function> parseListing(const std::string& text) {
   return functions;
 }
 
+namespace {
+
+// The figures of one loop (its hot blocks of `body`, first instruction at
+// `offset`).
+void describeLoop(const Function& f, const std::vector<Block>& blocks, const std::vector<bool>& hot,
+                  const std::set<int>& body, int offset, v1::SassLoop& loop) {
+  loop.set_first_offset(offset);
+
+  std::vector<const Instruction*> code;  // address order
+  for (int b : body)
+    if (hot[size_t(b)])
+      for (int k = blocks[size_t(b)].first; k <= blocks[size_t(b)].last; ++k) code.push_back(&f.code[size_t(k)]);
+  std::map<std::string, int> classes;
+  for (const char* c : kClasses) classes[c] = 0;
+  double flops = 0;
+  int maskSelects = 0;
+  std::set<int> synced, arrived;
+  for (const Instruction* i : code) {
+    const std::string c = classOf(i->opcode);
+    ++classes[c];
+    if (c == "tensor") flops += tensorFlopsPerWarp(i->opcode);
+    if (c == "local") loop.set_local_memory(loop.local_memory() + 1);
+    const std::string base = i->opcode.substr(0, i->opcode.find('.'));
+    if ((base == "FSEL" || base == "SEL" || base == "MOV" || base == "IMAD") &&
+        (i->operands.find("-INF") != std::string::npos || i->operands.find("0xff800000") != std::string::npos ||
+         i->operands.find("-0x800000") != std::string::npos))
+      ++maskSelects;
+    if (base == "BAR") {
+      const int id = immediateOperand(i->operands);
+      if (id == 0) continue;
+      if (startsWith(i->opcode, "BAR.ARV")) arrived.insert(id);
+      else if (startsWith(i->opcode, "BAR.SYNC") || startsWith(i->opcode, "BAR.RED")) synced.insert(id);
+    }
+  }
+  loop.set_instructions(int(code.size()));
+  for (const char* name : kClasses) {
+    v1::SassClassCount& c = *loop.add_classes();
+    c.set_name(name);
+    c.set_count(classes[name]);
+  }
+  loop.set_tensor_flops_per_warp(flops);
+  loop.set_instructions_per_tensor_mflop(flops > 0 ? code.size() / (flops / 1e6) : 0);
+  loop.set_masked(maskSelects >= 8);
+  loop.set_exponentials(classes["mufu_ex2"]);
+  for (int id : synced) loop.add_named_barriers_synced(id);
+  for (int id : arrived) loop.add_named_barriers_arrived(id);
+  bool pingPong = false;
+  for (int s : synced)
+    for (int a : arrived) pingPong = pingPong || s != a || s < 0;
+  loop.set_ping_pong(pingPong);
+  // The P V window: from a wait that leaves one group in flight (S retired,
+  // P V running) to the next wait for none, following the loop around.
+  int best = -1;
+  const int m = int(code.size());
+  for (int k = 0; k < m; ++k) {
+    if (!startsWith(code[size_t(k)]->opcode, "WARPGROUP.DEPBAR") || immediateOperand(code[size_t(k)]->operands.substr(
+                                                                        code[size_t(k)]->operands.find(',') + 1)) != 1)
+      continue;
+    int inside = 0;
+    for (int step = 1; step < m; ++step) {
+      const Instruction* i = code[size_t((k + step) % m)];
+      if (startsWith(i->opcode, "WARPGROUP.DEPBAR")) {
+        const size_t comma = i->operands.find(',');
+        if (comma != std::string::npos && immediateOperand(i->operands.substr(comma + 1)) == 0) {
+          best = std::max(best, inside);
+          break;
+        }
+      }
+      if (startsWith(i->opcode, "MUFU.EX2")) ++inside;
+    }
+  }
+  loop.set_exponentials_in_pv_window(best);
+}
+
+// Static counts of the function's memory instructions by kind and width.
+void countMemory(const Function& f, v1::SassMemory& m) {
+  auto has = [](const std::string& opcode, const char* part) { return opcode.find(part) != std::string::npos; };
+  for (const Instruction& i : f.code) {
+    const std::string base = i.opcode.substr(0, i.opcode.find('.'));
+    const bool wide = has(i.opcode, ".64") || has(i.opcode, ".128");
+    const bool narrow = has(i.opcode, ".U16") || has(i.opcode, ".S16");
+    if (base == "LDG") {
+      m.set_global_loads(m.global_loads() + 1);
+      if (wide) m.set_global_loads_wide(m.global_loads_wide() + 1);
+      if (narrow) m.set_global_loads_16bit(m.global_loads_16bit() + 1);
+    } else if (base == "STG") {
+      m.set_global_stores(m.global_stores() + 1);
+      if (wide) m.set_global_stores_wide(m.global_stores_wide() + 1);
+      if (narrow) m.set_global_stores_16bit(m.global_stores_16bit() + 1);
+    } else if (base == "LDS") {
+      m.set_shared_loads(m.shared_loads() + 1);
+      if (wide) m.set_shared_loads_wide(m.shared_loads_wide() + 1);
+      if (narrow) m.set_shared_loads_16bit(m.shared_loads_16bit() + 1);
+    } else if (base == "LDGSTS" || base == "UBLKCP" || base == "UTMALDG") {
+      m.set_async_copies(m.async_copies() + 1);
+    }
+  }
+}
+
+}  // namespace
+
 void analyzeFunction(const Function& f, v1::ResourceUsage& usage) {
   usage.clear_loops();
+  usage.clear_simt_loops();
+  usage.clear_memory();
   usage.clear_setmaxnreg();
   usage.set_sass_read(true);
+  usage.set_sass_reader(kReaderVersion);
   const int n = int(f.code.size());
   for (const Instruction& i : f.code)
     if (startsWith(i.opcode, "USETMAXREG")) {
@@ -198,6 +312,26 @@ void analyzeFunction(const Function& f, v1::ResourceUsage& usage) {
   }
   for (int b = 0; b < B; ++b)
     for (int s : blocks[size_t(b)].successors) blocks[size_t(s)].predecessors.push_back(b);
+
+  // Hot blocks: reachable from the entry without taking a BRA.DIV (the
+  // out-of-line path a shuffle takes only when its warp has diverged; a
+  // loop's figures leave it out, as a converged warp never issues it).
+  std::vector<bool> hot(size_t(B), false);
+  {
+    std::vector<int> work = {0};
+    hot[0] = true;
+    while (!work.empty()) {
+      const int b = work.back();
+      work.pop_back();
+      const Instruction& last = f.code[size_t(blocks[size_t(b)].last)];
+      const bool divergent = startsWith(last.opcode, "BRA.DIV");
+      for (size_t k = 0; k < blocks[size_t(b)].successors.size(); ++k) {
+        const int next = blocks[size_t(b)].successors[k];
+        if (divergent && k == 0 && next != b + 1) continue;  // the taken edge (listed first)
+        if (!hot[size_t(next)]) hot[size_t(next)] = true, work.push_back(next);
+      }
+    }
+  }
 
   // Dominators (iterative, over the blocks reachable from the entry).
   std::vector<bool> reachable(size_t(B), false);
@@ -253,87 +387,30 @@ void analyzeFunction(const Function& f, v1::ResourceUsage& usage) {
         if (isTensor(f.code[size_t(k)].opcode)) return true;
     return false;
   };
-  std::vector<const std::set<int>*> tensorLoops;
-  for (const auto& [header, body] : loops)
+  // The innermost of `candidates` (loops holding none of the others), by
+  // first offset.
+  auto innermostOf = [&](const std::vector<const std::set<int>*>& candidates) {
+    std::vector<std::pair<int, const std::set<int>*>> innermost;  // first offset, body
+    for (const std::set<int>* body : candidates) {
+      bool holdsAnother = false;
+      for (const std::set<int>* other : candidates)
+        if (other != body && other->size() < body->size() &&
+            std::includes(body->begin(), body->end(), other->begin(), other->end()))
+          holdsAnother = true;
+      if (!holdsAnother) innermost.emplace_back(f.code[size_t(blocks[size_t(*body->begin())].first)].offset, body);
+    }
+    std::sort(innermost.begin(), innermost.end());
+    return innermost;
+  };
+  std::vector<const std::set<int>*> tensorLoops, allLoops;
+  for (const auto& [header, body] : loops) {
+    allLoops.push_back(&body);
     if (holdsTensor(body)) tensorLoops.push_back(&body);
-  std::vector<std::pair<int, const std::set<int>*>> innermost;  // first offset, body
-  for (const std::set<int>* body : tensorLoops) {
-    bool holdsAnother = false;
-    for (const std::set<int>* other : tensorLoops)
-      if (other != body && other->size() < body->size() &&
-          std::includes(body->begin(), body->end(), other->begin(), other->end()))
-        holdsAnother = true;
-    if (!holdsAnother) innermost.emplace_back(f.code[size_t(blocks[size_t(*body->begin())].first)].offset, body);
   }
-  std::sort(innermost.begin(), innermost.end());
-
-  for (const auto& [offset, body] : innermost) {
-    v1::SassLoop& loop = *usage.add_loops();
-    loop.set_first_offset(offset);
-    std::vector<const Instruction*> code;  // address order
-    for (int b : *body)
-      for (int k = blocks[size_t(b)].first; k <= blocks[size_t(b)].last; ++k) code.push_back(&f.code[size_t(k)]);
-    std::map<std::string, int> classes;
-    for (const char* c : kClasses) classes[c] = 0;
-    double flops = 0;
-    int maskSelects = 0;
-    std::set<int> synced, arrived;
-    for (const Instruction* i : code) {
-      const std::string c = classOf(i->opcode);
-      ++classes[c];
-      if (c == "tensor") flops += tensorFlopsPerWarp(i->opcode);
-      if (c == "local") loop.set_local_memory(loop.local_memory() + 1);
-      const std::string base = i->opcode.substr(0, i->opcode.find('.'));
-      if ((base == "FSEL" || base == "SEL" || base == "MOV" || base == "IMAD") &&
-          (i->operands.find("-INF") != std::string::npos || i->operands.find("0xff800000") != std::string::npos ||
-           i->operands.find("-0x800000") != std::string::npos))
-        ++maskSelects;
-      if (base == "BAR") {
-        const int id = immediateOperand(i->operands);
-        if (id == 0) continue;
-        if (startsWith(i->opcode, "BAR.ARV")) arrived.insert(id);
-        else if (startsWith(i->opcode, "BAR.SYNC") || startsWith(i->opcode, "BAR.RED")) synced.insert(id);
-      }
-    }
-    loop.set_instructions(int(code.size()));
-    for (const char* name : kClasses) {
-      v1::SassClassCount& c = *loop.add_classes();
-      c.set_name(name);
-      c.set_count(classes[name]);
-    }
-    loop.set_tensor_flops_per_warp(flops);
-    loop.set_instructions_per_tensor_mflop(flops > 0 ? code.size() / (flops / 1e6) : 0);
-    loop.set_masked(maskSelects >= 8);
-    loop.set_exponentials(classes["mufu_ex2"]);
-    for (int id : synced) loop.add_named_barriers_synced(id);
-    for (int id : arrived) loop.add_named_barriers_arrived(id);
-    bool pingPong = false;
-    for (int s : synced)
-      for (int a : arrived) pingPong = pingPong || s != a || s < 0;
-    loop.set_ping_pong(pingPong);
-    // The P V window: from a wait that leaves one group in flight (S retired,
-    // P V running) to the next wait for none, following the loop around.
-    int best = -1;
-    const int m = int(code.size());
-    for (int k = 0; k < m; ++k) {
-      if (!startsWith(code[size_t(k)]->opcode, "WARPGROUP.DEPBAR") || immediateOperand(code[size_t(k)]->operands.substr(
-                                                                          code[size_t(k)]->operands.find(',') + 1)) != 1)
-        continue;
-      int inside = 0;
-      for (int step = 1; step < m; ++step) {
-        const Instruction* i = code[size_t((k + step) % m)];
-        if (startsWith(i->opcode, "WARPGROUP.DEPBAR")) {
-          const size_t comma = i->operands.find(',');
-          if (comma != std::string::npos && immediateOperand(i->operands.substr(comma + 1)) == 0) {
-            best = std::max(best, inside);
-            break;
-          }
-        }
-        if (startsWith(i->opcode, "MUFU.EX2")) ++inside;
-      }
-    }
-    loop.set_exponentials_in_pv_window(best);
-  }
+  for (const auto& [offset, body] : innermostOf(tensorLoops)) describeLoop(f, blocks, hot, *body, offset, *usage.add_loops());
+  for (const auto& [offset, body] : innermostOf(allLoops))
+    if (!holdsTensor(*body)) describeLoop(f, blocks, hot, *body, offset, *usage.add_simt_loops());
+  countMemory(f, *usage.mutable_memory());
 }
 
 std::string nvdisasmPath() {
@@ -473,6 +550,15 @@ std::string loopsBrief(const v1::ResourceUsage& usage) {
   return usage.loops().empty() ? "-" : out.str();
 }
 
+std::string memoryBrief(const v1::SassMemory& m) {
+  std::ostringstream out;
+  out << "global loads " << m.global_loads() << " (" << m.global_loads_wide() << " wide, " << m.global_loads_16bit()
+      << " 16-bit), stores " << m.global_stores() << " (" << m.global_stores_wide() << " wide, "
+      << m.global_stores_16bit() << " 16-bit); shared loads " << m.shared_loads() << " (" << m.shared_loads_wide()
+      << " wide, " << m.shared_loads_16bit() << " 16-bit); async copies " << m.async_copies();
+  return out.str();
+}
+
 std::string formatLoops(const std::vector<v1::ResourceUsage>& resources) {
   std::ostringstream out;
   for (const v1::ResourceUsage& u : resources) {
@@ -503,6 +589,14 @@ std::string formatLoops(const std::vector<v1::ResourceUsage>& resources) {
       for (int id : l.named_barriers_arrived()) out << " " << id;
       if (l.named_barriers_arrived().empty()) out << " none";
       out << (l.ping_pong() ? " (ping-pong)" : "") << "; local memory " << l.local_memory() << "\n";
+    }
+    out << "  " << memoryBrief(u.memory()) << "\n";
+    for (const v1::SassLoop& l : u.simt_loops()) {
+      out << "  loop at 0x" << std::hex << l.first_offset() << std::dec << " (no tensor cores): " << l.instructions()
+          << " instructions per warp per iteration\n    ";
+      for (const v1::SassClassCount& c : l.classes())
+        if (c.count()) out << c.name() << " " << c.count() << "  ";
+      out << "\n";
     }
   }
   return out.str();

@@ -30,6 +30,10 @@
 
 namespace loom::jit::sass {
 
+// Names what this reader counts: figures a cached artifact holds from
+// another reader are taken again. Change it with any change to the figures.
+inline constexpr const char* kReaderVersion = "sass-reader-2026-12-04-memory";
+
 // One instruction of nvdisasm's listing.
 struct Instruction {
   int offset = 0;          // byte offset in the function
@@ -114,7 +118,12 @@ int classCount(const v1::SassLoop& loop, const std::string& name);
 // loops, "SASS not read" when nvdisasm was not there.
 std::string loopsBrief(const v1::ResourceUsage& usage);
 
-// A table of the loops of `resources`, for people (loom compile --sass).
+// An entry's memory instructions in a line: "global loads 51 (48 wide,
+// 0 16-bit), stores ...".
+std::string memoryBrief(const v1::SassMemory& memory);
+
+// A table of the loops of `resources` and their memory instructions, for
+// people (loom compile --sass).
 std::string formatLoops(const std::vector<v1::ResourceUsage>& resources);
 
 }  // namespace loom::jit::sass

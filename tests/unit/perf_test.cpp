@@ -20,6 +20,7 @@
 #include <tuple>
 
 #include "api/compile.h"
+#include "autotune/cost_model.h"
 #include "autotune/tuner.h"
 #include "jit/nvrtc_compiler.h"
 #include "jit/sass.h"
@@ -188,6 +189,115 @@ INSTANTIATE_TEST_SUITE_P(Specs, SassGate, ::testing::Range(0, kSassGridSpecs), [
   const KernelSpec spec = sassGridSpec(info.param);
   return std::string(info.param == 0 ? "paper_" : "") + "p" + std::to_string(spec.pseudo_heads()) + "_d" +
          std::to_string(spec.head_dim()) + "_h" + std::to_string(spec.heads()) + "_" + std::to_string(info.param);
+});
+
+// The premix (materialised mixing, cuda_common.h) of the same grid, on
+// sm_80 and sm_90a, in the machine code: each raw element read once with
+// wide loads (at least 80% of the entry's global loads 64- or 128-bit, at
+// most 16 scalar 16-bit ones), every store wide, no local memory; and the
+// issue time its mixing loops model within 1.5x of the bytes' floor where
+// the mixing is not FMA-bound by nature (H <= 16: at H 32 the FMAs per byte
+// alone pass the floor; docs/performance.md, The premix). The loop-part
+// estimate the tuner uses before anything is compiled stays within 15% of
+// the machine code's.
+constexpr int kPremixGateTokens = 8192;
+constexpr double kPremixFloorRatioGate = 1.5;
+
+class PremixGate : public ::testing::TestWithParam<int> {};
+
+TEST_P(PremixGate, ReadsOnceWideAndNearTheMemoryFloor) {
+  const KernelSpec spec = sassGridSpec(GetParam());
+  ASSERT_TRUE(validateSpec(spec)) << describe(spec);
+  Schedule materialized;
+  materialized.set_mix(v1::mix_materialized);
+  jit::NvrtcCompiler compiler(std::string(LOOM_TEST_CACHE) + "/perf");
+  for (const std::string arch : {"sm_80", "sm_90a"}) {
+    const v1::Target target = *parseTarget(arch);
+    std::shared_ptr<const jit::Artifact> artifact;
+    auto kernel = compileKernel(spec, materialized, target, compiler, &artifact);
+    ASSERT_TRUE(kernel) << arch << " " << describe(spec) << ": " << kernel.error().message;
+    auto resources = jit::resourcesWithSass(*artifact);
+    ASSERT_TRUE(resources) << arch << ": " << resources.error().message;
+    v1::ResourceUsage premix;
+    for (const v1::ResourceUsage& u : *resources)
+      if (u.entry() == kPremixEntry) premix = u;
+    ASSERT_TRUE(premix.sass_read()) << arch << ": the SASS was not read: " << jit::sass::nvdisasmPath();
+    const v1::SassMemory& m = premix.memory();
+    const std::string what = arch + " " + describe(spec) + ": " + jit::sass::memoryBrief(m);
+    EXPECT_GE(m.global_loads_wide(), 0.8 * m.global_loads()) << what;
+    EXPECT_LE(m.global_loads_16bit(), 16) << what;
+    EXPECT_GT(m.global_stores(), 0) << what;
+    EXPECT_EQ(m.global_stores_wide(), m.global_stores()) << what;
+    EXPECT_EQ(premix.spill_store_bytes(), 0) << what;
+    EXPECT_EQ(premix.local_memory_instructions(), 0) << what;
+    const auto issue = autotune::premixIssueOf(premix);
+    ASSERT_TRUE(issue) << what << ": not one mixing loop per role";
+    const autotune::PremixCost measured =
+        autotune::estimatePremixCost(spec, kernel->schedule(), target, 1, kPremixGateTokens, issue);
+    const autotune::PremixCost estimated =
+        autotune::estimatePremixCost(spec, kernel->schedule(), target, 1, kPremixGateTokens);
+    EXPECT_NEAR(estimated.issueSeconds / measured.issueSeconds, 1.0, 0.15)
+        << what << ": the loop-part estimate is off the machine code's (per group q/k/v " << issue->perGroup[0]
+        << " / " << issue->perGroup[1] << " / " << issue->perGroup[2] << ")";
+    if (spec.heads() <= 16) EXPECT_LE(measured.floorRatio(), kPremixFloorRatioGate) << what;
+    std::printf("[ premix   ] %s %s: %s; mixing loops %.0f / %.0f / %.0f a group; N %d: floor %.3f ms, issue %.3f "
+                "ms (%.2fx)\n",
+                arch.c_str(), describe(spec).c_str(), jit::sass::memoryBrief(m).c_str(), issue->perGroup[0],
+                issue->perGroup[1], issue->perGroup[2], kPremixGateTokens, measured.memorySeconds * 1e3,
+                measured.issueSeconds * 1e3, measured.floorRatio());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Specs, PremixGate, ::testing::Range(0, kSassGridSpecs), [](const auto& info) {
+  const KernelSpec spec = sassGridSpec(info.param);
+  return std::string(info.param == 0 ? "paper_" : "") + "p" + std::to_string(spec.pseudo_heads()) + "_d" +
+         std::to_string(spec.head_dim()) + "_h" + std::to_string(spec.heads()) + "_g" +
+         std::to_string(spec.kv_heads()) + "_" + std::to_string(info.param);
+});
+
+// The default decode step over a raw paged cache (the serving path), the
+// same grid on sm_80 and sm_90a: its attention launch streams the pages
+// with asynchronous copies and mixes the raw rows from 16-byte reads, in
+// shared memory (keys and values) and in global memory (the step's
+// queries): at most 16 scalar 16-bit global loads and 64 scalar 16-bit
+// shared loads in the entry (there were 256 and 384).
+class DecodeGate : public ::testing::TestWithParam<int> {};
+
+TEST_P(DecodeGate, StreamsThePagesAndMixesFromWideReads) {
+  const KernelSpec spec = sassGridSpec(GetParam());
+  ASSERT_TRUE(validateSpec(spec)) << describe(spec);
+  jit::NvrtcCompiler compiler(std::string(LOOM_TEST_CACHE) + "/perf");
+  for (const std::string arch : {"sm_80", "sm_90a"}) {
+    std::shared_ptr<const jit::Artifact> artifact;
+    auto kernel = compileKernel(spec, Schedule(), *parseTarget(arch), compiler, &artifact, Direction::decode,
+                                /*mixedCache=*/false);
+    // The mma step stages one key block's raw rows of all G heads: at G 32
+    // and P 1 even 16 keys' worth outgrows shared memory (docs/performance.md).
+    if (!kernel && spec.kv_heads() >= 32 && kernel.error().message.find("shared memory") != std::string::npos)
+      GTEST_SKIP() << arch << " " << describe(spec) << ": no raw-cache decode step fits: " << kernel.error().message;
+    ASSERT_TRUE(kernel) << arch << " " << describe(spec) << ": " << kernel.error().message;
+    auto resources = jit::resourcesWithSass(*artifact);
+    ASSERT_TRUE(resources) << arch << ": " << resources.error().message;
+    v1::ResourceUsage attention;
+    for (const v1::ResourceUsage& u : *resources)
+      if (u.entry() == kAttentionEntry) attention = u;
+    ASSERT_TRUE(attention.sass_read()) << arch << ": the SASS was not read";
+    const v1::SassMemory& m = attention.memory();
+    const std::string what = arch + " decode " + kernel->schedule().ShortDebugString() + " of " + describe(spec) +
+                             ": " + jit::sass::memoryBrief(m);
+    EXPECT_GT(m.async_copies(), 0) << what;
+    EXPECT_LE(m.global_loads_16bit(), 16) << what;
+    EXPECT_LE(m.shared_loads_16bit(), 64) << what;
+    EXPECT_EQ(attention.spill_store_bytes(), 0) << what;
+    std::printf("[ decode   ] %s\n", what.c_str());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Specs, DecodeGate, ::testing::Range(0, kSassGridSpecs), [](const auto& info) {
+  const KernelSpec spec = sassGridSpec(info.param);
+  return std::string(info.param == 0 ? "paper_" : "") + "p" + std::to_string(spec.pseudo_heads()) + "_d" +
+         std::to_string(spec.head_dim()) + "_h" + std::to_string(spec.heads()) + "_g" +
+         std::to_string(spec.kv_heads()) + "_" + std::to_string(info.param);
 });
 
 // The gate fails a kernel whose loop lost the overlap or the ping-pong: the

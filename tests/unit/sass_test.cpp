@@ -155,6 +155,62 @@ TEST(SassReader, FindsInnermostNaturalLoops) {
   EXPECT_EQ(l.exponentials_in_pv_window(), -1);  // no wgmma waits
 }
 
+// The premix's shape: loops without tensor cores are read too, leaving out
+// a shuffle's divergent path (taken by BRA.DIV only when the warp has
+// diverged; its subroutine returns), and following ptxas's CALL.REL.NOINC
+// out of a peeled loop; and the entry's memory instructions by width.
+TEST(SassReader, ReadsLoopsWithoutTensorCoresAndMemoryWidths) {
+  const std::string listing = R"(
+	.text.k:
+        /*0000*/                   LDG.E.128 R4, [R2.64] ;
+        /*0010*/                   LDG.E.U16 R8, [R2.64+0x10] ;
+        /*0020*/                   LDG.E R9, [R2.64+0x20] ;
+        /*0030*/                   LDS.U16 R10, [R11] ;
+.L_x_0:
+        /*0040*/                   LDS.128 R12, [R11+0x10] ;
+        /*0050*/                   FFMA R4, R12, R5, R4 ;
+        /*0060*/                   BRA.DIV ~URZ, `(.L_x_8) ;
+        /*0070*/                   SHFL.IDX PT, R6, R4, R7, 0x1f ;
+.L_x_1:
+        /*0080*/                   FFMA R4, R6, R5, R4 ;
+        /*0090*/                   STG.E.64 desc[UR4][R2.64], R4 ;
+        /*00a0*/                   ISETP.NE.AND P1, PT, R1, 0x4, PT ;
+        /*00b0*/              @!P1 CALL.REL.NOINC `(.L_x_2) ;
+        /*00c0*/                   BRA `(.L_x_0) ;
+.L_x_2:
+        /*00d0*/                   LDGSTS.E.BYPASS.128 [R20], desc[UR4][R2.64] ;
+        /*00e0*/                   STG.E.U16 desc[UR4][R2.64], R4 ;
+        /*00f0*/                   EXIT ;
+.L_x_8:
+        /*0100*/                   WARPSYNC R0 ;
+        /*0110*/                   CALL.REL.NOINC `(.L_x_9) ;
+        /*0120*/                   BRA `(.L_x_1) ;
+.L_x_9:
+        /*0130*/                   SHFL.IDX P0, R6, R4, R7, 0x1f ;
+        /*0140*/                   RET.REL.NODEC R14 `(k) ;
+)";
+  const v1::ResourceUsage u = analyze(listing);
+  EXPECT_EQ(u.loops_size(), 0);
+  ASSERT_EQ(u.simt_loops_size(), 1) << u.ShortDebugString();
+  const v1::SassLoop& l = u.simt_loops(0);
+  EXPECT_EQ(l.first_offset(), 0x40);
+  EXPECT_EQ(l.instructions(), 9);  // 0x40..0xc0; the divergent path 0x100..0x140 left out
+  EXPECT_EQ(classCount(l, "fp32"), 2);
+  EXPECT_EQ(classCount(l, "shuffle"), 1);
+  const v1::SassMemory& m = u.memory();
+  EXPECT_EQ(m.global_loads(), 3);
+  EXPECT_EQ(m.global_loads_wide(), 1);
+  EXPECT_EQ(m.global_loads_16bit(), 1);
+  EXPECT_EQ(m.global_stores(), 2);
+  EXPECT_EQ(m.global_stores_wide(), 1);
+  EXPECT_EQ(m.global_stores_16bit(), 1);
+  EXPECT_EQ(m.shared_loads(), 2);
+  EXPECT_EQ(m.shared_loads_wide(), 1);
+  EXPECT_EQ(m.shared_loads_16bit(), 1);
+  EXPECT_EQ(m.async_copies(), 1);
+  EXPECT_EQ(u.sass_reader(), jit::sass::kReaderVersion);
+}
+
 TEST(SassReader, ClassifiesOpcodes) {
   EXPECT_EQ(jit::sass::classOf("HGMMA.64x128x16.F32.BF16"), "tensor");
   EXPECT_EQ(jit::sass::classOf("MUFU.EX2"), "mufu_ex2");

@@ -54,7 +54,11 @@ nlohmann::json report(const KernelPlan& plan, const jit::Artifact& artifact) {
         if (usage.sass_read()) {
           nlohmann::json loops = nlohmann::json::array();
           for (const v1::SassLoop& loop : usage.loops()) loops.push_back(nlohmann::json::parse(toJson(loop)));
+          nlohmann::json simtLoops = nlohmann::json::array();
+          for (const v1::SassLoop& loop : usage.simt_loops()) simtLoops.push_back(nlohmann::json::parse(toJson(loop)));
           entry["sass"] = {{"loops", loops},
+                           {"simt_loops", simtLoops},
+                           {"memory", nlohmann::json::parse(toJson(usage.memory()))},
                            {"setmaxnreg", std::vector<int>(usage.setmaxnreg().begin(), usage.setmaxnreg().end())}};
         }
       }

@@ -107,14 +107,17 @@ void readPlan(KernelOp kernel, KernelPlan& plan) {
   for (LaunchOp launch : kernel.getBlock().getOps<LaunchOp>()) {
     const bool attention = launch.getSymName() == kAttentionEntry;
     const bool specialized = !launch.getBlock().getOps<WarpSpecializeOp>().empty();
-    const int64_t sharedBytes = !cuda      ? 0
-                                : attention ? attentionSharedMemory(kernel.getSpec(), kernel.getScheduleAttr())
-                                            : backwardSharedMemory(kernel.getSpec(), kernel.getScheduleAttr(),
-                                                                   launch.getSymName());
+    const bool premix = !launch.getBlock().getOps<PremixOp>().empty();
+    const SpecAttr spec = kernel.getSpec();
+    const int64_t sharedBytes =
+        !cuda       ? 0
+        : attention ? attentionSharedMemory(spec, kernel.getScheduleAttr())
+        : premix    ? premixSmem(int(spec.getHeads()), int(spec.getKvHeads()), int(spec.getPseudoHeads()))
+                    : backwardSharedMemory(spec, kernel.getScheduleAttr(), launch.getSymName());
     plan.launches.push_back({launch.getSymName().str(), int64_t(launch.getRowsPerToken()),
                              int64_t(launch.getRowsPerCta()), int64_t(launch.getGridY()),
                              int64_t(launch.getThreads()), sharedBytes, specialized, cuda && specialized});
-    if (!launch.getBlock().getOps<PremixOp>().empty())
+    if (premix)
       plan.workspaces.insert(plan.workspaces.end(), {Workspace::q_mixed, Workspace::k_mixed, Workspace::v_mixed});
     bool storesRows = false;
     launch.walk([&](StoreRowsOp) { storesRows = true; });
@@ -138,6 +141,30 @@ void readPlan(KernelOp kernel, KernelPlan& plan) {
 int64_t sharedMemoryLimit(const v1::Target& target) {
   return target.device().shared_memory_per_block() > 0 ? target.device().shared_memory_per_block()
                                                        : defaultSharedMemoryPerBlock(target.arch());
+}
+
+// The SMs of the target's device, or of its arch's largest part (H100 and
+// H200 132, A100 108; 84 for the sm_86 / sm_89 class), as the cost model
+// takes them.
+int64_t smCountOf(const v1::Target& target) {
+  if (target.device().sm_count() > 0) return target.device().sm_count();
+  const std::string& arch = target.arch();
+  if (arch.rfind("sm_90", 0) == 0) return 132;
+  if (arch == "sm_80") return 108;
+  return 84;
+}
+
+// A decode step's default kv_splits. Its grid is a CTA per query head (or
+// kv group, stacked) per sequence, far below the SMs at serving's small
+// batches, and each CTA would walk its whole cache alone. Split each
+// sequence's key blocks so that one sequence's step covers the SMs (larger
+// batches cover them anyway; the splits cost them the combine's partial
+// rows, a few percent of the cache's bytes at d 128); at most
+// kDefaultKvSplits. The tuner searches the others.
+constexpr int64_t kDefaultKvSplits = 16;
+int32_t defaultDecodeSplits(const KernelSpec& spec, bool stackHeads, const v1::Target& target) {
+  const int64_t ctas = stackHeads ? spec.kv_heads() : spec.heads();
+  return int32_t(std::clamp<int64_t>(smCountOf(target) / std::max<int64_t>(ctas, 1), 1, kDefaultKvSplits));
 }
 
 // CUDA targets: 16-bit inputs, and a schedule whose shared memory fits. An
@@ -379,6 +406,9 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
                                     "keys and values are read mixed (leave mix unset or materialized)"
                                   : "schedule.mix materialized does not apply to a decode step over a raw cache: it "
                                     "mixes each cached block as it streams (leave mix unset or fused)");
+    if (!given.kvSplits && target.kind() == v1::Target::cuda && given.collapse.value_or(CollapseStrategy::separate) ==
+                                                                     CollapseStrategy::separate)
+      given.kvSplits = defaultDecodeSplits(spec, given.stackHeads, target);
     completeDecodeFields(given, mixedCache, spec.heads() / spec.kv_heads() * spec.pseudo_heads());
     // Split CTAs merge their rows in the combine launch, then collapse.
     if (given.kvSplits > 1) given.collapse = given.collapse.value_or(CollapseStrategy::separate);
@@ -407,19 +437,21 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
   }
   if (target.kind() == v1::Target::cuda && direction == Direction::decode) {
     // A decode step keeps its mixing (fused over a raw cache): where the
-    // stages do not fit, halve the key blocks, then keep one stage (of the
-    // fields the schedule left unset).
+    // stages do not fit, halve the key blocks, then keep one stage, then
+    // collapse in its own launch (of the fields the schedule left unset).
     // wgmma keeps blocks of 64 keys and two stages at least.
     const int64_t limit = sharedMemoryLimit(target);
     const bool wgmma = scheduleAttr.getEngine() == Engine::wgmma;
     const int64_t leastBlockN = wgmma ? kWarpgroupRows : kMmaRows, leastStages = wgmma ? kMinWgmmaStages : 1;
     while (attentionSharedMemory(specAttr, scheduleAttr) > limit) {
       int64_t blockN = scheduleAttr.getBlockN(), stages = scheduleAttr.getStages();
+      CollapseStrategy collapse = scheduleAttr.getCollapse();
       if (!given.blockN && blockN > leastBlockN) blockN /= 2;
       else if (!given.stages && stages > leastStages) stages = leastStages;
+      else if (!given.collapse && collapse == CollapseStrategy::epilogue) collapse = CollapseStrategy::separate;
       else break;
       scheduleAttr = ScheduleAttr::get(specAttr.getContext(), scheduleAttr.getBlockM(), blockN, scheduleAttr.getWarps(),
-                                       stages, scheduleAttr.getMix(), scheduleAttr.getCollapse(),
+                                       stages, scheduleAttr.getMix(), collapse,
                                        scheduleAttr.getEngine(), scheduleAttr.getProducerRegisters(),
                                        scheduleAttr.getDq(), scheduleAttr.getKvSplits(), scheduleAttr.getStackHeads());
     }

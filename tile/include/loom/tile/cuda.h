@@ -179,11 +179,17 @@ __device__ void q_wait(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head
       const CtaRow t = ctaRow<C>(r);
       const int64_t i = row0 + t.row;
       float values[kChunkElements] = {};
-      if ((C::stacked_heads == 1 || t.owned) && i < L && chunk * kChunkElements < G::D)
-        #pragma unroll
-        for (int e = 0; e < kChunkElements; ++e)
-          values[e] = cuda::mixedElement<C, Role::query>(a, b, i / C::pseudo_heads - firstToken, int(head) + t.head,
-                                                         int(i % C::pseudo_heads), chunk * kChunkElements + e);
+      if ((C::stacked_heads == 1 || t.owned) && i < L && chunk * kChunkElements < G::D) {
+        const int64_t n = i / C::pseudo_heads;
+        const int h = int(head) + t.head, p = int(i % C::pseudo_heads);
+        if constexpr (cuda::mixedChunkFits<C, Role::query>) {  // 16-byte reads of every head's chunk
+          cuda::mixedChunk<C, Role::query>(a, b, n, h, p, chunk * kChunkElements, values);
+        } else {
+          #pragma unroll
+          for (int e = 0; e < kChunkElements; ++e)
+            values[e] = cuda::mixedElement<C, Role::query>(a, b, n - firstToken, h, p, chunk * kChunkElements + e);
+        }
+      }
       cuda::storeChunk<C>(tile + r * G::pitch + chunk * kChunkElements, values);
     });
   } else {
@@ -313,7 +319,22 @@ __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t b, int64_t bloc
   Bits16* vTile = reinterpret_cast<Bits16*>(smem() + s.v);
   const int64_t L = rows_end<C>(a, b), token0 = block * C::block_n / C::pseudo_heads;
   constexpr int half = C::head_dim / 2;
-  auto mix = [&](const Bits16* rows, const float* alpha, int t, int p, int c) {
+  // The chunk at `column` of the G staged rows of token t, mixed: one
+  // 16-byte shared load a head.
+  auto mix = [&](const Bits16* rows, const float* alpha, int t, int p, int column, float (&sum)[kChunkElements]) {
+    #pragma unroll
+    for (int e = 0; e < kChunkElements; ++e) sum[e] = 0.0f;
+    #pragma unroll
+    for (int m = 0; m < C::kv_heads; ++m) {
+      const float w = alpha[(m * C::kv_heads + g) * C::pseudo_heads + p];
+      const uint4 packed = *reinterpret_cast<const uint4*>(rows + (t * C::kv_heads + m) * G::D + column);
+      const Bits32 words[4] = {packed.x, packed.y, packed.z, packed.w};
+      #pragma unroll
+      for (int e = 0; e < kChunkElements; ++e)
+        sum[e] += w * toFloat<C>(Bits16(e % 2 ? words[e / 2] >> 16 : words[e / 2] & 0xffffu));
+    }
+  };
+  auto mixElement = [&](const Bits16* rows, const float* alpha, int t, int p, int c) {
     float sum = 0.0f;
     for (int m = 0; m < C::kv_heads; ++m)
       sum += alpha[(m * C::kv_heads + g) * C::pseudo_heads + p] * toFloat<C>(rows[(t * C::kv_heads + m) * G::D + c]);
@@ -324,13 +345,24 @@ __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t b, int64_t bloc
     float keys[kChunkElements] = {}, values[kChunkElements] = {};
     if (j < L && chunk * kChunkElements < G::D) {
       const int t = int(j / C::pseudo_heads - token0), p = int(j % C::pseudo_heads);
-      #pragma unroll
-      for (int e = 0; e < kChunkElements; ++e) {
-        const int c = chunk * kChunkElements + e;
-        keys[e] = mix(raw, a.alpha_k, t, p, c);
-        if constexpr (C::rope_theta > 0) keys[e] = rotate<C>(keys[e], mix(raw, a.alpha_k, t, p, c < half ? c + half : c - half), j, c);
-        values[e] = mix(raw + G::rawRole, a.alpha_v, t, p, c);
+      const int column = chunk * kChunkElements;
+      if constexpr (mixedChunkFits<C, Role::key>) {
+        mix(raw, a.alpha_k, t, p, column, keys);
+        if constexpr (C::rope_theta > 0) {
+          float partner[kChunkElements];
+          mix(raw, a.alpha_k, t, p, column < half ? column + half : column - half, partner);
+          #pragma unroll
+          for (int e = 0; e < kChunkElements; ++e) keys[e] = rotate<C>(keys[e], partner[e], j, column + e);
+        }
+      } else {  // RoPE's half inside a chunk: element by element
+        #pragma unroll
+        for (int e = 0; e < kChunkElements; ++e) {
+          const int c = column + e;
+          keys[e] = rotate<C>(mixElement(raw, a.alpha_k, t, p, c),
+                              mixElement(raw, a.alpha_k, t, p, c < half ? c + half : c - half), j, c);
+        }
       }
+      mix(raw + G::rawRole, a.alpha_v, t, p, column, values);
       if constexpr (kFusedKeyNorm<C>) {
         float squares = 0.0f;
         #pragma unroll

@@ -134,6 +134,64 @@ __device__ float mixedElement(const IhaArgs& a, int64_t b, int64_t n, int h, int
   }
 }
 
+// One 16-byte chunk (8 columns from `column`) of the mixed row n*P + p of
+// head h: sum_m alpha[m, h, p] * x[b, n, m, column..]. The heads are taken
+// one 16-byte load at a time, not unrolled, so the producer's few registers
+// suffice. In a decode step n is the token's place in its sequence: keys
+// and values come from its cache slot (the step's own tokens were appended
+// before the attention launch), queries from the step's q, token
+// n - cache_len[b].
+template <class C, Role R>
+__device__ __forceinline__ void mixChunk(const IhaArgs& a, int64_t b, int64_t n, int h, int p, int column,
+                                         float (&sum)[kChunkElements]) {
+  using Role_ = RoleOf<C, R>;
+  const int64_t* stride = Role_::stride(a);
+  const float* alpha = Role_::alpha(a);
+  const Bits16* row;
+  int64_t headStride;
+  if constexpr (C::decode && R != Role::query) {
+    row = static_cast<const Bits16*>(R == Role::key ? a.k_cache : a.v_cache) +
+          cache_slot(a, b, n) * C::kv_heads * C::head_dim + column;
+    headStride = C::head_dim;
+  } else {
+    const int64_t token = C::decode ? n - a.cache_len[b] : n;
+    row = static_cast<const Bits16*>(Role_::source(a)) + b * stride[0] + token * stride[1] + column;
+    headStride = stride[2];
+  }
+  #pragma unroll
+  for (int e = 0; e < kChunkElements; ++e) sum[e] = 0.0f;
+  #pragma unroll 1
+  for (int m = 0; m < Role_::heads; ++m) {
+    const float w = alpha[(m * Role_::heads + h) * C::pseudo_heads + p];
+    const uint4 raw = *reinterpret_cast<const uint4*>(row + m * headStride);
+    const Bits32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+    #pragma unroll
+    for (int e = 0; e < kChunkElements; ++e)
+      sum[e] += w * toFloat<C>(Bits16(e % 2 ? words[e / 2] >> 16 : words[e / 2] & 0xffffu));
+  }
+}
+
+// A chunk of a mixed row, rotated for q and k: the partner chunk (d/2
+// columns away) is mixed too, so d/2 must be a multiple of 8 for RoPE
+// (mixedChunkFits).
+template <class C, Role R>
+__device__ __forceinline__ void mixedChunk(const IhaArgs& a, int64_t b, int64_t n, int h, int p, int column,
+                                           float (&out)[kChunkElements]) {
+  mixChunk<C, R>(a, b, n, h, p, column, out);
+  if constexpr (RoleOf<C, R>::rotated) {
+    constexpr int half = C::head_dim / 2;
+    float partner[kChunkElements];
+    mixChunk<C, R>(a, b, n, h, p, column < half ? column + half : column - half, partner);
+    #pragma unroll
+    for (int e = 0; e < kChunkElements; ++e)
+      out[e] = rotate<C>(out[e], partner[e], n * C::pseudo_heads + p, column + e);
+  }
+}
+
+// Whether mixedChunk serves role R: its chunks never straddle RoPE's half.
+template <class C, Role R>
+constexpr bool mixedChunkFits = !RoleOf<C, R>::rotated || (C::head_dim / 2) % kChunkElements == 0;
+
 // The row, in o_pseudo, lse and out, of virtual row `row` of sequence b: a
 // decode step keeps only its own T * P rows.
 template <class C>
@@ -201,6 +259,111 @@ __device__ __forceinline__ void storeChunk(Bits16* destination, const float (&va
   packed.z = pack<C>(values[4], values[5]);
   packed.w = pack<C>(values[6], values[7]);
   *reinterpret_cast<uint4*>(destination) = packed;
+}
+
+//===--- the pieces of materialised mixing (premix) -------------------------===//
+
+// The staged weights: the launch's dynamic shared memory.
+__device__ __forceinline__ float* premixWeights() { return reinterpret_cast<float*>(ptx::dynamicShared16()); }
+
+// V consecutive 16-bit elements (V / 2 registers) in one load.
+template <int V>
+__device__ __forceinline__ void loadPieceOf(const Bits16* from, Bits32 (&to)[V / 2]) {
+  if constexpr (V == 8) {
+    const uint4 v = *reinterpret_cast<const uint4*>(from);
+    to[0] = v.x, to[1] = v.y, to[2] = v.z, to[3] = v.w;
+  } else if constexpr (V == 4) {
+    const uint2 v = *reinterpret_cast<const uint2*>(from);
+    to[0] = v.x, to[1] = v.y;
+  } else {
+    static_assert(V == 2, "pieces of 2, 4 or 8 elements");
+    to[0] = *reinterpret_cast<const Bits32*>(from);
+  }
+}
+
+template <class C, int V>
+__device__ __forceinline__ void unpackPiece(const Bits32 (&packed)[V / 2], float (&x)[V]) {
+  #pragma unroll
+  for (int e = 0; e < V / 2; ++e) {
+    x[2 * e] = toFloat<C>(Bits16(packed[e] & 0xffffu));
+    x[2 * e + 1] = toFloat<C>(Bits16(packed[e] >> 16));
+  }
+}
+
+template <class C, int V>
+__device__ __forceinline__ void storePiece(Bits16* to, const float (&x)[V]) {
+  Bits32 packed[V / 2];
+  #pragma unroll
+  for (int e = 0; e < V / 2; ++e) packed[e] = pack<C>(x[2 * e], x[2 * e + 1]);
+  if constexpr (V == 8) ptx::storeGlobal(to, packed[0], packed[1], packed[2], packed[3]);
+  else if constexpr (V == 4) ptx::storeGlobal(to, packed[0], packed[1]);
+  else *reinterpret_cast<Bits32*>(to) = packed[0];
+}
+
+// R consecutive staged weights (R * 4 bytes, aligned as much).
+template <int R>
+__device__ __forceinline__ void loadWeights(const float* from, float (&w)[R]) {
+  if constexpr (R % 4 == 0) {
+    #pragma unroll
+    for (int r = 0; r < R; r += 4) {
+      const float4 v = *reinterpret_cast<const float4*>(from + r);
+      w[r] = v.x, w[r + 1] = v.y, w[r + 2] = v.z, w[r + 3] = v.w;
+    }
+  } else if constexpr (R == 2) {
+    const float2 v = *reinterpret_cast<const float2*>(from);
+    w[0] = v.x, w[1] = v.y;
+  } else {
+    w[0] = from[0];
+  }
+}
+
+// RoPE at one virtual position for the pieces of a token: column c of a
+// piece pairs with c +- d/2, held by the lane pieces/2 away. The angles
+// once (a pseudo-head's rows share them), then any number of rows rotated.
+template <class C, int V, bool Rotated>
+struct RopeAngles {
+  __device__ RopeAngles(int64_t, int, int) {}
+};
+template <class C, int V>
+struct RopeAngles<C, V, true> {
+  float sine[V], cosine[V];  // sine signed for the piece's half
+  int partnerLane;
+  __device__ RopeAngles(int64_t position, int piece, int pieces) {
+    const int half = pieces / 2;
+    const bool first = piece < half;
+    partnerLane = piece < pieces ? lane() + (first ? half : -half) : lane();
+    #pragma unroll
+    for (int e = 0; e < V; ++e) {
+      ropeSinCos<C>(position, (piece % half) * V + e, &sine[e], &cosine[e]);
+      if (C::rope_negative != first) sine[e] = -sine[e];  // first half: x cos - partner sin
+    }
+  }
+  template <int R>
+  __device__ void rotate(float (&acc)[R][V]) const {
+    #pragma unroll
+    for (int r = 0; r < R; ++r)
+      #pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const float partner = __shfl_sync(0xffffffffu, acc[r][e], partnerLane);
+        acc[r][e] = fmaf(partner, sine[e], acc[r][e] * cosine[e]);
+      }
+  }
+};
+
+// qk_norm on R rows whose pieces lie in `Lanes` consecutive lanes.
+template <class C, int R, int V, int Lanes>
+__device__ __forceinline__ void normalizePieces(float (&acc)[R][V]) {
+  #pragma unroll
+  for (int r = 0; r < R; ++r) {
+    float squares = 0.0f;
+    #pragma unroll
+    for (int e = 0; e < V; ++e) squares = fmaf(acc[r][e], acc[r][e], squares);
+    #pragma unroll
+    for (int offset = Lanes / 2; offset > 0; offset /= 2) squares += __shfl_xor_sync(0xffffffffu, squares, offset);
+    const float factor = rsqrtf(squares * (1.0f / C::head_dim) + C::qk_norm_eps);
+    #pragma unroll
+    for (int e = 0; e < V; ++e) acc[r][e] *= factor;
+  }
 }
 
 //===--- collapse epilogues over a staged block -----------------------------===//
@@ -272,59 +435,106 @@ __device__ __forceinline__ int64_t block_y(const IhaArgs&) { return blockIdx.y; 
 __device__ __forceinline__ int64_t block_z(const IhaArgs& a) { return a.batch_offset + blockIdx.z; }
 
 //===----------------------------------------------------------------------===//
-// Pre-mix and collapse launches (token-parallel, no shared memory)
+// Pre-mix and collapse launches (token-parallel)
 //===----------------------------------------------------------------------===//
 
+// Materialised mixing (layout.h, premixVector: the thread geometry): each
+// raw element is read once, V to a load; each mixed row is written once, V
+// to a store. Per round a thread takes a piece of one token; per group it
+// mixes R rows of one pseudo-head from the held piece and the staged
+// weights, rotates them (the partner piece's values by shuffle; the angles
+// once a group), normalises them (the row's sum of squares over the
+// token's lanes) and stores them. Every lane of a warp runs every shuffle.
 template <class C, Role R>
 __device__ void premix(const IhaArgs& a, int64_t token0, int64_t b) {
   using Role_ = cuda::RoleOf<C, R>;
-  constexpr int tokens = C::block_m / C::pseudo_heads;
-  constexpr int chunks = C::head_dim / kChunkElements;
+  constexpr int M = Role_::heads, P = C::pseudo_heads, D = C::head_dim;
+  constexpr int V = premixVector(M, D), pieces = D / V, lanes = premixLanes(M, D);
+  constexpr int Rg = premixRowGroup(M, D), Ps = premixStagedPseudo(M, P);
+  constexpr int tokens = C::block_m / P;
+  static_assert(pieces <= lanes && lanes <= kWarpSize && V % 2 == 0, "a token's pieces fit one warp");
+  const int threads = int(blockDim.x);
+  const int perRound = threads / lanes;
+  const int rounds = (tokens + perRound - 1) / perRound;
+  const int piece = int(threadIdx.x) % lanes;
   const int64_t L = seq_len<C>(a);
+  const int64_t* s = Role_::stride(a);
+  const float* alpha = Role_::alpha(a);
+  float* staged = cuda::premixWeights();
   Bits16* ws = static_cast<Bits16*>(Role_::workspace(a));
-  if constexpr (cuda::Normalized<C, R>::value) {
-    // qk_norm: one warp per row, each lane one 16-byte chunk (head_dim <=
-    // 256 is at most 32 of them), mixed, rotated and normalised in f32 and
-    // rounded once. (Rounding the mixed row, then the normalised one, costs
-    // 10-25% more error, and leaves the rows a backward's qk_norm Jacobian
-    // sees further from the ones it differentiates.)
-    static_assert(chunks <= kWarpSize, "one chunk per lane");
-    constexpr int rowsPerToken = Role_::heads * C::pseudo_heads;
-    for (int row = cuda::warp(); row < tokens * rowsPerToken; row += int(blockDim.x) / kWarpSize) {
-      const int64_t n = token0 + row / rowsPerToken;
-      const int h = (row / C::pseudo_heads) % Role_::heads, p = row % C::pseudo_heads;
-      if (n >= a.tokens) continue;  // the whole warp
-      const int chunk = cuda::lane();
-      float values[kChunkElements] = {};
-      float squares = 0.0f;
-      if (chunk < chunks)
+  // alpha[m, h, p] (row-major [M][M][P]) of pseudo-heads p0 .. p0 + Ps - 1
+  // to staged[m][p - p0][h].
+  auto stage = [&](int p0) {
+    __syncthreads();  // the last weights (this role's or the previous one's) are read
+    #pragma unroll 1
+    for (int e = int(threadIdx.x); e < M * M * Ps; e += threads) {
+      const int h = e % M, p = (e / M) % Ps, m = e / M / Ps;
+      if (p0 + p < P) staged[e] = alpha[(m * M + h) * P + p0 + p];
+    }
+    __syncthreads();
+  };
+  if constexpr (Ps == P) stage(0);
+  #pragma unroll 1
+  for (int round = 0; round < rounds; ++round) {
+    const int t = round * perRound + int(threadIdx.x) / lanes;
+    const int64_t n = token0 + t;
+    const bool active = piece < pieces && t < tokens && n < a.tokens;
+    // A warp whose every lane is past the CTA's tokens skips the mixing.
+    const int warpToken = round * perRound + cuda::warp() * kWarpSize / lanes;
+    const bool warpActive = warpToken < tokens && token0 + warpToken < a.tokens;
+    // The piece of every source head: the loads in flight together, then
+    // widened to floats once.
+    float held[M][V];
+    {
+      Bits32 packed[M][V / 2];
+      if (active) {
+        const Bits16* x = static_cast<const Bits16*>(Role_::source(a)) + b * s[0] + n * s[1] + piece * V;
         #pragma unroll
-        for (int e = 0; e < kChunkElements; ++e) {
-          values[e] = cuda::mixedElement<C, R>(a, b, n, h, p, chunk * kChunkElements + e);
-          squares += values[e] * values[e];
-        }
-      const float factor = rsqrtf(cuda::warpSum(squares) * (1.0f / C::head_dim) + C::qk_norm_eps);
-      if (chunk < chunks) {
+        for (int m = 0; m < M; ++m) cuda::loadPieceOf<V>(x + m * s[2], packed[m]);
+      } else {
         #pragma unroll
-        for (int e = 0; e < kChunkElements; ++e) values[e] *= factor;
-        cuda::storeChunk<C>(ws + ((b * Role_::heads + h) * L + n * C::pseudo_heads + p) * C::head_dim +
-                                chunk * kChunkElements,
-                            values);
+        for (int m = 0; m < M; ++m)
+          #pragma unroll
+          for (int e = 0; e < V / 2; ++e) packed[m][e] = 0;
+      }
+      #pragma unroll
+      for (int m = 0; m < M; ++m) {
+        cuda::unpackPiece<C, V>(packed[m], held[m]);
+        ptx::pinRegisters(held[m]);  // widened here, once, not again in every group
       }
     }
-  } else {
-    for (int index = threadIdx.x; index < tokens * Role_::heads * C::pseudo_heads * chunks; index += blockDim.x) {
-      const int chunk = index % chunks;
-      const int p = (index / chunks) % C::pseudo_heads;
-      const int h = (index / chunks / C::pseudo_heads) % Role_::heads;
-      const int64_t n = token0 + index / chunks / C::pseudo_heads / Role_::heads;
-      if (n >= a.tokens) continue;
-      float values[kChunkElements];
-      #pragma unroll
-      for (int e = 0; e < kChunkElements; ++e)
-        values[e] = cuda::mixedElement<C, R>(a, b, n, h, p, chunk * kChunkElements + e);
-      cuda::storeChunk<C>(ws + ((b * Role_::heads + h) * L + n * C::pseudo_heads + p) * C::head_dim + chunk * kChunkElements,
-                          values);
+    const int64_t position0 = (C::decode ? a.cache_len[b] + n : n) * P;
+    #pragma unroll 1
+    for (int p0 = 0; p0 < P; p0 += Ps) {
+      if constexpr (Ps < P) stage(p0);
+      if (!warpActive) continue;
+      const int pEnd = P - p0 < Ps ? P : p0 + Ps;
+      #pragma unroll 1
+      for (int p = p0; p < pEnd; ++p) {
+        // RoPE's angles: one position for every row of this pseudo-head.
+        cuda::RopeAngles<C, V, Role_::rotated> angles(position0 + p, piece, pieces);
+        Bits16* out = ws + ((b * M) * L + n * P + p) * D + piece * V;
+        #pragma unroll 1
+        for (int h0 = 0; h0 < M; h0 += Rg) {
+          const float* weights = staged + ((p - p0) * M + h0);
+          float acc[Rg][V];
+          #pragma unroll
+          for (int m = 0; m < M; ++m) {
+            float w[Rg];
+            cuda::loadWeights<Rg>(weights + m * Ps * M, w);
+            #pragma unroll
+            for (int r = 0; r < Rg; ++r)
+              #pragma unroll
+              for (int e = 0; e < V; ++e) acc[r][e] = m == 0 ? w[r] * held[m][e] : fmaf(w[r], held[m][e], acc[r][e]);
+          }
+          if constexpr (Role_::rotated) angles.rotate(acc);
+          if constexpr (cuda::Normalized<C, R>::value) cuda::normalizePieces<C, Rg, V, lanes>(acc);
+          if (active) {
+            #pragma unroll
+            for (int r = 0; r < Rg; ++r) cuda::storePiece<C, V>(out + (h0 + r) * L * D, acc[r]);
+          }
+        }
+      }
     }
   }
 }

@@ -5,7 +5,7 @@
 //   - the CUDA qualifiers and built-ins: threadIdx, blockIdx, blockDim,
 //     gridDim (per CUDA thread: each runs as a fiber of the emulator),
 //     __syncthreads, the __shfl_*_sync family, the math intrinsics the tiles
-//     call (host libm), uint4, float2;
+//     call (host libm), uint2, uint4, float2, float4;
 //   - loom::ptx, the leaves of loom/tile/ptx.h: each instruction goes to the
 //     emulator with its call site;
 //   - the sanitizer-coverage hooks (clang -fsanitize-coverage=trace-loads,
@@ -96,8 +96,14 @@ LOOM_EMU_HOOK(store, 16, 1)
 struct alignas(16) uint4 {
   unsigned x, y, z, w;
 };
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
 struct alignas(8) float2 {
   float x, y;
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
 };
 inline float2 make_float2(float x, float y) { return {x, y}; }
 
@@ -171,6 +177,7 @@ template <int Alignment>
 LOOM_EMU_LEAF unsigned char* dynamicShared() {
   return emu::api->dynamicShared(Alignment, LOOM_EMU_PC);
 }
+LOOM_EMU_LEAF inline unsigned char* dynamicShared16() { return emu::api->dynamicShared(16, LOOM_EMU_PC); }
 LOOM_EMU_LEAF inline Bits32 sharedAddress(const void* pointer) { return emu::api->sharedAddress(pointer, LOOM_EMU_PC); }
 
 inline float halfToFloat(Bits16 bits) { return half::halfToFloat(bits); }
@@ -228,6 +235,12 @@ LOOM_EMU_LEAF inline void barArriveId(int id) {
 inline void stSharedF32(Bits32 address, float value) {
   unsigned char* base = dynamicShared<16>();
   *reinterpret_cast<float*>(base + (address - sharedAddress(base))) = value;
+}
+// st.global.v2 / v4: one 8- or 16-byte store (not a leaf: the emulator
+// checks it as any other).
+inline void storeGlobal(void* to, Bits32 x, Bits32 y) { *static_cast<uint2*>(to) = uint2{x, y}; }
+inline void storeGlobal(void* to, Bits32 x, Bits32 y, Bits32 z, Bits32 w) {
+  *static_cast<uint4*>(to) = uint4{x, y, z, w};
 }
 // ex2.approx.ftz.f32: subnormal inputs and results flushed to zero (the
 // host's exp2 stands for the special-function unit's approximation).

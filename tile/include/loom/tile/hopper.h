@@ -337,64 +337,11 @@ __device__ __forceinline__ void consumer_start() {
 
 namespace hopper {
 
-// One 16-byte chunk (8 columns from `column`) of the mixed row n*P + p of
-// head h: sum_m alpha[m, h, p] * x[b, n, m, column..]. The heads are taken
-// one 16-byte load at a time, not unrolled, so the producer's few registers
-// suffice. In a decode step n is the token's place in its sequence: keys
-// and values come from its cache slot (the step's own tokens were appended
-// before the attention launch), queries from the step's q, token
-// n - cache_len[b].
-template <class C, Role R>
-__device__ __forceinline__ void mixChunk(const IhaArgs& a, int64_t b, int64_t n, int h, int p, int column,
-                                         float (&sum)[kChunkElements]) {
-  using Role_ = cuda::RoleOf<C, R>;
-  const int64_t* stride = Role_::stride(a);
-  const float* alpha = Role_::alpha(a);
-  const Bits16* row;
-  int64_t headStride;
-  if constexpr (C::decode && R != Role::query) {
-    row = static_cast<const Bits16*>(R == Role::key ? a.k_cache : a.v_cache) +
-          cache_slot(a, b, n) * C::kv_heads * C::head_dim + column;
-    headStride = C::head_dim;
-  } else {
-    const int64_t token = C::decode ? n - a.cache_len[b] : n;
-    row = static_cast<const Bits16*>(Role_::source(a)) + b * stride[0] + token * stride[1] + column;
-    headStride = stride[2];
-  }
-  #pragma unroll
-  for (int e = 0; e < kChunkElements; ++e) sum[e] = 0.0f;
-  #pragma unroll 1
-  for (int m = 0; m < Role_::heads; ++m) {
-    const float w = alpha[(m * Role_::heads + h) * C::pseudo_heads + p];
-    const uint4 raw = *reinterpret_cast<const uint4*>(row + m * headStride);
-    const Bits32 words[4] = {raw.x, raw.y, raw.z, raw.w};
-    #pragma unroll
-    for (int e = 0; e < kChunkElements; ++e)
-      sum[e] += w * cuda::toFloat<C>(Bits16(e % 2 ? words[e / 2] >> 16 : words[e / 2] & 0xffffu));
-  }
-}
-
 // Element c of row r of a tile of 128-byte swizzled atoms `atomBytes` apart.
 __device__ __forceinline__ Bits16* swizzledElement(unsigned char* tile, int atomBytes, int r, int c) {
   return reinterpret_cast<Bits16*>(tile + (c / kSwizzleAtomColumns) * atomBytes +
                                    swizzledChunk(r, (c % kSwizzleAtomColumns) / kChunkElements)) +
          c % kChunkElements;
-}
-
-// A chunk of a mixed row, rotated for q and k: the partner chunk (d/2
-// columns away) is mixed too.
-template <class C, Role R>
-__device__ __forceinline__ void mixedChunk(const IhaArgs& a, int64_t b, int64_t n, int h, int p, int column,
-                                           float (&out)[kChunkElements]) {
-  mixChunk<C, R>(a, b, n, h, p, column, out);
-  if constexpr (cuda::RoleOf<C, R>::rotated) {
-    constexpr int half = C::head_dim / 2;
-    float partner[kChunkElements];
-    mixChunk<C, R>(a, b, n, h, p, column < half ? column + half : column - half, partner);
-    #pragma unroll
-    for (int e = 0; e < kChunkElements; ++e)
-      out[e] = cuda::rotate<C>(out[e], partner[e], n * C::pseudo_heads + p, column + e);
-  }
 }
 
 // Mixes (and rotates K) key block `block` into the stage's K and V tiles,
@@ -409,9 +356,9 @@ __device__ void mixKvTile(const IhaArgs& a, int64_t g, int64_t b, int64_t block,
     const int64_t j = block * C::block_n + r;
     const int offset = (chunk / 8) * G::kvAtomBytes + swizzledChunk(r, chunk % 8);
     float values[kChunkElements] = {};
-    if (j < L) mixedChunk<C, Role::key>(a, b, j / C::pseudo_heads, int(g), int(j % C::pseudo_heads), chunk * kChunkElements, values);
+    if (j < L) cuda::mixedChunk<C, Role::key>(a, b, j / C::pseudo_heads, int(g), int(j % C::pseudo_heads), chunk * kChunkElements, values);
     cuda::storeChunk<C>(reinterpret_cast<Bits16*>(kTile + offset), values);
-    if (j < L) mixedChunk<C, Role::value>(a, b, j / C::pseudo_heads, int(g), int(j % C::pseudo_heads), chunk * kChunkElements, values);
+    if (j < L) cuda::mixedChunk<C, Role::value>(a, b, j / C::pseudo_heads, int(g), int(j % C::pseudo_heads), chunk * kChunkElements, values);
     cuda::storeChunk<C>(reinterpret_cast<Bits16*>(vTile + offset), values);
   }
   if constexpr (cuda::Normalized<C, Role::key>::value) {
@@ -505,7 +452,7 @@ __device__ void load_q(QTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int64
       const int64_t i = row0 + wg * hopper::kWgmmaRows + r;
       float values[kChunkElements] = {};
       if (i < L)
-        hopper::mixedChunk<C, Role::query>(a, b, i / C::pseudo_heads, int(head), int(i % C::pseudo_heads),
+        cuda::mixedChunk<C, Role::query>(a, b, i / C::pseudo_heads, int(head), int(i % C::pseudo_heads),
                                            chunk * kChunkElements, values);
       cuda::storeChunk<C>(
           reinterpret_cast<Bits16*>(tile + (chunk / 8) * G::qAtomBytes + swizzledChunk(r, chunk % 8)), values);

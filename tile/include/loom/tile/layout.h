@@ -218,6 +218,53 @@ constexpr int unmixSmem(int heads, int pseudo, int headDim) {
   return (unmixGroupRows(heads, pseudo, headDim) * headDim + heads * heads * pseudo) * kAccumulatorBytes;
 }
 
+// The materialised mixing launch (cuda_common.h, premix). A thread holds a
+// piece of one token, V consecutive columns of each of the role's M source
+// heads, read once with V-wide loads (16 bytes at V = 8) and kept as floats
+// in registers (M * V, at most kPremixHeldFloats); from them it mixes every
+// one of the M * P output rows' piece, R rows at a time (one pseudo-head p,
+// R consecutive heads: the rows share their RoPE angles; R * V at most
+// kPremixAccumulators), and stores each with one V-wide store. A token's
+// pieces sit in one warp, in premixLanes consecutive lanes, so RoPE's
+// partner column (d/2 away: piece j +- pieces/2) and qk_norm's sum of
+// squares are shuffles. The mixing weights are staged in shared memory as
+// [m][p][h] (a group's R weights of one source head are consecutive: vector
+// loads, the same address for every lane), P values at a time up to
+// kPremixStagedAlphaFloats.
+constexpr int kPremixHeldFloats = 64;
+constexpr int kPremixAccumulators = 32;
+constexpr int kPremixStagedAlphaFloats = 8192;
+constexpr int premixVector(int sources, int headDim) {
+  int v = 8;
+  while (v > 2 && sources * v > kPremixHeldFloats) v /= 2;
+  while (v < 8 && headDim / v > 32) v *= 2;  // a token's pieces in one warp
+  while (v > 1 && (headDim / 2) % v != 0) v /= 2;  // RoPE's partner piece lies pieces/2 away
+  return v;
+}
+constexpr int premixLanes(int sources, int headDim) {
+  int lanes = 1;
+  while (lanes < headDim / premixVector(sources, headDim)) lanes *= 2;
+  return lanes;
+}
+// R: the largest power of two dividing M with R * V accumulators at most
+// kPremixAccumulators.
+constexpr int premixRowGroup(int sources, int headDim) {
+  int r = kPremixAccumulators / premixVector(sources, headDim);
+  if (r > 8) r = 8;
+  while (r > 1 && sources % r != 0) r /= 2;
+  return r;
+}
+// Pseudo-heads whose weights are staged at once.
+constexpr int premixStagedPseudo(int sources, int pseudo) {
+  const int fit = kPremixStagedAlphaFloats / (sources * sources);
+  return fit < 1 ? 1 : fit < pseudo ? fit : pseudo;
+}
+constexpr int premixSmem(int heads, int kvHeads, int pseudo) {
+  const int q = heads * heads * premixStagedPseudo(heads, pseudo);
+  const int kv = kvHeads * kvHeads * premixStagedPseudo(kvHeads, pseudo);
+  return (q > kv ? q : kv) * kAccumulatorBytes;
+}
+
 // Fragment geometry of mma.sync.m16n8k16 and ldmatrix.x4, as lane
 // arithmetic shared by the device code and the host tests that check it
 // against the PTX ISA's fragment layouts.

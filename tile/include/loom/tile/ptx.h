@@ -34,11 +34,30 @@ __device__ __forceinline__ unsigned char* dynamicShared() {
   return loom_shared;
 }
 
+// The same memory under a name of its own, 16-byte aligned: for the code
+// both engines share (each declares its own at another alignment).
+__device__ __forceinline__ unsigned char* dynamicShared16() {
+  extern __shared__ __align__(16) unsigned char loom_shared16[];
+  return loom_shared16;
+}
+
 // cvta.to.shared: the 32-bit shared-window address of a generic pointer.
 __device__ __forceinline__ Bits32 sharedAddress(const void* pointer) {
   Bits32 address;
   asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(address) : "l"(pointer));
   return address;
+}
+
+//===--- wide global stores -----------------------------------------------===//
+// One 8- or 16-byte store of registers computed apart (the compiler splits
+// a vector built from them into 32-bit stores). `to` is a global address,
+// aligned as wide as the store.
+
+__device__ __forceinline__ void storeGlobal(void* to, Bits32 x, Bits32 y) {
+  asm volatile("st.global.v2.b32 [%0], {%1, %2};" ::"l"(to), "r"(x), "r"(y) : "memory");
+}
+__device__ __forceinline__ void storeGlobal(void* to, Bits32 x, Bits32 y, Bits32 z, Bits32 w) {
+  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};" ::"l"(to), "r"(x), "r"(y), "r"(z), "r"(w) : "memory");
 }
 
 //===--- conversions ------------------------------------------------------===//
