@@ -5,6 +5,7 @@
 #include <functional>
 #include <queue>
 
+#include "loom/compiler.h"
 #include "loom/mask_rule.h"
 #include "loom/tile/layout.h"
 
@@ -69,14 +70,14 @@ DeviceModel deviceModel(const v1::Target& target) {
   // ceiling, FlashAttention-3 (wgmma, warp-specialised) about 75%; the
   // figures here are of the matrix work issued, diagonal blocks included.
   if (arch.rfind("sm_90", 0) == 0) {  // H100 / H200: bf16 GEMM measured at ~790 TFLOP/s, copy 4.3 TB/s
-    m = {"hopper", 790e12, 0.50, 60e12, 4.2e12, 4.3e12, 12e12, 33e12, 132, 233472, 65536, 2048,
+    m = {"hopper", 790e12, 0.50, 60e12, 4.2e12, 4.3e12, 12e12, 33e12, 0, 233472, 65536, 2048,
          arch == "sm_90a" ? 0.88 : 0.0};
   } else if (arch == "sm_80") {  // A100: 312 TFLOP/s dense bf16, 2 TB/s
-    m = {"ampere", 312e12, 0.78, 19e12, 2.4e12, 1.8e12, 7e12, 19e12, 108, 167936, 65536, 2048};
+    m = {"ampere", 312e12, 0.78, 19e12, 2.4e12, 1.8e12, 7e12, 19e12, 0, 167936, 65536, 2048};
   } else {  // sm_86 / sm_89 class
-    m = {"ada", 150e12, 0.60, 40e12, 1.4e12, 0.9e12, 3e12, 18e12, 84, 102400, 65536, 1536};
+    m = {"ada", 150e12, 0.60, 40e12, 1.4e12, 0.9e12, 3e12, 18e12, 0, 102400, 65536, 1536};
   }
-  if (p.sm_count() > 0) m.smCount = p.sm_count();
+  m.smCount = int(smCountOf(target));  // the device's, else the arch's largest part
   if (p.shared_memory_per_multiprocessor() > 0) m.sharedMemoryPerSm = p.shared_memory_per_multiprocessor();
   if (p.registers_per_multiprocessor() > 0) m.registersPerSm = p.registers_per_multiprocessor();
   return m;

@@ -158,6 +158,16 @@ v1::ResourceUsage attentionUsage(const jit::Artifact& artifact) {
   return v1::ResourceUsage();
 }
 
+// An entry's resources with its SASS figures, read now where the compile
+// did not (it reads sm_90a's only).
+Result<v1::ResourceUsage> sassUsageOf(const jit::Artifact& artifact, std::string_view entry) {
+  auto resources = jit::resourcesWithSass(artifact);
+  if (!resources) return resources.error();
+  for (const v1::ResourceUsage& u : *resources)
+    if (u.entry() == entry && u.sass_read()) return u;
+  return makeError(std::string(entry) + ": no SASS figures (nvdisasm: " + jit::sass::nvdisasmPath() + ")");
+}
+
 class SassGate : public ::testing::TestWithParam<int> {};
 
 TEST_P(SassGate, DefaultForwardLoopsMeetTheGate) {
@@ -216,12 +226,9 @@ TEST_P(PremixGate, ReadsOnceWideAndNearTheMemoryFloor) {
     std::shared_ptr<const jit::Artifact> artifact;
     auto kernel = compileKernel(spec, materialized, target, compiler, &artifact);
     ASSERT_TRUE(kernel) << arch << " " << describe(spec) << ": " << kernel.error().message;
-    auto resources = jit::resourcesWithSass(*artifact);
-    ASSERT_TRUE(resources) << arch << ": " << resources.error().message;
-    v1::ResourceUsage premix;
-    for (const v1::ResourceUsage& u : *resources)
-      if (u.entry() == kPremixEntry) premix = u;
-    ASSERT_TRUE(premix.sass_read()) << arch << ": the SASS was not read: " << jit::sass::nvdisasmPath();
+    auto read = sassUsageOf(*artifact, kPremixEntry);
+    ASSERT_TRUE(read) << arch << ": " << read.error().message;
+    const v1::ResourceUsage& premix = *read;
     const v1::SassMemory& m = premix.memory();
     const std::string what = arch + " " + describe(spec) + ": " + jit::sass::memoryBrief(m);
     EXPECT_GE(m.global_loads_wide(), 0.8 * m.global_loads()) << what;
@@ -276,12 +283,9 @@ TEST_P(DecodeGate, StreamsThePagesAndMixesFromWideReads) {
     if (!kernel && spec.kv_heads() >= 32 && kernel.error().message.find("shared memory") != std::string::npos)
       GTEST_SKIP() << arch << " " << describe(spec) << ": no raw-cache decode step fits: " << kernel.error().message;
     ASSERT_TRUE(kernel) << arch << " " << describe(spec) << ": " << kernel.error().message;
-    auto resources = jit::resourcesWithSass(*artifact);
-    ASSERT_TRUE(resources) << arch << ": " << resources.error().message;
-    v1::ResourceUsage attention;
-    for (const v1::ResourceUsage& u : *resources)
-      if (u.entry() == kAttentionEntry) attention = u;
-    ASSERT_TRUE(attention.sass_read()) << arch << ": the SASS was not read";
+    auto read = sassUsageOf(*artifact, kAttentionEntry);
+    ASSERT_TRUE(read) << arch << ": " << read.error().message;
+    const v1::ResourceUsage& attention = *read;
     const v1::SassMemory& m = attention.memory();
     const std::string what = arch + " decode " + kernel->schedule().ShortDebugString() + " of " + describe(spec) +
                              ": " + jit::sass::memoryBrief(m);

@@ -169,4 +169,9 @@ v1::CompiledKernel toCompiledKernel(const KernelPlan& plan);
 // when the target carries no device properties.
 int64_t defaultSharedMemoryPerBlock(const std::string& arch);
 
+// The SMs of the target's device, or of its arch's largest part (H100 and
+// H200 132, A100 108; 84 for the sm_86 / sm_89 class): the decode step's
+// default kv_splits and the cost model's device take them.
+int64_t smCountOf(const v1::Target& target);
+
 }  // namespace loom

@@ -143,17 +143,6 @@ int64_t sharedMemoryLimit(const v1::Target& target) {
                                                        : defaultSharedMemoryPerBlock(target.arch());
 }
 
-// The SMs of the target's device, or of its arch's largest part (H100 and
-// H200 132, A100 108; 84 for the sm_86 / sm_89 class), as the cost model
-// takes them.
-int64_t smCountOf(const v1::Target& target) {
-  if (target.device().sm_count() > 0) return target.device().sm_count();
-  const std::string& arch = target.arch();
-  if (arch.rfind("sm_90", 0) == 0) return 132;
-  if (arch == "sm_80") return 108;
-  return 84;
-}
-
 // A decode step's default kv_splits. Its grid is a CTA per query head (or
 // kv group, stacked) per sequence, far below the SMs at serving's small
 // batches, and each CTA would walk its whole cache alone. Split each
@@ -265,6 +254,14 @@ int64_t workspaceElements(const KernelPlan& plan, Workspace workspace, int64_t b
     if (launch.name == kBackwardPrepEntry)
       return batch * ((tokens + launch.rowsPerCta - 1) / launch.rowsPerCta) * partialEntries(plan.spec);
   return 0;
+}
+
+int64_t smCountOf(const v1::Target& target) {
+  if (target.device().sm_count() > 0) return target.device().sm_count();
+  const std::string& arch = target.arch();
+  if (arch.rfind("sm_90", 0) == 0) return 132;
+  if (arch == "sm_80") return 108;
+  return 84;
 }
 
 int64_t defaultSharedMemoryPerBlock(const std::string& arch) {

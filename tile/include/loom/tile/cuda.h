@@ -325,14 +325,9 @@ __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t b, int64_t bloc
     #pragma unroll
     for (int e = 0; e < kChunkElements; ++e) sum[e] = 0.0f;
     #pragma unroll
-    for (int m = 0; m < C::kv_heads; ++m) {
-      const float w = alpha[(m * C::kv_heads + g) * C::pseudo_heads + p];
-      const uint4 packed = *reinterpret_cast<const uint4*>(rows + (t * C::kv_heads + m) * G::D + column);
-      const Bits32 words[4] = {packed.x, packed.y, packed.z, packed.w};
-      #pragma unroll
-      for (int e = 0; e < kChunkElements; ++e)
-        sum[e] += w * toFloat<C>(Bits16(e % 2 ? words[e / 2] >> 16 : words[e / 2] & 0xffffu));
-    }
+    for (int m = 0; m < C::kv_heads; ++m)
+      accumulateChunk<C>(rows + (t * C::kv_heads + m) * G::D + column, alpha[(m * C::kv_heads + g) * C::pseudo_heads + p],
+                         sum);
   };
   auto mixElement = [&](const Bits16* rows, const float* alpha, int t, int p, int c) {
     float sum = 0.0f;

@@ -134,6 +134,17 @@ __device__ float mixedElement(const IhaArgs& a, int64_t b, int64_t n, int h, int
   }
 }
 
+// sum += w * the 16-byte chunk at `chunk` (global or shared memory), one
+// load, widened to f32.
+template <class C>
+__device__ __forceinline__ void accumulateChunk(const Bits16* chunk, float w, float (&sum)[kChunkElements]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(chunk);
+  const Bits32 words[4] = {raw.x, raw.y, raw.z, raw.w};
+  #pragma unroll
+  for (int e = 0; e < kChunkElements; ++e)
+    sum[e] += w * toFloat<C>(Bits16(e % 2 ? words[e / 2] >> 16 : words[e / 2] & 0xffffu));
+}
+
 // One 16-byte chunk (8 columns from `column`) of the mixed row n*P + p of
 // head h: sum_m alpha[m, h, p] * x[b, n, m, column..]. The heads are taken
 // one 16-byte load at a time, not unrolled, so the producer's few registers
@@ -161,14 +172,8 @@ __device__ __forceinline__ void mixChunk(const IhaArgs& a, int64_t b, int64_t n,
   #pragma unroll
   for (int e = 0; e < kChunkElements; ++e) sum[e] = 0.0f;
   #pragma unroll 1
-  for (int m = 0; m < Role_::heads; ++m) {
-    const float w = alpha[(m * Role_::heads + h) * C::pseudo_heads + p];
-    const uint4 raw = *reinterpret_cast<const uint4*>(row + m * headStride);
-    const Bits32 words[4] = {raw.x, raw.y, raw.z, raw.w};
-    #pragma unroll
-    for (int e = 0; e < kChunkElements; ++e)
-      sum[e] += w * toFloat<C>(Bits16(e % 2 ? words[e / 2] >> 16 : words[e / 2] & 0xffffu));
-  }
+  for (int m = 0; m < Role_::heads; ++m)
+    accumulateChunk<C>(row + m * headStride, alpha[(m * Role_::heads + h) * C::pseudo_heads + p], sum);
 }
 
 // A chunk of a mixed row, rotated for q and k: the partner chunk (d/2
@@ -453,6 +458,7 @@ __device__ void premix(const IhaArgs& a, int64_t token0, int64_t b) {
   constexpr int Rg = premixRowGroup(M, D), Ps = premixStagedPseudo(M, P);
   constexpr int tokens = C::block_m / P;
   static_assert(pieces <= lanes && lanes <= kWarpSize && V % 2 == 0, "a token's pieces fit one warp");
+  static_assert(!C::decode, "a decode step has no premix launch");
   const int threads = int(blockDim.x);
   const int perRound = threads / lanes;
   const int rounds = (tokens + perRound - 1) / perRound;
@@ -503,7 +509,7 @@ __device__ void premix(const IhaArgs& a, int64_t token0, int64_t b) {
         ptx::pinRegisters(held[m]);  // widened here, once, not again in every group
       }
     }
-    const int64_t position0 = (C::decode ? a.cache_len[b] + n : n) * P;
+    const int64_t position0 = n * P;
     #pragma unroll 1
     for (int p0 = 0; p0 < P; p0 += Ps) {
       if constexpr (Ps < P) stage(p0);
