@@ -189,10 +189,12 @@ int main(int argc, char** argv) {
           for (const auto& entry : kernel->entries())
             if (entry.name() == loom::kAttentionEntry) row.sharedMemory = entry.shared_memory_bytes();
           row.losses = artifact->performanceLosses().size();
-          // The machine code's loops (sass.h), which the prediction reads.
+          // The machine code's loops (sass.h), which the prediction reads, on
+          // every arch (a compile reads sm_90a's; the others are read here).
           std::optional<loom::autotune::LoopIssue> issue;
           std::string loops;
-          for (const auto& usage : artifact->resources)
+          const auto read = loom::jit::resourcesWithSass(*artifact);  // without nvdisasm: as compiled
+          for (const auto& usage : read ? *read : artifact->resources)
             if (usage.entry() == loom::kAttentionEntry) {
               if (schedule.engine() == loom::v1::engine_wgmma) issue = loom::autotune::loopIssueOf(usage);
               loops = loom::jit::sass::loopsBrief(usage);

@@ -6,12 +6,14 @@
 #include <nvrtc.h>
 
 #include <chrono>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <regex>
 #include <sstream>
 
 #include "loom/cache_dir.h"
+#include "loom/tile/layout.h"
 #include "loom/hash.h"
 #include "loom/spec.h"
 #include "loom/tile_headers.h"
@@ -229,6 +231,11 @@ Result<std::shared_ptr<const Artifact>> NvrtcCompiler::compileUncached(const std
   std::vector<std::string> options = {archOption};
   std::istringstream fixed(kNvrtcOptions);
   for (std::string option; fixed >> option;) options.push_back(option);
+  // ptxas options the program asks for on its first line (loom::kPtxasOptionsLine).
+  if (source.rfind(kPtxasOptionsLine, 0) == 0) {
+    std::istringstream asked(source.substr(std::strlen(kPtxasOptionsLine), source.find('\n') - std::strlen(kPtxasOptionsLine)));
+    for (std::string option; asked >> option;) options.push_back("--ptxas-options=" + option);
+  }
   std::vector<const char*> optionPointers;
   for (const std::string& option : options) optionPointers.push_back(option.c_str());
   const nvrtcResult result = nvrtcCompileProgram(program, int(optionPointers.size()), optionPointers.data());

@@ -87,6 +87,11 @@ double fa3PerTensorMflop(int headDim, bool masked);
 // 588 (unmasked / masked) at head_dim 128, 822 / 1101 at 64; stricter than
 // fa3PerTensorMflop. 0 where no gate is set for this head_dim.
 double budgetPerTensorMflop(int headDim, bool masked);
+// FlashAttention-2's unmasked loop as this reader counts it (flash-attention
+// 0251105a, hdim 128 bf16 causal, 128 x 64 tiles of 4 warps, the A100 path;
+// nvcc 13.0 with its setup.py flags): 914 instructions a warp a key block,
+// per million tensor FLOP. The sm_80 gate (perf_test Specs/Sm80Gate).
+inline constexpr double kFa2PerTensorMflop = 872;
 // The share of a loop's exponentials that must sit in the P V window
 // (FlashAttention-3's unmasked loop: 13 of 66).
 inline constexpr double kMinExpInPvWindowShare = 13.0 / 66.0;

@@ -640,10 +640,8 @@ TEST(Tuner, OfflineTuningRejectsWhatTheEmulatorFindsWrong) {
   options.offlineCompiles = 2;
   options.compileThreads = 2;
   options.cacheDir = cache.path();
-  const std::string from = "      p[mt][1] = cuda::pack<C>(s.s[mt][2 * kk][2], s.s[mt][2 * kk][3]);\n"
-                           "      p[mt][2] = cuda::pack<C>(s.s[mt][2 * kk + 1][0], s.s[mt][2 * kk + 1][1]);";
-  const std::string to = "      p[mt][2] = cuda::pack<C>(s.s[mt][2 * kk][2], s.s[mt][2 * kk][3]);\n"
-                         "      p[mt][1] = cuda::pack<C>(s.s[mt][2 * kk + 1][0], s.s[mt][2 * kk + 1][1]);";
+  const std::string from = "      p[mt][1] = s.p[mt][2 * kk][1];\n      p[mt][2] = s.p[mt][2 * kk + 1][0];";
+  const std::string to = "      p[mt][2] = s.p[mt][2 * kk][1];\n      p[mt][1] = s.p[mt][2 * kk + 1][0];";
   for (const tile::EmbeddedFile& file : tile::embeddedHeaders())
     if (std::string_view(file.path) == "loom/tile/cuda.h") {
       std::string text = file.text;

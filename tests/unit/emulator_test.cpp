@@ -48,7 +48,7 @@ Schedule portableSchedule(const KernelSpec& spec, int pick) {
   switch (pick % 5) {
     case 1: return schedule(1, std::lcm(P, 16), 16, 1, v1::mix_materialized, v1::collapse_separate);
     case 2: return schedule(2, std::lcm(P, 32), 32, 3, v1::mix_fused, v1::collapse_fused);
-    case 3: return schedule(8, std::lcm(P, 128), 64, 4, v1::mix_materialized, v1::collapse_fused);
+    case 3: return schedule(4, std::lcm(P, 128), 64, 1, v1::mix_materialized, v1::collapse_fused);  // split K / V
     case 4: return schedule(4, std::lcm(P, 64), 32, 2, v1::mix_fused, v1::collapse_separate);
     default: return Schedule();
   }
@@ -164,6 +164,7 @@ std::vector<Variant> variants() {
       {"sm_80", schedule(4, 64, 32, 3, mix_materialized, collapse_fused), v1::global},
       {"sm_80", schedule(8, 128, 64, 4, mix_fused, collapse_separate), v1::per_head},
       {"sm_80", schedule(4, 128, 64, 4, mix_materialized, collapse_fused), v1::per_head},
+      {"sm_80", schedule(8, 256, 64, 1, mix_materialized, collapse_separate), v1::global},  // split K / V
       {"sm_90a", schedule(4, 64, 64, 2, mix_fused, collapse_fused, engine_wgmma), v1::per_head},
       {"sm_90a", schedule(8, 128, 64, 3, mix_materialized, collapse_fused, engine_wgmma), v1::global},
       {"sm_90a", schedule(12, 192, 192, 2, mix_materialized, collapse_separate, engine_wgmma), v1::per_head},
@@ -290,30 +291,38 @@ struct Fault {
 
 std::vector<Fault> faults() {
   const Schedule materialized = schedule(4, 64, 32, 2, v1::mix_materialized, v1::collapse_fused);
+  // The split pipeline of one K and one V tile (stages 1, loom/tile/cuda.h).
+  const Schedule split = schedule(4, 128, 64, 1, v1::mix_materialized, v1::collapse_fused);
   const Schedule hopper = schedule(8, 128, 64, 3, v1::mix_materialized, v1::collapse_fused, v1::engine_wgmma);
   const Schedule hopperMixing = schedule(8, 128, 64, 3, v1::mix_fused, v1::collapse_fused, v1::engine_wgmma);
   return {
       {"syncthreads_removed_from_the_kv_pipeline", "loom/tile/cuda.h",
-       "__device__ __forceinline__ void kv_release(KvPipeline<C>&, int64_t) {\n  __syncthreads();",
+       "__device__ __forceinline__ void kv_release(KvPipeline<C>&, int64_t) {\n"
+       "  if constexpr (!cuda::Geometry<C>::splitKv) __syncthreads();",
        "__device__ __forceinline__ void kv_release(KvPipeline<C>&, int64_t) {", "sm_80", materialized,
        {FindingKind::race}},
-      {"wait_group_allows_one_group_too_many", "loom/tile/cuda.h", "  }\n  cuda::waitCopies<C::stages - 1>();",
-       "  }\n  cuda::waitCopies<C::stages>();", "sm_80", materialized, {FindingKind::asyncAccess}},
+      {"wait_group_allows_one_group_too_many", "loom/tile/cuda.h", "  cuda::waitCopies<G::splitKv ? 0 : C::stages - 1>();",
+       "  cuda::waitCopies<G::splitKv ? 1 : C::stages>();", "sm_80", materialized, {FindingKind::asyncAccess}},
       {"q_wait_leaves_q_in_flight", "loom/tile/cuda.h",
-       "    // kv_begin committed exactly stages - 1 groups after Q's.\n    cuda::waitCopies<C::stages - 1>();",
-       "    cuda::waitCopies<C::stages>();", "sm_80", materialized, {FindingKind::asyncAccess}},
+       "    // kv_begin committed exactly groupsAfterQ groups after Q's.\n    cuda::waitCopies<G::groupsAfterQ>();",
+       "    cuda::waitCopies<G::groupsAfterQ + 1>();", "sm_80", materialized, {FindingKind::asyncAccess}},
       {"wrong_ldmatrix_row_address", "loom/tile/cuda.h",
-       "column = kt * kMmaK + fragment::bColumn(l);", "column = kt * kMmaK + fragment::bColumn(l) + 8;", "sm_80",
+       "fragment::bRow(l) * G::pitch + fragment::bColumn(l));",
+       "fragment::bRow(l) * G::pitch + fragment::bColumn(l) + 8);", "sm_80",
        materialized, {FindingKind::uninitialized}},
       {"a_fragment_registers_swapped", "loom/tile/cuda.h",
-       "      p[mt][1] = cuda::pack<C>(s.s[mt][2 * kk][2], s.s[mt][2 * kk][3]);\n"
-       "      p[mt][2] = cuda::pack<C>(s.s[mt][2 * kk + 1][0], s.s[mt][2 * kk + 1][1]);",
-       "      p[mt][2] = cuda::pack<C>(s.s[mt][2 * kk][2], s.s[mt][2 * kk][3]);\n"
-       "      p[mt][1] = cuda::pack<C>(s.s[mt][2 * kk + 1][0], s.s[mt][2 * kk + 1][1]);",
+       "      p[mt][1] = s.p[mt][2 * kk][1];\n      p[mt][2] = s.p[mt][2 * kk + 1][0];",
+       "      p[mt][2] = s.p[mt][2 * kk][1];\n      p[mt][1] = s.p[mt][2 * kk + 1][0];",
        "sm_80", materialized, {}},
       {"boundary_predicate_of_the_last_key_block_removed", "loom/tile/cuda.h",
-       "const bool inside = j < L && chunk < dChunks;", "const bool inside = chunk < dChunks;", "sm_80",
+       "const bool valid = column && round * step < left;", "const bool valid = column;", "sm_80",
        materialized, {FindingKind::outOfBounds}},
+      {"split_pipeline_copies_k_before_every_warp_is_done_with_it", "loom/tile/cuda.h",
+       "    cuda::waitCopies<0>();\n    __syncthreads();\n    if (block + 1 < pipe.upper)",
+       "    cuda::waitCopies<0>();\n    if (block + 1 < pipe.upper)", "sm_80", split, {FindingKind::race}},
+      {"split_pipeline_reads_v_before_it_lands", "loom/tile/cuda.h",
+       "    cuda::waitCopies<0>();\n    __syncthreads();\n    if (block + 1 < pipe.upper)",
+       "    __syncthreads();\n    if (block + 1 < pipe.upper)", "sm_80", split, {FindingKind::asyncAccess}},
       {"wrong_swizzle_mode_in_a_wgmma_descriptor", "loom/tile/hopper.h", "Bits32(1) << 30", "Bits32(2) << 30",
        "sm_90a", hopper, {FindingKind::uninitialized}},
       {"expect_tx_16_bytes_short", "loom/tile/hopper.h", "hopper::mbarrierExpectBytes(full, 2 * G::kvTileBytes);",

@@ -201,6 +201,74 @@ INSTANTIATE_TEST_SUITE_P(Specs, SassGate, ::testing::Range(0, kSassGridSpecs), [
          std::to_string(spec.head_dim()) + "_h" + std::to_string(spec.heads()) + "_" + std::to_string(info.param);
 });
 
+// The sm_80 default over mixed rows (materialised mixing: plain attention,
+// what FlashAttention-2 computes) of the grid's head_dim 128 specs, in the
+// machine code: the unmasked loop at or under FlashAttention-2's 872
+// instructions per tensor MFLOP (sass::kFa2PerTensorMflop, counted by this
+// reader on FA2's own build), no spills and no local memory, and two CTAs an
+// SM on an A100 (its 164 KB of shared memory less 1 KB a CTA, 64 K
+// registers). The fused default (raw rows mixed in the loop, work FA2 does
+// not do) is printed beside it. Above 16 source heads the program stays at
+// ptxas -O3 for its premix (loom::attentionAtO1) and keeps one m-tile a
+// warp: printed, held to no spills, not to the budget.
+constexpr int64_t kA100SharedPerSm = 167936, kSharedReservedPerCta = 1024, kRegistersPerSm = 65536;
+
+int ctasPerA100Sm(const v1::ResourceUsage& u, const LaunchPlan& launch) {
+  const int64_t registers = (u.registers() + 7) / 8 * 8 * launch.threads;  // allocated 8 a thread at a time
+  const int64_t shared = launch.sharedMemoryBytes + u.shared_memory_bytes() + kSharedReservedPerCta;
+  return int(std::min(kA100SharedPerSm / shared, kRegistersPerSm / std::max<int64_t>(registers, 1)));
+}
+
+class Sm80Gate : public ::testing::TestWithParam<int> {};
+
+TEST_P(Sm80Gate, DefaultLoopAtFlashAttention2sBudget) {
+  const KernelSpec spec = sassGridSpec(GetParam());
+  ASSERT_EQ(spec.head_dim(), 128) << "the sm_80 gate is set at head_dim 128 (FlashAttention-2's anchor)";
+  const bool budget = attentionAtO1(2, spec.heads(), spec.kv_heads());
+  jit::NvrtcCompiler compiler(std::string(LOOM_TEST_CACHE) + "/perf");
+  const v1::Target target = *parseTarget("sm_80");
+  Schedule materialized;
+  materialized.set_mix(v1::mix_materialized);
+  for (const bool fused : {false, true}) {
+    std::shared_ptr<const jit::Artifact> artifact;
+    auto kernel = compileKernel(spec, fused ? Schedule() : materialized, target, compiler, &artifact);
+    ASSERT_TRUE(kernel) << describe(spec) << ": " << kernel.error().message;
+    if (fused && kernel->schedule().mix() != v1::mix_fused) continue;  // the fused tiles outgrow shared memory
+    auto read = sassUsageOf(*artifact, kAttentionEntry);
+    ASSERT_TRUE(read) << read.error().message;
+    const v1::ResourceUsage& u = *read;
+    const std::string what = describe(spec) + " sm_80 " + kernel->schedule().ShortDebugString();
+    auto plan = generateKernel(spec, kernel->schedule(), target);
+    ASSERT_TRUE(plan) << what << ": " << plan.error().message;
+    const auto launch = std::find_if(plan->launches.begin(), plan->launches.end(),
+                                     [](const LaunchPlan& l) { return l.name == kAttentionEntry; });
+    ASSERT_NE(launch, plan->launches.end()) << what;
+    const int ctas = ctasPerA100Sm(u, *launch);
+    ASSERT_GE(u.loops_size(), 1) << what << ": no tensor-core loop found";
+    for (const v1::SassLoop& loop : u.loops()) {
+      std::printf("[ sm_80    ] %s: %s loop %d instructions, %.0f per tensor MFLOP (FA2 %.0f), %d registers, %d "
+                  "CTAs an A100 SM\n",
+                  what.c_str(), loop.masked() ? "masked" : "unmasked", loop.instructions(),
+                  loop.instructions_per_tensor_mflop(), jit::sass::kFa2PerTensorMflop, u.registers(), ctas);
+      if (!fused && budget && !loop.masked())
+        EXPECT_LE(loop.instructions_per_tensor_mflop(), jit::sass::kFa2PerTensorMflop) << what;
+    }
+    if (fused) continue;
+    EXPECT_EQ(u.spill_store_bytes(), 0) << what;
+    EXPECT_EQ(u.local_memory_instructions(), 0) << what;
+    if (budget)
+      EXPECT_GE(ctas, 2) << what << ": " << launch->sharedMemoryBytes << " B of shared memory, " << u.registers()
+                         << " registers";
+  }
+}
+
+// The grid's even specs are its head_dim 128 ones.
+INSTANTIATE_TEST_SUITE_P(Specs, Sm80Gate, ::testing::Range(0, kSassGridSpecs, 2), [](const auto& info) {
+  const KernelSpec spec = sassGridSpec(info.param);
+  return std::string(info.param == 0 ? "paper_" : "") + "p" + std::to_string(spec.pseudo_heads()) + "_d" +
+         std::to_string(spec.head_dim()) + "_h" + std::to_string(spec.heads()) + "_" + std::to_string(info.param);
+});
+
 // The premix (materialised mixing, cuda_common.h) of the same grid, on
 // sm_80 and sm_90a, in the machine code: each raw element read once with
 // wide loads (at least 80% of the entry's global loads 64- or 128-bit, at

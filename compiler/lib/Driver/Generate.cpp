@@ -180,6 +180,28 @@ std::optional<std::string> fitCudaTarget(SpecAttr spec, ScheduleAttr& schedule, 
   return std::nullopt;
 }
 
+// The mma.sync forward over mixed rows at head_dim 128, of the
+// fields the schedule left unset: FlashAttention-2's shape, 128 query rows
+// of four warps (two m-tiles a warp: each K and V fragment serves both) and
+// 64-key blocks in the split pipeline of one K and one V tile (stages 1,
+// loom/tile/cuda.h), 68 KB a CTA: two CTAs an SM on an A100. At -O3 the
+// second m-tile spills; the generator asks ptxas for -O1 (generateKernel),
+// which the premix beside it takes up to 16 source heads (attentionAtO1).
+ScheduleAttr withFlashAttention2Shape(SpecAttr spec, ScheduleAttr schedule, const ScheduleFields& given,
+                                      const v1::Target& target) {
+  constexpr int64_t kRows = 128, kKeys = 64, kWarps = 4;
+  if (schedule.getEngine() != Engine::mma || schedule.getMix() != MixStrategy::materialized) return schedule;
+  if (given.blockM || given.blockN || given.warps || given.stages) return schedule;
+  if (paddedHeadDim(int(spec.getHeadDim())) != 128 || spec.getPseudoHeads() > kRows) return schedule;
+  if (!attentionAtO1(int(kRows / (kMmaRows * kWarps)), int(spec.getHeads()), int(spec.getKvHeads())))
+    return schedule;  // at -O3 the second m-tile spills
+  ScheduleAttr shaped = ScheduleAttr::get(spec.getContext(), kRows, kKeys, kWarps, /*stages=*/1, schedule.getMix(),
+                                          schedule.getCollapse(), schedule.getEngine(), schedule.getProducerRegisters(),
+                                          schedule.getDq(), schedule.getKvSplits(), schedule.getStackHeads());
+  if (checkSchedule(spec, shaped) || attentionSharedMemory(spec, shaped) > sharedMemoryLimit(target)) return schedule;
+  return shaped;
+}
+
 }  // namespace
 
 std::string workspaceName(Workspace workspace) {
@@ -459,6 +481,7 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
     Schedule requested = schedule;
     if (direction == Direction::decode) requested.set_mix(mixedCache ? v1::mix_materialized : v1::mix_fused);
     if (auto why = fitCudaTarget(specAttr, scheduleAttr, requested, target)) return makeError(*why);
+    if (direction == Direction::forward) scheduleAttr = withFlashAttention2Shape(specAttr, scheduleAttr, given, target);
   }
   return std::make_pair(specAttr, scheduleAttr);
 }
@@ -525,6 +548,14 @@ Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedu
   llvm::raw_string_ostream sourceStream(plan.source);
   if (mlir::failed(mlir::emitc::translateToCpp(*module, sourceStream)))
     return makeError("compiler: EmitC translation failed: " + diagnostics);
+  // The mma.sync attention (forward, decode) with two or more m-tiles a
+  // warp: ptxas -O1 (loom::kPtxasOptionsLine says why).
+  const Schedule& resolvedSchedule = plan.schedule;
+  if (target.kind() == v1::Target::cuda && options.direction != Direction::backward &&
+      resolvedSchedule.engine() == v1::engine_mma &&
+      attentionAtO1(int(resolvedSchedule.block_m() / (kMmaRows * resolvedSchedule.warps())), int(spec.heads()),
+                    int(spec.kv_heads())))
+    plan.source = std::string(kPtxasOptionsLine) + " -O1\n" + plan.source;
   plan.sourceHash = ContentHash().add(plan.source).hex();
   if (options.irLog) *options.irLog += irText;
   return plan;

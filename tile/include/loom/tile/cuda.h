@@ -38,6 +38,15 @@ struct Geometry {
   // key block (layout.h, qInRegisters).
   static constexpr bool qRegisters = qInRegisters(MT, C::head_dim, C::block_n);
   static constexpr int rawTokens = rawTokensPerBlock(C::block_n, C::pseudo_heads);
+  // One stage of mixed rows (materialised mixing, not a decode step) runs
+  // FlashAttention-2's split pipeline: K and V of a block in their own
+  // commit groups, V(j) landing during S = Q K(j)^T and K(j + 1) during the
+  // softmax and P V(j), one K and one V tile in shared memory (layout.h).
+  // (Its copies are unrolled: a row's 16-byte chunks must divide the threads.)
+  static constexpr bool splitKv =
+      C::stages == 1 && !C::fused_mix && !C::decode && threads % (Dp / kChunkElements) == 0;
+  // Commit groups younger than Q's when q_wait waits for it.
+  static constexpr int groupsAfterQ = splitKv ? 1 : C::stages - 1;
   static constexpr int rawRole = rawTokens * C::kv_heads * C::head_dim;  // elements per role per stage
 };
 
@@ -76,6 +85,41 @@ __device__ __forceinline__ Bits32 qFragmentAddress(int mt, int kt) {
                        fragment::aColumn(l));
 }
 
+// Byte offset of element (row, column) in a tile of Geometry::pitch: a
+// constant wherever row and column are, so ldmatrix takes it as the
+// immediate of one lane address computed once ([R + imm]).
+template <class C>
+constexpr Bits32 tileOffset(int row, int column) {
+  return Bits32((row * Geometry<C>::pitch + column) * kTileElementBytes);
+}
+
+// One thread's place in the copies of mixed rows (copyRows): its 16-byte
+// chunk column is fixed and its rows step by threads / chunks from r0, so
+// every copy of a block is the thread's base addresses plus constants.
+// Built once a CTA; the value rows sit at the same offset in theirs.
+struct RowCursor {
+  const Bits16* key;  // the thread's first element of block 0 (row r0) in the key rows
+  int rows;           // rows from r0 to the end
+};
+
+template <class C>
+constexpr bool kCursorCopies = Geometry<C>::threads % (Geometry<C>::Dp / kChunkElements) == 0;
+
+template <class C>
+__device__ __forceinline__ int cursorRow() {
+  return int(threadIdx.x) / (Geometry<C>::Dp / kChunkElements);
+}
+template <class C>
+__device__ __forceinline__ int cursorChunk() {
+  return int(threadIdx.x) % (Geometry<C>::Dp / kChunkElements);
+}
+
+template <class C>
+__device__ __forceinline__ RowCursor rowCursor(const Bits16* keys, int64_t rows) {
+  const int r0 = cursorRow<C>();
+  return RowCursor{keys + int64_t(r0) * Geometry<C>::D + cursorChunk<C>() * kChunkElements, int(rows) - r0};
+}
+
 //===--- warp-level matrix instructions and copies (loom/tile/ptx.h) -------===//
 
 using ptx::ldmatrixX4;
@@ -110,18 +154,27 @@ struct QTile {
   // A fragments of Q: all k-steps, or the current one when Q is read from
   // shared memory at every block.
   Bits32 a[cuda::Geometry<C>::MT][cuda::Geometry<C>::qRegisters ? cuda::Geometry<C>::KT : 1][4];
+  Bits32 lane;  // this lane's ldmatrix address of m-tile 0, k-step 0
 };
 
 template <class C>
 struct KvPipeline {
   const Bits16* key;    // the K tile of the block being consumed
   const Bits16* value;  // its V tile
+  Bits32 keyLane;       // this lane's ldmatrix addresses in them (pair 0, k-step 0)
+  Bits32 valueLane;
   bool mixed;
+  // The split pipeline (Geometry::splitKv): where mma_pv issues K(j + 1) from.
+  cuda::RowCursor rows;  // the thread's copies of the kv head's mixed rows
+  int upper;             // the blocks' end
 };
 
 template <class C>
 struct ScoreTile {
   float s[cuda::Geometry<C>::MT][cuda::Geometry<C>::NT][4];
+  // P, packed to 16 bits once the softmax is done with S (half the
+  // registers across P V): rows lane/4 and lane/4 + 8 of n-tile nt.
+  Bits32 p[cuda::Geometry<C>::MT][cuda::Geometry<C>::NT][2];
 };
 
 template <class C>
@@ -193,19 +246,21 @@ __device__ void q_wait(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head
       cuda::storeChunk<C>(tile + r * G::pitch + chunk * kChunkElements, values);
     });
   } else {
-    // kv_begin committed exactly stages - 1 groups after Q's.
-    cuda::waitCopies<C::stages - 1>();
+    // kv_begin committed exactly groupsAfterQ groups after Q's.
+    cuda::waitCopies<G::groupsAfterQ>();
   }
   __syncthreads();
   if constexpr (Mixed && cuda::Normalized<C, Role::query>::value) {  // the workspace rows are normalised already
     cuda::normalizeRows<C>(C::block_m, [&](int r, int c) { return tile + r * G::pitch + c; }, cuda::warp(), C::warps);
     __syncthreads();
   }
+  q.lane = cuda::qFragmentAddress<C>(0, 0);
   if constexpr (G::qRegisters) {
     #pragma unroll
     for (int mt = 0; mt < G::MT; ++mt)
       #pragma unroll
-      for (int kt = 0; kt < G::KT; ++kt) cuda::ldmatrixX4(q.a[mt][kt], cuda::qFragmentAddress<C>(mt, kt));
+      for (int kt = 0; kt < G::KT; ++kt)
+        cuda::ldmatrixX4(q.a[mt][kt], q.lane + cuda::tileOffset<C>(mt * C::warps * kMTileRows, kt * kMmaK));
   }
 }
 
@@ -227,6 +282,41 @@ __device__ void softmax_init(SoftmaxState<C>& state, AccTile<C>& acc) {
 }
 
 namespace cuda {
+
+// Roles of copyRows.
+constexpr int kKeyRows = 1, kValueRows = 2;
+
+// Copies mixed rows block * block_n .. + block_n of one kv head into the
+// block's stage (`key`, `value`: the thread's first elements of block 0,
+// RowCursor), rows past the end zero-filled, unrolled at compile time. A
+// row past the end takes src-size 0: the copy zero-fills its 16 bytes and
+// reads nothing (the address is never dereferenced).
+template <class C, int Roles>
+__device__ __forceinline__ void copyRows(const Bits16* key, const Bits16* value, int rows, int64_t block) {
+  using G = Geometry<C>;
+  static_assert(kCursorCopies<C>, "copyRows: a row's chunks must divide the threads");
+  const AttentionSmem s = layout<C>();
+  constexpr int chunks = G::Dp / kChunkElements, dChunks = G::D / kChunkElements;
+  constexpr int step = G::threads / chunks;  // rows a round
+  constexpr int rounds = (C::block_n + step - 1) / step;
+  constexpr Bits32 stageBytes = Bits32(C::block_n * G::pitch * kTileElementBytes);
+  const int r0 = cursorRow<C>(), chunk = cursorChunk<C>();
+  const Bits32 at = Bits32(block % C::stages) * stageBytes +
+                    Bits32((r0 * G::pitch + chunk * kChunkElements) * kTileElementBytes);
+  const Bits32 kTarget = sharedAddress(smem() + s.k) + at, vTarget = sharedAddress(smem() + s.v) + at;
+  const int64_t first = block * C::block_n * G::D;
+  const int left = rows - int(block) * C::block_n;  // rows of this thread's in the block
+  const bool column = dChunks == chunks || chunk < dChunks;
+  #pragma unroll
+  for (int round = 0; round < rounds; ++round) {
+    if (C::block_n % step != 0 && round * step >= C::block_n - r0) break;
+    const bool valid = column && round * step < left;
+    const Bits32 target = Bits32(round * step * G::pitch * kTileElementBytes);
+    const int64_t source = first + round * step * G::D;
+    if constexpr ((Roles & kKeyRows) != 0) ptx::cpAsyncCg16(kTarget + target, key + source, valid);
+    if constexpr ((Roles & kValueRows) != 0) ptx::cpAsyncCg16(vTarget + target, value + source, valid);
+  }
+}
 
 // Issues the copies of key block `block` into its stage: raw token rows of
 // k and v (mixed), or mixed rows from the workspaces.
@@ -257,28 +347,43 @@ __device__ void issueKv(const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
                     inside);
       }
     }
-  } else {
-    // Mixed rows: from the workspaces, or in a decode step from a mixed
-    // cache, row n*P + p of kv head g at its token's slot.
+  } else if constexpr (C::decode) {
+    // A decode step over a mixed cache: row n*P + p of kv head g at its
+    // token's slot.
     const int64_t L = rows_end<C>(a, b);
     Bits16* kTile = reinterpret_cast<Bits16*>(smem() + s.k) + stage * C::block_n * G::pitch;
     Bits16* vTile = reinterpret_cast<Bits16*>(smem() + s.v) + stage * C::block_n * G::pitch;
-    const Bits16* kSource = static_cast<const Bits16*>(C::decode ? a.k_cache : a.k_mixed);
-    const Bits16* vSource = static_cast<const Bits16*>(C::decode ? a.v_cache : a.v_mixed);
+    const Bits16* kSource = static_cast<const Bits16*>(a.k_cache);
+    const Bits16* vSource = static_cast<const Bits16*>(a.v_cache);
     forEachTileChunk<C, C::block_n>([&](int r, int chunk) {
       const int64_t j = block * C::block_n + r;
       const bool inside = j < L && chunk < dChunks;
       int64_t offset = 0;
-      if constexpr (C::decode) {
-        if (inside)
-          offset = ((cache_slot(a, b, j / C::pseudo_heads) * C::kv_heads + g) * C::pseudo_heads + j % C::pseudo_heads) *
-                       G::D + chunk * kChunkElements;
-      } else {
-        offset = ((b * C::kv_heads + g) * L + j) * G::D + chunk * kChunkElements;
-      }
+      if (inside)
+        offset = ((cache_slot(a, b, j / C::pseudo_heads) * C::kv_heads + g) * C::pseudo_heads + j % C::pseudo_heads) *
+                     G::D + chunk * kChunkElements;
       copyAsync16(kTile + r * G::pitch + chunk * kChunkElements, inside ? kSource + offset : kSource, inside);
       copyAsync16(vTile + r * G::pitch + chunk * kChunkElements, inside ? vSource + offset : vSource, inside);
     });
+  } else {
+    const int64_t L = rows_end<C>(a, b);
+    const int64_t head = (b * C::kv_heads + g) * L * G::D;
+    const Bits16* kSource = static_cast<const Bits16*>(a.k_mixed) + head;
+    const Bits16* vSource = static_cast<const Bits16*>(a.v_mixed) + head;
+    if constexpr (kCursorCopies<C>) {
+      const RowCursor cursor = rowCursor<C>(kSource, L);
+      copyRows<C, kKeyRows | kValueRows>(cursor.key, vSource + (cursor.key - kSource), cursor.rows, block);
+    } else {  // head_dim 96 and the like: the strided loop
+      Bits16* kTile = reinterpret_cast<Bits16*>(smem() + s.k) + stage * C::block_n * G::pitch;
+      Bits16* vTile = reinterpret_cast<Bits16*>(smem() + s.v) + stage * C::block_n * G::pitch;
+      forEachTileChunk<C, C::block_n>([&](int r, int chunk) {
+        const int64_t j = block * C::block_n + r;
+        const bool inside = j < L && chunk < dChunks;
+        const int64_t offset = j * G::D + chunk * kChunkElements;
+        copyAsync16(kTile + r * G::pitch + chunk * kChunkElements, inside ? kSource + offset : kSource, inside);
+        copyAsync16(vTile + r * G::pitch + chunk * kChunkElements, inside ? vSource + offset : vSource, inside);
+      });
+    }
   }
 }
 
@@ -293,6 +398,9 @@ __device__ void issueKv(const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
 
 template <class C>
 constexpr bool kFusedKeyNorm = C::fused_mix && C::qk_norm;
+// mma_qk scales S itself (column by column) only for fused qk_norm keys.
+template <class C>
+constexpr bool kScaledScores = kFusedKeyNorm<C>;
 
 // The f32 sum of squares kept in the padding of K row r.
 template <class C>
@@ -372,34 +480,58 @@ __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t b, int64_t bloc
 
 }  // namespace cuda
 
-// Pipeline prologue: blocks lower .. lower + stages - 2, one commit group each.
+// Pipeline prologue: blocks lower .. lower + stages - 2, one commit group
+// each; the split pipeline's first K.
 template <class C, bool Mixed>
 __device__ void kv_begin(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64_t b, int64_t lower, int64_t upper) {
   pipe.mixed = Mixed;
-  if constexpr (cuda::kFusedKeyNorm<C>) cuda::clearKeySquares<C>();  // ordered by the first kv_wait's barrier
-  for (int s = 0; s < C::stages - 1; ++s) {
-    if (lower + s < upper) cuda::issueKv<C, Mixed>(a, g, b, lower + s);
-    cuda::commitCopies();  // always, so group counting stays uniform
+  if constexpr (cuda::Geometry<C>::splitKv) {
+    const int64_t L = rows_end<C>(a, b);
+    const int64_t head = (b * C::kv_heads + g) * L * C::head_dim;
+    pipe.rows = cuda::rowCursor<C>(static_cast<const Bits16*>(a.k_mixed) + head, L);
+    pipe.upper = int(upper);
+    if (lower < upper) cuda::copyRows<C, cuda::kKeyRows>(pipe.rows.key, nullptr, pipe.rows.rows, lower);
+    cuda::commitCopies();
+  } else {
+    if constexpr (cuda::kFusedKeyNorm<C>) cuda::clearKeySquares<C>();  // ordered by the first kv_wait's barrier
+    #pragma unroll 1
+    for (int s = 0; s < C::stages - 1; ++s) {
+      if (lower + s < upper) cuda::issueKv<C, Mixed>(a, g, b, lower + s);
+      cuda::commitCopies();  // always, so group counting stays uniform
+    }
   }
 }
 
+// The split pipeline issues its next K in mma_qk instead.
 template <class C, bool Mixed>
 __device__ void kv_produce(KvPipeline<C>&, const IhaArgs& a, int64_t g, int64_t b, int64_t block, int64_t upper) {
-  if (block < upper) cuda::issueKv<C, Mixed>(a, g, b, block);
-  cuda::commitCopies();
+  if constexpr (!cuda::Geometry<C>::splitKv) {
+    if (block < upper) cuda::issueKv<C, Mixed>(a, g, b, block);
+    cuda::commitCopies();
+  }
 }
 
 // Waits until `block` has landed (the stages - 1 younger groups may still be
 // in flight), mixes it when mixing is fused, and points the pipe at it.
+//
+// Split (Geometry::splitKv): waits for K(block), whose barrier also tells
+// that every warp is done with V(block - 1), then issues V(block) into it.
 template <class C, bool Mixed>
 __device__ void kv_wait(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
   using G = cuda::Geometry<C>;
-  if constexpr (C::stages == 1) {
+  if constexpr (C::stages == 1 && !G::splitKv) {
     cuda::issueKv<C, Mixed>(a, g, b, block);
     cuda::commitCopies();
   }
-  cuda::waitCopies<C::stages - 1>();
+  cuda::waitCopies<G::splitKv ? 0 : C::stages - 1>();
   __syncthreads();
+  if constexpr (G::splitKv) {
+    // The value rows at the thread's offset into the key rows' workspace.
+    const Bits16* kMixed = static_cast<const Bits16*>(a.k_mixed);
+    cuda::copyRows<C, cuda::kValueRows>(nullptr, static_cast<const Bits16*>(a.v_mixed) + (pipe.rows.key - kMixed),
+                                        pipe.rows.rows, block);
+    cuda::commitCopies();
+  }
   const AttentionSmem s = cuda::layout<C>();
   if constexpr (Mixed) {
     cuda::mixStagedKv<C>(a, g, b, block);
@@ -411,16 +543,22 @@ __device__ void kv_wait(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64_
     pipe.key = reinterpret_cast<const Bits16*>(cuda::smem() + s.k) + stage * C::block_n * G::pitch;
     pipe.value = reinterpret_cast<const Bits16*>(cuda::smem() + s.v) + stage * C::block_n * G::pitch;
   }
+  const int l = cuda::lane();
+  pipe.keyLane = cuda::sharedAddress(pipe.key + fragment::bRow(l) * G::pitch + fragment::bColumn(l));
+  pipe.valueLane = cuda::sharedAddress(pipe.value + fragment::bTransRow(l) * G::pitch + fragment::bTransColumn(l));
 }
 
 // The stage (and the mixed tile) may be overwritten once every warp is done.
+// The split pipeline's barriers are kv_wait's and mma_qk's.
 template <class C>
 __device__ __forceinline__ void kv_release(KvPipeline<C>&, int64_t) {
-  __syncthreads();
+  if constexpr (!cuda::Geometry<C>::splitKv) __syncthreads();
   if constexpr (cuda::kFusedKeyNorm<C>) cuda::clearKeySquares<C>();  // ordered by the next kv_wait's barrier
 }
 
-// S = Q K^T * scale * log2(e), K fragments by ldmatrix (two n-tiles per load).
+// S = Q K^T, K fragments by ldmatrix (two n-tiles per load). S is left
+// unscaled (softmax_update scales it in its exponentials' FFMA) unless fused
+// keys are normalised here, column by column (kScaledScores).
 template <class C>
 __device__ void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_t) {
   using G = cuda::Geometry<C>;
@@ -436,13 +574,13 @@ __device__ void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_
     constexpr bool inRegisters = G::qRegisters;
     if constexpr (!inRegisters) {
       #pragma unroll
-      for (int mt = 0; mt < G::MT; ++mt) cuda::ldmatrixX4(q.a[mt][0], cuda::qFragmentAddress<C>(mt, kt));
+      for (int mt = 0; mt < G::MT; ++mt)
+        cuda::ldmatrixX4(q.a[mt][0], q.lane + cuda::tileOffset<C>(mt * C::warps * kMTileRows, kt * kMmaK));
     }
     #pragma unroll
     for (int pair = 0; pair < G::NT / 2; ++pair) {
       Bits32 b[4];
-      const int row = pair * 16 + fragment::bRow(l), column = kt * kMmaK + fragment::bColumn(l);
-      cuda::ldmatrixX4(b, cuda::sharedAddress(pipe.key + row * G::pitch + column));
+      cuda::ldmatrixX4(b, pipe.keyLane + cuda::tileOffset<C>(pair * 16, kt * kMmaK));
       #pragma unroll
       for (int mt = 0; mt < G::MT; ++mt) {
         cuda::mma16816<C>(s.s[mt][2 * pair], q.a[mt][inRegisters ? kt : 0], b[0], b[1]);
@@ -464,59 +602,67 @@ __device__ void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_
           s.s[mt][nt][column + 2] *= columnScale;
         }
       }
-  } else {
-    #pragma unroll
-    for (int mt = 0; mt < G::MT; ++mt)
-      #pragma unroll
-      for (int nt = 0; nt < G::NT; ++nt)
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) s.s[mt][nt][e] *= scale;
   }
 }
 
 // -inf for pairs the mask forbids and columns past the end. Fragment element
 // e of n-tile nt sits at row lane/4 (+8 for e >= 2), column 2*(lane%4) + e%2.
+// Each row sees one interval of keys (allowedColumns): the thread's columns
+// inside it are a run of bits (cuda::columnsBelow), built once a row, and
+// each element costs a bit test and a select, as in hopper.h.
 template <class C>
 __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int64_t block) {
   using G = cuda::Geometry<C>;
   // Rows fit in int (launches check L = N * P < 2^31).
-  const int L = int(rows_end<C>(a, block_z(a))), i0 = int(row0),
-            j0 = int(block * C::block_n);
+  const int L = int(rows_end<C>(a, block_z(a))), i0 = int(row0);
   const int l = cuda::lane();
-  #pragma unroll
-  for (int mt = 0; mt < G::MT; ++mt)
-    #pragma unroll
-    for (int nt = 0; nt < G::NT; ++nt)
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = i0 + ctaRow<C>(cuda::tileRow<C>(mt) + fragment::accumulatorRow(l, e)).row;
-        const int j = j0 + nt * 8 + fragment::accumulatorColumn(l, e);
-        if (j >= L || !allowed<C, int>(i, j)) s.s[mt][nt][e] = cuda::negativeInfinity();
-      }
-}
-
-// Online softmax on the fragments: new row max (quad reduction), rescale the
-// accumulator and denominator by exp2(old - new), probabilities in place.
-// Masked: as hopper.h's (every row is tested here).
-template <class C, bool Masked = true>
-__device__ void softmax_update(SoftmaxState<C>& state, ScoreTile<C>& s, AccTile<C>& acc) {
-  using G = cuda::Geometry<C>;
+  const int first = int(block * C::block_n) + fragment::accumulatorColumn(l, 0);
   #pragma unroll
   for (int mt = 0; mt < G::MT; ++mt)
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      float rowMax = cuda::negativeInfinity();
-      #pragma unroll
-      for (int nt = 0; nt < G::NT; ++nt) rowMax = fmaxf(rowMax, fmaxf(s.s[mt][nt][2 * h], s.s[mt][nt][2 * h + 1]));
-      const float newMax = fmaxf(state.m[mt][h], cuda::quadMax(rowMax));
-      const float base = newMax == cuda::negativeInfinity() ? 0.0f : newMax;  // a row with nothing allowed yet
-      const float correction = exp2f(state.m[mt][h] - base);
-      float rowSum = 0.0f;
+      const int i = i0 + ctaRow<C>(cuda::tileRow<C>(mt) + fragment::accumulatorRow(l, 2 * h)).row;
+      const ColumnRange<int> range = allowedColumns<C, int>(i);
+      const int hi = (range.hi < L - 1 ? range.hi : L - 1) - first, lo = range.lo - first;  // relative to `first`
+      cuda::ColumnBits<G::NT> allowed = cuda::columnsBelow<G::NT>(hi + 1);
+      if constexpr (windowed<C>()) allowed &= ~cuda::columnsBelow<G::NT>(lo);
       #pragma unroll
       for (int nt = 0; nt < G::NT; ++nt)
         #pragma unroll
-        for (int e = 2 * h; e < 2 * h + 2; ++e) rowSum += (s.s[mt][nt][e] = exp2f(s.s[mt][nt][e] - base));
-      state.l[mt][h] = state.l[mt][h] * correction + cuda::quadSum(rowSum);
+        for (int e = 2 * h; e < 2 * h + 2; ++e)
+          if (!((allowed >> (2 * nt + (e & 1))) & 1)) s.s[mt][nt][e] = cuda::negativeInfinity();
+    }
+}
+
+// Online softmax on the fragments: new row max (quad reduction), rescale the
+// accumulator and denominator by exp2(old - new), probabilities in place.
+// The maximum is taken on S as mma_qk left it and scaled once; each
+// exponential is exp2(s * scale - max): one FFMA and one MUFU.EX2 (ftz).
+// Masked: as hopper.h's (a row the block's mask leaves no key has maximum
+// -inf and takes its exponentials from 0); an unmasked block skips the test.
+template <class C, bool Masked = true>
+__device__ void softmax_update(SoftmaxState<C>& state, ScoreTile<C>& s, AccTile<C>& acc) {
+  using G = cuda::Geometry<C>;
+  constexpr float scale = cuda::kScaledScores<C> ? 1.0f : C::scale * kLog2e;
+  #pragma unroll
+  for (int mt = 0; mt < G::MT; ++mt)
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float rowMax = fmaxf(s.s[mt][0][2 * h], s.s[mt][0][2 * h + 1]);
+      #pragma unroll
+      for (int nt = 1; nt < G::NT; ++nt) rowMax = fmaxf(rowMax, fmaxf(s.s[mt][nt][2 * h], s.s[mt][nt][2 * h + 1]));
+      const float newMax = fmaxf(state.m[mt][h], cuda::quadMax(rowMax) * scale);
+      const float base = Masked && newMax == cuda::negativeInfinity() ? 0.0f : newMax;
+      const float correction = ptx::exp2Ftz(state.m[mt][h] - base);
+      float rowSum = 0.0f;
+      #pragma unroll
+      for (int nt = 0; nt < G::NT; ++nt) {
+        const float p0 = ptx::exp2Ftz(fmaf(s.s[mt][nt][2 * h], scale, -base));
+        const float p1 = ptx::exp2Ftz(fmaf(s.s[mt][nt][2 * h + 1], scale, -base));
+        rowSum += p0 + p1;
+        s.p[mt][nt][h] = cuda::pack<C>(p0, p1);
+      }
+      state.l[mt][h] = state.l[mt][h] * correction + rowSum;  // the thread's share: normalize adds the quad's
       state.m[mt][h] = newMax;
       #pragma unroll
       for (int ot = 0; ot < G::OT; ++ot) {
@@ -528,25 +674,35 @@ __device__ void softmax_update(SoftmaxState<C>& state, ScoreTile<C>& s, AccTile<
 
 // acc += P V: P's accumulator fragments are re-packed as A fragments (the
 // m16n8 C layout of two n-tiles is the m16k16 A layout), V by ldmatrix.trans.
+//
+// Split pipeline: once every warp is done with K(block) (the barrier), V
+// (block) has landed too (its group is the only one in flight) and K
+// (block + 1) is issued into K's tile, to land during P V. Here rather than
+// ahead of the softmax (FlashAttention-2's place): with S packed into P the
+// copies' addresses find registers, where beside S ptxas spilled them.
 template <class C>
-__device__ void mma_pv(AccTile<C>& acc, ScoreTile<C>& s, KvPipeline<C>& pipe, int64_t) {
+__device__ void mma_pv(AccTile<C>& acc, ScoreTile<C>& s, KvPipeline<C>& pipe, int64_t block) {
   using G = cuda::Geometry<C>;
-  const int l = cuda::lane();
+  if constexpr (G::splitKv) {
+    cuda::waitCopies<0>();
+    __syncthreads();
+    if (block + 1 < pipe.upper) cuda::copyRows<C, cuda::kKeyRows>(pipe.rows.key, nullptr, pipe.rows.rows, block + 1);
+    cuda::commitCopies();
+  }
   #pragma unroll
   for (int kk = 0; kk < G::PK; ++kk) {
     Bits32 p[G::MT][4];
     #pragma unroll
     for (int mt = 0; mt < G::MT; ++mt) {
-      p[mt][0] = cuda::pack<C>(s.s[mt][2 * kk][0], s.s[mt][2 * kk][1]);
-      p[mt][1] = cuda::pack<C>(s.s[mt][2 * kk][2], s.s[mt][2 * kk][3]);
-      p[mt][2] = cuda::pack<C>(s.s[mt][2 * kk + 1][0], s.s[mt][2 * kk + 1][1]);
-      p[mt][3] = cuda::pack<C>(s.s[mt][2 * kk + 1][2], s.s[mt][2 * kk + 1][3]);
+      p[mt][0] = s.p[mt][2 * kk][0];
+      p[mt][1] = s.p[mt][2 * kk][1];
+      p[mt][2] = s.p[mt][2 * kk + 1][0];
+      p[mt][3] = s.p[mt][2 * kk + 1][1];
     }
     #pragma unroll
     for (int pair = 0; pair < G::OT / 2; ++pair) {
       Bits32 v[4];
-      const int row = kk * kMmaK + fragment::bTransRow(l), column = pair * 16 + fragment::bTransColumn(l);
-      cuda::ldmatrixX4Trans(v, cuda::sharedAddress(pipe.value + row * G::pitch + column));
+      cuda::ldmatrixX4Trans(v, pipe.valueLane + cuda::tileOffset<C>(kk * kMmaK, pair * 16));
       #pragma unroll
       for (int mt = 0; mt < G::MT; ++mt) {
         cuda::mma16816<C>(acc.o[mt][2 * pair], p[mt], v[0], v[1]);
@@ -563,6 +719,7 @@ __device__ void normalize(SoftmaxState<C>& state, AccTile<C>& acc) {
   for (int mt = 0; mt < G::MT; ++mt)
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
+      state.l[mt][h] = cuda::quadSum(state.l[mt][h]);
       const float inverse = state.l[mt][h] > 0.0f ? 1.0f / state.l[mt][h] : 0.0f;
       #pragma unroll
       for (int ot = 0; ot < G::OT; ++ot) {

@@ -428,6 +428,27 @@ __device__ void storeOutTile(const float* tile, int pitch, const IhaArgs& a, int
   }
 }
 
+// A masked block's columns as bits (mask_scores of both engines): the
+// thread's columns t * 8 + {0, 1} (t < NT) from its first as bits 2t + e.
+template <bool Wide>
+struct ColumnWord {
+  using type = Bits32;
+};
+template <>
+struct ColumnWord<true> {
+  using type = Bits64;
+};
+template <int NT>
+using ColumnBits = typename ColumnWord<(2 * NT > 32)>::type;
+// Those of its columns that lie below x (relative to its first).
+template <int NT>
+__device__ __forceinline__ ColumnBits<NT> columnsBelow(int x) {
+  const int c = x < 0 ? 0 : x > 8 * NT ? 8 * NT : x;  // (int: loom::min is the program's int64_t)
+  const int n = ((c >> 2) & ~1) + ((c & 7) < 2 ? (c & 7) : 2);  // 2 per whole 8 columns, 0-2 of the last
+  if constexpr (2 * NT < 64) return ColumnBits<NT>(~(~Bits64(0) << n));  // n <= 2 NT < 64
+  else return n >= 64 ? ~Bits64(0) : ~(~Bits64(0) << n);
+}
+
 }  // namespace cuda
 
 // The CTA's block along x (the query block of an attention launch), last

@@ -206,6 +206,12 @@ LOOM_EMU_LEAF inline void mmaBf16(float (&d)[4], const Bits32 (&a)[4], Bits32 b0
 LOOM_EMU_LEAF inline void cpAsyncCg16(void* destination, const void* source, bool valid) {
   emu::api->cpAsync(emu::api->sharedAddress(destination, LOOM_EMU_PC), source, 16, valid ? 16 : 0, 1, LOOM_EMU_PC);
 }
+LOOM_EMU_LEAF inline void cpAsyncCg16(Bits32 destination, const void* source, bool valid) {
+  emu::api->cpAsync(destination, source, 16, valid ? 16 : 0, 1, LOOM_EMU_PC);
+}
+LOOM_EMU_LEAF inline void cpAsyncCg16(Bits32 destination, const void* source) {
+  emu::api->cpAsync(destination, source, 16, 16, 1, LOOM_EMU_PC);
+}
 LOOM_EMU_LEAF inline void cpAsyncCommit() { emu::api->cpAsyncCommit(LOOM_EMU_PC); }
 template <int Pending>
 LOOM_EMU_LEAF void cpAsyncWait() {

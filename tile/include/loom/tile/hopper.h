@@ -622,27 +622,6 @@ __device__ void mma_qk(ScoreTile<C>& s, QTile<C>& qt, KvPipeline<C>& pipe, int64
 // this thread holds (t * 8 + {0, 1} from its first, bit 2t + e) inside it
 // are a run of bits, built once a row, and each element costs a bit test
 // and a select, with a window or without.
-namespace hopper {
-// The thread's columns t * 8 + {0, 1} (t < NT) from its first as bits 2t + e.
-template <bool Wide>
-struct ColumnWord {
-  using type = Bits32;
-};
-template <>
-struct ColumnWord<true> {
-  using type = Bits64;
-};
-template <int NT>
-using ColumnBits = typename ColumnWord<(2 * NT > 32)>::type;
-// Those of its columns that lie below x (relative to its first).
-template <int NT>
-__device__ __forceinline__ ColumnBits<NT> columnsBelow(int x) {
-  const int c = x < 0 ? 0 : x > 8 * NT ? 8 * NT : x;  // (int: loom::min is the program's int64_t)
-  const int n = ((c >> 2) & ~1) + ((c & 7) < 2 ? (c & 7) : 2);  // 2 per whole 8 columns, 0-2 of the last
-  if constexpr (2 * NT < 64) return ColumnBits<NT>(~(~Bits64(0) << n));  // n <= 2 NT < 64
-  else return n >= 64 ? ~Bits64(0) : ~(~Bits64(0) << n);
-}
-}  // namespace hopper
 
 template <class C>
 __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int64_t block) {
@@ -654,8 +633,8 @@ __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int
   for (int h = 0; h < 2; ++h) {
     const ColumnRange<int> range = allowedColumns<C, int>(int(row0) + hopper::accumulatorRow(2 * h));
     const int hi = (range.hi < L - 1 ? range.hi : L - 1) - first, lo = range.lo - first;  // relative to `first`
-    hopper::ColumnBits<G::NT> allowed = hopper::columnsBelow<G::NT>(hi + 1);
-    if constexpr (windowed<C>()) allowed &= ~hopper::columnsBelow<G::NT>(lo);
+    cuda::ColumnBits<G::NT> allowed = cuda::columnsBelow<G::NT>(hi + 1);
+    if constexpr (windowed<C>()) allowed &= ~cuda::columnsBelow<G::NT>(lo);
     #pragma unroll
     for (int t = 0; t < G::NT; ++t)
       #pragma unroll

@@ -11,6 +11,7 @@ namespace loom {
 // different 16-byte bank groups, so the loads are conflict-free.
 constexpr int kRowPadElements = 8;
 constexpr int kMmaK = 16;                 // k extent of mma.m16n8k16
+constexpr int kMTileRows = 16;            // rows of one mma.m16n8k16 m-tile
 constexpr int kTileElementBytes = 2;      // f16 / bf16
 constexpr int kAccumulatorBytes = 4;      // f32
 
@@ -47,6 +48,24 @@ constexpr int mmaFragmentRegisters(int mTiles, int headDim, int blockN) {
          (qInRegisters(mTiles, headDim, blockN) ? mTiles * paddedHeadDim(headDim) / 4 : 0);
 }
 
+// A generated program may open with this line and ptxas options after it;
+// the JIT (runtime/jit/nvrtc_compiler.cpp) passes them on. The source is the
+// cache key, so the options travel with it. The generator asks for -O1 for
+// the mma.sync attention with two m-tiles a warp (docs/performance.md, sm_80):
+// at -O3 ptxas hoists fragment loads and copy addresses across the softmax
+// and spills at 255 registers (as FlashAttention-2's own build of the shape
+// does); -O1 keeps the loads interleaved with the products and spills nothing.
+// -O1 applies to the whole program: the premix beside it mixes up to 16
+// source heads clean at -O1, but at 32 it spills there (255 registers and
+// 276 bytes, where -O3 takes 177), so above 16 the program stays at -O3 and
+// the generator keeps one m-tile a warp.
+constexpr const char* kPtxasOptionsLine = "// loom-ptxas-options:";
+constexpr int kLowPressureMTiles = 1;        // at most this many m-tiles a warp: -O3
+constexpr int kMaxPremixSourcesAtO1 = 16;    // source heads (H, G) of a program compiled at -O1
+constexpr bool attentionAtO1(int mTiles, int heads, int kvHeads) {
+  return mTiles > kLowPressureMTiles && heads <= kMaxPremixSourcesAtO1 && kvHeads <= kMaxPremixSourcesAtO1;
+}
+
 // Registers ptxas gives an mma.sync attention thread: the fragments and the
 // rest (addresses, softmax rows, the pipeline, the epilogue), which grows
 // with the head dimension and, with fused mixing (raw rows mixed on chip),
@@ -57,7 +76,10 @@ constexpr int mmaFragmentRegisters(int mTiles, int headDim, int blockN) {
 constexpr int kMaxThreadRegisters = 255;
 constexpr int mmaRegisterEstimate(int mTiles, int headDim, int blockN, bool fusedMix) {
   // The softmax rows (running max and sum of two rows) take 4 per m-tile.
-  const int rows = 76 + 4 * mTiles;
+  // Materialised mixing at two or more m-tiles a warp compiles at ptxas -O1
+  // (kPtxasOptionsLine), whose rest is 32 registers smaller (refitted on
+  // ptxas 13.0, sm_80, head_dim 64-256, block_n 16-128, 2-3 m-tiles).
+  const int rows = (!fusedMix && mTiles > kLowPressureMTiles ? 44 : 76) + 4 * mTiles;
   const int rest = fusedMix ? rows + paddedHeadDim(headDim) / 8 + blockN / 4 : rows + paddedHeadDim(headDim) / 16;
   return mmaFragmentRegisters(mTiles, headDim, blockN) + rest;
 }

@@ -125,6 +125,14 @@ __device__ __forceinline__ void cpAsyncCg16(void* destination, const void* sourc
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(sharedAddress(destination)), "l"(source),
                "r"(valid ? 16 : 0));
 }
+// The same at a 32-bit shared-window address (a base plus a constant takes
+// the instruction's immediate), with and without the zero fill.
+__device__ __forceinline__ void cpAsyncCg16(Bits32 destination, const void* source, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(destination), "l"(source), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cpAsyncCg16(Bits32 destination, const void* source) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(destination), "l"(source));
+}
 __device__ __forceinline__ void cpAsyncCommit() { asm volatile("cp.async.commit_group;"); }
 template <int Pending>
 __device__ __forceinline__ void cpAsyncWait() {
