@@ -137,18 +137,26 @@ __device__ float mixedElement(const IhaArgs& a, int64_t b, int64_t n, int h, int
 // sum += w * the 16-byte chunk at `chunk` (global or shared memory), one
 // load, widened to f32.
 template <class C>
-__device__ __forceinline__ void accumulateChunk(const Bits16* chunk, float w, float (&sum)[kChunkElements]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(chunk);
+__device__ __forceinline__ void accumulateWords(const uint4& raw, float w, float (&sum)[kChunkElements]) {
   const Bits32 words[4] = {raw.x, raw.y, raw.z, raw.w};
   #pragma unroll
   for (int e = 0; e < kChunkElements; ++e)
     sum[e] += w * toFloat<C>(Bits16(e % 2 ? words[e / 2] >> 16 : words[e / 2] & 0xffffu));
 }
+template <class C>
+__device__ __forceinline__ void accumulateChunk(const Bits16* chunk, float w, float (&sum)[kChunkElements]) {
+  accumulateWords<C>(*reinterpret_cast<const uint4*>(chunk), w, sum);
+}
+
+// Source heads whose chunks mixChunk loads before it uses any: four loads
+// (and their weights) in flight where one was, for 20 registers more.
+constexpr int kMixLoadsInFlight = 4;
 
 // One 16-byte chunk (8 columns from `column`) of the mixed row n*P + p of
 // head h: sum_m alpha[m, h, p] * x[b, n, m, column..]. The heads are taken
-// one 16-byte load at a time, not unrolled, so the producer's few registers
-// suffice. In a decode step n is the token's place in its sequence: keys
+// kMixLoadsInFlight at a time (their loads issued before the first is
+// used: one round trip a batch, not a head), the batches not unrolled, so
+// the producer's few registers suffice. In a decode step n is the token's place in its sequence: keys
 // and values come from its cache slot (the step's own tokens were appended
 // before the attention launch), queries from the step's q, token
 // n - cache_len[b].
@@ -171,8 +179,21 @@ __device__ __forceinline__ void mixChunk(const IhaArgs& a, int64_t b, int64_t n,
   }
   #pragma unroll
   for (int e = 0; e < kChunkElements; ++e) sum[e] = 0.0f;
+  constexpr int F = kMixLoadsInFlight, batched = Role_::heads / F * F;
   #pragma unroll 1
-  for (int m = 0; m < Role_::heads; ++m)
+  for (int m0 = 0; m0 < batched; m0 += F) {
+    uint4 raw[F];
+    float w[F];
+    #pragma unroll
+    for (int f = 0; f < F; ++f) {
+      raw[f] = *reinterpret_cast<const uint4*>(row + (m0 + f) * headStride);
+      w[f] = alpha[((m0 + f) * Role_::heads + h) * C::pseudo_heads + p];
+    }
+    #pragma unroll
+    for (int f = 0; f < F; ++f) accumulateWords<C>(raw[f], w[f], sum);
+  }
+  #pragma unroll 1
+  for (int m = batched; m < Role_::heads; ++m)
     accumulateChunk<C>(row + m * headStride, alpha[(m * Role_::heads + h) * C::pseudo_heads + p], sum);
 }
 
