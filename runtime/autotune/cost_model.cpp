@@ -334,10 +334,13 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::T
   // block's re-reads of its K and V blocks from L2: a block of few rows reads
   // the same keys many times over.
   const double memoryTime = bytes / device.dramBytesPerSecond + l2Bytes / device.l2BytesPerSecond;
-  // With one stage the loads are not overlapped with the math; with more,
-  // a share of the smaller stays exposed.
+  // With one stage the loads are not overlapped with the math (unless K and
+  // V split it: loom::splitKvPipeline); with more, a share of the smaller
+  // stays exposed.
   const double exposed = wgmma ? kWgmmaExposedOverlapShare : kExposedOverlapShare;
-  const double kernelTime = s.stages() > 1
+  const bool pipelined = s.stages() > 1 || (!wgmma && splitKvPipeline(int(s.stages()), fusedMix, /*decode=*/false,
+                                                                      int(s.warps()) * kLaneCount, int(d)));
+  const double kernelTime = pipelined
                                 ? std::max(computeTime, memoryTime) + exposed * std::min(computeTime, memoryTime)
                                 : computeTime + memoryTime;
   // The premix launch: a grid over every token, bound by its bytes or by

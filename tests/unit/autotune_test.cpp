@@ -282,6 +282,38 @@ TEST(CostModel, PremixIsItsOwnLaunchAndCausalGridsAreUneven) {
   EXPECT_GT(estimateCost(plainCausal, fa, hopper, 8, 16384).waveEfficiency, 0.95);
 }
 
+// One stage over mixed rows is FlashAttention-2's split pipeline on sm_80
+// where a row's chunks divide the threads (d 128): its loads overlap the
+// products as two stages' do, with half the K / V tiles, so two CTAs fit an
+// A100 SM where two stages fit one, and it is estimated no slower. At d 96
+// (12 chunks a row) one stage is the unpipelined copy-then-compute and is
+// estimated slower than two.
+TEST(CostModel, SplitKvStageIsPipelined) {
+  const v1::Target a100 = target("sm_80");
+  auto schedule = [](int stages) {
+    Schedule s;
+    s.set_engine(v1::engine_mma);
+    s.set_warps(4);
+    s.set_block_m(128);
+    s.set_block_n(64);
+    s.set_stages(stages);
+    s.set_mix(v1::mix_materialized);
+    s.set_collapse(v1::collapse_fused);
+    return s;
+  };
+  const KernelSpec d128 = spec(16, 16, 4, 128), d96 = spec(16, 16, 4, 96);
+  EXPECT_TRUE(splitKvPipeline(1, false, false, 128, 128));
+  EXPECT_FALSE(splitKvPipeline(1, false, false, 128, 96));
+  EXPECT_FALSE(splitKvPipeline(1, true, false, 128, 128));
+  EXPECT_FALSE(splitKvPipeline(2, false, false, 128, 128));
+  const CostEstimate split = estimateCost(d128, schedule(1), a100, 2, 4096);
+  const CostEstimate two = estimateCost(d128, schedule(2), a100, 2, 4096);
+  EXPECT_EQ(split.ctasPerSm, 2);
+  EXPECT_EQ(two.ctasPerSm, 1);
+  EXPECT_LE(split.seconds, two.seconds);
+  EXPECT_GT(estimateCost(d96, schedule(1), a100, 2, 4096).seconds, estimateCost(d96, schedule(2), a100, 2, 4096).seconds);
+}
+
 TEST(CostModel, BlockCountsMatchBruteForce) {
   std::mt19937_64 rng(testing::testSeed());
   for (int trial = 0; trial < 30; ++trial) {

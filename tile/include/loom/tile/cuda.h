@@ -42,9 +42,7 @@ struct Geometry {
   // FlashAttention-2's split pipeline: K and V of a block in their own
   // commit groups, V(j) landing during S = Q K(j)^T and K(j + 1) during the
   // softmax and P V(j), one K and one V tile in shared memory (layout.h).
-  // (Its copies are unrolled: a row's 16-byte chunks must divide the threads.)
-  static constexpr bool splitKv =
-      C::stages == 1 && !C::fused_mix && !C::decode && threads % (Dp / kChunkElements) == 0;
+  static constexpr bool splitKv = splitKvPipeline(C::stages, C::fused_mix, C::decode, threads, C::head_dim);
   // Commit groups younger than Q's when q_wait waits for it.
   static constexpr int groupsAfterQ = splitKv ? 1 : C::stages - 1;
   static constexpr int rawRole = rawTokens * C::kv_heads * C::head_dim;  // elements per role per stage

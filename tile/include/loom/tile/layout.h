@@ -76,12 +76,22 @@ constexpr bool attentionAtO1(int mTiles, int heads, int kvHeads) {
 constexpr int kMaxThreadRegisters = 255;
 constexpr int mmaRegisterEstimate(int mTiles, int headDim, int blockN, bool fusedMix) {
   // The softmax rows (running max and sum of two rows) take 4 per m-tile.
-  // Materialised mixing at two or more m-tiles a warp compiles at ptxas -O1
+  // Materialised mixing at two m-tiles a warp compiles at ptxas -O1
   // (kPtxasOptionsLine), whose rest is 32 registers smaller (refitted on
-  // ptxas 13.0, sm_80, head_dim 64-256, block_n 16-128, 2-3 m-tiles).
-  const int rows = (!fusedMix && mTiles > kLowPressureMTiles ? 44 : 76) + 4 * mTiles;
+  // ptxas 13.0, sm_80, head_dim 64-256, block_n 16-128; at three m-tiles
+  // d 96, block_n 32 spilled under the smaller rest, so those keep -O3's).
+  const int rows = (!fusedMix && mTiles == kLowPressureMTiles + 1 ? 44 : 76) + 4 * mTiles;
   const int rest = fusedMix ? rows + paddedHeadDim(headDim) / 8 + blockN / 4 : rows + paddedHeadDim(headDim) / 16;
   return mmaFragmentRegisters(mTiles, headDim, blockN) + rest;
+}
+
+// One stage over mixed rows (materialised mixing, not a decode step) runs
+// FlashAttention-2's split pipeline on the mma.sync engine (cuda.h,
+// Geometry::splitKv): K and V in their own commit groups, so the loads
+// overlap the products with one K and one V tile. Its copies are unrolled:
+// a row's 16-byte chunks must divide the threads.
+constexpr bool splitKvPipeline(int stages, bool fusedMix, bool decode, int threads, int headDim) {
+  return stages == 1 && !fusedMix && !decode && threads % (paddedHeadDim(headDim) / (16 / kTileElementBytes)) == 0;
 }
 
 // Tokens whose raw rows one key block of `blockN` virtual rows can touch.
