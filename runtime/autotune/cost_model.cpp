@@ -236,9 +236,11 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::T
   const double exps = double(heads) * double(blocks.visited) * double(bm * bn);
   const double maskOps = double(heads) * double(blocks.masked) * double(bm * bn) * 8;
   // Mixing: G multiply-adds per element; fused redoes it for every visit of
-  // a key block (and per query block), materialised does it once.
+  // a key block (and per query block), materialised does it once. Rotated
+  // keys are mixed in pairs of chunks d/2 apart (once an element); a
+  // rotated query chunk mixes its partner again.
   const double rope = spec.rope_theta() > 0 ? 2.0 : 1.0;
-  const double kvMixPerVisit = double(bn * d) * double(G) * 2.0 * (1.0 + rope);
+  const double kvMixPerVisit = double(bn * d) * double(G) * 2.0 * 2.0;
   double mixFlops = fusedMix ? double(heads) * (double(blocks.visited) * kvMixPerVisit + double(L * d * H) * 2 * rope)
                              : double(batch) * double(L * d) * 2.0 * (double(H * H) + 2.0 * G * G);
   // qk_norm: a square-and-add and a scale per q and k element; fused keys
@@ -506,11 +508,11 @@ CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& s, const
   // The combine: every split's rows (f32, lse beside) written, then read.
   if (splits > 1) e.dramBytes += 2.0 * double(batch * H * splits * newTokens * P) * double(d + 1) * 4.0;
   // A raw cache is mixed (and its keys rotated) on chip: each key or value
-  // row from the G heads' rows of its token.
-  const double rope = spec.rope_theta() > 0 ? 2.0 : 1.0;
+  // row from the G heads' rows of its token (rotated keys in pairs of
+  // chunks, each element mixed once).
   const double mixFlops = mixedCache ? 0.0
                                      : double(gridCtas) * double(blocksPerCta * s.block_n()) * 2.0 * double(G) *
-                                           double(d) * (1.0 + rope);
+                                           double(d) * 2.0;
   const double exps = double(gridCtas) * double(blocksPerCta) * double(s.block_m() * s.block_n());
 
   // wgmma (sm_90a): one CTA an SM with its producer warpgroup, which alone
@@ -575,9 +577,8 @@ DecodeFloor estimateDecodeFloor(const KernelSpec& spec, const Schedule& s, const
   double perBlock = issue ? issue->unmasked : 0.0;
   if (!issue) {
     // A raw cache's rows mixed on chip: G FMAs per element of a key and a
-    // value row (twice for a rotated key), over the CTA's warps.
-    const double rope = spec.rope_theta() > 0 ? 2.0 : 1.0;
-    const double mixing = mixedCache ? 0.0 : double(s.block_n() * d) * double(G) * (1.0 + rope) / 32.0 / warps;
+    // value row, over the CTA's warps.
+    const double mixing = mixedCache ? 0.0 : double(s.block_n() * d) * double(G) * 2.0 / 32.0 / warps;
     perBlock = kLoopInstructionsPerWarp + mixing;
   }
   f.issueFromSass = issue.has_value();

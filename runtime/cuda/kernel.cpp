@@ -174,6 +174,11 @@ Status validateDecodeTensors(const KernelSpec& spec, const IhaTensors& step, con
   if (!cache.page_table) return makeError("page_table: missing");
   if (!cache.cache_len) return makeError("cache_len: missing");
   if (cache.max_pages < 1) return makeError("page_table: max_pages must be at least 1, not " + std::to_string(cache.max_pages));
+  // A sequence's positions are 32-bit on the device (cache_slot), its
+  // virtual rows too.
+  if (cache.max_pages * shape[1] * spec.pseudo_heads() >= (int64_t(1) << 31))
+    return makeError("page_table: max_pages * page_size * pseudo_heads (" +
+                     std::to_string(cache.max_pages * shape[1] * spec.pseudo_heads()) + ") must be below 2^31");
   if (!checkPages) return Status::success();
   return validateDecode({B, T, shape[0], shape[1], cache.max_pages},
                         {cache.page_table, size_t(B * cache.max_pages)}, {cache.cache_len, size_t(B)});

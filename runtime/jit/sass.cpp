@@ -387,6 +387,19 @@ void analyzeFunction(const Function& f, v1::ResourceUsage& usage) {
         if (isTensor(f.code[size_t(k)].opcode)) return true;
     return false;
   };
+  // A wait, not work: an mbarrier try-wait retried, or an ELECT's loop over
+  // the warp's lanes (its trips are stalls or one).
+  auto isSpin = [&](const std::set<int>& body) {
+    int instructions = 0;
+    bool waits = false;
+    for (int b : body)
+      for (int k = blocks[size_t(b)].first; k <= blocks[size_t(b)].last; ++k) {
+        ++instructions;
+        const std::string& opcode = f.code[size_t(k)].opcode;
+        waits = waits || startsWith(opcode, "SYNCS.PHASECHK") || startsWith(opcode, "ELECT");
+      }
+    return waits && instructions <= 16;
+  };
   // The innermost of `candidates` (loops holding none of the others), by
   // first offset.
   auto innermostOf = [&](const std::vector<const std::set<int>*>& candidates) {
@@ -407,7 +420,16 @@ void analyzeFunction(const Function& f, v1::ResourceUsage& usage) {
     allLoops.push_back(&body);
     if (holdsTensor(body)) tensorLoops.push_back(&body);
   }
-  for (const auto& [offset, body] : innermostOf(tensorLoops)) describeLoop(f, blocks, hot, *body, offset, *usage.add_loops());
+  for (const auto& [offset, body] : innermostOf(tensorLoops)) {
+    v1::SassLoop& loop = *usage.add_loops();
+    describeLoop(f, blocks, hot, *body, offset, loop);
+    int inner = 0;  // the loops without tensor cores inside it, innermost or not
+    for (const std::set<int>* other : allLoops)
+      if (other != body && other->size() < body->size() &&
+          std::includes(body->begin(), body->end(), other->begin(), other->end()) && !isSpin(*other))
+        ++inner;
+    loop.set_inner_loops(inner);
+  }
   for (const auto& [offset, body] : innermostOf(allLoops))
     if (!holdsTensor(*body)) describeLoop(f, blocks, hot, *body, offset, *usage.add_simt_loops());
   countMemory(f, *usage.mutable_memory());
@@ -576,7 +598,11 @@ std::string formatLoops(const std::vector<v1::ResourceUsage>& resources) {
       out << "  loop at 0x" << std::hex << l.first_offset() << std::dec << (l.masked() ? " (masked)" : "") << ": "
           << l.instructions() << " instructions per warp per iteration, " << std::fixed << std::setprecision(0)
           << l.instructions_per_tensor_mflop() << " per tensor MFLOP (" << std::setprecision(3)
-          << l.tensor_flops_per_warp() / 1e6 << " MFLOP a warp)\n    ";
+          << l.tensor_flops_per_warp() / 1e6 << " MFLOP a warp)";
+      if (l.inner_loops())
+        out << ", holds " << l.inner_loops() << " inner loop" << (l.inner_loops() == 1 ? "" : "s")
+            << " (each body counted once)";
+      out << "\n    ";
       for (const v1::SassClassCount& c : l.classes())
         if (c.count()) out << c.name() << " " << c.count() << "  ";
       out << "\n    MUFU.EX2 in the P V window: ";

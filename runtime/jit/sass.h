@@ -32,7 +32,7 @@ namespace loom::jit::sass {
 
 // Names what this reader counts: figures a cached artifact holds from
 // another reader are taken again. Change it with any change to the figures.
-inline constexpr const char* kReaderVersion = "sass-reader-2026-12-04-memory";
+inline constexpr const char* kReaderVersion = "sass-reader-2026-12-04-inner-loops";
 
 // One instruction of nvdisasm's listing.
 struct Instruction {

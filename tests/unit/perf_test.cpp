@@ -335,7 +335,10 @@ INSTANTIATE_TEST_SUITE_P(Specs, PremixGate, ::testing::Range(0, kSassGridSpecs),
 // with asynchronous copies and mixes the raw rows from 16-byte reads, in
 // shared memory (keys and values) and in global memory (the step's
 // queries): at most 16 scalar 16-bit global loads and 64 scalar 16-bit
-// shared loads in the entry (there were 256 and 384).
+// shared loads in the entry (there were 256 and 384). Its key-block loops
+// hold no inner loop (the copies and the mixing unrolled at compile time),
+// so their instruction counts, which the floor report divides, are a whole
+// block's: a loop nested in them would be counted once, whatever its trips.
 class DecodeGate : public ::testing::TestWithParam<int> {};
 
 TEST_P(DecodeGate, StreamsThePagesAndMixesFromWideReads) {
@@ -361,7 +364,31 @@ TEST_P(DecodeGate, StreamsThePagesAndMixesFromWideReads) {
     EXPECT_LE(m.global_loads_16bit(), 16) << what;
     EXPECT_LE(m.shared_loads_16bit(), 64) << what;
     EXPECT_EQ(attention.spill_store_bytes(), 0) << what;
+    ASSERT_GT(attention.loops_size(), 0) << what;
+    for (const v1::SassLoop& loop : attention.loops())
+      EXPECT_EQ(loop.inner_loops(), 0) << what << ": the loop at 0x" << std::hex << loop.first_offset();
     std::printf("[ decode   ] %s\n", what.c_str());
+  }
+}
+
+// The same for a mixed cache's step: its rows copied through the page table
+// unrolled, no inner loop in its key-block loops.
+TEST_P(DecodeGate, MixedCacheLoopsHoldNoInnerLoop) {
+  const KernelSpec spec = sassGridSpec(GetParam());
+  jit::NvrtcCompiler compiler(std::string(LOOM_TEST_CACHE) + "/perf");
+  for (const std::string arch : {"sm_80", "sm_90a"}) {
+    std::shared_ptr<const jit::Artifact> artifact;
+    auto kernel = compileKernel(spec, Schedule(), *parseTarget(arch), compiler, &artifact, Direction::decode,
+                                /*mixedCache=*/true);
+    ASSERT_TRUE(kernel) << arch << " " << describe(spec) << ": " << kernel.error().message;
+    auto read = sassUsageOf(*artifact, kAttentionEntry);
+    ASSERT_TRUE(read) << arch << ": " << read.error().message;
+    const std::string what = arch + " mixed-cache decode " + kernel->schedule().ShortDebugString() + " of " + describe(spec);
+    EXPECT_GT(read->memory().async_copies(), 0) << what;
+    EXPECT_EQ(read->spill_store_bytes(), 0) << what;
+    ASSERT_GT(read->loops_size(), 0) << what;
+    for (const v1::SassLoop& loop : read->loops())
+      EXPECT_EQ(loop.inner_loops(), 0) << what << ": the loop at 0x" << std::hex << loop.first_offset();
   }
 }
 

@@ -155,6 +155,37 @@ TEST(SassReader, FindsInnermostNaturalLoops) {
   EXPECT_EQ(l.exponentials_in_pv_window(), -1);  // no wgmma waits
 }
 
+// A loop nested in a tensor-core loop (a copy loop with a runtime trip
+// count) is counted once in its figures: the reader says so (inner_loops),
+// leaving out waits (an mbarrier try-wait retried, an ELECT's loop).
+TEST(SassReader, CountsTheLoopsNestedInATensorLoop) {
+  const std::string listing = R"(
+	.text.k:
+        /*0000*/                   MOV R0, RZ ;
+.L_x_0:
+        /*0010*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+.L_x_1:
+        /*0020*/                   LDGSTS.E.BYPASS.128 [R20], desc[UR4][R2.64] ;
+        /*0030*/                   IADD3 R1, R1, 0x1, RZ ;
+        /*0040*/                   ISETP.NE.AND P1, PT, R1, R7, PT ;
+        /*0050*/               @P1 BRA `(.L_x_1) ;
+.L_x_2:
+        /*0060*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R2+URZ], R3 ;
+        /*0070*/              @!P0 BRA `(.L_x_2) ;
+        /*0080*/                   IADD3 R0, R0, 0x1, RZ ;
+        /*0090*/                   ISETP.NE.AND P2, PT, R0, 0x8, PT ;
+        /*00a0*/               @P2 BRA `(.L_x_0) ;
+        /*00b0*/                   EXIT ;
+)";
+  const v1::ResourceUsage u = analyze(listing);
+  ASSERT_EQ(u.loops_size(), 1) << u.ShortDebugString();
+  EXPECT_EQ(u.loops(0).instructions(), 10);  // 0x10..0xa0, the copy loop's body once
+  EXPECT_EQ(u.loops(0).inner_loops(), 1);    // the copy loop, not the wait
+  v1::ResourceUsage read = u;
+  read.set_sass_read(true);
+  EXPECT_NE(jit::sass::formatLoops({read}).find("holds 1 inner loop"), std::string::npos) << jit::sass::formatLoops({read});
+}
+
 // The premix's shape: loops without tensor cores are read too, leaving out
 // a shuffle's divergent path (taken by BRA.DIV only when the warp has
 // diverged; its subroutine returns), and following ptxas's CALL.REL.NOINC

@@ -151,7 +151,10 @@ LOOM_HOST_DEVICE constexpr CtaRow ctaRow(int r) {
 
 // The cache slot (page * page_size + offset) of token t of sequence b.
 LOOM_HOST_DEVICE inline int64_t cache_slot(const IhaArgs& args, int64_t b, int64_t t) {
-  return int64_t(args.page_table[b * args.max_pages + t / args.page_size]) * args.page_size + t % args.page_size;
+  // A sequence's positions are below 2^31: 32-bit division (a 64-bit one is
+  // a subroutine call on the device).
+  const int32_t token = int32_t(t), page = token / int32_t(args.page_size);
+  return int64_t(args.page_table[b * args.max_pages + page]) * args.page_size + (token - page * int32_t(args.page_size));
 }
 
 // docs/IHA.md step 4: may virtual row i attend to virtual row j? With the

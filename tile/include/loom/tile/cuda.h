@@ -325,44 +325,79 @@ __device__ void issueKv(const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
   const int stage = int(block % C::stages);
   constexpr int dChunks = G::D / kChunkElements;
   if constexpr (Mixed) {
+    // Token by token (its G rows of d are one run in the stage, and in a
+    // paged cache's slot): the token's source found once, each thread's
+    // 16-byte pieces of the run at compile-time offsets from it. Rows past
+    // the end take src-size 0 (zeros, nothing read).
     Bits16* raw = reinterpret_cast<Bits16*>(smem() + s.raw) + stage * 2 * G::rawRole;
     const int64_t token0 = block * C::block_n / C::pseudo_heads;
-    for (int index = threadIdx.x; index < 2 * G::rawTokens * C::kv_heads * dChunks; index += G::threads) {
-      const int chunk = index % dChunks, m = (index / dChunks) % C::kv_heads;
-      const int t = (index / dChunks / C::kv_heads) % G::rawTokens, role = index / dChunks / C::kv_heads / G::rawTokens;
+    constexpr int pieces = C::kv_heads * dChunks, rounds = (pieces + G::threads - 1) / G::threads;
+    const int first = int(threadIdx.x);
+    #pragma unroll
+    for (int t = 0; t < G::rawTokens; ++t) {
       const int64_t n = token0 + t;
-      Bits16* target = raw + role * G::rawRole + (t * C::kv_heads + m) * G::D + chunk * kChunkElements;
+      const Bits16 *key, *value;
+      int64_t headStride = G::D;  // elements from one head's row to the next
+      bool inside;
       if constexpr (C::decode) {  // token n of the sequence, through the page table
-        const Bits16* cache = static_cast<const Bits16*>(role == 0 ? a.k_cache : a.v_cache);
-        const bool inside = n < a.cache_len[b] + a.tokens;
-        copyAsync16(target, inside ? cache + (cache_slot(a, b, n) * C::kv_heads + m) * G::D + chunk * kChunkElements
-                                   : cache, inside);
+        key = static_cast<const Bits16*>(a.k_cache);
+        value = static_cast<const Bits16*>(a.v_cache);
+        inside = n < a.cache_len[b] + a.tokens;
+        const int64_t slot = inside ? cache_slot(a, b, n) * C::kv_heads * G::D : 0;
+        key += slot;
+        value += slot;
       } else {
-        const int64_t* stride = role == 0 ? a.k_stride : a.v_stride;
-        const Bits16* base = static_cast<const Bits16*>(role == 0 ? a.k : a.v);
-        const bool inside = n < a.tokens;
-        copyAsync16(target, inside ? base + b * stride[0] + n * stride[1] + m * stride[2] + chunk * kChunkElements : base,
-                    inside);
+        inside = n < a.tokens;
+        const int64_t token = inside ? n : 0;
+        key = static_cast<const Bits16*>(a.k) + b * a.k_stride[0] + token * a.k_stride[1];
+        value = static_cast<const Bits16*>(a.v) + b * a.v_stride[0] + token * a.v_stride[1];
+        headStride = a.k_stride[2];
+      }
+      #pragma unroll
+      for (int round = 0; round < rounds; ++round) {
+        const int piece = first + round * G::threads;
+        if (pieces % G::threads != 0 && piece >= pieces) break;
+        const int m = piece / dChunks, column = (piece % dChunks) * kChunkElements;
+        Bits16* target = raw + t * C::kv_heads * G::D + piece * kChunkElements;
+        const int64_t kOffset = m * headStride + column;
+        const int64_t vOffset = C::decode ? kOffset : m * a.v_stride[2] + column;
+        copyAsync16(target, key + kOffset, inside);
+        copyAsync16(target + G::rawRole, value + vOffset, inside);
       }
     }
   } else if constexpr (C::decode) {
     // A decode step over a mixed cache: row n*P + p of kv head g at its
-    // token's slot.
+    // token's slot. A thread's chunk column is fixed and its rows `step`
+    // apart (as copyRows): each row's slot found once for K and V, the
+    // copies unrolled at compile time.
     const int64_t L = rows_end<C>(a, b);
     Bits16* kTile = reinterpret_cast<Bits16*>(smem() + s.k) + stage * C::block_n * G::pitch;
     Bits16* vTile = reinterpret_cast<Bits16*>(smem() + s.v) + stage * C::block_n * G::pitch;
     const Bits16* kSource = static_cast<const Bits16*>(a.k_cache);
     const Bits16* vSource = static_cast<const Bits16*>(a.v_cache);
-    forEachTileChunk<C, C::block_n>([&](int r, int chunk) {
+    auto copy = [&](int r, int chunk) {
       const int64_t j = block * C::block_n + r;
       const bool inside = j < L && chunk < dChunks;
       int64_t offset = 0;
       if (inside)
         offset = ((cache_slot(a, b, j / C::pseudo_heads) * C::kv_heads + g) * C::pseudo_heads + j % C::pseudo_heads) *
                      G::D + chunk * kChunkElements;
-      copyAsync16(kTile + r * G::pitch + chunk * kChunkElements, inside ? kSource + offset : kSource, inside);
-      copyAsync16(vTile + r * G::pitch + chunk * kChunkElements, inside ? vSource + offset : vSource, inside);
-    });
+      copyAsync16(kTile + r * G::pitch + chunk * kChunkElements, kSource + offset, inside);
+      copyAsync16(vTile + r * G::pitch + chunk * kChunkElements, vSource + offset, inside);
+    };
+    if constexpr (kCursorCopies<C>) {
+      constexpr int chunks = G::Dp / kChunkElements;
+      constexpr int step = G::threads / chunks, rounds = (C::block_n + step - 1) / step;
+      const int r0 = int(threadIdx.x) / chunks, chunk = int(threadIdx.x) % chunks;
+      #pragma unroll
+      for (int round = 0; round < rounds; ++round) {
+        const int r = r0 + round * step;
+        if (C::block_n % step != 0 && r >= C::block_n) break;
+        copy(r, chunk);
+      }
+    } else {  // head_dim 48 and the like: the strided loop
+      forEachTileChunk<C, C::block_n>(copy);
+    }
   } else {
     const int64_t L = rows_end<C>(a, b);
     const int64_t head = (b * C::kv_heads + g) * L * G::D;
@@ -441,39 +476,90 @@ __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t b, int64_t bloc
       sum += alpha[(m * C::kv_heads + g) * C::pseudo_heads + p] * toFloat<C>(rows[(t * C::kv_heads + m) * G::D + c]);
     return sum;
   };
-  forEachTileChunk<C, C::block_n>([&](int r, int chunk) {
-    const int64_t j = block * C::block_n + r;
-    float keys[kChunkElements] = {}, values[kChunkElements] = {};
-    if (j < L && chunk * kChunkElements < G::D) {
-      const int t = int(j / C::pseudo_heads - token0), p = int(j % C::pseudo_heads);
-      const int column = chunk * kChunkElements;
-      if constexpr (mixedChunkFits<C, Role::key>) {
-        mix(raw, a.alpha_k, t, p, column, keys);
-        if constexpr (C::rope_theta > 0) {
-          float partner[kChunkElements];
-          mix(raw, a.alpha_k, t, p, column < half ? column + half : column - half, partner);
+  if constexpr (C::rope_theta > 0 && mixedChunkFits<C, Role::key>) {
+    // Rotated keys in pairs of chunks d/2 apart: each key chunk mixed once
+    // (not again as its partner's partner) and one angle for both halves.
+    // Unrolled at compile time (one round at block_n 16 of four warps), so
+    // the key-block loop's machine code holds all of its mixing.
+    constexpr int halfChunks = half / kChunkElements, dChunks = G::D / kChunkElements;
+    constexpr int pairs = C::block_n * halfChunks, rounds = (pairs + G::threads - 1) / G::threads;
+    #pragma unroll
+    for (int round = 0; round < rounds; ++round) {
+      const int index = int(threadIdx.x) + round * G::threads;
+      if (pairs % G::threads != 0 && index >= pairs) break;
+      const int r = index / halfChunks, lo = (index % halfChunks) * kChunkElements, hi = lo + half;
+      const int64_t j = block * C::block_n + r;
+      float keys[kChunkElements] = {}, partner[kChunkElements] = {};
+      float values[kChunkElements] = {}, values2[kChunkElements] = {};
+      if (j < L) {
+        const int t = int(j / C::pseudo_heads - token0), p = int(j % C::pseudo_heads);
+        mix(raw, a.alpha_k, t, p, lo, keys);
+        mix(raw, a.alpha_k, t, p, hi, partner);
+        rotatePair<C>(keys, partner, j, lo);
+        if constexpr (kFusedKeyNorm<C>) {
+          float squares = 0.0f;
           #pragma unroll
-          for (int e = 0; e < kChunkElements; ++e) keys[e] = rotate<C>(keys[e], partner[e], j, column + e);
-        }
-      } else {  // RoPE's half inside a chunk: element by element
-        #pragma unroll
-        for (int e = 0; e < kChunkElements; ++e) {
-          const int c = column + e;
-          keys[e] = rotate<C>(mixElement(raw, a.alpha_k, t, p, c),
-                              mixElement(raw, a.alpha_k, t, p, c < half ? c + half : c - half), j, c);
+          for (int e = 0; e < kChunkElements; ++e) squares += keys[e] * keys[e] + partner[e] * partner[e];
+          sharedAddFloat(keySquares<C>(kTile, r), squares);
         }
       }
-      mix(raw + G::rawRole, a.alpha_v, t, p, column, values);
-      if constexpr (kFusedKeyNorm<C>) {
-        float squares = 0.0f;
-        #pragma unroll
-        for (int e = 0; e < kChunkElements; ++e) squares += keys[e] * keys[e];
-        sharedAddFloat(keySquares<C>(kTile, r), squares);
+      storeChunk<C>(kTile + r * G::pitch + lo, keys);
+      storeChunk<C>(kTile + r * G::pitch + hi, partner);
+      if (j < L) {
+        const int t = int(j / C::pseudo_heads - token0), p = int(j % C::pseudo_heads);
+        mix(raw + G::rawRole, a.alpha_v, t, p, lo, values);
+        mix(raw + G::rawRole, a.alpha_v, t, p, hi, values2);
+      }
+      storeChunk<C>(vTile + r * G::pitch + lo, values);
+      storeChunk<C>(vTile + r * G::pitch + hi, values2);
+    }
+    if constexpr (G::Dp > G::D) {  // the padded columns: zeros
+      constexpr int padChunks = G::Dp / kChunkElements - dChunks;
+      const float zeros[kChunkElements] = {};
+      for (int index = threadIdx.x; index < C::block_n * padChunks; index += G::threads) {
+        const int r = index / padChunks, column = (dChunks + index % padChunks) * kChunkElements;
+        storeChunk<C>(kTile + r * G::pitch + column, zeros);
+        storeChunk<C>(vTile + r * G::pitch + column, zeros);
       }
     }
-    storeChunk<C>(kTile + r * G::pitch + chunk * kChunkElements, keys);
-    storeChunk<C>(vTile + r * G::pitch + chunk * kChunkElements, values);
-  });
+  } else {
+    // Unrolled at compile time, as the pairs above.
+    constexpr int chunks = G::Dp / kChunkElements, items = C::block_n * chunks;
+    constexpr int rounds = (items + G::threads - 1) / G::threads;
+    auto mixChunkAt = [&](int r, int chunk) {
+      const int64_t j = block * C::block_n + r;
+      float keys[kChunkElements] = {}, values[kChunkElements] = {};
+      if (j < L && chunk * kChunkElements < G::D) {
+        const int t = int(j / C::pseudo_heads - token0), p = int(j % C::pseudo_heads);
+        const int column = chunk * kChunkElements;
+        if constexpr (mixedChunkFits<C, Role::key>) {
+          mix(raw, a.alpha_k, t, p, column, keys);
+        } else {  // RoPE's half inside a chunk: element by element
+          #pragma unroll
+          for (int e = 0; e < kChunkElements; ++e) {
+            const int c = column + e;
+            keys[e] = rotate<C>(mixElement(raw, a.alpha_k, t, p, c),
+                                mixElement(raw, a.alpha_k, t, p, c < half ? c + half : c - half), j, c);
+          }
+        }
+        mix(raw + G::rawRole, a.alpha_v, t, p, column, values);
+        if constexpr (kFusedKeyNorm<C>) {
+          float squares = 0.0f;
+          #pragma unroll
+          for (int e = 0; e < kChunkElements; ++e) squares += keys[e] * keys[e];
+          sharedAddFloat(keySquares<C>(kTile, r), squares);
+        }
+      }
+      storeChunk<C>(kTile + r * G::pitch + chunk * kChunkElements, keys);
+      storeChunk<C>(vTile + r * G::pitch + chunk * kChunkElements, values);
+    };
+    #pragma unroll
+    for (int round = 0; round < rounds; ++round) {
+      const int index = int(threadIdx.x) + round * G::threads;
+      if (items % G::threads != 0 && index >= items) break;
+      mixChunkAt(index / chunks, index % chunks);
+    }
+  }
 }
 
 }  // namespace cuda

@@ -89,6 +89,23 @@ __device__ __forceinline__ float rotate(float x, float partner, int64_t position
   return c < half ? x * cosine - partner * sine : partner * sine + x * cosine;
 }
 
+// Chunks `lo` (columns column..+7, below d/2) and `hi` (d/2 further) of one
+// row, rotated together: each element's partner is the other chunk's, and
+// the pair shares one angle (one sine and cosine for two elements).
+template <class C>
+__device__ __forceinline__ void rotatePair(float (&lo)[kChunkElements], float (&hi)[kChunkElements], int64_t position,
+                                           int column) {
+  #pragma unroll
+  for (int e = 0; e < kChunkElements; ++e) {
+    float sine, cosine;
+    ropeSinCos<C>(position, column + e, &sine, &cosine);
+    if constexpr (C::rope_negative) sine = -sine;
+    const float l = lo[e], h = hi[e];
+    lo[e] = l * cosine - h * sine;
+    hi[e] = l * sine + h * cosine;
+  }
+}
+
 template <class C, Role R>
 struct RoleOf {
   static constexpr int heads = R == Role::query ? C::heads : C::kv_heads;

@@ -351,15 +351,43 @@ __device__ void mixKvTile(const IhaArgs& a, int64_t g, int64_t b, int64_t block,
                           unsigned char* vTile) {
   using G = Geometry<C>;
   const int64_t L = rows_end<C>(a, b);
-  for (int index = threadIdx.x; index < C::block_n * G::chunks; index += kWarpgroupThreads) {
-    const int r = index / G::chunks, chunk = index % G::chunks;
-    const int64_t j = block * C::block_n + r;
-    const int offset = (chunk / 8) * G::kvAtomBytes + swizzledChunk(r, chunk % 8);
-    float values[kChunkElements] = {};
-    if (j < L) cuda::mixedChunk<C, Role::key>(a, b, j / C::pseudo_heads, int(g), int(j % C::pseudo_heads), chunk * kChunkElements, values);
-    cuda::storeChunk<C>(reinterpret_cast<Bits16*>(kTile + offset), values);
-    if (j < L) cuda::mixedChunk<C, Role::value>(a, b, j / C::pseudo_heads, int(g), int(j % C::pseudo_heads), chunk * kChunkElements, values);
-    cuda::storeChunk<C>(reinterpret_cast<Bits16*>(vTile + offset), values);
+  auto chunkOffset = [](int r, int chunk) { return (chunk / 8) * G::kvAtomBytes + swizzledChunk(r, chunk % 8); };
+  if constexpr (cuda::RoleOf<C, Role::key>::rotated && !C::decode) {
+    // Rotated keys in pairs of chunks d/2 apart (as cuda::mixStagedKv):
+    // each chunk mixed once, one angle for both halves. (A decode step's
+    // producer, whose rows come through the page table, spills with the
+    // pair at its 56 registers: it mixes the partner again.)
+    constexpr int halfChunks = G::chunks / 2;
+    for (int index = threadIdx.x; index < C::block_n * halfChunks; index += kWarpgroupThreads) {
+      const int r = index / halfChunks, lo = index % halfChunks, hi = lo + halfChunks;
+      const int64_t j = block * C::block_n + r, n = j / C::pseudo_heads;
+      const int p = int(j % C::pseudo_heads);
+      float first[kChunkElements] = {}, second[kChunkElements] = {};
+      if (j < L) {
+        cuda::mixChunk<C, Role::key>(a, b, n, int(g), p, lo * kChunkElements, first);
+        cuda::mixChunk<C, Role::key>(a, b, n, int(g), p, hi * kChunkElements, second);
+        cuda::rotatePair<C>(first, second, j, lo * kChunkElements);
+      }
+      cuda::storeChunk<C>(reinterpret_cast<Bits16*>(kTile + chunkOffset(r, lo)), first);
+      cuda::storeChunk<C>(reinterpret_cast<Bits16*>(kTile + chunkOffset(r, hi)), second);
+      if (j < L) {
+        cuda::mixChunk<C, Role::value>(a, b, n, int(g), p, lo * kChunkElements, first);
+        cuda::mixChunk<C, Role::value>(a, b, n, int(g), p, hi * kChunkElements, second);
+      }
+      cuda::storeChunk<C>(reinterpret_cast<Bits16*>(vTile + chunkOffset(r, lo)), first);
+      cuda::storeChunk<C>(reinterpret_cast<Bits16*>(vTile + chunkOffset(r, hi)), second);
+    }
+  } else {
+    for (int index = threadIdx.x; index < C::block_n * G::chunks; index += kWarpgroupThreads) {
+      const int r = index / G::chunks, chunk = index % G::chunks;
+      const int64_t j = block * C::block_n + r;
+      const int offset = chunkOffset(r, chunk);
+      float values[kChunkElements] = {};
+      if (j < L) cuda::mixedChunk<C, Role::key>(a, b, j / C::pseudo_heads, int(g), int(j % C::pseudo_heads), chunk * kChunkElements, values);
+      cuda::storeChunk<C>(reinterpret_cast<Bits16*>(kTile + offset), values);
+      if (j < L) cuda::mixedChunk<C, Role::value>(a, b, j / C::pseudo_heads, int(g), int(j % C::pseudo_heads), chunk * kChunkElements, values);
+      cuda::storeChunk<C>(reinterpret_cast<Bits16*>(vTile + offset), values);
+    }
   }
   if constexpr (cuda::Normalized<C, Role::key>::value) {
     namedBarrier<kProducerBarrier, kWarpgroupThreads>();  // rows were written by other producer threads
