@@ -53,6 +53,14 @@ bool parseInstruction(const std::string& line, Instruction& out) {
     const size_t end = out.operands.find(')', tick);
     if (end != std::string::npos) out.target = out.operands.substr(tick + 2, end - tick - 2);
   }
+  // BRX R4 -0x2550 (*"BRANCH_TARGETS .L_x_70,.L_x_71,.L_x_72"*)
+  if (const size_t note = out.operands.find("BRANCH_TARGETS"); note != std::string::npos) {
+    std::string list = out.operands.substr(note + std::string("BRANCH_TARGETS").size());
+    list = list.substr(0, list.find('"'));
+    std::stringstream labels(list);
+    for (std::string label; std::getline(labels, label, ',');)
+      if (!trim(label).empty()) out.switchTargets.push_back(trim(label));
+  }
   return !out.opcode.empty();
 }
 
@@ -292,6 +300,8 @@ void analyzeFunction(const Function& f, v1::ResourceUsage& usage) {
     const Instruction& i = f.code[size_t(k)];
     if (!i.target.empty())
       if (auto found = f.labels.find(i.target); found != f.labels.end()) leader[size_t(found->second)] = true;
+    for (const std::string& label : i.switchTargets)
+      if (auto found = f.labels.find(label); found != f.labels.end()) leader[size_t(found->second)] = true;
     if (isBranch(i.opcode) || startsWith(i.opcode, "EXIT") || startsWith(i.opcode, "RET"))
       leader[size_t(k) + 1] = true;
   }
@@ -307,6 +317,9 @@ void analyzeFunction(const Function& f, v1::ResourceUsage& usage) {
     const Instruction& last = f.code[size_t(blocks[size_t(b)].last)];
     if (!last.target.empty())
       if (auto found = f.labels.find(last.target); found != f.labels.end())
+        blocks[size_t(b)].successors.push_back(blockOf[size_t(found->second)]);
+    for (const std::string& label : last.switchTargets)
+      if (auto found = f.labels.find(label); found != f.labels.end())
         blocks[size_t(b)].successors.push_back(blockOf[size_t(found->second)]);
     if (!endsFlow(last) && b + 1 < B) blocks[size_t(b)].successors.push_back(b + 1);
   }

@@ -32,7 +32,7 @@ namespace loom::jit::sass {
 
 // Names what this reader counts: figures a cached artifact holds from
 // another reader are taken again. Change it with any change to the figures.
-inline constexpr const char* kReaderVersion = "sass-reader-2026-12-04-inner-loops";
+inline constexpr const char* kReaderVersion = "sass-reader-2026-12-04-switches";
 
 // One instruction of nvdisasm's listing.
 struct Instruction {
@@ -41,6 +41,9 @@ struct Instruction {
   std::string opcode;      // "HGMMA.64x128x16.F32.BF16"
   std::string operands;    // the rest, without the trailing ';'
   std::string target;      // a branch's label, or empty
+  // An indirect branch's (BRX) labels, from nvdisasm's BRANCH_TARGETS note:
+  // a switch's jump table.
+  std::vector<std::string> switchTargets;
 };
 
 struct Function {

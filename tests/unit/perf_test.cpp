@@ -390,6 +390,20 @@ TEST_P(DecodeGate, MixedCacheLoopsHoldNoInnerLoop) {
     for (const v1::SassLoop& loop : read->loops())
       EXPECT_EQ(loop.inner_loops(), 0) << what << ": the loop at 0x" << std::hex << loop.first_offset();
   }
+  // The wgmma step's producer streams a mixed cache's rows with
+  // asynchronous copies too (the page table is no tensor map).
+  Schedule wgmma;
+  wgmma.set_engine(v1::engine_wgmma);
+  std::shared_ptr<const jit::Artifact> artifact;
+  auto kernel = compileKernel(spec, wgmma, *parseTarget("sm_90a"), compiler, &artifact, Direction::decode,
+                              /*mixedCache=*/true);
+  if (!kernel && kernel.error().message.find("shared memory") != std::string::npos)
+    GTEST_SKIP() << "no wgmma step over a mixed cache fits " << describe(spec) << ": " << kernel.error().message;
+  ASSERT_TRUE(kernel) << describe(spec) << ": " << kernel.error().message;
+  auto read = sassUsageOf(*artifact, kAttentionEntry);
+  ASSERT_TRUE(read) << read.error().message;
+  EXPECT_GT(read->memory().async_copies(), 0) << describe(spec) << ": " << jit::sass::memoryBrief(read->memory());
+  EXPECT_EQ(read->spill_store_bytes(), 0) << describe(spec);
 }
 
 INSTANTIATE_TEST_SUITE_P(Specs, DecodeGate, ::testing::Range(0, kSassGridSpecs), [](const auto& info) {

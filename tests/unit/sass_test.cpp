@@ -186,6 +186,32 @@ TEST(SassReader, CountsTheLoopsNestedInATensorLoop) {
   EXPECT_NE(jit::sass::formatLoops({read}).find("holds 1 inner loop"), std::string::npos) << jit::sass::formatLoops({read});
 }
 
+// A switch's jump table (BRX, its labels in nvdisasm's BRANCH_TARGETS
+// note) leads on to its cases: a tensor-core loop behind one is found (the
+// fused-mixing wgmma consumer's was unreachable to the reader before).
+TEST(SassReader, FollowsAJumpTable) {
+  const std::string listing = R"(
+	.text.k:
+        /*0000*/                   MOV R4, 0x10 ;
+        /*0010*/                   BRX R4 -0x20                                                    (*"BRANCH_TARGETS .L_x_5,.L_x_6"*);
+.L_x_5:
+        /*0020*/                   MOV R0, RZ ;
+        /*0030*/                   BRA `(.L_x_0) ;
+.L_x_6:
+        /*0040*/                   MOV R0, 0x1 ;
+.L_x_0:
+        /*0050*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0060*/                   IADD3 R0, R0, 0x1, RZ ;
+        /*0070*/                   ISETP.NE.AND P2, PT, R0, 0x8, PT ;
+        /*0080*/               @P2 BRA `(.L_x_0) ;
+        /*0090*/                   EXIT ;
+)";
+  const v1::ResourceUsage u = analyze(listing);
+  ASSERT_EQ(u.loops_size(), 1) << u.ShortDebugString();
+  EXPECT_EQ(u.loops(0).first_offset(), 0x50);
+  EXPECT_EQ(u.loops(0).instructions(), 4);
+}
+
 // The premix's shape: loops without tensor cores are read too, leaving out
 // a shuffle's divergent path (taken by BRA.DIV only when the warp has
 // diverged; its subroutine returns), and following ptxas's CALL.REL.NOINC

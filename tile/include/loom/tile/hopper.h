@@ -399,8 +399,11 @@ __device__ void mixKvTile(const IhaArgs& a, int64_t g, int64_t b, int64_t block,
 
 // A decode step over a mixed cache: copies key block `block` of kv head g
 // (row n*P + p at token n's slot, the row as the append stored it: mixed,
-// rotated, normalised) into the stage's swizzled K and V tiles, 16 bytes a
-// thread at a time; rows past the sequence are zero.
+// rotated, normalised) into the stage's swizzled K and V tiles with
+// asynchronous 16-byte copies, every one of the thread's issued before any
+// is waited for (at block_n 128, d 128: 32 a thread, 64 KB a CTA in flight);
+// rows past the sequence take src-size 0 (zeros, nothing read). The caller
+// waits for them and fences them for the async proxy.
 template <class C>
 __device__ void copyCachedKvTile(const IhaArgs& a, int64_t g, int64_t b, int64_t block, unsigned char* kTile,
                                  unsigned char* vTile) {
@@ -413,19 +416,13 @@ __device__ void copyCachedKvTile(const IhaArgs& a, int64_t g, int64_t b, int64_t
     const int r = index / G::chunks, chunk = index % G::chunks;
     const int64_t j = block * C::block_n + r;
     const int offset = (chunk / 8) * G::kvAtomBytes + swizzledChunk(r, chunk % 8);
-    // Word by word into the 16-byte vectors: a whole-struct copy would be a
-    // memcpy the emulator's access hooks do not see.
-    uint4 k = {0u, 0u, 0u, 0u}, v = k;
-    if (j < L) {
-      const int64_t element = ((cache_slot(a, b, j / P) * C::kv_heads + g) * P + j % P) * G::D + chunk * kChunkElements;
-      const uint4 key = *reinterpret_cast<const uint4*>(keys + element);
-      const uint4 value = *reinterpret_cast<const uint4*>(values + element);
-      k = {key.x, key.y, key.z, key.w};
-      v = {value.x, value.y, value.z, value.w};
-    }
-    *reinterpret_cast<uint4*>(kTile + offset) = {k.x, k.y, k.z, k.w};
-    *reinterpret_cast<uint4*>(vTile + offset) = {v.x, v.y, v.z, v.w};
+    const bool inside = j < L;
+    const int64_t element =
+        inside ? ((cache_slot(a, b, j / P) * C::kv_heads + g) * P + j % P) * G::D + chunk * kChunkElements : 0;
+    ptx::cpAsyncCg16(kTile + offset, keys + element, inside);
+    ptx::cpAsyncCg16(vTile + offset, values + element, inside);
   }
+  ptx::cpAsyncCommit();
 }
 
 }  // namespace hopper
@@ -446,8 +443,12 @@ __device__ void kv_load(KvPipeline<C>& pipe, const IhaArgs& a, const TmaMaps& ma
   unsigned char* vTile = hopper::smem() + s.v + stage * G::kvTileBytes;
   if constexpr (Mixed || C::decode) {
     hopper::mbarrierWait(hopper::emptyBarrier<C>(stage), parity ^ 1);  // the consumers' release of its last use
-    if constexpr (Mixed) hopper::mixKvTile<C>(a, g, b, block, kTile, vTile);
-    else hopper::copyCachedKvTile<C>(a, g, b, block, kTile, vTile);
+    if constexpr (Mixed) {
+      hopper::mixKvTile<C>(a, g, b, block, kTile, vTile);
+    } else {
+      hopper::copyCachedKvTile<C>(a, g, b, block, kTile, vTile);
+      ptx::cpAsyncWait<0>();  // the thread's copies landed: its own to fence and publish
+    }
     hopper::fenceAsyncProxy();
     hopper::mbarrierArrive(hopper::fullBarrier<C>(stage));
   } else {
