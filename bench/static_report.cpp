@@ -100,19 +100,35 @@ void premixFloors(const loom::v1::Target& target, loom::jit::NvrtcCompiler& comp
       }
 }
 
-// The decode step over a raw paged cache (the serving path) of the paper's
-// settings (H = G = 16, P = 4, d = 128, bf16, causal, RoPE), one new token
-// a sequence: for batches of 1 to 64 and caches of 4k to 128k tokens, the
+// The decode step over a paged cache (the serving path), one new token a
+// sequence: for batches of 1 to 64 and caches of 4k to 128k tokens, the
 // bytes it must move, their floor, the issue time of its attention loop as
-// the machine code has it, and the ratio.
+// the machine code has it, and the ratio. The paper's settings (H = G = 16,
+// P = 4, d = 128, bf16, causal, RoPE) over a raw and a mixed cache; then
+// kv groups of four heads (H = 32, G = 8, P = 2) over a raw cache, the
+// default (the group's heads stacked in one CTA) and each head alone.
 void decodeFloors(const loom::v1::Target& target, loom::jit::NvrtcCompiler& compiler) {
-  const loom::KernelSpec spec = paperSpec(16, 4, 128);
-  for (const bool mixedCache : {false, true}) {
+  struct Case {
+    loom::KernelSpec spec;
+    bool mixedCache;
+    std::optional<bool> stacked;  // unset: the default
+    const char* what;
+  };
+  loom::KernelSpec grouped = paperSpec(32, 2, 128);
+  grouped.set_kv_heads(8);
+  const Case cases[] = {
+      {paperSpec(16, 4, 128), false, std::nullopt, "a raw paged cache, H=G=16 P=4 d=128"},
+      {paperSpec(16, 4, 128), true, std::nullopt, "a mixed paged cache, H=G=16 P=4 d=128"},
+      {grouped, false, std::nullopt, "a raw paged cache, H=32 G=8 P=2 d=128 (default: heads stacked)"},
+      {grouped, false, false, "a raw paged cache, H=32 G=8 P=2 d=128, stack_heads false"},
+  };
+  for (const Case& c : cases) {
+    loom::Schedule schedule;
+    if (c.stacked) schedule.set_stack_heads(*c.stacked);
     std::shared_ptr<const loom::jit::Artifact> artifact;
-    auto kernel = loom::compileKernel(spec, loom::Schedule(), target, compiler, &artifact, loom::Direction::decode,
-                                      mixedCache);
-    std::printf("\ndecode over a %s paged cache, H=G=16 P=4 d=128 bf16 causal RoPE, one new token a sequence\n",
-                mixedCache ? "mixed" : "raw");
+    auto kernel = loom::compileKernel(c.spec, schedule, target, compiler, &artifact, loom::Direction::decode,
+                                      c.mixedCache);
+    std::printf("\ndecode over %s bf16 causal RoPE, one new token a sequence\n", c.what);
     if (!kernel) {
       std::printf("  %s\n", kernel.error().message.c_str());
       continue;
@@ -131,8 +147,8 @@ void decodeFloors(const loom::v1::Target& target, loom::jit::NvrtcCompiler& comp
                 "CTAs");
     for (int64_t batch : {1, 8, 64})
       for (int64_t cache : {4096, 32768, 131072}) {
-        const loom::autotune::DecodeFloor f =
-            loom::autotune::estimateDecodeFloor(spec, kernel->schedule(), target, batch, cache, 1, mixedCache, issue);
+        const loom::autotune::DecodeFloor f = loom::autotune::estimateDecodeFloor(
+            c.spec, kernel->schedule(), target, batch, cache, 1, c.mixedCache, issue);
         std::printf("%-5lld %-7lld %10.1f %10.3f %10.3f %7.1fx %8lld\n", (long long)batch, (long long)cache,
                     f.bytes / 1e6, f.memorySeconds * 1e3, f.issueSeconds * 1e3, f.floorRatio(), (long long)f.ctas);
       }

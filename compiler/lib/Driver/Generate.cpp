@@ -368,10 +368,11 @@ struct CompilerContext {
   }
 };
 
-// The spec and its complete, checked schedule as attributes.
-Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const KernelSpec& spec, const Schedule& schedule,
-                                                  const v1::Target& target, Direction direction,
-                                                  bool mixedCache = false) {
+// The spec and its complete, checked schedule as attributes, the schedule's
+// fields as given.
+Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, const KernelSpec& spec,
+                                                         const Schedule& schedule, const v1::Target& target,
+                                                         Direction direction, bool mixedCache) {
   if (Status valid = validateSpec(spec); !valid) return valid.error();
   if (target.kind() == v1::Target::cuda)
     if (Status supported = checkCudaArch(target.arch()); !supported)
@@ -484,6 +485,28 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
     if (direction == Direction::forward) scheduleAttr = withFlashAttention2Shape(specAttr, scheduleAttr, given, target);
   }
   return std::make_pair(specAttr, scheduleAttr);
+}
+
+// The same, with the defaults that depend on whether a schedule fits. A
+// decode step over a raw cache stacks a kv group's query heads in one CTA
+// unless the schedule says (stack_heads unset; CUDA, the mma engine): each
+// cached block is then staged and mixed once for the group's H / G heads,
+// not once a head (the step is bound by that mixing: docs/performance.md,
+// decode). Where the stacked schedule cannot be had, the unstacked one.
+Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const KernelSpec& spec, const Schedule& schedule,
+                                                  const v1::Target& target, Direction direction,
+                                                  bool mixedCache = false) {
+  const bool stackByDefault = direction == Direction::decode && !mixedCache && !schedule.has_stack_heads() &&
+                              target.kind() == v1::Target::cuda && schedule.engine() != v1::engine_wgmma &&
+                              spec.kv_heads() > 0 && spec.heads() > spec.kv_heads();
+  if (stackByDefault) {
+    Schedule stacked = schedule;
+    stacked.set_stack_heads(true);
+    auto resolved = resolveAsGiven(c, spec, stacked, target, direction, mixedCache);
+    if (resolved) return resolved;
+    c.diagnostics.clear();
+  }
+  return resolveAsGiven(c, spec, schedule, target, direction, mixedCache);
 }
 
 }  // namespace
