@@ -67,6 +67,19 @@ __device__ __forceinline__ void forEachTileChunk(F&& f) {
   for (int index = threadIdx.x; index < Rows * chunks; index += Geometry<C>::threads) f(index / chunks, index % chunks);
 }
 
+// f(index) for index = threadIdx.x + k * Threads below Items, unrolled at
+// compile time (no loop in the machine code, which the SASS reader would
+// count once whatever its trips).
+template <int Items, int Threads, class F>
+__device__ __forceinline__ void forEachUnrolled(F&& f) {
+  #pragma unroll
+  for (int round = 0; round < (Items + Threads - 1) / Threads; ++round) {
+    const int index = int(threadIdx.x) + round * Threads;
+    if (Items % Threads != 0 && index >= Items) break;
+    f(index);
+  }
+}
+
 // First row of m-tile `mt` of this warp inside the query block.
 template <class C>
 __device__ __forceinline__ int tileRow(int mt) {
@@ -331,8 +344,6 @@ __device__ void issueKv(const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
     // the end take src-size 0 (zeros, nothing read).
     Bits16* raw = reinterpret_cast<Bits16*>(smem() + s.raw) + stage * 2 * G::rawRole;
     const int64_t token0 = block * C::block_n / C::pseudo_heads;
-    constexpr int pieces = C::kv_heads * dChunks, rounds = (pieces + G::threads - 1) / G::threads;
-    const int first = int(threadIdx.x);
     #pragma unroll
     for (int t = 0; t < G::rawTokens; ++t) {
       const int64_t n = token0 + t;
@@ -353,17 +364,14 @@ __device__ void issueKv(const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
         value = static_cast<const Bits16*>(a.v) + b * a.v_stride[0] + token * a.v_stride[1];
         headStride = a.k_stride[2];
       }
-      #pragma unroll
-      for (int round = 0; round < rounds; ++round) {
-        const int piece = first + round * G::threads;
-        if (pieces % G::threads != 0 && piece >= pieces) break;
+      forEachUnrolled<C::kv_heads * dChunks, G::threads>([&](int piece) {
         const int m = piece / dChunks, column = (piece % dChunks) * kChunkElements;
         Bits16* target = raw + t * C::kv_heads * G::D + piece * kChunkElements;
         const int64_t kOffset = m * headStride + column;
         const int64_t vOffset = C::decode ? kOffset : m * a.v_stride[2] + column;
         copyAsync16(target, key + kOffset, inside);
         copyAsync16(target + G::rawRole, value + vOffset, inside);
-      }
+      });
     }
   } else if constexpr (C::decode) {
     // A decode step over a mixed cache: row n*P + p of kv head g at its
@@ -482,17 +490,13 @@ __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t b, int64_t bloc
     // Unrolled at compile time (one round at block_n 16 of four warps), so
     // the key-block loop's machine code holds all of its mixing.
     constexpr int halfChunks = half / kChunkElements, dChunks = G::D / kChunkElements;
-    constexpr int pairs = C::block_n * halfChunks, rounds = (pairs + G::threads - 1) / G::threads;
-    #pragma unroll
-    for (int round = 0; round < rounds; ++round) {
-      const int index = int(threadIdx.x) + round * G::threads;
-      if (pairs % G::threads != 0 && index >= pairs) break;
+    forEachUnrolled<C::block_n * halfChunks, G::threads>([&](int index) {
       const int r = index / halfChunks, lo = (index % halfChunks) * kChunkElements, hi = lo + half;
       const int64_t j = block * C::block_n + r;
+      const int t = int(j / C::pseudo_heads - token0), p = int(j % C::pseudo_heads);
       float keys[kChunkElements] = {}, partner[kChunkElements] = {};
       float values[kChunkElements] = {}, values2[kChunkElements] = {};
       if (j < L) {
-        const int t = int(j / C::pseudo_heads - token0), p = int(j % C::pseudo_heads);
         mix(raw, a.alpha_k, t, p, lo, keys);
         mix(raw, a.alpha_k, t, p, hi, partner);
         rotatePair<C>(keys, partner, j, lo);
@@ -506,13 +510,12 @@ __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t b, int64_t bloc
       storeChunk<C>(kTile + r * G::pitch + lo, keys);
       storeChunk<C>(kTile + r * G::pitch + hi, partner);
       if (j < L) {
-        const int t = int(j / C::pseudo_heads - token0), p = int(j % C::pseudo_heads);
         mix(raw + G::rawRole, a.alpha_v, t, p, lo, values);
         mix(raw + G::rawRole, a.alpha_v, t, p, hi, values2);
       }
       storeChunk<C>(vTile + r * G::pitch + lo, values);
       storeChunk<C>(vTile + r * G::pitch + hi, values2);
-    }
+    });
     if constexpr (G::Dp > G::D) {  // the padded columns: zeros
       constexpr int padChunks = G::Dp / kChunkElements - dChunks;
       const float zeros[kChunkElements] = {};
@@ -524,9 +527,9 @@ __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t b, int64_t bloc
     }
   } else {
     // Unrolled at compile time, as the pairs above.
-    constexpr int chunks = G::Dp / kChunkElements, items = C::block_n * chunks;
-    constexpr int rounds = (items + G::threads - 1) / G::threads;
-    auto mixChunkAt = [&](int r, int chunk) {
+    constexpr int chunks = G::Dp / kChunkElements;
+    forEachUnrolled<C::block_n * chunks, G::threads>([&](int index) {
+      const int r = index / chunks, chunk = index % chunks;
       const int64_t j = block * C::block_n + r;
       float keys[kChunkElements] = {}, values[kChunkElements] = {};
       if (j < L && chunk * kChunkElements < G::D) {
@@ -552,13 +555,7 @@ __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t b, int64_t bloc
       }
       storeChunk<C>(kTile + r * G::pitch + chunk * kChunkElements, keys);
       storeChunk<C>(vTile + r * G::pitch + chunk * kChunkElements, values);
-    };
-    #pragma unroll
-    for (int round = 0; round < rounds; ++round) {
-      const int index = int(threadIdx.x) + round * G::threads;
-      if (items % G::threads != 0 && index >= items) break;
-      mixChunkAt(index / chunks, index % chunks);
-    }
+    });
   }
 }
 
