@@ -104,26 +104,32 @@ void premixFloors(const loom::v1::Target& target, loom::jit::NvrtcCompiler& comp
 // sequence: for batches of 1 to 64 and caches of 4k to 128k tokens, the
 // bytes it must move, their floor, the issue time of its attention loop as
 // the machine code has it, and the ratio. The paper's settings (H = G = 16,
-// P = 4, d = 128, bf16, causal, RoPE) over a raw and a mixed cache; then
+// P = 4, d = 128, bf16, causal, RoPE) over a raw cache (the default: the
+// mixing absorbed; then the raw rows mixed on chip) and a mixed cache; then
 // kv groups of four heads (H = 32, G = 8, P = 2) over a raw cache, the
-// default (the group's heads stacked in one CTA) and each head alone.
+// default (absorbed), the group's heads stacked in one CTA, and each head
+// alone. Beside the issue, the tensor pipe's time at the model's mma.sync
+// share of the dense rate (DecodeFloor).
 void decodeFloors(const loom::v1::Target& target, loom::jit::NvrtcCompiler& compiler) {
   struct Case {
     loom::KernelSpec spec;
     bool mixedCache;
-    std::optional<bool> stacked;  // unset: the default
+    std::optional<bool> absorb, stacked;  // unset: the default
     const char* what;
   };
   loom::KernelSpec grouped = paperSpec(32, 2, 128);
   grouped.set_kv_heads(8);
   const Case cases[] = {
-      {paperSpec(16, 4, 128), false, std::nullopt, "a raw paged cache, H=G=16 P=4 d=128"},
-      {paperSpec(16, 4, 128), true, std::nullopt, "a mixed paged cache, H=G=16 P=4 d=128"},
-      {grouped, false, std::nullopt, "a raw paged cache, H=32 G=8 P=2 d=128 (default: heads stacked)"},
-      {grouped, false, false, "a raw paged cache, H=32 G=8 P=2 d=128, stack_heads false"},
+      {paperSpec(16, 4, 128), false, std::nullopt, std::nullopt, "a raw paged cache, H=G=16 P=4 d=128 (default: absorbed)"},
+      {paperSpec(16, 4, 128), false, false, std::nullopt, "a raw paged cache, H=G=16 P=4 d=128, absorb_mixing false"},
+      {paperSpec(16, 4, 128), true, std::nullopt, std::nullopt, "a mixed paged cache, H=G=16 P=4 d=128"},
+      {grouped, false, std::nullopt, std::nullopt, "a raw paged cache, H=32 G=8 P=2 d=128 (default: absorbed)"},
+      {grouped, false, false, std::nullopt, "a raw paged cache, H=32 G=8 P=2 d=128, absorb_mixing false (heads stacked)"},
+      {grouped, false, false, false, "a raw paged cache, H=32 G=8 P=2 d=128, absorb_mixing and stack_heads false"},
   };
   for (const Case& c : cases) {
     loom::Schedule schedule;
+    if (c.absorb) schedule.set_absorb_mixing(*c.absorb);
     if (c.stacked) schedule.set_stack_heads(*c.stacked);
     std::shared_ptr<const loom::jit::Artifact> artifact;
     auto kernel = loom::compileKernel(c.spec, schedule, target, compiler, &artifact, loom::Direction::decode,
@@ -143,14 +149,15 @@ void decodeFloors(const loom::v1::Target& target, loom::jit::NvrtcCompiler& comp
                     loom::jit::sass::memoryBrief(usage.memory()).c_str());
       }
     if (issue) std::printf("  its loop: %.0f instructions a warp a key block (SASS)\n", issue->unmasked);
-    std::printf("%-5s %-7s %10s %10s %10s %8s %8s\n", "B", "cache", "MB moved", "floor ms", "issue ms", "ratio",
-                "CTAs");
+    std::printf("%-5s %-7s %10s %10s %10s %8s %10s %8s %8s\n", "B", "cache", "MB moved", "floor ms", "issue ms", "ratio",
+                "tensor ms", "ratio", "CTAs");
     for (int64_t batch : {1, 8, 64})
       for (int64_t cache : {4096, 32768, 131072}) {
         const loom::autotune::DecodeFloor f = loom::autotune::estimateDecodeFloor(
             c.spec, kernel->schedule(), target, batch, cache, 1, c.mixedCache, issue);
-        std::printf("%-5lld %-7lld %10.1f %10.3f %10.3f %7.1fx %8lld\n", (long long)batch, (long long)cache,
-                    f.bytes / 1e6, f.memorySeconds * 1e3, f.issueSeconds * 1e3, f.floorRatio(), (long long)f.ctas);
+        std::printf("%-5lld %-7lld %10.1f %10.3f %10.3f %7.2fx %10.3f %7.2fx %8lld\n", (long long)batch,
+                    (long long)cache, f.bytes / 1e6, f.memorySeconds * 1e3, f.issueSeconds * 1e3, f.floorRatio(),
+                    f.tensorSeconds * 1e3, f.tensorRatio(), (long long)f.ctas);
       }
   }
 }

@@ -56,8 +56,33 @@ int64_t estimatedRegisters(const KernelSpec& spec, const Schedule& s) {
     const bool qInRegisters = wgmmaQInRegisters(bn, d, consumerRegisters(int(s.warps()), int(s.producer_registers())));
     return kWgmmaLoopRegisters + wgmmaFragmentRegisters(bn, d) + (qInRegisters ? d / 4 : 0);
   }
+  // Absorbed (cuda_absorbed.h): R(-j) q's fragments of the warp's S rows,
+  // its output columns, and the rest (measured at 100-110 on ptxas 13, -O1).
+  if (s.absorb_mixing()) {
+    const int P = int(spec.pseudo_heads()), d = int(spec.head_dim()), split = absorbedSplit(P, d);
+    return absorbedRows(P) / split * (paddedHeadDim(d) / kMmaK) * 4 + paddedHeadDim(d) / 8 / split * 4 + 104;
+  }
   return mmaRegisterEstimate(int(s.block_m() / (kMmaK * s.warps())), int(spec.head_dim()), int(s.block_n()),
                              s.mix() != v1::mix_materialized);
+}
+
+// The absorbed step's work a CTA a key block (cuda_absorbed.h): its products
+// (S rows against every raw key row, then P' against every raw value row)
+// and its f32 work (the combination over the kv heads, the values' fold,
+// the staged keys' rotation).
+struct AbsorbedBlockWork {
+  double matrixFlops = 0, simtFlops = 0, exps = 0;
+};
+AbsorbedBlockWork absorbedBlockWork(const KernelSpec& spec, const Schedule& s) {
+  const int64_t G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
+  const double rawRows = double(absorbedPaddedHeads(int(G)) * kAbsorbedTokens), dp = double(paddedHeadDim(int(d)));
+  const double sRows = double(s.block_m() * absorbedRows(int(P)));
+  AbsorbedBlockWork w;
+  w.matrixFlops = 2.0 * (sRows + double(s.block_m())) * rawRows * dp;
+  w.simtFlops = 2.0 * (sRows * kAbsorbedTokens * double(G) + double(s.block_m() * kAbsorbedTokens * P) * rawRows / 8.0) +
+                (spec.rope_theta() > 0 ? 3.0 * double(kAbsorbedTokens * G * d) : 0.0);
+  w.exps = sRows * kAbsorbedTokens;
+  return w;
 }
 
 DeviceModel deviceModel(const v1::Target& target) {
@@ -474,8 +499,9 @@ DecodeGrid decodeGrid(const KernelSpec& spec, const Schedule& s, int64_t batch, 
   DecodeGrid grid;
   grid.splits = std::max<int64_t>(1, s.kv_splits());
   // Stacked, a CTA holds every query head of its kv group (block_m / (H / G)
-  // rows of each): H / G times fewer CTAs stage and mix the cache.
-  const int64_t stacked = s.stack_heads() ? H / G : 1;
+  // rows of each): H / G times fewer CTAs stage and mix the cache; absorbed,
+  // every query head.
+  const int64_t stacked = s.absorb_mixing() ? H : s.stack_heads() ? H / G : 1;
   const int64_t ownedRows = std::max<int64_t>(P, s.block_m() / stacked / P * P);
   const int64_t queryBlocks = (newTokens * P + ownedRows - 1) / ownedRows;
   const int64_t keyBlocks = (visibleTokens(spec, cachedTokens, newTokens) * P + s.block_n() - 1) / s.block_n();
@@ -497,7 +523,10 @@ CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& s, const
 
   CostEstimate e;
   e.usefulFlops = ihaDecodeFlops(spec, batch, cachedTokens, newTokens);
-  e.matrixFlops = 4.0 * double(gridCtas) * double(blocksPerCta) * double(s.block_m() * s.block_n()) * paddedDim;
+  const bool absorbed = s.absorb_mixing();
+  const AbsorbedBlockWork absorbedWork = absorbed ? absorbedBlockWork(spec, s) : AbsorbedBlockWork{};
+  e.matrixFlops = absorbed ? double(gridCtas) * double(blocksPerCta) * absorbedWork.matrixFlops
+                           : 4.0 * double(gridCtas) * double(blocksPerCta) * double(s.block_m() * s.block_n()) * paddedDim;
   // Each CTA's share of the cache: a raw one's G heads per token, a mixed
   // one's P rows of the CTA's group.
   const double tokensPerCta = double(blocksPerCta * s.block_n()) / double(P);
@@ -510,19 +539,25 @@ CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& s, const
   // A raw cache is mixed (and its keys rotated) on chip: each key or value
   // row from the G heads' rows of its token (rotated keys in pairs of
   // chunks, each element mixed once).
-  const double mixFlops = mixedCache ? 0.0
-                                     : double(gridCtas) * double(blocksPerCta * s.block_n()) * 2.0 * double(G) *
-                                           double(d) * 2.0;
-  const double exps = double(gridCtas) * double(blocksPerCta) * double(s.block_m() * s.block_n());
+  // Absorbed, nothing is mixed: its f32 work is the combination, the fold
+  // and the rotation (absorbedBlockWork).
+  const double mixFlops = absorbed     ? double(gridCtas) * double(blocksPerCta) * absorbedWork.simtFlops
+                          : mixedCache ? 0.0
+                                       : double(gridCtas) * double(blocksPerCta * s.block_n()) * 2.0 * double(G) *
+                                             double(d) * 2.0;
+  const double exps = absorbed ? double(gridCtas) * double(blocksPerCta) * absorbedWork.exps
+                               : double(gridCtas) * double(blocksPerCta) * double(s.block_m() * s.block_n());
 
   // wgmma (sm_90a): one CTA an SM with its producer warpgroup, which alone
   // mixes (or copies) the pages while the consumers' products overlap it.
   const bool wgmma = s.engine() == v1::engine_wgmma;
   const int threads = (s.warps() + (wgmma ? kWarpgroupWarps : 0)) * 32;
   const int registers = registersPerThread.value_or(int(estimatedRegisters(spec, s)));
-  const int64_t smem = ctaSharedMemory(wgmma, int(s.block_m()), int(s.block_n()), int(d), int(s.stages()), int(H),
-                                       int(G), int(P), !mixedCache, s.collapse() == v1::collapse_fused,
-                                       s.collapse() == v1::collapse_fused && spec.collapse() == v1::global);
+  const int64_t smem =
+      absorbed ? absorbedSmem(int(s.block_m()), int(d), int(s.stages()), int(G), int(P), int(s.warps())).total
+               : ctaSharedMemory(wgmma, int(s.block_m()), int(s.block_n()), int(d), int(s.stages()), int(H), int(G),
+                                 int(P), !mixedCache, s.collapse() == v1::collapse_fused,
+                                 s.collapse() == v1::collapse_fused && spec.collapse() == v1::global);
   e.ctasPerSm = ctasPerSmOf(device, smem, registers, threads, wgmma);
   if (e.ctasPerSm == 0) {
     e.seconds = 1e9;
@@ -578,13 +613,24 @@ DecodeFloor estimateDecodeFloor(const KernelSpec& spec, const Schedule& s, const
   if (!issue) {
     // A raw cache's rows mixed on chip: G FMAs per element of a key and a
     // value row, over the CTA's warps.
-    const double mixing = mixedCache ? 0.0 : double(s.block_n() * d) * double(G) * 2.0 / 32.0 / warps;
+    // Absorbed: its f32 work and its mma.sync instructions (4096 FLOP each).
+    const AbsorbedBlockWork work = s.absorb_mixing() ? absorbedBlockWork(spec, s) : AbsorbedBlockWork{};
+    const double mixing = s.absorb_mixing() ? (work.simtFlops / 2.0 / 32.0 + work.matrixFlops / 4096.0) / warps
+                          : mixedCache ? 0.0
+                                       : double(s.block_n() * d) * double(G) * 2.0 / 32.0 / warps;
     perBlock = kLoopInstructionsPerWarp + mixing;
   }
   f.issueFromSass = issue.has_value();
   const double rate = device.fmaFlops / 64.0;                          // warp instructions a second, the device
   const double subPartitionRate = rate / (4.0 * double(device.smCount));  // one sub-partition's
   const double total = double(f.ctas) * warps * double(blocksPerCta) * perBlock / rate;
+  // The tensor pipe: the products issued, at the model's mma.sync (or
+  // wgmma) share of the dense rate.
+  const double padded = double(paddedHeadDim(int(d)));
+  const double matrixFlops =
+      s.absorb_mixing() ? absorbedBlockWork(spec, s).matrixFlops : 4.0 * double(s.block_m() * s.block_n()) * padded;
+  f.tensorSeconds = double(f.ctas) * double(blocksPerCta) * matrixFlops /
+                    (device.tensorFlops * (wgmma ? device.wgmmaEfficiency : device.mmaSyncEfficiency));
   // One CTA's blocks run one after another, its warps on an SM's four
   // sub-partitions; the grid's CTAs an SM at a time.
   const double perCta = double(blocksPerCta) * perBlock * std::ceil(warps / 4.0) / subPartitionRate;

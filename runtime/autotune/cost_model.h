@@ -147,13 +147,21 @@ CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& schedule
 // estimated: the mixing's FMAs and the loop's fixed part), over the whole
 // device or, where the grid is small, one CTA's blocks one after another
 // on its warps' sub-partitions, wave after wave.
+//
+// `tensorSeconds` is the tensor pipe's time for the products the step
+// issues at the model's share of the dense rate (DeviceModel's
+// mmaSyncEfficiency or wgmmaEfficiency: what published attention kernels
+// reach, not a measured pipe rate): the absorbed step trades the mixing's
+// FMAs for products, and its floor is the larger of the two ratios.
 struct DecodeFloor {
   double bytes = 0;
   double memorySeconds = 0;
   double issueSeconds = 0;
+  double tensorSeconds = 0;
   int64_t ctas = 0;
   bool issueFromSass = false;
   double floorRatio() const { return memorySeconds > 0 ? issueSeconds / memorySeconds : 0; }
+  double tensorRatio() const { return memorySeconds > 0 ? tensorSeconds / memorySeconds : 0; }
 };
 DecodeFloor estimateDecodeFloor(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
                                 int64_t batch, int64_t cachedTokens, int64_t newTokens, bool mixedCache,

@@ -24,6 +24,8 @@ constexpr int kTmaProducerRegisters[] = {24};
 constexpr int kMixingProducerRegisters[] = {56, 88};
 // Decode: CTAs splitting a step's key blocks (flash-decoding).
 constexpr int kDecodeSplitChoices[] = {1, 2, 4, 8, 16, 32};
+// The absorbed step runs one CTA a sequence: its splits alone fill the SMs.
+constexpr int kAbsorbedSplitChoices[] = {1, 4, 16, 32, 64, 128, 256};
 
 }  // namespace
 
@@ -63,6 +65,7 @@ std::string scheduleKey(const Schedule& s) {
   if (s.dq() == v1::dq_atomic) key += ".dq-atomic";
   if (s.kv_splits() > 1) key += ".splits" + std::to_string(s.kv_splits());
   if (s.stack_heads()) key += ".stacked";
+  if (s.absorb_mixing()) key += ".absorbed";
   return key;
 }
 
@@ -187,9 +190,22 @@ SearchSpace decodeSearchSpace(const KernelSpec& spec, const v1::Target& target, 
             s.set_stages(stages);
             s.set_kv_splits(splits);
             s.set_stack_heads(stacked);
+            if (!mixedCache) s.set_absorb_mixing(false);
             consider(space, seen, spec, target, s, resolveSchedule(spec, s, target, Direction::decode, mixedCache),
                      suffix);
           }
+  // Over a raw cache, the absorbed step (its own shape: pruned, with the
+  // compiler's reason, where the spec rules it out), at every split count
+  // up to one CTA an SM for a sequence.
+  if (!mixedCache && target.kind() == v1::Target::cuda)
+    for (int stages : {1, 2})
+      for (int splits : kAbsorbedSplitChoices) {
+        Schedule s;
+        s.set_absorb_mixing(true);
+        s.set_stages(stages);
+        s.set_kv_splits(splits);
+        consider(space, seen, spec, target, s, resolveSchedule(spec, s, target, Direction::decode, mixedCache), suffix);
+      }
   // sm_90a: the wgmma step too (one consumer warpgroup, wgmma's key
   // blocks; pruned, with the compiler's reason, where head_dim rules it out).
   if (target.kind() == v1::Target::cuda && target.arch() == "sm_90a")

@@ -131,6 +131,26 @@ uint32_t shfl(int mode, uint32_t a, uint32_t b, uint32_t c, uint32_t membermask,
   return mine.d;
 }
 
+void warpSync(uint32_t membermask, const void* pc) {
+  Cta& x = cta();
+  x.maybeLand();
+  int unused = 0;
+  x.collective(kWarpSize, "bar.warp.sync", laneMask(membermask), &unused, pc,
+               [&](std::vector<void*>&, std::vector<Thread*>& lanes) {
+                 std::vector<Clock> joined;
+                 for (Thread* lane : lanes)
+                   if (lane) {
+                     joined.resize(std::max(joined.size(), lane->clock.size()), 0);
+                     Cta::join(joined, lane->clock);
+                   }
+                 for (Thread* lane : lanes)
+                   if (lane) {
+                     lane->clock = joined;
+                     ++lane->clock[size_t(lane->index)];
+                   }
+               });
+}
+
 uint32_t elect(uint32_t membermask, const void* pc) {
   Cta& x = cta();
   x.maybeLand();
@@ -795,6 +815,7 @@ const Api& api() {
       .setmaxnreg = setmaxnreg,
       .redGlobalAddF32 = redGlobalAddF32,
       .barArrive = barArrive,
+      .warpSync = warpSync,
   };
   return table;
 }

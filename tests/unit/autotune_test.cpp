@@ -533,8 +533,15 @@ TEST(CostModel, DecodeStepsAreMemoryBoundAndSplitWhereTheGridIsSmall) {
     SCOPED_TRACE(mixed ? "mixed cache" : "raw cache");
     const SearchSpace space = decodeSearchSpace(s, h, mixed);
     ASSERT_FALSE(space.candidates.empty());
-    std::set<int> splits, wgmmaSplits;
+    std::set<int> splits, wgmmaSplits, absorbedSplits;
     for (const Candidate& c : space.candidates) {
+      if (c.schedule.absorb_mixing()) {  // the absorbed step: its own shape and split choices
+        EXPECT_FALSE(mixed) << c.key;
+        EXPECT_EQ(c.schedule.block_n(), 8 * s.pseudo_heads()) << c.key;
+        EXPECT_NE(c.key.find(".absorbed"), std::string::npos) << c.key;
+        absorbedSplits.insert(c.schedule.kv_splits());
+        continue;
+      }
       splits.insert(c.schedule.kv_splits());
       EXPECT_EQ(c.schedule.mix(), mixed ? v1::mix_materialized : v1::mix_fused) << c.key;
       if (c.schedule.engine() == v1::engine_wgmma) {  // sm_90a's: one consumer warpgroup, wgmma's key blocks
@@ -553,9 +560,25 @@ TEST(CostModel, DecodeStepsAreMemoryBoundAndSplitWhereTheGridIsSmall) {
     }
     EXPECT_EQ(splits, (std::set<int>{1, 2, 4, 8, 16, 32}));
     EXPECT_EQ(wgmmaSplits, splits) << "sm_90a tries the wgmma step at every split";
-    // The mma.sync step's choices (the wgmma one's are below).
+    if (!mixed) {
+      EXPECT_EQ(absorbedSplits, (std::set<int>{1, 4, 16, 32, 64, 128, 256}));
+      // A raw cache of one long sequence: the model takes the absorbed step
+      // (no mixing on chip), split so that its one CTA a sequence covers the SMs.
+      const auto ranked = rankByModel(s, h, space, 1, 32768, Direction::decode, mixed, 1);
+      const Schedule first = ranked.front().candidate.schedule;
+      EXPECT_TRUE(first.absorb_mixing()) << scheduleKey(first);
+      EXPECT_GE(first.kv_splits(), 64) << scheduleKey(first);
+      Schedule lone = first;
+      lone.set_kv_splits(1);
+      EXPECT_LT(estimateDecodeCost(s, first, h, 1, 32768, 1, mixed).seconds,
+                estimateDecodeCost(s, lone, h, 1, 32768, 1, mixed).seconds / 16)
+          << "one CTA alone streams the whole cache";
+    }
+    // The mixing mma.sync step's choices (the wgmma one's are below).
     SearchSpace mmaSpace = space;
-    std::erase_if(mmaSpace.candidates, [](const Candidate& c) { return c.schedule.engine() == v1::engine_wgmma; });
+    std::erase_if(mmaSpace.candidates, [](const Candidate& c) {
+      return c.schedule.engine() == v1::engine_wgmma || c.schedule.absorb_mixing();
+    });
     auto best = [&](int64_t batch, int64_t cached) {
       const auto ranked = rankByModel(s, h, mmaSpace, batch, cached, Direction::decode, mixed, 1);
       return ranked.front().candidate.schedule;

@@ -16,6 +16,7 @@
 #include "reference/iha_decode.h"
 #include "host_tensors.h"
 #include "loom/runtime.h"
+#include "mutate.h"
 #include "test_util.h"
 
 namespace loom {
@@ -444,6 +445,111 @@ TEST(Decode, StackedHeadsGiveTheForwardsRows) {
   }
 }
 
+// The absorbed step (the default over a raw cache where the spec allows it;
+// loom/tile/cuda_absorbed.h): the cached rows are never mixed, the keys'
+// mix absorbed into P rows of R(-j) q a query row, the values' into the
+// probabilities. Drawn specs without qk_norm, P 1 to 8 (those not a power
+// of two take padding S rows), G odd and even (a padding head), head_dim 16
+// to 64, every mask and window, T = 1 to 3 new tokens (several tokens of
+// every head in one CTA), ragged caches over drawn pages, split (shares
+// empty) or not, sm_80 and sm_90a by turns: the emulated step gives the
+// forward's rows with no finding, from a plan whose CTA holds every head.
+TEST(Decode, AbsorbedStepsGiveTheForwardsRows) {
+  std::mt19937_64 rng(testing::testSeed() ^ 0xab50);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  for (int draw = 0; draw < 6; ++draw) {
+    const IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
+      KernelSpec spec = testing::randomSpec(rng);
+      spec.set_pseudo_heads(int32_t(draw == 0 ? 8 : draw == 1 ? 3 : pick(1, 5)));
+      spec.set_kv_heads(int32_t(pick(1, 3)));
+      spec.set_heads(int32_t(spec.kv_heads() * pick(1, std::max<int64_t>(1, 8 / (spec.kv_heads() * spec.pseudo_heads())))));
+      spec.set_head_dim(int32_t(16 * pick(1, spec.pseudo_heads() > 4 ? 2 : 4)));
+      spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
+      spec.clear_qk_norm();
+      spec.clear_qk_norm_eps();
+      testing::dropStaleOptions(spec);
+      return testing::DrawnShape{spec, pick(1, 2), pick(12, 40)};
+    });
+    const int64_t T = pick(1, std::min<int64_t>(3, c.tokens));
+    DecodeLayout layout = drawCheckableLayout(rng, c, T, 9);
+    layout.layout = CacheLayout::raw;
+    Schedule schedule;
+    if (pick(0, 1)) schedule.set_kv_splits(int32_t(pick(1, 4)));
+    const std::string arch = draw % 2 ? "sm_90a" : "sm_80";
+    SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " page " + std::to_string(layout.pageSize) + " " +
+                 arch + " " + schedule.ShortDebugString());
+    auto dc = decodeCaseFrom(c, layout);
+    ASSERT_TRUE(dc) << dc.error().message;
+    auto plan = decodePlan(*dc, schedule, arch);
+    ASSERT_TRUE(plan) << plan.error().message;
+    EXPECT_TRUE(plan->schedule.absorb_mixing()) << plan->schedule.ShortDebugString();
+    for (const LaunchPlan& launch : plan->launches)
+      if (launch.name == kAttentionEntry) EXPECT_EQ(launch.gridY, plan->schedule.kv_splits()) << "a CTA a split";
+    expectEmulatedStep(c, *dc, arch, rng(), schedule);
+  }
+}
+
+// The emulator finds what the absorbed step's barriers prevent, and a
+// wrong weight: each fault of cuda_absorbed.h on the same drawn step (P 4,
+// two warps an m-tile), whose unchanged code has no finding.
+TEST(Decode, AbsorbedStepFaultsAreFound) {
+  struct Fault {
+    const char* name;
+    const char* from;
+    const char* to;
+    std::vector<emu::FindingKind> kinds;  // none: the output must be wrong
+  };
+  const Fault faults[] = {
+      {"the barrier before the P' tile is read removed",
+       "  __syncthreads();  // P' and the row maxima of both warps of the m-tile\n", "", {emu::FindingKind::race}},
+      {"the warp's barrier before its fold removed", "  __syncwarp();\n", "", {emu::FindingKind::race}},
+      {"the values' weights of the wrong pseudo-head",
+       "        const float w = weights[m * A::P + j];", "        const float w = weights[m * A::P + (j + 1) % A::P];", {}},
+  };
+  std::mt19937_64 rng(testing::testSeed() ^ 0xfa17);
+  const IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_kv_heads(2);
+    spec.set_heads(4);
+    spec.set_pseudo_heads(4);
+    spec.set_head_dim(32);
+    spec.set_dtype(v1::bfloat16);
+    spec.clear_qk_norm();
+    spec.clear_qk_norm_eps();
+    spec.clear_window();
+    spec.clear_window_align();
+    spec.clear_window_rows();
+    testing::dropStaleOptions(spec);
+    return testing::DrawnShape{spec, 1, 24};
+  });
+  DecodeLayout layout = drawCheckableLayout(rng, c, 1, 5);
+  layout.layout = CacheLayout::raw;
+  auto dc = decodeCaseFrom(c, layout);
+  ASSERT_TRUE(dc) << dc.error().message;
+  auto plan = decodePlan(*dc, Schedule(), "sm_80");
+  ASSERT_TRUE(plan) << plan.error().message;
+  ASSERT_TRUE(plan->schedule.absorb_mixing());
+  ASSERT_EQ(plan->schedule.warps(), 2) << "two warps share the m-tile";
+  emu::EmuOptions o;
+  o.cacheDir = LOOM_TEST_CACHE;
+  o.threads = 2;
+  o.seed = rng();
+  auto clean = emu::runDecodeOnEmulator(*plan, *dc, o);
+  ASSERT_TRUE(clean) << clean.error().message;
+  EXPECT_EQ(clean->findingCount, 0) << emu::summary(*clean);
+  EXPECT_LE(relativeError(clean->out, dc->expected), toleranceFor(c.spec.dtype()));
+  for (const Fault& fault : faults) {
+    SCOPED_TRACE(fault.name);
+    o.headers = testing::mutatedHeader("loom/tile/cuda_absorbed.h", fault.from, fault.to);
+    ASSERT_FALSE(o.headers.empty());
+    auto faulty = emu::runDecodeOnEmulator(*plan, *dc, o);
+    ASSERT_TRUE(faulty) << faulty.error().message;
+    if (fault.kinds.empty())
+      EXPECT_GT(relativeError(faulty->out, dc->expected), toleranceFor(c.spec.dtype())) << emu::summary(*faulty);
+    testing::expectEachFinding(*faulty, fault.kinds, fault.name, "wrong output");
+  }
+}
+
 // sm_90a's wgmma step (engine wgmma): a producer warpgroup mixes each raw
 // page's rows on chip (or copies a mixed cache's) into the swizzled stages,
 // a consumer warpgroup takes 64 of the step's rows. Drawn specs of head_dim
@@ -650,7 +756,7 @@ TEST(Decode, PlansSayWhatTheyCannotBe) {
   splitFused.set_collapse(v1::collapse_fused);
   expectPlanRefused(spec, splitFused, "sm_80", decode, "needs collapse separate");
   Schedule tooMany;
-  tooMany.set_kv_splits(65);
+  tooMany.set_kv_splits(257);
   EXPECT_FALSE(generateKernel(spec, tooMany, *parseTarget("cpu"), decode));
   auto splitPlan = generateKernel(spec, split, *parseTarget("cpu"), decode);
   ASSERT_TRUE(splitPlan) << splitPlan.error().message;
@@ -684,6 +790,25 @@ TEST(Decode, PlansSayWhatTheyCannotBe) {
   Schedule stackWgmma = stack;
   stackWgmma.set_engine(v1::engine_wgmma);
   expectPlanRefused(gqa, stackWgmma, "sm_90a", decode, "stack_heads needs engine mma");
+  // absorb_mixing: a CUDA decode step's over a raw cache, without qk_norm,
+  // on its own shape.
+  Schedule absorb;
+  absorb.set_absorb_mixing(true);
+  expectPlanRefused(spec, absorb, "sm_80", GenerateOptions{}, "absorb_mixing is for decode plans over a raw cache only");
+  expectPlanRefused(spec, absorb, "sm_80", mixedDecode, "absorb_mixing is for decode plans over a raw cache only");
+  expectPlanRefused(spec, absorb, "cpu", decode, "absorb_mixing needs a CUDA target");
+  KernelSpec normed = spec;
+  normed.set_qk_norm(v1::KernelSpec::rms);
+  expectPlanRefused(normed, absorb, "sm_80", decode, "absorb_mixing needs qk_norm none");
+  Schedule absorbWide = absorb;
+  absorbWide.set_block_n(64);
+  expectPlanRefused(spec, absorbWide, "sm_80", decode, "block_n (64) must be 16 with absorb_mixing");
+  Schedule absorbStacked = absorb;
+  absorbStacked.set_stack_heads(true);
+  expectPlanRefused(gqa, absorbStacked, "sm_80", decode, "absorb_mixing already holds every query head");
+  auto normedPlan = generateKernel(normed, Schedule(), *parseTarget("sm_80"), decode);
+  ASSERT_TRUE(normedPlan) << normedPlan.error().message;
+  EXPECT_FALSE(normedPlan->schedule.absorb_mixing()) << "qk_norm: the mixing step by default";
   // wgmma: sm_90a's, on its head dims and key blocks.
   Schedule wgmma;
   wgmma.set_engine(v1::engine_wgmma);

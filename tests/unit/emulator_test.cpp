@@ -297,9 +297,9 @@ std::vector<Fault> faults() {
   const Schedule hopperMixing = schedule(8, 128, 64, 3, v1::mix_fused, v1::collapse_fused, v1::engine_wgmma);
   return {
       {"syncthreads_removed_from_the_kv_pipeline", "loom/tile/cuda.h",
-       "__device__ __forceinline__ void kv_release(KvPipeline<C>&, int64_t) {\n"
+       "__device__ __forceinline__ void kv_release(KvPipeline<C, false>&, int64_t) {\n"
        "  if constexpr (!cuda::Geometry<C>::splitKv) __syncthreads();",
-       "__device__ __forceinline__ void kv_release(KvPipeline<C>&, int64_t) {", "sm_80", materialized,
+       "__device__ __forceinline__ void kv_release(KvPipeline<C, false>&, int64_t) {", "sm_80", materialized,
        {FindingKind::race}},
       {"wait_group_allows_one_group_too_many", "loom/tile/cuda.h", "  cuda::waitCopies<G::splitKv ? 0 : C::stages - 1>();",
        "  cuda::waitCopies<G::splitKv ? 1 : C::stages>();", "sm_80", materialized, {FindingKind::asyncAccess}},

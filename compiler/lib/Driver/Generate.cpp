@@ -52,6 +52,7 @@ ScheduleFields fieldsOf(const Schedule& schedule) {
   if (schedule.dq() == v1::dq_atomic) fields.dq = DqStrategy::atomic;
   fields.kvSplits = schedule.kv_splits();
   fields.stackHeads = schedule.stack_heads();
+  fields.absorbMixing = schedule.absorb_mixing();
   return fields;
 }
 
@@ -72,12 +73,17 @@ Schedule scheduleOf(ScheduleAttr attr, Direction direction) {
   if (direction == Direction::decode) {
     schedule.set_kv_splits(int32_t(attr.getKvSplits()));
     schedule.set_stack_heads(attr.getStackHeads());
+    schedule.set_absorb_mixing(attr.getAbsorbMixing());
   }
   return schedule;
 }
 
 // Dynamic shared memory of the CUDA attention CTA (tile/include/loom/tile/layout.h).
 int64_t attentionSharedMemory(SpecAttr spec, ScheduleAttr schedule) {
+  if (schedule.getAbsorbMixing())
+    return absorbedSmem(int(schedule.getBlockM()), int(spec.getHeadDim()), int(schedule.getStages()),
+                        int(spec.getKvHeads()), int(spec.getPseudoHeads()), int(schedule.getWarps()))
+        .total;
   const bool fusedGlobal =
       schedule.getCollapse() == CollapseStrategy::epilogue && spec.getCollapse() == CollapseMode::global;
   return ctaSharedMemory(schedule.getEngine() == Engine::wgmma, int(schedule.getBlockM()), int(schedule.getBlockN()),
@@ -150,10 +156,20 @@ int64_t sharedMemoryLimit(const v1::Target& target) {
 // batches cover them anyway; the splits cost them the combine's partial
 // rows, a few percent of the cache's bytes at d 128); at most
 // kDefaultKvSplits. The tuner searches the others.
+// An absorbed step runs one CTA a sequence (every head in it), so its
+// splits alone cover the SMs: up to kMaxKvSplits.
 constexpr int64_t kDefaultKvSplits = 16;
-int32_t defaultDecodeSplits(const KernelSpec& spec, bool stackHeads, const v1::Target& target) {
-  const int64_t ctas = stackHeads ? spec.kv_heads() : spec.heads();
-  return int32_t(std::clamp<int64_t>(smCountOf(target) / std::max<int64_t>(ctas, 1), 1, kDefaultKvSplits));
+// A window bounds the keys a step sees whatever the cache holds: no more
+// splits than its key blocks (the absorbed step's of kAbsorbedTokens
+// tokens, the others' of 16 rows).
+int32_t defaultDecodeSplits(const KernelSpec& spec, const ScheduleFields& given, const v1::Target& target) {
+  const int64_t ctas = given.absorbMixing ? 1 : given.stackHeads ? spec.kv_heads() : spec.heads();
+  int64_t most = given.absorbMixing ? kMaxKvSplits : kDefaultKvSplits;
+  const int64_t windowRows = spec.window_rows() > 0 ? spec.window_rows() + spec.pseudo_heads()
+                                                    : int64_t(spec.window()) * spec.pseudo_heads();
+  const int64_t blockRows = given.absorbMixing ? int64_t(kAbsorbedTokens) * spec.pseudo_heads() : kMmaRows;
+  if (windowRows > 0) most = std::min<int64_t>(most, windowRows / blockRows + 1);
+  return int32_t(std::clamp<int64_t>(smCountOf(target) / std::max<int64_t>(ctas, 1), 1, most));
 }
 
 // CUDA targets: 16-bit inputs, and a schedule whose shared memory fits. An
@@ -171,7 +187,7 @@ std::optional<std::string> fitCudaTarget(SpecAttr spec, ScheduleAttr& schedule, 
     schedule = ScheduleAttr::get(spec.getContext(), schedule.getBlockM(), schedule.getBlockN(), schedule.getWarps(),
                                  schedule.getStages(), MixStrategy::materialized, schedule.getCollapse(),
                                  schedule.getEngine(), schedule.getProducerRegisters(), schedule.getDq(),
-                                 schedule.getKvSplits(), schedule.getStackHeads());
+                                 schedule.getKvSplits(), schedule.getStackHeads(), schedule.getAbsorbMixing());
   }
   const int64_t bytes = attentionSharedMemory(spec, schedule);
   if (bytes > limit)
@@ -197,7 +213,7 @@ ScheduleAttr withFlashAttention2Shape(SpecAttr spec, ScheduleAttr schedule, cons
     return schedule;  // at -O3 the second m-tile spills
   ScheduleAttr shaped = ScheduleAttr::get(spec.getContext(), kRows, kKeys, kWarps, /*stages=*/1, schedule.getMix(),
                                           schedule.getCollapse(), schedule.getEngine(), schedule.getProducerRegisters(),
-                                          schedule.getDq(), schedule.getKvSplits(), schedule.getStackHeads());
+                                          schedule.getDq(), schedule.getKvSplits(), schedule.getStackHeads(), schedule.getAbsorbMixing());
   if (checkSchedule(spec, shaped) || attentionSharedMemory(spec, shaped) > sharedMemoryLimit(target)) return schedule;
   return shaped;
 }
@@ -396,6 +412,10 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
     return makeError("schedule.kv_splits is for decode plans only (it splits a decode step's cached key blocks)");
   if (given.stackHeads && direction != Direction::decode)
     return makeError("schedule.stack_heads is for decode plans only (it stacks a kv group's query heads in one CTA)");
+  if (given.absorbMixing && (direction != Direction::decode || mixedCache))
+    return makeError("schedule.absorb_mixing is for decode plans over a raw cache only (it never mixes the cached rows)");
+  if (given.absorbMixing && target.kind() != v1::Target::cuda)
+    return makeError("schedule.absorb_mixing needs a CUDA target (the host program mixes each cached row)");
   if (direction == Direction::backward) {
     if (target.kind() == v1::Target::cuda && spec.head_dim() > kMaxBackwardHeadDim)
       return makeError("head_dim " + std::to_string(spec.head_dim()) + " has no CUDA backward yet: its dK and dV "
@@ -428,8 +448,9 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
                                     "mixes each cached block as it streams (leave mix unset or fused)");
     if (!given.kvSplits && target.kind() == v1::Target::cuda && given.collapse.value_or(CollapseStrategy::separate) ==
                                                                      CollapseStrategy::separate)
-      given.kvSplits = defaultDecodeSplits(spec, given.stackHeads, target);
-    completeDecodeFields(given, mixedCache, spec.heads() / spec.kv_heads() * spec.pseudo_heads());
+      given.kvSplits = defaultDecodeSplits(spec, given, target);
+    completeDecodeFields(given, mixedCache, spec.heads() / spec.kv_heads() * spec.pseudo_heads(), spec.heads(),
+                         spec.pseudo_heads(), spec.head_dim());
     // Split CTAs merge their rows in the combine launch, then collapse.
     if (given.kvSplits > 1) given.collapse = given.collapse.value_or(CollapseStrategy::separate);
   }
@@ -473,7 +494,8 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
       scheduleAttr = ScheduleAttr::get(specAttr.getContext(), scheduleAttr.getBlockM(), blockN, scheduleAttr.getWarps(),
                                        stages, scheduleAttr.getMix(), collapse,
                                        scheduleAttr.getEngine(), scheduleAttr.getProducerRegisters(),
-                                       scheduleAttr.getDq(), scheduleAttr.getKvSplits(), scheduleAttr.getStackHeads());
+                                       scheduleAttr.getDq(), scheduleAttr.getKvSplits(), scheduleAttr.getStackHeads(),
+                                       scheduleAttr.getAbsorbMixing());
     }
     if (auto why = checkSchedule(specAttr, scheduleAttr)) return makeError(*why);
   }
@@ -488,17 +510,27 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
 }
 
 // The same, with the defaults that depend on whether a schedule fits. A
-// decode step over a raw cache stacks a kv group's query heads in one CTA
-// unless the schedule says (stack_heads unset; CUDA, the mma engine): each
-// cached block is then staged and mixed once for the group's H / G heads,
-// not once a head (the step is bound by that mixing: docs/performance.md,
-// decode). Where the stacked schedule cannot be had, the unstacked one.
+// decode step over a raw cache (CUDA, the mma engine) absorbs the keys' and
+// values' mixing into the queries and probabilities unless the schedule
+// says (absorb_mixing unset): the cached rows are multiplied as stored, on
+// the tensor cores (docs/performance.md, decode). Where that cannot be had
+// (qk_norm, the shape), it stacks a kv group's query heads in one CTA
+// (stack_heads unset): each cached block is then staged and mixed once for
+// the group's H / G heads, not once a head. Failing both, one head a CTA.
 Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const KernelSpec& spec, const Schedule& schedule,
                                                   const v1::Target& target, Direction direction,
                                                   bool mixedCache = false) {
-  const bool stackByDefault = direction == Direction::decode && !mixedCache && !schedule.has_stack_heads() &&
-                              target.kind() == v1::Target::cuda && schedule.engine() != v1::engine_wgmma &&
-                              spec.kv_heads() > 0 && spec.heads() > spec.kv_heads();
+  const bool rawCudaMma = direction == Direction::decode && !mixedCache && target.kind() == v1::Target::cuda &&
+                          schedule.engine() != v1::engine_wgmma;
+  if (rawCudaMma && !schedule.has_absorb_mixing() && !schedule.stack_heads()) {
+    Schedule absorbed = schedule;
+    absorbed.set_absorb_mixing(true);
+    auto resolved = resolveAsGiven(c, spec, absorbed, target, direction, mixedCache);
+    if (resolved) return resolved;
+    c.diagnostics.clear();
+  }
+  const bool stackByDefault = rawCudaMma && !schedule.has_stack_heads() && spec.kv_heads() > 0 &&
+                              spec.heads() > spec.kv_heads();
   if (stackByDefault) {
     Schedule stacked = schedule;
     stacked.set_stack_heads(true);
@@ -572,12 +604,14 @@ Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedu
   if (mlir::failed(mlir::emitc::translateToCpp(*module, sourceStream)))
     return makeError("compiler: EmitC translation failed: " + diagnostics);
   // The mma.sync attention (forward, decode) with two or more m-tiles a
-  // warp: ptxas -O1 (loom::kPtxasOptionsLine says why).
+  // warp, and the absorbed decode step: ptxas -O1 (loom::kPtxasOptionsLine
+  // says why; the absorbed step, paper spec, sm_90a: 206 registers and no
+  // spill at -O1, 255 and 16 bytes spilled at -O3, the same loop within 0.5%).
   const Schedule& resolvedSchedule = plan.schedule;
   if (target.kind() == v1::Target::cuda && options.direction != Direction::backward &&
       resolvedSchedule.engine() == v1::engine_mma &&
-      attentionAtO1(int(resolvedSchedule.block_m() / (kMmaRows * resolvedSchedule.warps())), int(spec.heads()),
-                    int(spec.kv_heads())))
+      (resolvedSchedule.absorb_mixing() || attentionAtO1(int(resolvedSchedule.block_m() / (kMmaRows * resolvedSchedule.warps())), int(spec.heads()),
+                    int(spec.kv_heads()))))
     plan.source = std::string(kPtxasOptionsLine) + " -O1\n" + plan.source;
   plan.sourceHash = ContentHash().add(plan.source).hex();
   if (options.irLog) *options.irLog += irText;

@@ -92,7 +92,10 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
     // group, head after head, each head the same whole tokens (block_m /
     // (H / G) rows of its own), and stages and mixes each key block once
     // for them all.
-    const int64_t stacked = chosen.getStackHeads() ? spec.getHeads() / spec.getKvHeads() : 1;
+    // Absorbed mixing holds a token of every query head in one CTA.
+    const int64_t stacked = chosen.getAbsorbMixing() ? spec.getHeads()
+                            : chosen.getStackHeads() ? spec.getHeads() / spec.getKvHeads()
+                                                     : 1;
     const int64_t ownedRows = chosen.getBlockM() / stacked / P * P;
     tokenLaunch(kDecodeAppendLaunch, [&](mlir::OpBuilder& body, Value token0, Value batch) {
       body.create<AppendCacheOp>(loc, token0, batch);
@@ -145,7 +148,8 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
       if (auto why = checkScheduleFields(*fields)) return kernel.emitError() << *why;
       if (kernel.getDecode())
         completeDecodeFields(*fields, kernel.getMixedCache(),
-                             spec.getHeads() / spec.getKvHeads() * spec.getPseudoHeads());
+                             spec.getHeads() / spec.getKvHeads() * spec.getPseudoHeads(), spec.getHeads(),
+                             spec.getPseudoHeads(), spec.getHeadDim());
       if (kernel.getBackward()) {  // the backward reads mixed rows from workspaces
         fields->mix = fields->mix.value_or(MixStrategy::materialized);
         fields->collapse = fields->collapse.value_or(CollapseStrategy::separate);

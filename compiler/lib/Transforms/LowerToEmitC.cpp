@@ -57,7 +57,10 @@ std::string configStruct(SpecAttr spec, ScheduleAttr schedule, bool backward, bo
   // The rows a CTA owns and stores of each of its heads: the whole tokens
   // among its block_m, or with stack_heads among block_m / (H / G) rows
   // (loom/tile/common.h, ctaRow).
-  const int64_t stacked = decode && schedule.getStackHeads() ? spec.getHeads() / spec.getKvHeads() : 1;
+  const int64_t stacked = !decode                   ? 1
+                          : schedule.getAbsorbMixing() ? spec.getHeads()
+                          : schedule.getStackHeads()   ? spec.getHeads() / spec.getKvHeads()
+                                                       : 1;
   text += line("int", "cta_rows",
                std::to_string(schedule.getBlockM() / stacked / spec.getPseudoHeads() * spec.getPseudoHeads()));
   text += line("int", "stacked_heads", std::to_string(stacked));
@@ -74,6 +77,9 @@ std::string configStruct(SpecAttr spec, ScheduleAttr schedule, bool backward, bo
   // A decode step (loom/tile/common.h's decode fields of IhaArgs).
   text += line("bool", "decode", decode ? "true" : "false");
   text += line("bool", "mixed_cache", mixedCache ? "true" : "false");
+  // The keys' and values' mixing absorbed into the queries and the
+  // probabilities (loom/tile/cuda_absorbed.h).
+  text += line("bool", "absorbed", decode && schedule.getAbsorbMixing() ? "true" : "false");
   text += line("int", "kv_splits", std::to_string(decode ? schedule.getKvSplits() : 1));
   if (schedule.getEngine() == Engine::wgmma) {
     text += line("int", "producer_registers", std::to_string(schedule.getProducerRegisters()));

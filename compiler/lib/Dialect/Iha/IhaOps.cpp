@@ -25,6 +25,8 @@ LogicalResult KernelOp::verify() {
   if (getMixedCache() && !getDecode()) return emitOpError() << "has a mixed_cache but is not a decode kernel";
   if (getScheduleAttr() && getScheduleAttr().getStackHeads() && !getDecode())
     return emitOpError() << "stacks heads (schedule stack_heads) but is not a decode kernel";
+  if (getScheduleAttr() && getScheduleAttr().getAbsorbMixing() && (!getDecode() || getMixedCache()))
+    return emitOpError() << "absorbs the mixing (schedule absorb_mixing) but is not a decode kernel over a raw cache";
   if (launchLevel && !getScheduleAttr()) return emitOpError() << "has launches but no schedule";
   return success();
 }

@@ -59,7 +59,7 @@ ScheduleAttr completeWgmma(SpecAttr spec, const ScheduleFields& given) {
           : (mix != MixStrategy::fused                ? kTmaProducerRegisters
              : spec.getQkNorm() == QkNorm::rms ? kNormalizingProducerRegisters
                                                : kMixingProducerRegisters),
-      given.dq.value_or(DqStrategy::separate), given.kvSplits ? given.kvSplits : 1, given.stackHeads);
+      given.dq.value_or(DqStrategy::separate), given.kvSplits ? given.kvSplits : 1, given.stackHeads, given.absorbMixing);
 }
 
 std::optional<std::string> checkWgmma(SpecAttr spec, ScheduleAttr schedule) {
@@ -152,12 +152,13 @@ ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool h
   return ScheduleAttr::get(spec.getContext(), blockM, blockN, warps, given.stages ? given.stages : kDefaultStages,
                            given.mix.value_or(MixStrategy::fused), given.collapse.value_or(defaultCollapse(spec)),
                            Engine::mma, given.producerRegisters, given.dq.value_or(DqStrategy::separate),
-                           given.kvSplits ? given.kvSplits : 1, given.stackHeads);
+                           given.kvSplits ? given.kvSplits : 1, given.stackHeads, given.absorbMixing);
 }
 
 
 
-void completeDecodeFields(ScheduleFields& fields, bool mixedCache, int64_t stackRows) {
+void completeDecodeFields(ScheduleFields& fields, bool mixedCache, int64_t stackRows, int64_t heads,
+                          int64_t pseudoHeads, int64_t headDim) {
   fields.mix = mixedCache ? MixStrategy::materialized : MixStrategy::fused;
   fields.engine = fields.engine.value_or(Engine::mma);
   // Over a raw cache, key blocks of 16 rows unless asked otherwise: the
@@ -180,6 +181,23 @@ void completeDecodeFields(ScheduleFields& fields, bool mixedCache, int64_t stack
     // its slot arithmetic; 40 compiled clean (d 64 and 128, sm_90a), so the
     // mixing producer's 56.
     if (mixedCache && !fields.producerRegisters) fields.producerRegisters = kMixingProducerRegisters;
+    return;
+  }
+  if (fields.absorbMixing) {
+    // Absorbed (the keys' and values' mix into the queries and
+    // probabilities): key blocks of kAbsorbedTokens tokens; the query block a
+    // token of every head (H * P rows) in 16-row m-tiles, a power of two of
+    // them, two warps each where their S rows split (absorbedSplit); two
+    // stages; the collapse in its own launch.
+    if (!fields.blockN) fields.blockN = kAbsorbedTokens * pseudoHeads;
+    const int64_t split = absorbedSplit(int(pseudoHeads), int(headDim));
+    if (!fields.blockM) {
+      int64_t tiles = 1;
+      while (tiles * kMmaRows < heads * pseudoHeads) tiles *= 2;
+      fields.blockM = tiles * kMmaRows;
+    }
+    if (!fields.warps) fields.warps = split * (fields.blockM / kMmaRows);
+    fields.collapse = fields.collapse.value_or(CollapseStrategy::separate);
     return;
   }
   if (!mixedCache && !fields.blockN) fields.blockN = kRawCacheBlockN;
@@ -222,11 +240,31 @@ std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule) {
       return "schedule.stack_heads needs collapse separate under a global collapse (its fused epilogue loops over "
              "every head in one CTA)";
   }
+  if (schedule.getAbsorbMixing()) {
+    const int64_t H = spec.getHeads();
+    if (schedule.getEngine() != Engine::mma) return "schedule.absorb_mixing needs engine mma";
+    if (schedule.getStackHeads())
+      return "schedule.absorb_mixing already holds every query head in one CTA (leave stack_heads unset)";
+    if (spec.getQkNorm() != QkNorm::none)
+      return "schedule.absorb_mixing needs qk_norm none (a mixed key's norm is not a product of the raw rows)";
+    if (blockN != kAbsorbedTokens * P)
+      return "schedule.block_n (" + str(blockN) + ") must be " + str(kAbsorbedTokens * P) + " with absorb_mixing (" +
+             str(kAbsorbedTokens) + " tokens a key block)";
+    if (blockM < H * P)
+      return "schedule.block_m (" + str(blockM) + ") must hold a token of every query head (" + str(H * P) +
+             " rows) with absorb_mixing";
+    if (const char* why = absorbedShapeProblem(int(blockM), int(warps), int(spec.getHeadDim()), int(P)))
+      return std::string("schedule.absorb_mixing: ") + why + " (block_m " + str(blockM) + ", warps " + str(warps) +
+             ", head_dim " + str(spec.getHeadDim()) + ", pseudo_heads " + str(P) + ")";
+    if (schedule.getCollapse() != CollapseStrategy::separate)
+      return "schedule.absorb_mixing needs collapse separate (its CTA stores every head's rows)";
+  }
   if (schedule.getEngine() == Engine::wgmma) return checkWgmma(spec, schedule);
   if (schedule.getProducerRegisters() != 0)
     return "schedule.producer_registers is for engine wgmma only (its producer warpgroup)";
   if (warps != 1 && warps != 2 && warps != 4 && warps != 8)
     return "schedule.warps (" + str(warps) + ") must be 1, 2, 4 or 8";
+  if (schedule.getAbsorbMixing()) return std::nullopt;  // its warps share m-tiles (checked above)
   if (blockM < 1 || blockM > kMaxBlockRows)
     return "schedule.block_m (" + str(blockM) + ") must be in [1, " + str(kMaxBlockRows) + "]";
   if (blockM < P)

@@ -133,6 +133,19 @@ LOOM_HOST_DEVICE inline float* split_row(const IhaArgs& args, int64_t b, int64_t
          (((b * C::heads + h) * C::kv_splits + s) * seq_len<C>(args) + i) * int64_t(C::head_dim + 1);
 }
 
+// Whether a program's config asks for the absorbed decode step (its
+// `absorbed` member; configs without one, the tests' own, do not).
+template <class C, class = void>
+struct AbsorbedOf {
+  static constexpr bool value = false;
+};
+template <class C>
+struct AbsorbedOf<C, decltype(void(C::absorbed))> {
+  static constexpr bool value = C::absorbed;
+};
+template <class C>
+constexpr bool kAbsorbed = AbsorbedOf<C>::value;
+
 // Tile row r of an attention CTA. A CTA owns cta_rows rows of its head
 // (the whole tokens among its block_m; the rows after are the next CTA's);
 // a decode CTA with stack_heads holds every query head of a kv group,
@@ -154,6 +167,30 @@ LOOM_HOST_DEVICE inline int64_t cache_slot(const IhaArgs& args, int64_t b, int64
   // A sequence's positions are below 2^31: 32-bit division (a 64-bit one is
   // a subroutine call on the device).
   const int32_t token = int32_t(t), page = token / int32_t(args.page_size);
+  return int64_t(args.page_table[b * args.max_pages + page]) * args.page_size + (token - page * int32_t(args.page_size));
+}
+
+// n / d for 0 <= n < 2^31 and a divisor d >= 1 fixed for a launch, by a
+// multiply-high, an add and a shift (Granlund and Montgomery's round-up
+// method, as CUTLASS's FastDivmod): the decode loops find a page per token.
+struct FastDivider {
+  unsigned magic = 1;
+  int shift = 0;
+};
+LOOM_HOST_DEVICE inline FastDivider fastDivider(int32_t d) {
+  int l = 0;
+  while ((int64_t(1) << l) < d) ++l;  // ceil(log2 d)
+  using U64 = unsigned long long;
+  const U64 m = ((U64(1) << 32) * ((U64(1) << l) - U64(d))) / U64(d) + 1;
+  return {unsigned(m), l};
+}
+LOOM_HOST_DEVICE inline int32_t divide(int32_t n, const FastDivider& f) {
+  const unsigned high = unsigned((static_cast<unsigned long long>(f.magic) * unsigned(n)) >> 32);
+  return int32_t((high + unsigned(n)) >> f.shift);
+}
+// cache_slot with the launch's page size as a FastDivider.
+LOOM_HOST_DEVICE inline int64_t cache_slot(const IhaArgs& args, int64_t b, int64_t t, const FastDivider& pages) {
+  const int32_t token = int32_t(t), page = divide(token, pages);
   return int64_t(args.page_table[b * args.max_pages + page]) * args.page_size + (token - page * int32_t(args.page_size));
 }
 

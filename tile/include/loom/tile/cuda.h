@@ -160,7 +160,7 @@ __device__ __forceinline__ void waitCopies() {
 // carved from the dynamic shared memory by cuda::layout).
 //===----------------------------------------------------------------------===//
 
-template <class C>
+template <class C, bool = kAbsorbed<C>>
 struct QTile {
   // A fragments of Q: all k-steps, or the current one when Q is read from
   // shared memory at every block.
@@ -168,7 +168,7 @@ struct QTile {
   Bits32 lane;  // this lane's ldmatrix address of m-tile 0, k-step 0
 };
 
-template <class C>
+template <class C, bool = kAbsorbed<C>>
 struct KvPipeline {
   const Bits16* key;    // the K tile of the block being consumed
   const Bits16* value;  // its V tile
@@ -180,7 +180,7 @@ struct KvPipeline {
   int upper;             // the blocks' end
 };
 
-template <class C>
+template <class C, bool = kAbsorbed<C>>
 struct ScoreTile {
   float s[cuda::Geometry<C>::MT][cuda::Geometry<C>::NT][4];
   // P, packed to 16 bits once the softmax is done with S (half the
@@ -188,16 +188,23 @@ struct ScoreTile {
   Bits32 p[cuda::Geometry<C>::MT][cuda::Geometry<C>::NT][2];
 };
 
-template <class C>
+template <class C, bool = kAbsorbed<C>>
 struct SoftmaxState {
   float m[cuda::Geometry<C>::MT][2];  // running max (log2 domain) of rows lane/4 and lane/4 + 8
   float l[cuda::Geometry<C>::MT][2];  // running denominator
 };
 
-template <class C>
+template <class C, bool = kAbsorbed<C>>
 struct AccTile {
   float o[cuda::Geometry<C>::MT][cuda::Geometry<C>::OT][4];
 };
+
+}  // namespace loom
+
+// The absorbed decode step's tiles and calls.
+#include "loom/tile/cuda_absorbed.h"
+
+namespace loom {
 
 template <class C>
 struct OutTile {};  // lives in shared memory (AttentionSmem::out)
@@ -214,7 +221,7 @@ struct OutTile {};  // lives in shared memory (AttentionSmem::out)
 //             stay in flight), or, with fused mixing, mixes Q into the tile
 //             while those copies fly; then each warp loads its A fragments.
 template <class C, bool Mixed>
-__device__ void q_begin(QTile<C>&, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
+__device__ void q_begin(QTile<C, false>&, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
   static_assert(C::stacked_heads == 1 || Mixed, "stacked heads mix their queries as they load");
   if constexpr (!Mixed) {
     using G = cuda::Geometry<C>;
@@ -232,7 +239,7 @@ __device__ void q_begin(QTile<C>&, const IhaArgs& a, int64_t row0, int64_t head,
 }
 
 template <class C, bool Mixed>
-__device__ void q_wait(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
+__device__ void q_wait(QTile<C, false>& q, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
   using G = cuda::Geometry<C>;
   Bits16* tile = reinterpret_cast<Bits16*>(cuda::smem() + cuda::layout<C>().q);
   if constexpr (Mixed) {
@@ -276,7 +283,7 @@ __device__ void q_wait(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head
 }
 
 template <class C>
-__device__ void softmax_init(SoftmaxState<C>& state, AccTile<C>& acc) {
+__device__ void softmax_init(SoftmaxState<C, false>& state, AccTile<C, false>& acc) {
   using G = cuda::Geometry<C>;
   #pragma unroll
   for (int mt = 0; mt < G::MT; ++mt) {
@@ -564,7 +571,7 @@ __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t b, int64_t bloc
 // Pipeline prologue: blocks lower .. lower + stages - 2, one commit group
 // each; the split pipeline's first K.
 template <class C, bool Mixed>
-__device__ void kv_begin(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64_t b, int64_t lower, int64_t upper) {
+__device__ void kv_begin(KvPipeline<C, false>& pipe, const IhaArgs& a, int64_t g, int64_t b, int64_t lower, int64_t upper) {
   pipe.mixed = Mixed;
   if constexpr (cuda::Geometry<C>::splitKv) {
     const int64_t L = rows_end<C>(a, b);
@@ -585,7 +592,7 @@ __device__ void kv_begin(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64
 
 // The split pipeline issues its next K in mma_qk instead.
 template <class C, bool Mixed>
-__device__ void kv_produce(KvPipeline<C>&, const IhaArgs& a, int64_t g, int64_t b, int64_t block, int64_t upper) {
+__device__ void kv_produce(KvPipeline<C, false>&, const IhaArgs& a, int64_t g, int64_t b, int64_t block, int64_t upper) {
   if constexpr (!cuda::Geometry<C>::splitKv) {
     if (block < upper) cuda::issueKv<C, Mixed>(a, g, b, block);
     cuda::commitCopies();
@@ -598,7 +605,7 @@ __device__ void kv_produce(KvPipeline<C>&, const IhaArgs& a, int64_t g, int64_t 
 // Split (Geometry::splitKv): waits for K(block), whose barrier also tells
 // that every warp is done with V(block - 1), then issues V(block) into it.
 template <class C, bool Mixed>
-__device__ void kv_wait(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
+__device__ void kv_wait(KvPipeline<C, false>& pipe, const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
   using G = cuda::Geometry<C>;
   if constexpr (C::stages == 1 && !G::splitKv) {
     cuda::issueKv<C, Mixed>(a, g, b, block);
@@ -632,7 +639,7 @@ __device__ void kv_wait(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64_
 // The stage (and the mixed tile) may be overwritten once every warp is done.
 // The split pipeline's barriers are kv_wait's and mma_qk's.
 template <class C>
-__device__ __forceinline__ void kv_release(KvPipeline<C>&, int64_t) {
+__device__ __forceinline__ void kv_release(KvPipeline<C, false>&, int64_t) {
   if constexpr (!cuda::Geometry<C>::splitKv) __syncthreads();
   if constexpr (cuda::kFusedKeyNorm<C>) cuda::clearKeySquares<C>();  // ordered by the next kv_wait's barrier
 }
@@ -641,7 +648,7 @@ __device__ __forceinline__ void kv_release(KvPipeline<C>&, int64_t) {
 // unscaled (softmax_update scales it in its exponentials' FFMA) unless fused
 // keys are normalised here, column by column (kScaledScores).
 template <class C>
-__device__ void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_t) {
+__device__ void mma_qk(ScoreTile<C, false>& s, QTile<C, false>& q, KvPipeline<C, false>& pipe, int64_t) {
   using G = cuda::Geometry<C>;
   const int l = cuda::lane();
   #pragma unroll
@@ -692,7 +699,7 @@ __device__ void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_
 // inside it are a run of bits (cuda::columnsBelow), built once a row, and
 // each element costs a bit test and a select, as in hopper.h.
 template <class C>
-__device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int64_t block) {
+__device__ void mask_scores(ScoreTile<C, false>& s, const IhaArgs& a, int64_t row0, int64_t block) {
   using G = cuda::Geometry<C>;
   // Rows fit in int (launches check L = N * P < 2^31).
   const int L = int(rows_end<C>(a, block_z(a))), i0 = int(row0);
@@ -722,7 +729,7 @@ __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int
 // Masked: as hopper.h's (a row the block's mask leaves no key has maximum
 // -inf and takes its exponentials from 0); an unmasked block skips the test.
 template <class C, bool Masked = true>
-__device__ void softmax_update(SoftmaxState<C>& state, ScoreTile<C>& s, AccTile<C>& acc) {
+__device__ void softmax_update(SoftmaxState<C, false>& state, ScoreTile<C, false>& s, AccTile<C, false>& acc) {
   using G = cuda::Geometry<C>;
   constexpr float scale = cuda::kScaledScores<C> ? 1.0f : C::scale * kLog2e;
   #pragma unroll
@@ -762,7 +769,7 @@ __device__ void softmax_update(SoftmaxState<C>& state, ScoreTile<C>& s, AccTile<
 // ahead of the softmax (FlashAttention-2's place): with S packed into P the
 // copies' addresses find registers, where beside S ptxas spilled them.
 template <class C>
-__device__ void mma_pv(AccTile<C>& acc, ScoreTile<C>& s, KvPipeline<C>& pipe, int64_t block) {
+__device__ void mma_pv(AccTile<C, false>& acc, ScoreTile<C, false>& s, KvPipeline<C, false>& pipe, int64_t block) {
   using G = cuda::Geometry<C>;
   if constexpr (G::splitKv) {
     cuda::waitCopies<0>();
@@ -794,7 +801,7 @@ __device__ void mma_pv(AccTile<C>& acc, ScoreTile<C>& s, KvPipeline<C>& pipe, in
 }
 
 template <class C>
-__device__ void normalize(SoftmaxState<C>& state, AccTile<C>& acc) {
+__device__ void normalize(SoftmaxState<C, false>& state, AccTile<C, false>& acc) {
   using G = cuda::Geometry<C>;
   #pragma unroll
   for (int mt = 0; mt < G::MT; ++mt)
@@ -814,7 +821,7 @@ namespace cuda {
 
 // lse = ln 2 * (m + log2 l) for the thread's rows (one writer per quad).
 template <class C>
-__device__ void storeLse(SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
+__device__ void storeLse(SoftmaxState<C, false>& state, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
   if (!a.lse || lane() % kQuadSize != 0) return;
   const int64_t L = seq_len<C>(a);
   #pragma unroll
@@ -830,7 +837,7 @@ __device__ void storeLse(SoftmaxState<C>& state, const IhaArgs& a, int64_t row0,
 
 // The normalised block as f32 in shared memory, for the collapse epilogues.
 template <class C>
-__device__ float* stageOutput(AccTile<C>& acc) {
+__device__ float* stageOutput(AccTile<C, false>& acc) {
   using G = Geometry<C>;
   float* staging = reinterpret_cast<float*>(smem() + layout<C>().staging);
   __syncthreads();  // the staging area overlaps the Q / K / V tiles
@@ -851,7 +858,7 @@ __device__ float* stageOutput(AccTile<C>& acc) {
 }  // namespace cuda
 
 template <class C>
-__device__ void store_rows(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head,
+__device__ void store_rows(AccTile<C, false>& acc, SoftmaxState<C, false>& state, const IhaArgs& a, int64_t row0, int64_t head,
                            int64_t b) {
   using G = cuda::Geometry<C>;
   const int64_t L = seq_len<C>(a);
@@ -877,7 +884,7 @@ __device__ void store_rows(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArg
 // lse (-inf for a share without an allowed key) into the splits workspace,
 // element by element (a row of d + 1 floats has no wider alignment).
 template <class C>
-__device__ void store_split(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0, int64_t head,
+__device__ void store_split(AccTile<C, false>& acc, SoftmaxState<C, false>& state, const IhaArgs& a, int64_t row0, int64_t head,
                             int64_t b, int64_t split) {
   using G = cuda::Geometry<C>;
   const int64_t L = seq_len<C>(a);
@@ -904,7 +911,7 @@ __device__ void store_split(AccTile<C>& acc, SoftmaxState<C>& state, const IhaAr
 
 // per_head collapse: out[n, head] = sum_p collapse[head, p] * O[n*P + p].
 template <class C>
-__device__ void store_collapsed(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, int64_t row0,
+__device__ void store_collapsed(AccTile<C, false>& acc, SoftmaxState<C, false>& state, const IhaArgs& a, int64_t row0,
                                 int64_t head, int64_t b) {
   using G = cuda::Geometry<C>;
   cuda::storeCollapsed<C>(cuda::stageOutput<C>(acc), stagingPitch(C::head_dim), a, row0, head, b, threadIdx.x,
@@ -921,7 +928,7 @@ __device__ void out_init(OutTile<C>&) {
 
 // Global collapse, fused: this head's share of every output head.
 template <class C>
-__device__ void accumulate_collapsed(OutTile<C>&, AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a,
+__device__ void accumulate_collapsed(OutTile<C>&, AccTile<C, false>& acc, SoftmaxState<C, false>& state, const IhaArgs& a,
                                      int64_t row0, int64_t head, int64_t b) {
   static_assert(C::stacked_heads == 1, "a fused global collapse loops over the heads itself");
   using G = cuda::Geometry<C>;

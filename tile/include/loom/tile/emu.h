@@ -110,6 +110,7 @@ inline float2 make_float2(float x, float y) { return {x, y}; }
 //===--- synchronisation and warp intrinsics -------------------------------===//
 
 LOOM_EMU_LEAF inline void __syncthreads() { loom::emu::api->barSync(0, 0, LOOM_EMU_PC); }
+LOOM_EMU_LEAF inline void __syncwarp(unsigned mask = 0xffffffffu) { loom::emu::api->warpSync(mask, LOOM_EMU_PC); }
 
 namespace loom::emu {
 // The `c` operand of shfl.sync as the CUDA intrinsics build it.

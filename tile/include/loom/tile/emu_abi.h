@@ -13,7 +13,7 @@
 
 namespace loom::emu {
 
-constexpr uint32_t kAbiVersion = 3;
+constexpr uint32_t kAbiVersion = 4;
 
 struct Dim3 {
   unsigned x, y, z;
@@ -82,6 +82,9 @@ struct Api {
   void (*redGlobalAddF32)(float* address, float value, const void* pc);
   // bar.arrive id, threads: counts toward the barrier without waiting.
   void (*barArrive)(int id, int threads, const void* pc);
+  // bar.warp.sync membermask (__syncwarp): the member lanes' accesses so far
+  // happen before each member's next.
+  void (*warpSync)(uint32_t membermask, const void* pc);
 };
 
 }  // namespace loom::emu

@@ -126,6 +126,80 @@ constexpr AttentionSmem attentionSmem(int blockM, int blockN, int headDim, int s
   return s;
 }
 
+// The absorbed decode step (loom/tile/cuda_absorbed.h; docs/performance.md,
+// decode): a raw cache's keys and values are never mixed. Each query row
+// (h, i) becomes P rows (h, i, j) of R(-j) q, multiplied on the tensor cores
+// with the cached raw rows (rotated by their token's angle) and combined
+// over the G heads with alpha in f32; the values' mix is folded into the
+// probabilities. Key blocks of kAbsorbedTokens tokens, a stage's K (and V)
+// rows ordered (head m, token t) so that a score n-tile is one head's tokens.
+constexpr int kAbsorbedTokens = 8;
+// Registers a thread may give Q's absorbed A fragments (its S rows' R(-j) q).
+constexpr int kAbsorbedQRegisters = 64;
+// A query row's S rows: P rounded up to a power of two (the rows past P
+// score -inf), so that they share a max by shuffles within a fragment half.
+constexpr int absorbedRows(int pseudoHeads) {
+  int rows = 1;
+  while (rows < pseudoHeads) rows *= 2;
+  return rows;
+}
+// Warps sharing one 16-row m-tile of the output: two where its S rows split
+// evenly and each warp's half of the output columns is whole ldmatrix pairs
+// (head_dim a multiple of 32); each holds half of the S rows.
+constexpr int absorbedSplit(int pseudoHeads, int headDim) {
+  return absorbedRows(pseudoHeads) % 2 == 0 && paddedHeadDim(headDim) % 32 == 0 ? 2 : 1;
+}
+constexpr int absorbedPaddedHeads(int kvHeads) { return kvHeads + (kvHeads & 1); }
+// Why a shape has no absorbed step, or nullptr. blockM is the query rows
+// (a token of every head at least), warps the CTA's.
+constexpr const char* absorbedShapeProblem(int blockM, int warps, int headDim, int pseudoHeads) {
+  const int split = absorbedSplit(pseudoHeads, headDim), dp = paddedHeadDim(headDim);
+  if (pseudoHeads > 8) return "pseudo_heads must be at most 8 (a row's S rows share a max within 8 lanes)";
+  if (headDim % kMmaK != 0) return "head_dim must be a multiple of 16";
+  if (blockM % kMTileRows != 0 || warps != split * (blockM / kMTileRows))
+    return "warps must be the query block's 16-row m-tiles, times 2 where they split";
+  if (absorbedRows(pseudoHeads) / split * (dp / kMmaK) * 4 > kAbsorbedQRegisters)
+    return "the absorbed queries' fragments (S m-tiles x head_dim / 16 k-steps) exceed 64 registers";
+  return nullptr;
+}
+
+struct AbsorbedSmem {
+  int q = 0;       // prologue only: [block_m * S rows][pitch] R(-j) q (overlaps the stages)
+  int k = 0;       // `stages` x [Gp * tokens][pitch] raw key rows, row m * tokens + t
+  int v = 0;       // likewise the value rows
+  int pTile = 0;   // [block_m][tokens * Gp + 8] 16-bit: the probabilities with the values' mix folded in
+  int probs = 0;   // [block_m][tokens][P] f32: a block's probabilities, for the fold
+  int rowMax = 0;  // [block_m] f32: each query row's running max, for the warps holding its output
+  int rowSum = 0;  // [block_m] f32: its denominator, at the end
+  int alpha = 0;   // [warps][Gp][8][2 * S m-tiles] f32: the keys' weights of each thread's S rows
+  int beta = 0;    // [G][Gp][P] f32: the values' weights, beta[g][m][j]
+  int angles = 0;  // [tokens][2][d / 2] f32: a block's rotary cosines, then sines, each token's
+  int total = 0;
+};
+
+constexpr int absorbedPTilePitch(int kvHeads) { return kAbsorbedTokens * absorbedPaddedHeads(kvHeads) + kRowPadElements; }
+
+constexpr AbsorbedSmem absorbedSmem(int blockM, int headDim, int stages, int kvHeads, int pseudoHeads, int warps) {
+  AbsorbedSmem s;
+  const int tile = tilePitch(headDim) * kTileElementBytes, gp = absorbedPaddedHeads(kvHeads);
+  const int stageBytes = gp * kAbsorbedTokens * tile;
+  const int qBytes = blockM * absorbedRows(pseudoHeads) * tile, kvBytes = 2 * stages * stageBytes;
+  s.q = 0;
+  s.k = 0;
+  s.v = stages * stageBytes;
+  s.pTile = qBytes > kvBytes ? qBytes : kvBytes;
+  s.probs = s.pTile + blockM * absorbedPTilePitch(kvHeads) * kTileElementBytes;
+  s.rowMax = s.probs + blockM * kAbsorbedTokens * pseudoHeads * kAccumulatorBytes;
+  s.rowSum = s.rowMax + blockM * kAccumulatorBytes;
+  s.alpha = s.rowSum + blockM * kAccumulatorBytes;
+  const int sTiles = absorbedRows(pseudoHeads) / absorbedSplit(pseudoHeads, headDim);
+  s.beta = s.alpha + warps * gp * 8 * 2 * sTiles * kAccumulatorBytes;
+  s.angles = s.beta + kvHeads * gp * pseudoHeads * kAccumulatorBytes;
+  s.angles = (s.angles + 15) / 16 * 16;
+  s.total = s.angles + kAbsorbedTokens * headDim * kAccumulatorBytes;
+  return s;
+}
+
 // Shared-memory layout of the sm_90a (wgmma) attention CTA. Operand tiles are
 // stored as the 128-byte swizzle atoms wgmma descriptors and the tensor
 // memory accelerator agree on: for every 64 columns of the head dimension, a

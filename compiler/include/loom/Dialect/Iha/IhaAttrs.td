@@ -116,6 +116,11 @@ def Iha_ScheduleAttr : AttrDef<Iha_Dialect, "Schedule"> {
     a kv group: the H / G heads' rows stacked in its query block, each head
     the same block_m / (H / G) rows (whole tokens), so that each key block
     is staged and mixed once for the group; it defaults to false.
+    `absorb_mixing` (decode kernels over a raw cache) never mixes the cached
+    rows: the keys' mix is absorbed into the queries (P rows of R(-j) q a
+    query row, combined over the kv heads after the product) and the
+    values' into the probabilities; one CTA holds a token of every head. It
+    defaults to false.
 
     Example:
     ```mlir
@@ -129,7 +134,8 @@ def Iha_ScheduleAttr : AttrDef<Iha_Dialect, "Schedule"> {
                         DefaultValuedParameter<"int64_t", "0">:$producer_registers,
                         DefaultValuedParameter<"DqStrategy", "DqStrategy::separate">:$dq,
                         DefaultValuedParameter<"int64_t", "1">:$kv_splits,
-                        DefaultValuedParameter<"bool", "false">:$stack_heads);
+                        DefaultValuedParameter<"bool", "false">:$stack_heads,
+                        DefaultValuedParameter<"bool", "false">:$absorb_mixing);
   let assemblyFormat = "`<` struct(params) `>`";
 }
 

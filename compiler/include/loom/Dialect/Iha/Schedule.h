@@ -28,7 +28,7 @@ inline constexpr int64_t kMinWgmmaStages = 2;  // a consumer returns a stage onl
 inline constexpr int64_t kMinWarpgroupRegisters = 24;
 inline constexpr int64_t kMaxWarpgroupRegisters = 256;
 inline constexpr int64_t kMaxWarps = 3 * kWarpgroupWarps;  // three consumer warpgroups
-inline constexpr int64_t kMaxKvSplits = 64;                  // CTAs splitting a decode step's key blocks
+inline constexpr int64_t kMaxKvSplits = 256;                 // CTAs splitting a decode step's key blocks
 
 struct ScheduleFields {
   int64_t blockM = 0, blockN = 0, warps = 0, stages = 0;
@@ -39,6 +39,7 @@ struct ScheduleFields {
   std::optional<DqStrategy> dq;
   int64_t kvSplits = 0;
   bool stackHeads = false;
+  bool absorbMixing = false;
 };
 
 // Registers per consumer thread: loom::consumerRegisters (loom/tile/layout.h).
@@ -70,7 +71,12 @@ ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool h
 // and with stack_heads a block_m holding a token of every stacked head
 // (`stackRows`, H / G * P) where block_m is unset. The caller refuses a
 // contrary mix or wgmma first.
-void completeDecodeFields(ScheduleFields& fields, bool mixedCache, int64_t stackRows);
+// With absorb_mixing: key blocks of kAbsorbedTokens tokens, block_m the
+// smallest power-of-two count of 16-row m-tiles holding a token of every
+// head (`heads` * `pseudoHeads` rows), two warps an m-tile where its S rows
+// split (loom::absorbedSplit), the collapse separate.
+void completeDecodeFields(ScheduleFields& fields, bool mixedCache, int64_t stackRows, int64_t heads,
+                          int64_t pseudoHeads, int64_t headDim);
 
 // Why a complete schedule cannot compute a backward kernel, naming the
 // field: the backward reads the mixed rows from workspaces (mix

@@ -1,0 +1,703 @@
+// The absorbed decode step over a raw paged cache (mma.sync, sm_80 and
+// later): a config with `absorbed` runs the same program as any decode step
+// (q_begin, kv_begin, the key-block loop of kv_wait, mma_qk, mask_scores,
+// softmax_update, mma_pv, kv_release, normalize, store_split / store_rows),
+// and cuda.h hands each of those calls to this file.
+//
+// A raw cache holds each token's G rows as projected; the step's score of
+// query row (h, i) against virtual key row t*P + j is
+//   q_hi . R(tP + j) sum_m alpha_k[m, g, j] x_m(t)
+//     = sum_m alpha_k[m, g, j] (R(-j) q_hi) . (R(tP) x_m(t))
+// (g = h's kv head; rotations of one angle pair commute). So the keys are
+// never mixed: each cached row is rotated once by its token's angle, each
+// query row becomes P rows (h, i, j) of R(-j) q (its "S rows"), the tensor
+// cores take every S row against every raw row (m, t), and the products are
+// combined over m with the f32 weights of the row's (g, j). The values'
+// mixing folds into the probabilities the same way:
+//   sum_{t,j} p_(hi)(tj) sum_m beta[m, g, j] v_m(t) = sum_{m,t} P'_(hi)(mt) v_m(t),
+//   P'_(hi)(mt) = sum_j p_(hi)(tj) beta[m, g, j],
+// a product over the raw value rows. The P rows of one query row share one
+// running max (a row's softmax is over all of its (t, j)).
+//
+// One CTA holds a token of every query head (the config's stacked_heads is
+// H): block_m query rows of 16-row m-tiles, each tile's 16 P S rows held by
+// `split` warps (two where P is even: each half the S rows, half the output
+// columns). A key block is kAbsorbedTokens tokens, its K and V stage rows
+// ordered (m, t): one score n-tile is one head's eight tokens, so the
+// combination over m is in each thread's own registers. Where P is not a
+// power of two, a query row takes Pg (the next one) S rows, those past P
+// scoring -inf.
+//
+// Per block: kv_wait rotates the staged keys in place; mma_qk multiplies and
+// combines; softmax_update takes each query row's max over its S rows
+// (shuffles: P divides the eight rows of a fragment half), writes the
+// probabilities to shared memory, folds each warp's own query rows' into P'
+// (16-bit, the P V operand) and, past a barrier, rescales the output rows;
+// mma_pv multiplies P' by the raw value rows.
+#pragma once
+
+namespace loom {
+namespace absorbed {
+
+template <class C>
+struct Geometry {
+  static constexpr int P = C::pseudo_heads, G = C::kv_heads, Gp = absorbedPaddedHeads(C::kv_heads);
+  static constexpr int Pg = absorbedRows(P);  // S rows a query row (those from P on score -inf)
+  static constexpr int D = C::head_dim, Dp = paddedHeadDim(C::head_dim), pitch = tilePitch(C::head_dim);
+  static constexpr int tokens = kAbsorbedTokens;
+  static constexpr int tiles = C::block_m / kMTileRows;  // 16-row m-tiles of query rows
+  static constexpr int split = absorbedSplit(P, D);      // warps a query m-tile
+  static constexpr int SM = Pg / split;                  // S m-tiles a warp
+  static constexpr int KT = Dp / kMmaK;                  // k-steps of S
+  static constexpr int OT = Dp / 8 / split;              // output n-tiles a warp
+  static constexpr int ownRows = kMTileRows / split;     // query rows whose S rows a warp holds
+  static constexpr int threads = C::warps * kWarpSize;
+  static constexpr int stageRows = Gp * tokens;          // rows of K (and of V) a stage
+  static constexpr int pPitch = absorbedPTilePitch(C::kv_heads);
+  static constexpr int dChunks = D / kChunkElements;
+  static_assert(C::block_n == tokens * P, "an absorbed key block is kAbsorbedTokens whole tokens");
+  static_assert(C::stacked_heads == C::heads, "an absorbed CTA holds a token of every query head");
+  static_assert(absorbedShapeProblem(C::block_m, C::warps, C::head_dim, P) == nullptr, "no absorbed step for this shape");
+  static_assert(!C::qk_norm && !C::mixed_cache && C::decode, "the absorbed step reads a raw cache, without qk_norm");
+};
+
+template <class C>
+__device__ __forceinline__ AbsorbedSmem layout() {
+  return absorbedSmem(C::block_m, C::head_dim, C::stages, C::kv_heads, C::pseudo_heads, C::warps);
+}
+template <class C>
+__device__ __forceinline__ int tile() {
+  return cuda::warp() / Geometry<C>::split;
+}
+template <class C>
+__device__ __forceinline__ int part() {
+  return cuda::warp() % Geometry<C>::split;
+}
+// The first S row (query row * P + j) of this warp's S m-tile `sm`.
+template <class C>
+__device__ __forceinline__ int sTileRow(int sm) {
+  using A = Geometry<C>;
+  return tile<C>() * kMTileRows * A::Pg + (part<C>() * A::SM + sm) * kMTileRows;
+}
+// The S row of this thread's fragment half h (rows lane/4, lane/4 + 8) of S m-tile sm.
+template <class C>
+__device__ __forceinline__ int sRowOf(int sm, int h) {
+  return sTileRow<C>(sm) + cuda::lane() / 4 + 8 * h;
+}
+// The kv head whose keys query row r (of the CTA's) reads; 0 for the rows
+// past the CTA's heads (computed, never stored).
+template <class C>
+__device__ __forceinline__ int kvHeadOf(int r) {
+  const CtaRow t = ctaRow<C>(r);
+  return t.owned ? t.head / (C::heads / C::kv_heads) : 0;
+}
+template <class C>
+__device__ __forceinline__ Bits16* sharedTile(int offset) {
+  return reinterpret_cast<Bits16*>(cuda::smem() + offset);
+}
+template <class C>
+__device__ __forceinline__ float* sharedFloats(int offset) {
+  return reinterpret_cast<float*>(cuda::smem() + offset);
+}
+template <class C>
+constexpr Bits32 tileOffset(int row, int column) {
+  return Bits32((row * Geometry<C>::pitch + column) * kTileElementBytes);
+}
+
+}  // namespace absorbed
+
+template <class C>
+struct QTile<C, true> {
+  Bits32 a[absorbed::Geometry<C>::SM][absorbed::Geometry<C>::KT][4];  // the warp's S rows, R(-j) q
+};
+
+template <class C>
+struct KvPipeline<C, true> {
+  Bits32 keyLane, valueLane;  // this lane's ldmatrix addresses in the block's stage
+  FastDivider pages;          // the launch's page size
+};
+
+template <class C>
+struct ScoreTile<C, true> {
+  float s[absorbed::Geometry<C>::SM][4];  // S rows x the block's eight tokens, combined over m
+};
+
+template <class C>
+struct SoftmaxState<C, true> {
+  float m[absorbed::Geometry<C>::SM][2];  // running max (log2 domain) of the thread's S rows' query rows
+  float l[absorbed::Geometry<C>::SM][2];  // the thread's share of their denominators
+  float outMax[2];                        // the running max of its output rows (lane/4, lane/4 + 8)
+  float outSum[2];                        // their denominators, once normalize has them
+};
+
+template <class C>
+struct AccTile<C, true> {
+  float o[absorbed::Geometry<C>::OT][4];  // the warp's output columns of its m-tile
+};
+
+namespace absorbed {
+
+// Prologue: the weights' tables, then R(-j) q of every S row into shared
+// memory (over the stages, which kv_begin fills after), then each warp's
+// fragments into registers.
+template <class C>
+__device__ void qBegin(QTile<C, true>& q, const IhaArgs& a, int64_t row0, int64_t b) {
+  using A = Geometry<C>;
+  const AbsorbedSmem s = layout<C>();
+  // alpha_k of each thread's S rows, [warp][m][lane / 4][sm][half]: one
+  // vector load a head in mma_qk.
+  float* alpha = sharedFloats<C>(s.alpha);
+  constexpr int perWarp = A::Gp * 8 * 2 * A::SM;
+  for (int index = threadIdx.x; index < C::warps * perWarp; index += A::threads) {
+    const int w = index / perWarp, m = index % perWarp / (8 * 2 * A::SM), quad = index % (8 * 2 * A::SM) / (2 * A::SM);
+    const int sm = index % (2 * A::SM) / 2, half = index % 2;
+    const int sRow = (w / A::split) * kMTileRows * A::Pg + ((w % A::split) * A::SM + sm) * kMTileRows + quad + 8 * half;
+    const int r = sRow / A::Pg, j = sRow % A::Pg;
+    alpha[index] =
+        m < A::G && j < A::P && ctaRow<C>(r).owned ? a.alpha_k[(m * A::G + kvHeadOf<C>(r)) * A::P + j] : 0.0f;
+  }
+  float* beta = sharedFloats<C>(s.beta);
+  for (int index = threadIdx.x; index < A::G * A::Gp * A::P; index += A::threads) {
+    const int g = index / (A::Gp * A::P), m = index / A::P % A::Gp, j = index % A::P;
+    beta[index] = m < A::G ? a.alpha_v[(m * A::G + g) * A::P + j] : 0.0f;
+  }
+  // R(-j) q: q is mixed unrotated, then turned once for each j by the
+  // angle of position n*P + p - j (the query's own rotation and R(-j)).
+  Bits16* qTile = sharedTile<C>(s.q);
+  const int64_t L = decode_len<C>(a, b);
+  if constexpr (C::rope_theta > 0) {
+    constexpr int halfChunks = A::D / 2 / kChunkElements;
+    for (int index = threadIdx.x; index < C::block_m * halfChunks; index += A::threads) {
+      const int r = index / halfChunks, lo = index % halfChunks * kChunkElements, hi = lo + A::D / 2;
+      const CtaRow t = ctaRow<C>(r);
+      const int64_t i = row0 + t.row;
+      const bool valid = t.owned && i < L;
+      float x[kChunkElements] = {}, y[kChunkElements] = {};
+      if (valid) {
+        cuda::mixChunk<C, Role::query>(a, b, i / A::P, t.head, int(i % A::P), lo, x);
+        cuda::mixChunk<C, Role::query>(a, b, i / A::P, t.head, int(i % A::P), hi, y);
+      }
+      for (int j = 0; j < A::Pg; ++j) {
+        float u[kChunkElements], w[kChunkElements];
+        #pragma unroll
+        for (int e = 0; e < kChunkElements; ++e) {
+          u[e] = x[e];
+          w[e] = y[e];
+        }
+        if (valid) cuda::rotatePair<C>(u, w, i - j, lo);
+        cuda::storeChunk<C>(qTile + (r * A::Pg + j) * A::pitch + lo, u);
+        cuda::storeChunk<C>(qTile + (r * A::Pg + j) * A::pitch + hi, w);
+      }
+    }
+  } else {
+    for (int index = threadIdx.x; index < C::block_m * A::dChunks; index += A::threads) {
+      const int r = index / A::dChunks, column = index % A::dChunks * kChunkElements;
+      const CtaRow t = ctaRow<C>(r);
+      const int64_t i = row0 + t.row;
+      float x[kChunkElements] = {};
+      if (t.owned && i < L) cuda::mixChunk<C, Role::query>(a, b, i / A::P, t.head, int(i % A::P), column, x);
+      for (int j = 0; j < A::Pg; ++j) cuda::storeChunk<C>(qTile + (r * A::Pg + j) * A::pitch + column, x);
+    }
+  }
+  __syncthreads();
+  const int l = cuda::lane();
+  #pragma unroll
+  for (int sm = 0; sm < A::SM; ++sm) {
+    const Bits32 lane =
+        cuda::sharedAddress(qTile + (sTileRow<C>(sm) + fragment::aRow(l)) * A::pitch + fragment::aColumn(l));
+    #pragma unroll
+    for (int kt = 0; kt < A::KT; ++kt) cuda::ldmatrixX4(q.a[sm][kt], lane + Bits32(kt * kMmaK * kTileElementBytes));
+  }
+  __syncthreads();  // the stages overlap the query tile
+}
+
+// The copies of key block `block` (kAbsorbedTokens tokens) into its stage:
+// threads / tokens threads a token, so each finds its token's slot once a
+// block; a thread's 16-byte pieces of the token's G rows sit at
+// compile-time offsets from its first (where a row's chunks and the
+// token's threads divide one another). Tokens past the sequence take
+// src-size 0 (zeros, nothing read).
+template <class C>
+__device__ void issue(const KvPipeline<C, true>& pipe, const IhaArgs& a, int64_t b, int64_t block) {
+  using A = Geometry<C>;
+  constexpr int perToken = A::threads / A::tokens, items = A::G * A::dChunks;
+  static_assert(A::threads % A::tokens == 0, "a token's copies take whole threads");
+  const int t = int(threadIdx.x) / perToken, sub = int(threadIdx.x) % perToken;
+  const AbsorbedSmem s = layout<C>();
+  // Blocks and positions fit in 32 bits (launches refuse 2^31 virtual rows).
+  const int stage = int(block) % C::stages, n = int(block) * A::tokens + t;
+  const bool inside = n < a.cache_len[b] + int(a.tokens);
+  const int64_t slot = inside ? cache_slot(a, b, n, pipe.pages) * A::G * A::D : 0;
+  const Bits16* key = static_cast<const Bits16*>(a.k_cache) + slot;
+  const Bits16* value = static_cast<const Bits16*>(a.v_cache) + slot;
+  const Bits32 kRow = cuda::sharedAddress(cuda::smem() + s.k) +
+                      Bits32((stage * A::stageRows + t) * A::pitch * kTileElementBytes);
+  const Bits32 toValues = Bits32(s.v - s.k);
+  auto copy = [&](int m, int column) {
+    const Bits32 target = kRow + Bits32((m * A::tokens * A::pitch + column) * kTileElementBytes);
+    ptx::cpAsyncCg16(target, key + m * A::D + column, inside);
+    ptx::cpAsyncCg16(target + toValues, value + m * A::D + column, inside);
+  };
+  if constexpr (perToken % A::dChunks == 0 || A::dChunks % perToken == 0) {
+    const int m0 = sub / A::dChunks, c0 = sub % A::dChunks;
+    #pragma unroll
+    for (int round = 0; round < (items + perToken - 1) / perToken; ++round) {
+      const int dm = round * perToken / A::dChunks, dc = round * perToken % A::dChunks;
+      if (items % perToken != 0 && m0 + dm >= A::G) break;
+      copy(m0 + dm, (c0 + dc) * kChunkElements);
+    }
+  } else {
+    for (int piece = sub; piece < items; piece += perToken) copy(piece / A::dChunks, piece % A::dChunks * kChunkElements);
+  }
+}
+
+// The block's rotary angles, R(tP) of each of its tokens, once a block into
+// shared memory (cosines, then sines, of every pair of columns), before its
+// copies are waited for: the rotation's threads read them, where each
+// would compute the same angles for several heads.
+template <class C>
+__device__ void stageAngles(int64_t block) {
+  using A = Geometry<C>;
+  constexpr int half = A::D / 2;
+  float* angles = sharedFloats<C>(layout<C>().angles);
+  cuda::forEachUnrolled<A::tokens * half, A::threads>([&](int index) {
+    const int t = index / half, c = index % half;
+    float sine, cosine;
+    cuda::ropeSinCos<C>((int(block) * A::tokens + t) * A::P, c, &sine, &cosine);
+    angles[t * A::D + c] = cosine;
+    angles[t * A::D + half + c] = C::rope_negative ? -sine : sine;
+  });
+}
+
+// Each staged key row (m, t) turned by its token's angle, R(tP), in place.
+template <class C>
+__device__ void rotateStage(int64_t block) {
+  using A = Geometry<C>;
+  constexpr int halfChunks = A::D / 2 / kChunkElements, combos = A::tokens * halfChunks;
+  Bits16* kStage = sharedTile<C>(layout<C>().k) + int(block) % C::stages * A::stageRows * A::pitch;
+  const float* angles = sharedFloats<C>(layout<C>().angles);
+  auto turn = [&](int m, int t, int lo) {
+    Bits16* row = kStage + (m * A::tokens + t) * A::pitch;
+    const uint4 low = *reinterpret_cast<const uint4*>(row + lo), high = *reinterpret_cast<const uint4*>(row + lo + A::D / 2);
+    const Bits32 lw[4] = {low.x, low.y, low.z, low.w}, hw[4] = {high.x, high.y, high.z, high.w};
+    float x[kChunkElements], y[kChunkElements], cosine[kChunkElements], sine[kChunkElements];
+    #pragma unroll
+    for (int e = 0; e < kChunkElements; e += 4) {
+      const float4 c4 = *reinterpret_cast<const float4*>(angles + t * A::D + lo + e);
+      const float4 s4 = *reinterpret_cast<const float4*>(angles + t * A::D + A::D / 2 + lo + e);
+      cosine[e] = c4.x, cosine[e + 1] = c4.y, cosine[e + 2] = c4.z, cosine[e + 3] = c4.w;
+      sine[e] = s4.x, sine[e + 1] = s4.y, sine[e + 2] = s4.z, sine[e + 3] = s4.w;
+    }
+    #pragma unroll
+    for (int e = 0; e < kChunkElements; ++e) {
+      x[e] = cuda::toFloat<C>(Bits16(lw[e / 2] >> (16 * (e % 2))));
+      y[e] = cuda::toFloat<C>(Bits16(hw[e / 2] >> (16 * (e % 2))));
+    }
+    #pragma unroll
+    for (int e = 0; e < kChunkElements; ++e) {
+      const float u = x[e], w = y[e];
+      x[e] = u * cosine[e] - w * sine[e];
+      y[e] = u * sine[e] + w * cosine[e];
+    }
+    cuda::storeChunk<C>(row + lo, x);
+    cuda::storeChunk<C>(row + lo + A::D / 2, y);
+  };
+  if constexpr (A::threads % combos == 0) {
+    constexpr int step = A::threads / combos;  // heads a round
+    const int combo = int(threadIdx.x) % combos, m0 = int(threadIdx.x) / combos;
+    const int t = combo / halfChunks, lo = combo % halfChunks * kChunkElements;
+    #pragma unroll
+    for (int round = 0; round < (A::G + step - 1) / step; ++round) {
+      const int m = m0 + round * step;
+      if (A::G % step != 0 && m >= A::G) break;
+      turn(m, t, lo);
+    }
+  } else {
+    for (int index = threadIdx.x; index < A::G * combos; index += A::threads)
+      turn(index / combos, index % combos / halfChunks, index % halfChunks * kChunkElements);
+  }
+}
+
+template <class C>
+__device__ void kvBegin(KvPipeline<C, true>& pipe, const IhaArgs& a, int64_t b, int64_t lower, int64_t upper) {
+  using A = Geometry<C>;
+  pipe.pages = fastDivider(int32_t(a.page_size));
+  if constexpr (A::Gp != A::G) {  // the padding head's rows: zeros, never copied over (P' is 0 there)
+    const AbsorbedSmem s = layout<C>();
+    constexpr int rows = A::tokens, chunks = A::Dp / kChunkElements;
+    const float zeros[kChunkElements] = {};
+    for (int index = threadIdx.x; index < 2 * C::stages * rows * chunks; index += A::threads) {
+      const int stage = index / (rows * chunks) % C::stages, v = index / (C::stages * rows * chunks);
+      const int r = A::G * A::tokens + index / chunks % rows, column = index % chunks * kChunkElements;
+      cuda::storeChunk<C>(sharedTile<C>(v ? s.v : s.k) + (stage * A::stageRows + r) * A::pitch + column, zeros);
+    }
+  }
+  #pragma unroll 1
+  for (int stage = 0; stage < C::stages - 1; ++stage) {
+    if (lower + stage < upper) issue<C>(pipe, a, b, lower + stage);
+    cuda::commitCopies();
+  }
+}
+
+template <class C>
+__device__ void kvWait(KvPipeline<C, true>& pipe, const IhaArgs& a, int64_t b, int64_t block) {
+  using A = Geometry<C>;
+  if constexpr (C::stages == 1) {
+    issue<C>(pipe, a, b, block);
+    cuda::commitCopies();
+  }
+  if constexpr (C::rope_theta > 0) stageAngles<C>(block);  // the last block's rotation is past a barrier
+  cuda::waitCopies<C::stages - 1>();
+  __syncthreads();
+  if constexpr (C::rope_theta > 0) {
+    rotateStage<C>(block);
+    __syncthreads();
+  }
+  const AbsorbedSmem s = layout<C>();
+  const int stage = int(block) % C::stages, l = cuda::lane();
+  const Bits16* key = sharedTile<C>(s.k) + stage * A::stageRows * A::pitch;
+  const Bits16* value = sharedTile<C>(s.v) + stage * A::stageRows * A::pitch;
+  pipe.keyLane = cuda::sharedAddress(key + fragment::bRow(l) * A::pitch + fragment::bColumn(l));
+  pipe.valueLane = cuda::sharedAddress(value + fragment::bTransRow(l) * A::pitch + fragment::bTransColumn(l) +
+                                       part<C>() * A::OT * 8);
+}
+
+// S = (R(-j) q) . (R(tP) x_m(t)) for two heads m at a time (one ldmatrix of
+// K a k-step), combined over m with each S row's alpha_k (one vector load
+// of the thread's S rows' weights a head).
+template <class C>
+__device__ void mmaQk(ScoreTile<C, true>& s, QTile<C, true>& q, KvPipeline<C, true>& pipe) {
+  using A = Geometry<C>;
+  constexpr int weights = 2 * A::SM;  // the thread's S rows
+  const float* alpha = sharedFloats<C>(layout<C>().alpha) + (cuda::warp() * A::Gp * 8 + cuda::lane() / 4) * weights;
+  #pragma unroll
+  for (int sm = 0; sm < A::SM; ++sm)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) s.s[sm][e] = 0.0f;
+  #pragma unroll
+  for (int pair = 0; pair < A::Gp / 2; ++pair) {
+    float x[A::SM][2][4];
+    #pragma unroll
+    for (int sm = 0; sm < A::SM; ++sm)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) x[sm][0][e] = x[sm][1][e] = 0.0f;
+    #pragma unroll
+    for (int kt = 0; kt < A::KT; ++kt) {
+      Bits32 k[4];
+      cuda::ldmatrixX4(k, pipe.keyLane + tileOffset<C>(pair * 2 * A::tokens, kt * kMmaK));
+      #pragma unroll
+      for (int sm = 0; sm < A::SM; ++sm) {
+        cuda::mma16816<C>(x[sm][0], q.a[sm][kt], k[0], k[1]);
+        cuda::mma16816<C>(x[sm][1], q.a[sm][kt], k[2], k[3]);
+      }
+    }
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float w[weights];
+      #pragma unroll
+      for (int e = 0; e < weights; e += 2) {
+        const float2 pairOfWeights = *reinterpret_cast<const float2*>(alpha + (2 * pair + h) * 8 * weights + e);
+        w[e] = pairOfWeights.x;
+        w[e + 1] = pairOfWeights.y;
+      }
+      #pragma unroll
+      for (int sm = 0; sm < A::SM; ++sm)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) s.s[sm][e] = fmaf(w[2 * sm + e / 2], x[sm][h][e], s.s[sm][e]);
+    }
+  }
+}
+
+// -inf where the mask forbids (query row, key t*P + j) or the token is past
+// the sequence.
+template <class C>
+__device__ void maskScores(ScoreTile<C, true>& s, const IhaArgs& a, int64_t row0, int64_t block) {
+  using A = Geometry<C>;
+  const int L = int(decode_len<C>(a, block_z(a))), l = cuda::lane();
+  #pragma unroll
+  for (int sm = 0; sm < A::SM; ++sm)
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int sRow = sRowOf<C>(sm, h), j = sRow % A::Pg;
+      const int i = int(row0) + ctaRow<C>(sRow / A::Pg).row;
+      const ColumnRange<int> range = allowedColumns<C, int>(i);
+      const int hi = range.hi < L - 1 ? range.hi : L - 1;
+      #pragma unroll
+      for (int e = 2 * h; e < 2 * h + 2; ++e) {
+        const int key = (int(block) * A::tokens + fragment::accumulatorColumn(l, e)) * A::P + j;
+        if (key > hi || (windowed<C>() && key < range.lo)) s.s[sm][e] = cuda::negativeInfinity();
+      }
+    }
+}
+
+// The max of each query row over its P S rows: they are P consecutive rows
+// of a fragment half, lanes 4 apart.
+__device__ __forceinline__ float groupMax(float x, int P) {
+  for (int offset = 4; offset < 4 * P; offset *= 2) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, offset));
+  return x;
+}
+__device__ __forceinline__ float groupSum(float x, int P) {
+  for (int offset = 4; offset < 4 * P; offset *= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);
+  return x;
+}
+
+template <class C, bool Masked>
+__device__ void softmaxUpdate(SoftmaxState<C, true>& state, ScoreTile<C, true>& s, AccTile<C, true>& acc) {
+  using A = Geometry<C>;
+  constexpr float scale = C::scale * kLog2e;
+  const AbsorbedSmem smem = layout<C>();
+  float* probs = sharedFloats<C>(smem.probs);
+  float* rowMax = sharedFloats<C>(smem.rowMax);
+  const int l = cuda::lane();
+  #pragma unroll
+  for (int sm = 0; sm < A::SM; ++sm)
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int sRow = sRowOf<C>(sm, h), r = sRow / A::Pg, j = sRow % A::Pg;
+      if (A::Pg != A::P && j >= A::P) s.s[sm][2 * h] = s.s[sm][2 * h + 1] = cuda::negativeInfinity();
+      const float rowHigh = groupMax(cuda::quadMax(fmaxf(s.s[sm][2 * h], s.s[sm][2 * h + 1])), A::Pg);
+      const float newMax = fmaxf(state.m[sm][h], rowHigh * scale);
+      const float base = Masked && newMax == cuda::negativeInfinity() ? 0.0f : newMax;
+      const float correction = ptx::exp2Ftz(state.m[sm][h] - base);
+      const float p0 = ptx::exp2Ftz(fmaf(s.s[sm][2 * h], scale, -base));
+      const float p1 = ptx::exp2Ftz(fmaf(s.s[sm][2 * h + 1], scale, -base));
+      state.l[sm][h] = state.l[sm][h] * correction + p0 + p1;
+      state.m[sm][h] = newMax;
+      const int t = fragment::accumulatorColumn(l, 0);
+      if (A::Pg == A::P || j < A::P) {
+        probs[(r * A::tokens + t) * A::P + j] = p0;
+        probs[(r * A::tokens + t + 1) * A::P + j] = p1;
+      }
+      if (l % 4 == 0 && j == 0) rowMax[r] = newMax;
+    }
+  __syncwarp();
+  // P' of this warp's own query rows: lane -> (row, token pair), every head m.
+  Bits16* pTile = sharedTile<C>(smem.pTile);
+  const float* beta = sharedFloats<C>(smem.beta);
+  constexpr int items = A::ownRows * A::tokens / 2;
+  #pragma unroll
+  for (int item = l; item < items; item += kWarpSize) {
+    const int r = tile<C>() * kMTileRows + part<C>() * A::ownRows + item / (A::tokens / 2), t = item % (A::tokens / 2) * 2;
+    float p0[A::P], p1[A::P];
+    #pragma unroll
+    for (int j = 0; j < A::P; ++j) {
+      p0[j] = probs[(r * A::tokens + t) * A::P + j];
+      p1[j] = probs[(r * A::tokens + t + 1) * A::P + j];
+    }
+    const float* weights = beta + kvHeadOf<C>(r) * A::Gp * A::P;
+    #pragma unroll
+    for (int m = 0; m < A::Gp; ++m) {
+      float x0 = 0.0f, x1 = 0.0f;
+      #pragma unroll
+      for (int j = 0; j < A::P; ++j) {
+        const float w = weights[m * A::P + j];
+        x0 = fmaf(p0[j], w, x0);
+        x1 = fmaf(p1[j], w, x1);
+      }
+      *reinterpret_cast<Bits32*>(pTile + r * A::pPitch + m * A::tokens + t) = cuda::pack<C>(x0, x1);
+    }
+  }
+  __syncthreads();  // P' and the row maxima of both warps of the m-tile
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float newMax = rowMax[tile<C>() * kMTileRows + l / 4 + 8 * h];
+    const float base = Masked && newMax == cuda::negativeInfinity() ? 0.0f : newMax;
+    const float correction = ptx::exp2Ftz(state.outMax[h] - base);
+    state.outMax[h] = newMax;
+    #pragma unroll
+    for (int ot = 0; ot < A::OT; ++ot) {
+      acc.o[ot][2 * h] *= correction;
+      acc.o[ot][2 * h + 1] *= correction;
+    }
+  }
+}
+
+// acc += P' V over the block's raw value rows (k = m * tokens + t).
+template <class C>
+__device__ void mmaPv(AccTile<C, true>& acc, KvPipeline<C, true>& pipe) {
+  using A = Geometry<C>;
+  const int l = cuda::lane();
+  const Bits32 pLane = cuda::sharedAddress(sharedTile<C>(layout<C>().pTile) +
+                                           (tile<C>() * kMTileRows + fragment::aRow(l)) * A::pPitch + fragment::aColumn(l));
+  #pragma unroll
+  for (int kk = 0; kk < A::Gp / 2; ++kk) {
+    Bits32 p[4];
+    cuda::ldmatrixX4(p, pLane + Bits32(kk * kMmaK * kTileElementBytes));
+    #pragma unroll
+    for (int pair = 0; pair < A::OT / 2; ++pair) {
+      Bits32 v[4];
+      cuda::ldmatrixX4Trans(v, pipe.valueLane + tileOffset<C>(kk * kMmaK, pair * 16));
+      cuda::mma16816<C>(acc.o[2 * pair], p, v[0], v[1]);
+      cuda::mma16816<C>(acc.o[2 * pair + 1], p, v[2], v[3]);
+    }
+  }
+}
+
+template <class C>
+__device__ void softmaxInit(SoftmaxState<C, true>& state, AccTile<C, true>& acc) {
+  using A = Geometry<C>;
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    #pragma unroll
+    for (int sm = 0; sm < A::SM; ++sm) {
+      state.m[sm][h] = cuda::negativeInfinity();
+      state.l[sm][h] = 0.0f;
+    }
+    state.outMax[h] = cuda::negativeInfinity();
+    state.outSum[h] = 0.0f;
+  }
+  #pragma unroll
+  for (int ot = 0; ot < A::OT; ++ot)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) acc.o[ot][e] = 0.0f;
+}
+
+// Each query row's denominator: the thread's shares over the quad and the
+// row's P S rows, handed to the warps holding its output through shared
+// memory with its max.
+template <class C>
+__device__ void normalize(SoftmaxState<C, true>& state, AccTile<C, true>& acc) {
+  using A = Geometry<C>;
+  const AbsorbedSmem smem = layout<C>();
+  float* rowMax = sharedFloats<C>(smem.rowMax);
+  float* rowSum = sharedFloats<C>(smem.rowSum);
+  const int l = cuda::lane();
+  #pragma unroll
+  for (int sm = 0; sm < A::SM; ++sm)
+    #pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int sRow = sRowOf<C>(sm, h);
+      const float sum = groupSum(cuda::quadSum(state.l[sm][h]), A::Pg);
+      if (l % 4 == 0 && sRow % A::Pg == 0) {
+        rowSum[sRow / A::Pg] = sum;
+        rowMax[sRow / A::Pg] = state.m[sm][h];
+      }
+    }
+  __syncthreads();
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = tile<C>() * kMTileRows + l / 4 + 8 * h;
+    state.outSum[h] = rowSum[r];
+    state.outMax[h] = rowMax[r];
+    const float inverse = state.outSum[h] > 0.0f ? 1.0f / state.outSum[h] : 0.0f;
+    #pragma unroll
+    for (int ot = 0; ot < A::OT; ++ot) {
+      acc.o[ot][2 * h] *= inverse;
+      acc.o[ot][2 * h + 1] *= inverse;
+    }
+  }
+}
+
+// f(query row r, its CtaRow, fragment half h, first output column of n-tile
+// ot) over the thread's output.
+template <class C, class F>
+__device__ __forceinline__ void forEachOutput(F&& f) {
+  using A = Geometry<C>;
+  const int l = cuda::lane();
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = tile<C>() * kMTileRows + l / 4 + 8 * h;
+    f(r, ctaRow<C>(r), h, (part<C>() * A::OT) * 8 + (l % 4) * 2);
+  }
+}
+
+template <class C>
+__device__ void storeSplit(AccTile<C, true>& acc, SoftmaxState<C, true>& state, const IhaArgs& a, int64_t row0,
+                           int64_t head, int64_t b, int64_t split) {
+  using A = Geometry<C>;
+  const int64_t L = seq_len<C>(a);
+  forEachOutput<C>([&](int, CtaRow t, int h, int column) {
+    const int64_t i = cuda::storedRow<C>(a, row0, b) + t.row;
+    if (!t.owned || i >= L) return;
+    float* row = split_row<C>(a, b, head + t.head, split, i);
+    #pragma unroll
+    for (int ot = 0; ot < A::OT; ++ot) {
+      row[column + ot * 8] = acc.o[ot][2 * h];
+      row[column + ot * 8 + 1] = acc.o[ot][2 * h + 1];
+    }
+    if (cuda::lane() % 4 == 0 && part<C>() == 0) row[C::head_dim] = cuda::splitLse(state.outMax[h], state.outSum[h]);
+  });
+}
+
+template <class C>
+__device__ void storeRows(AccTile<C, true>& acc, SoftmaxState<C, true>& state, const IhaArgs& a, int64_t row0,
+                          int64_t head, int64_t b) {
+  using A = Geometry<C>;
+  const int64_t L = seq_len<C>(a);
+  Bits16* o = static_cast<Bits16*>(a.o_pseudo);
+  forEachOutput<C>([&](int, CtaRow t, int h, int column) {
+    const int64_t i = cuda::storedRow<C>(a, row0, b) + t.row;
+    if (!t.owned || i >= L) return;
+    const int64_t rowIndex = (b * C::heads + head + t.head) * L + i;
+    #pragma unroll
+    for (int ot = 0; ot < A::OT; ++ot)
+      *reinterpret_cast<Bits32*>(o + rowIndex * A::D + column + ot * 8) =
+          cuda::pack<C>(acc.o[ot][2 * h], acc.o[ot][2 * h + 1]);
+    if (a.lse && cuda::lane() % 4 == 0 && part<C>() == 0)
+      a.lse[rowIndex] = kLn2 * (state.outMax[h] + log2f(state.outSum[h]));
+  });
+}
+
+}  // namespace absorbed
+
+// The tile API's calls on the absorbed tiles (the others are cuda.h's).
+template <class C, bool Mixed>
+__device__ void q_begin(QTile<C, true>& q, const IhaArgs& a, int64_t row0, int64_t, int64_t b) {
+  absorbed::qBegin<C>(q, a, row0, b);
+}
+template <class C, bool Mixed>
+__device__ void q_wait(QTile<C, true>&, const IhaArgs&, int64_t, int64_t, int64_t) {}
+template <class C>
+__device__ void softmax_init(SoftmaxState<C, true>& state, AccTile<C, true>& acc) {
+  absorbed::softmaxInit<C>(state, acc);
+}
+template <class C, bool Mixed>
+__device__ void kv_begin(KvPipeline<C, true>& pipe, const IhaArgs& a, int64_t, int64_t b, int64_t lower, int64_t upper) {
+  absorbed::kvBegin<C>(pipe, a, b, lower, upper);
+}
+template <class C, bool Mixed>
+__device__ void kv_produce(KvPipeline<C, true>& pipe, const IhaArgs& a, int64_t, int64_t b, int64_t block,
+                           int64_t upper) {
+  if (block < upper) absorbed::issue<C>(pipe, a, b, block);
+  cuda::commitCopies();
+}
+template <class C, bool Mixed>
+__device__ void kv_wait(KvPipeline<C, true>& pipe, const IhaArgs& a, int64_t, int64_t b, int64_t block) {
+  absorbed::kvWait<C>(pipe, a, b, block);
+}
+template <class C>
+__device__ __forceinline__ void kv_release(KvPipeline<C, true>&, int64_t) {
+  __syncthreads();  // the stage, P' and the row maxima are the next block's
+}
+template <class C>
+__device__ void mma_qk(ScoreTile<C, true>& s, QTile<C, true>& q, KvPipeline<C, true>& pipe, int64_t) {
+  absorbed::mmaQk<C>(s, q, pipe);
+}
+template <class C>
+__device__ void mask_scores(ScoreTile<C, true>& s, const IhaArgs& a, int64_t row0, int64_t block) {
+  absorbed::maskScores<C>(s, a, row0, block);
+}
+template <class C, bool Masked = true>
+__device__ void softmax_update(SoftmaxState<C, true>& state, ScoreTile<C, true>& s, AccTile<C, true>& acc) {
+  absorbed::softmaxUpdate<C, Masked>(state, s, acc);
+}
+template <class C>
+__device__ void mma_pv(AccTile<C, true>& acc, ScoreTile<C, true>&, KvPipeline<C, true>& pipe, int64_t) {
+  absorbed::mmaPv<C>(acc, pipe);
+}
+template <class C>
+__device__ void normalize(SoftmaxState<C, true>& state, AccTile<C, true>& acc) {
+  absorbed::normalize<C>(state, acc);
+}
+template <class C>
+__device__ void store_split(AccTile<C, true>& acc, SoftmaxState<C, true>& state, const IhaArgs& a, int64_t row0,
+                            int64_t head, int64_t b, int64_t split) {
+  absorbed::storeSplit<C>(acc, state, a, row0, head, b, split);
+}
+template <class C>
+__device__ void store_rows(AccTile<C, true>& acc, SoftmaxState<C, true>& state, const IhaArgs& a, int64_t row0,
+                           int64_t head, int64_t b) {
+  absorbed::storeRows<C>(acc, state, a, row0, head, b);
+}
+
+}  // namespace loom
