@@ -75,11 +75,12 @@ struct AbsorbedBlockWork {
 };
 AbsorbedBlockWork absorbedBlockWork(const KernelSpec& spec, const Schedule& s) {
   const int64_t G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
-  const double rawRows = double(absorbedPaddedHeads(int(G)) * kAbsorbedTokens), dp = double(paddedHeadDim(int(d)));
-  const double sRows = double(s.block_m() * absorbedRows(int(P)));
+  const double paddedHeads = double(absorbedPaddedHeads(int(G))), rawRows = paddedHeads * kAbsorbedTokens;
+  const double dp = double(paddedHeadDim(int(d))), sRows = double(s.block_m() * absorbedRows(int(P)));
   AbsorbedBlockWork w;
   w.matrixFlops = 2.0 * (sRows + double(s.block_m())) * rawRows * dp;
-  w.simtFlops = 2.0 * (sRows * kAbsorbedTokens * double(G) + double(s.block_m() * kAbsorbedTokens * P) * rawRows / 8.0) +
+  // Combination: G a score; fold: P a P' element (block_m x tokens x Gp); rotation: 3 an element.
+  w.simtFlops = 2.0 * (sRows * kAbsorbedTokens * double(G) + double(s.block_m() * kAbsorbedTokens * P) * paddedHeads) +
                 (spec.rope_theta() > 0 ? 3.0 * double(kAbsorbedTokens * G * d) : 0.0);
   w.exps = sRows * kAbsorbedTokens;
   return w;
@@ -610,11 +611,11 @@ DecodeFloor estimateDecodeFloor(const KernelSpec& spec, const Schedule& s, const
   const bool wgmma = s.engine() == v1::engine_wgmma;
   const double warps = double(s.warps() + (wgmma ? kWarpgroupWarps : 0));
   double perBlock = issue ? issue->unmasked : 0.0;
+  const AbsorbedBlockWork work = s.absorb_mixing() ? absorbedBlockWork(spec, s) : AbsorbedBlockWork{};
   if (!issue) {
     // A raw cache's rows mixed on chip: G FMAs per element of a key and a
     // value row, over the CTA's warps.
     // Absorbed: its f32 work and its mma.sync instructions (4096 FLOP each).
-    const AbsorbedBlockWork work = s.absorb_mixing() ? absorbedBlockWork(spec, s) : AbsorbedBlockWork{};
     const double mixing = s.absorb_mixing() ? (work.simtFlops / 2.0 / 32.0 + work.matrixFlops / 4096.0) / warps
                           : mixedCache ? 0.0
                                        : double(s.block_n() * d) * double(G) * 2.0 / 32.0 / warps;
@@ -627,8 +628,7 @@ DecodeFloor estimateDecodeFloor(const KernelSpec& spec, const Schedule& s, const
   // The tensor pipe: the products issued, at the model's mma.sync (or
   // wgmma) share of the dense rate.
   const double padded = double(paddedHeadDim(int(d)));
-  const double matrixFlops =
-      s.absorb_mixing() ? absorbedBlockWork(spec, s).matrixFlops : 4.0 * double(s.block_m() * s.block_n()) * padded;
+  const double matrixFlops = s.absorb_mixing() ? work.matrixFlops : 4.0 * double(s.block_m() * s.block_n()) * padded;
   f.tensorSeconds = double(f.ctas) * double(blocksPerCta) * matrixFlops /
                     (device.tensorFlops * (wgmma ? device.wgmmaEfficiency : device.mmaSyncEfficiency));
   // One CTA's blocks run one after another, its warps on an SM's four

@@ -213,7 +213,8 @@ ScheduleAttr withFlashAttention2Shape(SpecAttr spec, ScheduleAttr schedule, cons
     return schedule;  // at -O3 the second m-tile spills
   ScheduleAttr shaped = ScheduleAttr::get(spec.getContext(), kRows, kKeys, kWarps, /*stages=*/1, schedule.getMix(),
                                           schedule.getCollapse(), schedule.getEngine(), schedule.getProducerRegisters(),
-                                          schedule.getDq(), schedule.getKvSplits(), schedule.getStackHeads(), schedule.getAbsorbMixing());
+                                          schedule.getDq(), schedule.getKvSplits(), schedule.getStackHeads(),
+                                          schedule.getAbsorbMixing());
   if (checkSchedule(spec, shaped) || attentionSharedMemory(spec, shaped) > sharedMemoryLimit(target)) return schedule;
   return shaped;
 }
@@ -608,10 +609,10 @@ Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedu
   // says why; the absorbed step, paper spec, sm_90a: 206 registers and no
   // spill at -O1, 255 and 16 bytes spilled at -O3, the same loop within 0.5%).
   const Schedule& resolvedSchedule = plan.schedule;
+  const int mTiles = int(resolvedSchedule.block_m() / (kMmaRows * resolvedSchedule.warps()));
   if (target.kind() == v1::Target::cuda && options.direction != Direction::backward &&
       resolvedSchedule.engine() == v1::engine_mma &&
-      (resolvedSchedule.absorb_mixing() || attentionAtO1(int(resolvedSchedule.block_m() / (kMmaRows * resolvedSchedule.warps())), int(spec.heads()),
-                    int(spec.kv_heads()))))
+      (resolvedSchedule.absorb_mixing() || attentionAtO1(mTiles, int(spec.heads()), int(spec.kv_heads()))))
     plan.source = std::string(kPtxasOptionsLine) + " -O1\n" + plan.source;
   plan.sourceHash = ContentHash().add(plan.source).hex();
   if (options.irLog) *options.irLog += irText;

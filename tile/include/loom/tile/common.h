@@ -162,12 +162,16 @@ LOOM_HOST_DEVICE constexpr CtaRow ctaRow(int r) {
   else return {r / C::cta_rows, r % C::cta_rows, r < C::stacked_heads * C::cta_rows};
 }
 
-// The cache slot (page * page_size + offset) of token t of sequence b.
+// The cache slot (page * page_size + offset) of token `token` of sequence b,
+// its page's index in the sequence given.
+LOOM_HOST_DEVICE inline int64_t slot_in_page(const IhaArgs& args, int64_t b, int32_t token, int32_t page) {
+  return int64_t(args.page_table[b * args.max_pages + page]) * args.page_size + (token - page * int32_t(args.page_size));
+}
+// The cache slot of token t of sequence b.
 LOOM_HOST_DEVICE inline int64_t cache_slot(const IhaArgs& args, int64_t b, int64_t t) {
   // A sequence's positions are below 2^31: 32-bit division (a 64-bit one is
   // a subroutine call on the device).
-  const int32_t token = int32_t(t), page = token / int32_t(args.page_size);
-  return int64_t(args.page_table[b * args.max_pages + page]) * args.page_size + (token - page * int32_t(args.page_size));
+  return slot_in_page(args, b, int32_t(t), int32_t(t) / int32_t(args.page_size));
 }
 
 // n / d for 0 <= n < 2^31 and a divisor d >= 1 fixed for a launch, by a
@@ -190,8 +194,7 @@ LOOM_HOST_DEVICE inline int32_t divide(int32_t n, const FastDivider& f) {
 }
 // cache_slot with the launch's page size as a FastDivider.
 LOOM_HOST_DEVICE inline int64_t cache_slot(const IhaArgs& args, int64_t b, int64_t t, const FastDivider& pages) {
-  const int32_t token = int32_t(t), page = divide(token, pages);
-  return int64_t(args.page_table[b * args.max_pages + page]) * args.page_size + (token - page * int32_t(args.page_size));
+  return slot_in_page(args, b, int32_t(t), divide(int32_t(t), pages));
 }
 
 // docs/IHA.md step 4: may virtual row i attend to virtual row j? With the

@@ -280,24 +280,17 @@ __device__ void rotateStage(int64_t block) {
     Bits16* row = kStage + (m * A::tokens + t) * A::pitch;
     const uint4 low = *reinterpret_cast<const uint4*>(row + lo), high = *reinterpret_cast<const uint4*>(row + lo + A::D / 2);
     const Bits32 lw[4] = {low.x, low.y, low.z, low.w}, hw[4] = {high.x, high.y, high.z, high.w};
-    float x[kChunkElements], y[kChunkElements], cosine[kChunkElements], sine[kChunkElements];
+    float x[kChunkElements], y[kChunkElements];
+    cuda::unpackPiece<C, kChunkElements>(lw, x);
+    cuda::unpackPiece<C, kChunkElements>(hw, y);
     #pragma unroll
     for (int e = 0; e < kChunkElements; e += 4) {
-      const float4 c4 = *reinterpret_cast<const float4*>(angles + t * A::D + lo + e);
-      const float4 s4 = *reinterpret_cast<const float4*>(angles + t * A::D + A::D / 2 + lo + e);
-      cosine[e] = c4.x, cosine[e + 1] = c4.y, cosine[e + 2] = c4.z, cosine[e + 3] = c4.w;
-      sine[e] = s4.x, sine[e + 1] = s4.y, sine[e + 2] = s4.z, sine[e + 3] = s4.w;
-    }
-    #pragma unroll
-    for (int e = 0; e < kChunkElements; ++e) {
-      x[e] = cuda::toFloat<C>(Bits16(lw[e / 2] >> (16 * (e % 2))));
-      y[e] = cuda::toFloat<C>(Bits16(hw[e / 2] >> (16 * (e % 2))));
-    }
-    #pragma unroll
-    for (int e = 0; e < kChunkElements; ++e) {
-      const float u = x[e], w = y[e];
-      x[e] = u * cosine[e] - w * sine[e];
-      y[e] = u * sine[e] + w * cosine[e];
+      const float4 cosine = *reinterpret_cast<const float4*>(angles + t * A::D + lo + e);
+      const float4 sine = *reinterpret_cast<const float4*>(angles + t * A::D + A::D / 2 + lo + e);
+      cuda::turnPair(x, y, e, cosine.x, sine.x);
+      cuda::turnPair(x, y, e + 1, cosine.y, sine.y);
+      cuda::turnPair(x, y, e + 2, cosine.z, sine.z);
+      cuda::turnPair(x, y, e + 3, cosine.w, sine.w);
     }
     cuda::storeChunk<C>(row + lo, x);
     cuda::storeChunk<C>(row + lo + A::D / 2, y);
@@ -441,6 +434,16 @@ __device__ __forceinline__ float groupSum(float x, int P) {
   return x;
 }
 
+// Output row half h (lane/4, lane/4 + 8) of the thread's columns times factor.
+template <class C>
+__device__ __forceinline__ void scaleOutputRow(AccTile<C, true>& acc, int h, float factor) {
+  #pragma unroll
+  for (int ot = 0; ot < Geometry<C>::OT; ++ot) {
+    acc.o[ot][2 * h] *= factor;
+    acc.o[ot][2 * h + 1] *= factor;
+  }
+}
+
 template <class C, bool Masked>
 __device__ void softmaxUpdate(SoftmaxState<C, true>& state, ScoreTile<C, true>& s, AccTile<C, true>& acc) {
   using A = Geometry<C>;
@@ -500,15 +503,10 @@ __device__ void softmaxUpdate(SoftmaxState<C, true>& state, ScoreTile<C, true>& 
   __syncthreads();  // P' and the row maxima of both warps of the m-tile
   #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const float newMax = rowMax[tile<C>() * kMTileRows + l / 4 + 8 * h];
+    const float newMax = rowMax[tile<C>() * kMTileRows + l / 4 + 8 * h], outMax = state.outMax[h];
     const float base = Masked && newMax == cuda::negativeInfinity() ? 0.0f : newMax;
-    const float correction = ptx::exp2Ftz(state.outMax[h] - base);
     state.outMax[h] = newMax;
-    #pragma unroll
-    for (int ot = 0; ot < A::OT; ++ot) {
-      acc.o[ot][2 * h] *= correction;
-      acc.o[ot][2 * h + 1] *= correction;
-    }
+    scaleOutputRow<C>(acc, h, ptx::exp2Ftz(outMax - base));
   }
 }
 
@@ -579,12 +577,7 @@ __device__ void normalize(SoftmaxState<C, true>& state, AccTile<C, true>& acc) {
     const int r = tile<C>() * kMTileRows + l / 4 + 8 * h;
     state.outSum[h] = rowSum[r];
     state.outMax[h] = rowMax[r];
-    const float inverse = state.outSum[h] > 0.0f ? 1.0f / state.outSum[h] : 0.0f;
-    #pragma unroll
-    for (int ot = 0; ot < A::OT; ++ot) {
-      acc.o[ot][2 * h] *= inverse;
-      acc.o[ot][2 * h + 1] *= inverse;
-    }
+    scaleOutputRow<C>(acc, h, state.outSum[h] > 0.0f ? 1.0f / state.outSum[h] : 0.0f);
   }
 }
 

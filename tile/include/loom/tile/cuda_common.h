@@ -92,6 +92,13 @@ __device__ __forceinline__ float rotate(float x, float partner, int64_t position
 // Chunks `lo` (columns column..+7, below d/2) and `hi` (d/2 further) of one
 // row, rotated together: each element's partner is the other chunk's, and
 // the pair shares one angle (one sine and cosine for two elements).
+// Element e of lo and hi turned by the angle of cosine[e], sine[e].
+__device__ __forceinline__ void turnPair(float (&lo)[kChunkElements], float (&hi)[kChunkElements], int e, float cosine,
+                                         float sine) {
+  const float l = lo[e], h = hi[e];
+  lo[e] = l * cosine - h * sine;
+  hi[e] = l * sine + h * cosine;
+}
 template <class C>
 __device__ __forceinline__ void rotatePair(float (&lo)[kChunkElements], float (&hi)[kChunkElements], int64_t position,
                                            int column) {
@@ -100,9 +107,7 @@ __device__ __forceinline__ void rotatePair(float (&lo)[kChunkElements], float (&
     float sine, cosine;
     ropeSinCos<C>(position, column + e, &sine, &cosine);
     if constexpr (C::rope_negative) sine = -sine;
-    const float l = lo[e], h = hi[e];
-    lo[e] = l * cosine - h * sine;
-    hi[e] = l * sine + h * cosine;
+    turnPair(lo, hi, e, cosine, sine);
   }
 }
 
