@@ -105,7 +105,8 @@ void premixFloors(const loom::v1::Target& target, loom::jit::NvrtcCompiler& comp
 // bytes it must move, their floor, the issue time of its attention loop as
 // the machine code has it, and the ratio. The paper's settings (H = G = 16,
 // P = 4, d = 128, bf16, causal, RoPE) over a raw cache (the default: the
-// mixing absorbed; then the raw rows mixed on chip) and a mixed cache; then
+// mixing absorbed; then the raw rows mixed on chip), the same with qk_norm
+// (nanochat-style: the keys' norms from Gram matrices) and a mixed cache; then
 // kv groups of four heads (H = 32, G = 8, P = 2) over a raw cache, the
 // default (absorbed), the group's heads stacked in one CTA, and each head
 // alone. Beside the issue, the tensor pipe's time at the model's mma.sync
@@ -119,9 +120,14 @@ void decodeFloors(const loom::v1::Target& target, loom::jit::NvrtcCompiler& comp
   };
   loom::KernelSpec grouped = paperSpec(32, 2, 128);
   grouped.set_kv_heads(8);
+  loom::KernelSpec normed = paperSpec(16, 4, 128);  // nanochat-style: qk_norm, RoPE turned the other way
+  normed.set_qk_norm(loom::v1::KernelSpec::rms);
+  normed.set_rope_direction(loom::v1::KernelSpec::negative);
   const Case cases[] = {
       {paperSpec(16, 4, 128), false, std::nullopt, std::nullopt, "a raw paged cache, H=G=16 P=4 d=128 (default: absorbed)"},
       {paperSpec(16, 4, 128), false, false, std::nullopt, "a raw paged cache, H=G=16 P=4 d=128, absorb_mixing false"},
+      {normed, false, std::nullopt, std::nullopt, "a raw paged cache, H=G=16 P=4 d=128 qk_norm (default: absorbed)"},
+      {normed, false, false, std::nullopt, "a raw paged cache, H=G=16 P=4 d=128 qk_norm, absorb_mixing false"},
       {paperSpec(16, 4, 128), true, std::nullopt, std::nullopt, "a mixed paged cache, H=G=16 P=4 d=128"},
       {grouped, false, std::nullopt, std::nullopt, "a raw paged cache, H=32 G=8 P=2 d=128 (default: absorbed)"},
       {grouped, false, false, std::nullopt, "a raw paged cache, H=32 G=8 P=2 d=128, absorb_mixing false (heads stacked)"},
@@ -160,6 +166,41 @@ void decodeFloors(const loom::v1::Target& target, loom::jit::NvrtcCompiler& comp
                     f.tensorSeconds * 1e3, f.tensorRatio(), (long long)f.ctas);
       }
   }
+}
+
+// The default decode step over a raw cache for each of the paper's
+// settings (H = G = 8 and 16, P = 2, 4, 8, d = 64 and 128, bf16, causal,
+// RoPE), qk_norm off and on, one line each at B = 8 and a 32k-token cache:
+// which step it is (absorbed, or mixing on chip), its loop and the two
+// ratios to the memory floor.
+void decodeSettings(const loom::v1::Target& target, loom::jit::NvrtcCompiler& compiler) {
+  std::printf("\ndecode over a raw paged cache, the paper's settings, default schedule, B 8, cache 32768, one new token\n");
+  std::printf("%-3s %-2s %-4s %-8s %-9s %12s %8s %8s\n", "H", "P", "d", "qk_norm", "step", "loop (SASS)", "issue",
+              "tensor");
+  for (int H : {8, 16})
+    for (int P : {2, 4, 8})
+      for (int d : {64, 128})
+        for (bool normed : {false, true}) {
+          loom::KernelSpec spec = paperSpec(H, P, d);
+          if (normed) spec.set_qk_norm(loom::v1::KernelSpec::rms);
+          std::shared_ptr<const loom::jit::Artifact> artifact;
+          auto kernel = loom::compileKernel(spec, loom::Schedule(), target, compiler, &artifact,
+                                            loom::Direction::decode, /*mixedCache=*/false);
+          if (!kernel) {
+            std::printf("%-3d %-2d %-4d %-8s %s\n", H, P, d, normed ? "rms" : "none", kernel.error().message.c_str());
+            continue;
+          }
+          const auto read = loom::jit::resourcesWithSass(*artifact);  // without nvdisasm: estimated
+          std::optional<loom::autotune::LoopIssue> issue;
+          for (const auto& usage : read ? *read : artifact->resources)
+            if (usage.entry() == loom::kAttentionEntry) issue = loom::autotune::loopIssueOf(usage);
+          const loom::autotune::DecodeFloor f =
+              loom::autotune::estimateDecodeFloor(spec, kernel->schedule(), target, 8, 32768, 1, false, issue);
+          std::printf("%-3d %-2d %-4d %-8s %-9s %12.0f %7.2fx %7.2fx\n", H, P, d, normed ? "rms" : "none",
+                      kernel->schedule().absorb_mixing() ? "absorbed" : "mixing", issue ? issue->unmasked : 0.0,
+                      f.floorRatio(), f.tensorRatio());
+          std::fflush(stdout);
+        }
 }
 
 }  // namespace
@@ -238,5 +279,6 @@ int main(int argc, char** argv) {
       }
   premixFloors(*target, compiler, batch, tokens);
   decodeFloors(*target, compiler);
+  decodeSettings(*target, compiler);
   return 0;
 }

@@ -83,6 +83,15 @@ AbsorbedBlockWork absorbedBlockWork(const KernelSpec& spec, const Schedule& s) {
   w.simtFlops = 2.0 * (sRows * kAbsorbedTokens * double(G) + double(s.block_m() * kAbsorbedTokens * P) * paddedHeads) +
                 (spec.rope_theta() > 0 ? 3.0 * double(kAbsorbedTokens * G * d) : 0.0);
   w.exps = sRows * kAbsorbedTokens;
+  if (spec.qk_norm() == v1::KernelSpec::rms) {
+    // Each token's Gram matrix of its raw key rows (16-row tiles on the
+    // tensor cores), then one quadratic form a mixed key row (G (G + 1) / 2
+    // + G multiply-adds on the Gram matrix's upper triangle) and its scale
+    // on the scores.
+    const double gramRows = double((G + 15) / 16 * 16);
+    w.matrixFlops += 2.0 * kAbsorbedTokens * gramRows * gramRows * dp;
+    w.simtFlops += 2.0 * kAbsorbedTokens * double(G * P) * double(G * (G + 1) / 2 + G) + sRows * kAbsorbedTokens;
+  }
   return w;
 }
 
@@ -555,7 +564,9 @@ CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& s, const
   const int threads = (s.warps() + (wgmma ? kWarpgroupWarps : 0)) * 32;
   const int registers = registersPerThread.value_or(int(estimatedRegisters(spec, s)));
   const int64_t smem =
-      absorbed ? absorbedSmem(int(s.block_m()), int(d), int(s.stages()), int(G), int(P), int(s.warps())).total
+      absorbed ? absorbedSmem(int(s.block_m()), int(d), int(s.stages()), int(G), int(P), int(s.warps()),
+                                  spec.qk_norm() == v1::KernelSpec::rms)
+                         .total
                : ctaSharedMemory(wgmma, int(s.block_m()), int(s.block_n()), int(d), int(s.stages()), int(H), int(G),
                                  int(P), !mixedCache, s.collapse() == v1::collapse_fused,
                                  s.collapse() == v1::collapse_fused && spec.collapse() == v1::global);

@@ -347,6 +347,44 @@ TEST(Decode, EmulatedCudaStepOnDrawnSpecs) {
   }
 }
 
+// The mixing step with qk_norm (absorb_mixing false): each mixed key row's
+// sum of squares is a shuffle sum over the lanes of its pieces where they
+// are a power of two (head_dim 32: chunk pairs 2, chunks 4), else mma_qk's
+// sum over its own K fragments (head_dim 48 with RoPE: 3 chunk pairs); no
+// shared-memory atomics. Drawn specs, either arch, stacked or not: the
+// emulated step gives the forward's rows with no finding.
+TEST(Decode, MixingStepsNormaliseTheirKeysInOneOrder) {
+  std::mt19937_64 rng(testing::testSeed() ^ 0x9a55);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  for (int draw = 0; draw < 4; ++draw) {
+    const IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
+      KernelSpec spec = testing::randomSpec(rng);
+      spec.set_kv_heads(int32_t(pick(1, 2)));
+      spec.set_heads(int32_t(spec.kv_heads() * pick(1, 2)));
+      spec.set_pseudo_heads(int32_t(pick(1, 3)));
+      spec.set_head_dim(draw < 2 ? 32 : 48);
+      spec.set_rope_theta(draw % 2 ? 0.0 : 10000.0);
+      spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
+      spec.set_qk_norm(v1::KernelSpec::rms);
+      testing::dropStaleOptions(spec);
+      return testing::DrawnShape{spec, pick(1, 2), pick(6, 30)};
+    });
+    const int64_t T = pick(1, std::min<int64_t>(3, c.tokens));
+    DecodeLayout layout = drawCheckableLayout(rng, c, T, 9);
+    layout.layout = CacheLayout::raw;
+    Schedule schedule;
+    schedule.set_absorb_mixing(false);
+    const std::string arch = draw % 2 ? "sm_80" : "sm_90a";
+    SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " " + arch);
+    auto dc = decodeCaseFrom(c, layout);
+    ASSERT_TRUE(dc) << dc.error().message;
+    auto plan = decodePlan(*dc, schedule, arch);
+    ASSERT_TRUE(plan) << plan.error().message;
+    EXPECT_EQ(plan->schedule.mix(), v1::mix_fused) << plan->schedule.ShortDebugString();
+    expectEmulatedStep(c, *dc, arch, rng(), schedule);
+  }
+}
+
 // Split-KV (flash-decoding): kv_splits CTAs per query block, each over its
 // share of the visible key blocks, merged by the combine launch. Drawn specs
 // with ragged caches of several 16-row key blocks, 2 to 6 splits (some
@@ -448,25 +486,31 @@ TEST(Decode, StackedHeadsGiveTheForwardsRows) {
 // The absorbed step (the default over a raw cache where the spec allows it;
 // loom/tile/cuda_absorbed.h): the cached rows are never mixed, the keys'
 // mix absorbed into P rows of R(-j) q a query row, the values' into the
-// probabilities. Drawn specs without qk_norm, P 1 to 8 (those not a power
-// of two take padding S rows), G odd and even (a padding head), head_dim 16
-// to 64, every mask and window, T = 1 to 3 new tokens (several tokens of
-// every head in one CTA), ragged caches over drawn pages, split (shares
-// empty) or not, sm_80 and sm_90a by turns: the emulated step gives the
-// forward's rows with no finding, from a plan whose CTA holds every head.
+// probabilities. Drawn specs, qk_norm on and off (on: the keys' norms from
+// each token's Gram matrix), P 1 to 8 (those not a power of two take
+// padding S rows), G odd and even (a padding head; the last draw G 9 to 20,
+// two 16-row Gram tiles where G > 16), head_dim 16 to 64, every mask and
+// window, T = 1 to 3 new tokens (several tokens of every head in one CTA),
+// ragged caches over drawn pages, split (shares empty) or not, sm_80 and
+// sm_90a by turns: the emulated step gives the forward's rows with no
+// finding, from a plan whose CTA holds every head.
 TEST(Decode, AbsorbedStepsGiveTheForwardsRows) {
   std::mt19937_64 rng(testing::testSeed() ^ 0xab50);
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
-  for (int draw = 0; draw < 6; ++draw) {
+  for (int draw = 0; draw < 7; ++draw) {
     const IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
       KernelSpec spec = testing::randomSpec(rng);
-      spec.set_pseudo_heads(int32_t(draw == 0 ? 8 : draw == 1 ? 3 : pick(1, 5)));
-      spec.set_kv_heads(int32_t(pick(1, 3)));
+      spec.set_pseudo_heads(int32_t(draw == 0 ? 8 : draw == 1 ? 3 : draw == 6 ? 1 : pick(1, 5)));
+      spec.set_kv_heads(int32_t(draw == 6 ? pick(9, 20) : pick(1, 3)));
       spec.set_heads(int32_t(spec.kv_heads() * pick(1, std::max<int64_t>(1, 8 / (spec.kv_heads() * spec.pseudo_heads())))));
-      spec.set_head_dim(int32_t(16 * pick(1, spec.pseudo_heads() > 4 ? 2 : 4)));
+      spec.set_head_dim(int32_t(16 * pick(1, spec.pseudo_heads() > 4 || draw == 6 ? 2 : 4)));
       spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
-      spec.clear_qk_norm();
-      spec.clear_qk_norm_eps();
+      if (draw >= 2 && draw != 5) {
+        spec.set_qk_norm(v1::KernelSpec::rms);
+      } else if (draw < 2) {
+        spec.clear_qk_norm();
+        spec.clear_qk_norm_eps();
+      }
       testing::dropStaleOptions(spec);
       return testing::DrawnShape{spec, pick(1, 2), pick(12, 40)};
     });
@@ -490,8 +534,9 @@ TEST(Decode, AbsorbedStepsGiveTheForwardsRows) {
 }
 
 // The emulator finds what the absorbed step's barriers prevent, and a
-// wrong weight: each fault of cuda_absorbed.h on the same drawn step (P 4,
-// two warps an m-tile), whose unchanged code has no finding.
+// wrong weight or norm: each fault of cuda_absorbed.h on the same drawn
+// step (P 4, two warps an m-tile, RoPE and qk_norm), whose unchanged code
+// has no finding.
 TEST(Decode, AbsorbedStepFaultsAreFound) {
   struct Fault {
     const char* name;
@@ -502,9 +547,16 @@ TEST(Decode, AbsorbedStepFaultsAreFound) {
   const Fault faults[] = {
       {"the barrier before the P' tile is read removed",
        "  __syncthreads();  // P' and the row maxima of both warps of the m-tile\n", "", {emu::FindingKind::race}},
-      {"the warp's barrier before its fold removed", "  __syncwarp();\n", "", {emu::FindingKind::race}},
+      {"the warp's barrier before its fold removed", "  __syncwarp();\n  // P' of this warp's own", "  // P'",
+       {emu::FindingKind::race}},
       {"the values' weights of the wrong pseudo-head",
        "        const float w = weights[m * A::P + j];", "        const float w = weights[m * A::P + (j + 1) % A::P];", {}},
+      {"the warp's barrier between its Gram matrix and the norms removed", "    __syncwarp();\n    // sum_m w_m",
+       "    // sum_m w_m", {emu::FindingKind::race}},
+      {"the warp's barrier between its turned rows and their Gram matrix removed",
+       "if constexpr (C::rope_theta > 0) __syncwarp();", "if constexpr (C::rope_theta > 0) {}", {emu::FindingKind::race}},
+      {"a token's key norms stored as the next token's", "norms[f * A::tokens + t] =",
+       "norms[f * A::tokens + (t + 1) % A::tokens] =", {}},
   };
   std::mt19937_64 rng(testing::testSeed() ^ 0xfa17);
   const IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
@@ -514,8 +566,8 @@ TEST(Decode, AbsorbedStepFaultsAreFound) {
     spec.set_pseudo_heads(4);
     spec.set_head_dim(32);
     spec.set_dtype(v1::bfloat16);
-    spec.clear_qk_norm();
-    spec.clear_qk_norm_eps();
+    spec.set_qk_norm(v1::KernelSpec::rms);
+    spec.set_rope_theta(10000);
     spec.clear_window();
     spec.clear_window_align();
     spec.clear_window_rows();
@@ -651,7 +703,9 @@ TEST(Decode, NvrtcCompilesTheCudaStepWithoutSpills) {
   split.set_kv_splits(4);
   for (const char* arch : {"sm_80", "sm_90a"}) {
     for (bool mixed : {false, true}) {
-      expectClean(unsplit, arch, mixed, 2);  // iha_append, iha_attention
+      // iha_append, iha_attention; over a raw cache the absorbed step's
+      // collapse is a launch of its own (iha_collapse)
+      expectClean(unsplit, arch, mixed, mixed ? 2 : 3);
       expectClean({}, arch, mixed, 4);       // the default splits: + iha_combine, iha_collapse
     }
     expectClean(split, arch, false, 4);
@@ -799,7 +853,6 @@ TEST(Decode, PlansSayWhatTheyCannotBe) {
   expectPlanRefused(spec, absorb, "cpu", decode, "absorb_mixing needs a CUDA target");
   KernelSpec normed = spec;
   normed.set_qk_norm(v1::KernelSpec::rms);
-  expectPlanRefused(normed, absorb, "sm_80", decode, "absorb_mixing needs qk_norm none");
   Schedule absorbWide = absorb;
   absorbWide.set_block_n(64);
   expectPlanRefused(spec, absorbWide, "sm_80", decode, "block_n (64) must be 16 with absorb_mixing");
@@ -808,7 +861,7 @@ TEST(Decode, PlansSayWhatTheyCannotBe) {
   expectPlanRefused(gqa, absorbStacked, "sm_80", decode, "absorb_mixing already holds every query head");
   auto normedPlan = generateKernel(normed, Schedule(), *parseTarget("sm_80"), decode);
   ASSERT_TRUE(normedPlan) << normedPlan.error().message;
-  EXPECT_FALSE(normedPlan->schedule.absorb_mixing()) << "qk_norm: the mixing step by default";
+  EXPECT_TRUE(normedPlan->schedule.absorb_mixing()) << "qk_norm absorbs too (the keys' norms from Gram matrices)";
   // wgmma: sm_90a's, on its head dims and key blocks.
   Schedule wgmma;
   wgmma.set_engine(v1::engine_wgmma);

@@ -125,7 +125,7 @@ INSTANTIATE_TEST_SUITE_P(Specs, Grid, ::testing::Range(0, kGridSpecs), [](const 
 // The sm_90a default forward of the paper's settings (H 16, P 4, d 128,
 // bf16, flat_causal) and a drawn grid (H 8-32 with G dividing it, P 1-8,
 // d 64 and 128, every mask, windows on and off, both collapses, bf16 and
-// fp16), read in the machine code (runtime/jit/sass.h): every tensor-core
+// fp16, qk_norm on and off), read in the machine code (runtime/jit/sass.h): every tensor-core
 // loop of the attention entry within the gate of docs/performance.md
 // (instructions per tensor MFLOP), at least 13 of every 66 exponentials
 // between the wait for S and the wait for P V, the ping-pong between
@@ -149,6 +149,7 @@ KernelSpec sassGridSpec(int index) {
   spec.set_window(pick(0, 2) ? 0 : pick(1, 512));
   spec.set_collapse(pick(0, 1) ? v1::per_head : v1::global);
   spec.set_rope_theta(pick(0, 1) ? 0.0 : 10000.0);
+  if (pick(0, 1)) spec.set_qk_norm(v1::KernelSpec::rms);  // as nanochat-style models train
   return spec;
 }
 
@@ -275,7 +276,9 @@ INSTANTIATE_TEST_SUITE_P(Specs, Sm80Gate, ::testing::Range(0, kSassGridSpecs, 2)
 // most 16 scalar 16-bit ones), every store wide, no local memory; and the
 // issue time its mixing loops model within 1.5x of the bytes' floor where
 // the mixing is not FMA-bound by nature (H <= 16: at H 32 the FMAs per byte
-// alone pass the floor; docs/performance.md, The premix). The loop-part
+// alone pass the floor; nor qk_norm on sm_80, whose squares, sums and
+// scales come on top of a mixing near the A100's FMA rate at H 16: up to
+// 1.7x at d 64, printed; docs/performance.md, The premix). The loop-part
 // estimate the tuner uses before anything is compiled stays within 15% of
 // the machine code's.
 constexpr int kPremixGateTokens = 8192;
@@ -314,7 +317,8 @@ TEST_P(PremixGate, ReadsOnceWideAndNearTheMemoryFloor) {
     EXPECT_NEAR(estimated.issueSeconds / measured.issueSeconds, 1.0, 0.15)
         << what << ": the loop-part estimate is off the machine code's (per group q/k/v " << issue->perGroup[0]
         << " / " << issue->perGroup[1] << " / " << issue->perGroup[2] << ")";
-    if (spec.heads() <= 16) EXPECT_LE(measured.floorRatio(), kPremixFloorRatioGate) << what;
+    const bool fmaBound = spec.heads() > 16 || (arch == "sm_80" && spec.qk_norm() == v1::KernelSpec::rms);
+    if (!fmaBound) EXPECT_LE(measured.floorRatio(), kPremixFloorRatioGate) << what;
     std::printf("[ premix   ] %s %s: %s; mixing loops %.0f / %.0f / %.0f a group; N %d: floor %.3f ms, issue %.3f "
                 "ms (%.2fx)\n",
                 arch.c_str(), describe(spec).c_str(), jit::sass::memoryBrief(m).c_str(), issue->perGroup[0],

@@ -82,7 +82,8 @@ Schedule scheduleOf(ScheduleAttr attr, Direction direction) {
 int64_t attentionSharedMemory(SpecAttr spec, ScheduleAttr schedule) {
   if (schedule.getAbsorbMixing())
     return absorbedSmem(int(schedule.getBlockM()), int(spec.getHeadDim()), int(schedule.getStages()),
-                        int(spec.getKvHeads()), int(spec.getPseudoHeads()), int(schedule.getWarps()))
+                        int(spec.getKvHeads()), int(spec.getPseudoHeads()), int(schedule.getWarps()),
+                        spec.getQkNorm() == QkNorm::rms)
         .total;
   const bool fusedGlobal =
       schedule.getCollapse() == CollapseStrategy::epilogue && spec.getCollapse() == CollapseMode::global;

@@ -245,8 +245,6 @@ std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule) {
     if (schedule.getEngine() != Engine::mma) return "schedule.absorb_mixing needs engine mma";
     if (schedule.getStackHeads())
       return "schedule.absorb_mixing already holds every query head in one CTA (leave stack_heads unset)";
-    if (spec.getQkNorm() != QkNorm::none)
-      return "schedule.absorb_mixing needs qk_norm none (a mixed key's norm is not a product of the raw rows)";
     if (blockN != kAbsorbedTokens * P)
       return "schedule.block_n (" + str(blockN) + ") must be " + str(kAbsorbedTokens * P) + " with absorb_mixing (" +
              str(kAbsorbedTokens) + " tokens a key block)";

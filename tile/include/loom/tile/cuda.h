@@ -438,11 +438,12 @@ __device__ void issueKv(const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
 //===--- qk_norm of fused keys ---------------------------------------------===//
 // With fused mixing the keys are not normalised in the tile (that would be a
 // second pass over it inside the key-block loop, where the accumulators hold
-// nearly every register): mixing adds each K row's sum of squares, taken on
+// nearly every register): the mixing sums each K row's squares, taken on
 // the f32 values before they are rounded, into the row's padding (the
-// kRowPadElements no ldmatrix reads, layout.h), and mma_qk scales each score
-// column by its key's 1 / sqrt(mean + eps). Queries are normalised in their
-// tile, once per CTA.
+// kRowPadElements no ldmatrix reads, layout.h; or mma_qk from the rounded
+// fragments, kFragmentKeySquares), and mma_qk scales each score column by
+// its key's 1 / sqrt(mean + eps). Queries are normalised in their tile, once
+// per CTA.
 
 template <class C>
 constexpr bool kFusedKeyNorm = C::fused_mix && C::qk_norm;
@@ -455,14 +456,40 @@ template <class C>
 __device__ __forceinline__ float* keySquares(const Bits16* kTile, int r) {
   return reinterpret_cast<float*>(const_cast<Bits16*>(kTile) + r * Geometry<C>::pitch + Geometry<C>::Dp);
 }
-__device__ __forceinline__ void sharedAddFloat(float* address, float value) {
-  ptx::redSharedAddF32(sharedAddress(address), value);
-}
-// Zeroes every row's sum before the next block is mixed into the tile.
+// The mixing's pieces a K row (chunk pairs d/2 apart where RoPE turns
+// whole chunks, else chunks): where they are a power of two, a row's pieces
+// lie in consecutive lanes of one warp and its sum is a shuffle sum stored
+// by the row's first lane; else mma_qk sums each row's squares from its own
+// K fragments (a quad holds a row's columns). No atomics: the sum is one
+// order, and no spin loop sits in the key-block loop.
 template <class C>
-__device__ __forceinline__ void clearKeySquares() {
-  const Bits16* kTile = reinterpret_cast<const Bits16*>(smem() + layout<C>().k);
-  for (int r = threadIdx.x; r < C::block_n; r += Geometry<C>::threads) *keySquares<C>(kTile, r) = 0.0f;
+constexpr int kKeyPieces = C::rope_theta > 0 && mixedChunkFits<C, Role::key> ? C::head_dim / 2 / kChunkElements
+                                                                               : paddedHeadDim(C::head_dim) / kChunkElements;
+template <class C>
+constexpr bool kShuffledKeySquares = kFusedKeyNorm<C> && (kKeyPieces<C> & (kKeyPieces<C> - 1)) == 0 &&
+                                     kKeyPieces<C> <= kWarpSize;
+template <class C>
+constexpr bool kFragmentKeySquares = kFusedKeyNorm<C> && !kShuffledKeySquares<C>;
+
+// f(index, active) for index = threadIdx.x + k * Threads over Items rounded
+// up to whole rounds, every lane of every warp in every round (active is
+// index < Items), for the shuffles of kShuffledKeySquares.
+template <int Items, int Threads, class F>
+__device__ __forceinline__ void forEachUnrolledUniform(F&& f) {
+  #pragma unroll
+  for (int round = 0; round < (Items + Threads - 1) / Threads; ++round) {
+    const int index = int(threadIdx.x) + round * Threads;
+    f(index, Items % Threads == 0 || index < Items);
+  }
+}
+
+// A row's share `squares` summed over its Pieces consecutive lanes and
+// stored by the first (every lane calls; `store` where the row is real).
+template <class C, int Pieces>
+__device__ __forceinline__ void storeKeySquares(Bits16* kTile, int r, int piece, float squares, bool store) {
+  #pragma unroll
+  for (int offset = Pieces / 2; offset > 0; offset /= 2) squares += __shfl_xor_sync(0xffffffffu, squares, offset);
+  if (store && piece == 0) *keySquares<C>(kTile, r) = squares;
 }
 
 // Mixes (and rotates K) the raw rows of `block` into the K and V tiles.
@@ -497,23 +524,24 @@ __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t b, int64_t bloc
     // Unrolled at compile time (one round at block_n 16 of four warps), so
     // the key-block loop's machine code holds all of its mixing.
     constexpr int halfChunks = half / kChunkElements, dChunks = G::D / kChunkElements;
-    forEachUnrolled<C::block_n * halfChunks, G::threads>([&](int index) {
+    auto pair = [&](int index, bool active) {
       const int r = index / halfChunks, lo = (index % halfChunks) * kChunkElements, hi = lo + half;
       const int64_t j = block * C::block_n + r;
       const int t = int(j / C::pseudo_heads - token0), p = int(j % C::pseudo_heads);
       float keys[kChunkElements] = {}, partner[kChunkElements] = {};
       float values[kChunkElements] = {}, values2[kChunkElements] = {};
-      if (j < L) {
+      if (active && j < L) {
         mix(raw, a.alpha_k, t, p, lo, keys);
         mix(raw, a.alpha_k, t, p, hi, partner);
         rotatePair<C>(keys, partner, j, lo);
-        if constexpr (kFusedKeyNorm<C>) {
-          float squares = 0.0f;
-          #pragma unroll
-          for (int e = 0; e < kChunkElements; ++e) squares += keys[e] * keys[e] + partner[e] * partner[e];
-          sharedAddFloat(keySquares<C>(kTile, r), squares);
-        }
       }
+      if constexpr (kShuffledKeySquares<C>) {
+        float squares = 0.0f;
+        #pragma unroll
+        for (int e = 0; e < kChunkElements; ++e) squares += keys[e] * keys[e] + partner[e] * partner[e];
+        storeKeySquares<C, halfChunks>(kTile, r, index % halfChunks, squares, active);
+      }
+      if (!active) return;
       storeChunk<C>(kTile + r * G::pitch + lo, keys);
       storeChunk<C>(kTile + r * G::pitch + hi, partner);
       if (j < L) {
@@ -522,7 +550,12 @@ __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t b, int64_t bloc
       }
       storeChunk<C>(vTile + r * G::pitch + lo, values);
       storeChunk<C>(vTile + r * G::pitch + hi, values2);
-    });
+    };
+    if constexpr (kShuffledKeySquares<C>) {
+      forEachUnrolledUniform<C::block_n * halfChunks, G::threads>(pair);
+    } else {
+      forEachUnrolled<C::block_n * halfChunks, G::threads>([&](int index) { pair(index, true); });
+    }
     if constexpr (G::Dp > G::D) {  // the padded columns: zeros
       constexpr int padChunks = G::Dp / kChunkElements - dChunks;
       const float zeros[kChunkElements] = {};
@@ -535,11 +568,11 @@ __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t b, int64_t bloc
   } else {
     // Unrolled at compile time, as the pairs above.
     constexpr int chunks = G::Dp / kChunkElements;
-    forEachUnrolled<C::block_n * chunks, G::threads>([&](int index) {
+    auto piece = [&](int index, bool active) {
       const int r = index / chunks, chunk = index % chunks;
       const int64_t j = block * C::block_n + r;
       float keys[kChunkElements] = {}, values[kChunkElements] = {};
-      if (j < L && chunk * kChunkElements < G::D) {
+      if (active && j < L && chunk * kChunkElements < G::D) {
         const int t = int(j / C::pseudo_heads - token0), p = int(j % C::pseudo_heads);
         const int column = chunk * kChunkElements;
         if constexpr (mixedChunkFits<C, Role::key>) {
@@ -553,16 +586,22 @@ __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t b, int64_t bloc
           }
         }
         mix(raw + G::rawRole, a.alpha_v, t, p, column, values);
-        if constexpr (kFusedKeyNorm<C>) {
-          float squares = 0.0f;
-          #pragma unroll
-          for (int e = 0; e < kChunkElements; ++e) squares += keys[e] * keys[e];
-          sharedAddFloat(keySquares<C>(kTile, r), squares);
-        }
       }
+      if constexpr (kShuffledKeySquares<C>) {
+        float squares = 0.0f;
+        #pragma unroll
+        for (int e = 0; e < kChunkElements; ++e) squares += keys[e] * keys[e];
+        storeKeySquares<C, chunks>(kTile, r, chunk, squares, active);
+      }
+      if (!active) return;
       storeChunk<C>(kTile + r * G::pitch + chunk * kChunkElements, keys);
       storeChunk<C>(vTile + r * G::pitch + chunk * kChunkElements, values);
-    });
+    };
+    if constexpr (kShuffledKeySquares<C>) {
+      forEachUnrolledUniform<C::block_n * chunks, G::threads>(piece);
+    } else {
+      forEachUnrolled<C::block_n * chunks, G::threads>([&](int index) { piece(index, true); });
+    }
   }
 }
 
@@ -581,7 +620,6 @@ __device__ void kv_begin(KvPipeline<C, false>& pipe, const IhaArgs& a, int64_t g
     if (lower < upper) cuda::copyRows<C, cuda::kKeyRows>(pipe.rows.key, nullptr, pipe.rows.rows, lower);
     cuda::commitCopies();
   } else {
-    if constexpr (cuda::kFusedKeyNorm<C>) cuda::clearKeySquares<C>();  // ordered by the first kv_wait's barrier
     #pragma unroll 1
     for (int s = 0; s < C::stages - 1; ++s) {
       if (lower + s < upper) cuda::issueKv<C, Mixed>(a, g, b, lower + s);
@@ -641,7 +679,6 @@ __device__ void kv_wait(KvPipeline<C, false>& pipe, const IhaArgs& a, int64_t g,
 template <class C>
 __device__ __forceinline__ void kv_release(KvPipeline<C, false>&, int64_t) {
   if constexpr (!cuda::Geometry<C>::splitKv) __syncthreads();
-  if constexpr (cuda::kFusedKeyNorm<C>) cuda::clearKeySquares<C>();  // ordered by the next kv_wait's barrier
 }
 
 // S = Q K^T, K fragments by ldmatrix (two n-tiles per load). S is left
@@ -657,6 +694,7 @@ __device__ void mma_qk(ScoreTile<C, false>& s, QTile<C, false>& q, KvPipeline<C,
     for (int nt = 0; nt < G::NT; ++nt)
       #pragma unroll
       for (int e = 0; e < 4; ++e) s.s[mt][nt][e] = 0.0f;
+  float rowSquares[G::NT] = {};  // kFragmentKeySquares: this thread's share of key row nt * 8 + lane / 4
   #pragma unroll
   for (int kt = 0; kt < G::KT; ++kt) {
     constexpr bool inRegisters = G::qRegisters;
@@ -674,6 +712,16 @@ __device__ void mma_qk(ScoreTile<C, false>& s, QTile<C, false>& q, KvPipeline<C,
         cuda::mma16816<C>(s.s[mt][2 * pair], q.a[mt][inRegisters ? kt : 0], b[0], b[1]);
         cuda::mma16816<C>(s.s[mt][2 * pair + 1], q.a[mt][inRegisters ? kt : 0], b[2], b[3]);
       }
+      if constexpr (cuda::kFragmentKeySquares<C>) {  // key row lane/4 of each n-tile: 4 of its columns
+        #pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const Bits32 words[2] = {b[2 * half], b[2 * half + 1]};
+          float x[4];
+          cuda::unpackPiece<C, 4>(words, x);
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) rowSquares[2 * pair + half] = fmaf(x[e], x[e], rowSquares[2 * pair + half]);
+        }
+      }
     }
   }
   constexpr float scale = C::scale * kLog2e;
@@ -682,7 +730,13 @@ __device__ void mma_qk(ScoreTile<C, false>& s, QTile<C, false>& q, KvPipeline<C,
     for (int nt = 0; nt < G::NT; ++nt)
       #pragma unroll
       for (int column = 0; column < 2; ++column) {
-        const float squares = *cuda::keySquares<C>(pipe.key, nt * 8 + fragment::accumulatorColumn(l, column));
+        float squares;
+        if constexpr (cuda::kFragmentKeySquares<C>) {  // the quad's sum of key row 2 (lane % 4) + column
+          const float row = cuda::quadSum(rowSquares[nt]);
+          squares = __shfl_sync(0xffffffffu, row, fragment::accumulatorColumn(l, column) * 4);
+        } else {
+          squares = *cuda::keySquares<C>(pipe.key, nt * 8 + fragment::accumulatorColumn(l, column));
+        }
         const float columnScale = scale * rsqrtf(squares * (1.0f / C::head_dim) + C::qk_norm_eps);
         #pragma unroll
         for (int mt = 0; mt < G::MT; ++mt) {

@@ -58,12 +58,12 @@ struct Geometry {
   static_assert(C::block_n == tokens * P, "an absorbed key block is kAbsorbedTokens whole tokens");
   static_assert(C::stacked_heads == C::heads, "an absorbed CTA holds a token of every query head");
   static_assert(absorbedShapeProblem(C::block_m, C::warps, C::head_dim, P) == nullptr, "no absorbed step for this shape");
-  static_assert(!C::qk_norm && !C::mixed_cache && C::decode, "the absorbed step reads a raw cache, without qk_norm");
+  static_assert(!C::mixed_cache && C::decode, "the absorbed step reads a raw cache");
 };
 
 template <class C>
 __device__ __forceinline__ AbsorbedSmem layout() {
-  return absorbedSmem(C::block_m, C::head_dim, C::stages, C::kv_heads, C::pseudo_heads, C::warps);
+  return absorbedSmem(C::block_m, C::head_dim, C::stages, C::kv_heads, C::pseudo_heads, C::warps, C::qk_norm);
 }
 template <class C>
 __device__ __forceinline__ int tile() {
@@ -161,23 +161,54 @@ __device__ void qBegin(QTile<C, true>& q, const IhaArgs& a, int64_t row0, int64_
     const int g = index / (A::Gp * A::P), m = index / A::P % A::Gp, j = index % A::P;
     beta[index] = m < A::G ? a.alpha_v[(m * A::G + g) * A::P + j] : 0.0f;
   }
-  // R(-j) q: q is mixed unrotated, then turned once for each j by the
-  // angle of position n*P + p - j (the query's own rotation and R(-j)).
+  if constexpr (C::qk_norm) {  // alpha_k transposed: a row of G weights a mixed key row (g, j)
+    float* weights = sharedFloats<C>(s.keyWeights);
+    constexpr int pitch = absorbedGramPitch(A::G);
+    for (int index = threadIdx.x; index < A::G * A::P * pitch; index += A::threads) {
+      const int row = index / pitch, m = index % pitch;
+      weights[index] = m < A::G ? a.alpha_k[(m * A::G + row / A::P) * A::P + row % A::P] : 0.0f;
+    }
+  }
+  // R(-j) q: q is mixed unrotated (and normalised, qk_norm), then turned
+  // once for each j by the angle of position n*P + p - j (the query's own
+  // rotation and R(-j)). A row's pieces (16-byte chunk pairs d/2 apart with
+  // RoPE, chunks without) lie in `lanes` consecutive lanes of one warp, so
+  // qk_norm's mean of squares is a shuffle sum.
   Bits16* qTile = sharedTile<C>(s.q);
   const int64_t L = decode_len<C>(a, b);
-  if constexpr (C::rope_theta > 0) {
-    constexpr int halfChunks = A::D / 2 / kChunkElements;
-    for (int index = threadIdx.x; index < C::block_m * halfChunks; index += A::threads) {
-      const int r = index / halfChunks, lo = index % halfChunks * kChunkElements, hi = lo + A::D / 2;
-      const CtaRow t = ctaRow<C>(r);
-      const int64_t i = row0 + t.row;
-      const bool valid = t.owned && i < L;
-      float x[kChunkElements] = {}, y[kChunkElements] = {};
-      if (valid) {
-        cuda::mixChunk<C, Role::query>(a, b, i / A::P, t.head, int(i % A::P), lo, x);
-        cuda::mixChunk<C, Role::query>(a, b, i / A::P, t.head, int(i % A::P), hi, y);
+  constexpr bool rope = C::rope_theta > 0;
+  constexpr int pieces = rope ? A::D / 2 / kChunkElements : A::dChunks, lanes = absorbedRows(pieces);
+  static_assert(lanes <= kWarpSize, "a query row's pieces lie in one warp");
+  constexpr int rowsAWarp = kWarpSize / lanes;
+  const int piece = cuda::lane() % lanes, lo = piece * kChunkElements, hi = lo + A::D / 2;
+  for (int first = cuda::warp() * rowsAWarp; first < C::block_m; first += C::warps * rowsAWarp) {
+    const int r = first + cuda::lane() / lanes;
+    const bool inTile = r < C::block_m && piece < pieces;
+    const CtaRow t = ctaRow<C>(inTile ? r : 0);
+    const int64_t i = row0 + t.row;
+    const bool valid = inTile && t.owned && i < L;
+    float x[kChunkElements] = {}, y[kChunkElements] = {};
+    if (valid) {
+      cuda::mixChunk<C, Role::query>(a, b, i / A::P, t.head, int(i % A::P), lo, x);
+      if constexpr (rope) cuda::mixChunk<C, Role::query>(a, b, i / A::P, t.head, int(i % A::P), hi, y);
+    }
+    if constexpr (C::qk_norm) {  // every lane of the warp takes part
+      float squares = 0.0f;
+      #pragma unroll
+      for (int e = 0; e < kChunkElements; ++e) squares = fmaf(x[e], x[e], fmaf(y[e], y[e], squares));
+      #pragma unroll
+      for (int offset = lanes / 2; offset > 0; offset /= 2) squares += __shfl_xor_sync(0xffffffffu, squares, offset);
+      const float factor = rsqrtf(squares * (1.0f / A::D) + C::qk_norm_eps);
+      #pragma unroll
+      for (int e = 0; e < kChunkElements; ++e) {
+        x[e] *= factor;
+        y[e] *= factor;
       }
-      for (int j = 0; j < A::Pg; ++j) {
+    }
+    if (!inTile) continue;
+    for (int j = 0; j < A::Pg; ++j) {
+      Bits16* row = qTile + (r * A::Pg + j) * A::pitch;
+      if constexpr (rope) {
         float u[kChunkElements], w[kChunkElements];
         #pragma unroll
         for (int e = 0; e < kChunkElements; ++e) {
@@ -185,18 +216,11 @@ __device__ void qBegin(QTile<C, true>& q, const IhaArgs& a, int64_t row0, int64_
           w[e] = y[e];
         }
         if (valid) cuda::rotatePair<C>(u, w, i - j, lo);
-        cuda::storeChunk<C>(qTile + (r * A::Pg + j) * A::pitch + lo, u);
-        cuda::storeChunk<C>(qTile + (r * A::Pg + j) * A::pitch + hi, w);
+        cuda::storeChunk<C>(row + lo, u);
+        cuda::storeChunk<C>(row + hi, w);
+      } else {
+        cuda::storeChunk<C>(row + lo, x);
       }
-    }
-  } else {
-    for (int index = threadIdx.x; index < C::block_m * A::dChunks; index += A::threads) {
-      const int r = index / A::dChunks, column = index % A::dChunks * kChunkElements;
-      const CtaRow t = ctaRow<C>(r);
-      const int64_t i = row0 + t.row;
-      float x[kChunkElements] = {};
-      if (t.owned && i < L) cuda::mixChunk<C, Role::query>(a, b, i / A::P, t.head, int(i % A::P), column, x);
-      for (int j = 0; j < A::Pg; ++j) cuda::storeChunk<C>(qTile + (r * A::Pg + j) * A::pitch + column, x);
     }
   }
   __syncthreads();
@@ -295,7 +319,20 @@ __device__ void rotateStage(int64_t block) {
     cuda::storeChunk<C>(row + lo, x);
     cuda::storeChunk<C>(row + lo + A::D / 2, y);
   };
-  if constexpr (A::threads % combos == 0) {
+  if constexpr (C::qk_norm) {  // a warp turns its own tokens' rows (keyNorms reads them past a __syncwarp)
+    constexpr int rows = A::G * halfChunks;
+    static_assert(A::tokens % C::warps == 0, "a warp turns whole tokens");
+    #pragma unroll
+    for (int turnRound = 0; turnRound < A::tokens / C::warps; ++turnRound) {
+      const int t = cuda::warp() + turnRound * C::warps;
+      #pragma unroll
+      for (int round = 0; round < (rows + kWarpSize - 1) / kWarpSize; ++round) {
+        const int index = round * kWarpSize + cuda::lane();
+        if (rows % kWarpSize != 0 && index >= rows) break;
+        turn(index / halfChunks, t, index % halfChunks * kChunkElements);
+      }
+    }
+  } else if constexpr (A::threads % combos == 0) {
     constexpr int step = A::threads / combos;  // heads a round
     const int combo = int(threadIdx.x) % combos, m0 = int(threadIdx.x) / combos;
     const int t = combo / halfChunks, lo = combo % halfChunks * kChunkElements;
@@ -308,6 +345,111 @@ __device__ void rotateStage(int64_t block) {
   } else {
     for (int index = threadIdx.x; index < A::G * combos; index += A::threads)
       turn(index / combos, index % combos / halfChunks, index % halfChunks * kChunkElements);
+  }
+}
+
+// qk_norm: 1 / rms of each mixed key row (g, j) of the block's tokens,
+// without mixing them: |sum_m alpha_k[m, g, j] x_m|^2 = a^T X X^T a, with X
+// the token's G raw rows (rotated or not: one rotation keeps their dot
+// products) and a the row's weights. A warp takes its own tokens: X X^T on
+// the tensor cores (16-row tiles; X's fragments are both operands), into
+// its Gram buffer, then each lane the quadratic forms of G P / 32 rows on
+// the upper triangle, in f32.
+template <class C>
+__device__ void keyNorms(int64_t block) {
+  using A = Geometry<C>;
+  constexpr int tilesM = (A::G + 15) / 16, tilesN = (A::G + 7) / 8, pitch = absorbedGramPitch(A::G);
+  constexpr int forms = A::G * A::P;
+  const AbsorbedSmem smem = layout<C>();
+  const Bits16* kStage = sharedTile<C>(smem.k) + int(block) % C::stages * A::stageRows * A::pitch;
+  float* gram = sharedFloats<C>(smem.gram) + cuda::warp() * A::G * pitch;
+  const float* weights = sharedFloats<C>(smem.keyWeights);
+  float* norms = sharedFloats<C>(smem.keyNorms);
+  const int l = cuda::lane();
+  // A lane's rows f = round * 32 + lane, in passes of `held` rounds whose
+  // weights stay in registers (at most 32), each pass reading the Gram
+  // matrix once.
+  constexpr int rounds = (forms + kWarpSize - 1) / kWarpSize;
+  constexpr int held = rounds * pitch <= 32 ? rounds : pitch <= 32 ? 32 / pitch : 1;
+  #pragma unroll
+  for (int tokenRound = 0; tokenRound < A::tokens / C::warps; ++tokenRound) {
+    const int t = cuda::warp() + tokenRound * C::warps;
+    float c[tilesM][tilesN][4];
+    #pragma unroll
+    for (int mt = 0; mt < tilesM; ++mt)
+      #pragma unroll
+      for (int nt = 0; nt < tilesN; ++nt)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) c[mt][nt][e] = 0.0f;
+    #pragma unroll
+    for (int kt = 0; kt < A::KT; ++kt) {
+      Bits32 x[tilesM][4];
+      #pragma unroll
+      for (int mt = 0; mt < tilesM; ++mt) {  // rows past G repeat the last (their products are never stored)
+        const int m = mt * 16 + l % 16 < A::Gp ? mt * 16 + l % 16 : A::Gp - 1;
+        cuda::ldmatrixX4(x[mt], cuda::sharedAddress(kStage + (m * A::tokens + t) * A::pitch + kt * kMmaK + l / 16 * 8));
+      }
+      #pragma unroll
+      for (int mt = 0; mt < tilesM; ++mt)
+        #pragma unroll
+        for (int nt = 0; nt < tilesN; ++nt)  // B's n-tile nt is X's rows nt*8..: halves of an A fragment
+          cuda::mma16816<C>(c[mt][nt], x[mt], x[nt / 2][nt % 2], x[nt / 2][2 + nt % 2]);
+    }
+    #pragma unroll
+    for (int mt = 0; mt < tilesM; ++mt)
+      #pragma unroll
+      for (int nt = 0; nt < tilesN; ++nt)
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = mt * 16 + l / 4 + 8 * (e / 2), column = nt * 8 + 2 * (l % 4) + e % 2;
+          if (row < A::G && column < A::G) gram[row * pitch + column] = c[mt][nt][e];
+        }
+    __syncwarp();
+    // sum_m w_m (X X^T_mm w_m + 2 sum_{m' > m} X X^T_mm' w_m'), on the
+    // upper triangle, a 16-byte piece of a Gram row at a time
+    #pragma unroll
+    for (int pass = 0; pass < (rounds + held - 1) / held; ++pass) {
+      float w[held][pitch];
+      #pragma unroll
+      for (int h = 0; h < held; ++h) {  // rows past G P (a last partial round) take row 0's weights
+        const int f = (pass * held + h) * kWarpSize + l;
+        const int row = pass * held + h < rounds && f < forms ? f : 0;
+        #pragma unroll
+        for (int m = 0; m < pitch; m += 4) {
+          const float4 four = *reinterpret_cast<const float4*>(weights + row * pitch + m);
+          w[h][m] = four.x;
+          w[h][m + 1] = four.y;
+          w[h][m + 2] = four.z;
+          w[h][m + 3] = four.w;
+        }
+      }
+      float squares[held] = {};
+      #pragma unroll
+      for (int m = 0; m < A::G; ++m) {
+        float diagonal = 0.0f, cross[held] = {};
+        #pragma unroll
+        for (int n = m / 4 * 4; n < pitch; n += 4) {
+          const float4 four = *reinterpret_cast<const float4*>(gram + m * pitch + n);
+          const float x[4] = {four.x, four.y, four.z, four.w};
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if (n + e == m) diagonal = x[e];
+            if (n + e <= m || n + e >= A::G) continue;
+            #pragma unroll
+            for (int h = 0; h < held; ++h) cross[h] = fmaf(x[e], w[h][n + e], cross[h]);
+          }
+        }
+        #pragma unroll
+        for (int h = 0; h < held; ++h) squares[h] = fmaf(w[h][m], fmaf(diagonal, w[h][m], 2.0f * cross[h]), squares[h]);
+      }
+      #pragma unroll
+      for (int h = 0; h < held; ++h) {
+        const int f = (pass * held + h) * kWarpSize + l;
+        if (pass * held + h < rounds && (forms % kWarpSize == 0 || f < forms))
+          norms[f * A::tokens + t] = rsqrtf(squares[h] * (1.0f / A::D) + C::qk_norm_eps);
+      }
+    }
+    __syncwarp();  // the Gram buffer is the warp's next token's
   }
 }
 
@@ -342,10 +484,12 @@ __device__ void kvWait(KvPipeline<C, true>& pipe, const IhaArgs& a, int64_t b, i
   if constexpr (C::rope_theta > 0) stageAngles<C>(block);  // the last block's rotation is past a barrier
   cuda::waitCopies<C::stages - 1>();
   __syncthreads();
-  if constexpr (C::rope_theta > 0) {
-    rotateStage<C>(block);
-    __syncthreads();
+  if constexpr (C::rope_theta > 0) rotateStage<C>(block);
+  if constexpr (C::qk_norm) {
+    if constexpr (C::rope_theta > 0) __syncwarp();  // the warp's tokens' rows, turned
+    keyNorms<C>(block);
   }
+  if constexpr (C::rope_theta > 0 || C::qk_norm) __syncthreads();
   const AbsorbedSmem s = layout<C>();
   const int stage = int(block) % C::stages, l = cuda::lane();
   const Bits16* key = sharedTile<C>(s.k) + stage * A::stageRows * A::pitch;
@@ -398,6 +542,18 @@ __device__ void mmaQk(ScoreTile<C, true>& s, QTile<C, true>& q, KvPipeline<C, tr
         #pragma unroll
         for (int e = 0; e < 4; ++e) s.s[sm][e] = fmaf(w[2 * sm + e / 2], x[sm][h][e], s.s[sm][e]);
     }
+  }
+  if constexpr (C::qk_norm) {  // each mixed key row's 1 / rms (its tokens: this thread's two columns)
+    const float* norms = sharedFloats<C>(layout<C>().keyNorms) + fragment::accumulatorColumn(cuda::lane(), 0);
+    #pragma unroll
+    for (int sm = 0; sm < A::SM; ++sm)
+      #pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int sRow = sRowOf<C>(sm, h), j = sRow % A::Pg < A::P ? sRow % A::Pg : A::P - 1;
+        const float2 scale = *reinterpret_cast<const float2*>(norms + (kvHeadOf<C>(sRow / A::Pg) * A::P + j) * A::tokens);
+        s.s[sm][2 * h] *= scale.x;
+        s.s[sm][2 * h + 1] *= scale.y;
+      }
   }
 }
 

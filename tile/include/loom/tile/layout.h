@@ -174,12 +174,20 @@ struct AbsorbedSmem {
   int alpha = 0;   // [warps][Gp][8][2 * S m-tiles] f32: the keys' weights of each thread's S rows
   int beta = 0;    // [G][Gp][P] f32: the values' weights, beta[g][m][j]
   int angles = 0;  // [tokens][2][d / 2] f32: a block's rotary cosines, then sines, each token's
+  // qk_norm only (absent, 0 bytes, without it):
+  int keyWeights = 0;  // [G * P][gramPitch] f32: alpha_k of each mixed key row (g, j), a row of its G weights
+  int gram = 0;        // [warps][G][gramPitch] f32: each warp's token's Gram matrix of its raw key rows
+  int keyNorms = 0;    // [G * P][tokens] f32: 1 / rms of each mixed key row (g, j) of the block's tokens
   int total = 0;
 };
 
+// A row of G floats rounded up to whole 16-byte vectors.
+constexpr int absorbedGramPitch(int kvHeads) { return (kvHeads + 3) / 4 * 4; }
+
 constexpr int absorbedPTilePitch(int kvHeads) { return kAbsorbedTokens * absorbedPaddedHeads(kvHeads) + kRowPadElements; }
 
-constexpr AbsorbedSmem absorbedSmem(int blockM, int headDim, int stages, int kvHeads, int pseudoHeads, int warps) {
+constexpr AbsorbedSmem absorbedSmem(int blockM, int headDim, int stages, int kvHeads, int pseudoHeads, int warps,
+                                    bool qkNorm) {
   AbsorbedSmem s;
   const int tile = tilePitch(headDim) * kTileElementBytes, gp = absorbedPaddedHeads(kvHeads);
   const int stageBytes = gp * kAbsorbedTokens * tile;
@@ -196,7 +204,11 @@ constexpr AbsorbedSmem absorbedSmem(int blockM, int headDim, int stages, int kvH
   s.beta = s.alpha + warps * gp * 8 * 2 * sTiles * kAccumulatorBytes;
   s.angles = s.beta + kvHeads * gp * pseudoHeads * kAccumulatorBytes;
   s.angles = (s.angles + 15) / 16 * 16;
-  s.total = s.angles + kAbsorbedTokens * headDim * kAccumulatorBytes;
+  s.keyWeights = s.angles + kAbsorbedTokens * headDim * kAccumulatorBytes;
+  const int gramRows = qkNorm ? absorbedGramPitch(kvHeads) * kAccumulatorBytes : 0;
+  s.gram = s.keyWeights + kvHeads * pseudoHeads * gramRows;
+  s.keyNorms = s.gram + warps * kvHeads * gramRows;
+  s.total = s.keyNorms + (qkNorm ? kvHeads * pseudoHeads * kAbsorbedTokens * kAccumulatorBytes : 0);
   return s;
 }
 
