@@ -21,7 +21,7 @@ constexpr int kMmaRows = 16;
 // thread and takes the minimum; a mixing producer computes and gets a choice.
 constexpr int kWarpgroupChoices[] = {1, 2, 3};
 constexpr int kTmaProducerRegisters[] = {24};
-constexpr int kMixingProducerRegisters[] = {56, 88};
+constexpr int kMixingProducerRegisters[] = {88, 104};
 // Decode: CTAs splitting a step's key blocks (flash-decoding).
 constexpr int kDecodeSplitChoices[] = {1, 2, 4, 8, 16, 32};
 // The absorbed step runs one CTA a sequence: its splits alone fill the SMs.

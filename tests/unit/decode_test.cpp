@@ -2,6 +2,7 @@
 // the page-table checks, and `loom run --decode`.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <random>
 
 #include <gtest/gtest.h>
@@ -112,12 +113,13 @@ bool stepCheckable(const IhaCase& c, DecodeLayout layout) {
 // A layout of T new tokens over pages of 1 to maxPage tokens, either cache
 // layout, and cache lengths drawn until the step can be checked
 // (stepCheckable); at most 16 tries, the last one taken.
-DecodeLayout drawCheckableLayout(std::mt19937_64& rng, const IhaCase& c, int64_t T, int64_t maxPage) {
+DecodeLayout drawCheckableLayout(std::mt19937_64& rng, const IhaCase& c, int64_t T, int64_t maxPage,
+                                 int64_t minCached = 0) {
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   DecodeLayout layout{T, pick(1, maxPage), pick(0, 1) ? CacheLayout::mixed : CacheLayout::raw, {}, rng()};
   for (int tries = 0; tries < 16; ++tries) {
     layout.cached.clear();
-    for (int64_t b = 0; b < c.batch; ++b) layout.cached.push_back(pick(0, c.tokens - T));
+    for (int64_t b = 0; b < c.batch; ++b) layout.cached.push_back(pick(std::min(minCached, c.tokens - T), c.tokens - T));
     if (stepCheckable(c, layout)) break;
   }
   return layout;
@@ -171,6 +173,40 @@ void expectHostStep(const IhaCase& c, const DecodeCase& dc, const Schedule& sche
   expectAppend(c, dc, got->cache);
 }
 
+// A step over a raw cache of the last of `tokens` tokens of one sequence
+// (pages of 1 to pageMax tokens), for a drawn bf16 spec without a window of
+// the given heads and head_dim (`adjust` sets the rest); the drawn case in c.
+DecodeCase drawRawStep(std::mt19937_64& rng, IhaCase& c, int heads, int kvHeads, int P, int d, int64_t tokens,
+                       int64_t pageMax, const std::function<void(KernelSpec&)>& adjust = {}, int64_t minCached = 0) {
+  c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_kv_heads(kvHeads);
+    spec.set_heads(heads);
+    spec.set_pseudo_heads(P);
+    spec.set_head_dim(d);
+    spec.set_dtype(v1::bfloat16);
+    spec.clear_window();
+    spec.clear_window_align();
+    spec.clear_window_rows();
+    if (adjust) adjust(spec);
+    testing::dropStaleOptions(spec);
+    return testing::DrawnShape{spec, 1, tokens};
+  });
+  DecodeLayout layout = drawCheckableLayout(rng, c, 1, pageMax, minCached);
+  layout.layout = CacheLayout::raw;
+  auto dc = decodeCaseFrom(c, layout);
+  EXPECT_TRUE(dc) << dc.error().message;
+  return dc ? *dc : DecodeCase{};
+}
+
+emu::EmuOptions emulatorOptions(uint64_t seed) {
+  emu::EmuOptions o;
+  o.cacheDir = LOOM_TEST_CACHE;
+  o.threads = 2;
+  o.seed = seed;
+  return o;
+}
+
 // The CUDA decode step of `arch` over the step's cache layout on the
 // emulator: no finding, out and lse within the dtype's tolerance of the
 // forward's rows, and its append.
@@ -178,11 +214,7 @@ void expectEmulatedStep(const IhaCase& c, const DecodeCase& dc, const std::strin
                         const Schedule& schedule = {}) {
   auto plan = decodePlan(dc, schedule, arch);
   ASSERT_TRUE(plan) << plan.error().message;
-  emu::EmuOptions emuOptions;
-  emuOptions.cacheDir = LOOM_TEST_CACHE;
-  emuOptions.threads = 2;
-  emuOptions.seed = seed;
-  auto run = emu::runDecodeOnEmulator(*plan, dc, emuOptions);
+  auto run = emu::runDecodeOnEmulator(*plan, dc, emulatorOptions(seed));
   ASSERT_TRUE(run) << run.error().message;
   EXPECT_EQ(run->findingCount, 0) << emu::summary(*run);
   EXPECT_FALSE(run->deadlocked);
@@ -559,33 +591,17 @@ TEST(Decode, AbsorbedStepFaultsAreFound) {
        "norms[f * A::tokens + (t + 1) % A::tokens] =", {}},
   };
   std::mt19937_64 rng(testing::testSeed() ^ 0xfa17);
-  const IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
-    KernelSpec spec = testing::randomSpec(rng);
-    spec.set_kv_heads(2);
-    spec.set_heads(4);
-    spec.set_pseudo_heads(4);
-    spec.set_head_dim(32);
-    spec.set_dtype(v1::bfloat16);
+  IhaCase c;
+  const DecodeCase step = drawRawStep(rng, c, 4, 2, 4, 32, 24, 5, [](KernelSpec& spec) {
     spec.set_qk_norm(v1::KernelSpec::rms);
     spec.set_rope_theta(10000);
-    spec.clear_window();
-    spec.clear_window_align();
-    spec.clear_window_rows();
-    testing::dropStaleOptions(spec);
-    return testing::DrawnShape{spec, 1, 24};
   });
-  DecodeLayout layout = drawCheckableLayout(rng, c, 1, 5);
-  layout.layout = CacheLayout::raw;
-  auto dc = decodeCaseFrom(c, layout);
-  ASSERT_TRUE(dc) << dc.error().message;
+  const DecodeCase* dc = &step;
   auto plan = decodePlan(*dc, Schedule(), "sm_80");
   ASSERT_TRUE(plan) << plan.error().message;
   ASSERT_TRUE(plan->schedule.absorb_mixing());
   ASSERT_EQ(plan->schedule.warps(), 2) << "two warps share the m-tile";
-  emu::EmuOptions o;
-  o.cacheDir = LOOM_TEST_CACHE;
-  o.threads = 2;
-  o.seed = rng();
+  emu::EmuOptions o = emulatorOptions(rng());
   auto clean = emu::runDecodeOnEmulator(*plan, *dc, o);
   ASSERT_TRUE(clean) << clean.error().message;
   EXPECT_EQ(clean->findingCount, 0) << emu::summary(*clean);
@@ -644,6 +660,54 @@ TEST(Decode, WgmmaStepsGiveTheForwardsRows) {
     for (const LaunchPlan& launch : plan->launches)
       if (launch.name == kAttentionEntry) EXPECT_EQ(launch.threads, 256) << "a producer and a consumer warpgroup";
     expectEmulatedStep(c, *dc, "sm_90a", rng(), schedule);
+  }
+}
+
+// The wgmma step's producer over a raw cache streams each key block's
+// tokens through its ring of raw rows (hopper.h, mixKvTile: half the ring
+// copied by cp.async while the other half is mixed). A drawn step whose
+// block takes four or more steps of the ring (G 2, d 64, P 2: 8 tokens a
+// half, at least 25 tokens seen) has no finding; without the barrier that publishes a step's
+// copies, or the one that frees its half for the copies two steps on, the
+// emulator has findings (in one of up to four schedules).
+TEST(Decode, WgmmaRingFaultsAreFound) {
+  std::mt19937_64 rng(testing::testSeed() ^ 0x41c6);
+  IhaCase c;
+  const DecodeCase step = drawRawStep(rng, c, 2, 2, 2, 64, 40, 7, {}, /*minCached=*/24);  // 25 tokens: 4 steps
+  const DecodeCase* dc = &step;
+  Schedule schedule;
+  schedule.set_engine(v1::engine_wgmma);
+  schedule.set_kv_splits(1);
+  auto plan = decodePlan(*dc, schedule, "sm_90a");
+  ASSERT_TRUE(plan) << plan.error().message;
+  emu::EmuOptions o = emulatorOptions(rng());
+  auto clean = emu::runDecodeOnEmulator(*plan, *dc, o);
+  ASSERT_TRUE(clean) << clean.error().message;
+  EXPECT_EQ(clean->findingCount, 0) << emu::summary(*clean);
+  EXPECT_LE(relativeError(clean->out, dc->expected), toleranceFor(c.spec.dtype()));
+  const std::pair<const char*, const char*> faults[] = {
+      {"the barrier publishing a step's copies removed",
+       "    namedBarrier<kProducerBarrier, kWarpgroupThreads>();  // every thread's copies of this step landed\n"},
+      {"the barrier freeing a half for later copies removed",
+       "    namedBarrier<kProducerBarrier, kWarpgroupThreads>();  // this half is free for step + 2's copies\n"},
+  };
+  for (const auto& [name, line] : faults) {
+    SCOPED_TRACE(name);
+    o.headers = testing::mutatedHeader("loom/tile/hopper.h", line, "");
+    ASSERT_FALSE(o.headers.empty());
+    // What the emulator sees depends on the interleaving its seed draws (a
+    // race, a read of rows not yet copied or of a copy still in flight; a
+    // schedule that runs every warp past the mixing before any copies again
+    // hides the second): up to four schedules, one must have a finding.
+    Result<emu::EmuRun> faulty = makeError("not run");
+    for (int schedule = 0; schedule < 4; ++schedule) {
+      o.seed = rng();
+      faulty = emu::runDecodeOnEmulator(*plan, *dc, o);
+      ASSERT_TRUE(faulty) << faulty.error().message;
+      if (faulty->findingCount > 0) break;
+    }
+    EXPECT_GT(faulty->findingCount, 0) << name << "\n" << emu::summary(*faulty);
+    testing::expectEachFinding(*faulty, {}, name, "no finding");
   }
 }
 

@@ -339,7 +339,8 @@ INSTANTIATE_TEST_SUITE_P(Specs, PremixGate, ::testing::Range(0, kSassGridSpecs),
 // with asynchronous copies and mixes the raw rows from 16-byte reads, in
 // shared memory (keys and values) and in global memory (the step's
 // queries): at most 16 scalar 16-bit global loads and 64 scalar 16-bit
-// shared loads in the entry (there were 256 and 384). Its key-block loops
+// shared loads in the entry (there were 256 and 384); so does the wgmma
+// engine's step (sm_90a), whose producer copies into a ring. Its key-block loops
 // hold no inner loop (the copies and the mixing unrolled at compile time),
 // so their instruction counts, which the floor report divides, are a whole
 // block's: a loop nested in them would be counted once, whatever its trips.
@@ -410,8 +411,31 @@ TEST_P(DecodeGate, StreamsThePagesAndMixesFromWideReads) {
                     why.c_str(), (long long)batch, (long long)cache, issue->unmasked, f.floorRatio(), f.tensorRatio());
       }
   }
+  // The wgmma engine's step over a raw cache (sm_90a): its producer
+  // streams the pages into its ring of raw rows by cp.async and mixes them
+  // from 16-byte shared reads.
+  Schedule wgmma;
+  wgmma.set_engine(v1::engine_wgmma);
+  std::shared_ptr<const jit::Artifact> wgmmaArtifact;
+  auto wgmmaKernel = compileKernel(spec, wgmma, *parseTarget("sm_90a"), compiler, &wgmmaArtifact, Direction::decode,
+                                   /*mixedCache=*/false);
+  if (wgmmaKernel) {
+    auto read = sassUsageOf(*wgmmaArtifact, kAttentionEntry);
+    ASSERT_TRUE(read) << read.error().message;
+    const v1::SassMemory& m = read->memory();
+    const std::string what = "sm_90a wgmma decode " + wgmmaKernel->schedule().ShortDebugString() + " of " +
+                             describe(spec) + ": " + jit::sass::memoryBrief(m);
+    EXPECT_GT(m.async_copies(), 0) << what;
+    EXPECT_LE(m.global_loads_16bit(), 16) << what;
+    EXPECT_LE(m.shared_loads_16bit(), 64) << what;
+    EXPECT_EQ(read->spill_store_bytes(), 0) << what;
+    std::printf("[ decode   ] %s\n", what.c_str());
+  } else {
+    EXPECT_NE(wgmmaKernel.error().message.find("shared memory"), std::string::npos) << wgmmaKernel.error().message;
+    skipped += "the wgmma engine: " + wgmmaKernel.error().message + "; ";
+  }
   if (skipped.empty()) return;
-  if (skipped.find("sm_90a") != std::string::npos && skipped.find("sm_80") != std::string::npos) GTEST_SKIP() << skipped;
+  if (skipped.find("sm_90a ") != std::string::npos && skipped.find("sm_80") != std::string::npos) GTEST_SKIP() << skipped;
   std::printf("[ no step  ] %s\n", skipped.c_str());  // the other arch's step was checked
 }
 

@@ -12,10 +12,14 @@ constexpr int64_t kDefaultBlockNs[] = {64, 32, 16};
 constexpr int64_t kDefaultStages = 2;
 
 constexpr int64_t kTmaProducerRegisters = 24;
-constexpr int64_t kMixingProducerRegisters = 56;
-// A mixing producer that also normalises the keys (qk_norm) needs a few more:
-// at 56 ptxas spills its row loop.
-constexpr int64_t kNormalizingProducerRegisters = 72;
+// A mixing producer (hopper.h, mixKvTile: a ring of raw rows by cp.async,
+// mixed from shared memory) spills at 56; one that also normalises the
+// keys (qk_norm) needs more still (at 88 ptxas spills its row loop).
+constexpr int64_t kMixingProducerRegisters = 88;
+constexpr int64_t kNormalizingProducerRegisters = 104;
+// A decode step's producer over a mixed cache copies its rows (at the TMA
+// producer's 24 ptxas spills the slot arithmetic).
+constexpr int64_t kCopyingProducerRegisters = 56;
 
 std::string str(int64_t value) { return std::to_string(value); }
 
@@ -37,11 +41,12 @@ int64_t wgmmaWarpgroups(SpecAttr spec, const ScheduleFields& given) {
 // Stages of the wgmma engine by default: three where they fit in sm_90a's
 // shared memory (a consumer holds two stages while the last block's P V
 // retires, so the third lets the producer stay a block ahead), else two.
-int64_t wgmmaStages(SpecAttr spec, int64_t blockM, int64_t blockN, CollapseStrategy collapse) {
+int64_t wgmmaStages(SpecAttr spec, int64_t blockM, int64_t blockN, CollapseStrategy collapse, MixStrategy mix) {
   const bool epilogue = collapse == CollapseStrategy::epilogue;
   const bool outTile = epilogue && spec.getCollapse() == CollapseMode::global;
-  const HopperSmem three = hopperSmem(int(blockM), int(blockN), int(spec.getHeadDim()), 3, int(spec.getHeads()),
-                                      int(spec.getPseudoHeads()), epilogue, outTile);
+  const HopperSmem three =
+      hopperSmem(int(blockM), int(blockN), int(spec.getHeadDim()), 3, int(spec.getHeads()), int(spec.getPseudoHeads()),
+                 epilogue, outTile, mix == MixStrategy::fused ? int(spec.getKvHeads()) : 0);
   return three.total <= loom::kHopperSharedMemoryPerBlock ? 3 : kDefaultStages;
 }
 
@@ -53,7 +58,7 @@ ScheduleAttr completeWgmma(SpecAttr spec, const ScheduleFields& given) {
   const CollapseStrategy collapse = given.collapse.value_or(defaultCollapse(spec));
   return ScheduleAttr::get(
       spec.getContext(), blockM, blockN, warps,
-      given.stages ? given.stages : wgmmaStages(spec, blockM, blockN, collapse), mix, collapse, Engine::wgmma,
+      given.stages ? given.stages : wgmmaStages(spec, blockM, blockN, collapse, mix), mix, collapse, Engine::wgmma,
       given.producerRegisters
           ? given.producerRegisters
           : (mix != MixStrategy::fused                ? kTmaProducerRegisters
@@ -180,7 +185,7 @@ void completeDecodeFields(ScheduleFields& fields, bool mixedCache, int64_t stack
     // table (no TMA): at the TMA producer's 24 registers, or 32, ptxas spills
     // its slot arithmetic; 40 compiled clean (d 64 and 128, sm_90a), so the
     // mixing producer's 56.
-    if (mixedCache && !fields.producerRegisters) fields.producerRegisters = kMixingProducerRegisters;
+    if (mixedCache && !fields.producerRegisters) fields.producerRegisters = kCopyingProducerRegisters;
     return;
   }
   if (fields.absorbMixing) {

@@ -106,7 +106,7 @@ struct Geometry {
 template <class C>
 __device__ __forceinline__ HopperSmem layout() {
   return hopperSmem(C::block_m, C::block_n, C::head_dim, C::stages, C::heads, C::pseudo_heads, C::fused_collapse,
-                    C::fused_global_collapse);
+                    C::fused_global_collapse, C::fused_mix ? C::kv_heads : 0);
 }
 
 // Dynamic shared memory, its base rounded up to the swizzle period.
@@ -345,56 +345,108 @@ __device__ __forceinline__ Bits16* swizzledElement(unsigned char* tile, int atom
 }
 
 // Mixes (and rotates K) key block `block` into the stage's K and V tiles,
-// written in the swizzled layout by the producer warpgroup's threads.
+// written in the swizzled layout by the producer warpgroup's threads. The
+// block's tokens' raw rows (all G heads, keys and values) come into the
+// ring (layout.h, hopperRingTokens) by cp.async, half a ring a step: the
+// next step's copies are in flight while this step's rows are mixed from
+// shared memory, 16 bytes a head (a decode step's through the page table,
+// its slot found once a token). Rows past the sequence are zeros.
 template <class C>
 __device__ void mixKvTile(const IhaArgs& a, int64_t g, int64_t b, int64_t block, unsigned char* kTile,
                           unsigned char* vTile) {
   using G = Geometry<C>;
-  const int64_t L = rows_end<C>(a, b);
+  constexpr int P = C::pseudo_heads, heads = C::kv_heads, D = G::D, halfChunks = G::chunks / 2;
+  constexpr int tokenElements = 2 * heads * D;  // a ring token: its G key rows, then its G value rows
+  constexpr int half = hopperRingTokens(heads, D) / 2;
+  constexpr int pieces = 2 * heads * G::chunks;  // a token's 16-byte copies
+  const int tid = int(threadIdx.x);
+  Bits16* ring = reinterpret_cast<Bits16*>(smem() + layout<C>().ring);
+  const int64_t L = rows_end<C>(a, b), j0 = block * C::block_n;
+  const int64_t n0 = j0 / P, rowsEnd = j0 + C::block_n < L ? j0 + C::block_n : L;
+  const int tokens = int((rowsEnd - 1) / P + 1 - n0);  // a block holds a row before L
+  const int steps = (tokens + half - 1) / half;
   auto chunkOffset = [](int r, int chunk) { return (chunk / 8) * G::kvAtomBytes + swizzledChunk(r, chunk % 8); };
-  if constexpr (cuda::RoleOf<C, Role::key>::rotated && !C::decode) {
-    // Rotated keys in pairs of chunks d/2 apart (as cuda::mixStagedKv):
-    // each chunk mixed once, one angle for both halves. (A decode step's
-    // producer, whose rows come through the page table, spills with the
-    // pair at its 56 registers: it mixes the partner again.)
-    constexpr int halfChunks = G::chunks / 2;
-    for (int index = threadIdx.x; index < C::block_n * halfChunks; index += kWarpgroupThreads) {
-      const int r = index / halfChunks, lo = index % halfChunks, hi = lo + halfChunks;
-      const int64_t j = block * C::block_n + r, n = j / C::pseudo_heads;
-      const int p = int(j % C::pseudo_heads);
-      float first[kChunkElements] = {}, second[kChunkElements] = {};
-      if (j < L) {
-        cuda::mixChunk<C, Role::key>(a, b, n, int(g), p, lo * kChunkElements, first);
-        cuda::mixChunk<C, Role::key>(a, b, n, int(g), p, hi * kChunkElements, second);
-        cuda::rotatePair<C>(first, second, j, lo * kChunkElements);
-      }
-      cuda::storeChunk<C>(reinterpret_cast<Bits16*>(kTile + chunkOffset(r, lo)), first);
-      cuda::storeChunk<C>(reinterpret_cast<Bits16*>(kTile + chunkOffset(r, hi)), second);
-      if (j < L) {
-        cuda::mixChunk<C, Role::value>(a, b, n, int(g), p, lo * kChunkElements, first);
-        cuda::mixChunk<C, Role::value>(a, b, n, int(g), p, hi * kChunkElements, second);
-      }
-      cuda::storeChunk<C>(reinterpret_cast<Bits16*>(vTile + chunkOffset(r, lo)), first);
-      cuda::storeChunk<C>(reinterpret_cast<Bits16*>(vTile + chunkOffset(r, hi)), second);
-    }
-  } else {
-    for (int index = threadIdx.x; index < C::block_n * G::chunks; index += kWarpgroupThreads) {
+  if (j0 + C::block_n > L) {  // the last block's rows past the sequence
+    const float zeros[kChunkElements] = {};
+    for (int index = tid; index < C::block_n * G::chunks; index += kWarpgroupThreads) {
       const int r = index / G::chunks, chunk = index % G::chunks;
-      const int64_t j = block * C::block_n + r;
-      const int offset = chunkOffset(r, chunk);
-      float values[kChunkElements] = {};
-      if (j < L) cuda::mixedChunk<C, Role::key>(a, b, j / C::pseudo_heads, int(g), int(j % C::pseudo_heads), chunk * kChunkElements, values);
-      cuda::storeChunk<C>(reinterpret_cast<Bits16*>(kTile + offset), values);
-      if (j < L) cuda::mixedChunk<C, Role::value>(a, b, j / C::pseudo_heads, int(g), int(j % C::pseudo_heads), chunk * kChunkElements, values);
-      cuda::storeChunk<C>(reinterpret_cast<Bits16*>(vTile + offset), values);
+      if (j0 + r < L) continue;
+      cuda::storeChunk<C>(reinterpret_cast<Bits16*>(kTile + chunkOffset(r, chunk)), zeros);
+      cuda::storeChunk<C>(reinterpret_cast<Bits16*>(vTile + chunkOffset(r, chunk)), zeros);
     }
   }
-  if constexpr (cuda::Normalized<C, Role::key>::value) {
-    namedBarrier<kProducerBarrier, kWarpgroupThreads>();  // rows were written by other producer threads
+  auto issue = [&](int step) {
+    #pragma unroll 1
+    for (int t = 0; t < half; ++t) {
+      const int token = step * half + t;
+      const bool inside = token < tokens;
+      const int64_t n = n0 + token;
+      const Bits16* keys;
+      const Bits16* values;
+      int64_t keyStride = D, valueStride = D;
+      if constexpr (C::decode) {  // the step appended its own tokens: every row is in the cache
+        const int64_t slot = inside ? cache_slot(a, b, n) * heads * D : 0;
+        keys = static_cast<const Bits16*>(a.k_cache) + slot;
+        values = static_cast<const Bits16*>(a.v_cache) + slot;
+      } else {
+        const int64_t at = inside ? n : 0;
+        keys = static_cast<const Bits16*>(a.k) + b * a.k_stride[0] + at * a.k_stride[1];
+        values = static_cast<const Bits16*>(a.v) + b * a.v_stride[0] + at * a.v_stride[1];
+        keyStride = a.k_stride[2];
+        valueStride = a.v_stride[2];
+      }
+      Bits16* target = ring + ((step % 2) * half + t) * tokenElements;
+      #pragma unroll 4
+      for (int round = 0; round < (pieces + kWarpgroupThreads - 1) / kWarpgroupThreads; ++round) {
+        const int piece = round * kWarpgroupThreads + tid;
+        if (pieces % kWarpgroupThreads != 0 && piece >= pieces) break;
+        const int role = piece / (heads * G::chunks), m = piece / G::chunks % heads;
+        const int column = piece % G::chunks * kChunkElements;
+        const Bits16* source = role ? values + m * valueStride + column : keys + m * keyStride + column;
+        ptx::cpAsyncCg16(target + (role * heads + m) * D + column, source, inside);
+      }
+    }
+  };
+  // sum_m alpha[m, g, p] x_m of the chunk at `column` of a ring token's rows.
+  auto mix = [&](const Bits16* rows, const float* alpha, int p, int column, float (&sum)[kChunkElements]) {
+    #pragma unroll
+    for (int e = 0; e < kChunkElements; ++e) sum[e] = 0.0f;
+    #pragma unroll 2
+    for (int m = 0; m < heads; ++m)
+      cuda::accumulateChunk<C>(rows + m * D + column, alpha[(m * heads + g) * P + p], sum);
+  };
+  issue(0);
+  ptx::cpAsyncCommit();
+  #pragma unroll 1
+  for (int step = 0; step < steps; ++step) {
+    if (step + 1 < steps) issue(step + 1);
+    ptx::cpAsyncCommit();
+    ptx::cpAsyncWait<1>();
+    namedBarrier<kProducerBarrier, kWarpgroupThreads>();  // every thread's copies of this step landed
+    const int64_t firstRow = (n0 + step * half) * P, endRow = (n0 + (step + 1) * half) * P;
+    const int rLo = int((firstRow > j0 ? firstRow : j0) - j0), rHi = int((endRow < rowsEnd ? endRow : rowsEnd) - j0);
+    // (row, chunk pair d/2 apart, role) items: one angle for a key pair's halves
+    for (int item = tid; item < (rHi - rLo) * halfChunks * 2; item += kWarpgroupThreads) {
+      const int r = rLo + item / (halfChunks * 2), role = item / halfChunks % 2, lo = item % halfChunks;
+      const int64_t j = j0 + r;
+      const int p = int(j % P), t = int(j / P - n0) - step * half;
+      const Bits16* rows = ring + ((step % 2) * half + t) * tokenElements + role * heads * D;
+      float first[kChunkElements], second[kChunkElements];
+      mix(rows, role ? a.alpha_v : a.alpha_k, p, lo * kChunkElements, first);
+      mix(rows, role ? a.alpha_v : a.alpha_k, p, (lo + halfChunks) * kChunkElements, second);
+      if constexpr (cuda::RoleOf<C, Role::key>::rotated) {
+        if (role == 0) cuda::rotatePair<C>(first, second, j, lo * kChunkElements);
+      }
+      unsigned char* tile = role ? vTile : kTile;
+      cuda::storeChunk<C>(reinterpret_cast<Bits16*>(tile + chunkOffset(r, lo)), first);
+      cuda::storeChunk<C>(reinterpret_cast<Bits16*>(tile + chunkOffset(r, lo + halfChunks)), second);
+    }
+    namedBarrier<kProducerBarrier, kWarpgroupThreads>();  // this half is free for step + 2's copies
+  }
+  if constexpr (cuda::Normalized<C, Role::key>::value)
     cuda::normalizeRows<C>(
         C::block_n, [&](int r, int c) { return swizzledElement(kTile, G::kvAtomBytes, r, c); }, cuda::warp(),
         kWarpsPerWarpgroup);
-  }
 }
 
 // A decode step over a mixed cache: copies key block `block` of kv head g

@@ -262,13 +262,26 @@ struct HopperSmem {
   int out = 0;       // fused global collapse: [block_m / P][H][d] f32
   int barriers = 0;  // full[stages], empty[stages], q[consumer warpgroups]
   int anchors = 0;   // one f32 a consumer thread: the softmax's scheduling anchor (hopper.h)
+  int ring = 0;      // fused mixing: [2][ringTokens / 2][K, V][G][d] 16-bit raw rows, the producer's copies
+  int ringTokens = 0;
   int total = 0;     // bytes of dynamic shared memory, alignment slack included
 };
+
+// The fused-mixing producer's ring of raw rows (hopper.h, mixKvTile): two
+// halves of whole tokens (each token's G key rows, then its G value rows),
+// one copied by cp.async while the other is mixed, about
+// kHopperRingBytes in all, 2 to 16 tokens.
+constexpr int kHopperRingBytes = 32768;
+constexpr int hopperRingTokens(int kvHeads, int headDim) {
+  const int token = 2 * kvHeads * headDim * kTileElementBytes;
+  int tokens = kHopperRingBytes / token / 2 * 2;
+  return tokens < 2 ? 2 : tokens > 16 ? 16 : tokens;
+}
 
 constexpr int alignUp(int value, int alignment) { return (value + alignment - 1) / alignment * alignment; }
 
 constexpr HopperSmem hopperSmem(int blockM, int blockN, int headDim, int stages, int heads, int pseudoHeads,
-                                bool collapseInEpilogue, bool outTile) {
+                                bool collapseInEpilogue, bool outTile, int ringKvHeads = 0) {
   HopperSmem s;
   const int dPadded = alignUp(headDim, kSwizzleAtomColumns);
   s.q = 0;
@@ -286,7 +299,9 @@ constexpr HopperSmem hopperSmem(int blockM, int blockN, int headDim, int stages,
   s.barriers = alignUp(s.out + outBytes, kBarrierBytes);
   s.anchors = s.barriers + (2 * stages + kMaxConsumerWarpgroups) * kBarrierBytes;
   const int consumerThreads = 2 * blockM;  // a 128-thread warpgroup for each 64 rows
-  s.total = s.anchors + consumerThreads * kAccumulatorBytes + kSwizzlePeriodBytes;
+  s.ring = alignUp(s.anchors + consumerThreads * kAccumulatorBytes, 16);  // cp.async targets
+  s.ringTokens = ringKvHeads > 0 ? hopperRingTokens(ringKvHeads, headDim) : 0;
+  s.total = s.ring + s.ringTokens * 2 * ringKvHeads * headDim * kTileElementBytes + kSwizzlePeriodBytes;
   return s;
 }
 
@@ -294,7 +309,9 @@ constexpr HopperSmem hopperSmem(int blockM, int blockN, int headDim, int stages,
 // compiler's plan, the launcher and the tuner's pruning and cost model use.
 constexpr int ctaSharedMemory(bool wgmma, int blockM, int blockN, int headDim, int stages, int heads, int kvHeads,
                               int pseudoHeads, bool mixed, bool collapseInEpilogue, bool outTile) {
-  return wgmma ? hopperSmem(blockM, blockN, headDim, stages, heads, pseudoHeads, collapseInEpilogue, outTile).total
+  return wgmma ? hopperSmem(blockM, blockN, headDim, stages, heads, pseudoHeads, collapseInEpilogue, outTile,
+                            mixed ? kvHeads : 0)
+                     .total
                : attentionSmem(blockM, blockN, headDim, stages, heads, kvHeads, pseudoHeads, mixed, collapseInEpilogue,
                                outTile)
                      .total;
