@@ -177,7 +177,7 @@ __device__ void qBegin(QTile<C, true>& q, const IhaArgs& a, int64_t row0, int64_
   Bits16* qTile = sharedTile<C>(s.q);
   const int64_t L = decode_len<C>(a, b);
   constexpr bool rope = C::rope_theta > 0;
-  constexpr int pieces = rope ? A::D / 2 / kChunkElements : A::dChunks, lanes = absorbedRows(pieces);
+  constexpr int pieces = rope ? A::D / 2 / kChunkElements : A::dChunks, lanes = nextPowerOfTwo(pieces);
   static_assert(lanes <= kWarpSize, "a query row's pieces lie in one warp");
   constexpr int rowsAWarp = kWarpSize / lanes;
   const int piece = cuda::lane() % lanes, lo = piece * kChunkElements, hi = lo + A::D / 2;
@@ -375,12 +375,7 @@ __device__ void keyNorms(int64_t block) {
   for (int tokenRound = 0; tokenRound < A::tokens / C::warps; ++tokenRound) {
     const int t = cuda::warp() + tokenRound * C::warps;
     float c[tilesM][tilesN][4];
-    #pragma unroll
-    for (int mt = 0; mt < tilesM; ++mt)
-      #pragma unroll
-      for (int nt = 0; nt < tilesN; ++nt)
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) c[mt][nt][e] = 0.0f;
+    cuda::zero<C>(c);
     #pragma unroll
     for (int kt = 0; kt < A::KT; ++kt) {
       Bits32 x[tilesM][4];

@@ -101,16 +101,6 @@ __device__ __forceinline__ void repack(Bits32 (&a)[4], const float (&t)[N][4], i
   a[3] = pack<C>(t[2 * kk + 1][2], t[2 * kk + 1][3]);
 }
 
-template <class C, int M, int N>
-__device__ __forceinline__ void zero(float (&t)[M][N][4]) {
-  #pragma unroll
-  for (int m = 0; m < M; ++m)
-    #pragma unroll
-    for (int n = 0; n < N; ++n)
-      #pragma unroll
-      for (int e = 0; e < 4; ++e) t[m][n][e] = 0.0f;
-}
-
 // Reverses the rotary embedding of element c (the rotation by -angle).
 template <class C>
 __device__ __forceinline__ float unrotate(float x, float partner, int64_t position, int c) {

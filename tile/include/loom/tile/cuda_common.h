@@ -253,6 +253,17 @@ __device__ __forceinline__ float splitLse(float m, float l) {
   return l > 0.0f ? kLn2 * (m + log2f(l)) : negativeInfinity();
 }
 
+// Zeroes M x N mma accumulator fragments.
+template <class C, int M, int N>
+__device__ __forceinline__ void zero(float (&t)[M][N][4]) {
+  #pragma unroll
+  for (int m = 0; m < M; ++m)
+    #pragma unroll
+    for (int n = 0; n < N; ++n)
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) t[m][n][e] = 0.0f;
+}
+
 __device__ __forceinline__ float warpSum(float x) {
   #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) x += __shfl_xor_sync(0xffffffffu, x, offset);

@@ -138,11 +138,12 @@ constexpr int kAbsorbedTokens = 8;
 constexpr int kAbsorbedQRegisters = 64;
 // A query row's S rows: P rounded up to a power of two (the rows past P
 // score -inf), so that they share a max by shuffles within a fragment half.
-constexpr int absorbedRows(int pseudoHeads) {
-  int rows = 1;
-  while (rows < pseudoHeads) rows *= 2;
-  return rows;
+constexpr int nextPowerOfTwo(int n) {
+  int power = 1;
+  while (power < n) power *= 2;
+  return power;
 }
+constexpr int absorbedRows(int pseudoHeads) { return nextPowerOfTwo(pseudoHeads); }
 // Warps sharing one 16-row m-tile of the output: two where its S rows split
 // evenly and each warp's half of the output columns is whole ldmatrix pairs
 // (head_dim a multiple of 32); each holds half of the S rows.
