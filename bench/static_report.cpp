@@ -109,8 +109,9 @@ void premixFloors(const loom::v1::Target& target, loom::jit::NvrtcCompiler& comp
 // (nanochat-style: the keys' norms from Gram matrices) and a mixed cache; then
 // kv groups of four heads (H = 32, G = 8, P = 2) over a raw cache, the
 // default (absorbed), the group's heads stacked in one CTA, and each head
-// alone. Beside the issue, the tensor pipe's time at the model's mma.sync
-// share of the dense rate (DecodeFloor).
+// alone; then P = 8 (H = G = 16): the default (tensor mixing) and the FMA
+// units' mixing step. Beside the issue, the tensor pipe's time at the
+// model's mma.sync share of the dense rate (DecodeFloor).
 void decodeFloors(const loom::v1::Target& target, loom::jit::NvrtcCompiler& compiler) {
   struct Case {
     loom::KernelSpec spec;
@@ -132,10 +133,14 @@ void decodeFloors(const loom::v1::Target& target, loom::jit::NvrtcCompiler& comp
       {grouped, false, std::nullopt, std::nullopt, "a raw paged cache, H=32 G=8 P=2 d=128 (default: absorbed)"},
       {grouped, false, false, std::nullopt, "a raw paged cache, H=32 G=8 P=2 d=128, absorb_mixing false (heads stacked)"},
       {grouped, false, false, false, "a raw paged cache, H=32 G=8 P=2 d=128, absorb_mixing and stack_heads false"},
+      {paperSpec(16, 8, 128), false, std::nullopt, std::nullopt,
+       "a raw paged cache, H=G=16 P=8 d=128 (default: tensor mixing)"},
+      {paperSpec(16, 8, 128), false, false, std::nullopt,
+       "a raw paged cache, H=G=16 P=8 d=128, absorb_mixing false (mixed on the FMA units)"},
   };
   for (const Case& c : cases) {
     loom::Schedule schedule;
-    if (c.absorb) schedule.set_absorb_mixing(*c.absorb);
+    if (c.absorb) schedule.set_absorb_mixing(*c.absorb);  // false: the FMA units' mixing step
     if (c.stacked) schedule.set_stack_heads(*c.stacked);
     std::shared_ptr<const loom::jit::Artifact> artifact;
     auto kernel = loom::compileKernel(c.spec, schedule, target, compiler, &artifact, loom::Direction::decode,
@@ -171,8 +176,8 @@ void decodeFloors(const loom::v1::Target& target, loom::jit::NvrtcCompiler& comp
 // The default decode step over a raw cache for each of the paper's
 // settings (H = G = 8 and 16, P = 2, 4, 8, d = 64 and 128, bf16, causal,
 // RoPE), qk_norm off and on, one line each at B = 8 and a 32k-token cache:
-// which step it is (absorbed, or mixing on chip), its loop and the two
-// ratios to the memory floor.
+// which step it is (absorbed; tensor: mixing on the tensor cores; mixing:
+// on the FMA units), its loop and the two ratios to the memory floor.
 void decodeSettings(const loom::v1::Target& target, loom::jit::NvrtcCompiler& compiler) {
   std::printf("\ndecode over a raw paged cache, the paper's settings, default schedule, B 8, cache 32768, one new token\n");
   std::printf("%-3s %-2s %-4s %-8s %-9s %12s %8s %8s\n", "H", "P", "d", "qk_norm", "step", "loop (SASS)", "issue",
@@ -197,7 +202,10 @@ void decodeSettings(const loom::v1::Target& target, loom::jit::NvrtcCompiler& co
           const loom::autotune::DecodeFloor f =
               loom::autotune::estimateDecodeFloor(spec, kernel->schedule(), target, 8, 32768, 1, false, issue);
           std::printf("%-3d %-2d %-4d %-8s %-9s %12.0f %7.2fx %7.2fx\n", H, P, d, normed ? "rms" : "none",
-                      kernel->schedule().absorb_mixing() ? "absorbed" : "mixing", issue ? issue->unmasked : 0.0,
+                      kernel->schedule().absorb_mixing()   ? "absorbed"
+                      : kernel->schedule().tensor_mixing() ? "tensor"
+                                                           : "mixing",
+                      issue ? issue->unmasked : 0.0,
                       f.floorRatio(), f.tensorRatio());
           std::fflush(stdout);
         }

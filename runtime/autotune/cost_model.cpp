@@ -62,6 +62,9 @@ int64_t estimatedRegisters(const KernelSpec& spec, const Schedule& s) {
     const int P = int(spec.pseudo_heads()), d = int(spec.head_dim()), split = absorbedSplit(P, d);
     return absorbedRows(P) / split * (paddedHeadDim(d) / kMmaK) * 4 + paddedHeadDim(d) / 8 / split * 4 + 104;
   }
+  // Tensor mixing (cuda_tensor_mixing.h): the output (d / 2), and the rest
+  // (measured at 150 to 154 on ptxas 13, -O1, d 128, RoPE, qk_norm on or off).
+  if (s.tensor_mixing()) return paddedHeadDim(int(spec.head_dim())) / 2 + 154;
   return mmaRegisterEstimate(int(s.block_m() / (kMmaK * s.warps())), int(spec.head_dim()), int(s.block_n()),
                              s.mix() != v1::mix_materialized);
 }
@@ -93,6 +96,32 @@ AbsorbedBlockWork absorbedBlockWork(const KernelSpec& spec, const Schedule& s) {
     w.simtFlops += 2.0 * kAbsorbedTokens * double(G * P) * double(G * (G + 1) / 2 + G) + sRows * kAbsorbedTokens;
   }
   return w;
+}
+
+// The tensor-mixing step's work a CTA a key block (cuda_tensor_mixing.h),
+// per warp and token: the keys' mix (d / 8 n-tiles, a k-step of 16 kv
+// heads each, two halves of bf16 weights), the scores (two heads' keys
+// against the warp's 16 rows), the values' mix (d / 16 m-tiles, two heads,
+// the halves) and P V (two heads' rows a product); each mma.sync 4096 FLOP.
+// Its f32 work: R(j) on the mixed keys and R(tP) on the staged ones (3 an
+// element), qk_norm's squares, the packing of both mixed roles.
+AbsorbedBlockWork tensorMixingBlockWork(const KernelSpec& spec, const Schedule& s) {
+  const double d = double(paddedHeadDim(int(spec.head_dim()))), km = double((spec.kv_heads() + 15) / 16);
+  const double halves = spec.dtype() == v1::bfloat16 ? 2.0 : 1.0;
+  const double perWarpToken = (d / 8 * halves * km + 2 * d / 16 + d / 16 * 2 * halves * km + d / 8) * 4096.0;
+  const double warpTokens = double(s.warps()) * kTensorMixingTokens;
+  AbsorbedBlockWork w;
+  w.matrixFlops = warpTokens * perWarpToken;
+  const double rows = 16.0 * d;  // a warp's mixed rows of one role, one token
+  w.simtFlops = warpTokens * rows * (2.0 + (spec.rope_theta() > 0 ? 3.0 : 0.0) +
+                                     (spec.qk_norm() == v1::KernelSpec::rms ? 2.0 : 0.0)) +
+                (spec.rope_theta() > 0 ? 3.0 * double(kTensorMixingTokens * spec.kv_heads()) * d : 0.0);
+  w.exps = warpTokens * 16.0 * kTensorMixingRows;
+  return w;
+}
+// The block work of a step that holds every head in one CTA.
+AbsorbedBlockWork allHeadsBlockWork(const KernelSpec& spec, const Schedule& s) {
+  return s.tensor_mixing() ? tensorMixingBlockWork(spec, s) : absorbedBlockWork(spec, s);
 }
 
 DeviceModel deviceModel(const v1::Target& target) {
@@ -511,7 +540,7 @@ DecodeGrid decodeGrid(const KernelSpec& spec, const Schedule& s, int64_t batch, 
   // Stacked, a CTA holds every query head of its kv group (block_m / (H / G)
   // rows of each): H / G times fewer CTAs stage and mix the cache; absorbed,
   // every query head.
-  const int64_t stacked = s.absorb_mixing() ? H : s.stack_heads() ? H / G : 1;
+  const int64_t stacked = s.absorb_mixing() || s.tensor_mixing() ? H : s.stack_heads() ? H / G : 1;
   const int64_t ownedRows = std::max<int64_t>(P, s.block_m() / stacked / P * P);
   const int64_t queryBlocks = (newTokens * P + ownedRows - 1) / ownedRows;
   const int64_t keyBlocks = (visibleTokens(spec, cachedTokens, newTokens) * P + s.block_n() - 1) / s.block_n();
@@ -533,8 +562,8 @@ CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& s, const
 
   CostEstimate e;
   e.usefulFlops = ihaDecodeFlops(spec, batch, cachedTokens, newTokens);
-  const bool absorbed = s.absorb_mixing();
-  const AbsorbedBlockWork absorbedWork = absorbed ? absorbedBlockWork(spec, s) : AbsorbedBlockWork{};
+  const bool absorbed = s.absorb_mixing() || s.tensor_mixing();  // a CTA of every head: its block work
+  const AbsorbedBlockWork absorbedWork = absorbed ? allHeadsBlockWork(spec, s) : AbsorbedBlockWork{};
   e.matrixFlops = absorbed ? double(gridCtas) * double(blocksPerCta) * absorbedWork.matrixFlops
                            : 4.0 * double(gridCtas) * double(blocksPerCta) * double(s.block_m() * s.block_n()) * paddedDim;
   // Each CTA's share of the cache: a raw one's G heads per token, a mixed
@@ -564,9 +593,10 @@ CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& s, const
   const int threads = (s.warps() + (wgmma ? kWarpgroupWarps : 0)) * 32;
   const int registers = registersPerThread.value_or(int(estimatedRegisters(spec, s)));
   const int64_t smem =
-      absorbed ? absorbedSmem(int(s.block_m()), int(d), int(s.stages()), int(G), int(P), int(s.warps()),
-                                  spec.qk_norm() == v1::KernelSpec::rms)
-                         .total
+      s.tensor_mixing() ? tensorMixingSmem(int(H), int(d), int(s.stages()), int(G)).total
+      : absorbed        ? absorbedSmem(int(s.block_m()), int(d), int(s.stages()), int(G), int(P), int(s.warps()),
+                                       spec.qk_norm() == v1::KernelSpec::rms)
+                       .total
                : ctaSharedMemory(wgmma, int(s.block_m()), int(s.block_n()), int(d), int(s.stages()), int(H), int(G),
                                  int(P), !mixedCache, s.collapse() == v1::collapse_fused,
                                  s.collapse() == v1::collapse_fused && spec.collapse() == v1::global);
@@ -622,12 +652,13 @@ DecodeFloor estimateDecodeFloor(const KernelSpec& spec, const Schedule& s, const
   const bool wgmma = s.engine() == v1::engine_wgmma;
   const double warps = double(s.warps() + (wgmma ? kWarpgroupWarps : 0));
   double perBlock = issue ? issue->unmasked : 0.0;
-  const AbsorbedBlockWork work = s.absorb_mixing() ? absorbedBlockWork(spec, s) : AbsorbedBlockWork{};
+  const bool allHeads = s.absorb_mixing() || s.tensor_mixing();
+  const AbsorbedBlockWork work = allHeads ? allHeadsBlockWork(spec, s) : AbsorbedBlockWork{};
   if (!issue) {
     // A raw cache's rows mixed on chip: G FMAs per element of a key and a
     // value row, over the CTA's warps.
     // Absorbed: its f32 work and its mma.sync instructions (4096 FLOP each).
-    const double mixing = s.absorb_mixing() ? (work.simtFlops / 2.0 / 32.0 + work.matrixFlops / 4096.0) / warps
+    const double mixing = allHeads ? (work.simtFlops / 2.0 / 32.0 + work.matrixFlops / 4096.0) / warps
                           : mixedCache ? 0.0
                                        : double(s.block_n() * d) * double(G) * 2.0 / 32.0 / warps;
     perBlock = kLoopInstructionsPerWarp + mixing;
@@ -639,7 +670,7 @@ DecodeFloor estimateDecodeFloor(const KernelSpec& spec, const Schedule& s, const
   // The tensor pipe: the products issued, at the model's mma.sync (or
   // wgmma) share of the dense rate.
   const double padded = double(paddedHeadDim(int(d)));
-  const double matrixFlops = s.absorb_mixing() ? work.matrixFlops : 4.0 * double(s.block_m() * s.block_n()) * padded;
+  const double matrixFlops = allHeads ? work.matrixFlops : 4.0 * double(s.block_m() * s.block_n()) * padded;
   f.tensorSeconds = double(f.ctas) * double(blocksPerCta) * matrixFlops /
                     (device.tensorFlops * (wgmma ? device.wgmmaEfficiency : device.mmaSyncEfficiency));
   // One CTA's blocks run one after another, its warps on an SM's four

@@ -66,6 +66,7 @@ std::string scheduleKey(const Schedule& s) {
   if (s.kv_splits() > 1) key += ".splits" + std::to_string(s.kv_splits());
   if (s.stack_heads()) key += ".stacked";
   if (s.absorb_mixing()) key += ".absorbed";
+  if (s.tensor_mixing()) key += ".tensor-mixing";
   return key;
 }
 
@@ -190,7 +191,10 @@ SearchSpace decodeSearchSpace(const KernelSpec& spec, const v1::Target& target, 
             s.set_stages(stages);
             s.set_kv_splits(splits);
             s.set_stack_heads(stacked);
-            if (!mixedCache) s.set_absorb_mixing(false);
+            if (!mixedCache) {
+              s.set_absorb_mixing(false);
+              s.set_tensor_mixing(false);
+            }
             consider(space, seen, spec, target, s, resolveSchedule(spec, s, target, Direction::decode, mixedCache),
                      suffix);
           }
@@ -205,6 +209,12 @@ SearchSpace decodeSearchSpace(const KernelSpec& spec, const v1::Target& target, 
         s.set_stages(stages);
         s.set_kv_splits(splits);
         consider(space, seen, spec, target, s, resolveSchedule(spec, s, target, Direction::decode, mixedCache), suffix);
+        // The tensor-mixing step likewise (one CTA a sequence too).
+        Schedule t;
+        t.set_tensor_mixing(true);
+        t.set_stages(stages);
+        t.set_kv_splits(splits);
+        consider(space, seen, spec, target, t, resolveSchedule(spec, t, target, Direction::decode, mixedCache), suffix);
       }
   // sm_90a: the wgmma step too (one consumer warpgroup, wgmma's key
   // blocks; pruned, with the compiler's reason, where head_dim rules it out).

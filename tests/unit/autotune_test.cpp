@@ -534,13 +534,20 @@ TEST(CostModel, DecodeStepsAreMemoryBoundAndSplitWhereTheGridIsSmall) {
     SCOPED_TRACE(mixed ? "mixed cache" : "raw cache");
     const SearchSpace space = decodeSearchSpace(s, h, mixed);
     ASSERT_FALSE(space.candidates.empty());
-    std::set<int> splits, wgmmaSplits, absorbedSplits;
+    std::set<int> splits, wgmmaSplits, absorbedSplits, tensorSplits;
     for (const Candidate& c : space.candidates) {
       if (c.schedule.absorb_mixing()) {  // the absorbed step: its own shape and split choices
         EXPECT_FALSE(mixed) << c.key;
-        EXPECT_EQ(c.schedule.block_n(), 8 * s.pseudo_heads()) << c.key;
+        EXPECT_EQ(c.schedule.block_n(), kAbsorbedTokens * s.pseudo_heads()) << c.key;
         EXPECT_NE(c.key.find(".absorbed"), std::string::npos) << c.key;
         absorbedSplits.insert(c.schedule.kv_splits());
+        continue;
+      }
+      if (c.schedule.tensor_mixing()) {  // likewise the tensor-mixing step
+        EXPECT_FALSE(mixed) << c.key;
+        EXPECT_EQ(c.schedule.block_n(), kTensorMixingTokens * s.pseudo_heads()) << c.key;
+        EXPECT_NE(c.key.find(".tensor-mixing"), std::string::npos) << c.key;
+        tensorSplits.insert(c.schedule.kv_splits());
         continue;
       }
       splits.insert(c.schedule.kv_splits());
@@ -563,8 +570,10 @@ TEST(CostModel, DecodeStepsAreMemoryBoundAndSplitWhereTheGridIsSmall) {
     EXPECT_EQ(wgmmaSplits, splits) << "sm_90a tries the wgmma step at every split";
     if (!mixed) {
       EXPECT_EQ(absorbedSplits, (std::set<int>{1, 4, 16, 32, 64, 128, 256}));
+      EXPECT_EQ(tensorSplits, absorbedSplits);
       // A raw cache of one long sequence: the model takes the absorbed step
-      // (no mixing on chip), split so that its one CTA a sequence covers the SMs.
+      // (no mixing on chip; P 4: the tensor-mixing step's products cost
+      // more), split so that its one CTA a sequence covers the SMs.
       const auto ranked = rankByModel(s, h, space, 1, 32768, Direction::decode, mixed, 1);
       const Schedule first = ranked.front().candidate.schedule;
       EXPECT_TRUE(first.absorb_mixing()) << scheduleKey(first);
@@ -578,7 +587,7 @@ TEST(CostModel, DecodeStepsAreMemoryBoundAndSplitWhereTheGridIsSmall) {
     // The mixing mma.sync step's choices (the wgmma one's are below).
     SearchSpace mmaSpace = space;
     std::erase_if(mmaSpace.candidates, [](const Candidate& c) {
-      return c.schedule.engine() == v1::engine_wgmma || c.schedule.absorb_mixing();
+      return c.schedule.engine() == v1::engine_wgmma || c.schedule.absorb_mixing() || c.schedule.tensor_mixing();
     });
     auto best = [&](int64_t batch, int64_t cached) {
       const auto ranked = rankByModel(s, h, mmaSpace, batch, cached, Direction::decode, mixed, 1);

@@ -515,8 +515,8 @@ TEST(Decode, StackedHeadsGiveTheForwardsRows) {
   }
 }
 
-// The absorbed step (the default over a raw cache where the spec allows it;
-// loom/tile/cuda_absorbed.h): the cached rows are never mixed, the keys'
+// The absorbed step (the default over a raw cache where the spec allows it
+// and it multiplies less than tensor mixing; loom/tile/cuda_absorbed.h): the cached rows are never mixed, the keys'
 // mix absorbed into P rows of R(-j) q a query row, the values' into the
 // probabilities. Drawn specs, qk_norm on and off (on: the keys' norms from
 // each token's Gram matrix), P 1 to 8 (those not a power of two take
@@ -550,6 +550,7 @@ TEST(Decode, AbsorbedStepsGiveTheForwardsRows) {
     DecodeLayout layout = drawCheckableLayout(rng, c, T, 9);
     layout.layout = CacheLayout::raw;
     Schedule schedule;
+    schedule.set_absorb_mixing(true);  // at P above 4 it may mix on the tensor cores
     if (pick(0, 1)) schedule.set_kv_splits(int32_t(pick(1, 4)));
     const std::string arch = draw % 2 ? "sm_90a" : "sm_80";
     SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " page " + std::to_string(layout.pageSize) + " " +
@@ -565,18 +566,43 @@ TEST(Decode, AbsorbedStepsGiveTheForwardsRows) {
   }
 }
 
+// A fault put into a tile header: `from` replaced by `to`, and the findings
+// the emulator must report (none: the output must be wrong instead).
+struct HeaderFault {
+  const char* name;
+  const char* from;
+  const char* to;
+  std::vector<emu::FindingKind> kinds;
+};
+
+// The plan's step on the emulator: no finding and the forward's rows as
+// written; with each fault of `header`, the fault's findings (or a wrong
+// output).
+void expectHeaderFaultsFound(const IhaCase& c, const DecodeCase& dc, const KernelPlan& plan, const std::string& header,
+                             const std::vector<HeaderFault>& faults, uint64_t seed) {
+  emu::EmuOptions o = emulatorOptions(seed);
+  auto clean = emu::runDecodeOnEmulator(plan, dc, o);
+  ASSERT_TRUE(clean) << clean.error().message;
+  EXPECT_EQ(clean->findingCount, 0) << emu::summary(*clean);
+  EXPECT_LE(relativeError(clean->out, dc.expected), toleranceFor(c.spec.dtype()));
+  for (const HeaderFault& fault : faults) {
+    SCOPED_TRACE(fault.name);
+    o.headers = testing::mutatedHeader(header, fault.from, fault.to);
+    ASSERT_FALSE(o.headers.empty());
+    auto faulty = emu::runDecodeOnEmulator(plan, dc, o);
+    ASSERT_TRUE(faulty) << faulty.error().message;
+    if (fault.kinds.empty())
+      EXPECT_GT(relativeError(faulty->out, dc.expected), toleranceFor(c.spec.dtype())) << emu::summary(*faulty);
+    testing::expectEachFinding(*faulty, fault.kinds, fault.name, "wrong output");
+  }
+}
+
 // The emulator finds what the absorbed step's barriers prevent, and a
 // wrong weight or norm: each fault of cuda_absorbed.h on the same drawn
 // step (P 4, two warps an m-tile, RoPE and qk_norm), whose unchanged code
 // has no finding.
 TEST(Decode, AbsorbedStepFaultsAreFound) {
-  struct Fault {
-    const char* name;
-    const char* from;
-    const char* to;
-    std::vector<emu::FindingKind> kinds;  // none: the output must be wrong
-  };
-  const Fault faults[] = {
+  const std::vector<HeaderFault> faults = {
       {"the barrier before the P' tile is read removed",
        "  __syncthreads();  // P' and the row maxima of both warps of the m-tile\n", "", {emu::FindingKind::race}},
       {"the warp's barrier before its fold removed", "  __syncwarp();\n  // P' of this warp's own", "  // P'",
@@ -601,21 +627,101 @@ TEST(Decode, AbsorbedStepFaultsAreFound) {
   ASSERT_TRUE(plan) << plan.error().message;
   ASSERT_TRUE(plan->schedule.absorb_mixing());
   ASSERT_EQ(plan->schedule.warps(), 2) << "two warps share the m-tile";
-  emu::EmuOptions o = emulatorOptions(rng());
-  auto clean = emu::runDecodeOnEmulator(*plan, *dc, o);
-  ASSERT_TRUE(clean) << clean.error().message;
-  EXPECT_EQ(clean->findingCount, 0) << emu::summary(*clean);
-  EXPECT_LE(relativeError(clean->out, dc->expected), toleranceFor(c.spec.dtype()));
-  for (const Fault& fault : faults) {
-    SCOPED_TRACE(fault.name);
-    o.headers = testing::mutatedHeader("loom/tile/cuda_absorbed.h", fault.from, fault.to);
-    ASSERT_FALSE(o.headers.empty());
-    auto faulty = emu::runDecodeOnEmulator(*plan, *dc, o);
-    ASSERT_TRUE(faulty) << faulty.error().message;
-    if (fault.kinds.empty())
-      EXPECT_GT(relativeError(faulty->out, dc->expected), toleranceFor(c.spec.dtype())) << emu::summary(*faulty);
-    testing::expectEachFinding(*faulty, fault.kinds, fault.name, "wrong output");
+  expectHeaderFaultsFound(c, *dc, *plan, "loom/tile/cuda_absorbed.h", faults, rng());
+}
+
+// The tensor-mixing step (the default over a raw cache where it multiplies less
+// than absorbing; loom/tile/cuda_tensor_mixing.h): each cached token's rows mixed on the
+// tensor cores (bf16 weights in two halves), two heads a warp. Drawn
+// specs: P 1 to 8 (mostly 5 to 8; below 8 the keys past P score -inf, below
+// 5 several tokens of a head in its eight rows), H up to 16 (odd H: a warp's
+// second head is padding), G dividing H (one draw G = H 9 to 16: a padding
+// staged head where G is odd), head_dim 16 to 128 (32 on with
+// RoPE), qk_norm on and off, f16 and bf16, every mask and window, T = 1 to
+// 3, ragged caches over drawn pages, split or not, sm_80 and sm_90a by
+// turns: the emulated step gives the forward's rows with no finding.
+TEST(Decode, TensorMixingStepsGiveTheForwardsRows) {
+  std::mt19937_64 rng(testing::testSeed() ^ 0x7e45);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  for (int draw = 0; draw < 6; ++draw) {
+    const IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
+      KernelSpec spec = testing::randomSpec(rng);
+      spec.set_pseudo_heads(int32_t(draw == 0 ? 8 : draw == 5 ? pick(1, 4) : pick(5, 8)));
+      const int64_t kv = draw == 4 ? pick(9, 16) : pick(1, 4);
+      spec.set_kv_heads(int32_t(kv));
+      spec.set_heads(int32_t(kv * pick(1, 16 / kv)));
+      spec.set_head_dim(int32_t(spec.rope_theta() > 0 ? 32 * pick(1, 4) : 16 * pick(1, 8)));
+      spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
+      if (pick(0, 1)) {
+        spec.set_qk_norm(v1::KernelSpec::rms);
+      } else {
+        spec.clear_qk_norm();
+        spec.clear_qk_norm_eps();
+      }
+      testing::dropStaleOptions(spec);
+      return testing::DrawnShape{spec, pick(1, 2), pick(8, 30)};
+    });
+    const int64_t T = pick(1, std::min<int64_t>(3, c.tokens));
+    DecodeLayout layout = drawCheckableLayout(rng, c, T, 9);
+    layout.layout = CacheLayout::raw;
+    Schedule schedule;
+    schedule.set_tensor_mixing(true);
+    if (pick(0, 1)) schedule.set_kv_splits(int32_t(pick(1, 4)));
+    const std::string arch = draw % 2 ? "sm_90a" : "sm_80";
+    SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " page " + std::to_string(layout.pageSize) + " " +
+                 arch + " " + schedule.ShortDebugString());
+    auto dc = decodeCaseFrom(c, layout);
+    ASSERT_TRUE(dc) << dc.error().message;
+    auto plan = decodePlan(*dc, schedule, arch);
+    ASSERT_TRUE(plan) << plan.error().message;
+    EXPECT_TRUE(plan->schedule.tensor_mixing()) << plan->schedule.ShortDebugString();
+    for (const LaunchPlan& launch : plan->launches)
+      if (launch.name == kAttentionEntry) EXPECT_EQ(launch.gridY, plan->schedule.kv_splits()) << "a CTA a split";
+    expectEmulatedStep(c, *dc, arch, rng(), schedule);
   }
+}
+
+// The emulator finds what the tensor-mixing step's barriers prevent, and
+// its arithmetic's faults: each fault of cuda_tensor_mixing.h on the same
+// drawn step (P 6: keys past P; RoPE and qk_norm; two warps; one split,
+// so that its stages turn over), whose unchanged code has no finding.
+TEST(Decode, TensorMixingFaultsAreFound) {
+  const std::vector<HeaderFault> faults = {
+      {"the barrier between a block's turned rows and their mix removed",
+       "    absorbed::rotateStage<C>(block);\n    __syncthreads();", "    absorbed::rotateStage<C>(block);",
+       {emu::FindingKind::race}},
+      {"the stage released without a barrier", "  __syncthreads();  // the stage is the next block's copies'", "",
+       {emu::FindingKind::race}},
+      {"R(j) turned the other way", "            partner[n][e] = x * sn + y * cs;",
+       "            partner[n][e] = y * cs - x * sn;", {}},
+      {"keys past P scored", "      if (fragment::accumulatorColumn(l, e) >= T::P)", "      if (false)", {}},
+      {"a key's norm taken from its neighbour", "const int source = 4 * (2 * (l % 4) + e);",
+       "const int source = 4 * ((2 * (l % 4) + e + 1) % 8);", {}},
+      {"the value rows of the pair's other token", "Bits32(((t0 + u) * T::pitch + dm * kMmaK)",
+       "Bits32(((t0 + 1 - u) * T::pitch + dm * kMmaK)", {}},
+      {"a block's copies waited for one stage late",
+       "  cuda::waitCopies<C::stages - 1>();\n  __syncthreads();\n  if constexpr (T::rope) {",
+       "  cuda::waitCopies<C::stages>();\n  __syncthreads();\n  if constexpr (T::rope) {",
+       {emu::FindingKind::asyncAccess}},
+  };
+  std::mt19937_64 rng(testing::testSeed() ^ 0x7e46);
+  IhaCase c;
+  const DecodeCase step = drawRawStep(
+      rng, c, 4, 2, 6, 32, 24, 5,
+      [](KernelSpec& spec) {
+        spec.set_qk_norm(v1::KernelSpec::rms);
+        spec.set_rope_theta(10000);
+      },
+      /*minCached=*/16);  // eight key blocks at least
+  const DecodeCase* dc = &step;
+  Schedule unsplit;  // every key block in one CTA: its stages turn over
+  unsplit.set_tensor_mixing(true);
+  unsplit.set_kv_splits(1);
+  auto plan = decodePlan(*dc, unsplit, "sm_80");
+  ASSERT_TRUE(plan) << plan.error().message;
+  ASSERT_TRUE(plan->schedule.tensor_mixing()) << plan->schedule.ShortDebugString();
+  ASSERT_EQ(plan->schedule.warps(), 2) << "two heads a warp";
+  expectHeaderFaultsFound(c, *dc, *plan, "loom/tile/cuda_tensor_mixing.h", faults, rng());
 }
 
 // sm_90a's wgmma step (engine wgmma): a producer warpgroup mixes each raw

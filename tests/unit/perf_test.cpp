@@ -397,10 +397,11 @@ TEST_P(DecodeGate, StreamsThePagesAndMixesFromWideReads) {
     const bool fewScores = spec.heads() * spec.pseudo_heads() * spec.pseudo_heads() * 2 <=
                            spec.kv_heads() * spec.head_dim();
     const bool gated = absorbed && !windowed && fewScores;
-    const std::string why = gated       ? "absorbed"
-                            : !absorbed ? "mixed on chip (not gated)"
-                            : windowed  ? "absorbed, windowed (not gated: the window is the visible cache)"
-                                        : "absorbed, H P^2 > G d / 2 (not gated: per-score work bounds it)";
+    const std::string why = gated                               ? "absorbed"
+                            : kernel->schedule().tensor_mixing() ? "tensor mixing (gated for the paper's P 8 below)"
+                            : !absorbed                         ? "mixed on chip (not gated)"
+                            : windowed ? "absorbed, windowed (not gated: the window is the visible cache)"
+                                       : "absorbed, H P^2 > G d / 2 (not gated: per-score work bounds it)";
     for (int64_t batch : {1, 8, 64})
       for (int64_t cache : {32768, 131072}) {
         const autotune::DecodeFloor f = autotune::estimateDecodeFloor(spec, kernel->schedule(), *parseTarget(arch),
@@ -437,6 +438,69 @@ TEST_P(DecodeGate, StreamsThePagesAndMixesFromWideReads) {
   if (skipped.empty()) return;
   if (skipped.find("sm_90a ") != std::string::npos && skipped.find("sm_80") != std::string::npos) GTEST_SKIP() << skipped;
   std::printf("[ no step  ] %s\n", skipped.c_str());  // the other arch's step was checked
+}
+
+// The tensor-mixing step at the paper's P = 8 (H = G = 16, d 128, RoPE,
+// where it is the default; qk_norm off and on; and H = G = 8, d 64, where
+// the absorbed step multiplies less and is the default), sm_80 and sm_90a:
+// the streaming and wide reads the grid's steps show, no spill, no inner
+// loop; on sm_90a its loop's issue within kTensorMixingFloorRatioGate of the
+// memory floor at d 128 (caches of 32k and 128k tokens, batches 1, 8, 64;
+// 2.24x, 2.55x with qk_norm, where the FMA units' mixing step sat at 33x),
+// printed at d 64 (its per-block work weighs more against half the bytes).
+// The tensor pipe's time is printed: at the model's mma.sync rate it, not
+// the issue, bounds the step (docs/performance.md, decode).
+constexpr double kTensorMixingFloorRatioGate = 2.75;
+
+TEST(DecodeGate, TensorMixingStepsOfThePapersP8) {
+  jit::NvrtcCompiler compiler(std::string(LOOM_TEST_CACHE) + "/perf");
+  struct Case {
+    int heads, headDim;
+    bool qkNorm;
+  };
+  for (const Case& c : {Case{16, 128, false}, Case{16, 128, true}, Case{8, 64, false}}) {
+    KernelSpec spec = testing::makeSpec({.heads = c.heads, .kvHeads = c.heads, .pseudoHeads = 8, .headDim = c.headDim,
+                                         .dtype = v1::bfloat16, .mask = v1::flat_causal, .window = 0,
+                                         .collapse = v1::per_head, .ropeTheta = 10000});
+    if (c.qkNorm) spec.set_qk_norm(v1::KernelSpec::rms);
+    for (const std::string arch : {"sm_80", "sm_90a"}) {
+      std::shared_ptr<const jit::Artifact> artifact;
+      Schedule tensor;
+      tensor.set_tensor_mixing(true);
+      auto kernel = compileKernel(spec, tensor, *parseTarget(arch), compiler, &artifact, Direction::decode,
+                                  /*mixedCache=*/false);
+      ASSERT_TRUE(kernel) << arch << " " << describe(spec) << ": " << kernel.error().message;
+      auto byDefault = resolveSchedule(spec, Schedule(), *parseTarget(arch), Direction::decode, false);
+      ASSERT_TRUE(byDefault) << byDefault.error().message;
+      EXPECT_EQ(byDefault->tensor_mixing(), c.headDim == 128) << byDefault->ShortDebugString();
+      EXPECT_EQ(byDefault->absorb_mixing(), c.headDim == 64) << byDefault->ShortDebugString();
+      auto read = sassUsageOf(*artifact, kAttentionEntry);
+      ASSERT_TRUE(read) << arch << ": " << read.error().message;
+      const v1::SassMemory& m = read->memory();
+      const std::string what = arch + " " + describe(spec) + ": " + jit::sass::memoryBrief(m);
+      EXPECT_GT(m.async_copies(), 0) << what;
+      EXPECT_LE(m.global_loads_16bit(), 16) << what;
+      EXPECT_LE(m.shared_loads_16bit(), 64) << what;
+      EXPECT_EQ(read->spill_store_bytes(), 0) << what;
+      ASSERT_GT(read->loops_size(), 0) << what;
+      for (const v1::SassLoop& loop : read->loops())
+        EXPECT_EQ(loop.inner_loops(), 0) << what << ": the loop at 0x" << std::hex << loop.first_offset();
+      if (arch != "sm_90a") continue;
+      const auto issue = autotune::loopIssueOf(*read);
+      ASSERT_TRUE(issue) << what << ": no key-block loop read";
+      for (int64_t batch : {1, 8, 64})
+        for (int64_t cache : {32768, 131072}) {
+          const autotune::DecodeFloor f = autotune::estimateDecodeFloor(spec, kernel->schedule(), *parseTarget(arch),
+                                                                        batch, cache, 1, /*mixedCache=*/false, issue);
+          if (c.headDim == 128)
+            EXPECT_LE(f.floorRatio(), kTensorMixingFloorRatioGate) << what << ": B " << batch << ", cache " << cache;
+          std::printf("[ floor    ] tensor mixing, %s, B %lld cache %lld: %.0f instructions a warp a block, issue "
+                      "%.2fx the floor, tensor %.2fx\n",
+                      describe(spec).c_str(), (long long)batch, (long long)cache, issue->unmasked, f.floorRatio(),
+                      f.tensorRatio());
+        }
+    }
+  }
 }
 
 // The same for a mixed cache's step: its rows copied through the page table

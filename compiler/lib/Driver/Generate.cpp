@@ -53,6 +53,7 @@ ScheduleFields fieldsOf(const Schedule& schedule) {
   fields.kvSplits = schedule.kv_splits();
   fields.stackHeads = schedule.stack_heads();
   fields.absorbMixing = schedule.absorb_mixing();
+  fields.tensorMixing = schedule.tensor_mixing();
   return fields;
 }
 
@@ -74,12 +75,17 @@ Schedule scheduleOf(ScheduleAttr attr, Direction direction) {
     schedule.set_kv_splits(int32_t(attr.getKvSplits()));
     schedule.set_stack_heads(attr.getStackHeads());
     schedule.set_absorb_mixing(attr.getAbsorbMixing());
+    schedule.set_tensor_mixing(attr.getTensorMixing());
   }
   return schedule;
 }
 
 // Dynamic shared memory of the CUDA attention CTA (tile/include/loom/tile/layout.h).
 int64_t attentionSharedMemory(SpecAttr spec, ScheduleAttr schedule) {
+  if (schedule.getTensorMixing())
+    return tensorMixingSmem(int(spec.getHeads()), int(spec.getHeadDim()), int(schedule.getStages()),
+                            int(spec.getKvHeads()))
+        .total;
   if (schedule.getAbsorbMixing())
     return absorbedSmem(int(schedule.getBlockM()), int(spec.getHeadDim()), int(schedule.getStages()),
                         int(spec.getKvHeads()), int(spec.getPseudoHeads()), int(schedule.getWarps()),
@@ -164,11 +170,14 @@ constexpr int64_t kDefaultKvSplits = 16;
 // splits than its key blocks (the absorbed step's of kAbsorbedTokens
 // tokens, the others' of 16 rows).
 int32_t defaultDecodeSplits(const KernelSpec& spec, const ScheduleFields& given, const v1::Target& target) {
-  const int64_t ctas = given.absorbMixing ? 1 : given.stackHeads ? spec.kv_heads() : spec.heads();
-  int64_t most = given.absorbMixing ? kMaxKvSplits : kDefaultKvSplits;
+  const bool allHeads = given.absorbMixing || given.tensorMixing;
+  const int64_t ctas = allHeads ? 1 : given.stackHeads ? spec.kv_heads() : spec.heads();
+  int64_t most = allHeads ? kMaxKvSplits : kDefaultKvSplits;
   const int64_t windowRows = spec.window_rows() > 0 ? spec.window_rows() + spec.pseudo_heads()
                                                     : int64_t(spec.window()) * spec.pseudo_heads();
-  const int64_t blockRows = given.absorbMixing ? int64_t(kAbsorbedTokens) * spec.pseudo_heads() : kMmaRows;
+  const int64_t blockRows = given.absorbMixing   ? int64_t(kAbsorbedTokens) * spec.pseudo_heads()
+                            : given.tensorMixing ? int64_t(kTensorMixingTokens) * spec.pseudo_heads()
+                                                 : kMmaRows;
   if (windowRows > 0) most = std::min<int64_t>(most, windowRows / blockRows + 1);
   return int32_t(std::clamp<int64_t>(smCountOf(target) / std::max<int64_t>(ctas, 1), 1, most));
 }
@@ -188,7 +197,8 @@ std::optional<std::string> fitCudaTarget(SpecAttr spec, ScheduleAttr& schedule, 
     schedule = ScheduleAttr::get(spec.getContext(), schedule.getBlockM(), schedule.getBlockN(), schedule.getWarps(),
                                  schedule.getStages(), MixStrategy::materialized, schedule.getCollapse(),
                                  schedule.getEngine(), schedule.getProducerRegisters(), schedule.getDq(),
-                                 schedule.getKvSplits(), schedule.getStackHeads(), schedule.getAbsorbMixing());
+                                 schedule.getKvSplits(), schedule.getStackHeads(), schedule.getAbsorbMixing(),
+                                 schedule.getTensorMixing());
   }
   const int64_t bytes = attentionSharedMemory(spec, schedule);
   if (bytes > limit)
@@ -215,7 +225,7 @@ ScheduleAttr withFlashAttention2Shape(SpecAttr spec, ScheduleAttr schedule, cons
   ScheduleAttr shaped = ScheduleAttr::get(spec.getContext(), kRows, kKeys, kWarps, /*stages=*/1, schedule.getMix(),
                                           schedule.getCollapse(), schedule.getEngine(), schedule.getProducerRegisters(),
                                           schedule.getDq(), schedule.getKvSplits(), schedule.getStackHeads(),
-                                          schedule.getAbsorbMixing());
+                                          schedule.getAbsorbMixing(), schedule.getTensorMixing());
   if (checkSchedule(spec, shaped) || attentionSharedMemory(spec, shaped) > sharedMemoryLimit(target)) return schedule;
   return shaped;
 }
@@ -418,6 +428,10 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
     return makeError("schedule.absorb_mixing is for decode plans over a raw cache only (it never mixes the cached rows)");
   if (given.absorbMixing && target.kind() != v1::Target::cuda)
     return makeError("schedule.absorb_mixing needs a CUDA target (the host program mixes each cached row)");
+  if (given.tensorMixing && (direction != Direction::decode || mixedCache))
+    return makeError("schedule.tensor_mixing is for decode plans over a raw cache only (it mixes the cached rows)");
+  if (given.tensorMixing && target.kind() != v1::Target::cuda)
+    return makeError("schedule.tensor_mixing needs a CUDA target (the tensor cores)");
   if (direction == Direction::backward) {
     if (target.kind() == v1::Target::cuda && spec.head_dim() > kMaxBackwardHeadDim)
       return makeError("head_dim " + std::to_string(spec.head_dim()) + " has no CUDA backward yet: its dK and dV "
@@ -497,7 +511,7 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
                                        stages, scheduleAttr.getMix(), collapse,
                                        scheduleAttr.getEngine(), scheduleAttr.getProducerRegisters(),
                                        scheduleAttr.getDq(), scheduleAttr.getKvSplits(), scheduleAttr.getStackHeads(),
-                                       scheduleAttr.getAbsorbMixing());
+                                       scheduleAttr.getAbsorbMixing(), scheduleAttr.getTensorMixing());
     }
     if (auto why = checkSchedule(specAttr, scheduleAttr)) return makeError(*why);
   }
@@ -512,11 +526,13 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
 }
 
 // The same, with the defaults that depend on whether a schedule fits. A
-// decode step over a raw cache (CUDA, the mma engine) absorbs the keys' and
-// values' mixing into the queries and probabilities unless the schedule
-// says (absorb_mixing unset): the cached rows are multiplied as stored, on
-// the tensor cores (docs/performance.md, decode). Where that cannot be had
-// (qk_norm, the shape), it stacks a kv group's query heads in one CTA
+// decode step over a raw cache (CUDA, the mma engine) holds every head in
+// one CTA unless the schedule says (absorb_mixing and tensor_mixing unset):
+// it absorbs the keys' and values' mixing into the queries and
+// probabilities (the cached rows multiplied as stored), or mixes each
+// cached token on the tensor cores, whichever multiplies less a cached
+// token (P above 4 at head_dim 128; docs/performance.md, decode), each
+// falling back to the other. Where neither can be had (the shape), it stacks a kv group's query heads in one CTA
 // (stack_heads unset): each cached block is then staged and mixed once for
 // the group's H / G heads, not once a head. Failing both, one head a CTA.
 Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const KernelSpec& spec, const Schedule& schedule,
@@ -524,12 +540,22 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
                                                   bool mixedCache = false) {
   const bool rawCudaMma = direction == Direction::decode && !mixedCache && target.kind() == v1::Target::cuda &&
                           schedule.engine() != v1::engine_wgmma;
-  if (rawCudaMma && !schedule.has_absorb_mixing() && !schedule.stack_heads()) {
-    Schedule absorbed = schedule;
-    absorbed.set_absorb_mixing(true);
-    auto resolved = resolveAsGiven(c, spec, absorbed, target, direction, mixedCache);
-    if (resolved) return resolved;
-    c.diagnostics.clear();
+  if (rawCudaMma && !schedule.has_absorb_mixing() && !schedule.has_tensor_mixing() && !schedule.stack_heads()) {
+    // The one whose products cost less a cached token: absorbing multiplies
+    // about H P^2 G d, mixing on the tensor cores about 16 H d (4 G d
+    // halves of weights, scores and P V; layout.h).
+    const bool tensorFirst =
+        tensorMixingTokenMacs(int(spec.heads()), int(spec.kv_heads()), int(spec.head_dim()),
+                              spec.dtype() == v1::bfloat16) <
+        absorbedTokenMacs(int(spec.heads()), int(spec.kv_heads()), int(spec.pseudo_heads()), int(spec.head_dim()));
+    for (const bool tensor : {tensorFirst, !tensorFirst}) {
+      Schedule allHeads = schedule;
+      if (tensor) allHeads.set_tensor_mixing(true);
+      else allHeads.set_absorb_mixing(true);
+      auto resolved = resolveAsGiven(c, spec, allHeads, target, direction, mixedCache);
+      if (resolved) return resolved;
+      c.diagnostics.clear();
+    }
   }
   const bool stackByDefault = rawCudaMma && !schedule.has_stack_heads() && spec.kv_heads() > 0 &&
                               spec.heads() > spec.kv_heads();
@@ -613,7 +639,8 @@ Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedu
   const int mTiles = int(resolvedSchedule.block_m() / (kMmaRows * resolvedSchedule.warps()));
   if (target.kind() == v1::Target::cuda && options.direction != Direction::backward &&
       resolvedSchedule.engine() == v1::engine_mma &&
-      (resolvedSchedule.absorb_mixing() || attentionAtO1(mTiles, int(spec.heads()), int(spec.kv_heads()))))
+      (resolvedSchedule.absorb_mixing() || resolvedSchedule.tensor_mixing() ||
+       attentionAtO1(mTiles, int(spec.heads()), int(spec.kv_heads()))))
     plan.source = std::string(kPtxasOptionsLine) + " -O1\n" + plan.source;
   plan.sourceHash = ContentHash().add(plan.source).hex();
   if (options.irLog) *options.irLog += irText;

@@ -92,8 +92,8 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
     // group, head after head, each head the same whole tokens (block_m /
     // (H / G) rows of its own), and stages and mixes each key block once
     // for them all.
-    // Absorbed mixing holds a token of every query head in one CTA.
-    const int64_t stacked = chosen.getAbsorbMixing() ? spec.getHeads()
+    // Absorbed and tensor mixing hold a token of every query head in one CTA.
+    const int64_t stacked = chosen.getAbsorbMixing() || chosen.getTensorMixing() ? spec.getHeads()
                             : chosen.getStackHeads() ? spec.getHeads() / spec.getKvHeads()
                                                      : 1;
     const int64_t ownedRows = chosen.getBlockM() / stacked / P * P;

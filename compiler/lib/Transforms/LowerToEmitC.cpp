@@ -58,7 +58,7 @@ std::string configStruct(SpecAttr spec, ScheduleAttr schedule, bool backward, bo
   // among its block_m, or with stack_heads among block_m / (H / G) rows
   // (loom/tile/common.h, ctaRow).
   const int64_t stacked = !decode                   ? 1
-                          : schedule.getAbsorbMixing() ? spec.getHeads()
+                          : schedule.getAbsorbMixing() || schedule.getTensorMixing() ? spec.getHeads()
                           : schedule.getStackHeads()   ? spec.getHeads() / spec.getKvHeads()
                                                        : 1;
   text += line("int", "cta_rows",
@@ -80,6 +80,8 @@ std::string configStruct(SpecAttr spec, ScheduleAttr schedule, bool backward, bo
   // The keys' and values' mixing absorbed into the queries and the
   // probabilities (loom/tile/cuda_absorbed.h).
   text += line("bool", "absorbed", decode && schedule.getAbsorbMixing() ? "true" : "false");
+  // Their mixing on the tensor cores, once a cached token (loom/tile/cuda_tensor_mixing.h).
+  text += line("bool", "tensor_mixing", decode && schedule.getTensorMixing() ? "true" : "false");
   text += line("int", "kv_splits", std::to_string(decode ? schedule.getKvSplits() : 1));
   if (schedule.getEngine() == Engine::wgmma) {
     text += line("int", "producer_registers", std::to_string(schedule.getProducerRegisters()));

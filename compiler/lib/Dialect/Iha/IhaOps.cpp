@@ -27,6 +27,9 @@ LogicalResult KernelOp::verify() {
     return emitOpError() << "stacks heads (schedule stack_heads) but is not a decode kernel";
   if (getScheduleAttr() && getScheduleAttr().getAbsorbMixing() && (!getDecode() || getMixedCache()))
     return emitOpError() << "absorbs the mixing (schedule absorb_mixing) but is not a decode kernel over a raw cache";
+  if (getScheduleAttr() && getScheduleAttr().getTensorMixing() && (!getDecode() || getMixedCache()))
+    return emitOpError() << "mixes the cached rows on the tensor cores (schedule tensor_mixing) but is not a decode "
+                            "kernel over a raw cache";
   if (launchLevel && !getScheduleAttr()) return emitOpError() << "has launches but no schedule";
   return success();
 }

@@ -64,7 +64,8 @@ ScheduleAttr completeWgmma(SpecAttr spec, const ScheduleFields& given) {
           : (mix != MixStrategy::fused                ? kTmaProducerRegisters
              : spec.getQkNorm() == QkNorm::rms ? kNormalizingProducerRegisters
                                                : kMixingProducerRegisters),
-      given.dq.value_or(DqStrategy::separate), given.kvSplits ? given.kvSplits : 1, given.stackHeads, given.absorbMixing);
+      given.dq.value_or(DqStrategy::separate), given.kvSplits ? given.kvSplits : 1, given.stackHeads,
+      given.absorbMixing, given.tensorMixing);
 }
 
 std::optional<std::string> checkWgmma(SpecAttr spec, ScheduleAttr schedule) {
@@ -157,7 +158,8 @@ ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool h
   return ScheduleAttr::get(spec.getContext(), blockM, blockN, warps, given.stages ? given.stages : kDefaultStages,
                            given.mix.value_or(MixStrategy::fused), given.collapse.value_or(defaultCollapse(spec)),
                            Engine::mma, given.producerRegisters, given.dq.value_or(DqStrategy::separate),
-                           given.kvSplits ? given.kvSplits : 1, given.stackHeads, given.absorbMixing);
+                           given.kvSplits ? given.kvSplits : 1, given.stackHeads, given.absorbMixing,
+                           given.tensorMixing);
 }
 
 
@@ -186,6 +188,15 @@ void completeDecodeFields(ScheduleFields& fields, bool mixedCache, int64_t stack
     // its slot arithmetic; 40 compiled clean (d 64 and 128, sm_90a), so the
     // mixing producer's 56.
     if (mixedCache && !fields.producerRegisters) fields.producerRegisters = kCopyingProducerRegisters;
+    return;
+  }
+  if (fields.tensorMixing) {
+    // Tensor mixing: key blocks of kTensorMixingTokens tokens; two heads'
+    // eight rows a warp; two stages; the collapse in its own launch.
+    if (!fields.blockN) fields.blockN = kTensorMixingTokens * pseudoHeads;
+    if (!fields.blockM) fields.blockM = tensorMixingBlockM(int(heads));
+    if (!fields.warps) fields.warps = tensorMixingWarps(int(heads));
+    fields.collapse = fields.collapse.value_or(CollapseStrategy::separate);
     return;
   }
   if (fields.absorbMixing) {
@@ -261,6 +272,31 @@ std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule) {
              ", head_dim " + str(spec.getHeadDim()) + ", pseudo_heads " + str(P) + ")";
     if (schedule.getCollapse() != CollapseStrategy::separate)
       return "schedule.absorb_mixing needs collapse separate (its CTA stores every head's rows)";
+  }
+  if (schedule.getTensorMixing()) {
+    const int64_t H = spec.getHeads();
+    const bool rope = spec.getRopeTheta().convertToDouble() > 0;
+    if (schedule.getEngine() != Engine::mma) return "schedule.tensor_mixing needs engine mma";
+    if (schedule.getAbsorbMixing())
+      return "schedule.tensor_mixing and absorb_mixing exclude each other (one mixes the cached rows, the other never)";
+    if (schedule.getStackHeads())
+      return "schedule.tensor_mixing already holds every query head in one CTA (leave stack_heads unset)";
+    if (const char* why =
+            tensorMixingShapeProblem(int(H), int(spec.getKvHeads()), int(spec.getHeadDim()), int(P), rope))
+      return std::string("schedule.tensor_mixing: ") + why + " (heads " + str(H) + ", kv_heads " +
+             str(spec.getKvHeads()) + ", head_dim " + str(spec.getHeadDim()) + ", pseudo_heads " + str(P) + ")";
+    if (blockN != kTensorMixingTokens * P)
+      return "schedule.block_n (" + str(blockN) + ") must be " + str(kTensorMixingTokens * P) +
+             " with tensor_mixing (" + str(kTensorMixingTokens) + " tokens a key block)";
+    if (blockM != tensorMixingBlockM(int(H)) || warps != tensorMixingWarps(int(H)))
+      return "schedule.block_m and warps (" + str(blockM) + ", " + str(warps) + ") must be " +
+             str(tensorMixingBlockM(int(H))) + " and " + str(tensorMixingWarps(int(H))) +
+             " with tensor_mixing (8 rows a head, two heads a warp)";
+    if (schedule.getCollapse() != CollapseStrategy::separate)
+      return "schedule.tensor_mixing needs collapse separate (its CTA stores every head's rows)";
+    if (schedule.getProducerRegisters() != 0)
+      return "schedule.producer_registers is for engine wgmma only (its producer warpgroup)";
+    return std::nullopt;
   }
   if (schedule.getEngine() == Engine::wgmma) return checkWgmma(spec, schedule);
   if (schedule.getProducerRegisters() != 0)

@@ -145,6 +145,21 @@ struct AbsorbedOf<C, decltype(void(C::absorbed))> {
 };
 template <class C>
 constexpr bool kAbsorbed = AbsorbedOf<C>::value;
+// Whether it asks for the tensor-mixing decode step (`tensor_mixing`).
+template <class C, class = void>
+struct TensorMixingOf {
+  static constexpr bool value = false;
+};
+template <class C>
+struct TensorMixingOf<C, decltype(void(C::tensor_mixing))> {
+  static constexpr bool value = C::tensor_mixing;
+};
+// The step a config's tiles are for: 0 the general one (cuda.h), 1 the
+// absorbed decode step (cuda_absorbed.h), 2 the tensor-mixing one
+// (cuda_tensor_mixing.h).
+constexpr int kAbsorbedStep = 1, kTensorMixingStep = 2;
+template <class C>
+constexpr int kDecodeStep = AbsorbedOf<C>::value ? kAbsorbedStep : TensorMixingOf<C>::value ? kTensorMixingStep : 0;
 
 // Tile row r of an attention CTA. A CTA owns cta_rows rows of its head
 // (the whole tokens among its block_m; the rows after are the next CTA's);

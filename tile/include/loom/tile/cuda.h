@@ -160,7 +160,7 @@ __device__ __forceinline__ void waitCopies() {
 // carved from the dynamic shared memory by cuda::layout).
 //===----------------------------------------------------------------------===//
 
-template <class C, bool = kAbsorbed<C>>
+template <class C, int = kDecodeStep<C>>
 struct QTile {
   // A fragments of Q: all k-steps, or the current one when Q is read from
   // shared memory at every block.
@@ -168,7 +168,7 @@ struct QTile {
   Bits32 lane;  // this lane's ldmatrix address of m-tile 0, k-step 0
 };
 
-template <class C, bool = kAbsorbed<C>>
+template <class C, int = kDecodeStep<C>>
 struct KvPipeline {
   const Bits16* key;    // the K tile of the block being consumed
   const Bits16* value;  // its V tile
@@ -180,7 +180,7 @@ struct KvPipeline {
   int upper;             // the blocks' end
 };
 
-template <class C, bool = kAbsorbed<C>>
+template <class C, int = kDecodeStep<C>>
 struct ScoreTile {
   float s[cuda::Geometry<C>::MT][cuda::Geometry<C>::NT][4];
   // P, packed to 16 bits once the softmax is done with S (half the
@@ -188,21 +188,22 @@ struct ScoreTile {
   Bits32 p[cuda::Geometry<C>::MT][cuda::Geometry<C>::NT][2];
 };
 
-template <class C, bool = kAbsorbed<C>>
+template <class C, int = kDecodeStep<C>>
 struct SoftmaxState {
   float m[cuda::Geometry<C>::MT][2];  // running max (log2 domain) of rows lane/4 and lane/4 + 8
   float l[cuda::Geometry<C>::MT][2];  // running denominator
 };
 
-template <class C, bool = kAbsorbed<C>>
+template <class C, int = kDecodeStep<C>>
 struct AccTile {
   float o[cuda::Geometry<C>::MT][cuda::Geometry<C>::OT][4];
 };
 
 }  // namespace loom
 
-// The absorbed decode step's tiles and calls.
+// The absorbed and tensor-mixing decode steps' tiles and calls.
 #include "loom/tile/cuda_absorbed.h"
+#include "loom/tile/cuda_tensor_mixing.h"
 
 namespace loom {
 

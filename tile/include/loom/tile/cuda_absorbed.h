@@ -44,7 +44,7 @@ struct Geometry {
   static constexpr int P = C::pseudo_heads, G = C::kv_heads, Gp = absorbedPaddedHeads(C::kv_heads);
   static constexpr int Pg = absorbedRows(P);  // S rows a query row (those from P on score -inf)
   static constexpr int D = C::head_dim, Dp = paddedHeadDim(C::head_dim), pitch = tilePitch(C::head_dim);
-  static constexpr int tokens = kAbsorbedTokens;
+  static constexpr int tokens = kDecodeStep<C> == kTensorMixingStep ? kTensorMixingTokens : kAbsorbedTokens;
   static constexpr int tiles = C::block_m / kMTileRows;  // 16-row m-tiles of query rows
   static constexpr int split = absorbedSplit(P, D);      // warps a query m-tile
   static constexpr int SM = Pg / split;                  // S m-tiles a warp
@@ -55,15 +55,22 @@ struct Geometry {
   static constexpr int stageRows = Gp * tokens;          // rows of K (and of V) a stage
   static constexpr int pPitch = absorbedPTilePitch(C::kv_heads);
   static constexpr int dChunks = D / kChunkElements;
-  static_assert(C::block_n == tokens * P, "an absorbed key block is kAbsorbedTokens whole tokens");
+  static_assert(C::block_n == tokens * P, "a key block is whole tokens");
   static_assert(C::stacked_heads == C::heads, "an absorbed CTA holds a token of every query head");
-  static_assert(absorbedShapeProblem(C::block_m, C::warps, C::head_dim, P) == nullptr, "no absorbed step for this shape");
+  static_assert(kDecodeStep<C> != kAbsorbedStep ||
+                    absorbedShapeProblem(C::block_m, C::warps, C::head_dim, P) == nullptr,
+                "no absorbed step for this shape");
   static_assert(!C::mixed_cache && C::decode, "the absorbed step reads a raw cache");
 };
 
+// The CTA's shared memory (the tensor-mixing step stages its key blocks
+// here too: cuda_tensor_mixing.h).
 template <class C>
 __device__ __forceinline__ AbsorbedSmem layout() {
-  return absorbedSmem(C::block_m, C::head_dim, C::stages, C::kv_heads, C::pseudo_heads, C::warps, C::qk_norm);
+  if constexpr (kDecodeStep<C> == kTensorMixingStep)
+    return tensorMixingSmem(C::heads, C::head_dim, C::stages, C::kv_heads);
+  else
+    return absorbedSmem(C::block_m, C::head_dim, C::stages, C::kv_heads, C::pseudo_heads, C::warps, C::qk_norm);
 }
 template <class C>
 __device__ __forceinline__ int tile() {
@@ -137,6 +144,52 @@ struct AccTile<C, true> {
 
 namespace absorbed {
 
+// Each of the CTA's first Rows query rows mixed (and normalised, qk_norm),
+// unrotated, a 16-byte piece (and with RoPE its partner d/2 further) a
+// lane: `place(r)` is row r's CtaRow, `emit(r, i, valid, lo, x, y)` gets
+// the pieces at columns lo (and lo + d/2) of virtual row i (zeros where
+// the row is not the CTA's or past the sequence). A row's pieces lie in
+// `lanes` consecutive lanes of one warp, so qk_norm's mean of squares is a
+// shuffle sum.
+template <class C, int Rows, class Place, class Emit>
+__device__ void forEachQueryRow(const IhaArgs& a, int64_t row0, int64_t b, Place&& place, Emit&& emit) {
+  constexpr int D = C::head_dim;
+  const int64_t L = decode_len<C>(a, b);
+  constexpr bool rope = C::rope_theta > 0;
+  constexpr int pieces = rope ? D / 2 / kChunkElements : D / kChunkElements, lanes = nextPowerOfTwo(pieces);
+  static_assert(lanes <= kWarpSize, "a query row's pieces lie in one warp");
+  constexpr int rowsAWarp = kWarpSize / lanes;
+  const int piece = cuda::lane() % lanes, lo = piece * kChunkElements, hi = lo + D / 2;
+  for (int first = cuda::warp() * rowsAWarp; first < Rows; first += C::warps * rowsAWarp) {
+    const int r = first + cuda::lane() / lanes;
+    const bool inTile = r < Rows && piece < pieces;
+    const CtaRow t = place(inTile ? r : 0);
+    const int64_t i = row0 + t.row;
+    const bool valid = inTile && t.owned && i < L;
+    float x[kChunkElements] = {}, y[kChunkElements] = {};
+    if (valid) {
+      const int64_t n = i / C::pseudo_heads;
+      const int p = int(i % C::pseudo_heads);
+      cuda::mixChunk<C, Role::query>(a, b, n, t.head, p, lo, x);
+      if constexpr (rope) cuda::mixChunk<C, Role::query>(a, b, n, t.head, p, hi, y);
+    }
+    if constexpr (C::qk_norm) {  // every lane of the warp takes part
+      float squares = 0.0f;
+      #pragma unroll
+      for (int e = 0; e < kChunkElements; ++e) squares = fmaf(x[e], x[e], fmaf(y[e], y[e], squares));
+      #pragma unroll
+      for (int offset = lanes / 2; offset > 0; offset /= 2) squares += __shfl_xor_sync(0xffffffffu, squares, offset);
+      const float factor = rsqrtf(squares * (1.0f / D) + C::qk_norm_eps);
+      #pragma unroll
+      for (int e = 0; e < kChunkElements; ++e) {
+        x[e] *= factor;
+        y[e] *= factor;
+      }
+    }
+    if (inTile) emit(r, i, valid, lo, x, y);
+  }
+}
+
 // Prologue: the weights' tables, then R(-j) q of every S row into shared
 // memory (over the stages, which kv_begin fills after), then each warp's
 // fragments into registers.
@@ -171,44 +224,14 @@ __device__ void qBegin(QTile<C, true>& q, const IhaArgs& a, int64_t row0, int64_
   }
   // R(-j) q: q is mixed unrotated (and normalised, qk_norm), then turned
   // once for each j by the angle of position n*P + p - j (the query's own
-  // rotation and R(-j)). A row's pieces (16-byte chunk pairs d/2 apart with
-  // RoPE, chunks without) lie in `lanes` consecutive lanes of one warp, so
-  // qk_norm's mean of squares is a shuffle sum.
+  // rotation and R(-j)).
   Bits16* qTile = sharedTile<C>(s.q);
-  const int64_t L = decode_len<C>(a, b);
-  constexpr bool rope = C::rope_theta > 0;
-  constexpr int pieces = rope ? A::D / 2 / kChunkElements : A::dChunks, lanes = nextPowerOfTwo(pieces);
-  static_assert(lanes <= kWarpSize, "a query row's pieces lie in one warp");
-  constexpr int rowsAWarp = kWarpSize / lanes;
-  const int piece = cuda::lane() % lanes, lo = piece * kChunkElements, hi = lo + A::D / 2;
-  for (int first = cuda::warp() * rowsAWarp; first < C::block_m; first += C::warps * rowsAWarp) {
-    const int r = first + cuda::lane() / lanes;
-    const bool inTile = r < C::block_m && piece < pieces;
-    const CtaRow t = ctaRow<C>(inTile ? r : 0);
-    const int64_t i = row0 + t.row;
-    const bool valid = inTile && t.owned && i < L;
-    float x[kChunkElements] = {}, y[kChunkElements] = {};
-    if (valid) {
-      cuda::mixChunk<C, Role::query>(a, b, i / A::P, t.head, int(i % A::P), lo, x);
-      if constexpr (rope) cuda::mixChunk<C, Role::query>(a, b, i / A::P, t.head, int(i % A::P), hi, y);
-    }
-    if constexpr (C::qk_norm) {  // every lane of the warp takes part
-      float squares = 0.0f;
-      #pragma unroll
-      for (int e = 0; e < kChunkElements; ++e) squares = fmaf(x[e], x[e], fmaf(y[e], y[e], squares));
-      #pragma unroll
-      for (int offset = lanes / 2; offset > 0; offset /= 2) squares += __shfl_xor_sync(0xffffffffu, squares, offset);
-      const float factor = rsqrtf(squares * (1.0f / A::D) + C::qk_norm_eps);
-      #pragma unroll
-      for (int e = 0; e < kChunkElements; ++e) {
-        x[e] *= factor;
-        y[e] *= factor;
-      }
-    }
-    if (!inTile) continue;
+  forEachQueryRow<C, C::block_m>(a, row0, b, [](int r) { return ctaRow<C>(r); },
+                                 [&](int r, int64_t i, bool valid, int lo, const float (&x)[kChunkElements],
+                                     const float (&y)[kChunkElements]) {
     for (int j = 0; j < A::Pg; ++j) {
       Bits16* row = qTile + (r * A::Pg + j) * A::pitch;
-      if constexpr (rope) {
+      if constexpr (C::rope_theta > 0) {
         float u[kChunkElements], w[kChunkElements];
         #pragma unroll
         for (int e = 0; e < kChunkElements; ++e) {
@@ -217,12 +240,12 @@ __device__ void qBegin(QTile<C, true>& q, const IhaArgs& a, int64_t row0, int64_
         }
         if (valid) cuda::rotatePair<C>(u, w, i - j, lo);
         cuda::storeChunk<C>(row + lo, u);
-        cuda::storeChunk<C>(row + hi, w);
+        cuda::storeChunk<C>(row + lo + A::D / 2, w);
       } else {
         cuda::storeChunk<C>(row + lo, x);
       }
     }
-  }
+  });
   __syncthreads();
   const int l = cuda::lane();
   #pragma unroll
@@ -241,8 +264,8 @@ __device__ void qBegin(QTile<C, true>& q, const IhaArgs& a, int64_t row0, int64_
 // compile-time offsets from its first (where a row's chunks and the
 // token's threads divide one another). Tokens past the sequence take
 // src-size 0 (zeros, nothing read).
-template <class C>
-__device__ void issue(const KvPipeline<C, true>& pipe, const IhaArgs& a, int64_t b, int64_t block) {
+template <class C, class Pipe>
+__device__ void issue(const Pipe& pipe, const IhaArgs& a, int64_t b, int64_t block) {
   using A = Geometry<C>;
   constexpr int perToken = A::threads / A::tokens, items = A::G * A::dChunks;
   static_assert(A::threads % A::tokens == 0, "a token's copies take whole threads");
@@ -319,7 +342,8 @@ __device__ void rotateStage(int64_t block) {
     cuda::storeChunk<C>(row + lo, x);
     cuda::storeChunk<C>(row + lo + A::D / 2, y);
   };
-  if constexpr (C::qk_norm) {  // a warp turns its own tokens' rows (keyNorms reads them past a __syncwarp)
+  if constexpr (C::qk_norm && kDecodeStep<C> == kAbsorbedStep) {
+    // a warp turns its own tokens' rows (keyNorms reads them past a __syncwarp)
     constexpr int rows = A::G * halfChunks;
     static_assert(A::tokens % C::warps == 0, "a warp turns whole tokens");
     #pragma unroll
@@ -448,8 +472,8 @@ __device__ void keyNorms(int64_t block) {
   }
 }
 
-template <class C>
-__device__ void kvBegin(KvPipeline<C, true>& pipe, const IhaArgs& a, int64_t b, int64_t lower, int64_t upper) {
+template <class C, class Pipe>
+__device__ void kvBegin(Pipe& pipe, const IhaArgs& a, int64_t b, int64_t lower, int64_t upper) {
   using A = Geometry<C>;
   pipe.pages = fastDivider(int32_t(a.page_size));
   if constexpr (A::Gp != A::G) {  // the padding head's rows: zeros, never copied over (P' is 0 there)

@@ -179,6 +179,9 @@ struct AbsorbedSmem {
   int keyWeights = 0;  // [G * P][gramPitch] f32: alpha_k of each mixed key row (g, j), a row of its G weights
   int gram = 0;        // [warps][G][gramPitch] f32: each warp's token's Gram matrix of its raw key rows
   int keyNorms = 0;    // [G * P][tokens] f32: 1 / rms of each mixed key row (g, j) of the block's tokens
+  // the tensor-mixing step only (its q, 16 rows a warp, is read at every block; no pTile, probs, alpha, beta):
+  int turns = 0;    // [8][2][d / 2] f32: R(j)'s cosines, then sines, for each j < 8
+  int weights = 0;  // [KM][4][warps][32 lanes] 16 bytes: each lane's weight fragments, hi and lo halves
   int total = 0;
 };
 
@@ -210,6 +213,65 @@ constexpr AbsorbedSmem absorbedSmem(int blockM, int headDim, int stages, int kvH
   s.gram = s.keyWeights + kvHeads * pseudoHeads * gramRows;
   s.keyNorms = s.gram + warps * kvHeads * gramRows;
   s.total = s.keyNorms + (qkNorm ? kvHeads * pseudoHeads * kAbsorbedTokens * kAccumulatorBytes : 0);
+  return s;
+}
+
+// The tensor-mixing decode step (loom/tile/cuda_tensor_mixing.h;
+// docs/performance.md, decode): one CTA holds a token of every query head,
+// two heads a warp, kTensorMixingRows rows each (the P of a token, or whole
+// tokens of them, at most 8), and mixes each cached token's G raw rows on
+// the tensor cores into the mixed keys and values of the warp's heads,
+// which stay in registers as the next product's operands. Its stages are
+// the absorbed step's (rows (m, t)), of kTensorMixingTokens tokens.
+constexpr int kTensorMixingRows = 8;
+// Tokens a key block: four keep a warp's scores (4 a token) beside its
+// output (d / 2), queries (d / 4) and a token's mixed rows in registers.
+constexpr int kTensorMixingTokens = 2;
+constexpr int kTensorMixingMaxHeads = 16;     // two a warp, eight warps
+constexpr int kTensorMixingMaxHeadDim = 128;  // a warp's mixed rows and output in registers
+constexpr int kTensorMixingMaxKvHeads = 32;   // two k-steps of the mix
+constexpr int tensorMixingWarps(int heads) { return (heads + 1) / 2; }
+constexpr int tensorMixingBlockM(int heads) { return kTensorMixingRows * heads; }
+// Why a spec has no tensor-mixing step, or nullptr.
+constexpr const char* tensorMixingShapeProblem(int heads, int kvHeads, int headDim, int pseudoHeads, bool rope) {
+  if (pseudoHeads > kTensorMixingRows) return "pseudo_heads must be at most 8 (a warp's 16 rows are two heads' 8)";
+  if (heads > kTensorMixingMaxHeads) return "heads must be at most 16 (two a warp, eight warps)";
+  if (headDim % kMmaK != 0 || headDim > kTensorMixingMaxHeadDim)
+    return "head_dim must be a multiple of 16 up to 128 (a warp's mixed rows and output stay in registers)";
+  if (kvHeads > kTensorMixingMaxKvHeads) return "kv_heads must be at most 32 (two k-steps of the mix)";
+  if (rope && headDim % 32 != 0)
+    return "head_dim must be a multiple of 32 with RoPE (a mixed column and its partner d/2 on in whole k-steps)";
+  return nullptr;
+}
+// Tensor-core multiply-adds a cached token costs each step (the products
+// as issued, padding included), which decide between them by default:
+// absorbed, every S row against every raw row and P' against every raw
+// value row (block_m the 16-row tiles, a power of two of them, holding a
+// token of every head); tensor mixing, a warp's keys' and values' mix (k
+// of 16 kv heads; bf16 weights in two halves), scores and P V (each half
+// of a product another head's).
+constexpr long long absorbedTokenMacs(int heads, int kvHeads, int pseudoHeads, int headDim) {
+  long long tiles = 1;
+  while (tiles * 16 < (long long)heads * pseudoHeads) tiles *= 2;
+  const long long blockM = tiles * 16, d = paddedHeadDim(headDim);
+  return (blockM * absorbedRows(pseudoHeads) + blockM) * absorbedPaddedHeads(kvHeads) * d;
+}
+constexpr long long tensorMixingTokenMacs(int heads, int kvHeads, int headDim, bool splitWeights) {
+  const long long d = paddedHeadDim(headDim), km = (kvHeads + 15) / 16, halves = splitWeights ? 2 : 1;
+  const long long mmas = d / 8 * halves * km + 2 * (d / 16) + d / 16 * 2 * halves * km + d / 8;  // a warp's, a token
+  return tensorMixingWarps(heads) * mmas * 16 * 8 * 16;
+}
+constexpr AbsorbedSmem tensorMixingSmem(int heads, int headDim, int stages, int kvHeads) {
+  AbsorbedSmem s;
+  const int tile = tilePitch(headDim) * kTileElementBytes;
+  const int stageBytes = absorbedPaddedHeads(kvHeads) * kTensorMixingTokens * tile;
+  s.k = 0;
+  s.v = stages * stageBytes;
+  s.angles = (2 * stages * stageBytes + 15) / 16 * 16;
+  s.turns = s.angles + kTensorMixingTokens * headDim * kAccumulatorBytes;
+  s.weights = s.turns + kTensorMixingRows * headDim * kAccumulatorBytes;
+  s.q = s.weights + (kvHeads + 15) / 16 * 4 * tensorMixingWarps(heads) * 32 * 16;  // 32 lanes
+  s.total = s.q + tensorMixingWarps(heads) * 16 * tile;
   return s;
 }
 

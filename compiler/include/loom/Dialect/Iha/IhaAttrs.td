@@ -120,7 +120,9 @@ def Iha_ScheduleAttr : AttrDef<Iha_Dialect, "Schedule"> {
     rows: the keys' mix is absorbed into the queries (P rows of R(-j) q a
     query row, combined over the kv heads after the product) and the
     values' into the probabilities; one CTA holds a token of every head. It
-    defaults to false.
+    defaults to false. `tensor_mixing` (decode kernels over a raw cache) mixes
+    each cached token's rows on the tensor cores in one CTA holding a token
+    of every head, two heads a warp; it defaults to false.
 
     Example:
     ```mlir
@@ -135,7 +137,8 @@ def Iha_ScheduleAttr : AttrDef<Iha_Dialect, "Schedule"> {
                         DefaultValuedParameter<"DqStrategy", "DqStrategy::separate">:$dq,
                         DefaultValuedParameter<"int64_t", "1">:$kv_splits,
                         DefaultValuedParameter<"bool", "false">:$stack_heads,
-                        DefaultValuedParameter<"bool", "false">:$absorb_mixing);
+                        DefaultValuedParameter<"bool", "false">:$absorb_mixing,
+                        DefaultValuedParameter<"bool", "false">:$tensor_mixing);
   let assemblyFormat = "`<` struct(params) `>`";
 }
 

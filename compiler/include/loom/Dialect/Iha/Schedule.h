@@ -40,6 +40,7 @@ struct ScheduleFields {
   int64_t kvSplits = 0;
   bool stackHeads = false;
   bool absorbMixing = false;
+  bool tensorMixing = false;
 };
 
 // Registers per consumer thread: loom::consumerRegisters (loom/tile/layout.h).

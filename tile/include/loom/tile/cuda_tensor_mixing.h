@@ -1,0 +1,587 @@
+// The tensor-mixing decode step over a raw paged cache (mma.sync, sm_80 and
+// later): a config with `tensor_mixing` runs the same program as any decode
+// step, and cuda.h hands each call to this file.
+//
+// For P above 4 the absorbed step (cuda_absorbed.h) multiplies H P^2 G d
+// a cached token, P times the attention; the mixing step mixes on the FMA
+// units once a head. This step mixes each cached token's rows once, on the
+// tensor cores, and keeps the mixed rows in registers as the next
+// product's operand:
+//   K~(g, j) = sum_m alpha_k[m, g, j] R(tP) x_m(t), then R(j) and qk_norm,
+//   V~(g, j) = sum_m alpha_v[m, g, j] v_m(t).
+// One CTA holds a token of every query head, two heads a warp, eight rows
+// each (a token's P, or whole tokens of them: cta_rows): the warp's 16-row
+// m-tile is heads 2w (rows lane/4) and 2w + 1 (rows lane/4 + 8). Per cached
+// token t, a warp
+// - mixes its heads' 16 key rows (h, j) over d: the weights (16 x 16 a
+//   k-step of G) are the A operand, the token's raw rows X (G x d, staged
+//   rotated by R(tP)) the B operand by ldmatrix.trans. The weights are
+//   f32: in bf16 each is split into two halves, hi + lo, and both multiply
+//   the same X (the mix keeps about 16 bits of each weight where one bf16
+//   weight keeps 8; dropping lo raised drawn P 8 steps' error by up to
+//   40%); f16's 11 bits take one;
+// - turns each mixed row by R(j), j = lane/4 for both heads (its columns
+//   c and c + d/2 in one thread), packs it to 16 bits: the accumulators'
+//   layout is the B operand of S = Q K~^T as it stands (key j = lane/4,
+//   columns 2 (lane % 4) ...), one n-tile a head;
+// - S: Q (the 16 rows) times head 2w's keys gives the rows of head 2w
+//   (rows lane/4), times head 2w + 1's the rows lane/4 + 8: half of each
+//   product is another head's, never used;
+// - the values: V~^T = X_v^T beta^T (A: the raw value rows by
+//   ldmatrix.trans, d a 16-row m-tile; B: the weights of one head, n-tile j),
+//   whose accumulators are P V's B operand (keys (t, j) of two tokens)
+//   once packed. P's rows of the other head are zeros in each head's
+//   product, so one output accumulator holds both heads' rows.
+// A warp owns whole query rows: the softmax needs no other warp. Key blocks
+// of kTensorMixingTokens tokens, staged as the absorbed step stages its own
+// (rows (m, t); issue / stageAngles / rotateStage). Keys past P (P < 8)
+// score -inf.
+#pragma once
+
+namespace loom {
+namespace tmix {
+
+template <class C>
+struct Geometry {
+  using S = absorbed::Geometry<C>;  // the stages
+  static constexpr int P = C::pseudo_heads, G = C::kv_heads, Gp = S::Gp, D = C::head_dim, pitch = S::pitch;
+  static constexpr int tokens = kTensorMixingTokens;
+  static constexpr int KT = D / kMmaK;        // k-steps of S (d)
+  static constexpr int NT = D / 8;            // n-tiles of the mixed keys and of the output (d)
+  static constexpr int KM = (G + 15) / 16;    // k-steps of the mix (G)
+  static constexpr bool rope = C::rope_theta > 0;
+  // bf16 weights keep 8 bits: each is split into a hi and a lo half. f16's
+  // 11 bits leave the output as f32 weights do (drawn P 8 steps on the
+  // emulator: the same relative error to 2 digits), so f16 takes one.
+  static constexpr bool split = C::dtype == DType::bf16;
+  static constexpr int groups = rope ? KT / 2 : KT;  // k-steps mixed together: one and its partner d/2 on
+  static constexpr int span = rope ? KT / 2 : 0;     // the partner's distance in k-steps
+  static constexpr int threads = C::warps * kWarpSize;
+  static_assert(C::block_n == tokens * P, "a key block is kTensorMixingTokens whole tokens");
+  static_assert(C::stacked_heads == C::heads, "a tensor-mixing CTA holds a token of every query head");
+  static_assert(C::warps == tensorMixingWarps(C::heads) && C::block_m == tensorMixingBlockM(C::heads),
+                "a warp holds two heads' eight rows");
+  static_assert(tensorMixingShapeProblem(C::heads, C::kv_heads, C::head_dim, C::pseudo_heads, rope) == nullptr,
+                "no tensor-mixing step for this shape");
+};
+
+template <class C>
+__device__ __forceinline__ AbsorbedSmem layout() {
+  return absorbed::layout<C>();
+}
+// The query head of this thread's fragment half h (rows lane/4 + 8 h).
+__device__ __forceinline__ int headOf(int h) { return 2 * cuda::warp() + h; }
+// Its kv head (0 past the heads: their weights are zeros).
+template <class C>
+__device__ __forceinline__ int kvHeadOf(int head) {
+  return head < C::heads ? head / (C::heads / C::kv_heads) : 0;
+}
+// Tile row r (16 a warp, 8 a head) as the CTA's row: head r / 8, row r % 8.
+template <class C>
+__device__ __forceinline__ CtaRow placeOf(int r) {
+  const int head = r / kTensorMixingRows, row = r % kTensorMixingRows;
+  return {head, row, head < C::heads && row < C::cta_rows};
+}
+
+}  // namespace tmix
+
+template <class C>
+struct QTile<C, kTensorMixingStep> {
+  Bits32 lane;  // this lane's ldmatrix address of the warp's 16 query rows (k-step 0), read at every token
+};
+
+template <class C>
+struct KvPipeline<C, kTensorMixingStep> {
+  Bits32 keyLane[tmix::Geometry<C>::KM];    // ldmatrix.trans addresses of token 0's raw key rows (B of the mix)
+  Bits32 valueLane[tmix::Geometry<C>::KM];  // and of its raw value rows (A of the values' mix)
+  FastDivider pages;
+};
+
+template <class C>
+struct ScoreTile<C, kTensorMixingStep> {
+  float s[kTensorMixingTokens][4];  // rows lane/4 (head 2w), lane/4 + 8 (2w + 1) x keys (t, 2 (lane % 4) ...)
+  Bits32 p[kTensorMixingTokens][2];  // the probabilities packed: P V's A operand
+};
+
+template <class C>
+struct SoftmaxState<C, kTensorMixingStep> {
+  float m[2];  // running max (log2 domain) of rows lane/4 and lane/4 + 8
+  float l[2];  // the thread's share of their denominators
+};
+
+template <class C>
+struct AccTile<C, kTensorMixingStep> {
+  float o[tmix::Geometry<C>::NT][4];
+};
+
+namespace tmix {
+
+// A weight as two 16-bit halves: hi its rounding, lo the rounding of the rest.
+template <class C>
+__device__ __forceinline__ void splitPair(float w0, float w1, Bits32& hi, Bits32& lo) {
+  const float h0 = cuda::toFloat<C>(cuda::toBits<C>(w0)), h1 = cuda::toFloat<C>(cuda::toBits<C>(w1));
+  hi = cuda::pack<C>(h0, h1);
+  lo = cuda::pack<C>(w0 - h0, w1 - h1);
+}
+
+// Prologue: R(j)'s angles, then the warp's query rows, mixed (normalised,
+// qk_norm) and rotated by their own position, into shared memory, where
+// each token's scores read them (registers hold a token's mixed rows).
+template <class C>
+__device__ void qBegin(QTile<C, kTensorMixingStep>& q, const IhaArgs& a, int64_t row0, int64_t b) {
+  using T = Geometry<C>;
+  const AbsorbedSmem s = layout<C>();
+  if constexpr (T::rope) {
+    constexpr int half = T::D / 2;
+    float* turns = absorbed::sharedFloats<C>(s.turns);
+    for (int index = threadIdx.x; index < kTensorMixingRows * half; index += T::threads) {
+      const int j = index / half, c = index % half;
+      float sine, cosine;
+      cuda::ropeSinCos<C>(j, c, &sine, &cosine);
+      turns[j * T::D + c] = cosine;
+      turns[j * T::D + half + c] = C::rope_negative ? -sine : sine;
+    }
+  }
+  Bits16* qTile = absorbed::sharedTile<C>(s.q);
+  absorbed::forEachQueryRow<C, C::warps * kMTileRows>(
+      a, row0, b, [](int r) { return placeOf<C>(r); },
+      [&](int r, int64_t i, bool valid, int lo, const float (&x)[kChunkElements], const float (&y)[kChunkElements]) {
+        Bits16* row = qTile + r * T::pitch;
+        if constexpr (T::rope) {
+          float u[kChunkElements], w[kChunkElements];
+          #pragma unroll
+          for (int e = 0; e < kChunkElements; ++e) {
+            u[e] = x[e];
+            w[e] = y[e];
+          }
+          if (valid) cuda::rotatePair<C>(u, w, i, lo);
+          cuda::storeChunk<C>(row + lo, u);
+          cuda::storeChunk<C>(row + lo + T::D / 2, w);
+        } else {
+          cuda::storeChunk<C>(row + lo, x);
+        }
+      });
+  __syncthreads();
+  const int l = cuda::lane();
+  q.lane = cuda::sharedAddress(qTile + (cuda::warp() * kMTileRows + fragment::aRow(l)) * T::pitch + fragment::aColumn(l));
+}
+
+// Vector v of this lane's weight fragments of k-step km (layout.h,
+// AbsorbedSmem::weights): consecutive lanes, consecutive 16 bytes.
+template <class C>
+__device__ __forceinline__ uint4* weightVector(int km, int v) {
+  return reinterpret_cast<uint4*>(cuda::smem() + layout<C>().weights) +
+         ((km * 4 + v) * C::warps + cuda::warp()) * kWarpSize + cuda::lane();
+}
+
+// The stages' padding rows, the first blocks' copies, and the weights of
+// the warp's rows, each split in two halves, as its lanes' fragments.
+template <class C>
+__device__ void kvBegin(KvPipeline<C, kTensorMixingStep>& pipe, const IhaArgs& a, int64_t b, int64_t lower,
+                        int64_t upper) {
+  using T = Geometry<C>;
+  absorbed::kvBegin<C>(pipe, a, b, lower, upper);
+  const int l = cuda::lane(), j = l / 4;
+  auto keyWeight = [&](int h, int m) {
+    const int head = headOf(h);
+    return head < C::heads && j < T::P && m < T::G ? a.alpha_k[(m * T::G + kvHeadOf<C>(head)) * T::P + j] : 0.0f;
+  };
+  auto valueWeight = [&](int h, int m) {
+    const int head = headOf(h);
+    return head < C::heads && j < T::P && m < T::G ? a.alpha_v[(m * T::G + kvHeadOf<C>(head)) * T::P + j] : 0.0f;
+  };
+  #pragma unroll
+  for (int km = 0; km < T::KM; ++km) {
+    const int m = km * 16 + 2 * (l % 4);
+    Bits32 words[4][4];
+    // A: rows lane/4 (h 0), lane/4 + 8 (h 1); columns m, m + 1, then 8 on.
+    #pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int h = r % 2, column = m + 8 * (r / 2);
+      splitPair<C>(keyWeight(h, column), keyWeight(h, column + 1), words[0][r], words[1][r]);
+    }
+    // B of each head: k = m, m + 1 (then 8 on), n = j = lane/4.
+    #pragma unroll
+    for (int h = 0; h < 2; ++h)
+      #pragma unroll
+      for (int r = 0; r < 2; ++r)
+        splitPair<C>(valueWeight(h, m + 8 * r), valueWeight(h, m + 8 * r + 1), words[2][2 * h + r],
+                     words[3][2 * h + r]);
+    #pragma unroll
+    for (int v = 0; v < 4; ++v)
+      *weightVector<C>(km, v) = uint4{words[v][0], words[v][1], words[v][2], words[v][3]};
+  }
+}
+
+// Lane's key weights of k-step km of the mix (the A operand, hi and lo).
+template <class C>
+__device__ __forceinline__ void keyWeights(int km, Bits32 (&hi)[4], Bits32 (&lo)[4]) {
+  const uint4 h = *weightVector<C>(km, 0), o = *weightVector<C>(km, 1);
+  hi[0] = h.x, hi[1] = h.y, hi[2] = h.z, hi[3] = h.w;
+  lo[0] = o.x, lo[1] = o.y, lo[2] = o.z, lo[3] = o.w;
+}
+// Its value weights of each head (the B operand, hi and lo).
+template <class C>
+__device__ __forceinline__ void valueWeights(int km, Bits32 (&hi)[2][2], Bits32 (&lo)[2][2]) {
+  const uint4 h = *weightVector<C>(km, 2), o = *weightVector<C>(km, 3);
+  hi[0][0] = h.x, hi[0][1] = h.y, hi[1][0] = h.z, hi[1][1] = h.w;
+  lo[0][0] = o.x, lo[0][1] = o.y, lo[1][0] = o.z, lo[1][1] = o.w;
+}
+
+template <class C>
+__device__ void kvWait(KvPipeline<C, kTensorMixingStep>& pipe, const IhaArgs& a, int64_t b, int64_t block) {
+  using T = Geometry<C>;
+  if constexpr (C::stages == 1) {
+    absorbed::issue<C>(pipe, a, b, block);
+    cuda::commitCopies();
+  }
+  if constexpr (T::rope) absorbed::stageAngles<C>(block);
+  cuda::waitCopies<C::stages - 1>();
+  __syncthreads();
+  if constexpr (T::rope) {
+    absorbed::rotateStage<C>(block);
+    __syncthreads();
+  }
+  const AbsorbedSmem s = layout<C>();
+  const int stage = int(block) % C::stages, l = cuda::lane();
+  const Bits16* key = absorbed::sharedTile<C>(s.k) + stage * T::S::stageRows * T::pitch;
+  const Bits16* value = absorbed::sharedTile<C>(s.v) + stage * T::S::stageRows * T::pitch;
+  #pragma unroll
+  for (int km = 0; km < T::KM; ++km) {
+    // Rows past the staged heads repeat the last: their weights are zeros.
+    const int keyRow = km * 16 + fragment::bTransRow(l), valueRow = km * 16 + fragment::bRow(l);
+    const int keyHead = keyRow < T::Gp ? keyRow : T::Gp - 1, valueHead = valueRow < T::Gp ? valueRow : T::Gp - 1;
+    pipe.keyLane[km] = cuda::sharedAddress(key + keyHead * T::tokens * T::pitch + fragment::bTransColumn(l));
+    pipe.valueLane[km] = cuda::sharedAddress(value + valueHead * T::tokens * T::pitch + fragment::bColumn(l));
+  }
+}
+
+// The mixed keys of k-step kt of token t (two n-tiles, the warp's 16 rows).
+template <class C>
+__device__ __forceinline__ void mixKeys(float (&c)[2][4], const KvPipeline<C, kTensorMixingStep>& pipe,
+                                        const Bits32 (&hi)[Geometry<C>::KM][4], const Bits32 (&lo)[Geometry<C>::KM][4],
+                                        int t, int kt) {
+  using T = Geometry<C>;
+  #pragma unroll
+  for (int e = 0; e < 4; ++e) c[0][e] = c[1][e] = 0.0f;
+  #pragma unroll
+  for (int km = 0; km < T::KM; ++km) {
+    Bits32 x[4];
+    cuda::ldmatrixX4Trans(x, pipe.keyLane[km] + Bits32((t * T::pitch + kt * kMmaK) * kTileElementBytes));
+    cuda::mma16816<C>(c[0], hi[km], x[0], x[1]);
+    cuda::mma16816<C>(c[1], hi[km], x[2], x[3]);
+    if constexpr (T::split) {
+      cuda::mma16816<C>(c[0], lo[km], x[0], x[1]);
+      cuda::mma16816<C>(c[1], lo[km], x[2], x[3]);
+    }
+  }
+}
+
+// S of token t's mixed keys of k-step kt: head 2w's (rows lane/4 of c)
+// into s0, head 2w + 1's into s1.
+template <class C>
+__device__ __forceinline__ void scoreKeys(float (&s0)[4], float (&s1)[4], const QTile<C, kTensorMixingStep>& q,
+                                          const float (&c)[2][4], int kt) {
+  Bits32 a[4];
+  cuda::ldmatrixX4(a, q.lane + Bits32(kt * kMmaK * kTileElementBytes));
+  cuda::mma16816<C>(s0, a, cuda::pack<C>(c[0][0], c[0][1]), cuda::pack<C>(c[1][0], c[1][1]));
+  cuda::mma16816<C>(s1, a, cuda::pack<C>(c[0][2], c[0][3]), cuda::pack<C>(c[1][2], c[1][3]));
+}
+
+// Each token of the block: its keys mixed, turned by R(j), scored.
+template <class C>
+__device__ void mmaQk(ScoreTile<C, kTensorMixingStep>& s, QTile<C, kTensorMixingStep>& q,
+                      KvPipeline<C, kTensorMixingStep>& pipe) {
+  using T = Geometry<C>;
+  const int l = cuda::lane();
+  const float* turns = absorbed::sharedFloats<C>(layout<C>().turns) + (l / 4) * T::D + 2 * (l % 4);
+  Bits32 hi[T::KM][4], lo[T::KM][4];
+  #pragma unroll
+  for (int km = 0; km < T::KM; ++km) keyWeights<C>(km, hi[km], lo[km]);
+  #pragma unroll
+  for (int t = 0; t < T::tokens; ++t) {
+    float s0[4] = {}, s1[4] = {};
+    float squares[2] = {};  // qk_norm: rows lane/4 of each head, the thread's columns
+    #pragma unroll
+    for (int group = 0; group < T::groups; ++group) {
+      float c[2][4], partner[2][4];
+      mixKeys<C>(c, pipe, hi, lo, t, group);
+      if constexpr (T::rope) mixKeys<C>(partner, pipe, hi, lo, t, group + T::span);
+      if constexpr (C::qk_norm)
+        #pragma unroll
+        for (int n = 0; n < 2; ++n)
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            squares[e / 2] = fmaf(c[n][e], c[n][e], squares[e / 2]);
+            if constexpr (T::rope) squares[e / 2] = fmaf(partner[n][e], partner[n][e], squares[e / 2]);
+          }
+      if constexpr (T::rope) {  // R(j): columns 16 group + 8 n + 2 (lane % 4) + e % 2 and d/2 on
+        #pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          const float2 cosine = *reinterpret_cast<const float2*>(turns + group * kMmaK + 8 * n);
+          const float2 sine = *reinterpret_cast<const float2*>(turns + T::D / 2 + group * kMmaK + 8 * n);
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float cs = e % 2 ? cosine.y : cosine.x, sn = e % 2 ? sine.y : sine.x;
+            const float x = c[n][e], y = partner[n][e];
+            c[n][e] = x * cs - y * sn;
+            partner[n][e] = x * sn + y * cs;
+          }
+        }
+        scoreKeys<C>(s0, s1, q, partner, group + T::span);
+      }
+      scoreKeys<C>(s0, s1, q, c, group);
+    }
+    if constexpr (C::qk_norm) {
+      // 1 / rms of key row j = lane/4 of each head; column e of a thread's
+      // scores is key 2 (lane % 4) + e, whose norm lane 4 (2 (lane % 4) + e) holds.
+      float factor[2];
+      #pragma unroll
+      for (int h = 0; h < 2; ++h) factor[h] = rsqrtf(cuda::quadSum(squares[h]) * (1.0f / T::D) + C::qk_norm_eps);
+      #pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int source = 4 * (2 * (l % 4) + e);
+        s0[e] *= __shfl_sync(0xffffffffu, factor[0], source);
+        s1[2 + e] *= __shfl_sync(0xffffffffu, factor[1], source);
+      }
+    }
+    s.s[t][0] = s0[0];
+    s.s[t][1] = s0[1];
+    s.s[t][2] = s1[2];
+    s.s[t][3] = s1[3];
+  }
+}
+
+// -inf where the mask forbids (query row, key t*P + j) or the token is past
+// the sequence; both heads' rows lane/4 are the same row i.
+template <class C>
+__device__ void maskScores(ScoreTile<C, kTensorMixingStep>& s, const IhaArgs& a, int64_t row0, int64_t block) {
+  using T = Geometry<C>;
+  const int L = int(decode_len<C>(a, block_z(a))), l = cuda::lane();
+  const int i = int(row0) + l / 4;
+  const ColumnRange<int> range = allowedColumns<C, int>(i);
+  const int hi = range.hi < L - 1 ? range.hi : L - 1;
+  #pragma unroll
+  for (int t = 0; t < T::tokens; ++t)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int key = (int(block) * T::tokens + t) * T::P + fragment::accumulatorColumn(l, e);
+      if (key > hi || (windowed<C>() && key < range.lo)) s.s[t][e] = cuda::negativeInfinity();
+    }
+}
+
+template <class C, bool Masked>
+__device__ void softmaxUpdate(SoftmaxState<C, kTensorMixingStep>& state, ScoreTile<C, kTensorMixingStep>& s,
+                              AccTile<C, kTensorMixingStep>& acc) {
+  using T = Geometry<C>;
+  constexpr float scale = C::scale * kLog2e;
+  const int l = cuda::lane();
+  if constexpr (T::P < kTensorMixingRows) {  // keys j past P: no such key
+    #pragma unroll
+    for (int e = 0; e < 2; ++e)
+      if (fragment::accumulatorColumn(l, e) >= T::P)
+        #pragma unroll
+        for (int t = 0; t < T::tokens; ++t) s.s[t][e] = s.s[t][2 + e] = cuda::negativeInfinity();
+  }
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float rowHigh = cuda::negativeInfinity();
+    #pragma unroll
+    for (int t = 0; t < T::tokens; ++t) rowHigh = fmaxf(rowHigh, fmaxf(s.s[t][2 * h], s.s[t][2 * h + 1]));
+    const float newMax = fmaxf(state.m[h], cuda::quadMax(rowHigh) * scale);
+    const float base = Masked && newMax == cuda::negativeInfinity() ? 0.0f : newMax;
+    const float correction = ptx::exp2Ftz(state.m[h] - base);
+    float sum = 0.0f;
+    #pragma unroll
+    for (int t = 0; t < T::tokens; ++t) {
+      const float p0 = ptx::exp2Ftz(fmaf(s.s[t][2 * h], scale, -base));
+      const float p1 = ptx::exp2Ftz(fmaf(s.s[t][2 * h + 1], scale, -base));
+      sum += p0 + p1;
+      s.p[t][h] = cuda::pack<C>(p0, p1);
+    }
+    state.l[h] = state.l[h] * correction + sum;
+    state.m[h] = newMax;
+    #pragma unroll
+    for (int nt = 0; nt < T::NT; ++nt) {
+      acc.o[nt][2 * h] *= correction;
+      acc.o[nt][2 * h + 1] *= correction;
+    }
+  }
+}
+
+// acc += P V~ a token pair at a time: each 16-row d m-tile of the pair's
+// raw value rows (ldmatrix.trans) mixed for each head (V~^T, keys j as
+// columns), packed as P V's B operand, multiplied by that head's rows of P.
+template <class C>
+__device__ void mmaPv(AccTile<C, kTensorMixingStep>& acc, ScoreTile<C, kTensorMixingStep>& s,
+                      KvPipeline<C, kTensorMixingStep>& pipe) {
+  using T = Geometry<C>;
+  Bits32 hi[T::KM][2][2], lo[T::KM][2][2];
+  #pragma unroll
+  for (int km = 0; km < T::KM; ++km) valueWeights<C>(km, hi[km], lo[km]);
+  #pragma unroll
+  for (int pair = 0; pair < T::tokens / 2; ++pair) {
+    const int t0 = 2 * pair, t1 = t0 + 1;
+    // A of each head: its rows of P (keys of t0, then t1), the other head's rows zeros.
+    const Bits32 mine[2][4] = {{s.p[t0][0], 0u, s.p[t1][0], 0u}, {0u, s.p[t0][1], 0u, s.p[t1][1]}};
+    #pragma unroll
+    for (int dm = 0; dm < T::D / kMmaK; ++dm) {
+      float v[2][2][4] = {};  // [token][head]: V~^T, d rows x keys j
+      #pragma unroll
+      for (int km = 0; km < T::KM; ++km)
+        #pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          Bits32 y[4];
+          cuda::ldmatrixX4Trans(y, pipe.valueLane[km] + Bits32(((t0 + u) * T::pitch + dm * kMmaK) * kTileElementBytes));
+          #pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            cuda::mma16816<C>(v[u][h], y, hi[km][h][0], hi[km][h][1]);
+            if constexpr (T::split) cuda::mma16816<C>(v[u][h], y, lo[km][h][0], lo[km][h][1]);
+          }
+        }
+      #pragma unroll
+      for (int r = 0; r < 2; ++r)  // output n-tile 2 dm + r: V~^T's rows 8 r on
+        #pragma unroll
+        for (int h = 0; h < 2; ++h)
+          cuda::mma16816<C>(acc.o[2 * dm + r], mine[h], cuda::pack<C>(v[0][h][2 * r], v[0][h][2 * r + 1]),
+                            cuda::pack<C>(v[1][h][2 * r], v[1][h][2 * r + 1]));
+    }
+  }
+}
+
+template <class C>
+__device__ void softmaxInit(SoftmaxState<C, kTensorMixingStep>& state, AccTile<C, kTensorMixingStep>& acc) {
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    state.m[h] = cuda::negativeInfinity();
+    state.l[h] = 0.0f;
+  }
+  #pragma unroll
+  for (int nt = 0; nt < Geometry<C>::NT; ++nt)
+    #pragma unroll
+    for (int e = 0; e < 4; ++e) acc.o[nt][e] = 0.0f;
+}
+
+template <class C>
+__device__ void normalize(SoftmaxState<C, kTensorMixingStep>& state, AccTile<C, kTensorMixingStep>& acc) {
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    state.l[h] = cuda::quadSum(state.l[h]);
+    const float factor = state.l[h] > 0.0f ? 1.0f / state.l[h] : 0.0f;
+    #pragma unroll
+    for (int nt = 0; nt < Geometry<C>::NT; ++nt) {
+      acc.o[nt][2 * h] *= factor;
+      acc.o[nt][2 * h + 1] *= factor;
+    }
+  }
+}
+
+// f(CtaRow, fragment half h, first output column) over the thread's rows.
+template <class C, class F>
+__device__ __forceinline__ void forEachOutput(F&& f) {
+  const int l = cuda::lane();
+  #pragma unroll
+  for (int h = 0; h < 2; ++h) f(placeOf<C>(cuda::warp() * kMTileRows + 8 * h + l / 4), h, 2 * (l % 4));
+}
+
+template <class C>
+__device__ void storeSplit(AccTile<C, kTensorMixingStep>& acc, SoftmaxState<C, kTensorMixingStep>& state,
+                           const IhaArgs& a, int64_t row0, int64_t head, int64_t b, int64_t split) {
+  const int64_t L = seq_len<C>(a);
+  forEachOutput<C>([&](CtaRow t, int h, int column) {
+    const int64_t i = cuda::storedRow<C>(a, row0, b) + t.row;
+    if (!t.owned || i >= L) return;
+    float* row = split_row<C>(a, b, head + t.head, split, i);
+    #pragma unroll
+    for (int nt = 0; nt < Geometry<C>::NT; ++nt) {
+      row[column + nt * 8] = acc.o[nt][2 * h];
+      row[column + nt * 8 + 1] = acc.o[nt][2 * h + 1];
+    }
+    if (cuda::lane() % 4 == 0) row[C::head_dim] = cuda::splitLse(state.m[h], state.l[h]);
+  });
+}
+
+template <class C>
+__device__ void storeRows(AccTile<C, kTensorMixingStep>& acc, SoftmaxState<C, kTensorMixingStep>& state,
+                          const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
+  const int64_t L = seq_len<C>(a);
+  Bits16* o = static_cast<Bits16*>(a.o_pseudo);
+  forEachOutput<C>([&](CtaRow t, int h, int column) {
+    const int64_t i = cuda::storedRow<C>(a, row0, b) + t.row;
+    if (!t.owned || i >= L) return;
+    const int64_t rowIndex = (b * C::heads + head + t.head) * L + i;
+    #pragma unroll
+    for (int nt = 0; nt < Geometry<C>::NT; ++nt)
+      *reinterpret_cast<Bits32*>(o + rowIndex * C::head_dim + column + nt * 8) =
+          cuda::pack<C>(acc.o[nt][2 * h], acc.o[nt][2 * h + 1]);
+    if (a.lse && cuda::lane() % 4 == 0) a.lse[rowIndex] = kLn2 * (state.m[h] + log2f(state.l[h]));
+  });
+}
+
+}  // namespace tmix
+
+// The tile API's calls on the tensor-mixing tiles.
+template <class C, bool Mixed>
+__device__ void q_begin(QTile<C, kTensorMixingStep>& q, const IhaArgs& a, int64_t row0, int64_t, int64_t b) {
+  tmix::qBegin<C>(q, a, row0, b);
+}
+template <class C, bool Mixed>
+__device__ void q_wait(QTile<C, kTensorMixingStep>&, const IhaArgs&, int64_t, int64_t, int64_t) {}
+template <class C>
+__device__ void softmax_init(SoftmaxState<C, kTensorMixingStep>& state, AccTile<C, kTensorMixingStep>& acc) {
+  tmix::softmaxInit<C>(state, acc);
+}
+template <class C, bool Mixed>
+__device__ void kv_begin(KvPipeline<C, kTensorMixingStep>& pipe, const IhaArgs& a, int64_t, int64_t b, int64_t lower,
+                         int64_t upper) {
+  tmix::kvBegin<C>(pipe, a, b, lower, upper);
+}
+template <class C, bool Mixed>
+__device__ void kv_produce(KvPipeline<C, kTensorMixingStep>& pipe, const IhaArgs& a, int64_t, int64_t b, int64_t block,
+                           int64_t upper) {
+  if (block < upper) absorbed::issue<C>(pipe, a, b, block);
+  cuda::commitCopies();
+}
+template <class C, bool Mixed>
+__device__ void kv_wait(KvPipeline<C, kTensorMixingStep>& pipe, const IhaArgs& a, int64_t, int64_t b, int64_t block) {
+  tmix::kvWait<C>(pipe, a, b, block);
+}
+template <class C>
+__device__ __forceinline__ void kv_release(KvPipeline<C, kTensorMixingStep>&, int64_t) {
+  __syncthreads();  // the stage is the next block's copies'
+}
+template <class C>
+__device__ void mma_qk(ScoreTile<C, kTensorMixingStep>& s, QTile<C, kTensorMixingStep>& q,
+                       KvPipeline<C, kTensorMixingStep>& pipe, int64_t) {
+  tmix::mmaQk<C>(s, q, pipe);
+}
+template <class C>
+__device__ void mask_scores(ScoreTile<C, kTensorMixingStep>& s, const IhaArgs& a, int64_t row0, int64_t block) {
+  tmix::maskScores<C>(s, a, row0, block);
+}
+template <class C, bool Masked = true>
+__device__ void softmax_update(SoftmaxState<C, kTensorMixingStep>& state, ScoreTile<C, kTensorMixingStep>& s,
+                               AccTile<C, kTensorMixingStep>& acc) {
+  tmix::softmaxUpdate<C, Masked>(state, s, acc);
+}
+template <class C>
+__device__ void mma_pv(AccTile<C, kTensorMixingStep>& acc, ScoreTile<C, kTensorMixingStep>& s,
+                       KvPipeline<C, kTensorMixingStep>& pipe, int64_t) {
+  tmix::mmaPv<C>(acc, s, pipe);
+}
+template <class C>
+__device__ void normalize(SoftmaxState<C, kTensorMixingStep>& state, AccTile<C, kTensorMixingStep>& acc) {
+  tmix::normalize<C>(state, acc);
+}
+template <class C>
+__device__ void store_split(AccTile<C, kTensorMixingStep>& acc, SoftmaxState<C, kTensorMixingStep>& state,
+                            const IhaArgs& a, int64_t row0, int64_t head, int64_t b, int64_t split) {
+  tmix::storeSplit<C>(acc, state, a, row0, head, b, split);
+}
+template <class C>
+__device__ void store_rows(AccTile<C, kTensorMixingStep>& acc, SoftmaxState<C, kTensorMixingStep>& state,
+                           const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
+  tmix::storeRows<C>(acc, state, a, row0, head, b);
+}
+
+}  // namespace loom
