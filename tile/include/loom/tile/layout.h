@@ -224,8 +224,8 @@ constexpr AbsorbedSmem absorbedSmem(int blockM, int headDim, int stages, int kvH
 // which stay in registers as the next product's operands. Its stages are
 // the absorbed step's (rows (m, t)), of kTensorMixingTokens tokens.
 constexpr int kTensorMixingRows = 8;
-// Tokens a key block: four keep a warp's scores (4 a token) beside its
-// output (d / 2), queries (d / 4) and a token's mixed rows in registers.
+// Tokens a key block: at four ptxas hoists every token's loads and spills
+// (255 registers, H = G = 16, P = 8, d 128); two take 214.
 constexpr int kTensorMixingTokens = 2;
 constexpr int kTensorMixingMaxHeads = 16;     // two a warp, eight warps
 constexpr int kTensorMixingMaxHeadDim = 128;  // a warp's mixed rows and output in registers
