@@ -98,20 +98,17 @@ AbsorbedBlockWork absorbedBlockWork(const KernelSpec& spec, const Schedule& s) {
   return w;
 }
 
-// The tensor-mixing step's work a CTA a key block (cuda_tensor_mixing.h),
-// per warp and token: the keys' mix (d / 8 n-tiles, a k-step of 16 kv
-// heads each, two halves of bf16 weights), the scores (two heads' keys
-// against the warp's 16 rows), the values' mix (d / 16 m-tiles, two heads,
-// the halves) and P V (two heads' rows a product); each mma.sync 4096 FLOP.
-// Its f32 work: R(j) on the mixed keys and R(tP) on the staged ones (3 an
-// element), qk_norm's squares, the packing of both mixed roles.
+// The tensor-mixing step's work a CTA a key block (cuda_tensor_mixing.h):
+// its products as issued (tensorMixingTokenMacs, layout.h); its f32 work,
+// R(j) on the mixed keys and R(tP) on the staged ones (3 an element),
+// qk_norm's squares, the packing of both mixed roles.
 AbsorbedBlockWork tensorMixingBlockWork(const KernelSpec& spec, const Schedule& s) {
-  const double d = double(paddedHeadDim(int(spec.head_dim()))), km = double((spec.kv_heads() + 15) / 16);
-  const double halves = spec.dtype() == v1::bfloat16 ? 2.0 : 1.0;
-  const double perWarpToken = (d / 8 * halves * km + 2 * d / 16 + d / 16 * 2 * halves * km + d / 8) * 4096.0;
+  const double d = double(paddedHeadDim(int(spec.head_dim())));
   const double warpTokens = double(s.warps()) * kTensorMixingTokens;
   AbsorbedBlockWork w;
-  w.matrixFlops = warpTokens * perWarpToken;
+  w.matrixFlops = 2.0 * kTensorMixingTokens *
+                  double(tensorMixingTokenMacs(int(spec.heads()), int(spec.kv_heads()), int(spec.head_dim()),
+                                               spec.dtype() == v1::bfloat16));
   const double rows = 16.0 * d;  // a warp's mixed rows of one role, one token
   w.simtFlops = warpTokens * rows * (2.0 + (spec.rope_theta() > 0 ? 3.0 : 0.0) +
                                      (spec.qk_norm() == v1::KernelSpec::rms ? 2.0 : 0.0)) +

@@ -515,6 +515,30 @@ TEST(Decode, StackedHeadsGiveTheForwardsRows) {
   }
 }
 
+// A step of a drawn case whose CTA holds every head (`schedule` asks for
+// the absorbed or the tensor-mixing step): T = 1 to 3 new tokens over a
+// ragged raw cache, split or not; the plan keeps the step asked for, one
+// CTA a split, and its emulated step gives the forward's rows.
+void expectAllHeadsStep(std::mt19937_64& rng, const IhaCase& c, Schedule schedule, const std::string& arch) {
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  const int64_t T = pick(1, std::min<int64_t>(3, c.tokens));
+  DecodeLayout layout = drawCheckableLayout(rng, c, T, 9);
+  layout.layout = CacheLayout::raw;
+  if (pick(0, 1)) schedule.set_kv_splits(int32_t(pick(1, 4)));
+  SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " page " + std::to_string(layout.pageSize) + " " +
+               arch + " " + schedule.ShortDebugString());
+  auto dc = decodeCaseFrom(c, layout);
+  ASSERT_TRUE(dc) << dc.error().message;
+  auto plan = decodePlan(*dc, schedule, arch);
+  ASSERT_TRUE(plan) << plan.error().message;
+  EXPECT_EQ(plan->schedule.absorb_mixing(), schedule.absorb_mixing()) << plan->schedule.ShortDebugString();
+  EXPECT_EQ(plan->schedule.tensor_mixing(), schedule.tensor_mixing()) << plan->schedule.ShortDebugString();
+  for (const LaunchPlan& launch : plan->launches) {
+    if (launch.name == kAttentionEntry) EXPECT_EQ(launch.gridY, plan->schedule.kv_splits()) << "a CTA a split";
+  }
+  expectEmulatedStep(c, *dc, arch, rng(), schedule);
+}
+
 // The absorbed step (the default over a raw cache where the spec allows it
 // and it multiplies less than tensor mixing; loom/tile/cuda_absorbed.h): the cached rows are never mixed, the keys'
 // mix absorbed into P rows of R(-j) q a query row, the values' into the
@@ -546,23 +570,9 @@ TEST(Decode, AbsorbedStepsGiveTheForwardsRows) {
       testing::dropStaleOptions(spec);
       return testing::DrawnShape{spec, pick(1, 2), pick(12, 40)};
     });
-    const int64_t T = pick(1, std::min<int64_t>(3, c.tokens));
-    DecodeLayout layout = drawCheckableLayout(rng, c, T, 9);
-    layout.layout = CacheLayout::raw;
     Schedule schedule;
     schedule.set_absorb_mixing(true);  // at P above 4 it may mix on the tensor cores
-    if (pick(0, 1)) schedule.set_kv_splits(int32_t(pick(1, 4)));
-    const std::string arch = draw % 2 ? "sm_90a" : "sm_80";
-    SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " page " + std::to_string(layout.pageSize) + " " +
-                 arch + " " + schedule.ShortDebugString());
-    auto dc = decodeCaseFrom(c, layout);
-    ASSERT_TRUE(dc) << dc.error().message;
-    auto plan = decodePlan(*dc, schedule, arch);
-    ASSERT_TRUE(plan) << plan.error().message;
-    EXPECT_TRUE(plan->schedule.absorb_mixing()) << plan->schedule.ShortDebugString();
-    for (const LaunchPlan& launch : plan->launches)
-      if (launch.name == kAttentionEntry) EXPECT_EQ(launch.gridY, plan->schedule.kv_splits()) << "a CTA a split";
-    expectEmulatedStep(c, *dc, arch, rng(), schedule);
+    expectAllHeadsStep(rng, c, schedule, draw % 2 ? "sm_90a" : "sm_80");
   }
 }
 
@@ -661,23 +671,9 @@ TEST(Decode, TensorMixingStepsGiveTheForwardsRows) {
       testing::dropStaleOptions(spec);
       return testing::DrawnShape{spec, pick(1, 2), pick(8, 30)};
     });
-    const int64_t T = pick(1, std::min<int64_t>(3, c.tokens));
-    DecodeLayout layout = drawCheckableLayout(rng, c, T, 9);
-    layout.layout = CacheLayout::raw;
     Schedule schedule;
     schedule.set_tensor_mixing(true);
-    if (pick(0, 1)) schedule.set_kv_splits(int32_t(pick(1, 4)));
-    const std::string arch = draw % 2 ? "sm_90a" : "sm_80";
-    SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " page " + std::to_string(layout.pageSize) + " " +
-                 arch + " " + schedule.ShortDebugString());
-    auto dc = decodeCaseFrom(c, layout);
-    ASSERT_TRUE(dc) << dc.error().message;
-    auto plan = decodePlan(*dc, schedule, arch);
-    ASSERT_TRUE(plan) << plan.error().message;
-    EXPECT_TRUE(plan->schedule.tensor_mixing()) << plan->schedule.ShortDebugString();
-    for (const LaunchPlan& launch : plan->launches)
-      if (launch.name == kAttentionEntry) EXPECT_EQ(launch.gridY, plan->schedule.kv_splits()) << "a CTA a split";
-    expectEmulatedStep(c, *dc, arch, rng(), schedule);
+    expectAllHeadsStep(rng, c, schedule, draw % 2 ? "sm_90a" : "sm_80");
   }
 }
 

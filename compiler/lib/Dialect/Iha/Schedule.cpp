@@ -281,8 +281,7 @@ std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule) {
       return "schedule.tensor_mixing and absorb_mixing exclude each other (one mixes the cached rows, the other never)";
     if (schedule.getStackHeads())
       return "schedule.tensor_mixing already holds every query head in one CTA (leave stack_heads unset)";
-    if (const char* why =
-            tensorMixingShapeProblem(int(H), int(spec.getKvHeads()), int(spec.getHeadDim()), int(P), rope))
+    if (const char* why = tensorMixingShapeProblem(int(H), int(spec.getHeadDim()), int(P), rope))
       return std::string("schedule.tensor_mixing: ") + why + " (heads " + str(H) + ", kv_heads " +
              str(spec.getKvHeads()) + ", head_dim " + str(spec.getHeadDim()) + ", pseudo_heads " + str(P) + ")";
     if (blockN != kTensorMixingTokens * P)

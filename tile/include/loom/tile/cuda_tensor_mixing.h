@@ -48,7 +48,7 @@ struct Geometry {
   static constexpr int tokens = kTensorMixingTokens;
   static constexpr int KT = D / kMmaK;        // k-steps of S (d)
   static constexpr int NT = D / 8;            // n-tiles of the mixed keys and of the output (d)
-  static constexpr int KM = (G + 15) / 16;    // k-steps of the mix (G)
+  static constexpr int KM = (G + 15) / 16;    // k-steps of the mix (G; one while H, so G, is at most 16)
   static constexpr bool rope = C::rope_theta > 0;
   // bf16 weights keep 8 bits: each is split into a hi and a lo half. f16's
   // 11 bits leave the output as f32 weights do (drawn P 8 steps on the
@@ -61,7 +61,7 @@ struct Geometry {
   static_assert(C::stacked_heads == C::heads, "a tensor-mixing CTA holds a token of every query head");
   static_assert(C::warps == tensorMixingWarps(C::heads) && C::block_m == tensorMixingBlockM(C::heads),
                 "a warp holds two heads' eight rows");
-  static_assert(tensorMixingShapeProblem(C::heads, C::kv_heads, C::head_dim, C::pseudo_heads, rope) == nullptr,
+  static_assert(tensorMixingShapeProblem(C::heads, C::head_dim, C::pseudo_heads, rope) == nullptr,
                 "no tensor-mixing step for this shape");
 };
 
@@ -182,14 +182,13 @@ __device__ void kvBegin(KvPipeline<C, kTensorMixingStep>& pipe, const IhaArgs& a
   using T = Geometry<C>;
   absorbed::kvBegin<C>(pipe, a, b, lower, upper);
   const int l = cuda::lane(), j = l / 4;
-  auto keyWeight = [&](int h, int m) {
+  // alpha[m, g, j] of this thread's row j of head h (zeros past the heads, P and G).
+  auto weight = [&](const float* alpha, int h, int m) {
     const int head = headOf(h);
-    return head < C::heads && j < T::P && m < T::G ? a.alpha_k[(m * T::G + kvHeadOf<C>(head)) * T::P + j] : 0.0f;
+    return head < C::heads && j < T::P && m < T::G ? alpha[(m * T::G + kvHeadOf<C>(head)) * T::P + j] : 0.0f;
   };
-  auto valueWeight = [&](int h, int m) {
-    const int head = headOf(h);
-    return head < C::heads && j < T::P && m < T::G ? a.alpha_v[(m * T::G + kvHeadOf<C>(head)) * T::P + j] : 0.0f;
-  };
+  auto keyWeight = [&](int h, int m) { return weight(a.alpha_k, h, m); };
+  auto valueWeight = [&](int h, int m) { return weight(a.alpha_v, h, m); };
   #pragma unroll
   for (int km = 0; km < T::KM; ++km) {
     const int m = km * 16 + 2 * (l % 4);

@@ -229,16 +229,14 @@ constexpr int kTensorMixingRows = 8;
 constexpr int kTensorMixingTokens = 2;
 constexpr int kTensorMixingMaxHeads = 16;     // two a warp, eight warps
 constexpr int kTensorMixingMaxHeadDim = 128;  // a warp's mixed rows and output in registers
-constexpr int kTensorMixingMaxKvHeads = 32;   // two k-steps of the mix
 constexpr int tensorMixingWarps(int heads) { return (heads + 1) / 2; }
 constexpr int tensorMixingBlockM(int heads) { return kTensorMixingRows * heads; }
 // Why a spec has no tensor-mixing step, or nullptr.
-constexpr const char* tensorMixingShapeProblem(int heads, int kvHeads, int headDim, int pseudoHeads, bool rope) {
+constexpr const char* tensorMixingShapeProblem(int heads, int headDim, int pseudoHeads, bool rope) {
   if (pseudoHeads > kTensorMixingRows) return "pseudo_heads must be at most 8 (a warp's 16 rows are two heads' 8)";
   if (heads > kTensorMixingMaxHeads) return "heads must be at most 16 (two a warp, eight warps)";
   if (headDim % kMmaK != 0 || headDim > kTensorMixingMaxHeadDim)
     return "head_dim must be a multiple of 16 up to 128 (a warp's mixed rows and output stay in registers)";
-  if (kvHeads > kTensorMixingMaxKvHeads) return "kv_heads must be at most 32 (two k-steps of the mix)";
   if (rope && headDim % 32 != 0)
     return "head_dim must be a multiple of 32 with RoPE (a mixed column and its partner d/2 on in whole k-steps)";
   return nullptr;
