@@ -439,29 +439,50 @@ py::tuple reference(const py::object& q, const py::object& k, const py::object& 
                         float64Tensor(outputs.lse, {B, spec.heads(), N * spec.pseudo_heads()}));
 }
 
+// The inputs, dout and spec of a backward on host tensors, checked.
+struct BackwardArguments {
+  KernelSpec spec;
+  reference::IhaInputs inputs;
+  std::vector<double> dout;
+};
+BackwardArguments backwardArguments(const py::object& q, const py::object& k, const py::object& v,
+                                    const py::object& alphaQ, const py::object& alphaK, const py::object& alphaV,
+                                    const py::object& collapse, const py::object& dout, const py::object& specValue) {
+  BackwardArguments a{specOf(specValue), {}, {}};
+  a.inputs = referenceInputs(a.spec, borrowInputs(q, k, v, alphaQ, alphaK, alphaV, collapse, std::nullopt));
+  const Borrowed d = borrow(dout, "dout", std::nullopt);
+  const std::vector<int64_t> doutShape(d.tensor->shape, d.tensor->shape + d.tensor->ndim);
+  const std::vector<int64_t> want = {a.inputs.batch, a.inputs.tokens, a.spec.heads(), a.spec.head_dim()};
+  if (doutShape != want) throw BadArgument("dout: shape " + shapeString(doutShape) + ", want " + shapeString(want));
+  a.dout = valuesOf(*d.tensor, "dout");
+  return a;
+}
+
 // The float64 backward oracle on host tensors: the seven gradients of
 // sum(out * dout) as float64 loom.Tensors.
 py::tuple referenceBackward(const py::object& q, const py::object& k, const py::object& v, const py::object& alphaQ,
                             const py::object& alphaK, const py::object& alphaV, const py::object& collapse,
                             const py::object& dout, const py::object& specValue) {
-  const KernelSpec spec = specOf(specValue);
-  const reference::IhaInputs inputs =
-      referenceInputs(spec, borrowInputs(q, k, v, alphaQ, alphaK, alphaV, collapse, std::nullopt));
-  const Borrowed d = borrow(dout, "dout", std::nullopt);
-  const std::vector<int64_t> doutShape(d.tensor->shape, d.tensor->shape + d.tensor->ndim);
-  const std::vector<int64_t> want = {inputs.batch, inputs.tokens, spec.heads(), spec.head_dim()};
-  if (doutShape != want) throw BadArgument("dout: shape " + shapeString(doutShape) + ", want " + shapeString(want));
-  const std::vector<double> doutValues = valuesOf(*d.tensor, "dout");
+  const BackwardArguments a = backwardArguments(q, k, v, alphaQ, alphaK, alphaV, collapse, dout, specValue);
   reference::IhaGradients gradients;
   {
     py::gil_scoped_release release;
-    gradients = reference::ihaBackward(spec, inputs, doutValues);
+    gradients = reference::ihaBackward(a.spec, a.inputs, a.dout);
   }
-  const std::vector<std::vector<int64_t>> shapes = inputShapes(spec, inputs.batch, inputs.tokens);
+  const std::vector<std::vector<int64_t>> shapes = inputShapes(a.spec, a.inputs.batch, a.inputs.tokens);
   const auto slots = reference::gradientsOf(gradients);
   py::tuple result(slots.size());
   for (size_t i = 0; i < slots.size(); ++i) result[i] = float64Tensor(*slots[i], shapes[i]);
   return result;
+}
+
+// backwardCheckShare (core/io/case.h) on host tensors.
+double backwardCheckShare(const py::object& q, const py::object& k, const py::object& v, const py::object& alphaQ,
+                          const py::object& alphaK, const py::object& alphaV, const py::object& collapse,
+                          const py::object& dout, const py::object& specValue) {
+  const BackwardArguments a = backwardArguments(q, k, v, alphaQ, alphaK, alphaV, collapse, dout, specValue);
+  py::gil_scoped_release release;
+  return loom::backwardCheckShare(a.spec, a.inputs, a.dout, reference::ihaBackward(a.spec, a.inputs, a.dout));
 }
 
 //===--- loom.decode ------------------------------------------------------===//
@@ -696,6 +717,12 @@ PYBIND11_MODULE(_loom, m) {
   m.def("reference_backward", &referenceBackward,
         "The seven gradients of sum(out * dout) by the float64 backward reference, on host tensors, as float64\n"
         "loom.Tensors (inputs may be float64, float32 or the 16-bit dtypes)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha_q"), py::arg("alpha_k"), py::arg("alpha_v"),
+        py::arg("collapse"), py::arg("dout"), py::arg("spec"));
+  m.def("backward_check_share", &backwardCheckShare,
+        "How much of the spec dtype's gradient tolerance rounding alone can cost on these inputs and dout: the\n"
+        "float64 backward with what a kernel of the dtype rounds (for float32 every partial sum), and with the\n"
+        "inputs moved by a few units of float32's roundoff, against the exact one, over the tolerance. Over 0.25 the draw cannot judge a kernel (docs/IHA.md, Backward)",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha_q"), py::arg("alpha_k"), py::arg("alpha_v"),
         py::arg("collapse"), py::arg("dout"), py::arg("spec"));
   m.def("reference", &reference,

@@ -14,6 +14,7 @@ from ._loom import (  # noqa: F401  (the public API)
     Error,
     Tensor,
     __version__,
+    backward_check_share,
     compile,
     decode,
     devices,
