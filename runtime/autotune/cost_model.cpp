@@ -88,12 +88,16 @@ AbsorbedBlockWork absorbedBlockWork(const KernelSpec& spec, const Schedule& s) {
   w.exps = sRows * kAbsorbedTokens;
   if (spec.qk_norm() == v1::KernelSpec::rms) {
     // Each token's Gram matrix of its raw key rows (16-row tiles on the
-    // tensor cores), then one quadratic form a mixed key row (G (G + 1) / 2
+    // tensor cores), then one quadratic form a mixed key row of the CTA's kv
+    // heads (G (G + 1) / 2
     // + G multiply-adds on the Gram matrix's upper triangle) and its scale
     // on the scores.
     const double gramRows = double((G + 15) / 16 * 16);
     w.matrixFlops += 2.0 * kAbsorbedTokens * gramRows * gramRows * dp;
-    w.simtFlops += 2.0 * kAbsorbedTokens * double(G * P) * double(G * (G + 1) / 2 + G) + sRows * kAbsorbedTokens;
+    const int64_t ctaKvHeads =
+        stepKvHeads(stepCtaHeads(int(spec.heads()), int(G), absorbedMostHeads(int(P), int(d))), int(spec.heads()), int(G));
+    w.simtFlops +=
+        2.0 * kAbsorbedTokens * double(ctaKvHeads * P) * double(G * (G + 1) / 2 + G) + sRows * kAbsorbedTokens;
   }
   return w;
 }
@@ -106,9 +110,11 @@ AbsorbedBlockWork tensorMixingBlockWork(const KernelSpec& spec, const Schedule& 
   const double d = double(paddedHeadDim(int(spec.head_dim())));
   const double warpTokens = double(s.warps()) * kTensorMixingTokens;
   AbsorbedBlockWork w;
+  const int64_t ctasASequence = spec.heads() / stepCtaHeads(int(spec.heads()), int(spec.kv_heads()), kStepMaxHeads);
   w.matrixFlops = 2.0 * kTensorMixingTokens *
                   double(tensorMixingTokenMacs(int(spec.heads()), int(spec.kv_heads()), int(spec.head_dim()),
-                                               spec.dtype() == v1::bfloat16));
+                                               spec.dtype() == v1::bfloat16)) /
+                  double(ctasASequence);
   const double rows = 16.0 * d;  // a warp's mixed rows of one role, one token
   w.simtFlops = warpTokens * rows * (2.0 + (spec.rope_theta() > 0 ? 3.0 : 0.0) +
                                      (spec.qk_norm() == v1::KernelSpec::rms ? 2.0 : 0.0)) +
@@ -535,9 +541,12 @@ DecodeGrid decodeGrid(const KernelSpec& spec, const Schedule& s, int64_t batch, 
   DecodeGrid grid;
   grid.splits = std::max<int64_t>(1, s.kv_splits());
   // Stacked, a CTA holds every query head of its kv group (block_m / (H / G)
-  // rows of each): H / G times fewer CTAs stage and mix the cache; absorbed,
-  // every query head.
-  const int64_t stacked = s.absorb_mixing() || s.tensor_mixing() ? H : s.stack_heads() ? H / G : 1;
+  // rows of each): H / G times fewer CTAs stage and mix the cache; absorbed
+  // and tensor mixing, every query head (or chunks of them: stepHeads).
+  const int most = s.tensor_mixing() ? kStepMaxHeads : absorbedMostHeads(int(P), int(spec.head_dim()));
+  const int64_t stacked = s.absorb_mixing() || s.tensor_mixing() ? stepCtaHeads(int(H), int(G), most)
+                          : s.stack_heads()                      ? H / G
+                                                                 : 1;
   const int64_t ownedRows = std::max<int64_t>(P, s.block_m() / stacked / P * P);
   const int64_t queryBlocks = (newTokens * P + ownedRows - 1) / ownedRows;
   const int64_t keyBlocks = (visibleTokens(spec, cachedTokens, newTokens) * P + s.block_n() - 1) / s.block_n();
@@ -590,7 +599,7 @@ CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& s, const
   const int threads = (s.warps() + (wgmma ? kWarpgroupWarps : 0)) * 32;
   const int registers = registersPerThread.value_or(int(estimatedRegisters(spec, s)));
   const int64_t smem =
-      s.tensor_mixing() ? tensorMixingSmem(int(H), int(d), int(s.stages()), int(G)).total
+      s.tensor_mixing() ? tensorMixingSmem(stepCtaHeads(int(H), int(G), kStepMaxHeads), int(d), int(s.stages()), int(G)).total
       : absorbed        ? absorbedSmem(int(s.block_m()), int(d), int(s.stages()), int(G), int(P), int(s.warps()),
                                        spec.qk_norm() == v1::KernelSpec::rms)
                        .total

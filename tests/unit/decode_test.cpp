@@ -12,6 +12,7 @@
 #include "emu/emulator.h"
 #include "jit/nvrtc_compiler.h"
 #include "io/decode_case.h"
+#include "loom/tile/layout.h"
 #include "loom/compiler.h"
 #include "loom/decode.h"
 #include "reference/iha_decode.h"
@@ -518,7 +519,8 @@ TEST(Decode, StackedHeadsGiveTheForwardsRows) {
 // A step of a drawn case whose CTA holds every head (`schedule` asks for
 // the absorbed or the tensor-mixing step): T = 1 to 3 new tokens over a
 // ragged raw cache, split or not; the plan keeps the step asked for, one
-// CTA a split, and its emulated step gives the forward's rows.
+// CTA a split and chunk of stepHeads heads (every head up to 16), and its
+// emulated step gives the forward's rows.
 void expectAllHeadsStep(std::mt19937_64& rng, const IhaCase& c, Schedule schedule, const std::string& arch) {
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   const int64_t T = pick(1, std::min<int64_t>(3, c.tokens));
@@ -534,9 +536,23 @@ void expectAllHeadsStep(std::mt19937_64& rng, const IhaCase& c, Schedule schedul
   EXPECT_EQ(plan->schedule.absorb_mixing(), schedule.absorb_mixing()) << plan->schedule.ShortDebugString();
   EXPECT_EQ(plan->schedule.tensor_mixing(), schedule.tensor_mixing()) << plan->schedule.ShortDebugString();
   for (const LaunchPlan& launch : plan->launches) {
-    if (launch.name == kAttentionEntry) EXPECT_EQ(launch.gridY, plan->schedule.kv_splits()) << "a CTA a split";
+    if (launch.name != kAttentionEntry) continue;
+    const int most = schedule.tensor_mixing() ? kStepMaxHeads
+                                              : absorbedMostHeads(c.spec.pseudo_heads(), c.spec.head_dim());
+    EXPECT_EQ(launch.gridY, c.spec.heads() / stepHeads(c.spec.heads(), c.spec.kv_heads(), most) *
+                                plan->schedule.kv_splits())
+        << "a CTA a split and chunk of heads";
   }
   expectEmulatedStep(c, *dc, arch, rng(), schedule);
+}
+
+// H over 16 in CTAs of stepHeads heads (layout.h): chunks of 16 reading
+// whole kv groups (32, 8), of 12 (24, 8: a CTA's kv heads start at 4), of
+// 12 within a group of 24 (48, 2: a CTA's heads read one kv head), and of
+// 16 with G = H (32, 32).
+std::pair<int32_t, int32_t> drawChunkedHeads(std::mt19937_64& rng) {
+  constexpr std::pair<int32_t, int32_t> kHeads[] = {{32, 8}, {24, 8}, {48, 2}, {32, 32}};
+  return kHeads[std::uniform_int_distribution<int>(0, 3)(rng)];
 }
 
 // The absorbed step (the default over a raw cache where the spec allows it
@@ -545,7 +561,8 @@ void expectAllHeadsStep(std::mt19937_64& rng, const IhaCase& c, Schedule schedul
 // probabilities. Drawn specs, qk_norm on and off (on: the keys' norms from
 // each token's Gram matrix), P 1 to 8 (those not a power of two take
 // padding S rows), G odd and even (a padding head; the last draw G 9 to 20,
-// two 16-row Gram tiles where G > 16), head_dim 16 to 64, every mask and
+// two 16-row Gram tiles where G > 16; one draw H over 16, drawChunkedHeads),
+// head_dim 16 to 64, every mask and
 // window, T = 1 to 3 new tokens (several tokens of every head in one CTA),
 // ragged caches over drawn pages, split (shares empty) or not, sm_80 and
 // sm_90a by turns: the emulated step gives the forward's rows with no
@@ -553,13 +570,18 @@ void expectAllHeadsStep(std::mt19937_64& rng, const IhaCase& c, Schedule schedul
 TEST(Decode, AbsorbedStepsGiveTheForwardsRows) {
   std::mt19937_64 rng(testing::testSeed() ^ 0xab50);
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
-  for (int draw = 0; draw < 7; ++draw) {
+  for (int draw = 0; draw < 8; ++draw) {
     const IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
       KernelSpec spec = testing::randomSpec(rng);
-      spec.set_pseudo_heads(int32_t(draw == 0 ? 8 : draw == 1 ? 3 : draw == 6 ? 1 : pick(1, 5)));
+      spec.set_pseudo_heads(int32_t(draw == 0 ? 8 : draw == 1 ? 3 : draw == 6 ? 1 : draw == 7 ? pick(1, 2) : pick(1, 5)));
       spec.set_kv_heads(int32_t(draw == 6 ? pick(9, 20) : pick(1, 3)));
       spec.set_heads(int32_t(spec.kv_heads() * pick(1, std::max<int64_t>(1, 8 / (spec.kv_heads() * spec.pseudo_heads())))));
-      spec.set_head_dim(int32_t(16 * pick(1, spec.pseudo_heads() > 4 || draw == 6 ? 2 : 4)));
+      if (draw == 7) {
+        const auto [heads, kvHeads] = drawChunkedHeads(rng);
+        spec.set_heads(heads);
+        spec.set_kv_heads(kvHeads);
+      }
+      spec.set_head_dim(int32_t(16 * pick(1, spec.pseudo_heads() > 4 || draw >= 6 ? 2 : 4)));
       spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
       if (draw >= 2 && draw != 5) {
         spec.set_qk_norm(v1::KernelSpec::rms);
@@ -646,21 +668,27 @@ TEST(Decode, AbsorbedStepFaultsAreFound) {
 // specs: P 1 to 8 (mostly 5 to 8; below 8 the keys past P score -inf, below
 // 5 several tokens of a head in its eight rows), H up to 16 (odd H: a warp's
 // second head is padding), G dividing H (one draw G = H 9 to 16: a padding
-// staged head where G is odd), head_dim 16 to 128 (32 on with
+// staged head where G is odd; one H over 16, drawChunkedHeads), head_dim
+// 16 to 128 (32 on with
 // RoPE), qk_norm on and off, f16 and bf16, every mask and window, T = 1 to
 // 3, ragged caches over drawn pages, split or not, sm_80 and sm_90a by
 // turns: the emulated step gives the forward's rows with no finding.
 TEST(Decode, TensorMixingStepsGiveTheForwardsRows) {
   std::mt19937_64 rng(testing::testSeed() ^ 0x7e45);
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
-  for (int draw = 0; draw < 6; ++draw) {
+  for (int draw = 0; draw < 7; ++draw) {
     const IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
       KernelSpec spec = testing::randomSpec(rng);
       spec.set_pseudo_heads(int32_t(draw == 0 ? 8 : draw == 5 ? pick(1, 4) : pick(5, 8)));
       const int64_t kv = draw == 4 ? pick(9, 16) : pick(1, 4);
       spec.set_kv_heads(int32_t(kv));
       spec.set_heads(int32_t(kv * pick(1, 16 / kv)));
-      spec.set_head_dim(int32_t(spec.rope_theta() > 0 ? 32 * pick(1, 4) : 16 * pick(1, 8)));
+      if (draw == 6) {
+        const auto [heads, kvHeads] = drawChunkedHeads(rng);
+        spec.set_heads(heads);
+        spec.set_kv_heads(kvHeads);
+      }
+      spec.set_head_dim(int32_t(spec.rope_theta() > 0 ? 32 * pick(1, draw == 6 ? 1 : 4) : 16 * pick(1, draw == 6 ? 2 : 8)));
       spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
       if (pick(0, 1)) {
         spec.set_qk_norm(v1::KernelSpec::rms);

@@ -83,7 +83,7 @@ Schedule scheduleOf(ScheduleAttr attr, Direction direction) {
 // Dynamic shared memory of the CUDA attention CTA (tile/include/loom/tile/layout.h).
 int64_t attentionSharedMemory(SpecAttr spec, ScheduleAttr schedule) {
   if (schedule.getTensorMixing())
-    return tensorMixingSmem(int(spec.getHeads()), int(spec.getHeadDim()), int(schedule.getStages()),
+    return tensorMixingSmem(int(oneCtaStepHeads(spec, schedule)), int(spec.getHeadDim()), int(schedule.getStages()),
                             int(spec.getKvHeads()))
         .total;
   if (schedule.getAbsorbMixing())
@@ -171,7 +171,10 @@ constexpr int64_t kDefaultKvSplits = 16;
 // tokens, the others' of 16 rows).
 int32_t defaultDecodeSplits(const KernelSpec& spec, const ScheduleFields& given, const v1::Target& target) {
   const bool allHeads = given.absorbMixing || given.tensorMixing;
-  const int64_t ctas = allHeads ? 1 : given.stackHeads ? spec.kv_heads() : spec.heads();
+  const int64_t ctas = allHeads ? spec.heads() / oneCtaStepHeads(spec.heads(), spec.kv_heads(), spec.pseudo_heads(),
+                                                                  spec.head_dim(), given.tensorMixing)
+                       : given.stackHeads ? spec.kv_heads()
+                                          : spec.heads();
   int64_t most = allHeads ? kMaxKvSplits : kDefaultKvSplits;
   const int64_t windowRows = spec.window_rows() > 0 ? spec.window_rows() + spec.pseudo_heads()
                                                     : int64_t(spec.window()) * spec.pseudo_heads();
@@ -465,7 +468,9 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
     if (!given.kvSplits && target.kind() == v1::Target::cuda && given.collapse.value_or(CollapseStrategy::separate) ==
                                                                      CollapseStrategy::separate)
       given.kvSplits = defaultDecodeSplits(spec, given, target);
-    completeDecodeFields(given, mixedCache, spec.heads() / spec.kv_heads() * spec.pseudo_heads(), spec.heads(),
+    completeDecodeFields(given, mixedCache, spec.heads() / spec.kv_heads() * spec.pseudo_heads(),
+                         oneCtaStepHeads(spec.heads(), spec.kv_heads(), spec.pseudo_heads(), spec.head_dim(),
+                                         given.tensorMixing),
                          spec.pseudo_heads(), spec.head_dim());
     // Split CTAs merge their rows in the combine launch, then collapse.
     if (given.kvSplits > 1) given.collapse = given.collapse.value_or(CollapseStrategy::separate);

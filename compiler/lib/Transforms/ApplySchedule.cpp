@@ -93,7 +93,7 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
     // (H / G) rows of its own), and stages and mixes each key block once
     // for them all.
     // Absorbed and tensor mixing hold a token of every query head in one CTA.
-    const int64_t stacked = chosen.getAbsorbMixing() || chosen.getTensorMixing() ? spec.getHeads()
+    const int64_t stacked = chosen.getAbsorbMixing() || chosen.getTensorMixing() ? oneCtaStepHeads(spec, chosen)
                             : chosen.getStackHeads() ? spec.getHeads() / spec.getKvHeads()
                                                      : 1;
     const int64_t ownedRows = chosen.getBlockM() / stacked / P * P;
@@ -148,7 +148,9 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
       if (auto why = checkScheduleFields(*fields)) return kernel.emitError() << *why;
       if (kernel.getDecode())
         completeDecodeFields(*fields, kernel.getMixedCache(),
-                             spec.getHeads() / spec.getKvHeads() * spec.getPseudoHeads(), spec.getHeads(),
+                             spec.getHeads() / spec.getKvHeads() * spec.getPseudoHeads(),
+                             oneCtaStepHeads(spec.getHeads(), spec.getKvHeads(), spec.getPseudoHeads(),
+                                             spec.getHeadDim(), fields->tensorMixing),
                              spec.getPseudoHeads(), spec.getHeadDim());
       if (kernel.getBackward()) {  // the backward reads mixed rows from workspaces
         fields->mix = fields->mix.value_or(MixStrategy::materialized);

@@ -58,7 +58,7 @@ std::string configStruct(SpecAttr spec, ScheduleAttr schedule, bool backward, bo
   // among its block_m, or with stack_heads among block_m / (H / G) rows
   // (loom/tile/common.h, ctaRow).
   const int64_t stacked = !decode                   ? 1
-                          : schedule.getAbsorbMixing() || schedule.getTensorMixing() ? spec.getHeads()
+                          : schedule.getAbsorbMixing() || schedule.getTensorMixing() ? oneCtaStepHeads(spec, schedule)
                           : schedule.getStackHeads()   ? spec.getHeads() / spec.getKvHeads()
                                                        : 1;
   text += line("int", "cta_rows",

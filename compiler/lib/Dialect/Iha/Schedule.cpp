@@ -164,7 +164,7 @@ ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool h
 
 
 
-void completeDecodeFields(ScheduleFields& fields, bool mixedCache, int64_t stackRows, int64_t heads,
+void completeDecodeFields(ScheduleFields& fields, bool mixedCache, int64_t stackRows, int64_t ctaHeads,
                           int64_t pseudoHeads, int64_t headDim) {
   fields.mix = mixedCache ? MixStrategy::materialized : MixStrategy::fused;
   fields.engine = fields.engine.value_or(Engine::mma);
@@ -194,22 +194,22 @@ void completeDecodeFields(ScheduleFields& fields, bool mixedCache, int64_t stack
     // Tensor mixing: key blocks of kTensorMixingTokens tokens; two heads'
     // eight rows a warp; two stages; the collapse in its own launch.
     if (!fields.blockN) fields.blockN = kTensorMixingTokens * pseudoHeads;
-    if (!fields.blockM) fields.blockM = tensorMixingBlockM(int(heads));
-    if (!fields.warps) fields.warps = tensorMixingWarps(int(heads));
+    if (!fields.blockM) fields.blockM = tensorMixingBlockM(int(ctaHeads));
+    if (!fields.warps) fields.warps = tensorMixingWarps(int(ctaHeads));
     fields.collapse = fields.collapse.value_or(CollapseStrategy::separate);
     return;
   }
   if (fields.absorbMixing) {
     // Absorbed (the keys' and values' mix into the queries and
     // probabilities): key blocks of kAbsorbedTokens tokens; the query block a
-    // token of every head (H * P rows) in 16-row m-tiles, a power of two of
+    // token of every head of the CTA's (stepHeads: H * P rows up to 16 heads) in 16-row m-tiles, a power of two of
     // them, two warps each where their S rows split (absorbedSplit); two
     // stages; the collapse in its own launch.
     if (!fields.blockN) fields.blockN = kAbsorbedTokens * pseudoHeads;
     const int64_t split = absorbedSplit(int(pseudoHeads), int(headDim));
     if (!fields.blockM) {
       int64_t tiles = 1;
-      while (tiles * kMmaRows < heads * pseudoHeads) tiles *= 2;
+      while (tiles * kMmaRows < ctaHeads * pseudoHeads) tiles *= 2;
       fields.blockM = tiles * kMmaRows;
     }
     if (!fields.warps) fields.warps = split * (fields.blockM / kMmaRows);
@@ -256,8 +256,17 @@ std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule) {
       return "schedule.stack_heads needs collapse separate under a global collapse (its fused epilogue loops over "
              "every head in one CTA)";
   }
+  // The one-CTA steps hold stepHeads query heads a CTA (every head up to 16).
+  const int64_t stepH = stepHeads(int(spec.getHeads()), int(spec.getKvHeads()),
+                                  schedule.getTensorMixing() ? kStepMaxHeads
+                                                             : absorbedMostHeads(int(P), int(spec.getHeadDim())));
+  if ((schedule.getAbsorbMixing() || schedule.getTensorMixing()) && stepH == 0)
+    return std::string(schedule.getAbsorbMixing() ? "schedule.absorb_mixing" : "schedule.tensor_mixing") +
+           ": heads " + str(spec.getHeads()) + " (kv_heads " + str(spec.getKvHeads()) +
+           ") do not divide into CTAs that read whole kv groups (up to 16 heads; absorbed, up to " +
+           str(absorbedMostHeads(int(P), int(spec.getHeadDim()))) + ")";
   if (schedule.getAbsorbMixing()) {
-    const int64_t H = spec.getHeads();
+    const int64_t H = stepH;
     if (schedule.getEngine() != Engine::mma) return "schedule.absorb_mixing needs engine mma";
     if (schedule.getStackHeads())
       return "schedule.absorb_mixing already holds every query head in one CTA (leave stack_heads unset)";
@@ -265,8 +274,8 @@ std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule) {
       return "schedule.block_n (" + str(blockN) + ") must be " + str(kAbsorbedTokens * P) + " with absorb_mixing (" +
              str(kAbsorbedTokens) + " tokens a key block)";
     if (blockM < H * P)
-      return "schedule.block_m (" + str(blockM) + ") must hold a token of every query head (" + str(H * P) +
-             " rows) with absorb_mixing";
+      return "schedule.block_m (" + str(blockM) + ") must hold a token of every query head of a CTA (" +
+             str(H * P) + " rows) with absorb_mixing";
     if (const char* why = absorbedShapeProblem(int(blockM), int(warps), int(spec.getHeadDim()), int(P)))
       return std::string("schedule.absorb_mixing: ") + why + " (block_m " + str(blockM) + ", warps " + str(warps) +
              ", head_dim " + str(spec.getHeadDim()) + ", pseudo_heads " + str(P) + ")";
@@ -274,7 +283,7 @@ std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule) {
       return "schedule.absorb_mixing needs collapse separate (its CTA stores every head's rows)";
   }
   if (schedule.getTensorMixing()) {
-    const int64_t H = spec.getHeads();
+    const int64_t H = stepH;
     const bool rope = spec.getRopeTheta().convertToDouble() > 0;
     if (schedule.getEngine() != Engine::mma) return "schedule.tensor_mixing needs engine mma";
     if (schedule.getAbsorbMixing())
@@ -282,7 +291,7 @@ std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule) {
     if (schedule.getStackHeads())
       return "schedule.tensor_mixing already holds every query head in one CTA (leave stack_heads unset)";
     if (const char* why = tensorMixingShapeProblem(int(H), int(spec.getHeadDim()), int(P), rope))
-      return std::string("schedule.tensor_mixing: ") + why + " (heads " + str(H) + ", kv_heads " +
+      return std::string("schedule.tensor_mixing: ") + why + " (heads " + str(spec.getHeads()) + ", kv_heads " +
              str(spec.getKvHeads()) + ", head_dim " + str(spec.getHeadDim()) + ", pseudo_heads " + str(P) + ")";
     if (blockN != kTensorMixingTokens * P)
       return "schedule.block_n (" + str(blockN) + ") must be " + str(kTensorMixingTokens * P) +

@@ -42,6 +42,9 @@ namespace absorbed {
 template <class C>
 struct Geometry {
   static constexpr int P = C::pseudo_heads, G = C::kv_heads, Gp = absorbedPaddedHeads(C::kv_heads);
+  // The kv heads the CTA's query heads read (layout.h, stepHeads): its
+  // weight tables and key norms hold theirs only.
+  static constexpr int CG = stepKvHeads(C::stacked_heads, C::heads, C::kv_heads);
   static constexpr int Pg = absorbedRows(P);  // S rows a query row (those from P on score -inf)
   static constexpr int D = C::head_dim, Dp = paddedHeadDim(C::head_dim), pitch = tilePitch(C::head_dim);
   static constexpr int tokens = kDecodeStep<C> == kTensorMixingStep ? kTensorMixingTokens : kAbsorbedTokens;
@@ -56,7 +59,9 @@ struct Geometry {
   static constexpr int pPitch = absorbedPTilePitch(C::kv_heads);
   static constexpr int dChunks = D / kChunkElements;
   static_assert(C::block_n == tokens * P, "a key block is whole tokens");
-  static_assert(C::stacked_heads == C::heads, "an absorbed CTA holds a token of every query head");
+  static constexpr int most = kDecodeStep<C> == kTensorMixingStep ? kStepMaxHeads : absorbedMostHeads(P, C::head_dim);
+  static_assert(C::stacked_heads == stepCtaHeads(C::heads, C::kv_heads, most),
+                "an absorbed CTA holds a token of every query head (stepHeads of them)");
   static_assert(kDecodeStep<C> != kAbsorbedStep ||
                     absorbedShapeProblem(C::block_m, C::warps, C::head_dim, P) == nullptr,
                 "no absorbed step for this shape");
@@ -68,7 +73,7 @@ struct Geometry {
 template <class C>
 __device__ __forceinline__ AbsorbedSmem layout() {
   if constexpr (kDecodeStep<C> == kTensorMixingStep)
-    return tensorMixingSmem(C::heads, C::head_dim, C::stages, C::kv_heads);
+    return tensorMixingSmem(C::stacked_heads, C::head_dim, C::stages, C::kv_heads);
   else
     return absorbedSmem(C::block_m, C::head_dim, C::stages, C::kv_heads, C::pseudo_heads, C::warps, C::qk_norm);
 }
@@ -91,12 +96,18 @@ template <class C>
 __device__ __forceinline__ int sRowOf(int sm, int h) {
   return sTileRow<C>(sm) + cuda::lane() / 4 + 8 * h;
 }
-// The kv head whose keys query row r (of the CTA's) reads; 0 for the rows
-// past the CTA's heads (computed, never stored).
+// The kv head whose keys query row r (of the CTA's) reads, counted from the
+// CTA's first (kvBase); 0 for the rows past the CTA's heads (computed,
+// never stored).
 template <class C>
 __device__ __forceinline__ int kvHeadOf(int r) {
   const CtaRow t = ctaRow<C>(r);
   return t.owned ? t.head / (C::heads / C::kv_heads) : 0;
+}
+// The first kv head of the CTA whose first query head is `head0`.
+template <class C>
+__device__ __forceinline__ int kvBase(int64_t head0) {
+  return int(head0 / (C::heads / C::kv_heads));
 }
 template <class C>
 __device__ __forceinline__ Bits16* sharedTile(int offset) {
@@ -146,13 +157,14 @@ namespace absorbed {
 
 // Each of the CTA's first Rows query rows mixed (and normalised, qk_norm),
 // unrotated, a 16-byte piece (and with RoPE its partner d/2 further) a
-// lane: `place(r)` is row r's CtaRow, `emit(r, i, valid, lo, x, y)` gets
+// lane: `place(r)` is row r's CtaRow (its head counted from `head0`, the
+// CTA's first), `emit(r, i, valid, lo, x, y)` gets
 // the pieces at columns lo (and lo + d/2) of virtual row i (zeros where
 // the row is not the CTA's or past the sequence). A row's pieces lie in
 // `lanes` consecutive lanes of one warp, so qk_norm's mean of squares is a
 // shuffle sum.
 template <class C, int Rows, class Place, class Emit>
-__device__ void forEachQueryRow(const IhaArgs& a, int64_t row0, int64_t b, Place&& place, Emit&& emit) {
+__device__ void forEachQueryRow(const IhaArgs& a, int64_t row0, int64_t head0, int64_t b, Place&& place, Emit&& emit) {
   constexpr int D = C::head_dim;
   const int64_t L = decode_len<C>(a, b);
   constexpr bool rope = C::rope_theta > 0;
@@ -170,8 +182,8 @@ __device__ void forEachQueryRow(const IhaArgs& a, int64_t row0, int64_t b, Place
     if (valid) {
       const int64_t n = i / C::pseudo_heads;
       const int p = int(i % C::pseudo_heads);
-      cuda::mixChunk<C, Role::query>(a, b, n, t.head, p, lo, x);
-      if constexpr (rope) cuda::mixChunk<C, Role::query>(a, b, n, t.head, p, hi, y);
+      cuda::mixChunk<C, Role::query>(a, b, n, head0 + t.head, p, lo, x);
+      if constexpr (rope) cuda::mixChunk<C, Role::query>(a, b, n, head0 + t.head, p, hi, y);
     }
     if constexpr (C::qk_norm) {  // every lane of the warp takes part
       float squares = 0.0f;
@@ -194,9 +206,10 @@ __device__ void forEachQueryRow(const IhaArgs& a, int64_t row0, int64_t b, Place
 // memory (over the stages, which kv_begin fills after), then each warp's
 // fragments into registers.
 template <class C>
-__device__ void qBegin(QTile<C, true>& q, const IhaArgs& a, int64_t row0, int64_t b) {
+__device__ void qBegin(QTile<C, true>& q, const IhaArgs& a, int64_t row0, int64_t head0, int64_t b) {
   using A = Geometry<C>;
   const AbsorbedSmem s = layout<C>();
+  const int kv0 = kvBase<C>(head0);
   // alpha_k of each thread's S rows, [warp][m][lane / 4][sm][half]: one
   // vector load a head in mma_qk.
   float* alpha = sharedFloats<C>(s.alpha);
@@ -207,26 +220,26 @@ __device__ void qBegin(QTile<C, true>& q, const IhaArgs& a, int64_t row0, int64_
     const int sRow = (w / A::split) * kMTileRows * A::Pg + ((w % A::split) * A::SM + sm) * kMTileRows + quad + 8 * half;
     const int r = sRow / A::Pg, j = sRow % A::Pg;
     alpha[index] =
-        m < A::G && j < A::P && ctaRow<C>(r).owned ? a.alpha_k[(m * A::G + kvHeadOf<C>(r)) * A::P + j] : 0.0f;
+        m < A::G && j < A::P && ctaRow<C>(r).owned ? a.alpha_k[(m * A::G + kv0 + kvHeadOf<C>(r)) * A::P + j] : 0.0f;
   }
   float* beta = sharedFloats<C>(s.beta);
-  for (int index = threadIdx.x; index < A::G * A::Gp * A::P; index += A::threads) {
+  for (int index = threadIdx.x; index < A::CG * A::Gp * A::P; index += A::threads) {
     const int g = index / (A::Gp * A::P), m = index / A::P % A::Gp, j = index % A::P;
-    beta[index] = m < A::G ? a.alpha_v[(m * A::G + g) * A::P + j] : 0.0f;
+    beta[index] = m < A::G ? a.alpha_v[(m * A::G + kv0 + g) * A::P + j] : 0.0f;
   }
-  if constexpr (C::qk_norm) {  // alpha_k transposed: a row of G weights a mixed key row (g, j)
+  if constexpr (C::qk_norm) {  // alpha_k transposed: a row of G weights a mixed key row (g, j) of the CTA's
     float* weights = sharedFloats<C>(s.keyWeights);
     constexpr int pitch = absorbedGramPitch(A::G);
-    for (int index = threadIdx.x; index < A::G * A::P * pitch; index += A::threads) {
+    for (int index = threadIdx.x; index < A::CG * A::P * pitch; index += A::threads) {
       const int row = index / pitch, m = index % pitch;
-      weights[index] = m < A::G ? a.alpha_k[(m * A::G + row / A::P) * A::P + row % A::P] : 0.0f;
+      weights[index] = m < A::G ? a.alpha_k[(m * A::G + kv0 + row / A::P) * A::P + row % A::P] : 0.0f;
     }
   }
   // R(-j) q: q is mixed unrotated (and normalised, qk_norm), then turned
   // once for each j by the angle of position n*P + p - j (the query's own
   // rotation and R(-j)).
   Bits16* qTile = sharedTile<C>(s.q);
-  forEachQueryRow<C, C::block_m>(a, row0, b, [](int r) { return ctaRow<C>(r); },
+  forEachQueryRow<C, C::block_m>(a, row0, head0, b, [](int r) { return ctaRow<C>(r); },
                                  [&](int r, int64_t i, bool valid, int lo, const float (&x)[kChunkElements],
                                      const float (&y)[kChunkElements]) {
     for (int j = 0; j < A::Pg; ++j) {
@@ -383,7 +396,7 @@ template <class C>
 __device__ void keyNorms(int64_t block) {
   using A = Geometry<C>;
   constexpr int tilesM = (A::G + 15) / 16, tilesN = (A::G + 7) / 8, pitch = absorbedGramPitch(A::G);
-  constexpr int forms = A::G * A::P;
+  constexpr int forms = A::CG * A::P;  // the CTA's mixed key rows
   const AbsorbedSmem smem = layout<C>();
   const Bits16* kStage = sharedTile<C>(smem.k) + int(block) % C::stages * A::stageRows * A::pitch;
   float* gram = sharedFloats<C>(smem.gram) + cuda::warp() * A::G * pitch;
@@ -810,8 +823,8 @@ __device__ void storeRows(AccTile<C, true>& acc, SoftmaxState<C, true>& state, c
 
 // The tile API's calls on the absorbed tiles (the others are cuda.h's).
 template <class C, bool Mixed>
-__device__ void q_begin(QTile<C, true>& q, const IhaArgs& a, int64_t row0, int64_t, int64_t b) {
-  absorbed::qBegin<C>(q, a, row0, b);
+__device__ void q_begin(QTile<C, true>& q, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
+  absorbed::qBegin<C>(q, a, row0, head, b);
 }
 template <class C, bool Mixed>
 __device__ void q_wait(QTile<C, true>&, const IhaArgs&, int64_t, int64_t, int64_t) {}

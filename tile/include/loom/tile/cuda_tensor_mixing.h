@@ -9,7 +9,8 @@
 // product's operand:
 //   K~(g, j) = sum_m alpha_k[m, g, j] R(tP) x_m(t), then R(j) and qk_norm,
 //   V~(g, j) = sum_m alpha_v[m, g, j] v_m(t).
-// One CTA holds a token of every query head, two heads a warp, eight rows
+// One CTA holds a token of every query head (up to 16: layout.h,
+// stepHeads), two heads a warp, eight rows
 // each (a token's P, or whole tokens of them: cta_rows): the warp's 16-row
 // m-tile is heads 2w (rows lane/4) and 2w + 1 (rows lane/4 + 8). Per cached
 // token t, a warp
@@ -48,7 +49,7 @@ struct Geometry {
   static constexpr int tokens = kTensorMixingTokens;
   static constexpr int KT = D / kMmaK;        // k-steps of S (d)
   static constexpr int NT = D / 8;            // n-tiles of the mixed keys and of the output (d)
-  static constexpr int KM = (G + 15) / 16;    // k-steps of the mix (G; one while H, so G, is at most 16)
+  static constexpr int KM = (G + 15) / 16;    // k-steps of the mix (G; two where G is over 16: H over 16)
   static constexpr bool rope = C::rope_theta > 0;
   // bf16 weights keep 8 bits: each is split into a hi and a lo half. f16's
   // 11 bits leave the output as f32 weights do (drawn P 8 steps on the
@@ -58,10 +59,11 @@ struct Geometry {
   static constexpr int span = rope ? KT / 2 : 0;     // the partner's distance in k-steps
   static constexpr int threads = C::warps * kWarpSize;
   static_assert(C::block_n == tokens * P, "a key block is kTensorMixingTokens whole tokens");
-  static_assert(C::stacked_heads == C::heads, "a tensor-mixing CTA holds a token of every query head");
-  static_assert(C::warps == tensorMixingWarps(C::heads) && C::block_m == tensorMixingBlockM(C::heads),
+  static_assert(C::stacked_heads == stepCtaHeads(C::heads, C::kv_heads, kStepMaxHeads),
+                "a tensor-mixing CTA holds a token of every query head (stepHeads of them)");
+  static_assert(C::warps == tensorMixingWarps(C::stacked_heads) && C::block_m == tensorMixingBlockM(C::stacked_heads),
                 "a warp holds two heads' eight rows");
-  static_assert(tensorMixingShapeProblem(C::heads, C::head_dim, C::pseudo_heads, rope) == nullptr,
+  static_assert(tensorMixingShapeProblem(C::stacked_heads, C::head_dim, C::pseudo_heads, rope) == nullptr,
                 "no tensor-mixing step for this shape");
 };
 
@@ -69,18 +71,20 @@ template <class C>
 __device__ __forceinline__ AbsorbedSmem layout() {
   return absorbed::layout<C>();
 }
-// The query head of this thread's fragment half h (rows lane/4 + 8 h).
+// The query head of this thread's fragment half h (rows lane/4 + 8 h),
+// counted from the CTA's first.
 __device__ __forceinline__ int headOf(int h) { return 2 * cuda::warp() + h; }
-// Its kv head (0 past the heads: their weights are zeros).
+// Its kv head, counted from the CTA's first (0 past the heads: their
+// weights are zeros).
 template <class C>
 __device__ __forceinline__ int kvHeadOf(int head) {
-  return head < C::heads ? head / (C::heads / C::kv_heads) : 0;
+  return head < C::stacked_heads ? head / (C::heads / C::kv_heads) : 0;
 }
 // Tile row r (16 a warp, 8 a head) as the CTA's row: head r / 8, row r % 8.
 template <class C>
 __device__ __forceinline__ CtaRow placeOf(int r) {
   const int head = r / kTensorMixingRows, row = r % kTensorMixingRows;
-  return {head, row, head < C::heads && row < C::cta_rows};
+  return {head, row, head < C::stacked_heads && row < C::cta_rows};
 }
 
 }  // namespace tmix
@@ -128,7 +132,7 @@ __device__ __forceinline__ void splitPair(float w0, float w1, Bits32& hi, Bits32
 // qk_norm) and rotated by their own position, into shared memory, where
 // each token's scores read them (registers hold a token's mixed rows).
 template <class C>
-__device__ void qBegin(QTile<C, kTensorMixingStep>& q, const IhaArgs& a, int64_t row0, int64_t b) {
+__device__ void qBegin(QTile<C, kTensorMixingStep>& q, const IhaArgs& a, int64_t row0, int64_t head0, int64_t b) {
   using T = Geometry<C>;
   const AbsorbedSmem s = layout<C>();
   if constexpr (T::rope) {
@@ -144,7 +148,7 @@ __device__ void qBegin(QTile<C, kTensorMixingStep>& q, const IhaArgs& a, int64_t
   }
   Bits16* qTile = absorbed::sharedTile<C>(s.q);
   absorbed::forEachQueryRow<C, C::warps * kMTileRows>(
-      a, row0, b, [](int r) { return placeOf<C>(r); },
+      a, row0, head0, b, [](int r) { return placeOf<C>(r); },
       [&](int r, int64_t i, bool valid, int lo, const float (&x)[kChunkElements], const float (&y)[kChunkElements]) {
         Bits16* row = qTile + r * T::pitch;
         if constexpr (T::rope) {
@@ -177,15 +181,16 @@ __device__ __forceinline__ uint4* weightVector(int km, int v) {
 // The stages' padding rows, the first blocks' copies, and the weights of
 // the warp's rows, each split in two halves, as its lanes' fragments.
 template <class C>
-__device__ void kvBegin(KvPipeline<C, kTensorMixingStep>& pipe, const IhaArgs& a, int64_t b, int64_t lower,
-                        int64_t upper) {
+__device__ void kvBegin(KvPipeline<C, kTensorMixingStep>& pipe, const IhaArgs& a, int64_t kvHead, int64_t b,
+                        int64_t lower, int64_t upper) {
   using T = Geometry<C>;
   absorbed::kvBegin<C>(pipe, a, b, lower, upper);
-  const int l = cuda::lane(), j = l / 4;
+  const int l = cuda::lane(), j = l / 4, kv0 = int(kvHead);  // the kv head of the CTA's first query head
   // alpha[m, g, j] of this thread's row j of head h (zeros past the heads, P and G).
   auto weight = [&](const float* alpha, int h, int m) {
     const int head = headOf(h);
-    return head < C::heads && j < T::P && m < T::G ? alpha[(m * T::G + kvHeadOf<C>(head)) * T::P + j] : 0.0f;
+    return head < C::stacked_heads && j < T::P && m < T::G ? alpha[(m * T::G + kv0 + kvHeadOf<C>(head)) * T::P + j]
+                                                           : 0.0f;
   };
   auto keyWeight = [&](int h, int m) { return weight(a.alpha_k, h, m); };
   auto valueWeight = [&](int h, int m) { return weight(a.alpha_v, h, m); };
@@ -521,8 +526,8 @@ __device__ void storeRows(AccTile<C, kTensorMixingStep>& acc, SoftmaxState<C, kT
 
 // The tile API's calls on the tensor-mixing tiles.
 template <class C, bool Mixed>
-__device__ void q_begin(QTile<C, kTensorMixingStep>& q, const IhaArgs& a, int64_t row0, int64_t, int64_t b) {
-  tmix::qBegin<C>(q, a, row0, b);
+__device__ void q_begin(QTile<C, kTensorMixingStep>& q, const IhaArgs& a, int64_t row0, int64_t head, int64_t b) {
+  tmix::qBegin<C>(q, a, row0, head, b);
 }
 template <class C, bool Mixed>
 __device__ void q_wait(QTile<C, kTensorMixingStep>&, const IhaArgs&, int64_t, int64_t, int64_t) {}
@@ -531,9 +536,9 @@ __device__ void softmax_init(SoftmaxState<C, kTensorMixingStep>& state, AccTile<
   tmix::softmaxInit<C>(state, acc);
 }
 template <class C, bool Mixed>
-__device__ void kv_begin(KvPipeline<C, kTensorMixingStep>& pipe, const IhaArgs& a, int64_t, int64_t b, int64_t lower,
-                         int64_t upper) {
-  tmix::kvBegin<C>(pipe, a, b, lower, upper);
+__device__ void kv_begin(KvPipeline<C, kTensorMixingStep>& pipe, const IhaArgs& a, int64_t kvHead, int64_t b,
+                         int64_t lower, int64_t upper) {
+  tmix::kvBegin<C>(pipe, a, kvHead, b, lower, upper);
 }
 template <class C, bool Mixed>
 __device__ void kv_produce(KvPipeline<C, kTensorMixingStep>& pipe, const IhaArgs& a, int64_t, int64_t b, int64_t block,

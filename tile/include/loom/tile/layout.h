@@ -151,6 +151,11 @@ constexpr int absorbedSplit(int pseudoHeads, int headDim) {
   return absorbedRows(pseudoHeads) % 2 == 0 && paddedHeadDim(headDim) % 32 == 0 ? 2 : 1;
 }
 constexpr int absorbedPaddedHeads(int kvHeads) { return kvHeads + (kvHeads & 1); }
+// The most query heads an absorbed CTA holds: a token of each in at most
+// eight warps of 16-row m-tiles (split ways each).
+constexpr int absorbedMostHeads(int pseudoHeads, int headDim) {
+  return 8 / absorbedSplit(pseudoHeads, headDim) * 16 / pseudoHeads;
+}
 // Why a shape has no absorbed step, or nullptr. blockM is the query rows
 // (a token of every head at least), warps the CTA's.
 constexpr const char* absorbedShapeProblem(int blockM, int warps, int headDim, int pseudoHeads) {
@@ -173,12 +178,12 @@ struct AbsorbedSmem {
   int rowMax = 0;  // [block_m] f32: each query row's running max, for the warps holding its output
   int rowSum = 0;  // [block_m] f32: its denominator, at the end
   int alpha = 0;   // [warps][Gp][8][2 * S m-tiles] f32: the keys' weights of each thread's S rows
-  int beta = 0;    // [G][Gp][P] f32: the values' weights, beta[g][m][j]
+  int beta = 0;    // [G][Gp][P] f32: the values' weights, beta[g][m][j] (g of the CTA's kv heads)
   int angles = 0;  // [tokens][2][d / 2] f32: a block's rotary cosines, then sines, each token's
   // qk_norm only (absent, 0 bytes, without it):
-  int keyWeights = 0;  // [G * P][gramPitch] f32: alpha_k of each mixed key row (g, j), a row of its G weights
+  int keyWeights = 0;  // [G * P][gramPitch] f32: alpha_k of each mixed key row (g, j) of the CTA's, its G weights
   int gram = 0;        // [warps][G][gramPitch] f32: each warp's token's Gram matrix of its raw key rows
-  int keyNorms = 0;    // [G * P][tokens] f32: 1 / rms of each mixed key row (g, j) of the block's tokens
+  int keyNorms = 0;    // [G * P][tokens] f32: 1 / rms of each mixed key row (g, j) of the CTA's, the block's tokens
   // the tensor-mixing step only (its q, 16 rows a warp, is read at every block; no pTile, probs, alpha, beta):
   int turns = 0;    // [8][2][d / 2] f32: R(j)'s cosines, then sines, for each j < 8
   int weights = 0;  // [KM][4][warps][32 lanes] 16 bytes: each lane's weight fragments, hi and lo halves
@@ -216,9 +221,38 @@ constexpr AbsorbedSmem absorbedSmem(int blockM, int headDim, int stages, int kvH
   return s;
 }
 
+// The query heads a CTA of the one-CTA decode steps (absorbed, tensor
+// mixing) holds: every head up to `most` (the step's: 16 for tensor
+// mixing, absorbedMostHeads), else H / c CTAs a sequence of c heads each, c
+// the largest divisor of H up to it whose heads read whole kv groups or one
+// group's part (c a multiple of H / G, or H / G of c): a CTA's heads then
+// read the kv heads kv0 .. kv0 + stepKvHeads - 1 and its tables hold only
+// theirs. Each CTA stages every raw head (each mixed row mixes all G); the
+// chunks' CTAs read the same cache lines. 0 where no c fits (H / G over
+// `most` and not a multiple of a c).
+constexpr int kStepMaxHeads = 16;  // tensor mixing: two a warp, eight warps
+constexpr int stepHeads(int heads, int kvHeads, int most) {
+  if (heads <= most) return heads;
+  const int group = kvHeads > 0 ? heads / kvHeads : heads;
+  for (int c = most; c >= 2; --c)
+    if (heads % c == 0 && (c % group == 0 || group % c == 0)) return c;
+  return 0;
+}
+// stepHeads, or every head where no chunk fits (the compiler's checks then
+// refuse the step): what a CTA holds wherever the step is asked for.
+constexpr int stepCtaHeads(int heads, int kvHeads, int most) {
+  const int c = stepHeads(heads, kvHeads, most);
+  return c > 0 ? c : heads;
+}
+// The kv heads a CTA of stepHeads query heads reads.
+constexpr int stepKvHeads(int ctaHeads, int heads, int kvHeads) {
+  const int group = heads / kvHeads;
+  return ctaHeads >= group ? ctaHeads / group : 1;
+}
+
 // The tensor-mixing decode step (loom/tile/cuda_tensor_mixing.h;
-// docs/performance.md, decode): one CTA holds a token of every query head,
-// two heads a warp, kTensorMixingRows rows each (the P of a token, or whole
+// docs/performance.md, decode): one CTA holds a token of every query head
+// (up to 16: stepHeads), two heads a warp, kTensorMixingRows rows each (the P of a token, or whole
 // tokens of them, at most 8), and mixes each cached token's G raw rows on
 // the tensor cores into the mixed keys and values of the warp's heads,
 // which stay in registers as the next product's operands. Its stages are
@@ -227,14 +261,15 @@ constexpr int kTensorMixingRows = 8;
 // Tokens a key block: at four ptxas hoists every token's loads and spills
 // (255 registers, H = G = 16, P = 8, d 128); two take 214.
 constexpr int kTensorMixingTokens = 2;
-constexpr int kTensorMixingMaxHeads = 16;     // two a warp, eight warps
 constexpr int kTensorMixingMaxHeadDim = 128;  // a warp's mixed rows and output in registers
 constexpr int tensorMixingWarps(int heads) { return (heads + 1) / 2; }
 constexpr int tensorMixingBlockM(int heads) { return kTensorMixingRows * heads; }
-// Why a spec has no tensor-mixing step, or nullptr.
+// Why a spec has no tensor-mixing step, or nullptr (`heads` a CTA's: stepHeads).
 constexpr const char* tensorMixingShapeProblem(int heads, int headDim, int pseudoHeads, bool rope) {
   if (pseudoHeads > kTensorMixingRows) return "pseudo_heads must be at most 8 (a warp's 16 rows are two heads' 8)";
-  if (heads > kTensorMixingMaxHeads) return "heads must be at most 16 (two a warp, eight warps)";
+  if (heads < 1 || heads > kStepMaxHeads)
+    return "heads must be at most 16, or divide into CTAs of up to 16 that read whole kv groups (two a warp, eight "
+           "warps)";
   if (headDim % kMmaK != 0 || headDim > kTensorMixingMaxHeadDim)
     return "head_dim must be a multiple of 16 up to 128 (a warp's mixed rows and output stay in registers)";
   if (rope && headDim % 32 != 0)
@@ -247,18 +282,23 @@ constexpr const char* tensorMixingShapeProblem(int heads, int headDim, int pseud
 // value row (block_m the 16-row tiles, a power of two of them, holding a
 // token of every head); tensor mixing, a warp's keys' and values' mix (k
 // of 16 kv heads; bf16 weights in two halves), scores and P V (each half
-// of a product another head's).
+// of a product another head's); every CTA of a sequence's (stepHeads).
 constexpr long long absorbedTokenMacs(int heads, int kvHeads, int pseudoHeads, int headDim) {
+  const int ctaHeads = stepHeads(heads, kvHeads, absorbedMostHeads(pseudoHeads, headDim));
+  if (ctaHeads == 0) return 0;
   long long tiles = 1;
-  while (tiles * 16 < (long long)heads * pseudoHeads) tiles *= 2;
+  while (tiles * 16 < (long long)ctaHeads * pseudoHeads) tiles *= 2;
   const long long blockM = tiles * 16, d = paddedHeadDim(headDim);
-  return (blockM * absorbedRows(pseudoHeads) + blockM) * absorbedPaddedHeads(kvHeads) * d;
+  return heads / ctaHeads * (blockM * absorbedRows(pseudoHeads) + blockM) * absorbedPaddedHeads(kvHeads) * d;
 }
 constexpr long long tensorMixingTokenMacs(int heads, int kvHeads, int headDim, bool splitWeights) {
+  const int ctaHeads = stepHeads(heads, kvHeads, kStepMaxHeads);
+  if (ctaHeads == 0) return 0;
   const long long d = paddedHeadDim(headDim), km = (kvHeads + 15) / 16, halves = splitWeights ? 2 : 1;
   const long long mmas = d / 8 * halves * km + 2 * (d / 16) + d / 16 * 2 * halves * km + d / 8;  // a warp's, a token
-  return tensorMixingWarps(heads) * mmas * 16 * 8 * 16;
+  return heads / ctaHeads * tensorMixingWarps(ctaHeads) * mmas * 16 * 8 * 16;
 }
+// `heads` a CTA's (stepHeads).
 constexpr AbsorbedSmem tensorMixingSmem(int heads, int headDim, int stages, int kvHeads) {
   AbsorbedSmem s;
   const int tile = tilePitch(headDim) * kTileElementBytes;

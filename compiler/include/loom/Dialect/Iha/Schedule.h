@@ -65,6 +65,17 @@ std::optional<std::string> checkScheduleFields(const ScheduleFields& given);
 // qk_norm).
 ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool hopper = false);
 
+// The query heads a CTA of the one-CTA decode steps holds (loom::stepCtaHeads):
+// tensor mixing's up to 16, the absorbed step's up to absorbedMostHeads.
+inline int64_t oneCtaStepHeads(int64_t heads, int64_t kvHeads, int64_t pseudoHeads, int64_t headDim, bool tensor) {
+  return loom::stepCtaHeads(int(heads), int(kvHeads),
+                            tensor ? loom::kStepMaxHeads : loom::absorbedMostHeads(int(pseudoHeads), int(headDim)));
+}
+inline int64_t oneCtaStepHeads(SpecAttr spec, ScheduleAttr schedule) {
+  return oneCtaStepHeads(spec.getHeads(), spec.getKvHeads(), spec.getPseudoHeads(), spec.getHeadDim(),
+                         schedule.getTensorMixing());
+}
+
 // A decode step's fields before completeSchedule: the mixing its cache
 // fixes (fused over a raw cache, which it mixes as each block streams;
 // materialized over a mixed one, read as stored), the mma engine where
@@ -74,9 +85,11 @@ ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool h
 // contrary mix or wgmma first.
 // With absorb_mixing: key blocks of kAbsorbedTokens tokens, block_m the
 // smallest power-of-two count of 16-row m-tiles holding a token of every
-// head (`heads` * `pseudoHeads` rows), two warps an m-tile where its S rows
-// split (loom::absorbedSplit), the collapse separate.
-void completeDecodeFields(ScheduleFields& fields, bool mixedCache, int64_t stackRows, int64_t heads,
+// head of a CTA (`ctaHeads` * `pseudoHeads` rows; ctaHeads is
+// loom::stepHeads, every head up to 16), two warps an m-tile where its S
+// rows split (loom::absorbedSplit), the collapse separate; with
+// tensor_mixing the block and warps of ctaHeads heads.
+void completeDecodeFields(ScheduleFields& fields, bool mixedCache, int64_t stackRows, int64_t ctaHeads,
                           int64_t pseudoHeads, int64_t headDim);
 
 // Why a complete schedule cannot compute a backward kernel, naming the
