@@ -503,6 +503,70 @@ TEST(DecodeGate, TensorMixingStepsOfThePapersP8) {
   }
 }
 
+// H above 16 (layout.h, stepHeads): the one-CTA steps in CTAs of up to 16
+// heads where every head does not fit one, sm_80 and sm_90a, RoPE, bf16,
+// d 128: H 32 G 8 P 4 absorbed in two CTAs of 16 (the stacked mixing step
+// before them: 12.6x its memory floor in issue), H 32 G 32 P 4 tensor
+// mixing in two (the per-head mixing step: 30.5x), and H 32 G 8 P 2
+// absorbed in one CTA of 32 (eight warps hold a token of each). The plan
+// picks them by default, with the chunk's CTAs in its grid; the streaming
+// and wide reads of the grid's steps, no spill, no inner loop; on sm_90a
+// the loop's issue within each case's guard of the memory floor (caches of
+// 32k and 128k tokens, batches 1, 8, 64; measured 1.83x, 2.97x, 0.91x at B 8, 32k).
+TEST(DecodeGate, OneCtaStepsInChunksOfHeads) {
+  jit::NvrtcCompiler compiler(std::string(LOOM_TEST_CACHE) + "/perf");
+  struct Case {
+    int kvHeads, pseudoHeads;
+    bool tensor;
+    int ctaHeads;
+    double guard;
+  };
+  for (const Case& c : {Case{8, 4, false, 16, 2.0}, Case{32, 4, true, 16, 3.25}, Case{8, 2, false, 32, 1.0}}) {
+    const KernelSpec spec =
+        testing::makeSpec({.heads = 32, .kvHeads = c.kvHeads, .pseudoHeads = c.pseudoHeads, .headDim = 128,
+                           .dtype = v1::bfloat16, .mask = v1::flat_causal, .window = 0, .collapse = v1::per_head,
+                           .ropeTheta = 10000});
+    for (const std::string arch : {"sm_80", "sm_90a"}) {
+      auto byDefault = resolveSchedule(spec, Schedule(), *parseTarget(arch), Direction::decode, false);
+      ASSERT_TRUE(byDefault) << byDefault.error().message;
+      EXPECT_EQ(byDefault->tensor_mixing(), c.tensor) << arch << " " << byDefault->ShortDebugString();
+      EXPECT_EQ(byDefault->absorb_mixing(), !c.tensor) << arch << " " << byDefault->ShortDebugString();
+      std::shared_ptr<const jit::Artifact> artifact;
+      auto kernel = compileKernel(spec, *byDefault, *parseTarget(arch), compiler, &artifact, Direction::decode,
+                                  /*mixedCache=*/false);
+      ASSERT_TRUE(kernel) << arch << " " << describe(spec) << ": " << kernel.error().message;
+      const int most = c.tensor ? kStepMaxHeads : absorbedMostHeads(c.pseudoHeads, 128);
+      EXPECT_EQ(stepHeads(32, c.kvHeads, most), c.ctaHeads);
+      EXPECT_NE(kernel->source().find("stacked_heads = " + std::to_string(c.ctaHeads) + ";"), std::string::npos);
+      auto read = sassUsageOf(*artifact, kAttentionEntry);
+      ASSERT_TRUE(read) << arch << ": " << read.error().message;
+      const v1::SassMemory& m = read->memory();
+      const std::string what = arch + " " + describe(spec) + " " + kernel->schedule().ShortDebugString() + ": " +
+                               jit::sass::memoryBrief(m);
+      EXPECT_GT(m.async_copies(), 0) << what;
+      EXPECT_LE(m.global_loads_16bit(), 16) << what;
+      EXPECT_LE(m.shared_loads_16bit(), 64) << what;
+      EXPECT_EQ(read->spill_store_bytes(), 0) << what;
+      ASSERT_GT(read->loops_size(), 0) << what;
+      for (const v1::SassLoop& loop : read->loops())
+        EXPECT_EQ(loop.inner_loops(), 0) << what << ": the loop at 0x" << std::hex << loop.first_offset();
+      if (arch != "sm_90a") continue;
+      const auto issue = autotune::loopIssueOf(*read);
+      ASSERT_TRUE(issue) << what << ": no key-block loop read";
+      for (int64_t batch : {1, 8, 64})
+        for (int64_t cache : {32768, 131072}) {
+          const autotune::DecodeFloor f = autotune::estimateDecodeFloor(spec, kernel->schedule(), *parseTarget(arch),
+                                                                        batch, cache, 1, /*mixedCache=*/false, issue);
+          EXPECT_LE(f.floorRatio(), c.guard) << what << ": B " << batch << ", cache " << cache;
+          std::printf("[ floor    ] %s, %s, B %lld cache %lld: %.0f instructions a warp a block, issue %.2fx the "
+                      "floor, tensor %.2fx\n",
+                      c.tensor ? "tensor mixing" : "absorbed", describe(spec).c_str(), (long long)batch,
+                      (long long)cache, issue->unmasked, f.floorRatio(), f.tensorRatio());
+        }
+    }
+  }
+}
+
 // The same for a mixed cache's step: its rows copied through the page table
 // unrolled, no inner loop in its key-block loops.
 TEST_P(DecodeGate, MixedCacheLoopsHoldNoInnerLoop) {
