@@ -35,6 +35,7 @@
 #include "loom/cache.h"
 #include "loom/client.h"
 #include "loom/compiler.h"
+#include "loom/counters.h"
 #include "loom/runtime.h"
 #include "loom/spec.h"
 #include "reference/iha_backward.h"
@@ -219,10 +220,11 @@ Allocated allocate(const std::vector<int64_t>& shape, DLDataType type, int64_t e
 
 //===--- the GPU: one Runtime per (device, cache) -----------------------------===//
 
+std::mutex runtimesMutex;
+std::map<std::pair<int, std::string>, std::shared_ptr<Runtime>> runtimes;
+
 std::shared_ptr<Runtime> runtimeFor(int device, const std::string& cacheDir) {
-  static std::mutex mutex;
-  static std::map<std::pair<int, std::string>, std::shared_ptr<Runtime>> runtimes;
-  std::lock_guard lock(mutex);
+  std::lock_guard lock(runtimesMutex);
   auto& slot = runtimes[{device, cacheDir}];
   if (!slot) {
     Runtime::Options options;
@@ -231,6 +233,36 @@ std::shared_ptr<Runtime> runtimeFor(int device, const std::string& cacheDir) {
     slot = valueOr(Runtime::create(options), false);
   }
   return slot;
+}
+
+std::vector<std::shared_ptr<Runtime>> runtimesMade() {
+  std::lock_guard lock(runtimesMutex);
+  std::vector<std::shared_ptr<Runtime>> made;
+  for (const auto& [key, runtime] : runtimes)
+    if (runtime) made.push_back(runtime);
+  return made;
+}
+
+// The kernels served kernels and the clients behind them (kernelFor).
+std::mutex& servedMutex() {
+  static std::mutex mutex;
+  return mutex;
+}
+std::map<std::string, std::shared_ptr<Kernel>>& servedKernels() {
+  static std::map<std::string, std::shared_ptr<Kernel>> kernels;
+  return kernels;
+}
+std::map<std::string, std::unique_ptr<service::KernelClient>>& serviceClients() {
+  static std::map<std::string, std::unique_ptr<service::KernelClient>> clients;
+  return clients;
+}
+
+// loom.reload(): every Runtime and the served kernels forget what they kept,
+// so that a decision tuned since is read on the next call.
+void reloadKernels() {
+  for (const std::shared_ptr<Runtime>& runtime : runtimesMade()) runtime->reload();
+  std::lock_guard lock(servedMutex());
+  servedKernels().clear();
 }
 
 std::shared_ptr<Kernel> kernelFor(Runtime& runtime, const KernelSpec& spec, const Schedule& schedule,
@@ -246,9 +278,16 @@ std::shared_ptr<Kernel> kernelFor(Runtime& runtime, const KernelSpec& spec, cons
       default: return valueOr(runtime.kernel(spec, schedule), false);
     }
   }
-  auto client = valueOr(service::KernelClient::connect(service), false);
+  // A service's kernels are kept too, by service, device, direction and
+  // spec, over one connection a service (loom.reload() forgets the kernels).
+  std::lock_guard lock(servedMutex());
+  const std::string key = service + '\0' + std::to_string(runtime.device().ordinal) + '\0' +
+                          std::to_string(int(direction)) + '\0' + spec.SerializeAsString();
+  if (auto found = servedKernels().find(key); found != servedKernels().end()) return found->second;
+  std::unique_ptr<service::KernelClient>& client = serviceClients()[service];
+  if (!client) client = valueOr(service::KernelClient::connect(service), false);
   v1::GetKernelResponse response = valueOr(client->getKernel(spec, runtime.target(), 60000, direction), false);
-  return valueOr(runtime.load(response.kernel()), false);
+  return servedKernels()[key] = valueOr(runtime.load(response.kernel()), false);
 }
 
 //===--- loom.iha --------------------------------------------------------===//
@@ -521,7 +560,7 @@ py::object decode(const py::object& q, const py::object& k, const py::object& v,
                   const py::object& cacheLen, const py::object& specValue, const std::string& layoutName,
                   const py::object& out, const py::object& lse, std::optional<int64_t> stream,
                   const py::object& scheduleValue, const std::string& cacheDir, const std::string& service,
-                  int threads) {
+                  int threads, bool checkPages) {
   const KernelSpec spec = specOf(specValue);
   const Schedule schedule = scheduleOf(scheduleValue);
   const CacheLayout layout = valueOr(parseCacheLayout(layoutName), true);
@@ -565,12 +604,12 @@ py::object decode(const py::object& q, const py::object& k, const py::object& v,
     py::gil_scoped_release release;
     check(runDecodeOnHost(spec, tensors, cache, schedule, options), false);
   } else {
-    // launchDecode checks the tensors, then copies page_table and cache_len
-    // back to check every entry before the launch.
+    // launchDecode checks the tensors, then (check_pages) copies page_table
+    // and cache_len back to check every entry before the launch.
     std::shared_ptr<Kernel> kernel =
         kernelFor(*runtime, spec, schedule, service, decodeDirectionOf(layout));
     py::gil_scoped_release release;
-    check(kernel->launchDecode(tensors, cache, reinterpret_cast<CUstream>(stream.value_or(0))), false);
+    check(kernel->launchDecode(tensors, cache, reinterpret_cast<CUstream>(stream.value_or(0)), checkPages), false);
   }
   if (outGiven) return out;
   return py::cast(made.tensor);
@@ -708,12 +747,14 @@ PYBIND11_MODULE(_loom, m) {
         "[B, T, H, d] (or writes `out`; `lse` [B, H, T*P] when given). CUDA tensors (all on one device, page_table\n"
         "and cache_len too) run loom's decode kernel on `stream` (the tuned schedule from the kernel cache, else\n"
         "the default; `service`: fetched from a loom-service), host tensors the generated decode program on the\n"
-        "host tile API.",
+        "host tile API. check_pages (CUDA): copy page_table and cache_len back and check every entry before the\n"
+        "launch (a synchronous copy a step); False skips it for a serving loop that builds them checked, and for\n"
+        "CUDA-graph capture (a bad entry then reads or writes outside the cache). Host tensors are always checked.",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha_q"), py::arg("alpha_k"), py::arg("alpha_v"),
         py::arg("collapse"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"), py::arg("cache_len"),
         py::arg("spec"), py::arg("cache") = "raw", py::arg("out") = py::none(), py::arg("lse") = py::none(),
         py::arg("stream") = py::none(), py::arg("schedule") = py::none(), py::arg("cache_dir") = "",
-        py::arg("service") = "", py::arg("threads") = 0);
+        py::arg("service") = "", py::arg("threads") = 0, py::arg("check_pages") = true);
   m.def("reference_backward", &referenceBackward,
         "The seven gradients of sum(out * dout) by the float64 backward reference, on host tensors, as float64\n"
         "loom.Tensors (inputs may be float64, float32 or the 16-bit dtypes)",
@@ -736,6 +777,20 @@ PYBIND11_MODULE(_loom, m) {
         "Compile `spec` for a CUDA `target` with NVRTC (no GPU needed): schedule, entry points and their\n"
         "registers / spills, the instructions used (wgmma, TMA, setmaxnreg), ptxas warnings, the source",
         py::arg("spec"), py::arg("target") = "sm_90a", py::arg("schedule") = py::none());
+  m.def("reload", &reloadKernels,
+        "Forget the CUDA kernels loom keeps in memory (by spec, schedule and direction, from the kernel cache or a\n"
+        "service), so that the next call reads a decision tuned since (loom tune, pretune, a service's); the host\n"
+        "path's programs depend on no decision and stay");
+  m.def(
+      "counters",
+      [] {
+        py::dict result;
+        for (const auto& [name, value] : loom::counters()) result[py::str(name)] = value;
+        return result;
+      },
+      "Cumulative counts of the work behind loom's calls in this process: programs_generated, programs_compiled,\n"
+      "store_reads, modules_loaded, device_allocations, host_syncs, launches. After a warm-up call, a steady-state\n"
+      "call of the same spec and shapes changes only launches");
   m.def("devices", &devices, "The CUDA devices loom can use (empty without a GPU: see gpu_error())");
   m.def("gpu_error", &gpuError, "Why no GPU is usable ('' when one is)");
 }

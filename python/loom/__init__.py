@@ -16,6 +16,7 @@ from ._loom import (  # noqa: F401  (the public API)
     __version__,
     backward_check_share,
     compile,
+    counters,
     decode,
     devices,
     generate,
@@ -25,4 +26,5 @@ from ._loom import (  # noqa: F401  (the public API)
     iha_backward,
     reference,
     reference_backward,
+    reload,
 )

@@ -33,7 +33,7 @@ import torch
 
 from . import _loom
 
-__all__ = ["iha", "iha_eager", "InterleavedHeadAttention", "HAS_CUSTOM_OP", "spec_for"]
+__all__ = ["iha", "iha_eager", "decode", "warmup", "InterleavedHeadAttention", "HAS_CUSTOM_OP", "spec_for"]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -180,14 +180,16 @@ def iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, *, schedule=None, ca
 
 def decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len, spec, *,
            cache: str = "raw", schedule=None, cache_dir: str = "", service: str = "",
-           threads: int = 0) -> torch.Tensor:
+           threads: int = 0, check_pages: bool = True) -> torch.Tensor:
     """One decode step over a paged cache (docs/IHA.md, Decode over a paged cache): the new tokens' q
     [B, T, H, d], k and v [B, T, G, d]; k_cache and v_cache [num_pages, page_size, G, d] (cache="raw": the
     projections, P times smaller) or [num_pages, page_size, G, P, d] (cache="mixed"), the spec's dtype;
     page_table [B, max_pages] and cache_len [B], int32. Appends k and v to the caches in place at positions
     cache_len .. cache_len + T - 1 (advance cache_len by T afterwards) and returns out [B, T, H, d]. CUDA
     tensors (all on one device, page_table and cache_len too) run loom's decode kernel on the current stream;
-    host tensors run the generated decode program on the host tile API."""
+    host tensors run the generated decode program on the host tile API. check_pages=False (CUDA) skips copying
+    page_table and cache_len back to check them: no host synchronisation in the step (a serving loop that
+    builds them checked; CUDA-graph capture)."""
     spec_json = json.dumps(spec_for(spec, q.dtype), sort_keys=True)
     schedule_json = None if schedule is None else (schedule if isinstance(schedule, str) else json.dumps(schedule))
     _check_inputs(q, (alpha_q, alpha_k, alpha_v, collapse))
@@ -199,8 +201,49 @@ def decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_
     tensors = _prepared((q, k, v, alpha_q, alpha_k, alpha_v, collapse))
     _loom.decode(*tensors, k_cache.detach(), v_cache.detach(), page_table.contiguous(), cache_len.contiguous(),
                  spec_json, cache=cache, out=out, stream=_stream(q), schedule=schedule_json, cache_dir=cache_dir,
-                 service=service, threads=threads)
+                 service=service, threads=threads, check_pages=check_pages)
     return out
+
+
+def warmup(spec, shapes, directions=("forward", "backward"), *, device="cpu", dtype: Optional[torch.dtype] = None,
+           cache: str = "raw", cache_dir: str = "", threads: int = 0) -> dict:
+    """Generates, compiles (or reads from the kernel cache) and loads loom's kernels for `spec` ahead of the first
+    step, and grows their workspaces to the largest shape: one call of each of `directions` ("forward",
+    "backward", "decode": one token over a cache of N) for each (B, N) in `shapes`, on random tensors of `device`
+    (dtype: the spec's, else bfloat16 on CUDA and float32 on the CPU). Later calls of those shapes then only
+    launch. Returns what loom.counters() moved (the one-time cost)."""
+    s = _spec_dict(spec)
+    if dtype is None:
+        dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}.get(
+            s.get("dtype", ""), torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32)
+    unknown = set(directions) - {"forward", "backward", "decode"}
+    if unknown:
+        raise ValueError(f"directions: {sorted(unknown)} are not forward, backward or decode")
+    H, G, P, d = s["heads"], s.get("kv_heads", s["heads"]), s["pseudo_heads"], s["head_dim"]
+    fan = P if s.get("collapse", "per_head") == "per_head" else H * P
+    before = _loom.counters()
+    for B, N in shapes:
+        q, k, v = (torch.randn(B, N, n, d, device=device).to(dtype) for n in (H, G, G))
+        weights = [torch.eye(n, device=device)[:, :, None].expand(n, n, P).contiguous() for n in (H, G, G)]
+        collapse = torch.full((H, fan), 1.0 / fan, device=device)
+        inputs = [q, k, v, *weights, collapse]
+        if "forward" in directions:
+            iha(*inputs, s, cache_dir=cache_dir, threads=threads)
+        if "backward" in directions:
+            grads = [t.detach().clone().requires_grad_() for t in inputs]
+            iha(*grads, s, cache_dir=cache_dir, threads=threads).backward(torch.ones_like(q))
+        if "decode" in directions:
+            page = 16
+            pages = (N + 1 + page - 1) // page
+            rows = (G,) if cache == "raw" else (G, P)
+            k_cache = torch.zeros(B * pages, page, *rows, d, device=device, dtype=dtype)
+            v_cache = torch.zeros_like(k_cache)
+            table = torch.arange(B * pages, dtype=torch.int32, device=device).view(B, pages)
+            lengths = torch.full((B,), N, dtype=torch.int32, device=device)
+            decode(q[:, :1], k[:, :1], v[:, :1], *weights, collapse, k_cache, v_cache, table, lengths, s,
+                   cache=cache, cache_dir=cache_dir, threads=threads)
+    after = _loom.counters()
+    return {key: after[key] - before[key] for key in after if after[key] != before[key]}
 
 
 def _allowed(s: dict, L: int, P: int, device) -> torch.Tensor:

@@ -4,6 +4,9 @@
 // emulator, and out (and lse) are written back through their strides.
 #include <algorithm>
 #include <cstring>
+#include <memory>
+#include <mutex>
+#include <unordered_map>
 
 #include "api/strided.h"
 #include "cpu/cpu_backend.h"
@@ -74,10 +77,31 @@ Result<IhaCase> hostCase(const KernelSpec& spec, const IhaTensors& t) {
   return c;
 }
 
+// Generated plans kept for the life of the process, by everything that
+// decides one (spec, schedule, target and direction, serialized): a
+// steady-state host call generates nothing (loom/counters.h). A process
+// sees a handful of specs, so nothing is evicted.
+Result<std::shared_ptr<const KernelPlan>> keptPlan(const KernelSpec& spec, const Schedule& schedule,
+                                                   const v1::Target& target, const GenerateOptions& options = {}) {
+  std::string key = spec.SerializeAsString();
+  key += '\0' + schedule.SerializeAsString() + '\0' + target.SerializeAsString() + '\0' +
+         std::to_string(int(options.direction)) + (options.mixedCache ? "m" : "r");
+  static std::mutex mutex;
+  static std::unordered_map<std::string, std::shared_ptr<const KernelPlan>> plans;
+  {
+    std::lock_guard lock(mutex);
+    if (auto found = plans.find(key); found != plans.end()) return found->second;
+  }
+  auto plan = generateKernel(spec, schedule, target, options);
+  if (!plan) return plan.error();
+  std::lock_guard lock(mutex);
+  return plans.emplace(key, std::make_shared<const KernelPlan>(std::move(*plan))).first->second;
+}
+
 // The case of the host tensors and the spec's program for `arch`.
 struct HostProgram {
   IhaCase c;
-  KernelPlan plan;
+  std::shared_ptr<const KernelPlan> plan;
 };
 // With `keep`, an unset mixing and collapse default to what keeping needs.
 Result<HostProgram> hostProgram(const KernelSpec& spec, const IhaTensors& t, const Schedule& schedule,
@@ -92,9 +116,9 @@ Result<HostProgram> hostProgram(const KernelSpec& spec, const IhaTensors& t, con
     if (chosen.mix() == v1::mix_unspecified) chosen.set_mix(v1::mix_materialized);
     if (chosen.collapse() == v1::collapse_strategy_unspecified) chosen.set_collapse(v1::collapse_separate);
   }
-  auto plan = generateKernel(spec, chosen, *target);
+  auto plan = keptPlan(spec, chosen, *target);
   if (!plan) return plan.error();
-  return HostProgram{std::move(*c), std::move(*plan)};
+  return HostProgram{std::move(*c), *plan};
 }
 
 // The saved tensors (dense, validated) as the backends hold a kept forward, and back.
@@ -143,7 +167,7 @@ Status runOnHost(const KernelSpec& spec, const IhaTensors& t, const Schedule& sc
   auto program = hostProgram(spec, t, schedule, "cpu", keep);
   if (!program) return program.error();
   KeptForward kept;
-  auto outputs = cpu::runPlan(program->plan, program->c, options, keep ? &kept : nullptr);
+  auto outputs = cpu::runPlan(*program->plan, program->c, options, keep ? &kept : nullptr);
   if (!outputs) return outputs.error();
   scatterOutputs(outputs->out, outputs->lse, t);
   if (keep) return writeKept(kept, *keep);
@@ -157,7 +181,7 @@ Result<emu::EmuRun> runOnEmulator(const KernelSpec& spec, const IhaTensors& t, c
   KeptForward kept;
   emu::EmuOptions withKeep = options;
   if (keep) withKeep.keep = &kept;
-  auto run = emu::runOnEmulator(program->plan, program->c, withKeep);
+  auto run = emu::runOnEmulator(*program->plan, program->c, withKeep);
   if (!run) return run.error();
   scatterOutputs(run->out, run->lse, t);
   if (keep)
@@ -188,9 +212,9 @@ Status runDecodeOnHost(const KernelSpec& spec, const IhaTensors& step, const Pag
   GenerateOptions generate;
   generate.direction = Direction::decode;
   generate.mixedCache = paged.mixed;
-  auto plan = generateKernel(spec, schedule, *parseTarget("cpu"), generate);
+  auto plan = keptPlan(spec, schedule, *parseTarget("cpu"), generate);
   if (!plan) return plan.error();
-  auto outputs = cpu::runDecodePlan(*plan, dc, options);
+  auto outputs = cpu::runDecodePlan(**plan, dc, options);
   if (!outputs) return outputs.error();
   scatterOutputs(outputs->out, outputs->lse, step);
   // Only the new tokens' slots go back: the rest of the cache is the caller's.
@@ -230,9 +254,9 @@ Result<HostProgram> hostBackward(const KernelSpec& spec, const IhaTensors& t, co
   if (!target) return target.error();
   GenerateOptions options;
   options.direction = Direction::backward;
-  auto plan = generateKernel(spec, schedule, *target, options);
+  auto plan = keptPlan(spec, schedule, *target, options);
   if (!plan) return plan.error();
-  return HostProgram{std::move(c), std::move(*plan)};
+  return HostProgram{std::move(c), *plan};
 }
 
 void scatterGradients(const reference::IhaGradients& gradients, const std::vector<double>& lse, const IhaTensors& t,
@@ -250,7 +274,7 @@ Status runBackwardOnHost(const KernelSpec& spec, const IhaTensors& t, const IhaG
   auto program = hostBackward(spec, t, g, schedule, "cpu", saved);
   if (!program) return program.error();
   const KeptForward kept = saved ? keptFrom(*saved) : KeptForward{};
-  auto outputs = cpu::runBackwardPlan(program->plan, program->c, options, saved ? &kept : nullptr);
+  auto outputs = cpu::runBackwardPlan(*program->plan, program->c, options, saved ? &kept : nullptr);
   if (!outputs) return outputs.error();
   scatterGradients(outputs->gradients, outputs->lse, t, g);
   return Status::success();
@@ -264,7 +288,7 @@ Result<emu::EmuRun> runBackwardOnEmulator(const KernelSpec& spec, const IhaTenso
   const KeptForward kept = saved ? keptFrom(*saved) : KeptForward{};
   emu::EmuOptions withKept = options;
   if (saved) withKept.kept = &kept;
-  auto run = emu::runOnEmulator(program->plan, program->c, withKept);
+  auto run = emu::runOnEmulator(*program->plan, program->c, withKept);
   if (!run) return run.error();
   scatterGradients(*run->gradients, run->lse, t, g);
   return run;

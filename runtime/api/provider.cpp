@@ -5,6 +5,7 @@
 
 #include "api/compile.h"
 #include "loom/compiler.h"
+#include "loom/counters.h"
 
 namespace loom {
 
@@ -22,6 +23,7 @@ Result<ProvidedKernel> KernelProvider::provide(const KernelSpec& spec, const v1:
   Schedule chosen = schedule;
   provided.scheduleSource = schedule.ByteSizeLong() ? "given" : "default";
   if (store_ && !schedule.ByteSizeLong()) {
+    count(Counter::store_reads);
     auto decision = store_->getDecision(spec, cache::DeviceModel::of(target), jit::nvrtcVersion(), direction);
     if (decision && decision->has_value()) {
       chosen = (*decision)->decision.result.best();
@@ -45,6 +47,7 @@ Result<ProvidedKernel> KernelProvider::provide(const KernelSpec& spec, const v1:
   setCompilerIdentity(probe, target.arch());
   const std::string key = cache::artifactKey(probe);
   if (store_) {
+    count(Counter::store_reads);
     auto hit = store_->getArtifact(key);
     if (hit && hit->has_value()) {
       provided.kernel = std::move(**hit);

@@ -13,6 +13,8 @@ namespace loom {
 struct Runtime::State {
   std::shared_ptr<cuda::Device> device;
   std::unique_ptr<KernelProvider> provider;
+  std::mutex mutex;
+  std::map<std::string, std::shared_ptr<Kernel>> kept;  // by direction, spec and schedule (serialized)
 };
 
 Runtime::~Runtime() = default;
@@ -38,11 +40,24 @@ v1::Target Runtime::target() const { return cuda::targetOf(device()); }
 // where it came from (`what` names a direction other than the forward).
 Result<std::shared_ptr<Kernel>> Runtime::provideAndLoad(const KernelSpec& spec, const Schedule& schedule,
                                                         v1::Direction direction, const std::string& what) {
+  const std::string key =
+      std::to_string(int(direction)) + '\0' + spec.SerializeAsString() + '\0' + schedule.SerializeAsString();
+  {
+    std::lock_guard lock(state_->mutex);
+    if (auto found = state_->kept.find(key); found != state_->kept.end()) return found->second;
+  }
   auto provided = state_->provider->provide(spec, target(), schedule, direction);
   if (!provided) return provided.error();
   auto kernel = load(provided->kernel);
-  if (kernel) (*kernel)->provenance_ = provided->origin + ", " + provided->scheduleSource + " schedule" + what;
-  return kernel;
+  if (!kernel) return kernel.error();
+  (*kernel)->provenance_ = provided->origin + ", " + provided->scheduleSource + " schedule" + what;
+  std::lock_guard lock(state_->mutex);
+  return state_->kept.emplace(key, *kernel).first->second;  // another thread's, where it loaded first
+}
+
+void Runtime::reload() {
+  std::lock_guard lock(state_->mutex);
+  state_->kept.clear();
 }
 
 Result<std::shared_ptr<Kernel>> Runtime::kernel(const KernelSpec& spec, const Schedule& schedule) {

@@ -10,7 +10,9 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <unordered_map>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -18,6 +20,7 @@
 #include "cpu/host_program.h"
 #include "loom/cache_dir.h"
 #include "loom/tile/common.h"
+#include "loom/counters.h"
 
 namespace loom::cpu {
 namespace fs = std::filesystem;
@@ -55,6 +58,28 @@ Result<LoadedProgram> loadProgram(const KernelPlan& plan, const fs::path& object
   return program;
 }
 
+// A program compiled (or read from the cache folder) and loaded, kept for
+// the life of the process by its source, compiler and cache folder: a
+// steady-state run neither hashes the headers nor looks on disk.
+struct KeptProgram {
+  CompiledProgram compiled;  // `compiled` and `seconds` say so for the first run only
+  LoadedProgram program;
+};
+Result<KeptProgram*> keptProgram(const KernelPlan& plan, const fs::path& cacheDir) {
+  const HostProgram source{plan.source, compilerFrom("CXX", "c++"), kCompileFlags, {}, "cpu"};
+  const std::string key = source.compiler + '\0' + cacheDir.string() + '\0' + plan.source;
+  static std::mutex mutex;
+  static std::unordered_map<std::string, std::unique_ptr<KeptProgram>> programs;
+  std::lock_guard lock(mutex);  // compiles at most once a key
+  if (auto found = programs.find(key); found != programs.end()) return found->second.get();
+  auto compiled = compileHostProgram(source, cacheDir);
+  if (!compiled) return compiled.error();
+  auto loaded = loadProgram(plan, compiled->object);
+  if (!loaded) return loaded.error();
+  auto kept = std::make_unique<KeptProgram>(KeptProgram{*compiled, std::move(*loaded)});
+  return programs.emplace(key, std::move(kept)).first->second.get();
+}
+
 // Runs one launch's grid: CTAs are independent, so threads take them in turn.
 void runGrid(const LoadedProgram& program, const LaunchPlan& launch, const IhaArgs& args, int threads) {
   const int64_t rows = args.tokens * launch.rowsPerToken;
@@ -62,6 +87,7 @@ void runGrid(const LoadedProgram& program, const LaunchPlan& launch, const IhaAr
   const int64_t total = gridX * launch.gridY * args.batch;
   std::atomic<int64_t> next{0};
   KernelFn kernel = program.entries.at(launch.name);
+  count(Counter::launches);
   auto worker = [&] {
     for (int64_t cta = next++; cta < total; cta = next++) {
       program.setBlock(cta % gridX, (cta / gridX) % launch.gridY, cta / (gridX * launch.gridY));
@@ -172,12 +198,9 @@ Result<CpuRunStats> execute(const KernelPlan& plan, HostTensors& t, const CpuOpt
                             bool skipForward = false) {
   const fs::path cacheDir = options.cacheDir.empty() ? defaultCacheDir() : options.cacheDir;
   if (plan.target.kind() == v1::Target::cuda) return makeError("the CPU backend needs a plan generated for target cpu");
-  HostProgram source{plan.source, compilerFrom("CXX", "c++"), kCompileFlags, {}, "cpu"};
-  auto compiled = compileHostProgram(source, cacheDir);
-  if (!compiled) return compiled.error();
-  auto loaded = loadProgram(plan, compiled->object);
-  if (!loaded) return loaded.error();
-  const LoadedProgram& program = *loaded;
+  auto kept = keptProgram(plan, cacheDir);
+  if (!kept) return kept.error();
+  const LoadedProgram& program = (*kept)->program;
   // The host tile API counts into the program's globals: one run at a time.
   static std::mutex running;
   std::lock_guard lock(running);
@@ -188,8 +211,10 @@ Result<CpuRunStats> execute(const KernelPlan& plan, HostTensors& t, const CpuOpt
   for (const LaunchPlan& launch : plan.launches)
     if (!(skipForward && recomputesForward(launch))) runGrid(program, launch, t.args, threads);
   program.stats(&stats.keyBlocks, &stats.maskedBlocks, &stats.attentionCtas);
-  stats.compiled = compiled->compiled;
-  stats.compileSeconds = compiled->seconds;
+  stats.compiled = (*kept)->compiled.compiled;
+  stats.compileSeconds = (*kept)->compiled.seconds;
+  (*kept)->compiled.compiled = false;  // compiled once: later runs report a kept program
+  (*kept)->compiled.seconds = 0;
   return stats;
 }
 

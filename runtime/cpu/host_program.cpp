@@ -11,6 +11,7 @@
 #include "loom/cache_dir.h"
 #include "loom/hash.h"
 #include "loom/tile_headers.h"
+#include "loom/counters.h"
 
 namespace loom::cpu {
 namespace fs = std::filesystem;
@@ -73,7 +74,11 @@ Result<CompiledProgram> compileHostProgram(const HostProgram& program, const fs:
   CompiledProgram result;
   const fs::path folder = cacheDir / program.kind;
   result.object = folder / (key + ".so");
-  if (fs::exists(result.object)) return result;
+  if (fs::exists(result.object)) {
+    count(Counter::store_reads);
+    return result;
+  }
+  count(Counter::programs_compiled);
 
   auto root = materializeHeaders(cacheDir, headers, headerHash);
   if (!root) return root.error();
@@ -111,6 +116,7 @@ Result<void*> loadHostProgram(const fs::path& object) {
   if (auto found = loaded.find(object.string()); found != loaded.end()) return found->second;
   void* handle = ::dlopen(object.c_str(), RTLD_NOW | RTLD_LOCAL);
   if (!handle) return makeError(object.string() + ": dlopen failed: " + ::dlerror());
+  count(Counter::modules_loaded);
   loaded[object.string()] = handle;
   return handle;
 }

@@ -4,6 +4,8 @@
 
 #include <mutex>
 
+#include "loom/counters.h"
+
 namespace loom::cuda {
 namespace {
 
@@ -14,6 +16,60 @@ constexpr const char* kNoGpu =
     "(use --backend cpu, or loom compile to build CUDA kernels without one)";
 
 using GetProcAddressV2 = CUresult (*)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
+
+// The driver's entry points behind the counted ones (loom/counters.h): the
+// DriverApi every caller uses holds wrappers that count, then call these.
+struct CountedEntries {
+  decltype(DriverApi::cuMemAlloc) memAlloc = nullptr;
+  decltype(DriverApi::cuCtxSynchronize) ctxSynchronize = nullptr;
+  decltype(DriverApi::cuStreamSynchronize) streamSynchronize = nullptr;
+  decltype(DriverApi::cuEventSynchronize) eventSynchronize = nullptr;
+  decltype(DriverApi::cuMemcpyDtoH) memcpyDtoH = nullptr;
+  decltype(DriverApi::cuModuleLoadData) moduleLoadData = nullptr;
+  decltype(DriverApi::cuLaunchKernel) launchKernel = nullptr;
+} real;
+
+CUresult countedMemAlloc(CUdeviceptr* pointer, size_t bytes) {
+  count(Counter::device_allocations);
+  return real.memAlloc(pointer, bytes);
+}
+CUresult countedCtxSynchronize() {
+  count(Counter::host_syncs);
+  return real.ctxSynchronize();
+}
+CUresult countedStreamSynchronize(CUstream stream) {
+  count(Counter::host_syncs);
+  return real.streamSynchronize(stream);
+}
+CUresult countedEventSynchronize(CUevent event) {
+  count(Counter::host_syncs);
+  return real.eventSynchronize(event);
+}
+CUresult countedMemcpyDtoH(void* host, CUdeviceptr device, size_t bytes) {
+  count(Counter::host_syncs);  // a synchronous copy back waits for the device
+  return real.memcpyDtoH(host, device, bytes);
+}
+CUresult countedModuleLoadData(CUmodule* module, const void* image) {
+  count(Counter::modules_loaded);
+  return real.moduleLoadData(module, image);
+}
+CUresult countedLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                             unsigned shared, CUstream stream, void** params, void** extra) {
+  count(Counter::launches);
+  return real.launchKernel(f, gx, gy, gz, bx, by, bz, shared, stream, params, extra);
+}
+
+void countCalls(DriverApi& api) {
+  real = {api.cuMemAlloc,       api.cuCtxSynchronize, api.cuStreamSynchronize, api.cuEventSynchronize,
+          api.cuMemcpyDtoH,     api.cuModuleLoadData, api.cuLaunchKernel};
+  api.cuMemAlloc = countedMemAlloc;
+  api.cuCtxSynchronize = countedCtxSynchronize;
+  api.cuStreamSynchronize = countedStreamSynchronize;
+  api.cuEventSynchronize = countedEventSynchronize;
+  api.cuMemcpyDtoH = countedMemcpyDtoH;
+  api.cuModuleLoadData = countedModuleLoadData;
+  api.cuLaunchKernel = countedLaunchKernel;
+}
 
 Result<const DriverApi*> load() {
   void* library = ::dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
@@ -59,6 +115,7 @@ Result<const DriverApi*> load() {
   fetch(api.cuEventSynchronize, "cuEventSynchronize");
   fetch(api.cuEventElapsedTime, "cuEventElapsedTime");
   if (!missing.empty()) return makeError("the CUDA driver lacks " + missing);
+  countCalls(api);
   if (Status ok = check(api.cuInit(0), "cuInit"); !ok) return makeError(std::string(kNoGpu) + ": " + ok.error().message);
   int count = 0;
   if (Status ok = check(api.cuDeviceGetCount(&count), "cuDeviceGetCount"); !ok) return ok.error();

@@ -290,7 +290,7 @@ Result<std::shared_ptr<Kernel>> Kernel::load(std::shared_ptr<cuda::Device> devic
 }
 
 Kernel::~Kernel() {
-  workspaces_.clear();
+  streams_.clear();
   if (module_) device_->api().cuModuleUnload(module_);
 }
 
@@ -339,21 +339,30 @@ int64_t workspaceBytes(const v1::CompiledKernel& kernel, int64_t batch, int64_t 
   return bytes;
 }
 
-Status Kernel::ensureWorkspaces(int64_t batch, int64_t tokens) {
-  if (batch * tokens <= workspaceRows_) return Status::success();
-  // Work queued on the old buffers must finish before they are freed.
-  if (!workspaces_.empty())
-    if (Status ok = cuda::check(device_->api().cuCtxSynchronize(), "cuCtxSynchronize"); !ok) return ok;
-  workspaces_.clear();
+void* Kernel::StreamState::workspace(const char* name) const {
+  auto found = workspaces.find(name);
+  return found == workspaces.end() ? nullptr : found->second->data();
+}
+
+Result<Kernel::StreamState*> Kernel::streamState(CUstream stream, int64_t batch, int64_t tokens) {
+  std::unique_ptr<StreamState>& slot = streams_[stream];
+  if (!slot) slot = std::make_unique<StreamState>();
+  StreamState& state = *slot;
+  if (batch * tokens <= state.rows) return &state;
+  // Work queued on the stream's old buffers must finish before they are freed.
+  if (!state.workspaces.empty())
+    if (Status ok = cuda::check(device_->api().cuStreamSynchronize(stream), "cuStreamSynchronize"); !ok)
+      return ok.error();
+  state.workspaces.clear();
   for (const std::string& name : workspaceNames(compiled_)) {
     const int64_t bytes = workspaceBytes(compiled_, name, batch, tokens);
     auto buffer = cuda::DeviceBuffer::allocate(*device_, size_t(bytes));
     if (!buffer) return buffer.error();
-    workspaces_[name] = std::make_unique<cuda::DeviceBuffer>(std::move(*buffer));
+    state.workspaces[name] = std::make_unique<cuda::DeviceBuffer>(std::move(*buffer));
   }
-  workspaceRows_ = batch * tokens;
-  mapsShape_ = {0, 0};  // the maps pointed at the old buffers
-  return Status::success();
+  state.rows = batch * tokens;
+  state.mapsShape = {0, 0};  // the maps pointed at the old buffers
+  return &state;
 }
 
 namespace cuda {
@@ -454,18 +463,17 @@ Status Kernel::launchDecode(const IhaTensors& step, const PagedCacheTensors& cac
   checked.cache_len = lengths.data();
   if (Status ok = validateDecodeTensors(compiled_.spec(), step, checked, device_->info().ordinal, checkPages); !ok)
     return ok;
-  if (Status ok = ensureWorkspaces(B, T); !ok) return ok;
-  IhaArgs args = operandArgs(step, step.out, [&](const char* name) -> void* {
-    auto found = workspaces_.find(name);
-    return found == workspaces_.end() ? nullptr : found->second->data();
-  });
+  std::lock_guard lock(mutex_);
+  auto state = streamState(stream, B, T);
+  if (!state) return state.error();
+  IhaArgs args = operandArgs(step, step.out, [&](const char* name) { return (*state)->workspace(name); });
   args.k_cache = cache.k_cache.data;
   args.v_cache = cache.v_cache.data;
   args.page_table = cache.page_table;
   args.cache_len = cache.cache_len;
   args.page_size = cache.k_cache.shape[1];
   args.max_pages = cache.max_pages;
-  return launchEntries(args, stream, /*skipForward=*/false);
+  return launchEntries(args, stream, /*skipForward=*/false, **state);
 }
 
 Status Kernel::launch(const IhaTensors& t, CUstream stream, const IhaSaved* keep) {
@@ -485,12 +493,10 @@ Status Kernel::launch(const IhaTensors& t, CUstream stream, const IhaSaved* keep
   }
   if (Status ok = device_->makeCurrent(); !ok) return ok;
   const int64_t B = t.q.shape[0], N = t.q.shape[1];
-  if (Status ok = ensureWorkspaces(B, N); !ok) return ok;
-
-  IhaArgs args = operandArgs(t, t.out, [&](const char* name) -> void* {
-    auto found = workspaces_.find(name);
-    return found == workspaces_.end() ? nullptr : found->second->data();
-  });
+  std::lock_guard lock(mutex_);
+  auto state = streamState(stream, B, N);
+  if (!state) return state.error();
+  IhaArgs args = operandArgs(t, t.out, [&](const char* name) { return (*state)->workspace(name); });
   if (keep) {  // the launches write the caller's buffers instead of the kernel's own
     args.q_mixed = keep->q_mixed.data;
     args.k_mixed = keep->k_mixed.data;
@@ -498,19 +504,19 @@ Status Kernel::launch(const IhaTensors& t, CUstream stream, const IhaSaved* keep
     args.o_pseudo = keep->o_pseudo.data;
     args.lse = static_cast<float*>(keep->lse.data);
   }
-  return launchEntries(args, stream, /*skipForward=*/false);
+  return launchEntries(args, stream, /*skipForward=*/false, **state);
 }
 
-Status Kernel::launchEntries(IhaArgs& args, CUstream stream, bool skipForward) {
+Status Kernel::launchEntries(IhaArgs& args, CUstream stream, bool skipForward, StreamState& state) {
   const int64_t B = args.batch, N = args.tokens;
   const bool wantsMaps = std::any_of(compiled_.entries().begin(), compiled_.entries().end(),
                                      [](const v1::EntryPoint& entry) { return entry.tensor_maps(); });
   const std::array<const void*, 3> buffers = {args.q_mixed, args.k_mixed, args.v_mixed};
-  if (wantsMaps && (mapsShape_ != std::make_pair(B, N) || mapsBuffers_ != buffers)) {
-    if (!maps_) maps_ = std::make_unique<cuda::TmaMaps>();
-    if (Status ok = encodeTensorMaps(args, N * compiled_.spec().pseudo_heads(), B, *maps_); !ok) return ok;
-    mapsShape_ = {B, N};
-    mapsBuffers_ = buffers;
+  if (wantsMaps && (state.mapsShape != std::make_pair(B, N) || state.mapsBuffers != buffers)) {
+    if (!state.maps) state.maps = std::make_unique<cuda::TmaMaps>();
+    if (Status ok = encodeTensorMaps(args, N * compiled_.spec().pseudo_heads(), B, *state.maps); !ok) return ok;
+    state.mapsShape = {B, N};
+    state.mapsBuffers = buffers;
   }
 
   for (int e = 0; e < compiled_.entries_size(); ++e) {
@@ -518,7 +524,7 @@ Status Kernel::launchEntries(IhaArgs& args, CUstream stream, bool skipForward) {
     // compiler.h's kPremixEntry and kAttentionEntry (loom_cuda links no compiler).
     if (skipForward && (entry.name() == "iha_premix" || entry.name() == "iha_attention")) continue;
     void* argsOnly[] = {&args};
-    void* argsAndMaps[] = {&args, maps_.get()};
+    void* argsAndMaps[] = {&args, state.maps.get()};
     void** params = entry.tensor_maps() ? argsAndMaps : argsOnly;
     const int64_t rows = N * entry.rows_per_token();
     const unsigned gridX = unsigned((rows + entry.rows_per_cta() - 1) / entry.rows_per_cta());
@@ -546,11 +552,10 @@ Status Kernel::launchBackward(const IhaTensors& t, const IhaGradTensors& g, CUst
       return ok;
   if (Status ok = device_->makeCurrent(); !ok) return ok;
   const int64_t B = t.q.shape[0], N = t.q.shape[1];
-  if (Status ok = ensureWorkspaces(B, N); !ok) return ok;
-  auto workspace = [&](const char* name) -> void* {
-    auto found = workspaces_.find(name);
-    return found == workspaces_.end() ? nullptr : found->second->data();
-  };
+  std::lock_guard lock(mutex_);
+  auto state = streamState(stream, B, N);
+  if (!state) return state.error();
+  auto workspace = [&](const char* name) { return (*state)->workspace(name); };
   IhaArgs args = operandArgs(t, g.dout, workspace);  // dout is read with out's strides
   args.out = nullptr;  // the backward writes no out
   args.lse = static_cast<float*>(t.lse ? t.lse->data : workspace(kLseWorkspace));
@@ -575,7 +580,7 @@ Status Kernel::launchBackward(const IhaTensors& t, const IhaGradTensors& g, CUst
     args.o_pseudo = saved->o_pseudo.data;
     args.lse = static_cast<float*>(saved->lse.data);
   }
-  return launchEntries(args, stream, /*skipForward=*/saved != nullptr);
+  return launchEntries(args, stream, /*skipForward=*/saved != nullptr, **state);
 }
 
 Status Kernel::launch(const DLTensor* q, const DLTensor* k, const DLTensor* v, const DLTensor* alphaQ,

@@ -14,6 +14,7 @@
 #include <sstream>
 #include <thread>
 
+#include "loom/counters.h"
 #include "cpu/cpu_backend.h"
 #include "cpu/host_program.h"
 #include "cuda/driver.h"
@@ -241,6 +242,7 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
     if (options.kept && recomputesForward(launch)) continue;
     void* symbol = ::dlsym(*handle, (launch.tensorMaps ? trampolineName(launch.name) : launch.name).c_str());
     if (!symbol) return makeError(compiled->object.string() + ": entry point " + launch.name + " missing");
+    count(Counter::launches);
     const int64_t rows = N * launch.rowsPerToken;
     const int64_t gridX = (rows + launch.rowsPerCta - 1) / launch.rowsPerCta;
     const bool attention = launch.name == kAttentionEntry;

@@ -17,6 +17,7 @@
 #include "loom/hash.h"
 #include "loom/spec.h"
 #include "loom/tile_headers.h"
+#include "loom/counters.h"
 
 namespace loom::jit {
 namespace fs = std::filesystem;
@@ -238,6 +239,7 @@ Result<std::shared_ptr<const Artifact>> NvrtcCompiler::compileUncached(const std
   }
   std::vector<const char*> optionPointers;
   for (const std::string& option : options) optionPointers.push_back(option.c_str());
+  count(Counter::programs_compiled);
   const nvrtcResult result = nvrtcCompileProgram(program, int(optionPointers.size()), optionPointers.data());
 
   auto artifact = std::make_shared<Artifact>();
@@ -313,6 +315,7 @@ std::shared_ptr<const Artifact> NvrtcCompiler::readDisk(const std::string& key) 
   artifact->compileSeconds = record.compile_seconds();
   artifact->fromCache = true;
   artifact->key = key;
+  count(Counter::store_reads);
   if (artifact->binary.empty()) return nullptr;
   return artifact;
 }

@@ -185,6 +185,39 @@ class HostTensors(unittest.TestCase):
                 self.assertLessEqual(relative_error(out, ref), TOLERANCE["float16"])
 
 
+class Counters(unittest.TestCase):
+    """loom.counters(): after a warm-up call, steady-state calls of the same spec and shapes generate, compile,
+    read and load nothing; only `launches` moves (the C++ test HostPath.SteadyStateCallsChangeOnlyLaunches does
+    the same for the decode step)."""
+
+    def test_steady_state_calls_change_only_launches(self):
+        rng = np.random.default_rng(SEED + 11)
+        spec = random_spec(rng)
+        spec["dtype"] = "float32"
+        B, N = int(rng.integers(1, 3)), int(rng.integers(2, 12))
+        inputs = draw(rng, spec, B, N)
+        dout = rng.standard_normal((B, N, spec["heads"], spec["head_dim"])).astype(np.float32)
+        for name, call in (("forward", lambda: loom.iha(*inputs, spec, cache_dir=CACHE, threads=1)),
+                           ("backward", lambda: loom.iha_backward(*inputs, dout, spec, cache_dir=CACHE, threads=1))):
+            with self.subTest(direction=name, spec=spec, B=B, N=N):
+                call()  # warm-up: generate, compile or read, load
+                start = loom.counters()
+                call()
+                per_call = loom.counters()["launches"] - start["launches"]
+                self.assertGreater(per_call, 0)
+                before = loom.counters()
+                for _ in range(50):
+                    result = call()
+                after = loom.counters()
+                self.assertEqual(set(before), {"programs_generated", "programs_compiled", "store_reads",
+                                               "modules_loaded", "device_allocations", "host_syncs", "launches"})
+                moved = {key: after[key] - before[key] for key in before if after[key] != before[key]}
+                self.assertEqual(moved, {"launches": 50 * per_call})
+                if name == "forward":  # the kept program still computes the function
+                    ref, _ = loom.reference(*inputs, spec)
+                    self.assertLessEqual(relative_error(np.from_dlpack(result), np.from_dlpack(ref)), 1e-5)
+
+
 class Errors(unittest.TestCase):
     spec = {"heads": 2, "kv_heads": 2, "pseudo_heads": 2, "head_dim": 8, "dtype": "float32",
             "mask": "none", "collapse": "per_head", "rope_theta": 0.0}

@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <regex>
 
+#include "loom/counters.h"
 #include "loom/Dialect/Iha/IhaOps.h"
 #include "loom/Dialect/Iha/Passes.h"
 #include "loom/Dialect/Iha/Schedule.h"
@@ -586,6 +587,7 @@ Result<Schedule> resolveSchedule(const KernelSpec& spec, const Schedule& schedul
 
 Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
                                   const GenerateOptions& options) {
+  count(Counter::programs_generated);
   CompilerContext c;
   mlir::MLIRContext& context = c.context;
   std::string& diagnostics = c.diagnostics;

@@ -13,6 +13,7 @@
 #include <array>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <utility>
 #include <string>
@@ -188,7 +189,11 @@ int64_t workspaceBytes(const v1::CompiledKernel& kernel, int64_t batch, int64_t 
 std::vector<double> hostValues(const Tensor& tensor);
 
 // A compiled kernel plan loaded on a device. Workspaces between its launches
-// are allocated on first use and grown as B and N grow.
+// are kept per stream (launches on one stream run in order, so they reuse
+// them), allocated on a stream's first launch and grown as B and N grow:
+// after a warm-up launch of the largest shape, a launch allocates nothing and
+// waits for nothing (loom/counters.h). Launches from several threads take
+// turns on the host.
 class Kernel {
  public:
   static Result<std::shared_ptr<Kernel>> load(std::shared_ptr<cuda::Device> device, const v1::CompiledKernel& compiled);
@@ -227,24 +232,32 @@ class Kernel {
 
  private:
   friend class Runtime;
+  // What the launches on one stream use.
+  struct StreamState {
+    std::map<std::string, std::unique_ptr<cuda::DeviceBuffer>> workspaces;
+    int64_t rows = 0;  // B * N the workspaces hold
+    // Tensor maps over the mixed rows (wgmma engine), encoded for one (B, N)
+    // and kept until either changes or the rows move.
+    std::unique_ptr<cuda::TmaMaps> maps;
+    std::pair<int64_t, int64_t> mapsShape{0, 0};
+    std::array<const void*, 3> mapsBuffers{};  // the mixed rows the maps point at (a kept forward's, or the workspaces)
+    void* workspace(const char* name) const;   // nullptr where the plan has none of that name
+  };
   Kernel() = default;
-  Status ensureWorkspaces(int64_t batch, int64_t tokens);
+  // The stream's state, its workspaces grown to B x N tokens (the caller
+  // holds mutex_).
+  Result<StreamState*> streamState(CUstream stream, int64_t batch, int64_t tokens);
   // Runs every entry point on `args` (B = args.batch, N = args.tokens).
   // skipForward: not the pre-mix and attention launches (a backward from a kept forward).
-  Status launchEntries(IhaArgs& args, CUstream stream, bool skipForward);
+  Status launchEntries(IhaArgs& args, CUstream stream, bool skipForward, StreamState& state);
   Status encodeTensorMaps(const IhaArgs& args, int64_t L, int64_t B, cuda::TmaMaps& maps) const;
 
   std::shared_ptr<cuda::Device> device_;
   v1::CompiledKernel compiled_;
   CUmodule module_ = nullptr;
   std::vector<CUfunction> functions_;  // one per entry, in launch order
-  std::map<std::string, std::unique_ptr<cuda::DeviceBuffer>> workspaces_;
-  int64_t workspaceRows_ = 0;  // B * N the workspaces hold
-  // Tensor maps over the workspaces (wgmma engine), encoded for one (B, N)
-  // and kept until either changes or the workspaces move.
-  std::unique_ptr<cuda::TmaMaps> maps_;
-  std::pair<int64_t, int64_t> mapsShape_{0, 0};
-  std::array<const void*, 3> mapsBuffers_{};  // the mixed rows the maps point at (a kept forward's, or the workspaces)
+  std::mutex mutex_;                   // a launch at a time on the host
+  std::map<CUstream, std::unique_ptr<StreamState>> streams_;
   std::string provenance_ = "loaded";
 };
 
@@ -282,6 +295,13 @@ class Runtime {
                                                const Schedule& schedule = {});
   // Loads an already compiled kernel (from the cache or the service).
   Result<std::shared_ptr<Kernel>> load(const v1::CompiledKernel& compiled);
+
+  // kernel, backwardKernel and decodeKernel keep what they load, by spec,
+  // schedule and direction, for the Runtime's life: a steady-state call is a
+  // lookup (no store read, generation or module load). A decision tuned
+  // since (loom tune, a service) is picked up after reload(), which forgets
+  // them (kernels already handed out stay valid), or by a new Runtime.
+  void reload();
 
  private:
   Runtime() = default;

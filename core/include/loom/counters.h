@@ -1,0 +1,33 @@
+// Process-wide counts of the work behind loom's calls: how often a program
+// was generated, compiled, read from a store, loaded as a module, how many
+// device allocations, host synchronisations and kernel launches were made.
+// A steady-state call (its kernel already in memory) changes only
+// `launches`; the tests and `bench/host_overhead` read them through
+// loom::counters() (C++) and loom.counters() (Python).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace loom {
+
+enum class Counter : int {
+  programs_generated,  // generateKernel runs (the MLIR pipeline)
+  programs_compiled,   // NVRTC or the host compiler run (not a cache hit)
+  store_reads,         // a compiled program or a decision read from disk or SQLite
+  modules_loaded,      // a host program opened (dlopen) or a CUDA module loaded
+  device_allocations,  // cuMemAlloc calls
+  host_syncs,          // the host waiting on the device (synchronise, a copy back)
+  launches,            // kernel grids launched (host tile API, emulator or CUDA)
+};
+inline constexpr int kCounterCount = int(Counter::launches) + 1;
+
+// Adds `n` to a counter (thread-safe).
+void count(Counter counter, int64_t n = 1);
+
+// A snapshot of every counter, by name (the names above), in that order.
+std::vector<std::pair<std::string, int64_t>> counters();
+
+}  // namespace loom
