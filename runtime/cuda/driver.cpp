@@ -109,6 +109,14 @@ Result<const DriverApi*> load() {
   fetch(api.cuMemcpyDtoH, "cuMemcpyDtoH");
   fetch(api.cuMemsetD8, "cuMemsetD8");
   fetch(api.cuStreamSynchronize, "cuStreamSynchronize");
+  fetch(api.cuStreamCreate, "cuStreamCreate");
+  fetch(api.cuStreamDestroy, "cuStreamDestroy");
+  fetch(api.cuStreamBeginCapture, "cuStreamBeginCapture");
+  fetch(api.cuStreamEndCapture, "cuStreamEndCapture");
+  fetch(api.cuGraphInstantiateWithFlags, "cuGraphInstantiateWithFlags");
+  fetch(api.cuGraphLaunch, "cuGraphLaunch");
+  fetch(api.cuGraphExecDestroy, "cuGraphExecDestroy");
+  fetch(api.cuGraphDestroy, "cuGraphDestroy");
   fetch(api.cuEventCreate, "cuEventCreate");
   fetch(api.cuEventDestroy, "cuEventDestroy");
   fetch(api.cuEventRecord, "cuEventRecord");

@@ -16,6 +16,7 @@
 #include "io/case.h"
 #include "io/decode_case.h"
 #include "reference/iha_decode.h"
+#include "loom/counters.h"
 #include "loom/runtime.h"
 #include "reference/iha_reference.h"
 
@@ -167,6 +168,97 @@ TEST_F(Gpu, EveryDecodeBundleMatchesTheForwardsRows) {
     ++checked;
   }
   if (checked == 0) GTEST_SKIP() << "no decode bundles (tests/gpu/prepare.sh writes them)";
+}
+
+// CUDA graphs (issue: a host path without per-call work): the first decode
+// bundle's step, warmed up on a stream of its own, captured with
+// check_pages off (no synchronisation, no allocation in the launch), then
+// replayed 100 times with a different page table each time (the cache
+// rewritten to match, out poisoned): every replay within the tolerance of
+// the forward's rows, every tenth equal bit for bit to an eager launch of
+// the same buffers; the replays allocate, load and compile nothing.
+TEST_F(Gpu, DecodeGraphReplaysMatchEager) {
+  const Bundle* found = nullptr;
+  for (const Bundle& b : all_)
+    if (b.kernel.direction() == v1::direction_decode) {
+      found = &b;
+      break;
+    }
+  if (!found) GTEST_SKIP() << "no decode bundles (tests/gpu/prepare.sh writes them)";
+  auto kernel = Kernel::load(device_, found->kernel);
+  ASSERT_TRUE(kernel) << found->file << ": " << kernel.error().message;
+  auto shared = loadCase(casesDir() + "/" + found->caseName);
+  ASSERT_TRUE(shared) << shared.error().message;
+  const IhaCase c = withDtype(*shared, found->kernel.spec().dtype());
+  std::mt19937_64 rng(seed() + 9);
+  auto first = decodeCaseFrom(c, {1, 16, CacheLayout::raw, {}, rng()});
+  ASSERT_TRUE(first) << first.error().message;
+  auto buffers = cuda::DecodeBuffers::upload(*device_, *first);
+  ASSERT_TRUE(buffers) << buffers.error().message;
+  const cuda::DriverApi& api = device_->api();
+  CUstream stream = nullptr;
+  ASSERT_TRUE(cuda::check(api.cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate"));
+  // The warm-up grows the stream's workspaces; the capture then allocates nothing.
+  ASSERT_TRUE((*kernel)->launchDecode(buffers->tensors(), buffers->cache(), stream, /*checkPages=*/false));
+  ASSERT_TRUE(cuda::check(api.cuStreamSynchronize(stream), "warm-up"));
+  const auto beforeCapture = counters();
+  ASSERT_TRUE(cuda::check(api.cuStreamBeginCapture(stream, CU_STREAM_CAPTURE_MODE_GLOBAL), "cuStreamBeginCapture"));
+  const Status captured = (*kernel)->launchDecode(buffers->tensors(), buffers->cache(), stream, false);
+  CUgraph graph = nullptr;
+  ASSERT_TRUE(cuda::check(api.cuStreamEndCapture(stream, &graph), "cuStreamEndCapture"));
+  ASSERT_TRUE(captured) << captured.error().message;
+  CUgraphExec exec = nullptr;
+  ASSERT_TRUE(cuda::check(api.cuGraphInstantiateWithFlags(&exec, graph, 0), "cuGraphInstantiateWithFlags"));
+  const PagedCacheTensors& cache = buffers->cache();
+  const NpyType storage = storageTypeOf(c.spec.dtype());
+  int eagerChecks = 0;
+  double worst = 0;
+  for (int replay = 0; replay < 100; ++replay) {
+    auto step = decodeCaseFrom(c, {1, 16, CacheLayout::raw, {}, rng()});  // the same lengths, pages shuffled
+    ASSERT_TRUE(step) << step.error().message;
+    ASSERT_EQ(step->shape.numPages, first->shape.numPages);
+    ASSERT_EQ(step->shape.maxPages, first->shape.maxPages);
+    auto rewrite = [&](const Tensor& target, const std::vector<double>& values) {
+      const NpyArray bytes = npyFromDouble(values, {int64_t(values.size())}, storage);
+      return cuda::check(api.cuMemcpyHtoD(reinterpret_cast<CUdeviceptr>(target.data), bytes.bytes.data(),
+                                          bytes.bytes.size()),
+                         "cuMemcpyHtoD");
+    };
+    ASSERT_TRUE(rewrite(cache.k_cache, step->cache.k));
+    ASSERT_TRUE(rewrite(cache.v_cache, step->cache.v));
+    ASSERT_TRUE(cuda::check(api.cuMemcpyHtoD(reinterpret_cast<CUdeviceptr>(cache.page_table),
+                                             step->cache.pageTable.data(),
+                                             step->cache.pageTable.size() * sizeof(int32_t)),
+                            "cuMemcpyHtoD of the page table"));
+    ASSERT_TRUE(buffers->step().poison(*device_));
+    ASSERT_TRUE(cuda::check(api.cuGraphLaunch(exec, stream), "cuGraphLaunch"));
+    ASSERT_TRUE(cuda::check(api.cuStreamSynchronize(stream), "replay"));
+    auto replayed = buffers->step().download(*device_, stepCase(*step));
+    ASSERT_TRUE(replayed) << replayed.error().message;
+    const double error = relativeError(replayed->out, step->expected);
+    worst = std::max(worst, error);
+    EXPECT_LE(error, toleranceFor(c.spec.dtype())) << "replay " << replay;
+    if (replay % 10 != 0) continue;
+    ASSERT_TRUE(rewrite(cache.k_cache, step->cache.k));  // the replay appended; the eager step appends the same
+    ASSERT_TRUE(buffers->step().poison(*device_));
+    ASSERT_TRUE((*kernel)->launchDecode(buffers->tensors(), cache, stream, false));
+    ASSERT_TRUE(cuda::check(api.cuStreamSynchronize(stream), "eager"));
+    auto eager = buffers->step().download(*device_, stepCase(*step));
+    ASSERT_TRUE(eager) << eager.error().message;
+    EXPECT_EQ(eager->out, replayed->out) << "replay " << replay << " and an eager step of the same buffers differ";
+    ++eagerChecks;
+  }
+  const auto after = counters();
+  for (size_t i = 0; i < after.size(); ++i) {
+    const int64_t moved = after[i].second - beforeCapture[i].second;
+    if (after[i].first == "launches") EXPECT_EQ(moved, int64_t(eagerChecks + 1) * found->kernel.entries_size());
+    else if (after[i].first != "host_syncs") EXPECT_EQ(moved, 0) << after[i].first;  // the test's own copies back
+  }
+  api.cuGraphExecDestroy(exec);
+  api.cuGraphDestroy(graph);
+  api.cuStreamDestroy(stream);
+  std::printf("[ gpu graph] %s: 100 replays, worst rel. error %.2e, %d eager steps equal\n", found->file.c_str(), worst,
+              eagerChecks);
 }
 
 // The backward kernels (tests/gpu/prepare.sh's "backward" and
