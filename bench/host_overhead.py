@@ -5,7 +5,8 @@ For one small problem (the call itself is the cost: B 1, N 16, H 2, P 2, d 16 by
 backward and decode calls after a warm-up, and prints microseconds a call and what loom.counters() moved over
 the timed calls (a steady state moves only `launches`). Host tensors run the generated program on the host tile
 API; with --cuda (a GPU and PyTorch with CUDA) the same calls on CUDA tensors. PyTorch's own eager IHA
-(loom.torch.iha_eager, about twenty ops) is timed beside them. Numbers, not a test.
+(loom.torch.iha_eager, about twenty ops) is timed beside them. Wall time and this process's CPU time a call
+(the CPU time is the steadier on a shared machine). Numbers, not a test.
 
     PYTHONPATH=build/python python3 bench/host_overhead.py [--calls 500] [--tokens 16] [--cuda]
 """
@@ -23,13 +24,13 @@ def timed(call, calls):
     call()  # warm-up: generate, compile or read, load
     call()
     before = loom.counters()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(calls):
         call()
-    seconds = time.perf_counter() - start
+    seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
     after = loom.counters()
     moved = {key: after[key] - before[key] for key in after if after[key] != before[key]}
-    return seconds / calls * 1e6, moved
+    return seconds / calls * 1e6, cpu / calls * 1e6, moved
 
 
 def main():
@@ -81,8 +82,8 @@ def main():
     print(f"host overhead: B 1, N {N}, H {H}, G {G}, P {P}, d {d}, {dtype}, {device}, "
           f"{args.calls} calls each after a warm-up")
     for name, call in rows:
-        micros, moved = timed(call, args.calls)
-        print(f"  {name:40s} {micros:9.1f} us a call   counters moved: {moved}")
+        micros, cpu, moved = timed(call, args.calls)
+        print(f"  {name:40s} {micros:9.1f} us a call ({cpu:7.1f} us CPU)   counters moved: {moved}")
 
 
 if __name__ == "__main__":

@@ -200,7 +200,11 @@ struct KvPipeline {
   std::vector<float> k = std::vector<float>(size_t(C::stages) * C::block_n * C::head_dim);
   std::vector<float> v = std::vector<float>(size_t(C::stages) * C::block_n * C::head_dim);
   int64_t holds[C::stages];  // key block in each stage, -1 when free
-  KvPipeline() { std::fill(holds, holds + C::stages, int64_t(-1)); }
+  int columns[C::stages];    // its rows before the sequence's end (the rest are zeros, scored -inf)
+  KvPipeline() {
+    std::fill(holds, holds + C::stages, int64_t(-1));
+    std::fill(columns, columns + C::stages, C::block_n);
+  }
   float* key(int64_t block, int r) { return &k[(size_t(block % C::stages) * C::block_n + r) * C::head_dim]; }
   float* value(int64_t block, int r) { return &v[(size_t(block % C::stages) * C::block_n + r) * C::head_dim]; }
 };
@@ -354,6 +358,7 @@ void loadKv(KvPipeline<C>& pipe, const IhaArgs& a, int64_t g, int64_t b, int64_t
     host::virtualRow<C, Role::value, Mixed>(a, b, g, block * C::block_n + r, pipe.value(block, r));
   }
   pipe.holds[slot] = block;
+  pipe.columns[slot] = int(std::clamp<int64_t>(rows_end<C>(a, b) - block * C::block_n, 0, C::block_n));
 }
 
 }  // namespace host
@@ -426,13 +431,20 @@ void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_t block, Ac
   mma_qk(s, q, pipe, block);
 }
 
-// S = scale * Q K^T for one key block.
+// S = scale * Q K^T for one key block; columns past the sequence's end
+// (the stage's zero rows, which mask_scores sets to -inf in any case) are
+// -inf without their products.
 template <class C>
 void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_t block) {
   if (!q.ready) host::fail("S = Q K^T before Q's load completed (q_wait)");
   host::stats.key_blocks++;
+  const int columns = pipe.columns[block % C::stages];
   for (int r = 0; r < C::block_m; ++r)
     for (int c = 0; c < C::block_n; ++c) {
+      if (c >= columns) {
+        s.at(r, c) = -std::numeric_limits<float>::infinity();
+        continue;
+      }
       const float* qr = q.row(r);
       const float* kr = pipe.key(block, c);
       float dot = 0.0f;
@@ -468,7 +480,11 @@ void softmax_update(SoftmaxState<C>& state, ScoreTile<C>& s, AccTile<C>& acc) {
     }
     const float correction = std::exp(state.m[r] - rowMax);
     float sum = 0.0f;
-    for (int c = 0; c < C::block_n; ++c) sum += (s.at(r, c) = std::exp(s.at(r, c) - rowMax));
+    for (int c = 0; c < C::block_n; ++c) {
+      float& x = s.at(r, c);
+      x = x == -std::numeric_limits<float>::infinity() ? 0.0f : std::exp(x - rowMax);  // exp(-inf) is 0
+      sum += x;
+    }
     state.l[r] = state.l[r] * correction + sum;
     state.m[r] = rowMax;
     float* o = acc.row(r);
