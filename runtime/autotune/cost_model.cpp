@@ -95,7 +95,7 @@ AbsorbedBlockWork absorbedBlockWork(const KernelSpec& spec, const Schedule& s) {
     const double gramRows = double((G + 15) / 16 * 16);
     w.matrixFlops += 2.0 * kAbsorbedTokens * gramRows * gramRows * dp;
     const int64_t ctaKvHeads =
-        stepKvHeads(stepCtaHeads(int(spec.heads()), int(G), absorbedMostHeads(int(P), int(d))), int(spec.heads()), int(G));
+        stepKvHeads(oneCtaHeads(false, int(spec.heads()), int(G), int(P), int(d)), int(spec.heads()), int(G));
     w.simtFlops +=
         2.0 * kAbsorbedTokens * double(ctaKvHeads * P) * double(G * (G + 1) / 2 + G) + sRows * kAbsorbedTokens;
   }
@@ -110,7 +110,7 @@ AbsorbedBlockWork tensorMixingBlockWork(const KernelSpec& spec, const Schedule& 
   const double d = double(paddedHeadDim(int(spec.head_dim())));
   const double warpTokens = double(s.warps()) * kTensorMixingTokens;
   AbsorbedBlockWork w;
-  const int64_t ctasASequence = spec.heads() / stepCtaHeads(int(spec.heads()), int(spec.kv_heads()), kStepMaxHeads);
+  const int64_t ctasASequence = spec.heads() / oneCtaHeads(true, int(spec.heads()), int(spec.kv_heads()), 0, 0);
   w.matrixFlops = 2.0 * kTensorMixingTokens *
                   double(tensorMixingTokenMacs(int(spec.heads()), int(spec.kv_heads()), int(spec.head_dim()),
                                                spec.dtype() == v1::bfloat16)) /
@@ -543,10 +543,10 @@ DecodeGrid decodeGrid(const KernelSpec& spec, const Schedule& s, int64_t batch, 
   // Stacked, a CTA holds every query head of its kv group (block_m / (H / G)
   // rows of each): H / G times fewer CTAs stage and mix the cache; absorbed
   // and tensor mixing, every query head (or chunks of them: stepHeads).
-  const int most = s.tensor_mixing() ? kStepMaxHeads : absorbedMostHeads(int(P), int(spec.head_dim()));
-  const int64_t stacked = s.absorb_mixing() || s.tensor_mixing() ? stepCtaHeads(int(H), int(G), most)
-                          : s.stack_heads()                      ? H / G
-                                                                 : 1;
+  const bool oneCta = s.absorb_mixing() || s.tensor_mixing();
+  const int64_t stacked = oneCta            ? oneCtaHeads(s.tensor_mixing(), int(H), int(G), int(P), int(spec.head_dim()))
+                          : s.stack_heads() ? H / G
+                                            : 1;
   const int64_t ownedRows = std::max<int64_t>(P, s.block_m() / stacked / P * P);
   const int64_t queryBlocks = (newTokens * P + ownedRows - 1) / ownedRows;
   const int64_t keyBlocks = (visibleTokens(spec, cachedTokens, newTokens) * P + s.block_n() - 1) / s.block_n();
@@ -599,7 +599,7 @@ CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& s, const
   const int threads = (s.warps() + (wgmma ? kWarpgroupWarps : 0)) * 32;
   const int registers = registersPerThread.value_or(int(estimatedRegisters(spec, s)));
   const int64_t smem =
-      s.tensor_mixing() ? tensorMixingSmem(stepCtaHeads(int(H), int(G), kStepMaxHeads), int(d), int(s.stages()), int(G)).total
+      s.tensor_mixing() ? tensorMixingSmem(oneCtaHeads(true, int(H), int(G), int(P), int(d)), int(d), int(s.stages()), int(G)).total
       : absorbed        ? absorbedSmem(int(s.block_m()), int(d), int(s.stages()), int(G), int(P), int(s.warps()),
                                        spec.qk_norm() == v1::KernelSpec::rms)
                        .total

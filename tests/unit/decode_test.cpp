@@ -537,8 +537,7 @@ void expectAllHeadsStep(std::mt19937_64& rng, const IhaCase& c, Schedule schedul
   EXPECT_EQ(plan->schedule.tensor_mixing(), schedule.tensor_mixing()) << plan->schedule.ShortDebugString();
   for (const LaunchPlan& launch : plan->launches) {
     if (launch.name != kAttentionEntry) continue;
-    const int most = schedule.tensor_mixing() ? kStepMaxHeads
-                                              : absorbedMostHeads(c.spec.pseudo_heads(), c.spec.head_dim());
+    const int most = stepMostHeads(schedule.tensor_mixing(), c.spec.pseudo_heads(), c.spec.head_dim());
     EXPECT_EQ(launch.gridY, c.spec.heads() / stepHeads(c.spec.heads(), c.spec.kv_heads(), most) *
                                 plan->schedule.kv_splits())
         << "a CTA a split and chunk of heads";

@@ -354,6 +354,20 @@ INSTANTIATE_TEST_SUITE_P(Specs, PremixGate, ::testing::Range(0, kSassGridSpecs),
 class DecodeGate : public ::testing::TestWithParam<int> {};
 constexpr double kDecodeFloorRatioGate = 1.5;
 
+// What the decode steps' attention entries show in the machine code:
+// asynchronous copies, at most 16 scalar 16-bit global loads and 64 shared
+// ones, no spill, and key-block loops with no loop inside.
+void expectStreamingStep(const v1::ResourceUsage& attention, const std::string& what) {
+  const v1::SassMemory& m = attention.memory();
+  EXPECT_GT(m.async_copies(), 0) << what;
+  EXPECT_LE(m.global_loads_16bit(), 16) << what;
+  EXPECT_LE(m.shared_loads_16bit(), 64) << what;
+  EXPECT_EQ(attention.spill_store_bytes(), 0) << what;
+  ASSERT_GT(attention.loops_size(), 0) << what;
+  for (const v1::SassLoop& loop : attention.loops())
+    EXPECT_EQ(loop.inner_loops(), 0) << what << ": the loop at 0x" << std::hex << loop.first_offset();
+}
+
 TEST_P(DecodeGate, StreamsThePagesAndMixesFromWideReads) {
   const KernelSpec spec = sassGridSpec(GetParam());
   ASSERT_TRUE(validateSpec(spec)) << describe(spec);
@@ -377,13 +391,7 @@ TEST_P(DecodeGate, StreamsThePagesAndMixesFromWideReads) {
     const v1::SassMemory& m = attention.memory();
     const std::string what = arch + " decode " + kernel->schedule().ShortDebugString() + " of " + describe(spec) +
                              ": " + jit::sass::memoryBrief(m);
-    EXPECT_GT(m.async_copies(), 0) << what;
-    EXPECT_LE(m.global_loads_16bit(), 16) << what;
-    EXPECT_LE(m.shared_loads_16bit(), 64) << what;
-    EXPECT_EQ(attention.spill_store_bytes(), 0) << what;
-    ASSERT_GT(attention.loops_size(), 0) << what;
-    for (const v1::SassLoop& loop : attention.loops())
-      EXPECT_EQ(loop.inner_loops(), 0) << what << ": the loop at 0x" << std::hex << loop.first_offset();
+    ASSERT_NO_FATAL_FAILURE(expectStreamingStep(attention, what));
     std::printf("[ decode   ] %s\n", what.c_str());
     if (arch != "sm_90a") continue;
     const auto issue = autotune::loopIssueOf(attention);
@@ -476,15 +484,8 @@ TEST(DecodeGate, TensorMixingStepsOfThePapersP8) {
       EXPECT_EQ(byDefault->absorb_mixing(), c.headDim == 64) << byDefault->ShortDebugString();
       auto read = sassUsageOf(*artifact, kAttentionEntry);
       ASSERT_TRUE(read) << arch << ": " << read.error().message;
-      const v1::SassMemory& m = read->memory();
-      const std::string what = arch + " " + describe(spec) + ": " + jit::sass::memoryBrief(m);
-      EXPECT_GT(m.async_copies(), 0) << what;
-      EXPECT_LE(m.global_loads_16bit(), 16) << what;
-      EXPECT_LE(m.shared_loads_16bit(), 64) << what;
-      EXPECT_EQ(read->spill_store_bytes(), 0) << what;
-      ASSERT_GT(read->loops_size(), 0) << what;
-      for (const v1::SassLoop& loop : read->loops())
-        EXPECT_EQ(loop.inner_loops(), 0) << what << ": the loop at 0x" << std::hex << loop.first_offset();
+      const std::string what = arch + " " + describe(spec) + ": " + jit::sass::memoryBrief(read->memory());
+      ASSERT_NO_FATAL_FAILURE(expectStreamingStep(*read, what));
       if (arch != "sm_90a") continue;
       const auto issue = autotune::loopIssueOf(*read);
       ASSERT_TRUE(issue) << what << ": no key-block loop read";
@@ -535,21 +536,14 @@ TEST(DecodeGate, OneCtaStepsInChunksOfHeads) {
       auto kernel = compileKernel(spec, *byDefault, *parseTarget(arch), compiler, &artifact, Direction::decode,
                                   /*mixedCache=*/false);
       ASSERT_TRUE(kernel) << arch << " " << describe(spec) << ": " << kernel.error().message;
-      const int most = c.tensor ? kStepMaxHeads : absorbedMostHeads(c.pseudoHeads, 128);
+      const int most = stepMostHeads(c.tensor, c.pseudoHeads, 128);
       EXPECT_EQ(stepHeads(32, c.kvHeads, most), c.ctaHeads);
       EXPECT_NE(kernel->source().find("stacked_heads = " + std::to_string(c.ctaHeads) + ";"), std::string::npos);
       auto read = sassUsageOf(*artifact, kAttentionEntry);
       ASSERT_TRUE(read) << arch << ": " << read.error().message;
-      const v1::SassMemory& m = read->memory();
       const std::string what = arch + " " + describe(spec) + " " + kernel->schedule().ShortDebugString() + ": " +
-                               jit::sass::memoryBrief(m);
-      EXPECT_GT(m.async_copies(), 0) << what;
-      EXPECT_LE(m.global_loads_16bit(), 16) << what;
-      EXPECT_LE(m.shared_loads_16bit(), 64) << what;
-      EXPECT_EQ(read->spill_store_bytes(), 0) << what;
-      ASSERT_GT(read->loops_size(), 0) << what;
-      for (const v1::SassLoop& loop : read->loops())
-        EXPECT_EQ(loop.inner_loops(), 0) << what << ": the loop at 0x" << std::hex << loop.first_offset();
+                               jit::sass::memoryBrief(read->memory());
+      ASSERT_NO_FATAL_FAILURE(expectStreamingStep(*read, what));
       if (arch != "sm_90a") continue;
       const auto issue = autotune::loopIssueOf(*read);
       ASSERT_TRUE(issue) << what << ": no key-block loop read";

@@ -257,14 +257,13 @@ std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule) {
              "every head in one CTA)";
   }
   // The one-CTA steps hold stepHeads query heads a CTA (every head up to 16).
-  const int64_t stepH = stepHeads(int(spec.getHeads()), int(spec.getKvHeads()),
-                                  schedule.getTensorMixing() ? kStepMaxHeads
-                                                             : absorbedMostHeads(int(P), int(spec.getHeadDim())));
+  const int most = stepMostHeads(schedule.getTensorMixing(), int(P), int(spec.getHeadDim()));
+  const int64_t stepH = stepHeads(int(spec.getHeads()), int(spec.getKvHeads()), most);
   if ((schedule.getAbsorbMixing() || schedule.getTensorMixing()) && stepH == 0)
     return std::string(schedule.getAbsorbMixing() ? "schedule.absorb_mixing" : "schedule.tensor_mixing") +
            ": heads " + str(spec.getHeads()) + " (kv_heads " + str(spec.getKvHeads()) +
            ") do not divide into CTAs that read whole kv groups (up to 16 heads; absorbed, up to " +
-           str(absorbedMostHeads(int(P), int(spec.getHeadDim()))) + ")";
+           str(stepMostHeads(false, int(P), int(spec.getHeadDim()))) + ")";
   if (schedule.getAbsorbMixing()) {
     const int64_t H = stepH;
     if (schedule.getEngine() != Engine::mma) return "schedule.absorb_mixing needs engine mma";

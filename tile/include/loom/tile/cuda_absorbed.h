@@ -59,8 +59,8 @@ struct Geometry {
   static constexpr int pPitch = absorbedPTilePitch(C::kv_heads);
   static constexpr int dChunks = D / kChunkElements;
   static_assert(C::block_n == tokens * P, "a key block is whole tokens");
-  static constexpr int most = kDecodeStep<C> == kTensorMixingStep ? kStepMaxHeads : absorbedMostHeads(P, C::head_dim);
-  static_assert(C::stacked_heads == stepCtaHeads(C::heads, C::kv_heads, most),
+  static_assert(C::stacked_heads ==
+                    oneCtaHeads(kDecodeStep<C> == kTensorMixingStep, C::heads, C::kv_heads, P, C::head_dim),
                 "an absorbed CTA holds a token of every query head (stepHeads of them)");
   static_assert(kDecodeStep<C> != kAbsorbedStep ||
                     absorbedShapeProblem(C::block_m, C::warps, C::head_dim, P) == nullptr,

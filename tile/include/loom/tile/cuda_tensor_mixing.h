@@ -59,7 +59,7 @@ struct Geometry {
   static constexpr int span = rope ? KT / 2 : 0;     // the partner's distance in k-steps
   static constexpr int threads = C::warps * kWarpSize;
   static_assert(C::block_n == tokens * P, "a key block is kTensorMixingTokens whole tokens");
-  static_assert(C::stacked_heads == stepCtaHeads(C::heads, C::kv_heads, kStepMaxHeads),
+  static_assert(C::stacked_heads == oneCtaHeads(true, C::heads, C::kv_heads, P, D),
                 "a tensor-mixing CTA holds a token of every query head (stepHeads of them)");
   static_assert(C::warps == tensorMixingWarps(C::stacked_heads) && C::block_m == tensorMixingBlockM(C::stacked_heads),
                 "a warp holds two heads' eight rows");

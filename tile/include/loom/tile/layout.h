@@ -244,6 +244,15 @@ constexpr int stepCtaHeads(int heads, int kvHeads, int most) {
   const int c = stepHeads(heads, kvHeads, most);
   return c > 0 ? c : heads;
 }
+// The most query heads a CTA of a one-CTA step holds: tensor mixing's 16,
+// the absorbed step's absorbedMostHeads.
+constexpr int stepMostHeads(bool tensorMixing, int pseudoHeads, int headDim) {
+  return tensorMixing ? kStepMaxHeads : absorbedMostHeads(pseudoHeads, headDim);
+}
+// The query heads a CTA of that step holds for a spec (stepCtaHeads).
+constexpr int oneCtaHeads(bool tensorMixing, int heads, int kvHeads, int pseudoHeads, int headDim) {
+  return stepCtaHeads(heads, kvHeads, stepMostHeads(tensorMixing, pseudoHeads, headDim));
+}
 // The kv heads a CTA of stepHeads query heads reads.
 constexpr int stepKvHeads(int ctaHeads, int heads, int kvHeads) {
   const int group = heads / kvHeads;
@@ -284,7 +293,7 @@ constexpr const char* tensorMixingShapeProblem(int heads, int headDim, int pseud
 // of 16 kv heads; bf16 weights in two halves), scores and P V (each half
 // of a product another head's); every CTA of a sequence's (stepHeads).
 constexpr long long absorbedTokenMacs(int heads, int kvHeads, int pseudoHeads, int headDim) {
-  const int ctaHeads = stepHeads(heads, kvHeads, absorbedMostHeads(pseudoHeads, headDim));
+  const int ctaHeads = stepHeads(heads, kvHeads, stepMostHeads(false, pseudoHeads, headDim));
   if (ctaHeads == 0) return 0;
   long long tiles = 1;
   while (tiles * 16 < (long long)ctaHeads * pseudoHeads) tiles *= 2;
@@ -292,7 +301,7 @@ constexpr long long absorbedTokenMacs(int heads, int kvHeads, int pseudoHeads, i
   return heads / ctaHeads * (blockM * absorbedRows(pseudoHeads) + blockM) * absorbedPaddedHeads(kvHeads) * d;
 }
 constexpr long long tensorMixingTokenMacs(int heads, int kvHeads, int headDim, bool splitWeights) {
-  const int ctaHeads = stepHeads(heads, kvHeads, kStepMaxHeads);
+  const int ctaHeads = stepHeads(heads, kvHeads, stepMostHeads(true, 0, 0));
   if (ctaHeads == 0) return 0;
   const long long d = paddedHeadDim(headDim), km = (kvHeads + 15) / 16, halves = splitWeights ? 2 : 1;
   const long long mmas = d / 8 * halves * km + 2 * (d / 16) + d / 16 * 2 * halves * km + d / 8;  // a warp's, a token

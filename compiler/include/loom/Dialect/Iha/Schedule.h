@@ -65,11 +65,10 @@ std::optional<std::string> checkScheduleFields(const ScheduleFields& given);
 // qk_norm).
 ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool hopper = false);
 
-// The query heads a CTA of the one-CTA decode steps holds (loom::stepCtaHeads):
+// The query heads a CTA of the one-CTA decode steps holds (loom::oneCtaHeads):
 // tensor mixing's up to 16, the absorbed step's up to absorbedMostHeads.
 inline int64_t oneCtaStepHeads(int64_t heads, int64_t kvHeads, int64_t pseudoHeads, int64_t headDim, bool tensor) {
-  return loom::stepCtaHeads(int(heads), int(kvHeads),
-                            tensor ? loom::kStepMaxHeads : loom::absorbedMostHeads(int(pseudoHeads), int(headDim)));
+  return loom::oneCtaHeads(tensor, int(heads), int(kvHeads), int(pseudoHeads), int(headDim));
 }
 inline int64_t oneCtaStepHeads(SpecAttr spec, ScheduleAttr schedule) {
   return oneCtaStepHeads(spec.getHeads(), spec.getKvHeads(), spec.getPseudoHeads(), spec.getHeadDim(),
