@@ -23,6 +23,8 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "api/compile.h"
@@ -85,15 +87,46 @@ std::string jsonText(const py::object& value, const char* what) {
   throw BadArgument(std::string(what) + ": want a dict, a JSON string or a path to a JSON file");
 }
 
+// What a call's text parsed to, kept by the text: a steady-state call (the
+// same spec and schedule every layer and step) parses and validates nothing.
+// Only what parsed is kept; callers hold the GIL, which guards the maps. A
+// process sees a handful of texts; past kMemoTexts the memo starts over.
+constexpr size_t kMemoTexts = 1024;
+template <typename T, typename Parse>
+const T& memoized(std::unordered_map<std::string, T>& memo, std::string text, Parse parse) {
+  if (auto found = memo.find(text); found != memo.end()) return found->second;
+  T parsed = parse(text);  // throws for bad text: nothing kept
+  if (memo.size() >= kMemoTexts) memo.clear();
+  return memo.emplace(std::move(text), std::move(parsed)).first->second;
+}
+
 KernelSpec specOf(const py::object& value) {
-  KernelSpec spec = valueOr(parseSpecJson(jsonText(value, "spec"), "spec"), true);
-  check(validateSpec(spec), true);
-  return spec;
+  static std::unordered_map<std::string, KernelSpec> specs;
+  return memoized(specs, jsonText(value, "spec"), [](const std::string& text) {
+    KernelSpec spec = valueOr(parseSpecJson(text, "spec"), true);
+    check(validateSpec(spec), true);
+    return spec;
+  });
 }
 
 Schedule scheduleOf(const py::object& value) {
   if (value.is_none()) return Schedule();
-  return valueOr(parseScheduleJson(jsonText(value, "schedule"), "schedule"), true);
+  static std::unordered_map<std::string, Schedule> schedules;
+  return memoized(schedules, jsonText(value, "schedule"), [](const std::string& text) {
+    return valueOr(parseScheduleJson(text, "schedule"), true);
+  });
+}
+
+// Checks that `schedule` resolves for `spec` on the host tile API (a
+// ValueError if not), once a (spec, schedule): resolving builds an MLIR
+// context, which would cost more than a small problem's whole run.
+void checkResolvesOnHost(const KernelSpec& spec, const Schedule& schedule) {
+  static std::unordered_set<std::string> resolved;
+  std::string key = spec.SerializeAsString() + '\0' + schedule.SerializeAsString();
+  if (resolved.count(key)) return;
+  valueOr(resolveSchedule(spec, schedule, valueOr(parseTarget("cpu"), false)), true);
+  if (resolved.size() >= kMemoTexts) resolved.clear();
+  resolved.insert(std::move(key));
 }
 
 py::object fromJson(const std::string& json) { return py::module_::import("json").attr("loads")(json); }
@@ -109,12 +142,13 @@ struct Borrowed {
 
 Borrowed borrow(const py::object& value, const char* name, std::optional<int64_t> stream) {
   Borrowed b;
-  if (py::hasattr(value, "__dlpack__")) {
-    const py::tuple device = value.attr("__dlpack_device__")();
-    const bool cuda = device[0].cast<int>() == kDLCUDA;
-    b.capsule = cuda && stream ? value.attr("__dlpack__")(py::arg("stream") = *stream) : value.attr("__dlpack__")();
-  } else if (PyCapsule_IsValid(value.ptr(), "dltensor")) {
+  if (PyCapsule_IsValid(value.ptr(), "dltensor")) {
     b.capsule = value;
+  } else if (py::hasattr(value, "__dlpack__")) {
+    // A stream is passed to a CUDA producer only (it orders its work before
+    // the stream's); without one, the device is not asked.
+    const bool cuda = stream && py::tuple(value.attr("__dlpack_device__")())[0].cast<int>() == kDLCUDA;
+    b.capsule = cuda ? value.attr("__dlpack__")(py::arg("stream") = *stream) : value.attr("__dlpack__")();
   } else {
     throw BadArgument(std::string(name) + ": not a DLPack tensor (no __dlpack__; torch, cupy, jax and numpy arrays are)");
   }
@@ -344,7 +378,7 @@ py::object iha(const py::object& q, const py::object& k, const py::object& v, co
       true);
   if (onHost) {
     check(validateTensors(spec, tensors, kHostDevice), true);
-    valueOr(resolveSchedule(spec, schedule, valueOr(parseTarget("cpu"), false)), true);
+    checkResolvesOnHost(spec, schedule);
     const cpu::CpuOptions options{cacheDir, threads};
     py::gil_scoped_release release;
     check(runOnHost(spec, tensors, schedule, options), false);  // what is left: compiling, running

@@ -69,13 +69,52 @@ def spec_for(spec, dtype: torch.dtype) -> dict:
     return s
 
 
+# spec_for's JSON text and the spec's output dimensions, kept by what the caller passed (a layer passes the same
+# spec every call): a steady-state call parses no JSON. A path is not kept (its file may change).
+_SPEC_TEXTS = {}
+
+
+def _spec_text(spec, dtype: torch.dtype) -> str:
+    try:
+        key = (spec if isinstance(spec, str) else tuple(spec.items()), dtype)
+        text = _SPEC_TEXTS.get(key)
+    except (TypeError, AttributeError):  # unhashable values, or not a dict: spec_for says what is wrong
+        return json.dumps(spec_for(spec, dtype), sort_keys=True)
+    if text is None:
+        text = json.dumps(spec_for(spec, dtype), sort_keys=True)
+        if isinstance(spec, dict) or spec.lstrip().startswith("{"):
+            if len(_SPEC_TEXTS) >= 1024:
+                _SPEC_TEXTS.clear()
+            _SPEC_TEXTS[key] = text
+    return text
+
+
+_OUT_DIMS = {}
+
+
+def _out_dims(spec_json: str) -> Tuple[int, int]:
+    """(H, d) of spec_for's text: out is [B, N, H, d]."""
+    dims = _OUT_DIMS.get(spec_json)
+    if dims is None:
+        s = json.loads(spec_json)
+        dims = (s["heads"], s["head_dim"])
+        if len(_OUT_DIMS) >= 1024:
+            _OUT_DIMS.clear()
+        _OUT_DIMS[spec_json] = dims
+    return dims
+
+
 def _stream(t: torch.Tensor):
     return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else None
 
 
 def _prepared(tensors):
-    """What loom reads: detached (DLPack exports no tensor that requires grad), dense."""
-    return [t.detach().contiguous() for t in tensors]
+    """What loom reads, as DLPack capsules: detached (DLPack exports no tensor that requires grad), dense. loom
+    launches on the stream it is given (the current one), so no producer stream needs ordering."""
+    return [_capsule(t.detach().contiguous()) for t in tensors]
+
+
+_capsule = torch.utils.dlpack.to_dlpack
 
 
 def _check_inputs(q, weights):
@@ -94,9 +133,10 @@ def _forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec: str, schedule: 
     if q.dtype == torch.float64:
         out, _ = _loom.reference(*tensors, spec)
         return torch.utils.dlpack.from_dlpack(out)
-    s = json.loads(spec)
-    out = torch.empty((q.shape[0], q.shape[1], s["heads"], s["head_dim"]), dtype=q.dtype, device=q.device)
-    _loom.iha(*tensors, spec, stream=_stream(q), out=out, schedule=schedule, cache_dir=cache_dir, threads=threads)
+    heads, head_dim = _out_dims(spec)
+    out = torch.empty((q.shape[0], q.shape[1], heads, head_dim), dtype=q.dtype, device=q.device)
+    _loom.iha(*tensors, spec, stream=_stream(q), out=_capsule(out), schedule=schedule,
+              cache_dir=cache_dir, threads=threads)
     return out
 
 
@@ -104,13 +144,13 @@ def _backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, dout, spec: str, sch
               cache_dir: str, threads: int):
     inputs = (q, k, v, alpha_q, alpha_k, alpha_v, collapse)
     tensors = _prepared(inputs)
-    dout = dout.detach().to(q.dtype).contiguous()
+    dout = _capsule(dout.detach().to(q.dtype).contiguous())
     if q.dtype == torch.float64:
         grads = _loom.reference_backward(*tensors, dout, spec)
         return tuple(torch.utils.dlpack.from_dlpack(g) for g in grads)
     grads = [torch.empty(t.shape, dtype=torch.float32, device=q.device) for t in inputs]
-    _loom.iha_backward(*tensors, dout, spec, grads=grads, stream=_stream(q), schedule=schedule, cache_dir=cache_dir,
-                       threads=threads)
+    _loom.iha_backward(*tensors, dout, spec, grads=[_capsule(g) for g in grads], stream=_stream(q),
+                       schedule=schedule, cache_dir=cache_dir, threads=threads)
     return tuple(g.to(t.dtype) for g, t in zip(grads, inputs))
 
 
@@ -170,7 +210,7 @@ def iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, *, schedule=None, ca
     """out [B, N, H, d] = IHA(q, k, v; alpha_q, alpha_k, alpha_v, collapse) for `spec` (a dict, JSON text or a
     path; its dtype, when given, q's). Differentiable in all seven tensors. `schedule` (dict or JSON) forces the
     forward's schedule; `cache_dir` is the kernel cache (default ~/.cache/loom); `threads` the host path's."""
-    spec_json = json.dumps(spec_for(spec, q.dtype), sort_keys=True)
+    spec_json = _spec_text(spec, q.dtype)
     schedule_json = None if schedule is None else (schedule if isinstance(schedule, str) else json.dumps(schedule))
     if HAS_CUSTOM_OP:
         return _iha_op(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec_json, schedule_json, cache_dir, threads)
@@ -190,18 +230,17 @@ def decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_
     host tensors run the generated decode program on the host tile API. check_pages=False (CUDA) skips copying
     page_table and cache_len back to check them: no host synchronisation in the step (a serving loop that
     builds them checked; CUDA-graph capture)."""
-    spec_json = json.dumps(spec_for(spec, q.dtype), sort_keys=True)
+    spec_json = _spec_text(spec, q.dtype)
     schedule_json = None if schedule is None else (schedule if isinstance(schedule, str) else json.dumps(schedule))
     _check_inputs(q, (alpha_q, alpha_k, alpha_v, collapse))
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous: the step appends to it in place")
-    s = json.loads(spec_json)
-    out = torch.empty((q.shape[0], q.shape[1], s["heads"], s["head_dim"]), dtype=q.dtype, device=q.device)
-    tensors = _prepared((q, k, v, alpha_q, alpha_k, alpha_v, collapse))
-    _loom.decode(*tensors, k_cache.detach(), v_cache.detach(), page_table.contiguous(), cache_len.contiguous(),
-                 spec_json, cache=cache, out=out, stream=_stream(q), schedule=schedule_json, cache_dir=cache_dir,
-                 service=service, threads=threads, check_pages=check_pages)
+    heads, head_dim = _out_dims(spec_json)
+    out = torch.empty((q.shape[0], q.shape[1], heads, head_dim), dtype=q.dtype, device=q.device)
+    tensors = _prepared((q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len))
+    _loom.decode(*tensors, spec_json, cache=cache, out=_capsule(out), stream=_stream(q), schedule=schedule_json,
+                 cache_dir=cache_dir, service=service, threads=threads, check_pages=check_pages)
     return out
 
 

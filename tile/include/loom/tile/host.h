@@ -10,6 +10,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -85,15 +86,29 @@ void normalize(float* row) {
   for (int c = 0; c < C::head_dim; ++c) row[c] *= factor;
 }
 
+// theta^(-2j/d), the same doubles every row, computed once a program. Not a
+// function's static: every program names its config IhaConfig, and a static
+// of an inline function is one object (a unique symbol) across all the
+// programs a process loads; this one has internal linkage.
+namespace {
+template <class C>
+const std::array<double, C::head_dim / 2> ropeFrequency = [] {
+  std::array<double, C::head_dim / 2> f{};
+  for (int j = 0; j < C::head_dim / 2; ++j) f[j] = std::pow(double(C::rope_theta), -2.0 * j / C::head_dim);
+  return f;
+}();
+}  // namespace
+
 // Half-split rotary embedding at virtual position `position` (by the opposite
 // angle when rope_direction is negative, and back with `inverse`); angles in
 // double so long sequences keep their phase.
 template <class C>
 void rotate(float* row, int64_t position, bool inverse = false) {
   constexpr int half = C::head_dim / 2;
+  const std::array<double, half>& frequency = ropeFrequency<C>;
   const double direction = (C::rope_negative ? -1.0 : 1.0) * (inverse ? -1.0 : 1.0);
   for (int j = 0; j < half; ++j) {
-    const double angle = direction * double(position) * std::pow(double(C::rope_theta), -2.0 * j / C::head_dim);
+    const double angle = direction * double(position) * frequency[j];
     const double c = std::cos(angle), s = std::sin(angle);
     const float x0 = row[j], x1 = row[j + half];
     row[j] = float(x0 * c - x1 * s);
@@ -190,8 +205,9 @@ inline int64_t block_z(const IhaArgs& a) { return a.batch_offset + host::cta.z; 
 template <class C>
 struct QTile {
   std::vector<float> x = std::vector<float>(size_t(C::block_m) * C::head_dim);
-  bool issued = false;  // q_begin ran, q_wait not yet
-  bool ready = false;   // q_wait ran: mma_qk may read x
+  bool live[C::block_m];  // a row of the sequence (not padding past its end or its stacked heads)
+  bool issued = false;    // q_begin ran, q_wait not yet
+  bool ready = false;     // q_wait ran: mma_qk may read x
   float* row(int r) { return &x[size_t(r) * C::head_dim]; }
 };
 
@@ -313,6 +329,7 @@ void q_begin(QTile<C>& q, const IhaArgs& a, int64_t row0, int64_t head, int64_t 
   host::stats.ctas++;
   for (int r = 0; r < C::block_m; ++r) {
     const CtaRow t = ctaRow<C>(r);
+    q.live[r] = (C::stacked_heads == 1 || t.owned) && row0 + t.row < rows_end<C>(a, b);
     if (C::stacked_heads > 1 && !t.owned) {  // past the stacked heads' rows: zeros
       std::fill(q.row(r), q.row(r) + C::head_dim, 0.0f);
       continue;
@@ -433,7 +450,8 @@ void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_t block, Ac
 
 // S = scale * Q K^T for one key block; columns past the sequence's end
 // (the stage's zero rows, which mask_scores sets to -inf in any case) are
-// -inf without their products.
+// -inf without their products, and so are the rows of no query (past the
+// end, or of no stacked head: never stored, their probabilities all 0).
 template <class C>
 void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_t block) {
   if (!q.ready) host::fail("S = Q K^T before Q's load completed (q_wait)");
@@ -441,7 +459,7 @@ void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_t block) {
   const int columns = pipe.columns[block % C::stages];
   for (int r = 0; r < C::block_m; ++r)
     for (int c = 0; c < C::block_n; ++c) {
-      if (c >= columns) {
+      if (c >= columns || !q.live[r]) {
         s.at(r, c) = -std::numeric_limits<float>::infinity();
         continue;
       }
@@ -724,6 +742,7 @@ struct KvGradTile {
 template <class C>
 struct QGradTile {
   int64_t row0 = 0, head = 0, batch = 0;
+  int64_t lse_rows = 0;  // the sequence's rows, L
   std::vector<float> q = std::vector<float>(size_t(C::block_m) * C::head_dim);
   std::vector<float> dO = std::vector<float>(size_t(C::block_m) * C::head_dim);
   float lse[C::block_m];
@@ -767,6 +786,7 @@ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, int64_t row0, int64_t h, int
   q.row0 = row0;
   q.head = h;
   q.batch = b;
+  q.lse_rows = L;
   host::loadRows(a.q_mixed, b, C::heads, h, L, row0, C::block_m, C::head_dim, q.q.data());
   host::loadRows(a.do_pseudo, b, C::heads, h, L, row0, C::block_m, C::head_dim, q.dO.data());
   for (int r = 0; r < C::block_m; ++r) {
@@ -777,12 +797,19 @@ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, int64_t row0, int64_t h, int
 }
 
 // S = scale * Q K^T (the same on the host in either loop: loom::Outer only
-// says which rows the GPU's warps own).
+// says which rows the GPU's warps own). Rows and columns past the end are
+// -inf without their products (bwd_mask sets them so in any case; where it
+// does not run, their zero rows of q, do and K gave nothing).
 template <class C, Outer>
 void bwd_scores(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) {
   host::stats.key_blocks++;
+  const int64_t L = q.lse_rows;
   for (int r = 0; r < C::block_m; ++r)
     for (int c = 0; c < C::block_n; ++c) {
+      if (q.row0 + r >= L || kv.col0 + c >= L) {
+        s.at(r, c) = -std::numeric_limits<float>::infinity();
+        continue;
+      }
       const float* qr = &q.q[size_t(r) * C::head_dim];
       const float* kr = &kv.k[size_t(c) * C::head_dim];
       float dot = 0.0f;
