@@ -12,9 +12,12 @@
 // under a shuffled page table, random values), timed without the page-table
 // check (the kernel alone; the first launch is checked), with the bandwidth
 // of the cache it reads and the bytes both cache layouts would take.
+// Every row also gives the host's time a launch call at steady state
+// (200 calls queued on a stream, on the host clock).
 //
 //   loom-gpu-bench build/gpu-bundles [results.json]
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -39,10 +42,32 @@ constexpr autotune::TimingPlan kPlan{3, 20, 20, 0};
 
 constexpr int64_t kDecodePageSize = 16;
 
+// The host's cost of one launch call at steady state (the issue's target:
+// at most 5 us): after a warm-up on a stream of its own, 200 calls queued
+// on it, timed on the host clock before the stream is waited on.
+template <class Launch>
+Result<double> hostMicrosPerCall(const cuda::Device& device, Launch launch) {
+  constexpr int kCalls = 200;
+  const cuda::DriverApi& api = device.api();
+  CUstream stream = nullptr;
+  if (Status ok = cuda::check(api.cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate"); !ok)
+    return ok.error();
+  Status ok = launch(stream);
+  if (ok) ok = cuda::check(api.cuStreamSynchronize(stream), "warm-up");
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 0; ok && i < kCalls; ++i) ok = launch(stream);
+  const double micros = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count();
+  if (ok) ok = cuda::check(api.cuStreamSynchronize(stream), "the timed calls");
+  api.cuStreamDestroy(stream);
+  if (!ok) return ok.error();
+  return micros / kCalls;
+}
+
 // One decode step (T = 1) over B caches of `cached` tokens: device buffers of
 // random values under a shuffled page table, the launch checked once, then timed.
 Result<autotune::Timing> timeDecode(Kernel& kernel, const cuda::Device& device, const cuda::DeviceBuffer& flush,
-                                    const KernelSpec& spec, int64_t batch, int64_t cached, std::mt19937_64& rng) {
+                                    const KernelSpec& spec, int64_t batch, int64_t cached, std::mt19937_64& rng,
+                                    double* hostMicros) {
   const IhaCase step = drawCase(spec, batch, 1, rng());
   auto buffers = cuda::CaseBuffers::upload(device, step);
   if (!buffers) return buffers.error();
@@ -86,6 +111,10 @@ Result<autotune::Timing> timeDecode(Kernel& kernel, const cuda::Device& device, 
   cache.cache_len = static_cast<const int32_t*>(owned[3].data());
   cache.max_pages = pagesPer;
   if (Status ok = kernel.launchDecode(buffers->tensors(), cache); !ok) return ok.error();  // checked once
+  auto host = hostMicrosPerCall(
+      device, [&](CUstream stream) { return kernel.launchDecode(buffers->tensors(), cache, stream, false); });
+  if (!host) return host.error();
+  *hostMicros = *host;
   return autotune::timeRuns(
       [&](int) { return kernel.launchDecode(buffers->tensors(), cache, nullptr, /*checkPages=*/false); }, device, flush,
       kPlan);
@@ -108,7 +137,8 @@ int main(int argc, char** argv) {
 
   std::printf("device: %s (%s, %d SMs)\n", (*device)->info().name.c_str(), (*device)->info().arch().c_str(),
               (*device)->info().smCount);
-  std::printf("%-34s %4s %6s %10s %10s %9s %9s\n", "kernel", "B", "N", "median ms", "p90 ms", "TFLOP/s", "GB/s");
+  std::printf("%-34s %4s %6s %10s %10s %9s %9s %9s\n", "kernel", "B", "N", "median ms", "p90 ms", "TFLOP/s", "GB/s",
+              "launch us");  // the host's time a launch call
   const std::regex name(R"(bench\.n(\d+)b(\d+)\.([^.]+)\.pb)");
   const std::regex decodeName(R"(bench-decode\.c(\d+)b(\d+)\.([^.]+)\.pb)");
   std::vector<fs::path> files;
@@ -125,7 +155,8 @@ int main(int argc, char** argv) {
       std::ifstream in(path, std::ios::binary);
       if (!compiled.ParseFromIstream(&in) || compiled.direction() != v1::direction_decode) continue;
       auto kernel = Kernel::load(*device, compiled);
-      auto timing = kernel ? timeDecode(**kernel, **device, *flush, compiled.spec(), batch, cached, rng)
+      double hostMicros = 0;
+      auto timing = kernel ? timeDecode(**kernel, **device, *flush, compiled.spec(), batch, cached, rng, &hostMicros)
                            : Result<autotune::Timing>(kernel.error());
       if (!timing) {
         std::printf("%-34s decode failed: %s\n", m[3].str().c_str(), timing.error().message.c_str());
@@ -137,15 +168,16 @@ int main(int argc, char** argv) {
       const double raw = double(tokens) * double(cacheBytesPerToken(spec, CacheLayout::raw));
       const double mixed = double(tokens) * double(cacheBytesPerToken(spec, CacheLayout::mixed));
       const double median = timing->medianMs;
-      std::printf("%-34s %4lld %6lld %10.3f %10.3f %9s %9.1f  (decode; cache %.2f GB raw, %.2f GB mixed)\n",
+      std::printf("%-34s %4lld %6lld %10.3f %10.3f %9s %9.1f %9.1f  (decode; cache %.2f GB raw, %.2f GB mixed)\n",
                   m[3].str().c_str(), (long long)batch, (long long)cached, median, timing->p90Ms, "-",
-                  raw / (median * 1e-3) / 1e9, raw / 1e9, mixed / 1e9);
+                  raw / (median * 1e-3) / 1e9, hostMicros, raw / 1e9, mixed / 1e9);
       results.push_back({{"name", m[3].str()},
                          {"batch", batch},
                          {"tokens", cached},
                          {"median_ms", median},
                          {"p90_ms", timing->p90Ms},
                          {"direction", "decode"},
+                         {"launch_host_us", hostMicros},
                          {"cache_bytes_raw", raw},
                          {"cache_bytes_mixed", mixed},
                          {"cache_gbps", raw / (median * 1e-3) / 1e9}});
@@ -173,14 +205,21 @@ int main(int argc, char** argv) {
     auto buffers = cuda::CaseBuffers::upload(**device, c);
     if (!buffers) return 2;
     Result<autotune::Timing> timing = makeError("not timed");
+    Result<double> hostMicros = makeError("not timed");
     if (backward) {
       auto grads = cuda::GradBuffers::upload(**device, c);
       if (!grads) return 2;
       timing = autotune::timeRuns([&](int) { return (*kernel)->launchBackward(buffers->tensors(), grads->tensors()); },
                                   **device, *flush, kPlan);
+      hostMicros = hostMicrosPerCall(**device, [&](CUstream stream) {
+        return (*kernel)->launchBackward(buffers->tensors(), grads->tensors(), stream);
+      });
     } else {
       timing = autotune::timeLaunches(**kernel, **device, {buffers->tensors()}, *flush, kPlan);
+      hostMicros = hostMicrosPerCall(**device,
+                                     [&](CUstream stream) { return (*kernel)->launch(buffers->tensors(), stream); });
     }
+    if (timing && !hostMicros) timing = hostMicros.error();
     if (!timing) {
       std::printf("%-34s launch failed: %s\n", m[3].str().c_str(), timing.error().message.c_str());
       ++failures;
@@ -190,8 +229,9 @@ int main(int argc, char** argv) {
     const double flops =
         backward ? autotune::ihaBackwardFlops(spec, batch, tokens) : autotune::ihaFlops(spec, batch, tokens);
     const double bytes = autotune::operandBytes(spec, batch, tokens);
-    std::printf("%-34s %4lld %6lld %10.3f %10.3f %9.1f %9.1f\n", m[3].str().c_str(), (long long)batch,
-                (long long)tokens, median, p90, flops / (median * 1e-3) / 1e12, bytes / (median * 1e-3) / 1e9);
+    std::printf("%-34s %4lld %6lld %10.3f %10.3f %9.1f %9.1f %9.1f\n", m[3].str().c_str(), (long long)batch,
+                (long long)tokens, median, p90, flops / (median * 1e-3) / 1e12, bytes / (median * 1e-3) / 1e9,
+                *hostMicros);
     results.push_back({{"name", m[3].str()},
                        {"batch", batch},
                        {"tokens", tokens},
@@ -199,6 +239,7 @@ int main(int argc, char** argv) {
                        {"p90_ms", p90},
                        {"tflops", flops / (median * 1e-3) / 1e12},
                        {"direction", backward ? "backward" : "forward"},
+                       {"launch_host_us", *hostMicros},
                        {"engine", compiled.schedule().engine() == v1::engine_wgmma ? "wgmma" : "mma"},
                        {"workspace_bytes", workspaceBytes(compiled, batch, tokens)}});
     // Rewritten after every kernel: a later hang (killed by a timeout) keeps what was measured.

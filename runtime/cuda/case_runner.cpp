@@ -64,6 +64,34 @@ Status CaseBuffers::poison(const Device& device) const {
   return Status::success();
 }
 
+namespace {
+// `values` in `type` into `buffer`, which must hold exactly that many bytes.
+Status writeValues(const Device& device, const DeviceBuffer& buffer, const std::vector<double>& values, NpyType type,
+                   const char* what) {
+  const NpyArray host = npyFromDouble(values, {int64_t(values.size())}, type);
+  if (host.bytes.size() != buffer.size())
+    return makeError(std::string(what) + ": " + std::to_string(host.bytes.size()) + " bytes for a buffer of " +
+                     std::to_string(buffer.size()) + " (another shape)");
+  return check(device.api().cuMemcpyHtoD(buffer.get(), host.bytes.data(), host.bytes.size()), "cuMemcpyHtoD");
+}
+}  // namespace
+
+Status CaseBuffers::rewrite(const Device& device, const IhaCase& c) const {
+  const NpyType storage = storageTypeOf(c.spec.dtype());
+  const std::vector<double>* values[] = {&c.inputs.q,       &c.inputs.k,       &c.inputs.v,       &c.inputs.alpha_q,
+                                         &c.inputs.alpha_k, &c.inputs.alpha_v, &c.inputs.collapse};
+  const char* names[] = {"q", "k", "v", "alpha_q", "alpha_k", "alpha_v", "collapse"};
+  for (size_t i = 0; i < 7; ++i)
+    if (Status ok = writeValues(device, *buffers_[i], *values[i], i < 3 ? storage : NpyType::float32, names[i]); !ok)
+      return ok;
+  return Status::success();
+}
+
+Status GradBuffers::rewrite(const Device& device, const IhaCase& c) const {
+  if (!c.dout) return makeError("the backward needs dout, the gradient of the output");
+  return writeValues(device, *dout_, *c.dout, storageTypeOf(c.spec.dtype()), "dout");
+}
+
 Result<DeviceRun> CaseBuffers::download(const Device& device, const IhaCase& c) const {
   if (Status ok = check(device.api().cuCtxSynchronize(), "kernel execution"); !ok) return ok.error();
   DeviceRun run;

@@ -44,6 +44,9 @@ class CaseBuffers {
   IhaTensors tensors() const;
   // Fills out and lse with NaN bit patterns so an unwritten element fails.
   Status poison(const Device& device) const;
+  // Writes another case's inputs (the same spec and shapes) into the same
+  // buffers: a captured CUDA graph replays on them.
+  Status rewrite(const Device& device, const IhaCase& c) const;
   Result<DeviceRun> download(const Device& device, const IhaCase& c) const;
 
  private:
@@ -77,6 +80,8 @@ class GradBuffers {
   IhaGradTensors tensors() const { return tensors_; }
   // Fills every gradient with NaN bit patterns so an unwritten element fails.
   Status poison(const Device& device) const;
+  // Writes another case's dout (the same spec and shapes) into the same buffer.
+  Status rewrite(const Device& device, const IhaCase& c) const;
   Result<reference::IhaGradients> download(const Device& device) const;
 
  private:

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <regex>
 
@@ -170,20 +171,178 @@ TEST_F(Gpu, EveryDecodeBundleMatchesTheForwardsRows) {
   if (checked == 0) GTEST_SKIP() << "no decode bundles (tests/gpu/prepare.sh writes them)";
 }
 
-// CUDA graphs (issue: a host path without per-call work): the first decode
-// bundle's step, warmed up on a stream of its own, captured with
+// One kernel launch captured into a CUDA graph on a stream of its own, after
+// an eager warm-up launch on that stream (which grows the stream's
+// workspaces, so the captured launch allocates nothing).
+class CapturedLaunch {
+ public:
+  explicit CapturedLaunch(const cuda::DriverApi& api) : api_(api) {}
+  ~CapturedLaunch() {
+    if (exec_) api_.cuGraphExecDestroy(exec_);
+    if (graph_) api_.cuGraphDestroy(graph_);
+    if (stream_) api_.cuStreamDestroy(stream_);
+  }
+  CUstream stream() const { return stream_; }
+
+  // Warms up, then captures `launch(stream)`; the counters are read after the warm-up.
+  Status capture(const std::function<Status(CUstream)>& launch) {
+    if (Status ok = cuda::check(api_.cuStreamCreate(&stream_, CU_STREAM_NON_BLOCKING), "cuStreamCreate"); !ok) return ok;
+    const int64_t before = launches();
+    if (Status ok = launch(stream_); !ok) return ok;
+    if (Status ok = cuda::check(api_.cuStreamSynchronize(stream_), "warm-up"); !ok) return ok;
+    afterWarmUp_ = counters();
+    perCall_ = launches() - before;
+    if (Status ok = cuda::check(api_.cuStreamBeginCapture(stream_, CU_STREAM_CAPTURE_MODE_GLOBAL), "BeginCapture"); !ok)
+      return ok;
+    const Status captured = launch(stream_);
+    if (Status ok = cuda::check(api_.cuStreamEndCapture(stream_, &graph_), "cuStreamEndCapture"); !ok) return ok;
+    if (!captured) return captured;
+    return cuda::check(api_.cuGraphInstantiateWithFlags(&exec_, graph_, 0), "cuGraphInstantiateWithFlags");
+  }
+  Status replay() const {
+    if (Status ok = cuda::check(api_.cuGraphLaunch(exec_, stream_), "cuGraphLaunch"); !ok) return ok;
+    return cuda::check(api_.cuStreamSynchronize(stream_), "replay");
+  }
+  // Since the warm-up: `launches` grown by `calls` launch calls' worth (the
+  // captured one and the eager ones: replays launch nothing through loom),
+  // every other counter unmoved but the test's own copies back (host_syncs).
+  void expectOnlyLaunches(int64_t calls) const {
+    EXPECT_GT(perCall_, 0) << "the warm-up launched no grid";
+    const auto after = counters();
+    for (size_t i = 0; i < after.size(); ++i) {
+      const int64_t moved = after[i].second - afterWarmUp_[i].second;
+      if (after[i].first == "launches") EXPECT_EQ(moved, calls * perCall_);
+      else if (after[i].first != "host_syncs") EXPECT_EQ(moved, 0) << after[i].first << " moved";
+    }
+  }
+
+ private:
+  const cuda::DriverApi& api_;
+  CUstream stream_ = nullptr;
+  CUgraph graph_ = nullptr;
+  CUgraphExec exec_ = nullptr;
+  std::vector<std::pair<std::string, int64_t>> afterWarmUp_;
+  int64_t perCall_ = 0;  // grids a launch call launches
+
+  static int64_t launches() {
+    for (const auto& [name, value] : counters())
+      if (name == "launches") return value;
+    return 0;
+  }
+};
+
+// The first bundle of `direction` (a forward's of `label` where given).
+const Bundle* firstOf(const std::vector<Bundle>& all, v1::Direction direction, const std::string& label = "") {
+  for (const Bundle& b : all)
+    if (b.kernel.direction() == direction && (label.empty() || b.label == label)) return &b;
+  return nullptr;
+}
+
+// CUDA graphs (issue: a host path without per-call work): the default
+// forward bundle's launch captured once, then replayed 20 times, each on a
+// fresh draw of the same shapes written into the same buffers (out and lse
+// poisoned): every replay within the tolerance of the float64 reference,
+// every fifth equal bit for bit to an eager launch of the same buffers, and
+// the replays generate, compile, load and allocate nothing.
+TEST_F(Gpu, ForwardGraphReplaysMatchEager) {
+  const Bundle* found = firstOf(all_, v1::direction_forward, "default");
+  if (!found) GTEST_SKIP() << "no default forward bundle (tests/gpu/prepare.sh writes them)";
+  auto kernel = Kernel::load(device_, found->kernel);
+  ASSERT_TRUE(kernel) << found->file << ": " << kernel.error().message;
+  std::mt19937_64 rng(seed() + 10);
+  const KernelSpec& spec = found->kernel.spec();
+  const int64_t batch = 2, tokens = 64 + int64_t(rng() % 100);
+  auto buffers = cuda::CaseBuffers::upload(*device_, drawCheckableCase(spec, batch, tokens, rng()));
+  ASSERT_TRUE(buffers) << buffers.error().message;
+  CapturedLaunch graph(device_->api());
+  ASSERT_TRUE(graph.capture([&](CUstream stream) { return (*kernel)->launch(buffers->tensors(), stream); }));
+  int eager = 0;
+  double worst = 0;
+  for (int replay = 0; replay < 20; ++replay) {
+    const IhaCase c = drawCheckableCase(spec, batch, tokens, rng());
+    ASSERT_TRUE(buffers->rewrite(*device_, c));
+    ASSERT_TRUE(buffers->poison(*device_));
+    ASSERT_TRUE(graph.replay());
+    auto replayed = buffers->download(*device_, c);
+    ASSERT_TRUE(replayed) << replayed.error().message;
+    const double error = relativeError(replayed->out, *c.expected);
+    worst = std::max(worst, error);
+    EXPECT_LE(error, toleranceFor(spec.dtype())) << "replay " << replay;
+    if (replay % 5 != 0) continue;
+    ASSERT_TRUE(buffers->poison(*device_));
+    ASSERT_TRUE((*kernel)->launch(buffers->tensors(), graph.stream()));
+    auto direct = buffers->download(*device_, c);
+    ASSERT_TRUE(direct) << direct.error().message;
+    EXPECT_EQ(direct->out, replayed->out) << "replay " << replay << " and an eager launch differ";
+    EXPECT_EQ(direct->lse, replayed->lse) << "replay " << replay << " (lse)";
+    ++eager;
+  }
+  graph.expectOnlyLaunches(eager + 1);  // the eager launches and the captured one
+  std::printf("[ gpu graph] %s: 20 replays, B %lld N %lld, worst rel. error %.2e, %d eager launches equal\n",
+              found->file.c_str(), (long long)batch, (long long)tokens, worst, eager);
+}
+
+// The same for the first backward bundle: its launches (the forward's
+// recomputation and the gradients') captured once, replayed 20 times on
+// fresh inputs and dout, gradients poisoned: each within the tolerance of
+// the float64 backward, every fifth equal to an eager launch (but dq and
+// dalpha_q under dq atomic, whose adds land in any order).
+TEST_F(Gpu, BackwardGraphReplaysMatchEager) {
+  const Bundle* found = firstOf(all_, v1::direction_backward);
+  if (!found) GTEST_SKIP() << "no backward bundles (tests/gpu/prepare.sh writes them)";
+  auto kernel = Kernel::load(device_, found->kernel);
+  ASSERT_TRUE(kernel) << found->file << ": " << kernel.error().message;
+  std::mt19937_64 rng(seed() + 11);
+  const KernelSpec& spec = found->kernel.spec();
+  const int64_t batch = 2, tokens = 32 + int64_t(rng() % 64);
+  const IhaCase first = drawCheckableBackwardCase(spec, batch, tokens, rng());
+  auto inputs = cuda::CaseBuffers::upload(*device_, first);
+  ASSERT_TRUE(inputs) << inputs.error().message;
+  auto grads = cuda::GradBuffers::upload(*device_, first);
+  ASSERT_TRUE(grads) << grads.error().message;
+  CapturedLaunch graph(device_->api());
+  auto launch = [&](CUstream stream) { return (*kernel)->launchBackward(inputs->tensors(), grads->tensors(), stream); };
+  ASSERT_TRUE(graph.capture(launch));
+  const bool atomic = found->kernel.schedule().dq() == v1::dq_atomic;
+  int eager = 0;
+  double worst = 0;
+  for (int replay = 0; replay < 20; ++replay) {
+    const IhaCase c = drawCheckableBackwardCase(spec, batch, tokens, rng());
+    ASSERT_TRUE(inputs->rewrite(*device_, c));
+    ASSERT_TRUE(grads->rewrite(*device_, c));
+    ASSERT_TRUE(grads->poison(*device_));
+    ASSERT_TRUE(graph.replay());
+    auto replayed = grads->download(*device_);
+    ASSERT_TRUE(replayed) << replayed.error().message;
+    const double error = worstGradientError(spec, tokens, *replayed, *c.expectedGradients);
+    worst = std::max(worst, error);
+    EXPECT_LE(error, gradientToleranceFor(spec.dtype())) << "replay " << replay;
+    if (replay % 5 != 0) continue;
+    ASSERT_TRUE(grads->poison(*device_));
+    ASSERT_TRUE(launch(graph.stream()));
+    auto direct = grads->download(*device_);
+    ASSERT_TRUE(direct) << direct.error().message;
+    const auto a = reference::gradientsOf(*direct), b = reference::gradientsOf(*replayed);
+    for (size_t i = 0; i < a.size(); ++i) {
+      const std::string name = reference::kGradientNames[i];
+      if (atomic && (name == "dq" || name == "dalpha_q")) continue;
+      EXPECT_EQ(*a[i], *b[i]) << "replay " << replay << " and an eager launch differ in " << name;
+    }
+    ++eager;
+  }
+  graph.expectOnlyLaunches(eager + 1);  // the eager launches and the captured one
+  std::printf("[ gpu graph] %s: 20 replays, B %lld N %lld, worst gradient error %.2e, %d eager launches equal\n",
+              found->file.c_str(), (long long)batch, (long long)tokens, worst, eager);
+}
+
+// The decode step: the first decode bundle's step captured with
 // check_pages off (no synchronisation, no allocation in the launch), then
 // replayed 100 times with a different page table each time (the cache
 // rewritten to match, out poisoned): every replay within the tolerance of
 // the forward's rows, every tenth equal bit for bit to an eager launch of
 // the same buffers; the replays allocate, load and compile nothing.
 TEST_F(Gpu, DecodeGraphReplaysMatchEager) {
-  const Bundle* found = nullptr;
-  for (const Bundle& b : all_)
-    if (b.kernel.direction() == v1::direction_decode) {
-      found = &b;
-      break;
-    }
+  const Bundle* found = firstOf(all_, v1::direction_decode);
   if (!found) GTEST_SKIP() << "no decode bundles (tests/gpu/prepare.sh writes them)";
   auto kernel = Kernel::load(device_, found->kernel);
   ASSERT_TRUE(kernel) << found->file << ": " << kernel.error().message;
@@ -196,19 +355,10 @@ TEST_F(Gpu, DecodeGraphReplaysMatchEager) {
   auto buffers = cuda::DecodeBuffers::upload(*device_, *first);
   ASSERT_TRUE(buffers) << buffers.error().message;
   const cuda::DriverApi& api = device_->api();
-  CUstream stream = nullptr;
-  ASSERT_TRUE(cuda::check(api.cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate"));
-  // The warm-up grows the stream's workspaces; the capture then allocates nothing.
-  ASSERT_TRUE((*kernel)->launchDecode(buffers->tensors(), buffers->cache(), stream, /*checkPages=*/false));
-  ASSERT_TRUE(cuda::check(api.cuStreamSynchronize(stream), "warm-up"));
-  const auto beforeCapture = counters();
-  ASSERT_TRUE(cuda::check(api.cuStreamBeginCapture(stream, CU_STREAM_CAPTURE_MODE_GLOBAL), "cuStreamBeginCapture"));
-  const Status captured = (*kernel)->launchDecode(buffers->tensors(), buffers->cache(), stream, false);
-  CUgraph graph = nullptr;
-  ASSERT_TRUE(cuda::check(api.cuStreamEndCapture(stream, &graph), "cuStreamEndCapture"));
-  ASSERT_TRUE(captured) << captured.error().message;
-  CUgraphExec exec = nullptr;
-  ASSERT_TRUE(cuda::check(api.cuGraphInstantiateWithFlags(&exec, graph, 0), "cuGraphInstantiateWithFlags"));
+  CapturedLaunch graph(api);
+  ASSERT_TRUE(graph.capture([&](CUstream stream) {
+    return (*kernel)->launchDecode(buffers->tensors(), buffers->cache(), stream, /*checkPages=*/false);
+  }));
   const PagedCacheTensors& cache = buffers->cache();
   const NpyType storage = storageTypeOf(c.spec.dtype());
   int eagerChecks = 0;
@@ -231,8 +381,7 @@ TEST_F(Gpu, DecodeGraphReplaysMatchEager) {
                                              step->cache.pageTable.size() * sizeof(int32_t)),
                             "cuMemcpyHtoD of the page table"));
     ASSERT_TRUE(buffers->step().poison(*device_));
-    ASSERT_TRUE(cuda::check(api.cuGraphLaunch(exec, stream), "cuGraphLaunch"));
-    ASSERT_TRUE(cuda::check(api.cuStreamSynchronize(stream), "replay"));
+    ASSERT_TRUE(graph.replay());
     auto replayed = buffers->step().download(*device_, stepCase(*step));
     ASSERT_TRUE(replayed) << replayed.error().message;
     const double error = relativeError(replayed->out, step->expected);
@@ -241,22 +390,14 @@ TEST_F(Gpu, DecodeGraphReplaysMatchEager) {
     if (replay % 10 != 0) continue;
     ASSERT_TRUE(rewrite(cache.k_cache, step->cache.k));  // the replay appended; the eager step appends the same
     ASSERT_TRUE(buffers->step().poison(*device_));
-    ASSERT_TRUE((*kernel)->launchDecode(buffers->tensors(), cache, stream, false));
-    ASSERT_TRUE(cuda::check(api.cuStreamSynchronize(stream), "eager"));
+    ASSERT_TRUE((*kernel)->launchDecode(buffers->tensors(), cache, graph.stream(), false));
+    ASSERT_TRUE(cuda::check(api.cuStreamSynchronize(graph.stream()), "eager"));
     auto eager = buffers->step().download(*device_, stepCase(*step));
     ASSERT_TRUE(eager) << eager.error().message;
     EXPECT_EQ(eager->out, replayed->out) << "replay " << replay << " and an eager step of the same buffers differ";
     ++eagerChecks;
   }
-  const auto after = counters();
-  for (size_t i = 0; i < after.size(); ++i) {
-    const int64_t moved = after[i].second - beforeCapture[i].second;
-    if (after[i].first == "launches") EXPECT_EQ(moved, int64_t(eagerChecks + 1) * found->kernel.entries_size());
-    else if (after[i].first != "host_syncs") EXPECT_EQ(moved, 0) << after[i].first;  // the test's own copies back
-  }
-  api.cuGraphExecDestroy(exec);
-  api.cuGraphDestroy(graph);
-  api.cuStreamDestroy(stream);
+  graph.expectOnlyLaunches(eagerChecks + 1);  // the eager steps and the captured one
   std::printf("[ gpu graph] %s: 100 replays, worst rel. error %.2e, %d eager steps equal\n", found->file.c_str(), worst,
               eagerChecks);
 }
