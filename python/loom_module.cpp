@@ -39,6 +39,7 @@
 #include "loom/compiler.h"
 #include "loom/counters.h"
 #include "loom/runtime.h"
+#include "loom/served.h"
 #include "loom/spec.h"
 #include "reference/iha_backward.h"
 #include "reference/iha_reference.h"
@@ -286,9 +287,9 @@ std::map<std::string, std::shared_ptr<Kernel>>& servedKernels() {
   static std::map<std::string, std::shared_ptr<Kernel>> kernels;
   return kernels;
 }
-std::map<std::string, std::unique_ptr<service::KernelClient>>& serviceClients() {
-  static std::map<std::string, std::unique_ptr<service::KernelClient>> clients;
-  return clients;
+service::ServedKernels& served() {
+  static service::ServedKernels kernels;
+  return kernels;
 }
 
 // loom.reload(): every Runtime and the served kernels forget what they kept,
@@ -297,6 +298,7 @@ void reloadKernels() {
   for (const std::shared_ptr<Runtime>& runtime : runtimesMade()) runtime->reload();
   std::lock_guard lock(servedMutex());
   servedKernels().clear();
+  served().forget();
 }
 
 std::shared_ptr<Kernel> kernelFor(Runtime& runtime, const KernelSpec& spec, const Schedule& schedule,
@@ -312,16 +314,15 @@ std::shared_ptr<Kernel> kernelFor(Runtime& runtime, const KernelSpec& spec, cons
       default: return valueOr(runtime.kernel(spec, schedule), false);
     }
   }
-  // A service's kernels are kept too, by service, device, direction and
-  // spec, over one connection a service (loom.reload() forgets the kernels).
+  // A service's kernels are kept too, loaded, by service, device, direction
+  // and spec, fetched once over one channel a service (service::ServedKernels;
+  // loom.reload() forgets the kernels).
   std::lock_guard lock(servedMutex());
   const std::string key = service + '\0' + std::to_string(runtime.device().ordinal) + '\0' +
                           std::to_string(int(direction)) + '\0' + spec.SerializeAsString();
   if (auto found = servedKernels().find(key); found != servedKernels().end()) return found->second;
-  std::unique_ptr<service::KernelClient>& client = serviceClients()[service];
-  if (!client) client = valueOr(service::KernelClient::connect(service), false);
-  v1::GetKernelResponse response = valueOr(client->getKernel(spec, runtime.target(), 60000, direction), false);
-  return servedKernels()[key] = valueOr(runtime.load(response.kernel()), false);
+  auto compiled = valueOr(served().get(service, spec, runtime.target(), direction), false);
+  return servedKernels()[key] = valueOr(runtime.load(*compiled), false);
 }
 
 //===--- loom.iha --------------------------------------------------------===//

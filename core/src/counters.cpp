@@ -10,7 +10,7 @@ std::array<std::atomic<int64_t>, kCounterCount> values{};
 
 constexpr const char* kNames[kCounterCount] = {"programs_generated", "programs_compiled", "store_reads",
                                                  "modules_loaded",     "device_allocations", "host_syncs",
-                                                 "launches"};
+                                                 "launches",           "service_channels",   "service_requests"};
 
 }  // namespace
 

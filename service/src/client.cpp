@@ -5,6 +5,7 @@
 #include <chrono>
 #include <iterator>
 
+#include "loom/counters.h"
 #include "loom/hash.h"
 #include "loom/spec.h"
 
@@ -43,6 +44,7 @@ Result<std::unique_ptr<KernelClient>> KernelClient::connect(const std::string& a
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(256 << 20);
   client->stub_ = v1::KernelService::NewStub(grpc::CreateCustomChannel(address, credentials, arguments));
+  count(Counter::service_channels);
   return client;
 }
 
@@ -59,6 +61,7 @@ Result<v1::GetKernelResponse> KernelClient::getKernel(const v1::KernelSpec& spec
   *request.mutable_target() = target;
   request.set_direction(direction);
   v1::GetKernelResponse response;
+  count(Counter::service_requests);
   const grpc::Status status = stub_->GetKernel(&context, request, &response);
   if (!status.ok()) return callError(status);
   return response;
@@ -68,6 +71,7 @@ Result<v1::ListKernelsResponse> KernelClient::listKernels() {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   v1::ListKernelsResponse response;
+  count(Counter::service_requests);
   const grpc::Status status = stub_->ListKernels(&context, v1::ListKernelsRequest(), &response);
   if (!status.ok()) return callError(status);
   return response;
@@ -84,6 +88,7 @@ Result<v1::PutTuningResponse> KernelClient::putTuning(const v1::TuningResult& re
   request.set_kernel_checksum(ContentHash().add(kernel.SerializeAsString()).hex());
   request.set_candidates_json(candidatesJson);
   v1::PutTuningResponse response;
+  count(Counter::service_requests);
   const grpc::Status status = stub_->PutTuning(&context, request, &response);
   if (!status.ok()) return callError(status);
   return response;
@@ -98,6 +103,7 @@ Result<v1::LookupDecisionResponse> KernelClient::lookupDecision(const v1::Kernel
   *request.mutable_target() = target;
   request.set_direction(direction);
   v1::LookupDecisionResponse response;
+  count(Counter::service_requests);
   const grpc::Status status = stub_->LookupDecision(&context, request, &response);
   if (!status.ok()) return callError(status);
   return response;
@@ -122,6 +128,7 @@ Result<v1::LeaseResponse> KernelClient::acquireLease(const v1::KernelSpec& spec,
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   authorize(context);
   v1::LeaseResponse response;
+  count(Counter::service_requests);
   const grpc::Status status = stub_->AcquireLease(&context, leaseRequest(spec, target, worker, seconds, direction), &response);
   if (!status.ok()) return callError(status);
   return response;
@@ -133,6 +140,7 @@ Result<v1::LeaseResponse> KernelClient::releaseLease(const v1::KernelSpec& spec,
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   authorize(context);
   v1::LeaseResponse response;
+  count(Counter::service_requests);
   const grpc::Status status = stub_->ReleaseLease(&context, leaseRequest(spec, target, worker, 0, direction), &response);
   if (!status.ok()) return callError(status);
   return response;

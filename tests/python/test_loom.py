@@ -210,7 +210,8 @@ class Counters(unittest.TestCase):
                     result = call()
                 after = loom.counters()
                 self.assertEqual(set(before), {"programs_generated", "programs_compiled", "store_reads",
-                                               "modules_loaded", "device_allocations", "host_syncs", "launches"})
+                                               "modules_loaded", "device_allocations", "host_syncs", "launches",
+                                               "service_channels", "service_requests"})
                 moved = {key: after[key] - before[key] for key in before if after[key] != before[key]}
                 self.assertEqual(moved, {"launches": 50 * per_call})
                 if name == "forward":  # the kept program still computes the function

@@ -24,8 +24,10 @@
 #include "loom/cache.h"
 #include "loom/client.h"
 #include "loom/compiler.h"
+#include "loom/counters.h"
 #include "loom/hash.h"
 #include "loom/service.h"
+#include "loom/served.h"
 #include "test_util.h"
 #include "loom/request_checks.h"
 
@@ -138,6 +140,59 @@ TEST_F(Service, ServesTheBackwardKernelApart) {
 
 // Hundreds of requests from many threads over four specs: all answered,
 // and each spec compiled exactly once.
+// The client side's steady state (issue: a host path without per-call
+// work): ServedKernels fetches each (direction, spec) once over one channel;
+// 200 more calls of each send nothing and move no counter (the server runs
+// in this process: it compiles, reads and ranks nothing either), and give
+// the kernel first served. After forget(), one request again, no new channel.
+TEST_F(Service, ServedKernelsFetchOnceOverOneChannel) {
+  auto moved = [](const std::vector<std::pair<std::string, int64_t>>& before, const std::string& name) {
+    for (const auto& [key, value] : counters())
+      if (key == name)
+        for (const auto& [was, at] : before)
+          if (was == name) return value - at;
+    ADD_FAILURE() << "no counter " << name;
+    return int64_t(-1);
+  };
+  ServedKernels served;
+  const v1::Direction directions[] = {v1::direction_forward, v1::direction_backward, v1::direction_decode};
+  const auto start = counters();
+  std::vector<std::shared_ptr<const v1::CompiledKernel>> first;
+  for (v1::Direction direction : directions) {
+    auto kernel = served.get(address_, spec(2), sm80(), direction);
+    ASSERT_TRUE(kernel) << kernel.error().message;
+    EXPECT_EQ((*kernel)->direction(), direction);
+    first.push_back(*kernel);
+  }
+  EXPECT_EQ(moved(start, "service_channels"), 1);
+  EXPECT_EQ(moved(start, "service_requests"), 3);
+  const auto warm = counters();
+  for (int call = 0; call < 200; ++call)
+    for (size_t i = 0; i < std::size(directions); ++i) {
+      auto kernel = served.get(address_, spec(2), sm80(), directions[i]);
+      ASSERT_TRUE(kernel) << kernel.error().message;
+      ASSERT_EQ(kernel->get(), first[i].get()) << "call " << call << " gave another kernel";
+    }
+  const auto after = counters();
+  for (size_t i = 0; i < after.size(); ++i)
+    EXPECT_EQ(after[i].second, warm[i].second) << after[i].first << " moved in steady-state calls";
+  // What was kept is what the service serves.
+  auto direct = client()->getKernel(spec(2), sm80());
+  ASSERT_TRUE(direct) << direct.error().message;
+  EXPECT_EQ(direct->kernel().binary(), first[0]->binary());
+  served.forget();
+  const auto forgot = counters();
+  auto again = served.get(address_, spec(2), sm80(), v1::direction_forward);
+  ASSERT_TRUE(again) << again.error().message;
+  EXPECT_EQ(moved(forgot, "service_requests"), 1);
+  EXPECT_EQ(moved(forgot, "service_channels"), 0);
+  EXPECT_EQ((*again)->binary(), first[0]->binary());
+  // A service that is not there: an error naming it, nothing kept.
+  auto nowhere = served.get("127.0.0.1:1", spec(2), sm80(), v1::direction_forward);
+  ASSERT_FALSE(nowhere);
+  EXPECT_NE(nowhere.error().message.find("127.0.0.1:1"), std::string::npos) << nowhere.error().message;
+}
+
 TEST_F(Service, ConcurrentClientsAndIdenticalMissesCompiledOnce) {
   constexpr int kThreads = 16, kEach = 15, kSpecs = 4;
   std::atomic<int> ok{0};

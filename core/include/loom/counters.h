@@ -1,6 +1,7 @@
 // Process-wide counts of the work behind loom's calls: how often a program
 // was generated, compiled, read from a store, loaded as a module, how many
-// device allocations, host synchronisations and kernel launches were made.
+// device allocations, host synchronisations and kernel launches were made,
+// and how many channels to and requests of a loom service.
 // A steady-state call (its kernel already in memory) changes only
 // `launches`; the tests and `bench/host_overhead` read them through
 // loom::counters() (C++) and loom.counters() (Python).
@@ -21,8 +22,10 @@ enum class Counter : int {
   device_allocations,  // cuMemAlloc calls
   host_syncs,          // the host waiting on the device (synchronise, a copy back)
   launches,            // kernel grids launched (host tile API, emulator or CUDA)
+  service_channels,    // channels opened to a loom service (KernelClient::connect)
+  service_requests,    // requests sent to a loom service
 };
-inline constexpr int kCounterCount = int(Counter::launches) + 1;
+inline constexpr int kCounterCount = int(Counter::service_requests) + 1;
 
 // Adds `n` to a counter (thread-safe).
 void count(Counter counter, int64_t n = 1);
