@@ -345,11 +345,30 @@ Inputs borrowInputs(const py::object& q, const py::object& k, const py::object& 
   return inputs;
 }
 
+// The caller's workspace memory (a dense DLPack tensor of any dtype on the
+// launch's CUDA device), or none.
+std::optional<WorkspaceMemory> workspaceOf(const py::object& value, std::optional<int64_t> stream, DLDevice device,
+                                           std::optional<Borrowed>& keepAlive) {
+  if (value.is_none()) return std::nullopt;
+  keepAlive = borrow(value, "workspace", stream);
+  const DLTensor& t = *keepAlive->tensor;
+  if (t.device.device_type != device.device_type || t.device.device_id != device.device_id)
+    throw BadArgument("workspace: on another device than q");
+  int64_t elements = 1;
+  for (int i = 0; i < t.ndim; ++i) elements *= t.shape[i];
+  int64_t expected = 1;
+  for (int i = t.ndim - 1; i >= 0 && t.strides; --i) {
+    if (t.shape[i] != 1 && t.strides[i] != expected) throw BadArgument("workspace: want a dense (contiguous) tensor");
+    expected *= t.shape[i];
+  }
+  return WorkspaceMemory{static_cast<char*>(t.data) + t.byte_offset, elements * ((t.dtype.bits * t.dtype.lanes + 7) / 8)};
+}
+
 py::object iha(const py::object& q, const py::object& k, const py::object& v, const py::object& alphaQ,
                const py::object& alphaK, const py::object& alphaV, const py::object& collapse,
                const py::object& specValue, std::optional<int64_t> stream, const py::object& out,
                const py::object& lse, const py::object& scheduleValue, const std::string& cacheDir,
-               const std::string& service, int threads) {
+               const std::string& service, int threads, const py::object& workspaceValue) {
   const KernelSpec spec = specOf(specValue);
   const Schedule schedule = scheduleOf(scheduleValue);
   const Inputs inputs = borrowInputs(q, k, v, alphaQ, alphaK, alphaV, collapse, stream);
@@ -386,8 +405,12 @@ py::object iha(const py::object& q, const py::object& k, const py::object& v, co
   } else {
     std::shared_ptr<Kernel> kernel = kernelFor(*runtime, spec, schedule, service);
     check(validateTensors(spec, tensors, device.device_id), true);
+    std::optional<Borrowed> held;
+    const std::optional<WorkspaceMemory> workspace = workspaceOf(workspaceValue, stream, device, held);
     py::gil_scoped_release release;
-    check(kernel->launch(tensors, reinterpret_cast<CUstream>(stream.value_or(0))), false);
+    check(kernel->launch(tensors, reinterpret_cast<CUstream>(stream.value_or(0)), nullptr,
+                         workspace ? &*workspace : nullptr),
+          false);
   }
   if (outGiven) return out;
   return py::cast(made.tensor);
@@ -405,7 +428,8 @@ py::tuple ihaBackward(const py::object& q, const py::object& k, const py::object
                       const py::object& alphaK, const py::object& alphaV, const py::object& collapse,
                       const py::object& dout, const py::object& specValue, const std::vector<py::object>& given,
                       const py::object& lse, std::optional<int64_t> stream, const py::object& scheduleValue,
-                      const std::string& cacheDir, const std::string& service, int threads) {
+                      const std::string& cacheDir, const std::string& service, int threads,
+                      const py::object& workspaceValue) {
   const KernelSpec spec = specOf(specValue);
   const Schedule schedule = scheduleOf(scheduleValue);
   const Inputs inputs = borrowInputs(q, k, v, alphaQ, alphaK, alphaV, collapse, stream);
@@ -447,8 +471,12 @@ py::tuple ihaBackward(const py::object& q, const py::object& k, const py::object
   } else {
     std::shared_ptr<Kernel> kernel = kernelFor(*runtime, spec, schedule, service, v1::direction_backward);
     check(validateGradTensors(spec, tensors, grads, device.device_id), true);
+    std::optional<Borrowed> held;
+    const std::optional<WorkspaceMemory> workspace = workspaceOf(workspaceValue, stream, device, held);
     py::gil_scoped_release release;
-    check(kernel->launchBackward(tensors, grads, reinterpret_cast<CUstream>(stream.value_or(0))), false);
+    check(kernel->launchBackward(tensors, grads, reinterpret_cast<CUstream>(stream.value_or(0)), nullptr,
+                                 workspace ? &*workspace : nullptr),
+          false);
   }
   py::tuple result(7);
   for (size_t i = 0; i < 7; ++i) result[i] = made[i].tensor ? py::cast(made[i].tensor) : given[i];
@@ -595,7 +623,7 @@ py::object decode(const py::object& q, const py::object& k, const py::object& v,
                   const py::object& cacheLen, const py::object& specValue, const std::string& layoutName,
                   const py::object& out, const py::object& lse, std::optional<int64_t> stream,
                   const py::object& scheduleValue, const std::string& cacheDir, const std::string& service,
-                  int threads, bool checkPages) {
+                  int threads, bool checkPages, const py::object& workspaceValue) {
   const KernelSpec spec = specOf(specValue);
   const Schedule schedule = scheduleOf(scheduleValue);
   const CacheLayout layout = valueOr(parseCacheLayout(layoutName), true);
@@ -643,11 +671,31 @@ py::object decode(const py::object& q, const py::object& k, const py::object& v,
     // and cache_len back to check every entry before the launch.
     std::shared_ptr<Kernel> kernel =
         kernelFor(*runtime, spec, schedule, service, decodeDirectionOf(layout));
+    std::optional<Borrowed> held;
+    const std::optional<WorkspaceMemory> workspace = workspaceOf(workspaceValue, stream, device, held);
     py::gil_scoped_release release;
-    check(kernel->launchDecode(tensors, cache, reinterpret_cast<CUstream>(stream.value_or(0)), checkPages), false);
+    check(kernel->launchDecode(tensors, cache, reinterpret_cast<CUstream>(stream.value_or(0)), checkPages,
+                               workspace ? &*workspace : nullptr),
+          false);
   }
   if (outGiven) return out;
   return py::cast(made.tensor);
+}
+
+// Bytes of the workspace a CUDA launch of B x N tokens needs (a decode
+// step's N is its new tokens T): the kernel is found as the launch finds it.
+int64_t workspaceBytesOf(const py::object& specValue, int64_t batch, int64_t tokens, const std::string& direction,
+                         const std::string& layoutName, const py::object& scheduleValue, int device,
+                         const std::string& cacheDir, const std::string& service) {
+  const KernelSpec spec = specOf(specValue);
+  const Schedule schedule = scheduleOf(scheduleValue);
+  if (batch < 1 || tokens < 1) throw BadArgument("batch and tokens: want at least 1");
+  v1::Direction which = v1::direction_forward;
+  if (direction == "backward") which = v1::direction_backward;
+  else if (direction == "decode") which = decodeDirectionOf(valueOr(parseCacheLayout(layoutName), true));
+  else if (direction != "forward") throw BadArgument("direction: want forward, backward or decode, not " + direction);
+  std::shared_ptr<Runtime> runtime = runtimeFor(device, cacheDir);
+  return workspaceBytes(kernelFor(*runtime, spec, schedule, service, which)->compiled(), batch, tokens);
 }
 
 std::string generate(const py::object& specValue, const py::object& scheduleValue, const std::string& targetName) {
@@ -758,21 +806,25 @@ PYBIND11_MODULE(_loom, m) {
         "k and v [B, N, G, d] in the spec's dtype; weights float32. `stream`: a CUDA stream handle (int).\n"
         "`out` / `lse`: tensors to write (else out is allocated and returned as loom.Tensor).\n"
         "`schedule`: force a schedule (else the tuned one from the cache, or the default).\n"
-        "`service`: 'host:port' of a loom service to take the kernel from. `cache_dir`: the kernel cache.",
+        "`service`: 'host:port' of a loom service to take the kernel from. `cache_dir`: the kernel cache.\n"
+        "`workspace` (CUDA): a dense tensor of at least workspace_bytes(...) bytes on q's device for the\n"
+        "launch's workspaces (else the kernel keeps its own per stream); ignored for host tensors.",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha_q"), py::arg("alpha_k"), py::arg("alpha_v"),
         py::arg("collapse"), py::arg("spec"), py::arg("stream") = py::none(), py::arg("out") = py::none(),
         py::arg("lse") = py::none(), py::arg("schedule") = py::none(), py::arg("cache_dir") = "",
-        py::arg("service") = "", py::arg("threads") = 0);
+        py::arg("service") = "", py::arg("threads") = 0, py::arg("workspace") = py::none());
   m.def("iha_backward", &ihaBackward,
         "(dq, dk, dv, dalpha_q, dalpha_k, dalpha_v, dcollapse): the gradients of sum(out * dout) for `spec`,\n"
         "float32, each the shape of its input, by loom's backward kernels (CUDA tensors, on `stream`) or its\n"
         "program on the host tile API (host tensors). dout: out's shape, the spec's dtype. `grads`: up to seven\n"
         "tensors to write (None: allocated and returned as loom.Tensor). `lse`: receives the recomputed lse.\n"
-        "`schedule`, `cache_dir`, `service`, `threads` as for iha (the backward kernel is cached apart).",
+        "`schedule`, `cache_dir`, `service`, `threads`, `workspace` as for iha (the backward kernel is cached\n"
+        "apart).",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha_q"), py::arg("alpha_k"), py::arg("alpha_v"),
         py::arg("collapse"), py::arg("dout"), py::arg("spec"), py::arg("grads") = std::vector<py::object>{},
         py::arg("lse") = py::none(), py::arg("stream") = py::none(), py::arg("schedule") = py::none(),
-        py::arg("cache_dir") = "", py::arg("service") = "", py::arg("threads") = 0);
+        py::arg("cache_dir") = "", py::arg("service") = "", py::arg("threads") = 0,
+        py::arg("workspace") = py::none());
   m.def("decode", &decode,
         "One decode step over a paged cache (docs/IHA.md, Decode over a paged cache), on host tensors: the new\n"
         "tokens' q [B, T, H, d], k and v [B, T, G, d] and the weights as for iha; k_cache and v_cache\n"
@@ -789,7 +841,15 @@ PYBIND11_MODULE(_loom, m) {
         py::arg("collapse"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"), py::arg("cache_len"),
         py::arg("spec"), py::arg("cache") = "raw", py::arg("out") = py::none(), py::arg("lse") = py::none(),
         py::arg("stream") = py::none(), py::arg("schedule") = py::none(), py::arg("cache_dir") = "",
-        py::arg("service") = "", py::arg("threads") = 0, py::arg("check_pages") = true);
+        py::arg("service") = "", py::arg("threads") = 0, py::arg("check_pages") = true,
+        py::arg("workspace") = py::none());
+  m.def("workspace_bytes", &workspaceBytesOf,
+        "Bytes of the `workspace` a CUDA launch of `batch` x `tokens` needs (a decode step: tokens = T, its new\n"
+        "tokens), for `direction` 'forward', 'backward' or 'decode' (`cache` 'raw' or 'mixed'), the kernel found as\n"
+        "the launch finds it (`schedule`, `cache_dir`, `service`) on CUDA `device`. Needs a GPU.",
+        py::arg("spec"), py::arg("batch"), py::arg("tokens"), py::arg("direction") = "forward",
+        py::arg("cache") = "raw", py::arg("schedule") = py::none(), py::arg("device") = 0, py::arg("cache_dir") = "",
+        py::arg("service") = "");
   m.def("reference_backward", &referenceBackward,
         "The seven gradients of sum(out * dout) by the float64 backward reference, on host tensors, as float64\n"
         "loom.Tensors (inputs may be float64, float32 or the 16-bit dtypes)",
@@ -824,8 +884,8 @@ PYBIND11_MODULE(_loom, m) {
         return result;
       },
       "Cumulative counts of the work behind loom's calls in this process: programs_generated, programs_compiled,\n"
-      "store_reads, modules_loaded, device_allocations, host_syncs, launches. After a warm-up call, a steady-state\n"
-      "call of the same spec and shapes changes only launches");
+      "store_reads, modules_loaded, device_allocations, host_syncs, launches, service_channels, service_requests.\n"
+      "After a warm-up call, a steady-state call of the same spec and shapes changes only launches");
   m.def("devices", &devices, "The CUDA devices loom can use (empty without a GPU: see gpu_error())");
   m.def("gpu_error", &gpuError, "Why no GPU is usable ('' when one is)");
 }

@@ -12,7 +12,10 @@ alpha_q [H, H, P], alpha_k and alpha_v [G, G, P], collapse [H, P] (per_head) or
 [H, H*P] (global). Where the tensors are decides what runs:
 
 - CUDA, float16 or bfloat16: loom's CUDA kernels, forward and backward, on the
-  current stream (the tuned schedule from the kernel cache, else the default).
+  current stream (the tuned schedule from the kernel cache, else the default),
+  their workspaces from PyTorch's caching allocator: the calls can be captured
+  by torch.cuda.graph (after a warm-up call that compiles and loads the
+  kernels; decode with check_pages=False).
 - CPU, float32, float16 or bfloat16: the same generated programs on loom's host
   tile API (slow: for checking and for tiny models).
 - CPU, float64: loom's float64 reference, forward and backward (for
@@ -117,6 +120,17 @@ def _prepared(tensors):
 _capsule = torch.utils.dlpack.to_dlpack
 
 
+def _workspace(spec: str, batch: int, tokens: int, direction: str, device: torch.device, schedule, cache_dir: str,
+               cache: str = "raw", service: str = ""):
+    """A CUDA launch's workspaces from PyTorch's caching allocator, on the current stream (None on the host):
+    torch's memory statistics see them, and CUDA-graph capture takes them from the graph's pool."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    size = _loom.workspace_bytes(spec, batch, tokens, direction, cache, schedule, index, cache_dir, service)
+    return _capsule(torch.empty(max(size, 1), dtype=torch.uint8, device=device))
+
+
 def _check_inputs(q, weights):
     for name, t in zip(("alpha_q", "alpha_k", "alpha_v", "collapse"), weights):
         if t.device != q.device:
@@ -135,8 +149,9 @@ def _forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec: str, schedule: 
         return torch.utils.dlpack.from_dlpack(out)
     heads, head_dim = _out_dims(spec)
     out = torch.empty((q.shape[0], q.shape[1], heads, head_dim), dtype=q.dtype, device=q.device)
-    _loom.iha(*tensors, spec, stream=_stream(q), out=_capsule(out), schedule=schedule,
-              cache_dir=cache_dir, threads=threads)
+    _loom.iha(*tensors, spec, stream=_stream(q), out=_capsule(out), schedule=schedule, cache_dir=cache_dir,
+              threads=threads, workspace=_workspace(spec, q.shape[0], q.shape[1], "forward", q.device, schedule,
+                                                    cache_dir))
     return out
 
 
@@ -150,7 +165,8 @@ def _backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, dout, spec: str, sch
         return tuple(torch.utils.dlpack.from_dlpack(g) for g in grads)
     grads = [torch.empty(t.shape, dtype=torch.float32, device=q.device) for t in inputs]
     _loom.iha_backward(*tensors, dout, spec, grads=[_capsule(g) for g in grads], stream=_stream(q),
-                       schedule=schedule, cache_dir=cache_dir, threads=threads)
+                       schedule=schedule, cache_dir=cache_dir, threads=threads,
+                       workspace=_workspace(spec, q.shape[0], q.shape[1], "backward", q.device, schedule, cache_dir))
     return tuple(g.to(t.dtype) for g, t in zip(grads, inputs))
 
 
@@ -239,8 +255,10 @@ def decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_
     heads, head_dim = _out_dims(spec_json)
     out = torch.empty((q.shape[0], q.shape[1], heads, head_dim), dtype=q.dtype, device=q.device)
     tensors = _prepared((q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len))
+    workspace = _workspace(spec_json, q.shape[0], q.shape[1], "decode", q.device, schedule_json, cache_dir, cache,
+                           service)
     _loom.decode(*tensors, spec_json, cache=cache, out=_capsule(out), stream=_stream(q), schedule=schedule_json,
-                 cache_dir=cache_dir, service=service, threads=threads, check_pages=check_pages)
+                 cache_dir=cache_dir, service=service, threads=threads, check_pages=check_pages, workspace=workspace)
     return out
 
 

@@ -333,32 +333,62 @@ std::vector<std::string> workspaceNames(const v1::CompiledKernel& kernel) {
 
 }  // namespace
 
+namespace {
+int64_t aligned(int64_t bytes) { return (bytes + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment; }
+}  // namespace
+
 int64_t workspaceBytes(const v1::CompiledKernel& kernel, int64_t batch, int64_t tokens) {
   int64_t bytes = 0;
-  for (const std::string& name : workspaceNames(kernel)) bytes += workspaceBytes(kernel, name, batch, tokens);
+  for (const std::string& name : workspaceNames(kernel)) bytes += aligned(workspaceBytes(kernel, name, batch, tokens));
   return bytes;
 }
 
 void* Kernel::StreamState::workspace(const char* name) const {
   auto found = workspaces.find(name);
-  return found == workspaces.end() ? nullptr : found->second->data();
+  return found == workspaces.end() ? nullptr : found->second;
 }
 
-Result<Kernel::StreamState*> Kernel::streamState(CUstream stream, int64_t batch, int64_t tokens) {
+Result<Kernel::StreamState*> Kernel::streamState(CUstream stream, int64_t batch, int64_t tokens,
+                                                 const WorkspaceMemory* memory) {
+  if (memory) {  // the caller's memory, carved in workspaceNames' order
+    const int64_t needed = workspaceBytes(compiled_, batch, tokens);
+    if (memory->bytes < needed)
+      return makeError("workspace: " + std::to_string(memory->bytes) + " bytes, the launch needs " +
+                       std::to_string(needed) + " (workspaceBytes for B = " + std::to_string(batch) +
+                       ", N = " + std::to_string(tokens) + ")");
+    if (needed > 0 && (!memory->data || reinterpret_cast<uintptr_t>(memory->data) % kWorkspaceAlignment != 0))
+      return makeError("workspace: its address must be a multiple of " + std::to_string(kWorkspaceAlignment));
+    if (callerStates_.size() >= 64 && !callerStates_.count(memory->data)) callerStates_.clear();
+    std::unique_ptr<StreamState>& slot = callerStates_[memory->data];
+    if (!slot) slot = std::make_unique<StreamState>();
+    if (slot->rows != batch * tokens) {
+      slot->workspaces.clear();
+      char* at = static_cast<char*>(memory->data);
+      for (const std::string& name : workspaceNames(compiled_)) {
+        slot->workspaces[name] = at;
+        at += aligned(workspaceBytes(compiled_, name, batch, tokens));
+      }
+      slot->rows = batch * tokens;
+      slot->mapsShape = {0, 0};
+    }
+    return slot.get();
+  }
   std::unique_ptr<StreamState>& slot = streams_[stream];
   if (!slot) slot = std::make_unique<StreamState>();
   StreamState& state = *slot;
   if (batch * tokens <= state.rows) return &state;
   // Work queued on the stream's old buffers must finish before they are freed.
-  if (!state.workspaces.empty())
+  if (!state.owned.empty())
     if (Status ok = cuda::check(device_->api().cuStreamSynchronize(stream), "cuStreamSynchronize"); !ok)
       return ok.error();
   state.workspaces.clear();
+  state.owned.clear();
   for (const std::string& name : workspaceNames(compiled_)) {
     const int64_t bytes = workspaceBytes(compiled_, name, batch, tokens);
     auto buffer = cuda::DeviceBuffer::allocate(*device_, size_t(bytes));
     if (!buffer) return buffer.error();
-    state.workspaces[name] = std::make_unique<cuda::DeviceBuffer>(std::move(*buffer));
+    state.owned.push_back(std::make_unique<cuda::DeviceBuffer>(std::move(*buffer)));
+    state.workspaces[name] = state.owned.back()->data();
   }
   state.rows = batch * tokens;
   state.mapsShape = {0, 0};  // the maps pointed at the old buffers
@@ -435,7 +465,7 @@ IhaArgs operandArgs(const IhaTensors& t, const Tensor& outLike, const std::funct
 }  // namespace
 
 Status Kernel::launchDecode(const IhaTensors& step, const PagedCacheTensors& cache, CUstream stream,
-                            bool checkPages) {
+                            bool checkPages, const WorkspaceMemory* workspace) {
   const bool mixedKernel = mixedCacheOf(compiled_.direction());
   if (!mixedKernel && compiled_.direction() != v1::direction_decode)
     return makeError("this is not a decode kernel: compile one with direction decode (loom compile --decode)");
@@ -464,7 +494,7 @@ Status Kernel::launchDecode(const IhaTensors& step, const PagedCacheTensors& cac
   if (Status ok = validateDecodeTensors(compiled_.spec(), step, checked, device_->info().ordinal, checkPages); !ok)
     return ok;
   std::lock_guard lock(mutex_);
-  auto state = streamState(stream, B, T);
+  auto state = streamState(stream, B, T, workspace);
   if (!state) return state.error();
   IhaArgs args = operandArgs(step, step.out, [&](const char* name) { return (*state)->workspace(name); });
   args.k_cache = cache.k_cache.data;
@@ -476,7 +506,7 @@ Status Kernel::launchDecode(const IhaTensors& step, const PagedCacheTensors& cac
   return launchEntries(args, stream, /*skipForward=*/false, **state);
 }
 
-Status Kernel::launch(const IhaTensors& t, CUstream stream, const IhaSaved* keep) {
+Status Kernel::launch(const IhaTensors& t, CUstream stream, const IhaSaved* keep, const WorkspaceMemory* workspace) {
   if (compiled_.direction() == v1::direction_backward)
     return makeError("this is a backward kernel: call launchBackward with dout and the gradients");
   if (isDecode(compiled_.direction()))
@@ -494,7 +524,7 @@ Status Kernel::launch(const IhaTensors& t, CUstream stream, const IhaSaved* keep
   if (Status ok = device_->makeCurrent(); !ok) return ok;
   const int64_t B = t.q.shape[0], N = t.q.shape[1];
   std::lock_guard lock(mutex_);
-  auto state = streamState(stream, B, N);
+  auto state = streamState(stream, B, N, workspace);
   if (!state) return state.error();
   IhaArgs args = operandArgs(t, t.out, [&](const char* name) { return (*state)->workspace(name); });
   if (keep) {  // the launches write the caller's buffers instead of the kernel's own
@@ -542,7 +572,8 @@ Status Kernel::launchEntries(IhaArgs& args, CUstream stream, bool skipForward, S
   return Status::success();
 }
 
-Status Kernel::launchBackward(const IhaTensors& t, const IhaGradTensors& g, CUstream stream, const IhaSaved* saved) {
+Status Kernel::launchBackward(const IhaTensors& t, const IhaGradTensors& g, CUstream stream, const IhaSaved* saved,
+                              const WorkspaceMemory* workspace) {
   if (compiled_.direction() != v1::direction_backward)
     return makeError("this is a forward kernel: Runtime::backwardKernel gives the backward's");
   if (Status ok = validateGradTensors(compiled_.spec(), t, g, device_->info().ordinal); !ok) return ok;
@@ -553,12 +584,12 @@ Status Kernel::launchBackward(const IhaTensors& t, const IhaGradTensors& g, CUst
   if (Status ok = device_->makeCurrent(); !ok) return ok;
   const int64_t B = t.q.shape[0], N = t.q.shape[1];
   std::lock_guard lock(mutex_);
-  auto state = streamState(stream, B, N);
+  auto state = streamState(stream, B, N, workspace);
   if (!state) return state.error();
-  auto workspace = [&](const char* name) { return (*state)->workspace(name); };
-  IhaArgs args = operandArgs(t, g.dout, workspace);  // dout is read with out's strides
+  auto carved = [&](const char* name) { return (*state)->workspace(name); };
+  IhaArgs args = operandArgs(t, g.dout, carved);  // dout is read with out's strides
   args.out = nullptr;  // the backward writes no out
-  args.lse = static_cast<float*>(t.lse ? t.lse->data : workspace(kLseWorkspace));
+  args.lse = static_cast<float*>(t.lse ? t.lse->data : carved(kLseWorkspace));
   args.dout = g.dout.data;
   args.dq = static_cast<float*>(g.dq.data);
   args.dk = static_cast<float*>(g.dk.data);
@@ -567,12 +598,12 @@ Status Kernel::launchBackward(const IhaTensors& t, const IhaGradTensors& g, CUst
   args.dalpha_k = static_cast<float*>(g.dalpha_k.data);
   args.dalpha_v = static_cast<float*>(g.dalpha_v.data);
   args.dcollapse = static_cast<float*>(g.dcollapse.data);
-  args.do_pseudo = workspace("do_pseudo");
-  args.delta = static_cast<float*>(workspace("delta"));
-  args.dq_pseudo = static_cast<float*>(workspace("dq_pseudo"));
-  args.dk_pseudo = static_cast<float*>(workspace("dk_pseudo"));
-  args.dv_pseudo = static_cast<float*>(workspace("dv_pseudo"));
-  args.partials = static_cast<float*>(workspace("partials"));
+  args.do_pseudo = carved("do_pseudo");
+  args.delta = static_cast<float*>(carved("delta"));
+  args.dq_pseudo = static_cast<float*>(carved("dq_pseudo"));
+  args.dk_pseudo = static_cast<float*>(carved("dk_pseudo"));
+  args.dv_pseudo = static_cast<float*>(carved("dv_pseudo"));
+  args.partials = static_cast<float*>(carved("partials"));
   if (saved) {  // the forward's rows and lse: no pre-mix, no recomputed attention
     args.q_mixed = saved->q_mixed.data;
     args.k_mixed = saved->k_mixed.data;

@@ -335,6 +335,95 @@ TEST_F(Gpu, BackwardGraphReplaysMatchEager) {
               found->file.c_str(), (long long)batch, (long long)tokens, worst, eager);
 }
 
+// Workspaces from the caller (WorkspaceMemory, what loom.torch passes from
+// PyTorch's allocator): the default forward's and the first backward's
+// launches captured on a stream that never launched before, with no
+// warm-up, allocate nothing, and their replays equal a launch on the
+// kernel's own workspaces bit for bit (dq and dalpha_q under dq atomic
+// aside); a workspace a byte short is refused, naming the size it needs.
+TEST_F(Gpu, CallerWorkspacesNeedNoWarmUp) {
+  const Bundle* forward = firstOf(all_, v1::direction_forward, "default");
+  const Bundle* backward = firstOf(all_, v1::direction_backward);
+  if (!forward && !backward) GTEST_SKIP() << "no default forward or backward bundles (tests/gpu/prepare.sh)";
+  std::mt19937_64 rng(seed() + 12);
+  const cuda::DriverApi& api = device_->api();
+  for (const Bundle* b : {forward, backward}) {
+    if (!b) continue;
+    SCOPED_TRACE(b->file);
+    auto kernel = Kernel::load(device_, b->kernel);
+    ASSERT_TRUE(kernel) << kernel.error().message;
+    const KernelSpec& spec = b->kernel.spec();
+    const int64_t batch = 1 + int64_t(rng() % 2), tokens = 16 + int64_t(rng() % 100);
+    const IhaCase c = drawCheckableBackwardCase(spec, batch, tokens, rng());
+    auto inputs = cuda::CaseBuffers::upload(*device_, c);
+    ASSERT_TRUE(inputs) << inputs.error().message;
+    auto grads = cuda::GradBuffers::upload(*device_, c);
+    ASSERT_TRUE(grads) << grads.error().message;
+    const bool isBackward = b->kernel.direction() == v1::direction_backward;
+    auto launch = [&](CUstream stream, const WorkspaceMemory* memory) {
+      return isBackward ? (*kernel)->launchBackward(inputs->tensors(), grads->tensors(), stream, nullptr, memory)
+                        : (*kernel)->launch(inputs->tensors(), stream, nullptr, memory);
+    };
+    auto results = [&]() -> std::vector<std::vector<double>> {
+      if (isBackward) {
+        auto g = grads->download(*device_);
+        EXPECT_TRUE(g) << g.error().message;
+        std::vector<std::vector<double>> all;
+        if (g)
+          for (const std::vector<double>* one : reference::gradientsOf(*g)) all.push_back(*one);
+        return all;
+      }
+      auto run = inputs->download(*device_, c);
+      EXPECT_TRUE(run) << run.error().message;
+      return run ? std::vector<std::vector<double>>{run->out, run->lse} : std::vector<std::vector<double>>{};
+    };
+    const int64_t bytes = workspaceBytes(b->kernel, batch, tokens);
+    auto memory = cuda::DeviceBuffer::allocate(*device_, size_t(std::max<int64_t>(bytes, 1)));
+    ASSERT_TRUE(memory) << memory.error().message;
+    const WorkspaceMemory given{memory->data(), bytes};
+    // Eager, on the kernel's own workspaces (default stream).
+    ASSERT_TRUE(isBackward ? grads->poison(*device_) : inputs->poison(*device_));
+    ASSERT_TRUE(launch(nullptr, nullptr));
+    const auto own = results();
+    // Captured cold on a new stream over the caller's memory.
+    CUstream stream = nullptr;
+    ASSERT_TRUE(cuda::check(api.cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING), "cuStreamCreate"));
+    const auto before = counters();
+    ASSERT_TRUE(cuda::check(api.cuStreamBeginCapture(stream, CU_STREAM_CAPTURE_MODE_GLOBAL), "BeginCapture"));
+    const Status captured = launch(stream, &given);
+    CUgraph graph = nullptr;
+    ASSERT_TRUE(cuda::check(api.cuStreamEndCapture(stream, &graph), "cuStreamEndCapture"));
+    ASSERT_TRUE(captured) << captured.error().message;
+    CUgraphExec exec = nullptr;
+    ASSERT_TRUE(cuda::check(api.cuGraphInstantiateWithFlags(&exec, graph, 0), "instantiate"));
+    for (const auto& [name, value] : counters())
+      for (const auto& [was, at] : before)
+        if (name == was && name != "launches") EXPECT_EQ(value, at) << name << " moved in the capture";
+    ASSERT_TRUE(isBackward ? grads->poison(*device_) : inputs->poison(*device_));
+    ASSERT_TRUE(cuda::check(api.cuGraphLaunch(exec, stream), "cuGraphLaunch"));
+    ASSERT_TRUE(cuda::check(api.cuStreamSynchronize(stream), "replay"));
+    const auto replayed = results();
+    ASSERT_EQ(replayed.size(), own.size());
+    for (size_t i = 0; i < own.size(); ++i) {
+      const bool atomicGradient = isBackward && b->kernel.schedule().dq() == v1::dq_atomic &&
+                                  (std::string(reference::kGradientNames[i]) == "dq" ||
+                                   std::string(reference::kGradientNames[i]) == "dalpha_q");
+      if (!atomicGradient) EXPECT_EQ(replayed[i], own[i]) << "result " << i << " differs from the own workspaces'";
+    }
+    api.cuGraphExecDestroy(exec);
+    api.cuGraphDestroy(graph);
+    api.cuStreamDestroy(stream);
+    if (bytes > 0) {
+      const WorkspaceMemory shortOne{memory->data(), bytes - 1};
+      const Status refused = launch(nullptr, &shortOne);
+      ASSERT_FALSE(refused);
+      EXPECT_NE(refused.error().message.find(std::to_string(bytes)), std::string::npos) << refused.error().message;
+    }
+    std::printf("[ gpu ws   ] %s: captured cold over %lld caller bytes, equal to its own workspaces\n", b->file.c_str(),
+                (long long)bytes);
+  }
+}
+
 // The decode step: the first decode bundle's step captured with
 // check_pages off (no synchronisation, no allocation in the launch), then
 // replayed 100 times with a different page table each time (the cache

@@ -31,7 +31,7 @@ portable=${PIPESTATUS[0]}
 LOOM_GPU_LABELS='hopper.*' timeout 90 build/bin/gpu_test --gtest_color=no 2>&1 | tee "$out/gpu_test_hopper.log"
 hopper=${PIPESTATUS[0]}
 LOOM_GPU_LABELS='backward.*|materialized' timeout 60 build/bin/gpu_test --gtest_color=no \
-  --gtest_filter='Gpu.EveryBackward*:Gpu.KeptForward*:Gpu.BackwardGraph*' 2>&1 |
+  --gtest_filter='Gpu.EveryBackward*:Gpu.KeptForward*:Gpu.BackwardGraph*:Gpu.CallerWorkspaces*' 2>&1 |
   tee "$out/gpu_test_backward.log"
 backward=${PIPESTATUS[0]}
 # The decode step over a paged raw cache (mma.sync; on sm_90a wgmma too).

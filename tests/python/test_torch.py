@@ -366,5 +366,97 @@ class Cuda(unittest.TestCase):
             self.assertLess(relative(p.grad, p_eager.grad), 3e-2, name)
 
 
+CUDA_SKIP = "no CUDA device for PyTorch and loom here (" + (loom.gpu_error()[:80] or "torch sees none") + ")"
+
+
+@unittest.skipUnless(torch.cuda.is_available() and loom.devices(), CUDA_SKIP)
+class CudaGraphs(unittest.TestCase):
+    """loom.torch under torch.cuda.graph: captured once (after a warm-up on a side stream that compiles and loads
+    the kernels), replayed on new values copied into the captured inputs, each replay equal bit for bit to an
+    eager call on the same values and within the bf16 tolerance of float64 eager IHA; the replays move no
+    loom.counters() (a replay does not pass through loom). Workspaces come from PyTorch's allocator, so the
+    capture stream needs no launch of its own first."""
+
+    spec = {"heads": 4, "kv_heads": 2, "pseudo_heads": 2, "head_dim": 64, "mask": "flat_causal",
+            "collapse": "per_head", "rope_theta": 10000.0}
+
+    def inputs(self, gen, B, N):
+        return [t.detach().to("cuda", torch.bfloat16 if i < 3 else torch.float32)
+                for i, t in enumerate(draw(self.spec, B, N, torch.float64, gen, requires_grad=False))]
+
+    @staticmethod
+    def warm_up(call):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            call()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+
+    def test_forward_and_backward_replay_as_eager(self):
+        gen = torch.Generator().manual_seed(SEED + 20)
+        static = [t.requires_grad_() for t in self.inputs(gen, 2, 96)]
+        dout = torch.randn(2, 96, 4, 64, generator=gen).to("cuda", torch.bfloat16)
+
+        def step():
+            for t in static:
+                t.grad = None
+            out = lt.iha(*static, self.spec, cache_dir=CACHE)
+            out.backward(dout)
+            return out
+
+        self.warm_up(step)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        before = loom.counters()
+        for replay in range(5):
+            fresh = self.inputs(gen, 2, 96)
+            with torch.no_grad():
+                for t, value in zip(static, fresh):
+                    t.copy_(value)
+            graph.replay()
+            torch.cuda.synchronize()
+            replayed = out.clone(), [t.grad.clone() for t in static]
+            eager = [t.detach().clone().requires_grad_() for t in fresh]
+            eager_out = lt.iha(*eager, self.spec, cache_dir=CACHE)
+            eager_out.backward(dout)
+            self.assertTrue(torch.equal(replayed[0], eager_out), f"replay {replay}: out differs from eager")
+            exact = [t.detach().double().cpu().requires_grad_() for t in fresh]
+            want = lt.iha_eager(*exact, self.spec)
+            self.assertLess(relative(replayed[0].cpu(), want), 3e-2)
+            want.backward(dout.double().cpu())
+            for name, got, w in zip(GRADIENTS, replayed[1], exact):
+                self.assertLess(relative(got.cpu(), w.grad), 5e-2, f"replay {replay} d{name}")
+        # The eager calls above moved launches; the replays alone move nothing.
+        moved = {k: loom.counters()[k] - v for k, v in before.items() if loom.counters()[k] != v}
+        self.assertEqual(set(moved), {"launches"}, moved)
+
+    def test_decode_replays_over_new_page_tables(self):
+        gen = torch.Generator().manual_seed(SEED + 21)
+        B, page, cached = 2, 16, 40
+        G, d = self.spec["kv_heads"], self.spec["head_dim"]
+        pages = B * (-(-(cached + 1) // page))
+        k_cache = torch.randn(pages, page, G, d, generator=gen).to("cuda", torch.bfloat16)
+        v_cache = torch.randn(pages, page, G, d, generator=gen).to("cuda", torch.bfloat16)
+        table = torch.randperm(pages, generator=gen).view(B, -1).to("cuda", torch.int32)
+        lengths = torch.full((B,), cached, dtype=torch.int32, device="cuda")
+        step = self.inputs(gen, B, 1)
+
+        def call():
+            return lt.decode(*step, k_cache, v_cache, table, lengths, self.spec, cache_dir=CACHE, check_pages=False)
+
+        self.warm_up(call)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = call()
+        for replay in range(10):
+            table.copy_(torch.randperm(pages, generator=gen).view(B, -1).to("cuda", torch.int32))
+            graph.replay()
+            torch.cuda.synchronize()
+            replayed = out.clone()
+            self.assertTrue(torch.equal(replayed, call()), f"replay {replay}: differs from an eager step")
+
+
 if __name__ == "__main__":
     unittest.main()

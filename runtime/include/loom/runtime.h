@@ -182,18 +182,31 @@ Result<emu::EmuRun> runBackwardOnEmulator(const KernelSpec& spec, const IhaTenso
 
 // Bytes of the workspaces a compiled kernel's launches need for B x N
 // tokens (its plan's q_mixed, k_mixed, v_mixed, o_pseudo; a backward's
-// do_pseudo, delta, dq_pseudo, dk_pseudo, dv_pseudo, partials and lse).
+// do_pseudo, delta, dq_pseudo, dk_pseudo, dv_pseudo, partials and lse),
+// each rounded up to kWorkspaceAlignment: what a WorkspaceMemory must hold.
+inline constexpr int64_t kWorkspaceAlignment = 256;
 int64_t workspaceBytes(const v1::CompiledKernel& kernel, int64_t batch, int64_t tokens);
+
+// Device memory the caller owns for a launch's workspaces: at least
+// workspaceBytes(kernel, B, N) bytes at a kWorkspaceAlignment-aligned
+// address, on the kernel's device, not used by other work until the launch
+// has run. A launch given one allocates nothing and waits for nothing
+// whatever the stream (loom.torch takes it from PyTorch's caching
+// allocator, whose pools CUDA-graph capture understands).
+struct WorkspaceMemory {
+  void* data = nullptr;
+  int64_t bytes = 0;
+};
 
 // A host tensor's elements widened to double, in C order.
 std::vector<double> hostValues(const Tensor& tensor);
 
 // A compiled kernel plan loaded on a device. Workspaces between its launches
-// are kept per stream (launches on one stream run in order, so they reuse
-// them), allocated on a stream's first launch and grown as B and N grow:
-// after a warm-up launch of the largest shape, a launch allocates nothing and
-// waits for nothing (loom/counters.h). Launches from several threads take
-// turns on the host.
+// are the caller's (WorkspaceMemory), or else kept per stream (launches on
+// one stream run in order, so they reuse them), allocated on a stream's
+// first launch and grown as B and N grow: after a warm-up launch of the
+// largest shape, a launch allocates nothing and waits for nothing
+// (loom/counters.h). Launches from several threads take turns on the host.
 class Kernel {
  public:
   static Result<std::shared_ptr<Kernel>> load(std::shared_ptr<cuda::Device> device, const v1::CompiledKernel& compiled);
@@ -201,7 +214,8 @@ class Kernel {
 
   // With `keep` (device tensors, IhaSaved), also what the backward needs:
   // the kernel must materialise the mixing and keep the collapse separate.
-  Status launch(const IhaTensors& tensors, CUstream stream = nullptr, const IhaSaved* keep = nullptr);
+  Status launch(const IhaTensors& tensors, CUstream stream = nullptr, const IhaSaved* keep = nullptr,
+                const WorkspaceMemory* workspace = nullptr);
   Status launch(const DLTensor* q, const DLTensor* k, const DLTensor* v, const DLTensor* alphaQ,
                 const DLTensor* alphaK, const DLTensor* alphaV, const DLTensor* collapse, const DLTensor* out,
                 const DLTensor* lse = nullptr, CUstream stream = nullptr);
@@ -211,7 +225,7 @@ class Kernel {
   // (what a forward launch of the same inputs kept) without its pre-mix and
   // attention launches.
   Status launchBackward(const IhaTensors& inputs, const IhaGradTensors& grads, CUstream stream = nullptr,
-                        const IhaSaved* saved = nullptr);
+                        const IhaSaved* saved = nullptr, const WorkspaceMemory* workspace = nullptr);
 
   // A decode kernel (CompiledKernel::direction decode, a raw cache): one
   // step over the paged cache (docs/IHA.md, Decode over a paged cache). The
@@ -223,7 +237,7 @@ class Kernel {
   // checks its page table where it builds it (a bad entry then reads or
   // writes outside the cache), and for timing the kernel alone.
   Status launchDecode(const IhaTensors& step, const PagedCacheTensors& cache, CUstream stream = nullptr,
-                      bool checkPages = true);
+                      bool checkPages = true, const WorkspaceMemory* workspace = nullptr);
 
   const v1::CompiledKernel& compiled() const { return compiled_; }
   // Where the kernel came from: "compiled now", "kernel cache", and whether
@@ -232,9 +246,10 @@ class Kernel {
 
  private:
   friend class Runtime;
-  // What the launches on one stream use.
+  // What the launches on one stream (or over one caller's memory) use.
   struct StreamState {
-    std::map<std::string, std::unique_ptr<cuda::DeviceBuffer>> workspaces;
+    std::vector<std::unique_ptr<cuda::DeviceBuffer>> owned;  // the stream's own workspaces (none over a caller's)
+    std::map<std::string, void*> workspaces;                // by name
     int64_t rows = 0;  // B * N the workspaces hold
     // Tensor maps over the mixed rows (wgmma engine), encoded for one (B, N)
     // and kept until either changes or the rows move.
@@ -244,9 +259,10 @@ class Kernel {
     void* workspace(const char* name) const;   // nullptr where the plan has none of that name
   };
   Kernel() = default;
-  // The stream's state, its workspaces grown to B x N tokens (the caller
-  // holds mutex_).
-  Result<StreamState*> streamState(CUstream stream, int64_t batch, int64_t tokens);
+  // The stream's state, its workspaces grown to B x N tokens, or the state
+  // over the caller's `memory` (the caller holds mutex_).
+  Result<StreamState*> streamState(CUstream stream, int64_t batch, int64_t tokens,
+                                   const WorkspaceMemory* memory = nullptr);
   // Runs every entry point on `args` (B = args.batch, N = args.tokens).
   // skipForward: not the pre-mix and attention launches (a backward from a kept forward).
   Status launchEntries(IhaArgs& args, CUstream stream, bool skipForward, StreamState& state);
@@ -258,6 +274,7 @@ class Kernel {
   std::vector<CUfunction> functions_;  // one per entry, in launch order
   std::mutex mutex_;                   // a launch at a time on the host
   std::map<CUstream, std::unique_ptr<StreamState>> streams_;
+  std::map<void*, std::unique_ptr<StreamState>> callerStates_;  // by the caller's memory (its maps kept)
   std::string provenance_ = "loaded";
 };
 
