@@ -4,9 +4,11 @@
 For one small problem (the call itself is the cost: B 1, N 16, H 2, P 2, d 16 by default), times the forward,
 backward and decode calls after a warm-up, and prints microseconds a call and what loom.counters() moved over
 the timed calls (a steady state moves only `launches`). Host tensors run the generated program on the host tile
-API; with --cuda (a GPU and PyTorch with CUDA) the same calls on CUDA tensors. PyTorch's own eager IHA
-(loom.torch.iha_eager, about twenty ops) is timed beside them. Wall time and this process's CPU time a call
-(the CPU time is the steadier on a shared machine). Numbers, not a test.
+API; with --cuda (a GPU and PyTorch with CUDA) the same calls on CUDA tensors (host time a call: the GPU runs
+behind), and beside them a decode step without its page-table check, the same step replayed from a CUDA graph
+and PyTorch's SDPA over the same rows. PyTorch's own eager IHA (loom.torch.iha_eager, about twenty ops) is timed
+beside them. Wall time and this process's CPU time a call (the CPU time is the steadier on a shared machine).
+Numbers, not a test.
 
     PYTHONPATH=build/python python3 bench/host_overhead.py [--calls 200] [--rounds 5] [--tokens 16] [--cuda]
 """
@@ -85,6 +87,28 @@ def main():
         ("decode    loom.torch.decode (1 token)",
          lambda: lt.decode(*step, *weights, collapse, k_cache, v_cache, page_table, cache_len, spec, **threads)),
     ]
+    if args.cuda:
+        # Beside them on a GPU: the step without its page-table copy back, the same step replayed from a CUDA
+        # graph, and PyTorch's own fused attention (SDPA) over the same N * P rows: the call overhead to beat.
+        def unchecked():
+            return lt.decode(*step, *weights, collapse, k_cache, v_cache, page_table, cache_len, spec,
+                             check_pages=False)
+
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            unchecked()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            unchecked()
+        rows_q = torch.randn(1, H, N * P, d, generator=g).to(device, dtype)
+        rows += [
+            ("decode    loom.torch.decode, check_pages off", unchecked),
+            ("decode    the same, CUDA graph replay", graph.replay),
+            ("forward   torch SDPA (causal, N*P rows)",
+             lambda: torch.nn.functional.scaled_dot_product_attention(rows_q, rows_q, rows_q, is_causal=True)),
+        ]
     print(f"host overhead: B 1, N {N}, H {H}, G {G}, P {P}, d {d}, {dtype}, {device}, "
           f"best of {args.rounds} rounds of {args.calls} calls each after a warm-up")
     cpu_of = {}
