@@ -118,16 +118,25 @@ Schedule scheduleOf(const py::object& value) {
   });
 }
 
-// Checks that `schedule` resolves for `spec` on the host tile API (a
-// ValueError if not), once a (spec, schedule): resolving builds an MLIR
-// context, which would cost more than a small problem's whole run.
-void checkResolvesOnHost(const KernelSpec& spec, const Schedule& schedule) {
+// Checks that `schedule` resolves for `spec` in `direction` on `target` (a
+// ValueError naming the field if not), once a (spec, schedule, target,
+// direction): resolving builds an MLIR context, which would cost more than a
+// small problem's whole run. On CUDA only a forced schedule is checked (an
+// empty one is the tuned decision's, checked where it was tuned).
+void checkResolves(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
+                   Direction direction = Direction::forward, bool mixedCache = false) {
+  if (target.kind() == v1::Target::cuda && schedule.ByteSizeLong() == 0) return;
   static std::unordered_set<std::string> resolved;
-  std::string key = spec.SerializeAsString() + '\0' + schedule.SerializeAsString();
+  std::string key = spec.SerializeAsString() + '\0' + schedule.SerializeAsString() + '\0' +
+                    target.SerializeAsString() + '\0' + std::to_string(int(direction)) + (mixedCache ? "m" : "r");
   if (resolved.count(key)) return;
-  valueOr(resolveSchedule(spec, schedule, valueOr(parseTarget("cpu"), false)), true);
+  valueOr(resolveSchedule(spec, schedule, target, direction, mixedCache), true);
   if (resolved.size() >= kMemoTexts) resolved.clear();
   resolved.insert(std::move(key));
+}
+const v1::Target& hostTarget() {
+  static const v1::Target target = *parseTarget("cpu");
+  return target;
 }
 
 py::object fromJson(const std::string& json) { return py::module_::import("json").attr("loads")(json); }
@@ -398,11 +407,12 @@ py::object iha(const py::object& q, const py::object& k, const py::object& v, co
       true);
   if (onHost) {
     check(validateTensors(spec, tensors, kHostDevice), true);
-    checkResolvesOnHost(spec, schedule);
+    checkResolves(spec, schedule, hostTarget());
     const cpu::CpuOptions options{cacheDir, threads};
     py::gil_scoped_release release;
     check(runOnHost(spec, tensors, schedule, options), false);  // what is left: compiling, running
   } else {
+    checkResolves(spec, schedule, runtime->target());
     std::shared_ptr<Kernel> kernel = kernelFor(*runtime, spec, schedule, service);
     check(validateTensors(spec, tensors, device.device_id), true);
     std::optional<Borrowed> held;
@@ -465,10 +475,12 @@ py::tuple ihaBackward(const py::object& q, const py::object& k, const py::object
                                  true);
   if (onHost) {
     check(validateGradTensors(spec, tensors, grads, kHostDevice), true);
+    checkResolves(spec, schedule, hostTarget(), Direction::backward);
     const cpu::CpuOptions options{cacheDir, threads};
     py::gil_scoped_release release;
     check(runBackwardOnHost(spec, tensors, grads, schedule, options), false);
   } else {
+    checkResolves(spec, schedule, runtime->target(), Direction::backward);
     std::shared_ptr<Kernel> kernel = kernelFor(*runtime, spec, schedule, service, v1::direction_backward);
     check(validateGradTensors(spec, tensors, grads, device.device_id), true);
     std::optional<Borrowed> held;
@@ -663,12 +675,14 @@ py::object decode(const py::object& q, const py::object& k, const py::object& v,
   cache.layout = layout;
   if (onHost) {
     check(validateDecodeTensors(spec, tensors, cache, kHostDevice), true);
+    checkResolves(spec, schedule, hostTarget(), Direction::decode, layout == CacheLayout::mixed);
     const cpu::CpuOptions options{cacheDir, threads};
     py::gil_scoped_release release;
     check(runDecodeOnHost(spec, tensors, cache, schedule, options), false);
   } else {
     // launchDecode checks the tensors, then (check_pages) copies page_table
     // and cache_len back to check every entry before the launch.
+    checkResolves(spec, schedule, runtime->target(), Direction::decode, layout == CacheLayout::mixed);
     std::shared_ptr<Kernel> kernel =
         kernelFor(*runtime, spec, schedule, service, decodeDirectionOf(layout));
     std::optional<Borrowed> held;
@@ -826,7 +840,7 @@ PYBIND11_MODULE(_loom, m) {
         py::arg("cache_dir") = "", py::arg("service") = "", py::arg("threads") = 0,
         py::arg("workspace") = py::none());
   m.def("decode", &decode,
-        "One decode step over a paged cache (docs/IHA.md, Decode over a paged cache), on host tensors: the new\n"
+        "One decode step over a paged cache (docs/IHA.md, Decode over a paged cache): the new\n"
         "tokens' q [B, T, H, d], k and v [B, T, G, d] and the weights as for iha; k_cache and v_cache\n"
         "[num_pages, page_size, G, d] (cache='raw') or [num_pages, page_size, G, P, d] (cache='mixed') in the\n"
         "spec's dtype; page_table [B, max_pages] and cache_len [B], int32. Appends the step's k and v at\n"

@@ -92,7 +92,7 @@ def train(backend, data, vocab, args, device):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         if step % args.every == 0 or step == args.steps - 1:
             print(f"  {backend:5s} step {step:4d}  loss {losses[-1]:.4f}  ({time.time() - start:.1f} s)", flush=True)
     return losses

@@ -92,15 +92,20 @@ def _spec_text(spec, dtype: torch.dtype) -> str:
     return text
 
 
+if hasattr(torch, "compiler") and hasattr(torch.compiler, "assume_constant_result"):
+    # torch.compile evaluates it while tracing and keeps the text as a constant of the graph (the spec is one
+    # too: Dynamo guards on it), where tracing json.dumps would break the graph.
+    _spec_text = torch.compiler.assume_constant_result(_spec_text)
+
 _OUT_DIMS = {}
 
 
-def _out_dims(spec_json: str) -> Tuple[int, int]:
-    """(H, d) of spec_for's text: out is [B, N, H, d]."""
+def _out_dims(spec_json: str) -> Tuple[int, int, int]:
+    """(H, d, P) of spec_for's text: out is [B, N, H, d], lse [B, H, N*P]."""
     dims = _OUT_DIMS.get(spec_json)
     if dims is None:
         s = json.loads(spec_json)
-        dims = (s["heads"], s["head_dim"])
+        dims = (s["heads"], s["head_dim"], s["pseudo_heads"])
         if len(_OUT_DIMS) >= 1024:
             _OUT_DIMS.clear()
         _OUT_DIMS[spec_json] = dims
@@ -141,50 +146,85 @@ def _check_inputs(q, weights):
 
 
 def _forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec: str, schedule: Optional[str], cache_dir: str,
-             threads: int) -> torch.Tensor:
+             service: str, threads: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, N, H, d], lse [B, H, N*P] float32): the forward and its pseudo-heads' log-sum-exp."""
     _check_inputs(q, (alpha_q, alpha_k, alpha_v, collapse))
     tensors = _prepared((q, k, v, alpha_q, alpha_k, alpha_v, collapse))
     if q.dtype == torch.float64:
-        out, _ = _loom.reference(*tensors, spec)
-        return torch.utils.dlpack.from_dlpack(out)
-    heads, head_dim = _out_dims(spec)
-    out = torch.empty((q.shape[0], q.shape[1], heads, head_dim), dtype=q.dtype, device=q.device)
-    _loom.iha(*tensors, spec, stream=_stream(q), out=_capsule(out), schedule=schedule, cache_dir=cache_dir,
-              threads=threads, workspace=_workspace(spec, q.shape[0], q.shape[1], "forward", q.device, schedule,
-                                                    cache_dir))
-    return out
+        out, lse = _loom.reference(*tensors, spec)
+        return torch.utils.dlpack.from_dlpack(out), torch.utils.dlpack.from_dlpack(lse)
+    heads, head_dim, pseudo = _out_dims(spec)
+    B, N = q.shape[0], q.shape[1]
+    out = torch.empty((B, N, heads, head_dim), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, heads, N * pseudo), dtype=torch.float32, device=q.device)
+    _loom.iha(*tensors, spec, stream=_stream(q), out=_capsule(out), lse=_capsule(lse), schedule=schedule,
+              cache_dir=cache_dir, service=service, threads=threads,
+              workspace=_workspace(spec, B, N, "forward", q.device, schedule, cache_dir, service=service))
+    return out, lse
+
+
+def _deterministic_schedule(schedule: Optional[str]) -> str:
+    """The backward schedule with dq reduced in a fixed order (dq_separate): bit-identical gradients run to run."""
+    s = {} if schedule is None else json.loads(schedule)
+    if s.get("dq", "dq_separate") not in ("dq_separate", "dq_unspecified"):
+        raise ValueError(f"backward_schedule: dq {s['dq']} adds dq in any order; deterministic=True (or "
+                         "torch.use_deterministic_algorithms) needs dq_separate")
+    s["dq"] = "dq_separate"
+    return json.dumps(s, sort_keys=True)
 
 
 def _backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, dout, spec: str, schedule: Optional[str],
-              cache_dir: str, threads: int):
+              cache_dir: str, service: str, threads: int, deterministic: bool):
     inputs = (q, k, v, alpha_q, alpha_k, alpha_v, collapse)
     tensors = _prepared(inputs)
     dout = _capsule(dout.detach().to(q.dtype).contiguous())
     if q.dtype == torch.float64:
         grads = _loom.reference_backward(*tensors, dout, spec)
         return tuple(torch.utils.dlpack.from_dlpack(g) for g in grads)
+    if deterministic:
+        schedule = _deterministic_schedule(schedule)
     grads = [torch.empty(t.shape, dtype=torch.float32, device=q.device) for t in inputs]
     _loom.iha_backward(*tensors, dout, spec, grads=[_capsule(g) for g in grads], stream=_stream(q),
-                       schedule=schedule, cache_dir=cache_dir, threads=threads,
-                       workspace=_workspace(spec, q.shape[0], q.shape[1], "backward", q.device, schedule, cache_dir))
+                       schedule=schedule, cache_dir=cache_dir, service=service, threads=threads,
+                       workspace=_workspace(spec, q.shape[0], q.shape[1], "backward", q.device, schedule, cache_dir,
+                                            service=service))
     return tuple(g.to(t.dtype) for g, t in zip(grads, inputs))
+
+
+def _decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len, spec: str,
+            cache: str, schedule: Optional[str], cache_dir: str, service: str, threads: int,
+            check_pages: bool) -> torch.Tensor:
+    _check_inputs(q, (alpha_q, alpha_k, alpha_v, collapse))
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous: the step appends to it in place")
+    heads, head_dim, _ = _out_dims(spec)
+    out = torch.empty((q.shape[0], q.shape[1], heads, head_dim), dtype=q.dtype, device=q.device)
+    tensors = _prepared((q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len))
+    workspace = _workspace(spec, q.shape[0], q.shape[1], "decode", q.device, schedule, cache_dir, cache, service)
+    _loom.decode(*tensors, spec, cache=cache, out=_capsule(out), stream=_stream(q), schedule=schedule,
+                 cache_dir=cache_dir, service=service, threads=threads, check_pages=check_pages, workspace=workspace)
+    return out
 
 
 class _IhaFunction(torch.autograd.Function):
     """IHA with loom's backward: saves the seven inputs (the backward
     recomputes the attention, as FlashAttention's does), not the P-times-longer
-    mixed sequence."""
+    mixed sequence. lse is not differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, schedule, cache_dir, threads):
+    def forward(ctx, q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, schedule, backward_schedule, cache_dir,
+                service, threads, deterministic):
         ctx.save_for_backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse)
-        ctx.options = (spec, schedule, cache_dir, threads)
-        return _forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, schedule, cache_dir, threads)
+        ctx.options = (spec, backward_schedule, cache_dir, service, threads, deterministic)
+        out, lse = _forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, schedule, cache_dir, service, threads)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx, dout, _dlse):
         grads = _backward(*ctx.saved_tensors, dout, *ctx.options)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 if HAS_CUSTOM_OP:
@@ -192,46 +232,85 @@ if HAS_CUSTOM_OP:
 
     @torch.library.custom_op("loom::iha", mutates_args=())
     def _iha_op(q: Tensor, k: Tensor, v: Tensor, alpha_q: Tensor, alpha_k: Tensor, alpha_v: Tensor,
-                collapse: Tensor, spec: str, schedule: Optional[str], cache_dir: str, threads: int) -> Tensor:
-        return _forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, schedule, cache_dir, threads)
+                collapse: Tensor, spec: str, schedule: Optional[str], backward_schedule: Optional[str],
+                cache_dir: str, service: str, threads: int, deterministic: bool) -> Tuple[Tensor, Tensor]:
+        return _forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, schedule, cache_dir, service, threads)
 
     @_iha_op.register_fake
-    def _iha_fake(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, schedule, cache_dir, threads):
-        s = json.loads(spec)
-        return q.new_empty((q.shape[0], q.shape[1], s["heads"], s["head_dim"]))
+    def _iha_fake(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, schedule, backward_schedule, cache_dir,
+                  service, threads, deterministic):
+        heads, head_dim, pseudo = _out_dims(spec)
+        return (q.new_empty((q.shape[0], q.shape[1], heads, head_dim)),
+                q.new_empty((q.shape[0], heads, q.shape[1] * pseudo), dtype=torch.float32))
 
     @torch.library.custom_op("loom::iha_backward", mutates_args=())
     def _iha_backward_op(q: Tensor, k: Tensor, v: Tensor, alpha_q: Tensor, alpha_k: Tensor, alpha_v: Tensor,
                          collapse: Tensor, dout: Tensor, spec: str, schedule: Optional[str], cache_dir: str,
-                         threads: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-        return _backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, dout, spec, schedule, cache_dir, threads)
+                         service: str, threads: int,
+                         deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        return _backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, dout, spec, schedule, cache_dir, service,
+                         threads, deterministic)
 
     @_iha_backward_op.register_fake
-    def _iha_backward_fake(q, k, v, alpha_q, alpha_k, alpha_v, collapse, dout, spec, schedule, cache_dir, threads):
+    def _iha_backward_fake(q, k, v, alpha_q, alpha_k, alpha_v, collapse, dout, spec, schedule, cache_dir, service,
+                           threads, deterministic):
         return tuple(torch.empty_like(t) for t in (q, k, v, alpha_q, alpha_k, alpha_v, collapse))
 
     def _setup_context(ctx, inputs, output):
         ctx.save_for_backward(*inputs[:7])
-        ctx.options = inputs[7:]
+        spec, _, backward_schedule, cache_dir, service, threads, deterministic = inputs[7:]
+        ctx.options = (spec, backward_schedule, cache_dir, service, threads, deterministic)
+        ctx.mark_non_differentiable(output[1])
 
-    def _iha_op_backward(ctx, dout):
+    def _iha_op_backward(ctx, dout, _dlse):
         grads = _iha_backward_op(*ctx.saved_tensors, dout, *ctx.options)
-        return (*grads, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
     _iha_op.register_autograd(_iha_op_backward, setup_context=_setup_context)
 
+    @torch.library.custom_op("loom::decode", mutates_args=("k_cache", "v_cache"))
+    def _decode_op(q: Tensor, k: Tensor, v: Tensor, alpha_q: Tensor, alpha_k: Tensor, alpha_v: Tensor,
+                   collapse: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cache_len: Tensor,
+                   spec: str, cache: str, schedule: Optional[str], cache_dir: str, service: str, threads: int,
+                   check_pages: bool) -> Tensor:
+        return _decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len, spec,
+                       cache, schedule, cache_dir, service, threads, check_pages)
 
-def iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, *, schedule=None, cache_dir: str = "",
-        threads: int = 0) -> torch.Tensor:
+    @_decode_op.register_fake
+    def _decode_fake(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len, spec,
+                     cache, schedule, cache_dir, service, threads, check_pages):
+        heads, head_dim, _ = _out_dims(spec)
+        return q.new_empty((q.shape[0], q.shape[1], heads, head_dim))
+
+
+def _schedule_text(schedule) -> Optional[str]:
+    return None if schedule is None else (schedule if isinstance(schedule, str) else json.dumps(schedule))
+
+
+if hasattr(torch, "compiler") and hasattr(torch.compiler, "assume_constant_result"):
+    _schedule_text = torch.compiler.assume_constant_result(_schedule_text)  # as _spec_text
+
+
+def iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, *, schedule=None, backward_schedule=None,
+        deterministic: bool = False, return_lse: bool = False, cache_dir: str = "", service: str = "",
+        threads: int = 0):
     """out [B, N, H, d] = IHA(q, k, v; alpha_q, alpha_k, alpha_v, collapse) for `spec` (a dict, JSON text or a
-    path; its dtype, when given, q's). Differentiable in all seven tensors. `schedule` (dict or JSON) forces the
-    forward's schedule; `cache_dir` is the kernel cache (default ~/.cache/loom); `threads` the host path's."""
+    path; its dtype, when given, q's). Differentiable in all seven tensors.
+
+    `schedule` (dict or JSON) forces the forward's schedule, `backward_schedule` the backward's (each checked
+    against its own direction's rules; unset, each is the tuned one from the kernel cache, else the default).
+    `deterministic=True`, or torch.use_deterministic_algorithms(True), makes the backward bit-identical run to
+    run: dq is reduced in a fixed order (dq_separate) where the tuner may pick atomic adds, at the cost of the
+    separate reduction (a few percent of the backward). `return_lse=True` returns (out, lse), lse [B, H, N*P]
+    float32 the pseudo-heads' log-sum-exp (natural log; not differentiable): what merging partial attentions
+    needs. `cache_dir` is the kernel cache (default ~/.cache/loom), `service` "HOST:PORT" of a loom service to
+    take CUDA kernels from, `threads` the host path's."""
     spec_json = _spec_text(spec, q.dtype)
-    schedule_json = None if schedule is None else (schedule if isinstance(schedule, str) else json.dumps(schedule))
-    if HAS_CUSTOM_OP:
-        return _iha_op(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec_json, schedule_json, cache_dir, threads)
-    return _IhaFunction.apply(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec_json, schedule_json, cache_dir,
-                              threads)
+    deterministic = bool(deterministic or torch.are_deterministic_algorithms_enabled())
+    args = (q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec_json, _schedule_text(schedule),
+            _schedule_text(backward_schedule), cache_dir, service, threads, deterministic)
+    out, lse = _iha_op(*args) if HAS_CUSTOM_OP else _IhaFunction.apply(*args)
+    return (out, lse) if return_lse else out
 
 
 def decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len, spec, *,
@@ -245,21 +324,12 @@ def decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_
     tensors (all on one device, page_table and cache_len too) run loom's decode kernel on the current stream;
     host tensors run the generated decode program on the host tile API. check_pages=False (CUDA) skips copying
     page_table and cache_len back to check them: no host synchronisation in the step (a serving loop that
-    builds them checked; CUDA-graph capture)."""
-    spec_json = _spec_text(spec, q.dtype)
-    schedule_json = None if schedule is None else (schedule if isinstance(schedule, str) else json.dumps(schedule))
-    _check_inputs(q, (alpha_q, alpha_k, alpha_v, collapse))
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous: the step appends to it in place")
-    heads, head_dim = _out_dims(spec_json)
-    out = torch.empty((q.shape[0], q.shape[1], heads, head_dim), dtype=q.dtype, device=q.device)
-    tensors = _prepared((q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len))
-    workspace = _workspace(spec_json, q.shape[0], q.shape[1], "decode", q.device, schedule_json, cache_dir, cache,
-                           service)
-    _loom.decode(*tensors, spec_json, cache=cache, out=_capsule(out), stream=_stream(q), schedule=schedule_json,
-                 cache_dir=cache_dir, service=service, threads=threads, check_pages=check_pages, workspace=workspace)
-    return out
+    builds them checked; CUDA-graph capture). With PyTorch 2.4 and later it is the custom op torch.ops.loom.decode
+    (mutating k_cache and v_cache), which torch.compile traces."""
+    args = (q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len,
+            _spec_text(spec, q.dtype), cache, _schedule_text(schedule), cache_dir, service, threads,
+            check_pages)
+    return _decode_op(*args) if HAS_CUSTOM_OP else _decode(*args)
 
 
 def warmup(spec, shapes, directions=("forward", "backward"), *, device="cpu", dtype: Optional[torch.dtype] = None,
@@ -411,6 +481,9 @@ class InterleavedHeadAttention(torch.nn.Module):
         if scale is not None:
             s["scale"] = scale
         self.spec = s
+        # What forward passes: text is a constant to torch.compile, where a dict's ints turn symbolic under
+        # dynamic=True and cannot be serialised while tracing.
+        self._spec_json = json.dumps(s, sort_keys=True)
         self.q_proj = torch.nn.Linear(dim, H * d, bias=bias)
         self.k_proj = torch.nn.Linear(dim, G * d, bias=bias)
         self.v_proj = torch.nn.Linear(dim, G * d, bias=bias)
@@ -443,6 +516,6 @@ class InterleavedHeadAttention(torch.nn.Module):
         if self.backend == "eager":
             o = iha_eager(q, k, v, *weights, self.spec)
         else:
-            o = iha(q, k, v, *weights, self.spec, schedule=self.schedule, cache_dir=self.cache_dir,
+            o = iha(q, k, v, *weights, self._spec_json, schedule=self.schedule, cache_dir=self.cache_dir,
                     threads=self.threads)
         return self.out_proj(o.to(x.dtype).reshape(B, N, H * d))
