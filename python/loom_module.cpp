@@ -635,7 +635,7 @@ py::object decode(const py::object& q, const py::object& k, const py::object& v,
                   const py::object& cacheLen, const py::object& specValue, const std::string& layoutName,
                   const py::object& out, const py::object& lse, std::optional<int64_t> stream,
                   const py::object& scheduleValue, const std::string& cacheDir, const std::string& service,
-                  int threads, bool checkPages, const py::object& workspaceValue) {
+                  int threads, bool checkPages, const py::object& workspaceValue, const py::object& pageErrors) {
   const KernelSpec spec = specOf(specValue);
   const Schedule schedule = scheduleOf(scheduleValue);
   const CacheLayout layout = valueOr(parseCacheLayout(layoutName), true);
@@ -673,6 +673,13 @@ py::object decode(const py::object& q, const py::object& k, const py::object& v,
                       "), got " + shapeString(tableShape) + " and " + shapeString(lengthShape));
   cache.max_pages = tableShape[1];
   cache.layout = layout;
+  std::optional<Borrowed> errorWord;
+  if (!pageErrors.is_none() && !onHost) {  // host tensors are checked on the host in any case
+    errorWord = borrow(pageErrors, "page_errors", stream);
+    std::vector<int64_t> wordShape;
+    cache.page_errors = const_cast<int32_t*>(int32Array(*errorWord, "page_errors", 1, device, &wordShape));
+    if (wordShape[0] < 1) throw BadArgument("page_errors: want one int32 element");
+  }
   if (onHost) {
     check(validateDecodeTensors(spec, tensors, cache, kHostDevice), true);
     checkResolves(spec, schedule, hostTarget(), Direction::decode, layout == CacheLayout::mixed);
@@ -850,13 +857,16 @@ PYBIND11_MODULE(_loom, m) {
         "the default; `service`: fetched from a loom-service), host tensors the generated decode program on the\n"
         "host tile API. check_pages (CUDA): copy page_table and cache_len back and check every entry before the\n"
         "launch (a synchronous copy a step); False skips it for a serving loop that builds them checked, and for\n"
-        "CUDA-graph capture (a bad entry then reads or writes outside the cache). Host tensors are always checked.",
+        "CUDA-graph capture (a bad entry then reads or writes outside the cache). page_errors (CUDA): a one-element\n"
+        "int32 tensor on the device that the caller zeroes: the step checks page_table and cache_len on the device\n"
+        "first, skips the sequences it refuses (their out is not defined; nothing outside the cache is touched) and\n"
+        "writes 1 there if it refused one; read it when you like. Host tensors are always checked on the host.",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha_q"), py::arg("alpha_k"), py::arg("alpha_v"),
         py::arg("collapse"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"), py::arg("cache_len"),
         py::arg("spec"), py::arg("cache") = "raw", py::arg("out") = py::none(), py::arg("lse") = py::none(),
         py::arg("stream") = py::none(), py::arg("schedule") = py::none(), py::arg("cache_dir") = "",
         py::arg("service") = "", py::arg("threads") = 0, py::arg("check_pages") = true,
-        py::arg("workspace") = py::none());
+        py::arg("workspace") = py::none(), py::arg("page_errors") = py::none());
   m.def("workspace_bytes", &workspaceBytesOf,
         "Bytes of the `workspace` a CUDA launch of `batch` x `tokens` needs (a decode step: tokens = T, its new\n"
         "tokens), for `direction` 'forward', 'backward' or 'decode' (`cache` 'raw' or 'mixed'), the kernel found as\n"

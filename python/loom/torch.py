@@ -191,8 +191,8 @@ def _backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, dout, spec: str, sch
     return tuple(g.to(t.dtype) for g, t in zip(grads, inputs))
 
 
-def _decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len, spec: str,
-            cache: str, schedule: Optional[str], cache_dir: str, service: str, threads: int,
+def _decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len, page_errors,
+            spec: str, cache: str, schedule: Optional[str], cache_dir: str, service: str, threads: int,
             check_pages: bool) -> torch.Tensor:
     _check_inputs(q, (alpha_q, alpha_k, alpha_v, collapse))
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -203,7 +203,8 @@ def _decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page
     tensors = _prepared((q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len))
     workspace = _workspace(spec, q.shape[0], q.shape[1], "decode", q.device, schedule, cache_dir, cache, service)
     _loom.decode(*tensors, spec, cache=cache, out=_capsule(out), stream=_stream(q), schedule=schedule,
-                 cache_dir=cache_dir, service=service, threads=threads, check_pages=check_pages, workspace=workspace)
+                 cache_dir=cache_dir, service=service, threads=threads, check_pages=check_pages, workspace=workspace,
+                 page_errors=None if page_errors is None else _capsule(page_errors))
     return out
 
 
@@ -268,17 +269,17 @@ if HAS_CUSTOM_OP:
 
     _iha_op.register_autograd(_iha_op_backward, setup_context=_setup_context)
 
-    @torch.library.custom_op("loom::decode", mutates_args=("k_cache", "v_cache"))
+    @torch.library.custom_op("loom::decode", mutates_args=("k_cache", "v_cache", "page_errors"))
     def _decode_op(q: Tensor, k: Tensor, v: Tensor, alpha_q: Tensor, alpha_k: Tensor, alpha_v: Tensor,
                    collapse: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cache_len: Tensor,
-                   spec: str, cache: str, schedule: Optional[str], cache_dir: str, service: str, threads: int,
-                   check_pages: bool) -> Tensor:
-        return _decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len, spec,
-                       cache, schedule, cache_dir, service, threads, check_pages)
+                   page_errors: Optional[Tensor], spec: str, cache: str, schedule: Optional[str], cache_dir: str,
+                   service: str, threads: int, check_pages: bool) -> Tensor:
+        return _decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len,
+                       page_errors, spec, cache, schedule, cache_dir, service, threads, check_pages)
 
     @_decode_op.register_fake
-    def _decode_fake(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len, spec,
-                     cache, schedule, cache_dir, service, threads, check_pages):
+    def _decode_fake(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len,
+                     page_errors, spec, cache, schedule, cache_dir, service, threads, check_pages):
         heads, head_dim, _ = _out_dims(spec)
         return q.new_empty((q.shape[0], q.shape[1], heads, head_dim))
 
@@ -315,7 +316,7 @@ def iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, *, schedule=None, ba
 
 def decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len, spec, *,
            cache: str = "raw", schedule=None, cache_dir: str = "", service: str = "",
-           threads: int = 0, check_pages: bool = True) -> torch.Tensor:
+           threads: int = 0, check_pages: bool = True, page_errors: Optional[torch.Tensor] = None) -> torch.Tensor:
     """One decode step over a paged cache (docs/IHA.md, Decode over a paged cache): the new tokens' q
     [B, T, H, d], k and v [B, T, G, d]; k_cache and v_cache [num_pages, page_size, G, d] (cache="raw": the
     projections, P times smaller) or [num_pages, page_size, G, P, d] (cache="mixed"), the spec's dtype;
@@ -324,9 +325,13 @@ def decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_
     tensors (all on one device, page_table and cache_len too) run loom's decode kernel on the current stream;
     host tensors run the generated decode program on the host tile API. check_pages=False (CUDA) skips copying
     page_table and cache_len back to check them: no host synchronisation in the step (a serving loop that
-    builds them checked; CUDA-graph capture). With PyTorch 2.4 and later it is the custom op torch.ops.loom.decode
-    (mutating k_cache and v_cache), which torch.compile traces."""
-    args = (q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len,
+    builds them checked; CUDA-graph capture). page_errors (CUDA), a one-element int32 tensor on the device that
+    the caller zeroes: the step checks the page table and lengths on the device, skips the sequences it refuses
+    (their out is not defined; nothing outside the cache is read or written) and writes 1 there if it refused
+    one, with no synchronisation (read it when you like; with check_pages=False, under CUDA graphs too). With
+    PyTorch 2.4 and later it is the custom op torch.ops.loom.decode (mutating k_cache, v_cache and page_errors),
+    which torch.compile traces."""
+    args = (q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len, page_errors,
             _spec_text(spec, q.dtype), cache, _schedule_text(schedule), cache_dir, service, threads,
             check_pages)
     return _decode_op(*args) if HAS_CUSTOM_OP else _decode(*args)

@@ -254,12 +254,16 @@ Result<CpuOutputs> runPlan(const KernelPlan& plan, const IhaCase& c, const CpuOp
   return result;
 }
 
-Status checkDecodeStep(const KernelPlan& plan, const DecodeCase& step) {
+Status checkDecodeStep(const KernelPlan& plan, const DecodeCase& step, bool entries) {
   if (plan.direction != Direction::decode) return makeError("a decode step needs a plan generated for a decode step");
   if (plan.mixedCache != (step.layout == CacheLayout::mixed))
     return makeError(std::string("the plan is for a ") + (plan.mixedCache ? "mixed" : "raw") + " cache, the step's is " +
                      cacheLayoutName(step.layout));
-  return validateDecode(step.shape, step.cache.pageTable, step.cache.cacheLen);
+  if (entries) return validateDecode(step.shape, step.cache.pageTable, step.cache.cacheLen);
+  if (int64_t(step.cache.pageTable.size()) != step.shape.batch * step.shape.maxPages ||
+      int64_t(step.cache.cacheLen.size()) != step.shape.batch)
+    return makeError("page_table and cache_len: want B x max_pages and B entries");
+  return Status::success();
 }
 
 Result<CpuDecodeOutputs> runDecodePlan(const KernelPlan& plan, const DecodeCase& step, const CpuOptions& options) {

@@ -63,8 +63,10 @@ struct CpuDecodeOutputs {
 
 // Whether `plan` is a decode plan for the step's cache layout, and the step's
 // page table and lengths pass validateDecode (the CPU backend and the
-// emulator check this before they lay anything out).
-Status checkDecodeStep(const KernelPlan& plan, const DecodeCase& step);
+// emulator check this before they lay anything out); without `entries`,
+// only that they hold B x max_pages and B entries (the device checks the
+// rest: EmuOptions::devicePageCheck).
+Status checkDecodeStep(const KernelPlan& plan, const DecodeCase& step, bool entries = true);
 
 // A decode plan (generateKernel with Direction::decode, the case's cache
 // layout) on a decode step: the cache, q, k and v in the spec's dtype, out

@@ -298,6 +298,8 @@ namespace {
 
 // The lse a backward kernel's recomputation writes when the caller gives none.
 constexpr char kLseWorkspace[] = "lse";
+// A decode step's per-sequence verdicts of the device's page check.
+constexpr char kSequenceOkWorkspace[] = "sequence_ok";
 
 // A workspace's bytes (compiler.h's workspaceElements and
 // workspaceElementBytes, from the record's own fields: the runtime links no
@@ -310,6 +312,7 @@ int64_t workspaceBytes(const v1::CompiledKernel& kernel, const std::string& name
   if (name == "q_mixed" || name == "k_mixed" || name == "v_mixed" || name == "o_pseudo" || name == "do_pseudo")
     return rows * heads * spec.head_dim() * kernel.workspace_element_bytes();
   if (name == "delta" || name == kLseWorkspace) return rows * heads * int64_t(sizeof(float));
+  if (name == kSequenceOkWorkspace) return batch * int64_t(sizeof(int32_t));
   if (name == "partials") {
     for (const v1::EntryPoint& entry : kernel.entries())
       if (entry.name() == "iha_bwd_prep")
@@ -328,6 +331,7 @@ int64_t workspaceBytes(const v1::CompiledKernel& kernel, const std::string& name
 std::vector<std::string> workspaceNames(const v1::CompiledKernel& kernel) {
   std::vector<std::string> names(kernel.workspaces().begin(), kernel.workspaces().end());
   if (kernel.direction() == v1::direction_backward) names.push_back(kLseWorkspace);
+  if (isDecode(kernel.direction())) names.push_back(kSequenceOkWorkspace);
   return names;
 }
 
@@ -503,6 +507,11 @@ Status Kernel::launchDecode(const IhaTensors& step, const PagedCacheTensors& cac
   args.cache_len = cache.cache_len;
   args.page_size = cache.k_cache.shape[1];
   args.max_pages = cache.max_pages;
+  if (cache.page_errors) {  // the device's check, in the append launch
+    args.num_pages = cache.k_cache.shape[0];
+    args.page_errors = cache.page_errors;
+    args.sequence_ok = static_cast<int32_t*>((*state)->workspace(kSequenceOkWorkspace));
+  }
   return launchEntries(args, stream, /*skipForward=*/false, **state);
 }
 

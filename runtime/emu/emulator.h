@@ -52,6 +52,10 @@ struct EmuOptions {
   // A decode plan's step (runDecodeOnEmulator sets it): its cache, page
   // table and lengths; the case is then the step's (N = T).
   const DecodeCase* decode = nullptr;
+  // A decode step's page table and lengths checked on the device, as a CUDA
+  // launch given an error word does (in its append launch; the host does
+  // not check them): EmuRun::pageErrors says what it found.
+  bool devicePageCheck = false;
 };
 
 struct EmuRun {
@@ -70,6 +74,10 @@ struct EmuRun {
   std::optional<reference::IhaGradients> gradients;
   // A decode plan's cache after the step (read back from the dtype).
   std::optional<reference::PagedCache> cache;
+  // With devicePageCheck: the error word (1 if a sequence was refused) and
+  // each sequence's verdict (1 checked, 0 refused).
+  int32_t pageErrors = 0;
+  std::vector<int32_t> sequenceOk;
 };
 
 // Compiles (or finds in the cache) the plan's CUDA program for the

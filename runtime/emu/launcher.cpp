@@ -209,6 +209,11 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
     args.cache_len = ints("cache_len", step.cache.cacheLen);
     args.page_size = step.shape.pageSize;
     args.max_pages = step.shape.maxPages;
+    if (options.devicePageCheck) {
+      args.num_pages = step.shape.numPages;
+      args.sequence_ok = reinterpret_cast<int32_t*>(memory.allocate("sequence_ok", size_t(B) * sizeof(int32_t), false, 0xff));
+      args.page_errors = reinterpret_cast<int32_t*>(memory.allocate("page_errors", sizeof(int32_t), false, 0));
+    }
   }
   if (options.kept) {  // the forward's rows and lse in place of the pre-mix's and the attention's
     void* const targets[] = {args.q_mixed, args.k_mixed, args.v_mixed, args.o_pseudo};
@@ -312,6 +317,10 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
   out.bytes.assign(static_cast<const uint8_t*>(args.out), static_cast<const uint8_t*>(args.out) + outBytes);
   run.out = npyToDouble(out, spec.dtype() == v1::bfloat16);
   run.lse.assign(args.lse, args.lse + B * H * L);
+  if (args.sequence_ok) {
+    run.pageErrors = *args.page_errors;
+    run.sequenceOk.assign(args.sequence_ok, args.sequence_ok + B);
+  }
   if (options.keep) {
     const void* const sources[] = {args.q_mixed, args.k_mixed, args.v_mixed, args.o_pseudo};
     for (size_t i = 0; i < std::size(kKeptWorkspaces); ++i) {
@@ -347,7 +356,8 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
 }
 
 Result<EmuRun> runDecodeOnEmulator(const KernelPlan& plan, const DecodeCase& step, const EmuOptions& options) {
-  if (Status ok = cpu::checkDecodeStep(plan, step); !ok) return ok.error();
+  // With the device's check the entries are the device's to check.
+  if (Status ok = cpu::checkDecodeStep(plan, step, !options.devicePageCheck); !ok) return ok.error();
   IhaCase c = stepCase(step);
   c.spec = plan.spec;
   EmuOptions withStep = options;

@@ -491,6 +491,61 @@ TEST_F(Gpu, DecodeGraphReplaysMatchEager) {
               eagerChecks);
 }
 
+// The device's page check (PagedCacheTensors::page_errors): the first
+// decode bundle's step with an error word, on a valid table (word 0, the
+// forward's rows), then with the last sequence's first page entry past the
+// cache (word 1, the other sequences' rows unchanged, no fault), no host
+// check either time.
+TEST_F(Gpu, DevicePageCheckRefusesABadSequence) {
+  const Bundle* found = firstOf(all_, v1::direction_decode);
+  if (!found) GTEST_SKIP() << "no decode bundles (tests/gpu/prepare.sh writes them)";
+  auto kernel = Kernel::load(device_, found->kernel);
+  ASSERT_TRUE(kernel) << found->file << ": " << kernel.error().message;
+  auto shared = loadCase(casesDir() + "/" + found->caseName);
+  ASSERT_TRUE(shared) << shared.error().message;
+  const IhaCase c = withDtype(*shared, found->kernel.spec().dtype());
+  std::mt19937_64 rng(seed() + 13);
+  auto step = decodeCaseFrom(c, {1, 16, CacheLayout::raw, {}, rng()});
+  ASSERT_TRUE(step) << step.error().message;
+  auto buffers = cuda::DecodeBuffers::upload(*device_, *step);
+  ASSERT_TRUE(buffers) << buffers.error().message;
+  auto word = cuda::DeviceBuffer::allocate(*device_, sizeof(int32_t));
+  ASSERT_TRUE(word) << word.error().message;
+  const cuda::DriverApi& api = device_->api();
+  PagedCacheTensors cache = buffers->cache();
+  cache.page_errors = static_cast<int32_t*>(word->data());
+  auto run = [&](int32_t* errors) -> std::optional<cuda::DeviceRun> {
+    EXPECT_TRUE(cuda::check(api.cuMemsetD8(word->get(), 0, sizeof(int32_t)), "cuMemsetD8"));
+    EXPECT_TRUE(buffers->step().poison(*device_));
+    const Status launched = (*kernel)->launchDecode(buffers->tensors(), cache, nullptr, /*checkPages=*/false);
+    EXPECT_TRUE(launched) << launched.error().message;
+    auto got = buffers->step().download(*device_, stepCase(*step));
+    EXPECT_TRUE(got) << got.error().message;
+    EXPECT_TRUE(cuda::check(api.cuMemcpyDtoH(errors, word->get(), sizeof(int32_t)), "cuMemcpyDtoH"));
+    if (!got) return std::nullopt;
+    return *got;
+  };
+  int32_t errors = -1;
+  auto good = run(&errors);
+  ASSERT_TRUE(good);
+  EXPECT_EQ(errors, 0);
+  EXPECT_LE(relativeError(good->out, step->expected), toleranceFor(c.spec.dtype()));
+  const int64_t bad = c.batch - 1;
+  std::vector<int32_t> table = step->cache.pageTable;
+  table[size_t(bad * step->shape.maxPages)] = int32_t(step->shape.numPages + 7);
+  ASSERT_TRUE(cuda::check(api.cuMemcpyHtoD(reinterpret_cast<CUdeviceptr>(cache.page_table), table.data(),
+                                           table.size() * sizeof(int32_t)),
+                          "cuMemcpyHtoD of the page table"));
+  auto refused = run(&errors);
+  ASSERT_TRUE(refused);
+  EXPECT_EQ(errors, 1);
+  const size_t row = good->out.size() / size_t(c.batch);
+  EXPECT_TRUE(std::equal(good->out.begin(), good->out.begin() + long(row * size_t(bad)), refused->out.begin()))
+      << "the other sequences' rows changed";
+  std::printf("[ gpu pages] %s: a valid table passed, a bad entry of sequence %lld refused\n", found->file.c_str(),
+              (long long)bad);
+}
+
 // The backward kernels (tests/gpu/prepare.sh's "backward" and
 // "backward-atomic" bundles of the shared backward cases): every gradient
 // within the dtype's tolerance of the float64 backward, on the shared case

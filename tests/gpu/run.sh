@@ -35,7 +35,7 @@ LOOM_GPU_LABELS='backward.*|materialized' timeout 60 build/bin/gpu_test --gtest_
   tee "$out/gpu_test_backward.log"
 backward=${PIPESTATUS[0]}
 # The decode step over a paged raw cache (mma.sync; on sm_90a wgmma too).
-LOOM_GPU_LABELS='decode.*' timeout 60 build/bin/gpu_test --gtest_color=no --gtest_filter='Gpu.EveryDecode*:Gpu.DecodeGraph*' 2>&1 |
+LOOM_GPU_LABELS='decode.*' timeout 60 build/bin/gpu_test --gtest_color=no --gtest_filter='Gpu.EveryDecode*:Gpu.DecodeGraph*:Gpu.DevicePageCheck*' 2>&1 |
   tee "$out/gpu_test_decode.log"
 decode=${PIPESTATUS[0]}
 tests=$((portable != 0 || hopper != 0 || backward != 0 || decode != 0))

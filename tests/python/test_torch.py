@@ -357,10 +357,10 @@ class Compile(unittest.TestCase):
         k_cache, v_cache = (torch.randn(8, page, G, 8, generator=self.gen) for _ in range(2))
         table = torch.randperm(8, generator=self.gen)[:6].view(2, 3).to(torch.int32)
         lengths = torch.tensor([3, 7], dtype=torch.int32)
-        step = [t[:, :1] .contiguous() for t in plain[:3]]
+        step = [t[:, :1].contiguous() for t in plain[:3]]
         torch.library.opcheck(torch.ops.loom.decode.default,
-                              (*step, *plain[3:], k_cache, v_cache, table, lengths, spec_json, "raw", None, CACHE, "",
-                               2, True))
+                              (*step, *plain[3:], k_cache, v_cache, table, lengths, None, spec_json, "raw", None,
+                               CACHE, "", 2, True))
 
     def test_fullgraph_forward_and_backward_match_eager(self):
         for _ in range(2):
@@ -626,8 +626,11 @@ class CudaGraphs(unittest.TestCase):
         lengths = torch.full((B,), cached, dtype=torch.int32, device="cuda")
         step = self.inputs(gen, B, 1)
 
+        errors = torch.zeros(1, dtype=torch.int32, device="cuda")
+
         def call():
-            return lt.decode(*step, k_cache, v_cache, table, lengths, self.spec, cache_dir=CACHE, check_pages=False)
+            return lt.decode(*step, k_cache, v_cache, table, lengths, self.spec, cache_dir=CACHE, check_pages=False,
+                             page_errors=errors)
 
         self.warm_up(call)
         graph = torch.cuda.CUDAGraph()
@@ -639,6 +642,14 @@ class CudaGraphs(unittest.TestCase):
             torch.cuda.synchronize()
             replayed = out.clone()
             self.assertTrue(torch.equal(replayed, call()), f"replay {replay}: differs from an eager step")
+        self.assertEqual(int(errors.item()), 0, "the device's page check refused a valid table")
+        # A page entry out of range: the replay refuses that sequence (and only it) and says so.
+        good = out.clone()
+        table[1, 0] = pages + 3
+        graph.replay()
+        torch.cuda.synchronize()
+        self.assertEqual(int(errors.item()), 1)
+        self.assertTrue(torch.equal(out[0], good[0]), "the other sequence's step changed")
 
 
 if __name__ == "__main__":

@@ -844,6 +844,88 @@ TEST(Decode, WgmmaRingFaultsAreFound) {
 // covers the SMs: the device's SMs over the step's CTAs a sequence (H, or
 // G stacked), at most 16; unsplit where the collapse is asked in the
 // epilogue, and on the CPU.
+// The device's page check (IhaArgs::sequence_ok; a CUDA launch given an
+// error word, EmuOptions::devicePageCheck here): a drawn step of two or
+// three sequences on the emulator, the default step of either arch and
+// either layout. With a valid table: error word 0, every sequence checked,
+// the forward's rows. Then one sequence's page entry out of range (past
+// num_pages, or negative), or its length past its pages: no finding (nothing
+// read or written outside a buffer), error word 1, that sequence refused,
+// the others' out rows and appended slots bit for bit those of the valid
+// step, and every other cache element as it was.
+TEST(Decode, DevicePageCheckRefusesABadSequenceAndTouchesNothing) {
+  std::mt19937_64 rng(testing::testSeed() ^ 0xbadba6e);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  const IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
+    spec.set_head_dim(int32_t(16 * pick(1, 4)));
+    return testing::DrawnShape{spec, pick(2, 3), pick(6, 30)};
+  });
+  const int64_t T = pick(1, std::min<int64_t>(3, c.tokens));
+  const DecodeLayout layout = drawCheckableLayout(rng, c, T, 9);
+  const std::string arch = pick(0, 1) ? "sm_90a" : "sm_80";
+  SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " page " + std::to_string(layout.pageSize) + " " +
+               arch + " " + cacheLayoutName(layout.layout));
+  auto valid = decodeCaseFrom(c, layout);
+  ASSERT_TRUE(valid) << valid.error().message;
+  auto plan = decodePlan(*valid, {}, arch);
+  ASSERT_TRUE(plan) << plan.error().message;
+  emu::EmuOptions options = emulatorOptions(rng());
+  options.devicePageCheck = true;
+  auto good = emu::runDecodeOnEmulator(*plan, *valid, options);
+  ASSERT_TRUE(good) << good.error().message;
+  EXPECT_EQ(good->findingCount, 0) << emu::summary(*good);
+  EXPECT_EQ(good->pageErrors, 0);
+  EXPECT_EQ(good->sequenceOk, std::vector<int32_t>(size_t(c.batch), 1));
+  EXPECT_LE(relativeError(good->out, valid->expected), toleranceFor(c.spec.dtype()));
+  ASSERT_TRUE(good->cache);
+  expectAppend(c, *valid, *good->cache);
+
+  const DecodeShape& shape = valid->shape;
+  const int64_t rowElements = (valid->layout == CacheLayout::mixed ? c.spec.pseudo_heads() : 1) *
+                              c.spec.kv_heads() * c.spec.head_dim();
+  const int64_t outRow = T * c.spec.heads() * c.spec.head_dim();
+  auto same = [](double a, double b) { return a == b || (std::isnan(a) && std::isnan(b)); };
+  for (int variant = 0; variant < 3; ++variant) {
+    const int64_t bad = pick(0, c.batch - 1);
+    DecodeCase broken = *valid;
+    std::vector<int32_t>& table = broken.cache.pageTable;
+    const int64_t used = (broken.cache.cacheLen[size_t(bad)] + T + shape.pageSize - 1) / shape.pageSize;
+    if (variant == 2) broken.cache.cacheLen[size_t(bad)] = int32_t(shape.maxPages * shape.pageSize - T + pick(1, 5));
+    else table[size_t(bad * shape.maxPages + pick(0, used - 1))] = variant == 0 ? int32_t(shape.numPages + pick(0, 4)) : -1;
+    SCOPED_TRACE("sequence " + std::to_string(bad) + (variant == 2 ? ": length past its pages" : ": a page entry out of range"));
+    auto run = emu::runDecodeOnEmulator(*plan, broken, options);
+    ASSERT_TRUE(run) << run.error().message;
+    EXPECT_EQ(run->findingCount, 0) << emu::summary(*run);
+    EXPECT_FALSE(run->deadlocked);
+    EXPECT_EQ(run->pageErrors, 1);
+    for (int64_t b = 0; b < c.batch; ++b) {
+      EXPECT_EQ(run->sequenceOk[size_t(b)], b == bad ? 0 : 1) << "sequence " << b;
+      if (b == bad) continue;
+      for (int64_t i = b * outRow; i < (b + 1) * outRow; ++i)
+        ASSERT_TRUE(same(run->out[size_t(i)], good->out[size_t(i)])) << "sequence " << b << " out element " << i;
+    }
+    // The cache: the good sequences' new slots as the valid step wrote them, everything else as it was.
+    ASSERT_TRUE(run->cache);
+    std::vector<bool> appended(size_t(shape.numPages * shape.pageSize), false);
+    for (int64_t b = 0; b < c.batch; ++b)
+      for (int64_t t = valid->cache.cacheLen[size_t(b)]; b != bad && t < valid->cache.cacheLen[size_t(b)] + T; ++t)
+        appended[size_t(reference::cacheSlot(valid->cache, b, t))] = true;
+    auto stored = [&](const std::vector<double>& values) {  // as the dtype holds them
+      const NpyArray bytes = npyFromDouble(values, {int64_t(values.size())}, storageTypeOf(c.spec.dtype()));
+      return npyToDouble(bytes, c.spec.dtype() == v1::bfloat16);
+    };
+    const std::vector<double> kBefore = stored(valid->cache.k), vBefore = stored(valid->cache.v);
+    int64_t wrong = 0;
+    for (const auto& [after, written, before] : {std::tuple{&run->cache->k, &good->cache->k, &kBefore},
+                                                 std::tuple{&run->cache->v, &good->cache->v, &vBefore}})
+      for (size_t i = 0; i < after->size(); ++i)
+        wrong += !same((*after)[i], appended[i / size_t(rowElements)] ? (*written)[i] : (*before)[i]);
+    EXPECT_EQ(wrong, 0) << "cache elements other than the good sequences' appends";
+  }
+}
+
 TEST(Decode, DefaultSplitsCoverTheSms) {
   auto splitsOf = [](int heads, int kvHeads, const v1::Target& target, Schedule schedule = {}) {
     const KernelSpec spec = testing::makeSpec({.heads = heads, .kvHeads = kvHeads, .pseudoHeads = 2, .headDim = 64,

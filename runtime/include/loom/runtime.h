@@ -126,6 +126,12 @@ struct PagedCacheTensors {
   const int32_t* cache_len = nullptr;
   int64_t max_pages = 0;
   CacheLayout layout = CacheLayout::raw;
+  // A CUDA step's error word (device memory, one int32 the caller zeroes):
+  // when set, the step checks its page table and lengths on the device (in
+  // its append launch), skips the sequences it refuses (their out is not
+  // defined) and writes 1 here if there was one. The caller reads it when
+  // it likes: no synchronisation in the step.
+  int32_t* page_errors = nullptr;
 };
 
 // Checks the step's tensors as a forward's of N = T, the cache's against

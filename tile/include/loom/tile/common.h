@@ -93,6 +93,17 @@ struct IhaArgs {
   const int32_t* cache_len;
   int64_t page_size;
   int64_t max_pages;
+
+  // The device's check of a decode step's page table and lengths (a CUDA
+  // launch given an error word; null elsewhere): the append launch writes
+  // sequence_ok[b], 0 for a sequence whose length or pages (below
+  // num_pages, k_cache's) are out of range, and then 1 into *page_errors.
+  // The append skips such a sequence and its attention sees no rows
+  // (decode_len 0): nothing outside the cache is read or written, and its
+  // out is not defined.
+  int64_t num_pages;
+  int32_t* page_errors;
+  int32_t* sequence_ok;
 };
 
 
@@ -116,9 +127,13 @@ template <class C>
 LOOM_HOST_DEVICE constexpr int64_t cached_rows(const IhaArgs& args, int64_t b) {
   return int64_t(args.cache_len[b]) * C::pseudo_heads;
 }
+// Whether the device's page check (IhaArgs::sequence_ok) refused sequence b.
+LOOM_HOST_DEVICE inline bool refused_sequence(const IhaArgs& args, int64_t b) {
+  return args.sequence_ok && !args.sequence_ok[b];
+}
 template <class C>
 LOOM_HOST_DEVICE constexpr int64_t decode_len(const IhaArgs& args, int64_t b) {
-  return (int64_t(args.cache_len[b]) + args.tokens) * C::pseudo_heads;
+  return refused_sequence(args, b) ? 0 : (int64_t(args.cache_len[b]) + args.tokens) * C::pseudo_heads;
 }
 // Where the virtual rows of sequence b end: L, or a decode step's
 // decode_len (its cached rows and its own).

@@ -652,9 +652,36 @@ __device__ void collapse_rows(const IhaArgs& a, int64_t token0, int64_t b) {
 // normalised and rotated at their virtual position), in the dtype: one warp
 // a row, a warp sum for qk_norm's mean of squares, taken on the mixed row
 // before the rotation (which keeps it).
+//
+// With the device's page check (IhaArgs::sequence_ok, set by a launch given
+// an error word) the append checks first: warp 0 reads the page-table
+// entries the sequence's tokens use (only those: its length is checked
+// against max_pages first) and writes the verdict, sequence_ok[b] (every
+// CTA of the sequence writes the same), and 1 into *page_errors for a
+// refused sequence; a refused sequence appends nothing, and the launches
+// after see it refused (decode_len 0).
 template <class C>
 __device__ void append_cache(const IhaArgs& a, int64_t token0, int64_t b) {
   constexpr int D = C::head_dim, tokens = C::block_m / C::pseudo_heads;
+  if (a.sequence_ok) {
+    if (cuda::warp() == 0) {
+      const int64_t length = a.cache_len[b], end = length + a.tokens;
+      bool ok = length >= 0 && end <= a.max_pages * a.page_size;
+      if (ok)
+        for (int64_t p = cuda::lane(); p < (end + a.page_size - 1) / a.page_size; p += kWarpSize) {
+          const int32_t page = a.page_table[b * a.max_pages + p];
+          ok &= page >= 0 && page < a.num_pages;
+        }
+      int all = ok;
+      for (int lanes = kWarpSize / 2; lanes > 0; lanes /= 2) all &= __shfl_xor_sync(0xffffffffu, all, lanes);
+      if (cuda::lane() == 0) {
+        a.sequence_ok[b] = all;
+        if (!all) *a.page_errors = 1;
+      }
+    }
+    __syncthreads();
+  }
+  if (refused_sequence(a, b)) return;  // its pages are not to be trusted
   if constexpr (C::mixed_cache) {
     constexpr int P = C::pseudo_heads, G = C::kv_heads;
     const int warps = int(blockDim.x) / kWarpSize;
