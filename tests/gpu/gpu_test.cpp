@@ -238,6 +238,30 @@ const Bundle* firstOf(const std::vector<Bundle>& all, v1::Direction direction, c
   return nullptr;
 }
 
+// A decode bundle loaded, and its shared case's last token as a step over
+// 16-token pages (a shuffled table drawn from `seed`), uploaded: what the
+// decode graph and page-check tests start from.
+struct DecodeStepOnDevice {
+  std::shared_ptr<Kernel> kernel;
+  IhaCase c;
+  DecodeCase step;
+  cuda::DecodeBuffers buffers;
+
+  static Result<DecodeStepOnDevice> make(const std::shared_ptr<cuda::Device>& device, const Bundle& bundle,
+                                         uint64_t seed) {
+    auto kernel = Kernel::load(device, bundle.kernel);
+    if (!kernel) return makeError(bundle.file + ": " + kernel.error().message);
+    auto shared = loadCase(casesDir() + "/" + bundle.caseName);
+    if (!shared) return shared.error();
+    const IhaCase c = withDtype(*shared, bundle.kernel.spec().dtype());
+    auto step = decodeCaseFrom(c, {1, 16, CacheLayout::raw, {}, seed});
+    if (!step) return step.error();
+    auto buffers = cuda::DecodeBuffers::upload(*device, *step);
+    if (!buffers) return buffers.error();
+    return DecodeStepOnDevice{*kernel, c, std::move(*step), std::move(*buffers)};
+  }
+};
+
 // CUDA graphs (issue: a host path without per-call work): the default
 // forward bundle's launch captured once, then replayed 20 times, each on a
 // fresh draw of the same shapes written into the same buffers (out and lse
@@ -433,16 +457,13 @@ TEST_F(Gpu, CallerWorkspacesNeedNoWarmUp) {
 TEST_F(Gpu, DecodeGraphReplaysMatchEager) {
   const Bundle* found = firstOf(all_, v1::direction_decode);
   if (!found) GTEST_SKIP() << "no decode bundles (tests/gpu/prepare.sh writes them)";
-  auto kernel = Kernel::load(device_, found->kernel);
-  ASSERT_TRUE(kernel) << found->file << ": " << kernel.error().message;
-  auto shared = loadCase(casesDir() + "/" + found->caseName);
-  ASSERT_TRUE(shared) << shared.error().message;
-  const IhaCase c = withDtype(*shared, found->kernel.spec().dtype());
   std::mt19937_64 rng(seed() + 9);
-  auto first = decodeCaseFrom(c, {1, 16, CacheLayout::raw, {}, rng()});
-  ASSERT_TRUE(first) << first.error().message;
-  auto buffers = cuda::DecodeBuffers::upload(*device_, *first);
-  ASSERT_TRUE(buffers) << buffers.error().message;
+  auto on = DecodeStepOnDevice::make(device_, *found, rng());
+  ASSERT_TRUE(on) << on.error().message;
+  const IhaCase& c = on->c;
+  const DecodeCase* first = &on->step;
+  cuda::DecodeBuffers* buffers = &on->buffers;
+  std::shared_ptr<Kernel>* kernel = &on->kernel;
   const cuda::DriverApi& api = device_->api();
   CapturedLaunch graph(api);
   ASSERT_TRUE(graph.capture([&](CUstream stream) {
@@ -499,16 +520,12 @@ TEST_F(Gpu, DecodeGraphReplaysMatchEager) {
 TEST_F(Gpu, DevicePageCheckRefusesABadSequence) {
   const Bundle* found = firstOf(all_, v1::direction_decode);
   if (!found) GTEST_SKIP() << "no decode bundles (tests/gpu/prepare.sh writes them)";
-  auto kernel = Kernel::load(device_, found->kernel);
-  ASSERT_TRUE(kernel) << found->file << ": " << kernel.error().message;
-  auto shared = loadCase(casesDir() + "/" + found->caseName);
-  ASSERT_TRUE(shared) << shared.error().message;
-  const IhaCase c = withDtype(*shared, found->kernel.spec().dtype());
-  std::mt19937_64 rng(seed() + 13);
-  auto step = decodeCaseFrom(c, {1, 16, CacheLayout::raw, {}, rng()});
-  ASSERT_TRUE(step) << step.error().message;
-  auto buffers = cuda::DecodeBuffers::upload(*device_, *step);
-  ASSERT_TRUE(buffers) << buffers.error().message;
+  auto on = DecodeStepOnDevice::make(device_, *found, seed() + 13);
+  ASSERT_TRUE(on) << on.error().message;
+  const IhaCase& c = on->c;
+  const DecodeCase* step = &on->step;
+  cuda::DecodeBuffers* buffers = &on->buffers;
+  std::shared_ptr<Kernel>* kernel = &on->kernel;
   auto word = cuda::DeviceBuffer::allocate(*device_, sizeof(int32_t));
   ASSERT_TRUE(word) << word.error().message;
   const cuda::DriverApi& api = device_->api();
