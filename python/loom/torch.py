@@ -93,8 +93,8 @@ def _spec_text(spec, dtype: torch.dtype) -> str:
 
 
 if hasattr(torch, "compiler") and hasattr(torch.compiler, "assume_constant_result"):
-    # torch.compile evaluates it while tracing and keeps the text as a constant of the graph (the spec is one
-    # too: Dynamo guards on it), where tracing json.dumps would break the graph.
+    # torch.compile evaluates it while tracing and keeps the text as a constant of the graph, where tracing
+    # json.dumps would break the graph.
     _spec_text = torch.compiler.assume_constant_result(_spec_text)
 
 _OUT_DIMS = {}
