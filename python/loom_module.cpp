@@ -354,6 +354,15 @@ Inputs borrowInputs(const py::object& q, const py::object& k, const py::object& 
   return inputs;
 }
 
+// A DLPack tensor in C order without gaps (strides null or compact), or a ValueError.
+void requireContiguous(const DLTensor& t, const std::string& name) {
+  int64_t expected = 1;
+  for (int i = t.ndim - 1; i >= 0 && t.strides; --i) {
+    if (t.shape[i] != 1 && t.strides[i] != expected) throw BadArgument(name + ": must be contiguous");
+    expected *= t.shape[i];
+  }
+}
+
 // The caller's workspace memory (a dense DLPack tensor of any dtype on the
 // launch's CUDA device), or none.
 std::optional<WorkspaceMemory> workspaceOf(const py::object& value, std::optional<int64_t> stream, DLDevice device,
@@ -363,13 +372,9 @@ std::optional<WorkspaceMemory> workspaceOf(const py::object& value, std::optiona
   const DLTensor& t = *keepAlive->tensor;
   if (t.device.device_type != device.device_type || t.device.device_id != device.device_id)
     throw BadArgument("workspace: on another device than q");
+  requireContiguous(t, "workspace");
   int64_t elements = 1;
   for (int i = 0; i < t.ndim; ++i) elements *= t.shape[i];
-  int64_t expected = 1;
-  for (int i = t.ndim - 1; i >= 0 && t.strides; --i) {
-    if (t.shape[i] != 1 && t.strides[i] != expected) throw BadArgument("workspace: want a dense (contiguous) tensor");
-    expected *= t.shape[i];
-  }
   return WorkspaceMemory{static_cast<char*>(t.data) + t.byte_offset, elements * ((t.dtype.bits * t.dtype.lanes + 7) / 8)};
 }
 
@@ -614,13 +619,7 @@ const int32_t* int32Array(const Borrowed& b, const char* name, int rank, const D
     throw BadArgument(std::string(name) + ": dtype must be int32");
   if (t.ndim != rank) throw BadArgument(std::string(name) + ": want " + std::to_string(rank) + " dimensions");
   shape->assign(t.shape, t.shape + t.ndim);
-  if (t.strides) {
-    int64_t expected = 1;
-    for (int i = t.ndim - 1; i >= 0; --i) {
-      if (t.shape[i] != 1 && t.strides[i] != expected) throw BadArgument(std::string(name) + ": must be contiguous");
-      expected *= t.shape[i];
-    }
-  }
+  requireContiguous(t, name);
   return reinterpret_cast<const int32_t*>(static_cast<const char*>(t.data) + t.byte_offset);
 }
 

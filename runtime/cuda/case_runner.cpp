@@ -11,6 +11,18 @@ ElementKind elementOf(v1::DType dtype) {
 
 }  // namespace
 
+namespace {
+// `values` in `type` into `buffer`, which must hold exactly that many bytes.
+Status writeValues(const Device& device, const DeviceBuffer& buffer, const std::vector<double>& values, NpyType type,
+                   const char* what) {
+  const NpyArray host = npyFromDouble(values, {int64_t(values.size())}, type);
+  if (host.bytes.size() != buffer.size())
+    return makeError(std::string(what) + ": " + std::to_string(host.bytes.size()) + " bytes for a buffer of " +
+                     std::to_string(buffer.size()) + " (another shape)");
+  return check(device.api().cuMemcpyHtoD(buffer.get(), host.bytes.data(), host.bytes.size()), "cuMemcpyHtoD");
+}
+}  // namespace
+
 Result<CaseBuffers> CaseBuffers::upload(const Device& device, const IhaCase& c) {
   if (Status ok = device.makeCurrent(); !ok) return ok.error();
   const KernelSpec& spec = c.spec;
@@ -41,12 +53,8 @@ Result<CaseBuffers> CaseBuffers::upload(const Device& device, const IhaCase& c) 
     auto buffer = DeviceBuffer::allocate(device, size_t(count * NpyArray::elementSize(o.type)));
     if (!buffer) return buffer.error();
     auto shared = std::make_shared<DeviceBuffer>(std::move(*buffer));
-    if (o.values) {
-      const NpyArray host = npyFromDouble(*o.values, o.shape, o.type);
-      if (Status ok = check(device.api().cuMemcpyHtoD(shared->get(), host.bytes.data(), host.bytes.size()), "cuMemcpyHtoD");
-          !ok)
-        return ok.error();
-    }
+    if (o.values)
+      if (Status ok = writeValues(device, *shared, *o.values, o.type, "an operand"); !ok) return ok.error();
     *o.view = Tensor{shared->data(), o.type == NpyType::float32 ? ElementKind::float32 : elementOf(spec.dtype()),
                      o.shape, {}, device.info().ordinal};
     buffers.buffers_.push_back(shared);
@@ -64,17 +72,6 @@ Status CaseBuffers::poison(const Device& device) const {
   return Status::success();
 }
 
-namespace {
-// `values` in `type` into `buffer`, which must hold exactly that many bytes.
-Status writeValues(const Device& device, const DeviceBuffer& buffer, const std::vector<double>& values, NpyType type,
-                   const char* what) {
-  const NpyArray host = npyFromDouble(values, {int64_t(values.size())}, type);
-  if (host.bytes.size() != buffer.size())
-    return makeError(std::string(what) + ": " + std::to_string(host.bytes.size()) + " bytes for a buffer of " +
-                     std::to_string(buffer.size()) + " (another shape)");
-  return check(device.api().cuMemcpyHtoD(buffer.get(), host.bytes.data(), host.bytes.size()), "cuMemcpyHtoD");
-}
-}  // namespace
 
 Status CaseBuffers::rewrite(const Device& device, const IhaCase& c) const {
   const NpyType storage = storageTypeOf(c.spec.dtype());
@@ -192,14 +189,10 @@ Result<GradBuffers> GradBuffers::upload(const Device& device, const IhaCase& c) 
     return std::make_shared<DeviceBuffer>(std::move(*buffer));
   };
   GradBuffers buffers;
-  const NpyArray dout = npyFromDouble(*c.dout, shapes[0], storageTypeOf(spec.dtype()));
-  auto doutBuffer = allocate(dout.bytes.size());
+  auto doutBuffer = allocate(c.dout->size() * size_t(NpyArray::elementSize(storageTypeOf(spec.dtype()))));
   if (!doutBuffer) return doutBuffer.error();
   buffers.dout_ = *doutBuffer;
-  if (Status ok = check(device.api().cuMemcpyHtoD(buffers.dout_->get(), dout.bytes.data(), dout.bytes.size()),
-                        "cuMemcpyHtoD");
-      !ok)
-    return ok.error();
+  if (Status ok = buffers.rewrite(device, c); !ok) return ok.error();
   IhaGradTensors& g = buffers.tensors_;
   g.dout = Tensor{buffers.dout_->data(), elementOf(spec.dtype()), shapes[0], {}, device.info().ordinal};
   Tensor* targets[] = {&g.dq, &g.dk, &g.dv, &g.dalpha_q, &g.dalpha_k, &g.dalpha_v, &g.dcollapse};

@@ -335,10 +335,8 @@ std::vector<std::string> workspaceNames(const v1::CompiledKernel& kernel) {
   return names;
 }
 
-}  // namespace
-
-namespace {
 int64_t aligned(int64_t bytes) { return (bytes + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment; }
+
 }  // namespace
 
 int64_t workspaceBytes(const v1::CompiledKernel& kernel, int64_t batch, int64_t tokens) {

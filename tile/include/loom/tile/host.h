@@ -271,7 +271,6 @@ void premix(const IhaArgs& a, int64_t token0, int64_t b) {
 template <class C>
 void append_cache(const IhaArgs& a, int64_t token0, int64_t b) {
   constexpr int P = C::pseudo_heads, D = C::head_dim, G = C::kv_heads;
-  if (refused_sequence(a, b)) return;  // as the device's: its pages are not to be trusted
   for (int64_t n = token0; n < token0 + C::block_m / P && n < a.tokens; ++n) {
     const int64_t slot = cache_slot(a, b, a.cache_len[b] + n);
     for (int g = 0; g < G; ++g) {
