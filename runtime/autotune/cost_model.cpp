@@ -105,7 +105,8 @@ AbsorbedBlockWork absorbedBlockWork(const KernelSpec& spec, const Schedule& s) {
 // The tensor-mixing step's work a CTA a key block (cuda_tensor_mixing.h):
 // its products as issued (tensorMixingTokenMacs, layout.h); its f32 work,
 // R(j) on the mixed keys and R(tP) on the staged ones (3 an element),
-// qk_norm's squares, the packing of both mixed roles.
+// qk_norm's squares, the packing of the mixed keys (the values are never
+// mixed: P' = P beta is a product, and its packing a sixteenth of the keys').
 AbsorbedBlockWork tensorMixingBlockWork(const KernelSpec& spec, const Schedule& s) {
   const double d = double(paddedHeadDim(int(spec.head_dim())));
   const double warpTokens = double(s.warps()) * kTensorMixingTokens;
@@ -116,7 +117,7 @@ AbsorbedBlockWork tensorMixingBlockWork(const KernelSpec& spec, const Schedule& 
                                                spec.dtype() == v1::bfloat16)) /
                   double(ctasASequence);
   const double rows = 16.0 * d;  // a warp's mixed rows of one role, one token
-  w.simtFlops = warpTokens * rows * (2.0 + (spec.rope_theta() > 0 ? 3.0 : 0.0) +
+  w.simtFlops = warpTokens * rows * (1.0 + (spec.rope_theta() > 0 ? 3.0 : 0.0) +
                                      (spec.qk_norm() == v1::KernelSpec::rms ? 2.0 : 0.0)) +
                 (spec.rope_theta() > 0 ? 3.0 * double(kTensorMixingTokens * spec.kv_heads()) * d : 0.0);
   w.exps = warpTokens * 16.0 * kTensorMixingRows;

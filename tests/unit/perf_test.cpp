@@ -452,21 +452,22 @@ TEST_P(DecodeGate, StreamsThePagesAndMixesFromWideReads) {
 // where it is the default; qk_norm off and on; and H = G = 8, d 64, where
 // the absorbed step multiplies less and is the default), sm_80 and sm_90a:
 // the streaming and wide reads the grid's steps show, no spill, no inner
-// loop; on sm_90a its loop's issue within kTensorMixingFloorRatioGate of the
-// memory floor at d 128 (caches of 32k and 128k tokens, batches 1, 8, 64;
-// 2.24x, 2.55x with qk_norm, where the FMA units' mixing step sat at 33x),
-// printed at d 64 (its per-block work weighs more against half the bytes).
-// The tensor pipe's time is printed: at the model's mma.sync rate it, not
-// the issue, bounds the step (docs/performance.md, decode).
-constexpr double kTensorMixingFloorRatioGate = 2.75;
-
+// loop; on sm_90a its loop's issue within each case's guard of the memory
+// floor at d 128 (caches of 32k and 128k tokens, batches 1, 8, 64;
+// measured 1.87x, 2.29x with qk_norm, where the FMA units' mixing step sat
+// at 33x and mixing the values too at 2.13x), printed at d 64 (its
+// per-block work weighs more against half the bytes). The tensor pipe's
+// time is printed: at the model's mma.sync rate it, not the issue, bounds
+// the step, and R(j) on the mixed keys is a third of the issue
+// (docs/performance.md, decode).
 TEST(DecodeGate, TensorMixingStepsOfThePapersP8) {
   jit::NvrtcCompiler compiler(std::string(LOOM_TEST_CACHE) + "/perf");
   struct Case {
     int heads, headDim;
     bool qkNorm;
+    double guard;  // d 128's
   };
-  for (const Case& c : {Case{16, 128, false}, Case{16, 128, true}, Case{8, 64, false}}) {
+  for (const Case& c : {Case{16, 128, false, 2.0}, Case{16, 128, true, 2.4}, Case{8, 64, false, 0.0}}) {
     KernelSpec spec = testing::makeSpec({.heads = c.heads, .kvHeads = c.heads, .pseudoHeads = 8, .headDim = c.headDim,
                                          .dtype = v1::bfloat16, .mask = v1::flat_causal, .window = 0,
                                          .collapse = v1::per_head, .ropeTheta = 10000});
@@ -494,7 +495,7 @@ TEST(DecodeGate, TensorMixingStepsOfThePapersP8) {
           const autotune::DecodeFloor f = autotune::estimateDecodeFloor(spec, kernel->schedule(), *parseTarget(arch),
                                                                         batch, cache, 1, /*mixedCache=*/false, issue);
           if (c.headDim == 128)
-            EXPECT_LE(f.floorRatio(), kTensorMixingFloorRatioGate) << what << ": B " << batch << ", cache " << cache;
+            EXPECT_LE(f.floorRatio(), c.guard) << what << ": B " << batch << ", cache " << cache;
           std::printf("[ floor    ] tensor mixing, %s, B %lld cache %lld: %.0f instructions a warp a block, issue "
                       "%.2fx the floor, tensor %.2fx\n",
                       describe(spec).c_str(), (long long)batch, (long long)cache, issue->unmasked, f.floorRatio(),
@@ -513,7 +514,7 @@ TEST(DecodeGate, TensorMixingStepsOfThePapersP8) {
 // picks them by default, with the chunk's CTAs in its grid; the streaming
 // and wide reads of the grid's steps, no spill, no inner loop; on sm_90a
 // the loop's issue within each case's guard of the memory floor (caches of
-// 32k and 128k tokens, batches 1, 8, 64; measured 1.83x, 2.97x, 0.91x at B 8, 32k).
+// 32k and 128k tokens, batches 1, 8, 64; measured 1.79x, 2.65x, 0.91x at B 8, 32k).
 TEST(DecodeGate, OneCtaStepsInChunksOfHeads) {
   jit::NvrtcCompiler compiler(std::string(LOOM_TEST_CACHE) + "/perf");
   struct Case {
@@ -522,7 +523,7 @@ TEST(DecodeGate, OneCtaStepsInChunksOfHeads) {
     int ctaHeads;
     double guard;
   };
-  for (const Case& c : {Case{8, 4, false, 16, 2.0}, Case{32, 4, true, 16, 3.25}, Case{8, 2, false, 32, 1.0}}) {
+  for (const Case& c : {Case{8, 4, false, 16, 2.0}, Case{32, 4, true, 16, 2.9}, Case{8, 2, false, 32, 1.0}}) {
     const KernelSpec spec =
         testing::makeSpec({.heads = 32, .kvHeads = c.kvHeads, .pseudoHeads = c.pseudoHeads, .headDim = 128,
                            .dtype = v1::bfloat16, .mask = v1::flat_causal, .window = 0, .collapse = v1::per_head,

@@ -548,8 +548,9 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
                           schedule.engine() != v1::engine_wgmma;
   if (rawCudaMma && !schedule.has_absorb_mixing() && !schedule.has_tensor_mixing() && !schedule.stack_heads()) {
     // The one whose products cost less a cached token: absorbing multiplies
-    // about H P^2 G d, mixing on the tensor cores about 16 H d (4 G d
-    // halves of weights, scores and P V; layout.h).
+    // about H P^2 G d, mixing on the tensor cores about 24 H G d + 128 H d
+    // (the keys' mix in bf16's two halves and P' V, G padded to 16; scores,
+    // half of each product another head's; layout.h).
     const bool tensorFirst =
         tensorMixingTokenMacs(int(spec.heads()), int(spec.kv_heads()), int(spec.head_dim()),
                               spec.dtype() == v1::bfloat16) <

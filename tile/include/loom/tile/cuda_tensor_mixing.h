@@ -6,9 +6,11 @@
 // a cached token, P times the attention; the mixing step mixes on the FMA
 // units once a head. This step mixes each cached token's rows once, on the
 // tensor cores, and keeps the mixed rows in registers as the next
-// product's operand:
+// product's operand, and folds the values' mix into the probabilities as
+// the absorbed step does (P times the mix, then times the raw value rows):
 //   K~(g, j) = sum_m alpha_k[m, g, j] R(tP) x_m(t), then R(j) and qk_norm,
-//   V~(g, j) = sum_m alpha_v[m, g, j] v_m(t).
+//   sum_j p(t, j) V~(g, j) = sum_m P'(t, m) v_m(t),
+//   P'(t, m) = sum_j p(t, j) alpha_v[m, g, j].
 // One CTA holds a token of every query head (up to 16: layout.h,
 // stepHeads), two heads a warp, eight rows
 // each (a token's P, or whole tokens of them: cta_rows): the warp's 16-row
@@ -28,11 +30,14 @@
 // - S: Q (the 16 rows) times head 2w's keys gives the rows of head 2w
 //   (rows lane/4), times head 2w + 1's the rows lane/4 + 8: half of each
 //   product is another head's, never used;
-// - the values: V~^T = X_v^T beta^T (A: the raw value rows by
-//   ldmatrix.trans, d a 16-row m-tile; B: the weights of one head, n-tile j),
-//   whose accumulators are P V's B operand (keys (t, j) of two tokens)
-//   once packed. P's rows of the other head are zeros in each head's
-//   product, so one output accumulator holds both heads' rows.
+// - the values: P' of each token = P beta, k the warp's two heads' keys j
+//   (A: head 2w's probabilities in k 0-7 of its rows, head 2w + 1's in k
+//   8-15 of its own, zeros elsewhere; B: each head's weights, n the kv
+//   heads m), whose accumulators are the A operand of P' V (k the m, the
+//   token's raw value rows by ldmatrix.trans) as they stand once packed:
+//   one output accumulator holds both heads' rows, no value row is mixed.
+//   A token costs G d multiply-adds a row here where mixing its values
+//   cost twice that (bf16's two halves) and P V~ as much again.
 // A warp owns whole query rows: the softmax needs no other warp. Key blocks
 // of kTensorMixingTokens tokens, staged as the absorbed step stages its own
 // (rows (m, t); issue / stageAngles / rotateStage). Keys past P (P < 8)
@@ -97,7 +102,7 @@ struct QTile<C, kTensorMixingStep> {
 template <class C>
 struct KvPipeline<C, kTensorMixingStep> {
   Bits32 keyLane[tmix::Geometry<C>::KM];    // ldmatrix.trans addresses of token 0's raw key rows (B of the mix)
-  Bits32 valueLane[tmix::Geometry<C>::KM];  // and of its raw value rows (A of the values' mix)
+  Bits32 valueLane[tmix::Geometry<C>::KM];  // and of its raw value rows (B of P' V)
   FastDivider pages;
 };
 
@@ -186,14 +191,18 @@ __device__ void kvBegin(KvPipeline<C, kTensorMixingStep>& pipe, const IhaArgs& a
   using T = Geometry<C>;
   absorbed::kvBegin<C>(pipe, a, b, lower, upper);
   const int l = cuda::lane(), j = l / 4, kv0 = int(kvHead);  // the kv head of the CTA's first query head
-  // alpha[m, g, j] of this thread's row j of head h (zeros past the heads, P and G).
-  auto weight = [&](const float* alpha, int h, int m) {
+  // alpha[m, g, j] of row j of head h (zeros past the heads and G).
+  auto weight = [&](const float* alpha, int h, int m, int row) {
     const int head = headOf(h);
-    return head < C::stacked_heads && j < T::P && m < T::G ? alpha[(m * T::G + kv0 + kvHeadOf<C>(head)) * T::P + j]
-                                                           : 0.0f;
+    return head < C::stacked_heads && m < T::G ? alpha[(m * T::G + kv0 + kvHeadOf<C>(head)) * T::P + row] : 0.0f;
   };
-  auto keyWeight = [&](int h, int m) { return weight(a.alpha_k, h, m); };
-  auto valueWeight = [&](int h, int m) { return weight(a.alpha_v, h, m); };
+  // The keys' rows past P are zeros. The values' weights of keys past P
+  // are key P - 1's, never used (those keys' probabilities are zeros):
+  // zeroing them compared 2 (lane % 4) + e with P as softmaxUpdate does,
+  // the loop's compare was then taken from the prologue's, and ptxas
+  // spilled (255 registers at H 8 G 4 P 5 without RoPE, where it takes 128).
+  auto keyWeight = [&](int h, int m) { return j < T::P ? weight(a.alpha_k, h, m, j) : 0.0f; };
+  auto valueWeight = [&](int h, int m, int key) { return weight(a.alpha_v, h, m, key < T::P ? key : T::P - 1); };
   #pragma unroll
   for (int km = 0; km < T::KM; ++km) {
     const int m = km * 16 + 2 * (l % 4);
@@ -204,13 +213,16 @@ __device__ void kvBegin(KvPipeline<C, kTensorMixingStep>& pipe, const IhaArgs& a
       const int h = r % 2, column = m + 8 * (r / 2);
       splitPair<C>(keyWeight(h, column), keyWeight(h, column + 1), words[0][r], words[1][r]);
     }
-    // B of each head: k = m, m + 1 (then 8 on), n = j = lane/4.
+    // B of P' = P beta, n-tile r of the k-step's kv heads: k = (head h, key
+    // j), j = 2 (lane % 4), + 1 (h 0; h 1 8 on), n = kv head 16 km + 8 r + lane/4.
     #pragma unroll
-    for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < 2; ++r)
       #pragma unroll
-      for (int r = 0; r < 2; ++r)
-        splitPair<C>(valueWeight(h, m + 8 * r), valueWeight(h, m + 8 * r + 1), words[2][2 * h + r],
-                     words[3][2 * h + r]);
+      for (int h = 0; h < 2; ++h) {
+        const int source = km * 16 + 8 * r + j, key = 2 * (l % 4);
+        splitPair<C>(valueWeight(h, source, key), valueWeight(h, source, key + 1), words[2][2 * r + h],
+                     words[3][2 * r + h]);
+      }
     #pragma unroll
     for (int v = 0; v < 4; ++v)
       *weightVector<C>(km, v) = uint4{words[v][0], words[v][1], words[v][2], words[v][3]};
@@ -224,7 +236,7 @@ __device__ __forceinline__ void keyWeights(int km, Bits32 (&hi)[4], Bits32 (&lo)
   hi[0] = h.x, hi[1] = h.y, hi[2] = h.z, hi[3] = h.w;
   lo[0] = o.x, lo[1] = o.y, lo[2] = o.z, lo[3] = o.w;
 }
-// Its value weights of each head (the B operand, hi and lo).
+// Its value weights of n-tiles 2 km, 2 km + 1 of P' (the B operand, hi and lo).
 template <class C>
 __device__ __forceinline__ void valueWeights(int km, Bits32 (&hi)[2][2], Bits32 (&lo)[2][2]) {
   const uint4 h = *weightVector<C>(km, 2), o = *weightVector<C>(km, 3);
@@ -253,10 +265,9 @@ __device__ void kvWait(KvPipeline<C, kTensorMixingStep>& pipe, const IhaArgs& a,
   #pragma unroll
   for (int km = 0; km < T::KM; ++km) {
     // Rows past the staged heads repeat the last: their weights are zeros.
-    const int keyRow = km * 16 + fragment::bTransRow(l), valueRow = km * 16 + fragment::bRow(l);
-    const int keyHead = keyRow < T::Gp ? keyRow : T::Gp - 1, valueHead = valueRow < T::Gp ? valueRow : T::Gp - 1;
-    pipe.keyLane[km] = cuda::sharedAddress(key + keyHead * T::tokens * T::pitch + fragment::bTransColumn(l));
-    pipe.valueLane[km] = cuda::sharedAddress(value + valueHead * T::tokens * T::pitch + fragment::bColumn(l));
+    const int row = km * 16 + fragment::bTransRow(l), head = row < T::Gp ? row : T::Gp - 1;
+    pipe.keyLane[km] = cuda::sharedAddress(key + head * T::tokens * T::pitch + fragment::bTransColumn(l));
+    pipe.valueLane[km] = cuda::sharedAddress(value + head * T::tokens * T::pitch + fragment::bTransColumn(l));
   }
 }
 
@@ -413,9 +424,9 @@ __device__ void softmaxUpdate(SoftmaxState<C, kTensorMixingStep>& state, ScoreTi
   }
 }
 
-// acc += P V~ a token pair at a time: each 16-row d m-tile of the pair's
-// raw value rows (ldmatrix.trans) mixed for each head (V~^T, keys j as
-// columns), packed as P V's B operand, multiplied by that head's rows of P.
+// acc += P' V a token at a time: P' = P beta on the tensor cores (both
+// heads' rows in one product, k their keys), packed as the A operand of
+// the token's raw value rows (ldmatrix.trans, k the kv heads m).
 template <class C>
 __device__ void mmaPv(AccTile<C, kTensorMixingStep>& acc, ScoreTile<C, kTensorMixingStep>& s,
                       KvPipeline<C, kTensorMixingStep>& pipe) {
@@ -423,34 +434,36 @@ __device__ void mmaPv(AccTile<C, kTensorMixingStep>& acc, ScoreTile<C, kTensorMi
   Bits32 hi[T::KM][2][2], lo[T::KM][2][2];
   #pragma unroll
   for (int km = 0; km < T::KM; ++km) valueWeights<C>(km, hi[km], lo[km]);
+  Bits32 a[T::tokens][T::KM][4];  // each token's P', packed: the A operand of P' V
   #pragma unroll
-  for (int pair = 0; pair < T::tokens / 2; ++pair) {
-    const int t0 = 2 * pair, t1 = t0 + 1;
-    // A of each head: its rows of P (keys of t0, then t1), the other head's rows zeros.
-    const Bits32 mine[2][4] = {{s.p[t0][0], 0u, s.p[t1][0], 0u}, {0u, s.p[t0][1], 0u, s.p[t1][1]}};
+  for (int t = 0; t < T::tokens; ++t) {
+    // A: head 2w's rows of P in k 0-7, head 2w + 1's in k 8-15.
+    const Bits32 probs[4] = {s.p[t][0], 0u, 0u, s.p[t][1]};
     #pragma unroll
-    for (int dm = 0; dm < T::D / kMmaK; ++dm) {
-      float v[2][2][4] = {};  // [token][head]: V~^T, d rows x keys j
+    for (int km = 0; km < T::KM; ++km) {
+      float folded[2][4] = {};  // P' of kv heads 16 km + 8 r + 2 (lane % 4) ...
       #pragma unroll
-      for (int km = 0; km < T::KM; ++km)
-        #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          Bits32 y[4];
-          cuda::ldmatrixX4Trans(y, pipe.valueLane[km] + Bits32(((t0 + u) * T::pitch + dm * kMmaK) * kTileElementBytes));
-          #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            cuda::mma16816<C>(v[u][h], y, hi[km][h][0], hi[km][h][1]);
-            if constexpr (T::split) cuda::mma16816<C>(v[u][h], y, lo[km][h][0], lo[km][h][1]);
-          }
-        }
-      #pragma unroll
-      for (int r = 0; r < 2; ++r)  // output n-tile 2 dm + r: V~^T's rows 8 r on
-        #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          cuda::mma16816<C>(acc.o[2 * dm + r], mine[h], cuda::pack<C>(v[0][h][2 * r], v[0][h][2 * r + 1]),
-                            cuda::pack<C>(v[1][h][2 * r], v[1][h][2 * r + 1]));
+      for (int r = 0; r < 2; ++r) {
+        cuda::mma16816<C>(folded[r], probs, hi[km][r][0], hi[km][r][1]);
+        if constexpr (T::split) cuda::mma16816<C>(folded[r], probs, lo[km][r][0], lo[km][r][1]);
+      }
+      a[t][km][0] = cuda::pack<C>(folded[0][0], folded[0][1]);
+      a[t][km][1] = cuda::pack<C>(folded[0][2], folded[0][3]);
+      a[t][km][2] = cuda::pack<C>(folded[1][0], folded[1][1]);
+      a[t][km][3] = cuda::pack<C>(folded[1][2], folded[1][3]);
     }
   }
+  #pragma unroll
+  for (int dn = 0; dn < T::D / kMmaK; ++dn)
+    #pragma unroll
+    for (int t = 0; t < T::tokens; ++t)
+      #pragma unroll
+      for (int km = 0; km < T::KM; ++km) {
+        Bits32 x[4];
+        cuda::ldmatrixX4Trans(x, pipe.valueLane[km] + Bits32((t * T::pitch + dn * kMmaK) * kTileElementBytes));
+        cuda::mma16816<C>(acc.o[2 * dn], a[t][km], x[0], x[1]);
+        cuda::mma16816<C>(acc.o[2 * dn + 1], a[t][km], x[2], x[3]);
+      }
 }
 
 template <class C>

@@ -289,9 +289,10 @@ constexpr const char* tensorMixingShapeProblem(int heads, int headDim, int pseud
 // as issued, padding included), which decide between them by default:
 // absorbed, every S row against every raw row and P' against every raw
 // value row (block_m the 16-row tiles, a power of two of them, holding a
-// token of every head); tensor mixing, a warp's keys' and values' mix (k
-// of 16 kv heads; bf16 weights in two halves), scores and P V (each half
-// of a product another head's); every CTA of a sequence's (stepHeads).
+// token of every head); tensor mixing, a warp's keys' mix (k of 16 kv
+// heads; bf16 weights in two halves), scores (each half of a product
+// another head's), P' = P beta (k the two heads' keys, n 8 kv heads) and
+// P' V (k 16 kv heads); every CTA of a sequence's (stepHeads).
 constexpr long long absorbedTokenMacs(int heads, int kvHeads, int pseudoHeads, int headDim) {
   const int ctaHeads = stepHeads(heads, kvHeads, stepMostHeads(false, pseudoHeads, headDim));
   if (ctaHeads == 0) return 0;
@@ -304,7 +305,7 @@ constexpr long long tensorMixingTokenMacs(int heads, int kvHeads, int headDim, b
   const int ctaHeads = stepHeads(heads, kvHeads, stepMostHeads(true, 0, 0));
   if (ctaHeads == 0) return 0;
   const long long d = paddedHeadDim(headDim), km = (kvHeads + 15) / 16, halves = splitWeights ? 2 : 1;
-  const long long mmas = d / 8 * halves * km + 2 * (d / 16) + d / 16 * 2 * halves * km + d / 8;  // a warp's, a token
+  const long long mmas = d / 8 * halves * km + 2 * (d / 16) + 2 * halves * km + d / 8 * km;  // a warp's, a token
   return heads / ctaHeads * tensorMixingWarps(ctaHeads) * mmas * 16 * 8 * 16;
 }
 // `heads` a CTA's (stepHeads).
