@@ -239,10 +239,10 @@ TEST(BackwardOnEmulator, RefusesWhatItHasNoTilesFor) {
 
 // A grouped-query spec whose last query block is cut short (L = 74 rows of
 // 64-row blocks), several key blocks adding to each dq row.
-IhaCase atomicCase(v1::DType dtype, uint64_t seed) {
+IhaCase atomicCase(v1::DType dtype, uint64_t seed, int64_t tokens = 37) {
   KernelSpec spec = testing::makeSpec({.heads = 2, .kvHeads = 1, .pseudoHeads = 2, .headDim = 16, .dtype = dtype,
                                        .mask = v1::flat_causal, .collapse = v1::per_head, .ropeTheta = 10000});
-  return drawCheckableBackwardCase(spec, 1, 37, seed);
+  return drawCheckableBackwardCase(spec, 1, tokens, seed);
 }
 
 Schedule atomicSchedule() {
@@ -284,7 +284,9 @@ TEST(BackwardOnEmulator, DqByAtomicAddsMatchesItsOwnLaunch) {
 }
 
 // Faults put into copies of dq atomic's device code, each reported as the
-// finding it deserves, or a wrong dq where it is a wrong value.
+// finding it deserves, or a wrong dq where it is a wrong value. 100 tokens
+// (four query blocks of 64 rows): a key block's loop fetches a query block
+// ahead into a stage other warps read one block before.
 struct BackwardFault {
   const char* name;
   const char* from;
@@ -301,13 +303,23 @@ const std::vector<BackwardFault>& backwardFaults() {
       {"dq_row_bound_removed", "if (i + row < L && c + column < G::D)", "if (c + column < G::D)",
        {FindingKind::outOfBounds}},
       {"dq_zeroing_removed", "      if constexpr (C::atomic_dq) a.dq_pseudo[at + c] = 0.0f;", "", {}},
+      // The query stages: the next block fetched while this one is used.
+      {"query_block_used_before_its_copies_land", "    cuda::waitCopies<1>();\n  } else {",
+       "    cuda::waitCopies<2>();\n  } else {", {FindingKind::asyncAccess}},
+      {"next_block_fetched_before_the_warps_leave_its_stage",
+       "  __syncthreads();  // every warp is done with the previous block's stage\n", "", {FindingKind::race}},
+      {"next_block_fetched_into_the_stage_in_use",
+       "copyQueryStage<C>(a, q.stage, row0 + C::block_m, h, b, L);",
+       "copyQueryStage<C>(a, q.stage ^ 1, row0 + C::block_m, h, b, L);", {FindingKind::asyncAccess}},
+      {"lse_left_in_the_natural_log", "fragment::accumulatorColumn(l, column)] * kLog2e;",
+       "fragment::accumulatorColumn(l, column)];", {}},
   };
   return faults;
 }
 
 TEST_P(BackwardFaultOnEmulator, FailsWithTheMatchingFinding) {
   const BackwardFault& fault = backwardFaults()[size_t(GetParam())];
-  const IhaCase c = atomicCase(GetParam() % 2 ? v1::bfloat16 : v1::float16, testing::testSeed() + 72);
+  const IhaCase c = atomicCase(GetParam() % 2 ? v1::bfloat16 : v1::float16, testing::testSeed() + 72, 100);
   auto plan = backwardPlan(c.spec, atomicSchedule(), "sm_80");
   ASSERT_TRUE(plan) << plan.error().message;
   EmuOptions o = options(testing::testSeed());

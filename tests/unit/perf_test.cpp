@@ -454,7 +454,7 @@ TEST_P(DecodeGate, StreamsThePagesAndMixesFromWideReads) {
 // the streaming and wide reads the grid's steps show, no spill, no inner
 // loop; on sm_90a its loop's issue within each case's guard of the memory
 // floor at d 128 (caches of 32k and 128k tokens, batches 1, 8, 64;
-// measured 1.87x, 2.29x with qk_norm, where the FMA units' mixing step sat
+// measured 1.88x, 2.30x with qk_norm, where the FMA units' mixing step sat
 // at 33x and mixing the values too at 2.13x), printed at d 64 (its
 // per-block work weighs more against half the bytes). The tensor pipe's
 // time is printed: at the model's mma.sync rate it, not the issue, bounds

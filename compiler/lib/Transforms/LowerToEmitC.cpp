@@ -308,6 +308,16 @@ class LaunchLowering {
           map.map(o.getBody().front().getArgument(0), loop.getInductionVar());
           mlir::OpBuilder::InsertionGuard guard(b_);
           b_.setInsertionPointToStart(loop.getBody());
+          // The head's query loops take its blocks in order from the first
+          // one's lower bound: that block is fetched ahead of them, and each
+          // block's load fetches the next (the CUDA tiles' two query stages).
+          auto loops = o.getBody().front().getOps<QLoopOp>();
+          if (!loops.empty()) {
+            QLoopOp firstLoop = *loops.begin();
+            Value row0 = b_.create<mlir::emitc::MulOp>(loc_, b_.getI64Type(), get(firstLoop.getLower()),
+                                                       constant(kernel_.getScheduleAttr().getBlockM()));
+            call("q_grad_ahead", {state("QGradTile"), args_, row0, loop.getInductionVar(), get(firstLoop.getBatch())});
+          }
           return lowerBlock(o.getBody().front());
         })
         .Case([&](QLoopOp o) { return lowerQLoop(o); })
@@ -461,7 +471,7 @@ class LaunchLowering {
     Value row0 = b_.create<mlir::emitc::MulOp>(loc_, b_.getI64Type(), loop.getInductionVar(),
                                                constant(kernel_.getScheduleAttr().getBlockM()));
     Value scores = state("BwdScores"), q = state("QGradTile"), kv = state("KvGradTile");
-    call("load_q_grad", {q, args_, row0, get(o.getHead()), get(o.getBatch())});
+    call("load_q_grad", {q, args_, row0, get(o.getHead()), get(o.getBatch())}, {"true"});
     backwardScores(o.getMasked(), kKeysOuter);
     call("bwd_dv", {kv, scores, q});
     call("bwd_ds", {scores, q, kv}, {kKeysOuter});

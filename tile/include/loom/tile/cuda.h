@@ -305,6 +305,29 @@ namespace cuda {
 // Roles of copyRows.
 constexpr int kKeyRows = 1, kValueRows = 2;
 
+// The rounds of one thread's cursor copies (RowCursor) of Rows rows: from
+// its row r0 on, threads / chunks rows apart, into kTarget and vTarget
+// (shared-window addresses of its first chunk) from key and value (its
+// first elements) plus `first`, the roles asked for; src-size 0 from row
+// `left` (its rows before the end) on, or where `column` is false (its
+// chunk past the head dimension).
+template <class C, int Rows, int Roles>
+__device__ __forceinline__ void copyCursorRounds(Bits32 kTarget, const Bits16* key, Bits32 vTarget, const Bits16* value,
+                                                 int64_t first, int r0, int left, bool column) {
+  using G = Geometry<C>;
+  constexpr int step = G::threads / (G::Dp / kChunkElements);  // rows a round
+  constexpr int rounds = (Rows + step - 1) / step;
+  #pragma unroll
+  for (int round = 0; round < rounds; ++round) {
+    if (Rows % step != 0 && round * step >= Rows - r0) break;
+    const bool valid = column && round * step < left;
+    const Bits32 target = Bits32(round * step * G::pitch * kTileElementBytes);
+    const int64_t source = first + round * step * G::D;
+    if constexpr ((Roles & kKeyRows) != 0) ptx::cpAsyncCg16(kTarget + target, key + source, valid);
+    if constexpr ((Roles & kValueRows) != 0) ptx::cpAsyncCg16(vTarget + target, value + source, valid);
+  }
+}
+
 // Copies mixed rows block * block_n .. + block_n of one kv head into the
 // block's stage (`key`, `value`: the thread's first elements of block 0,
 // RowCursor), rows past the end zero-filled, unrolled at compile time. A
@@ -316,8 +339,6 @@ __device__ __forceinline__ void copyRows(const Bits16* key, const Bits16* value,
   static_assert(kCursorCopies<C>, "copyRows: a row's chunks must divide the threads");
   const AttentionSmem s = layout<C>();
   constexpr int chunks = G::Dp / kChunkElements, dChunks = G::D / kChunkElements;
-  constexpr int step = G::threads / chunks;  // rows a round
-  constexpr int rounds = (C::block_n + step - 1) / step;
   constexpr Bits32 stageBytes = Bits32(C::block_n * G::pitch * kTileElementBytes);
   const int r0 = cursorRow<C>(), chunk = cursorChunk<C>();
   const Bits32 at = Bits32(block % C::stages) * stageBytes +
@@ -326,15 +347,7 @@ __device__ __forceinline__ void copyRows(const Bits16* key, const Bits16* value,
   const int64_t first = block * C::block_n * G::D;
   const int left = rows - int(block) * C::block_n;  // rows of this thread's in the block
   const bool column = dChunks == chunks || chunk < dChunks;
-  #pragma unroll
-  for (int round = 0; round < rounds; ++round) {
-    if (C::block_n % step != 0 && round * step >= C::block_n - r0) break;
-    const bool valid = column && round * step < left;
-    const Bits32 target = Bits32(round * step * G::pitch * kTileElementBytes);
-    const int64_t source = first + round * step * G::D;
-    if constexpr ((Roles & kKeyRows) != 0) ptx::cpAsyncCg16(kTarget + target, key + source, valid);
-    if constexpr ((Roles & kValueRows) != 0) ptx::cpAsyncCg16(vTarget + target, value + source, valid);
-  }
+  copyCursorRounds<C, C::block_n, Roles>(kTarget, key, vTarget, value, first, r0, left, column);
 }
 
 // Issues the copies of key block `block` into its stage: raw token rows of

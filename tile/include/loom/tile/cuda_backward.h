@@ -20,7 +20,7 @@
 //     mixing's transpose) and the reduction of the partial sums.
 // Q, K, V, o and do are 16-bit (the workspaces' element type); D, lse, the
 // pseudo-row gradients and the partial sums are f32. Softmax is in the log2
-// domain, as in the forward: lse is kept as lse * log2(e).
+// domain, as in the forward: lse (natural) is scaled by log2(e) as read.
 #pragma once
 
 namespace loom {
@@ -90,6 +90,27 @@ __device__ __forceinline__ void loadBTrans(Bits32 (&b)[4], const Bits16* tile, i
   ldmatrixX4Trans(b, sharedAddress(tile + (kk * kMmaK + fragment::bTransRow(l)) * Geometry<C>::pitch + pair * 16 +
                                    fragment::bTransColumn(l)));
 }
+// The same from a tile given by its shared-window address: 32-bit
+// arithmetic (a query stage's offset is known at run time only).
+template <class C>
+__device__ __forceinline__ void loadA(Bits32 (&a)[4], Bits32 tile, int first, int kt) {
+  const int l = lane();
+  ldmatrixX4(a, tile + Bits32(((first + fragment::aRow(l)) * Geometry<C>::pitch + kt * kMmaK + fragment::aColumn(l)) *
+                              kTileElementBytes));
+}
+template <class C>
+__device__ __forceinline__ void loadB(Bits32 (&b)[4], Bits32 tile, int pair, int kt) {
+  const int l = lane();
+  ldmatrixX4(b, tile + Bits32(((pair * 16 + fragment::bRow(l)) * Geometry<C>::pitch + kt * kMmaK + fragment::bColumn(l)) *
+                              kTileElementBytes));
+}
+template <class C>
+__device__ __forceinline__ void loadBTrans(Bits32 (&b)[4], Bits32 tile, int kk, int pair) {
+  const int l = lane();
+  ldmatrixX4Trans(b, tile + Bits32(((kk * kMmaK + fragment::bTransRow(l)) * Geometry<C>::pitch + pair * 16 +
+                                    fragment::bTransColumn(l)) *
+                                   kTileElementBytes));
+}
 
 // The A fragments of k-step kk of a product whose left operand is the C
 // fragments `t` (two n-tiles per k-step of 16).
@@ -127,6 +148,7 @@ struct KvGradTile {
 template <class C>
 struct QGradTile {
   int64_t row0;
+  int stage = 0;  // the query stage holding row0's rows (layout.h, BackwardSmem)
 };
 
 // The key-block-outer launch uses t (S^T, then P^T) and dt (dS^T), the dq
@@ -227,25 +249,93 @@ __device__ void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0,
   cuda::zero<C>(kv.dv);
 }
 
-// Q and do rows [row0, row0 + block_m) of query head h, with lse (log2
-// domain) and D; zeros past L.
+// Q and do rows [row0, row0 + block_m) of query head h, with lse and D,
+// into query stage `stage` by cp.async (zeros past L), one commit group.
+// A thread copies the same bytes of a stage for every block, so its own
+// wait orders its copies before it writes that stage again.
 template <class C>
-__device__ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, int64_t row0, int64_t h, int64_t b) {
+__device__ void copyQueryStage(const IhaArgs& a, int stage, int64_t row0, int64_t h, int64_t b, int64_t L) {
+  using G = cuda::Geometry<C>;
   const BackwardSmem s = cuda::bwdSmem<C>();
-  const int64_t L = seq_len<C>(a);
-  __syncthreads();
-  cuda::copyRows<C, C::block_m>(cuda::bwdTile<C>(s.q), a.q_mixed, C::heads, b, h, row0, L);
-  cuda::copyRows<C, C::block_m>(cuda::bwdTile<C>(s.dO), a.do_pseudo, C::heads, b, h, row0, L);
-  cuda::commitCopies();
-  float* lse = cuda::bwdFloats<C>(s.lse);
-  float* delta = cuda::bwdFloats<C>(s.delta);
-  for (int r = threadIdx.x; r < C::block_m; r += cuda::Geometry<C>::threads) {
-    const int64_t i = row0 + r;
-    lse[r] = i < L ? a.lse[(b * C::heads + h) * L + i] * kLog2e : 0.0f;
-    delta[r] = i < L ? a.delta[(b * C::heads + h) * L + i] : 0.0f;
+  const int at = stage * s.stage;
+  constexpr int chunks = G::Dp / kChunkElements, dChunks = G::D / kChunkElements;
+  const int64_t rows = (b * C::heads + h) * L;  // the head's first row in the workspaces
+  if constexpr (G::threads % chunks == 0) {
+    // The thread's 16-byte chunk column is fixed and its rows step by
+    // threads / chunks: every copy is its base addresses plus constants,
+    // unrolled; a row past L takes src-size 0 (zeros, nothing read).
+    const int r0 = cuda::cursorRow<C>(), chunk = cuda::cursorChunk<C>();
+    const int64_t first = (rows + row0) * G::D + (r0 * G::D + chunk * kChunkElements);
+    const Bits16* q = static_cast<const Bits16*>(a.q_mixed) + first;
+    const Bits16* dO = static_cast<const Bits16*>(a.do_pseudo) + first;
+    const Bits32 place = Bits32((r0 * G::pitch + chunk * kChunkElements) * kTileElementBytes);
+    const Bits32 qTarget = cuda::sharedAddress(cuda::bwdTile<C>(s.q + at)) + place;
+    const Bits32 dOTarget = cuda::sharedAddress(cuda::bwdTile<C>(s.dO + at)) + place;
+    const int left = int(min(L - row0, int64_t(C::block_m))) - r0;  // the thread's rows before L
+    const bool column = dChunks == chunks || chunk < dChunks;
+    cuda::copyCursorRounds<C, C::block_m, cuda::kKeyRows | cuda::kValueRows>(qTarget, q, dOTarget, dO, 0, r0, left,
+                                                                             column);
+  } else {
+    cuda::copyRows<C, C::block_m>(cuda::bwdTile<C>(s.q + at), a.q_mixed, C::heads, b, h, row0, L);
+    cuda::copyRows<C, C::block_m>(cuda::bwdTile<C>(s.dO + at), a.do_pseudo, C::heads, b, h, row0, L);
   }
-  cuda::waitCopies<0>();
+  float* lse = cuda::bwdFloats<C>(s.lse + at);
+  float* delta = cuda::bwdFloats<C>(s.delta + at);
+  #pragma unroll
+  for (int k = 0; k < (C::block_m + G::threads - 1) / G::threads; ++k) {
+    const int r = int(threadIdx.x) + k * G::threads;
+    if (C::block_m % G::threads != 0 && r >= C::block_m) break;
+    const bool valid = row0 + r < L;
+    const int64_t row = rows + (valid ? row0 + r : 0);
+    ptx::cpAsyncCa4(lse + r, a.lse + row, valid);
+    ptx::cpAsyncCa4(delta + r, a.delta + row, valid);
+  }
+  cuda::commitCopies();
+}
+// The byte offset of q's stage from stage 0.
+template <class C>
+__device__ __forceinline__ int stageOf(const QGradTile<C>& q) {
+  return q.stage * cuda::bwdSmem<C>().stage;
+}
+// The shared-window address of a query stage's tile (`offset`: its stage 0's).
+template <class C>
+__device__ __forceinline__ Bits32 stageTile(int offset, const QGradTile<C>& q) {
+  return cuda::sharedAddress(cuda::bwdTile<C>(offset)) + Bits32(stageOf<C>(q));
+}
+
+// The first query block of head h (rows [row0, row0 + block_m)) into the
+// stage the key-block-outer loop's first load_q_grad reads, without
+// waiting: the loop takes the head's blocks in order from there
+// (iha-analyze-mask's ranges are contiguous), each fetching the next.
+// A block fetched past the loop's last (a window ends it before L) lands
+// before its stage is written again.
+template <class C>
+__device__ void q_grad_ahead(QGradTile<C>& q, const IhaArgs& a, int64_t row0, int64_t h, int64_t b) {
+  __syncthreads();        // every warp is done with the previous head's stages
+  cuda::waitCopies<0>();  // and this thread's copies have landed
+  copyQueryStage<C>(a, q.stage ^ 1, row0, h, b, seq_len<C>(a));
+}
+
+// Q and do rows [row0, row0 + block_m) of query head h, with lse and D;
+// zeros past L. With Ahead (the key-block-outer loop, after q_grad_ahead)
+// the rows are already on their way into the other stage: the next block's
+// are copied into this block's predecessor's stage while this one is used,
+// and only this block's copies are waited for. Without (the dq launch's
+// one block), they are copied and waited for.
+template <class C, bool Ahead = false>
+__device__ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, int64_t row0, int64_t h, int64_t b) {
+  const int64_t L = seq_len<C>(a);
+  __syncthreads();  // every warp is done with the previous block's stage
+  if constexpr (Ahead) {
+    if (row0 + C::block_m < L) copyQueryStage<C>(a, q.stage, row0 + C::block_m, h, b, L);
+    else cuda::commitCopies();  // an empty group: the wait leaves the newest group in flight either way
+    cuda::waitCopies<1>();
+  } else {
+    copyQueryStage<C>(a, q.stage ^ 1, row0, h, b, L);
+    cuda::waitCopies<0>();
+  }
   __syncthreads();
+  q.stage ^= 1;
   q.row0 = row0;
 }
 
@@ -256,12 +346,12 @@ __device__ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, int64_t row0, int
 // Outer::keys: S^T = K Q^T * scale * log2(e), warps over key rows.
 // Outer::queries: S = Q K^T * scale * log2(e), warps over query rows.
 template <class C, Outer O>
-__device__ void bwd_scores(BwdScores<C>& s, QGradTile<C>&, KvGradTile<C>&) {
+__device__ void bwd_scores(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>&) {
   using G = cuda::Geometry<C>;
   using BG = cuda::BackwardGeometry<C>;
   const BackwardSmem smem = cuda::bwdSmem<C>();
   const Bits16* kTile = cuda::bwdTile<C>(smem.k);
-  const Bits16* qTile = cuda::bwdTile<C>(smem.q);
+  const Bits32 qTile = stageTile<C>(smem.q, q);
   constexpr float scale = C::scale * kLog2e;
   if constexpr (O == Outer::keys) {
     cuda::zero<C>(s.t);
@@ -347,17 +437,17 @@ __device__ void bwd_mask(BwdScores<C>& s, const IhaArgs& a, QGradTile<C>& q, KvG
 
 // P = exp2(S - lse): the forward's probabilities, recomputed.
 template <class C, Outer O>
-__device__ void bwd_probs(BwdScores<C>& s, QGradTile<C>&) {
+__device__ void bwd_probs(BwdScores<C>& s, QGradTile<C>& q) {
   using G = cuda::Geometry<C>;
   using BG = cuda::BackwardGeometry<C>;
-  const float* lse = cuda::bwdFloats<C>(cuda::bwdSmem<C>().lse);
+  const float* lse = cuda::bwdFloats<C>(cuda::bwdSmem<C>().lse + stageOf<C>(q));
   const int l = cuda::lane();
   if constexpr (O == Outer::keys) {
     #pragma unroll
     for (int nt = 0; nt < BG::QNT; ++nt)
       #pragma unroll
       for (int column = 0; column < 2; ++column) {
-        const float m = lse[nt * 8 + fragment::accumulatorColumn(l, column)];
+        const float m = lse[nt * 8 + fragment::accumulatorColumn(l, column)] * kLog2e;
         #pragma unroll
         for (int mt = 0; mt < BG::KMT; ++mt) {
           s.t[mt][nt][column] = exp2f(s.t[mt][nt][column] - m);
@@ -369,7 +459,7 @@ __device__ void bwd_probs(BwdScores<C>& s, QGradTile<C>&) {
     for (int mt = 0; mt < G::MT; ++mt)
       #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float m = lse[cuda::tileRow<C>(mt) + fragment::accumulatorRow(l, 2 * h)];
+        const float m = lse[cuda::tileRow<C>(mt) + fragment::accumulatorRow(l, 2 * h)] * kLog2e;
         #pragma unroll
         for (int nt = 0; nt < G::NT; ++nt) {
           s.s[mt][nt][2 * h] = exp2f(s.s[mt][nt][2 * h] - m);
@@ -381,10 +471,10 @@ __device__ void bwd_probs(BwdScores<C>& s, QGradTile<C>&) {
 
 // dV += P^T do: P^T's C fragments re-packed as A, do by ldmatrix.trans.
 template <class C>
-__device__ void bwd_dv(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>&) {
+__device__ void bwd_dv(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
   using G = cuda::Geometry<C>;
   using BG = cuda::BackwardGeometry<C>;
-  const Bits16* dO = cuda::bwdTile<C>(cuda::bwdSmem<C>().dO);
+  const Bits32 dO = stageTile<C>(cuda::bwdSmem<C>().dO, q);
   #pragma unroll
   for (int kk = 0; kk < BG::QK; ++kk) {
     Bits32 p[BG::KMT][4];
@@ -406,13 +496,13 @@ __device__ void bwd_dv(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>&) {
 // Outer::keys: dP^T = V do^T, dS^T = P^T (dP^T - D).
 // Outer::queries: dP = do V^T, dS = P (dP - D).
 template <class C, Outer O>
-__device__ void bwd_ds(BwdScores<C>& s, QGradTile<C>&, KvGradTile<C>&) {
+__device__ void bwd_ds(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>&) {
   using G = cuda::Geometry<C>;
   using BG = cuda::BackwardGeometry<C>;
   const BackwardSmem smem = cuda::bwdSmem<C>();
   const Bits16* vTile = cuda::bwdTile<C>(smem.v);
-  const Bits16* dOTile = cuda::bwdTile<C>(smem.dO);
-  const float* delta = cuda::bwdFloats<C>(smem.delta);
+  const Bits32 dOTile = stageTile<C>(smem.dO, q);
+  const float* delta = cuda::bwdFloats<C>(smem.delta + stageOf<C>(q));
   const int l = cuda::lane();
   if constexpr (O == Outer::keys) {
     cuda::zero<C>(s.dt);
@@ -497,10 +587,10 @@ __device__ void bwd_ds(BwdScores<C>& s, QGradTile<C>&, KvGradTile<C>&) {
 // dK += dS^T Q (the scale is applied when stored); dS^T re-packed from its
 // C fragments, or under dq atomic read back from where bwd_ds staged it.
 template <class C>
-__device__ void bwd_dk(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>&) {
+__device__ void bwd_dk(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
   using G = cuda::Geometry<C>;
   using BG = cuda::BackwardGeometry<C>;
-  const Bits16* qTile = cuda::bwdTile<C>(cuda::bwdSmem<C>().q);
+  const Bits32 qTile = stageTile<C>(cuda::bwdSmem<C>().q, q);
   #pragma unroll
   for (int kk = 0; kk < BG::QK; ++kk) {
     Bits32 ds[BG::KMT][4];
@@ -555,6 +645,7 @@ __device__ void storeFragments(const float (&acc)[MTiles][Geometry<C>::OT][4], f
 template <class C>
 __device__ void kv_grad_store(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g, int64_t b) {
   const int64_t L = seq_len<C>(a);
+  cuda::waitCopies<0>();  // a block fetched past the loop's last lands before the CTA ends
   auto first = [](int mt) { return cuda::keyRow<C>(mt); };
   cuda::storeFragments<C>(kv.dk, a.dk_pseudo, C::kv_heads, b, g, col0, L, C::scale, first);
   cuda::storeFragments<C>(kv.dv, a.dv_pseudo, C::kv_heads, b, g, col0, L, 1.0f, first);

@@ -213,6 +213,9 @@ LOOM_EMU_LEAF inline void cpAsyncCg16(Bits32 destination, const void* source, bo
 LOOM_EMU_LEAF inline void cpAsyncCg16(Bits32 destination, const void* source) {
   emu::api->cpAsync(destination, source, 16, 16, 1, LOOM_EMU_PC);
 }
+LOOM_EMU_LEAF inline void cpAsyncCa4(void* destination, const void* source, bool valid) {
+  emu::api->cpAsync(emu::api->sharedAddress(destination, LOOM_EMU_PC), source, 4, valid ? 4 : 0, 0, LOOM_EMU_PC);
+}
 LOOM_EMU_LEAF inline void cpAsyncCommit() { emu::api->cpAsyncCommit(LOOM_EMU_PC); }
 template <int Pending>
 LOOM_EMU_LEAF void cpAsyncWait() {

@@ -433,8 +433,14 @@ constexpr int ctaSharedMemory(bool wgmma, int blockM, int blockN, int headDim, i
 // (block_m rows) as padded 16-bit tiles, then lse (log2 domain) and D of the
 // query block as f32; with dq by atomic adds the key-block-outer launch also
 // stages dS^T (block_n rows of block_m, 16-bit) for the dq product.
+// The backward's CTA: K and V tiles, then kBackwardQueryStages query
+// stages (Q, dO, lse, D; `stage` bytes apart: the key-block-outer loop
+// copies the next query block into one while it uses the other), then the
+// dS tile of atomic dq.
+constexpr int kBackwardQueryStages = 2;
 struct BackwardSmem {
   int k, v, q, dO, lse, delta, ds, total;
+  int stage;
 };
 constexpr BackwardSmem backwardSmem(int blockM, int blockN, int headDim, bool atomicDq = false) {
   const int kv = blockN * tilePitch(headDim) * kTileElementBytes;
@@ -443,10 +449,11 @@ constexpr BackwardSmem backwardSmem(int blockM, int blockN, int headDim, bool at
   s.k = 0;
   s.v = kv;
   s.q = 2 * kv;
-  s.dO = 2 * kv + rows;
-  s.lse = 2 * kv + 2 * rows;
+  s.dO = s.q + rows;
+  s.lse = s.q + 2 * rows;
   s.delta = s.lse + blockM * kAccumulatorBytes;
-  s.ds = s.delta + blockM * kAccumulatorBytes;
+  s.stage = 2 * rows + 2 * blockM * kAccumulatorBytes;
+  s.ds = s.q + kBackwardQueryStages * s.stage;
   s.total = s.ds + (atomicDq ? blockN * tilePitch(blockM) * kTileElementBytes : 0);
   return s;
 }

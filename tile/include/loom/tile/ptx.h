@@ -133,6 +133,12 @@ __device__ __forceinline__ void cpAsyncCg16(Bits32 destination, const void* sour
 __device__ __forceinline__ void cpAsyncCg16(Bits32 destination, const void* source) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(destination), "l"(source));
 }
+// 4 bytes global -> shared (through L1: .cg takes 16 only); `valid` false
+// zero-fills the destination.
+__device__ __forceinline__ void cpAsyncCa4(void* destination, const void* source, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(sharedAddress(destination)), "l"(source),
+               "r"(valid ? 4 : 0));
+}
 __device__ __forceinline__ void cpAsyncCommit() { asm volatile("cp.async.commit_group;"); }
 template <int Pending>
 __device__ __forceinline__ void cpAsyncWait() {
