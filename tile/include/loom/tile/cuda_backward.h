@@ -70,46 +70,50 @@ __device__ void copyRows(Bits16* tile, const void* workspace, int heads, int64_t
   });
 }
 
-// Rows [row0, row0 + Rows) of an A operand (row-major [row][k] tile) for
-// m-tile rows starting at `first`, k-step kt.
+// The element offsets, from a tile's first, of this lane's ldmatrix rows:
+// of the A operand (row-major [row][k]) for m-tile rows from `first`,
+// k-step kt; of a B operand pair (n-tiles 2 pair, 2 pair + 1) from a
+// [n][k] tile; and of one from a [k][n] tile by ldmatrix.trans.
+template <class C>
+__device__ __forceinline__ int aOffset(int first, int kt) {
+  const int l = lane();
+  return (first + fragment::aRow(l)) * Geometry<C>::pitch + kt * kMmaK + fragment::aColumn(l);
+}
+template <class C>
+__device__ __forceinline__ int bOffset(int pair, int kt) {
+  const int l = lane();
+  return (pair * 16 + fragment::bRow(l)) * Geometry<C>::pitch + kt * kMmaK + fragment::bColumn(l);
+}
+template <class C>
+__device__ __forceinline__ int bTransOffset(int kk, int pair) {
+  const int l = lane();
+  return (kk * kMmaK + fragment::bTransRow(l)) * Geometry<C>::pitch + pair * 16 + fragment::bTransColumn(l);
+}
+// Those operands from a tile by pointer, or by its shared-window address
+// (32-bit arithmetic: a query stage's offset is known at run time only).
 template <class C>
 __device__ __forceinline__ void loadA(Bits32 (&a)[4], const Bits16* tile, int first, int kt) {
-  const int l = lane();
-  ldmatrixX4(a, sharedAddress(tile + (first + fragment::aRow(l)) * Geometry<C>::pitch + kt * kMmaK + fragment::aColumn(l)));
+  ldmatrixX4(a, sharedAddress(tile + aOffset<C>(first, kt)));
 }
-// B operand pair (n-tiles 2*pair, 2*pair + 1) from a [n][k] tile.
 template <class C>
 __device__ __forceinline__ void loadB(Bits32 (&b)[4], const Bits16* tile, int pair, int kt) {
-  const int l = lane();
-  ldmatrixX4(b, sharedAddress(tile + (pair * 16 + fragment::bRow(l)) * Geometry<C>::pitch + kt * kMmaK + fragment::bColumn(l)));
+  ldmatrixX4(b, sharedAddress(tile + bOffset<C>(pair, kt)));
 }
-// B operand pair from a [k][n] tile, by ldmatrix.trans.
 template <class C>
 __device__ __forceinline__ void loadBTrans(Bits32 (&b)[4], const Bits16* tile, int kk, int pair) {
-  const int l = lane();
-  ldmatrixX4Trans(b, sharedAddress(tile + (kk * kMmaK + fragment::bTransRow(l)) * Geometry<C>::pitch + pair * 16 +
-                                   fragment::bTransColumn(l)));
+  ldmatrixX4Trans(b, sharedAddress(tile + bTransOffset<C>(kk, pair)));
 }
-// The same from a tile given by its shared-window address: 32-bit
-// arithmetic (a query stage's offset is known at run time only).
 template <class C>
 __device__ __forceinline__ void loadA(Bits32 (&a)[4], Bits32 tile, int first, int kt) {
-  const int l = lane();
-  ldmatrixX4(a, tile + Bits32(((first + fragment::aRow(l)) * Geometry<C>::pitch + kt * kMmaK + fragment::aColumn(l)) *
-                              kTileElementBytes));
+  ldmatrixX4(a, tile + Bits32(aOffset<C>(first, kt) * kTileElementBytes));
 }
 template <class C>
 __device__ __forceinline__ void loadB(Bits32 (&b)[4], Bits32 tile, int pair, int kt) {
-  const int l = lane();
-  ldmatrixX4(b, tile + Bits32(((pair * 16 + fragment::bRow(l)) * Geometry<C>::pitch + kt * kMmaK + fragment::bColumn(l)) *
-                              kTileElementBytes));
+  ldmatrixX4(b, tile + Bits32(bOffset<C>(pair, kt) * kTileElementBytes));
 }
 template <class C>
 __device__ __forceinline__ void loadBTrans(Bits32 (&b)[4], Bits32 tile, int kk, int pair) {
-  const int l = lane();
-  ldmatrixX4Trans(b, tile + Bits32(((kk * kMmaK + fragment::bTransRow(l)) * Geometry<C>::pitch + pair * 16 +
-                                    fragment::bTransColumn(l)) *
-                                   kTileElementBytes));
+  ldmatrixX4Trans(b, tile + Bits32(bTransOffset<C>(kk, pair) * kTileElementBytes));
 }
 
 // The A fragments of k-step kk of a product whose left operand is the C
