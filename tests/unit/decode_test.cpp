@@ -24,21 +24,53 @@
 namespace loom {
 namespace {
 
+// The largest |score| of row i of query head h over the keys it may see, in
+// the forward's virtual rows of one sequence (q and k mixed, normalised and
+// turned as the reference does).
+double largestScore(const KernelSpec& spec, const reference::detail::Rows& q, const reference::detail::Rows& k,
+                    int64_t h, int64_t i) {
+  const int64_t g = h / (spec.heads() / spec.kv_heads());
+  double largest = 0;
+  for (int64_t j = 0; j < int64_t(k[size_t(g)].size()); ++j) {
+    if (!reference::allowed(spec, i, j)) continue;
+    double dot = 0;
+    for (int64_t e = 0; e < spec.head_dim(); ++e) dot += q[size_t(h)][size_t(i)][size_t(e)] * k[size_t(g)][size_t(j)][size_t(e)];
+    largest = std::max(largest, std::abs(reference::detail::scaleOf(spec) * dot));
+  }
+  return largest;
+}
+
 // The forward's lse [1, H, n*P] over the sequence's first cache_len + T
-// tokens, at the step's rows, against the step's [B, H, T*P].
+// tokens, at the step's rows, against the step's [B, H, T*P]: the error's
+// norm over that of each row's scale, the larger of |lse| and its largest
+// |score|. An lse taken from rounded scores moves as far as they do, and
+// they move in proportion to their size: a row whose exponentials sum to
+// about 1 has an lse near 0 whatever its scores (a bf16 step of three keys
+// with qk_norm: lse 0.153, scores up to 11, moved by 0.004), so its error
+// is not relative to the lse.
 double lseError(const IhaCase& c, const DecodeCase& dc, const reference::DecodeOutputs& got) {
-  const int64_t H = c.spec.heads(), P = c.spec.pseudo_heads(), T = dc.step.tokens;
-  std::vector<double> want, have;
+  const KernelSpec& spec = c.spec;
+  const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
+  const int64_t T = dc.step.tokens;
+  double error = 0, scale = 0;
   for (int64_t b = 0; b < c.batch; ++b) {
     const int64_t from = dc.cache.cacheLen[size_t(b)], to = from + T;
-    const auto forward = reference::ihaForward(c.spec, sliceTokens(c.spec, c.inputs, b, 0, to));
+    const reference::IhaInputs inputs = sliceTokens(spec, c.inputs, b, 0, to);
+    const auto forward = reference::ihaForward(spec, inputs);
+    auto q = reference::detail::mixAndInterleave(inputs.q, inputs.alpha_q, 0, to, H, P, d);
+    auto k = reference::detail::mixAndInterleave(inputs.k, inputs.alpha_k, 0, to, G, P, d);
+    reference::detail::normalizeAndRotate(spec, q);
+    reference::detail::normalizeAndRotate(spec, k);
     for (int64_t h = 0; h < H; ++h)
       for (int64_t r = 0; r < T * P; ++r) {
-        want.push_back(forward.lse[size_t(h * to * P + from * P + r)]);
-        have.push_back(got.lse[size_t((b * H + h) * T * P + r)]);
+        const double want = forward.lse[size_t(h * to * P + from * P + r)];
+        const double have = got.lse[size_t((b * H + h) * T * P + r)];
+        const double rowScale = std::max(std::abs(want), largestScore(spec, q, k, h, from * P + r));
+        error += (have - want) * (have - want);
+        scale += rowScale * rowScale;
       }
   }
-  return relativeError(have, want);
+  return std::sqrt(error) / std::max(std::sqrt(scale), 1e-300);
 }
 
 // The reference's own append, checked apart from appendToCache (which
