@@ -363,6 +363,37 @@ void requireContiguous(const DLTensor& t, const std::string& name) {
   }
 }
 
+// An int32 array (page_table, cache_len) on the step's device: dense, of
+// `rank` dimensions.
+const int32_t* int32Array(const Borrowed& b, const char* name, int rank, const DLDevice& device,
+                          std::vector<int64_t>* shape) {
+  const DLTensor& t = *b.tensor;
+  if (t.device.device_type != device.device_type || (device.device_type != kDLCPU && t.device.device_id != device.device_id))
+    throw BadArgument(std::string(name) + ": must be on the step's device (" +
+                      (device.device_type == kDLCPU ? std::string("host memory") : "cuda:" + std::to_string(device.device_id)) +
+                      ")");
+  if (t.dtype.code != kDLInt || t.dtype.bits != 32 || t.dtype.lanes != 1)
+    throw BadArgument(std::string(name) + ": dtype must be int32");
+  if (t.ndim != rank) throw BadArgument(std::string(name) + ": want " + std::to_string(rank) + " dimensions");
+  shape->assign(t.shape, t.shape + t.ndim);
+  requireContiguous(t, name);
+  return reinterpret_cast<const int32_t*>(static_cast<const char*>(t.data) + t.byte_offset);
+}
+
+// Varlen: the documents' bounds (cu_seqlens, int32 [documents + 1] on q's
+// device) into the tensors, when given; `keep` holds the borrowed capsule.
+void documentsInto(const py::object& value, std::optional<int64_t> stream, const DLDevice& device, IhaTensors& t,
+                   std::optional<Borrowed>& keep) {
+  if (value.is_none()) return;
+  keep = borrow(value, "cu_seqlens", stream);
+  std::vector<int64_t> shape;
+  t.cu_seqlens = int32Array(*keep, "cu_seqlens", 1, device, &shape);
+  t.documents = shape[0] - 1;
+  // Host bounds are checked here (a ValueError); a CUDA launch checks its own.
+  if (device.device_type == kDLCPU && !t.q.shape.empty())
+    check(validateCuSeqlens(t.cu_seqlens, shape[0], t.q.shape.size() == 4 ? t.q.shape[1] : t.q.shape[0]), true);
+}
+
 // The caller's workspace memory (a dense DLPack tensor of any dtype on the
 // launch's CUDA device), or none.
 std::optional<WorkspaceMemory> workspaceOf(const py::object& value, std::optional<int64_t> stream, DLDevice device,
@@ -382,7 +413,8 @@ py::object iha(const py::object& q, const py::object& k, const py::object& v, co
                const py::object& alphaK, const py::object& alphaV, const py::object& collapse,
                const py::object& specValue, std::optional<int64_t> stream, const py::object& out,
                const py::object& lse, const py::object& scheduleValue, const std::string& cacheDir,
-               const std::string& service, int threads, const py::object& workspaceValue) {
+               const std::string& service, int threads, const py::object& workspaceValue,
+               const py::object& cuSeqlens) {
   const KernelSpec spec = specOf(specValue);
   const Schedule schedule = scheduleOf(scheduleValue);
   const Inputs inputs = borrowInputs(q, k, v, alphaQ, alphaK, alphaV, collapse, stream);
@@ -410,6 +442,8 @@ py::object iha(const py::object& q, const py::object& k, const py::object& v, co
       tensorsFromDlpack(inputs[0], inputs[1], inputs[2], inputs[3], inputs[4], inputs[5], inputs[6], outTensor,
                         lseGiven ? lseGiven->tensor : nullptr),
       true);
+  std::optional<Borrowed> bounds;
+  documentsInto(cuSeqlens, stream, device, tensors, bounds);
   if (onHost) {
     check(validateTensors(spec, tensors, kHostDevice), true);
     checkResolves(spec, schedule, hostTarget());
@@ -444,7 +478,7 @@ py::tuple ihaBackward(const py::object& q, const py::object& k, const py::object
                       const py::object& dout, const py::object& specValue, const std::vector<py::object>& given,
                       const py::object& lse, std::optional<int64_t> stream, const py::object& scheduleValue,
                       const std::string& cacheDir, const std::string& service, int threads,
-                      const py::object& workspaceValue) {
+                      const py::object& workspaceValue, const py::object& cuSeqlens) {
   const KernelSpec spec = specOf(specValue);
   const Schedule schedule = scheduleOf(scheduleValue);
   const Inputs inputs = borrowInputs(q, k, v, alphaQ, alphaK, alphaV, collapse, stream);
@@ -478,6 +512,8 @@ py::tuple ihaBackward(const py::object& q, const py::object& k, const py::object
   IhaGradTensors grads = valueOr(gradTensorsFromDlpack(doutBorrowed.tensor, views[0], views[1], views[2], views[3],
                                                        views[4], views[5], views[6]),
                                  true);
+  std::optional<Borrowed> bounds;
+  documentsInto(cuSeqlens, stream, device, tensors, bounds);
   if (onHost) {
     check(validateGradTensors(spec, tensors, grads, kHostDevice), true);
     checkResolves(spec, schedule, hostTarget(), Direction::backward);
@@ -518,8 +554,9 @@ std::vector<double> valuesOf(const DLTensor& t, const char* name) {
   return hostValues(valueOr(tensorFromDlpack(name, &t), true));
 }
 
-// The inputs of host tensors as the float64 reference takes them.
-reference::IhaInputs referenceInputs(const KernelSpec& spec, const Inputs& borrowed) {
+// The inputs of host tensors as the float64 reference takes them (a varlen
+// spec's documents from cu_seqlens, host int32, checked).
+reference::IhaInputs referenceInputs(const KernelSpec& spec, const Inputs& borrowed, const py::object& cuSeqlens) {
   const char* names[] = {"q", "k", "v", "alpha_q", "alpha_k", "alpha_v", "collapse"};
   const int64_t B = borrowed.q().shape[0], N = borrowed.q().shape[1];
   const std::vector<std::vector<int64_t>> shapes = inputShapes(spec, B, N);
@@ -531,7 +568,19 @@ reference::IhaInputs referenceInputs(const KernelSpec& spec, const Inputs& borro
       throw BadArgument(std::string(names[i]) + ": shape " + shapeString(shape) + ", want " + shapeString(shapes[i]));
     values.push_back(valuesOf(t, names[i]));
   }
-  return reference::IhaInputs{B, N, values[0], values[1], values[2], values[3], values[4], values[5], values[6]};
+  reference::IhaInputs inputs{B, N, values[0], values[1], values[2], values[3], values[4], values[5], values[6], {}};
+  if (spec.varlen() != !cuSeqlens.is_none())
+    throw BadArgument(spec.varlen() ? "cu_seqlens: missing (a varlen spec packs documents)"
+                                    : "cu_seqlens: given, but the spec is not varlen");
+  if (!cuSeqlens.is_none()) {
+    IhaTensors bounds;
+    std::optional<Borrowed> keep;
+    documentsInto(cuSeqlens, std::nullopt, DLDevice{kDLCPU, 0}, bounds, keep);
+    inputs.cu_seqlens.assign(bounds.cu_seqlens, bounds.cu_seqlens + bounds.documents + 1);
+    if (B != 1) throw BadArgument("q: a varlen spec's documents are packed in one batch, got B = " + std::to_string(B));
+    check(validateCuSeqlens(inputs.cu_seqlens.data(), int64_t(inputs.cu_seqlens.size()), N), true);
+  }
+  return inputs;
 }
 
 // A float64 host loom.Tensor holding `data`.
@@ -544,10 +593,10 @@ py::object float64Tensor(const std::vector<double>& data, std::vector<int64_t> s
 // The float64 oracle on host tensors; returns (out, lse) as float64.
 py::tuple reference(const py::object& q, const py::object& k, const py::object& v, const py::object& alphaQ,
                     const py::object& alphaK, const py::object& alphaV, const py::object& collapse,
-                    const py::object& specValue) {
+                    const py::object& specValue, const py::object& cuSeqlens) {
   const KernelSpec spec = specOf(specValue);
   const reference::IhaInputs inputs =
-      referenceInputs(spec, borrowInputs(q, k, v, alphaQ, alphaK, alphaV, collapse, std::nullopt));
+      referenceInputs(spec, borrowInputs(q, k, v, alphaQ, alphaK, alphaV, collapse, std::nullopt), cuSeqlens);
   reference::IhaOutputs outputs;
   {
     py::gil_scoped_release release;
@@ -566,9 +615,11 @@ struct BackwardArguments {
 };
 BackwardArguments backwardArguments(const py::object& q, const py::object& k, const py::object& v,
                                     const py::object& alphaQ, const py::object& alphaK, const py::object& alphaV,
-                                    const py::object& collapse, const py::object& dout, const py::object& specValue) {
+                                    const py::object& collapse, const py::object& dout, const py::object& specValue,
+                                    const py::object& cuSeqlens = py::none()) {
   BackwardArguments a{specOf(specValue), {}, {}};
-  a.inputs = referenceInputs(a.spec, borrowInputs(q, k, v, alphaQ, alphaK, alphaV, collapse, std::nullopt));
+  a.inputs =
+      referenceInputs(a.spec, borrowInputs(q, k, v, alphaQ, alphaK, alphaV, collapse, std::nullopt), cuSeqlens);
   const Borrowed d = borrow(dout, "dout", std::nullopt);
   const std::vector<int64_t> doutShape(d.tensor->shape, d.tensor->shape + d.tensor->ndim);
   const std::vector<int64_t> want = {a.inputs.batch, a.inputs.tokens, a.spec.heads(), a.spec.head_dim()};
@@ -581,8 +632,8 @@ BackwardArguments backwardArguments(const py::object& q, const py::object& k, co
 // sum(out * dout) as float64 loom.Tensors.
 py::tuple referenceBackward(const py::object& q, const py::object& k, const py::object& v, const py::object& alphaQ,
                             const py::object& alphaK, const py::object& alphaV, const py::object& collapse,
-                            const py::object& dout, const py::object& specValue) {
-  const BackwardArguments a = backwardArguments(q, k, v, alphaQ, alphaK, alphaV, collapse, dout, specValue);
+                            const py::object& dout, const py::object& specValue, const py::object& cuSeqlens) {
+  const BackwardArguments a = backwardArguments(q, k, v, alphaQ, alphaK, alphaV, collapse, dout, specValue, cuSeqlens);
   reference::IhaGradients gradients;
   {
     py::gil_scoped_release release;
@@ -605,23 +656,6 @@ double backwardCheckShare(const py::object& q, const py::object& k, const py::ob
 }
 
 //===--- loom.decode ------------------------------------------------------===//
-
-// An int32 array (page_table, cache_len) on the step's device: dense, of
-// `rank` dimensions.
-const int32_t* int32Array(const Borrowed& b, const char* name, int rank, const DLDevice& device,
-                          std::vector<int64_t>* shape) {
-  const DLTensor& t = *b.tensor;
-  if (t.device.device_type != device.device_type || (device.device_type != kDLCPU && t.device.device_id != device.device_id))
-    throw BadArgument(std::string(name) + ": must be on the step's device (" +
-                      (device.device_type == kDLCPU ? std::string("host memory") : "cuda:" + std::to_string(device.device_id)) +
-                      ")");
-  if (t.dtype.code != kDLInt || t.dtype.bits != 32 || t.dtype.lanes != 1)
-    throw BadArgument(std::string(name) + ": dtype must be int32");
-  if (t.ndim != rank) throw BadArgument(std::string(name) + ": want " + std::to_string(rank) + " dimensions");
-  shape->assign(t.shape, t.shape + t.ndim);
-  requireContiguous(t, name);
-  return reinterpret_cast<const int32_t*>(static_cast<const char*>(t.data) + t.byte_offset);
-}
 
 // One decode step over a paged cache (docs/IHA.md, Decode over a paged
 // cache): the step's k and v appended to k_cache / v_cache in place, out
@@ -828,23 +862,26 @@ PYBIND11_MODULE(_loom, m) {
         "`schedule`: force a schedule (else the tuned one from the cache, or the default).\n"
         "`service`: 'host:port' of a loom service to take the kernel from. `cache_dir`: the kernel cache.\n"
         "`workspace` (CUDA): a dense tensor of at least workspace_bytes(...) bytes on q's device for the\n"
-        "launch's workspaces (else the kernel keeps its own per stream); ignored for host tensors.",
+        "launch's workspaces (else the kernel keeps its own per stream); ignored for host tensors.\n"
+        "`cu_seqlens` (a varlen spec): int32 [documents + 1] on q's device, the packed documents' bounds; q, k, v\n"
+        "and out are then [1, total, H | G, d] (docs/IHA.md, Varlen).",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha_q"), py::arg("alpha_k"), py::arg("alpha_v"),
         py::arg("collapse"), py::arg("spec"), py::arg("stream") = py::none(), py::arg("out") = py::none(),
         py::arg("lse") = py::none(), py::arg("schedule") = py::none(), py::arg("cache_dir") = "",
-        py::arg("service") = "", py::arg("threads") = 0, py::arg("workspace") = py::none());
+        py::arg("service") = "", py::arg("threads") = 0, py::arg("workspace") = py::none(),
+        py::arg("cu_seqlens") = py::none());
   m.def("iha_backward", &ihaBackward,
         "(dq, dk, dv, dalpha_q, dalpha_k, dalpha_v, dcollapse): the gradients of sum(out * dout) for `spec`,\n"
         "float32, each the shape of its input, by loom's backward kernels (CUDA tensors, on `stream`) or its\n"
         "program on the host tile API (host tensors). dout: out's shape, the spec's dtype. `grads`: up to seven\n"
         "tensors to write (None: allocated and returned as loom.Tensor). `lse`: receives the recomputed lse.\n"
-        "`schedule`, `cache_dir`, `service`, `threads`, `workspace` as for iha (the backward kernel is cached\n"
-        "apart).",
+        "`schedule`, `cache_dir`, `service`, `threads`, `workspace`, `cu_seqlens` as for iha (the backward\n"
+        "kernel is cached apart).",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha_q"), py::arg("alpha_k"), py::arg("alpha_v"),
         py::arg("collapse"), py::arg("dout"), py::arg("spec"), py::arg("grads") = std::vector<py::object>{},
         py::arg("lse") = py::none(), py::arg("stream") = py::none(), py::arg("schedule") = py::none(),
         py::arg("cache_dir") = "", py::arg("service") = "", py::arg("threads") = 0,
-        py::arg("workspace") = py::none());
+        py::arg("workspace") = py::none(), py::arg("cu_seqlens") = py::none());
   m.def("decode", &decode,
         "One decode step over a paged cache (docs/IHA.md, Decode over a paged cache): the new\n"
         "tokens' q [B, T, H, d], k and v [B, T, G, d] and the weights as for iha; k_cache and v_cache\n"
@@ -875,9 +912,10 @@ PYBIND11_MODULE(_loom, m) {
         py::arg("service") = "");
   m.def("reference_backward", &referenceBackward,
         "The seven gradients of sum(out * dout) by the float64 backward reference, on host tensors, as float64\n"
-        "loom.Tensors (inputs may be float64, float32 or the 16-bit dtypes)",
+        "loom.Tensors (inputs may be float64, float32 or the 16-bit dtypes); `cu_seqlens` (host int32) for a\n"
+        "varlen spec",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha_q"), py::arg("alpha_k"), py::arg("alpha_v"),
-        py::arg("collapse"), py::arg("dout"), py::arg("spec"));
+        py::arg("collapse"), py::arg("dout"), py::arg("spec"), py::arg("cu_seqlens") = py::none());
   m.def("backward_check_share", &backwardCheckShare,
         "How much of the spec dtype's gradient tolerance rounding alone can cost on these inputs and dout: the\n"
         "float64 backward with what a kernel of the dtype rounds (for float32 every partial sum), and with the\n"
@@ -886,9 +924,9 @@ PYBIND11_MODULE(_loom, m) {
         py::arg("collapse"), py::arg("dout"), py::arg("spec"));
   m.def("reference", &reference,
         "(out, lse) of the float64 reference (the oracle) on host tensors (float64, float32 or the 16-bit\n"
-        "dtypes), as float64 loom.Tensors",
+        "dtypes), as float64 loom.Tensors; `cu_seqlens` (host int32) for a varlen spec",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha_q"), py::arg("alpha_k"), py::arg("alpha_v"),
-        py::arg("collapse"), py::arg("spec"));
+        py::arg("collapse"), py::arg("spec"), py::arg("cu_seqlens") = py::none());
   m.def("generate", &generate, "The C++ source loom generates for `spec` on `target` (cpu, sm_80, sm_90a, ...)",
         py::arg("spec"), py::arg("schedule") = py::none(), py::arg("target") = "cpu");
   m.def("compile", &compile,

@@ -54,3 +54,17 @@ iha.kernel @window_rows spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 2
 iha.kernel @token_aligned spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 3, head_dim = 16, dtype = f32, mask = flat_causal, window = 4, collapse = per_head, rope_theta = 0.0, scale = 0.25, window_align = token>) {
 }
 
+
+// varlen: the ranges are cut to the documents of the block's first and last
+// rows, looked up once (two starts and an end), and the three loops stay.
+// CHECK-LABEL: iha.kernel @varlen spec(<{{.*}}varlen = true>)
+// CHECK:           %[[ROW0:[0-9a-z_]+]] = arith.muli %arg0
+// CHECK:           iha.document_bound %[[ROW0]] :
+// CHECK:           iha.document_bound %[[LAST:[0-9a-z_]+]] end :
+// CHECK:           iha.document_bound %[[LAST]] :
+// CHECK:           iha.kv_stream %[[LO:[0-9a-z_]+]] to %[[HI:[0-9a-z_]+]] head
+// CHECK-NEXT:      iha.kv_loop %[[LO]] to %[[ILO:[0-9a-z_]+]] {{.*}} {masked}
+// CHECK-NEXT:      iha.kv_loop %[[ILO]] to %[[IHI:[0-9a-z_]+]] rows
+// CHECK-NEXT:      iha.kv_loop %[[IHI]] to %[[HI]] {{.*}} {masked}
+iha.kernel @varlen spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 2, head_dim = 16, dtype = f32, mask = flat_causal, window = 0, collapse = per_head, rope_theta = 1.0e+04, scale = 0.25, varlen = true>) {
+}

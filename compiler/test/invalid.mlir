@@ -87,6 +87,16 @@ iha.kernel @iha spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 1, head_d
 
 // -----
 
+iha.kernel @iha spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 1, head_dim = 16, dtype = f32, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.25>) schedule(#iha.schedule<block_m = 64, block_n = 64, warps = 4, stages = 2, mix = fused, collapse = epilogue>) {
+  iha.launch @l attributes {grid_y = 1 : i64, rows_per_cta = 64 : i64, rows_per_token = 1 : i64, threads = 128 : i64} {
+  ^bb0(%x: i64, %y: i64, %b: i64):
+    // expected-error @+1 {{belongs to a kernel of a varlen spec}}
+    %first = iha.document_bound %x : i64
+  }
+}
+
+// -----
+
 iha.kernel @iha spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 1, head_dim = 16, dtype = f32, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.25>) {
   // expected-error @+1 {{must be inside an iha.launch}}
   %L = iha.seq_len : i64

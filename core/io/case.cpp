@@ -105,6 +105,21 @@ Result<IhaCase> loadCase(const std::string& dir) {
   }
   c.inputs.batch = c.batch;
   c.inputs.tokens = c.tokens;
+  if (const fs::path path = fs::path(dir) / "cu_seqlens.npy"; c.spec.varlen()) {
+    // Varlen: one packed batch and its documents' bounds (docs/IHA.md, Varlen).
+    if (c.batch != 1)
+      return makeError((fs::path(dir) / "q.npy").string() + ": a varlen case packs its documents in one batch, got B = " +
+                       std::to_string(c.batch));
+    auto bounds = readNpy(path.string());
+    if (!bounds) return makeError(bounds.error().message + " (a varlen case needs cu_seqlens.npy, int32)");
+    if (bounds->type != NpyType::int32 || bounds->shape.size() != 1)
+      return makeError(path.string() + ": want int32 [documents + 1], got " + shapeString(bounds->shape));
+    for (double x : npyToDouble(*bounds)) c.inputs.cu_seqlens.push_back(int32_t(x));
+    if (Status ok = validateCuSeqlens(c.inputs.cu_seqlens.data(), int64_t(c.inputs.cu_seqlens.size()), c.tokens); !ok)
+      return makeError(path.string() + ": " + ok.error().message);
+  } else if (fs::exists(path)) {
+    return makeError(path.string() + ": cu_seqlens is for a varlen spec (spec.json has no \"varlen\": true)");
+  }
 
   const fs::path expectedPath = fs::path(dir) / "expected.npy";
   if (fs::exists(expectedPath)) {
@@ -169,9 +184,36 @@ Status writeCase(const std::string& dir, const IhaCase& c) {
     const std::string path = (fs::path(dir) / (std::string(kCaseInputs[i]) + ".npy")).string();
     if (Status ok = writeNpy(path, npyFromDouble(*sources[i], shapes[i], type)); !ok) return ok;
   }
+  if (!c.inputs.cu_seqlens.empty()) {
+    const std::vector<double> bounds(c.inputs.cu_seqlens.begin(), c.inputs.cu_seqlens.end());
+    const std::string path = (fs::path(dir) / "cu_seqlens.npy").string();
+    if (Status ok = writeNpy(path, npyFromDouble(bounds, {int64_t(bounds.size())}, NpyType::int32)); !ok) return ok;
+  }
   if (c.expected)
     return writeNpy((fs::path(dir) / "expected.npy").string(), npyFromDouble(*c.expected, shapes[0], NpyType::float64));
   return Status::success();
+}
+
+std::vector<int32_t> drawDocuments(std::mt19937_64& rng, int64_t documents, int64_t tokens) {
+  // Cut points: documents - 1 distinct tokens of 1 .. tokens - 1 where there
+  // are enough (no document empty), else drawn with repeats (some empty).
+  std::vector<int32_t> cuts;
+  std::uniform_int_distribution<int64_t> cut(1, std::max<int64_t>(1, tokens - 1));
+  while (int64_t(cuts.size()) < documents - 1) {
+    const int32_t at = int32_t(tokens > 1 ? cut(rng) : tokens);
+    if (documents - 1 > tokens - 1 || std::find(cuts.begin(), cuts.end(), at) == cuts.end()) cuts.push_back(at);
+  }
+  std::sort(cuts.begin(), cuts.end());
+  // Three documents or more: one of a single token (the shortest a kernel
+  // sees, shorter than any window), the first unless one already is.
+  bool single = false;
+  for (size_t i = 0; i <= cuts.size(); ++i)
+    single |= (i < cuts.size() ? cuts[i] : int32_t(tokens)) - (i > 0 ? cuts[i - 1] : 0) == 1;
+  if (documents >= 3 && documents <= tokens && !single) cuts[0] = 1;
+  std::vector<int32_t> bounds = {0};
+  bounds.insert(bounds.end(), cuts.begin(), cuts.end());
+  bounds.push_back(int32_t(tokens));
+  return bounds;
 }
 
 IhaCase drawCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed) {
@@ -187,6 +229,8 @@ IhaCase drawCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t
   const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
   IhaCase c;
   c.spec = spec;
+  const int64_t documents = batch;
+  if (spec.varlen()) batch = 1;  // one packed batch of `documents` documents (their bounds drawn last)
   c.batch = batch;
   c.tokens = tokens;
   c.inputs.batch = batch;
@@ -209,6 +253,7 @@ IhaCase drawCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t
   c.inputs.alpha_v = mixing(G);
   const int64_t fan = spec.collapse() == v1::per_head ? P : H * P;
   c.inputs.collapse = draw(H * fan, 1.0 / std::sqrt(double(fan)), NpyType::float32);
+  if (spec.varlen()) c.inputs.cu_seqlens = drawDocuments(rng, std::max<int64_t>(1, documents), tokens);
   return c;
 }
 
@@ -277,7 +322,7 @@ double norm2(const std::vector<double>& x) {
 }  // namespace
 
 std::vector<double> gradientErrors(const KernelSpec& spec, int64_t tokens, const reference::IhaGradients& got,
-                                   const reference::IhaGradients& want) {
+                                   const reference::IhaGradients& want, const std::vector<int32_t>& documents) {
   const auto gotSlots = reference::gradientsOf(got);
   const auto wantSlots = reference::gradientsOf(want);
   double total = 0;
@@ -295,16 +340,16 @@ std::vector<double> gradientErrors(const KernelSpec& spec, int64_t tokens, const
       const double e = (*gotSlots[i])[k] - (*wantSlots[i])[k];
       difference += e * e;
     }
-    const double scale = reference::vanishesButForEpsilon(spec, tokens, i) ? total : norm2(*wantSlots[i]);
+    const double scale = reference::vanishesButForEpsilon(spec, tokens, i, documents) ? total : norm2(*wantSlots[i]);
     errors.push_back(finite ? std::sqrt(difference) / std::max(std::sqrt(scale), 1e-300) : std::nan(""));
   }
   return errors;
 }
 
 double worstGradientError(const KernelSpec& spec, int64_t tokens, const reference::IhaGradients& got,
-                          const reference::IhaGradients& want) {
+                          const reference::IhaGradients& want, const std::vector<int32_t>& documents) {
   double worst = 0;
-  for (double e : gradientErrors(spec, tokens, got, want)) {
+  for (double e : gradientErrors(spec, tokens, got, want, documents)) {
     if (std::isnan(e)) return e;
     worst = std::max(worst, e);
   }
@@ -342,10 +387,10 @@ double backwardCheckShare(const KernelSpec& spec, const reference::IhaInputs& in
                           const reference::IhaGradients& expected) {
   const double tolerance = gradientToleranceFor(spec.dtype());
   const auto rounded = reference::ihaBackwardWithRoundedMixing(spec, inputs, dout, spec.dtype());
-  const double roundings = worstGradientError(spec, inputs.tokens, rounded, expected) / tolerance;
+  const double roundings = worstGradientError(spec, inputs.tokens, rounded, expected, inputs.cu_seqlens) / tolerance;
   if (std::isnan(roundings) || roundings > kCheckableBackwardShare) return roundings;  // refused already
   const auto perturbed = backwardOfFloat32Perturbation(spec, inputs, dout);
-  return std::max(roundings, worstGradientError(spec, inputs.tokens, perturbed, expected) / tolerance);
+  return std::max(roundings, worstGradientError(spec, inputs.tokens, perturbed, expected, inputs.cu_seqlens) / tolerance);
 }
 
 namespace {

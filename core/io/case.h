@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -46,8 +47,15 @@ Status writeCase(const std::string& dir, const IhaCase& c);
 // Draws a case the way the shared vectors are drawn: q, k, v ~ N(0, 1)
 // rounded to the spec's dtype; mixing weights the identity plus N(0, 0.3^2),
 // collapse weights N(0, 1/fan-in), in float32. The same seed gives the same
-// case.
+// case. A varlen spec's case packs `batch` documents into one batch of
+// `tokens` (drawDocuments).
 IhaCase drawCase(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64_t seed);
+
+// Varlen bounds [documents + 1] of `documents` documents over `tokens`
+// tokens, cut at distinct random tokens (none empty) where there are
+// enough, else with repeats (some empty); of three documents or more one
+// is a single token.
+std::vector<int32_t> drawDocuments(std::mt19937_64& rng, int64_t documents, int64_t tokens);
 
 // A case for checking a 16-bit kernel against the contract's tolerance:
 // drawCase with seed, seed + 1, ... until the float64 reference with its
@@ -85,11 +93,12 @@ double gradientToleranceFor(v1::DType dtype);
 // one the function makes vanish but for qk_norm's epsilon
 // (reference::vanishesButForEpsilon) against all the gradients together,
 // the size of its terms. NaN where `got` is not finite.
+// `documents`: a varlen case's cu_seqlens (vanishesButForEpsilon).
 std::vector<double> gradientErrors(const KernelSpec& spec, int64_t tokens, const reference::IhaGradients& got,
-                                   const reference::IhaGradients& want);
+                                   const reference::IhaGradients& want, const std::vector<int32_t>& documents = {});
 // The largest of gradientErrors; NaN when any is.
 double worstGradientError(const KernelSpec& spec, int64_t tokens, const reference::IhaGradients& got,
-                          const reference::IhaGradients& want);
+                          const reference::IhaGradients& want, const std::vector<int32_t>& documents = {});
 
 // dout [B, N, H, d] ~ N(0, 1), rounded to the spec's dtype as a kernel
 // reads it. The same seed gives the same dout.

@@ -1,5 +1,6 @@
 #include "io/npy.h"
 
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <iterator>
@@ -21,6 +22,7 @@ const char* descrOf(NpyType type) {
     case NpyType::float32: return "<f4";
     case NpyType::float16: return "<f2";
     case NpyType::uint16: return "<u2";
+    case NpyType::int32: return "<i4";
   }
   return "?";
 }
@@ -30,6 +32,7 @@ bool typeFromDescr(const std::string& descr, NpyType* type) {
   else if (descr == "<f4") *type = NpyType::float32;
   else if (descr == "<f2") *type = NpyType::float16;
   else if (descr == "<u2") *type = NpyType::uint16;
+  else if (descr == "<i4") *type = NpyType::int32;
   else return false;
   return true;
 }
@@ -51,7 +54,8 @@ void storeAt(std::vector<uint8_t>& bytes, int64_t index, T value) {
 int64_t NpyArray::elementSize(NpyType type) {
   switch (type) {
     case NpyType::float64: return 8;
-    case NpyType::float32: return 4;
+    case NpyType::float32:
+    case NpyType::int32: return 4;
     case NpyType::float16:
     case NpyType::uint16: return 2;
   }
@@ -98,7 +102,7 @@ Result<NpyArray> readNpy(const std::string& path) {
   if (!std::regex_search(header, match, std::regex(R"('descr'\s*:\s*'([^']*)')")))
     return bad("header has no 'descr'");
   if (!typeFromDescr(match[1], &array.type))
-    return bad("unsupported dtype '" + match[1].str() + "' (want <f8, <f4, <f2 or <u2)");
+    return bad("unsupported dtype '" + match[1].str() + "' (want <f8, <f4, <f2, <u2 or <i4)");
   if (std::regex_search(header, match, std::regex(R"('fortran_order'\s*:\s*True)")))
     return bad("Fortran order is not supported");
   if (!std::regex_search(header, match, std::regex(R"('shape'\s*:\s*\(([^)]*)\))")))
@@ -157,6 +161,7 @@ std::vector<double> npyToDouble(const NpyArray& array, bool uint16IsBfloat16) {
     switch (array.type) {
       case NpyType::float64: values[i] = loadAt<double>(array.bytes, i); break;
       case NpyType::float32: values[i] = loadAt<float>(array.bytes, i); break;
+      case NpyType::int32: values[i] = loadAt<int32_t>(array.bytes, i); break;
       case NpyType::float16: values[i] = half::halfToFloat(loadAt<uint16_t>(array.bytes, i)); break;
       case NpyType::uint16: {
         const uint16_t bits = loadAt<uint16_t>(array.bytes, i);
@@ -177,6 +182,7 @@ NpyArray npyFromDouble(const std::vector<double>& values, std::vector<int64_t> s
     switch (type) {
       case NpyType::float64: storeAt<double>(array.bytes, int64_t(i), values[i]); break;
       case NpyType::float32: storeAt<float>(array.bytes, int64_t(i), float(values[i])); break;
+      case NpyType::int32: storeAt<int32_t>(array.bytes, int64_t(i), int32_t(std::llround(values[i]))); break;
       case NpyType::float16: storeAt<uint16_t>(array.bytes, int64_t(i), half::floatToHalf(float(values[i]))); break;
       case NpyType::uint16: storeAt<uint16_t>(array.bytes, int64_t(i), half::floatToBfloat16(float(values[i]))); break;
     }

@@ -11,7 +11,7 @@
 
 namespace loom {
 
-enum class NpyType { float64, float32, float16, uint16 };
+enum class NpyType { float64, float32, float16, uint16, int32 };  // int32: varlen cases' cu_seqlens
 
 struct NpyArray {
   NpyType type = NpyType::float64;

@@ -115,6 +115,22 @@ IhaGradients backward(const v1::KernelSpec& spec, const IhaInputs& in, const std
   g.dalpha_k.assign(in.alpha_k.size(), 0.0);
   g.dalpha_v.assign(in.alpha_v.size(), 0.0);
   g.dcollapse.assign(in.collapse.size(), 0.0);
+  if (!in.cu_seqlens.empty()) {  // varlen: each document alone, the weights' gradients summed
+    for (size_t doc = 0; doc + 1 < in.cu_seqlens.size(); ++doc) {
+      const int64_t begin = in.cu_seqlens[doc], end = in.cu_seqlens[doc + 1];
+      if (end == begin) continue;
+      const IhaGradients one =
+          backward(spec, detail::documentInputs(spec, in, begin, end),
+                   std::vector<double>(dout.begin() + begin * H * d, dout.begin() + end * H * d), rounding);
+      std::copy(one.dq.begin(), one.dq.end(), g.dq.begin() + begin * H * d);
+      std::copy(one.dk.begin(), one.dk.end(), g.dk.begin() + begin * G * d);
+      std::copy(one.dv.begin(), one.dv.end(), g.dv.begin() + begin * G * d);
+      for (auto [sum, part] : {std::pair{&g.dalpha_q, &one.dalpha_q}, {&g.dalpha_k, &one.dalpha_k},
+                               {&g.dalpha_v, &one.dalpha_v}, {&g.dcollapse, &one.dcollapse}})
+        for (size_t e = 0; e < sum->size(); ++e) (*sum)[e] += (*part)[e];
+    }
+    return g;
+  }
 
   std::vector<double> weights, o(static_cast<size_t>(d));
   for (int64_t b = 0; b < B; ++b) {
@@ -207,7 +223,18 @@ IhaGradients ihaBackwardWithRoundedMixing(const v1::KernelSpec& spec, const IhaI
   return backward(spec, inputs, dout, Rounding{true, dtype});
 }
 
-bool vanishesButForEpsilon(const v1::KernelSpec& spec, int64_t tokens, size_t gradient) {
+bool vanishesButForEpsilon(const v1::KernelSpec& spec, int64_t tokens, size_t gradient,
+                           const std::vector<int32_t>& documents) {
+  if (!documents.empty()) {
+    bool any = false;
+    for (size_t doc = 0; doc + 1 < documents.size(); ++doc) {
+      const int64_t length = documents[doc + 1] - documents[doc];
+      if (length == 0) continue;
+      if (!vanishesButForEpsilon(spec, length, gradient)) return false;
+      any = true;
+    }
+    return any;
+  }
   const std::string name = kGradientNames[gradient];
   const bool fromRows = name == "dq" || name == "dk" || name == "dalpha_q" || name == "dalpha_k";
   const bool onePseudoHead = spec.pseudo_heads() == 1;

@@ -62,8 +62,10 @@ IhaGradients ihaBackwardWithRoundedMixing(const v1::KernelSpec& spec, const IhaI
 // `tokens`: N of the case (a single token is a one-token window); also,
 // where every row sees only itself (one pseudo head under a one-token
 // window, a flat window of one row) dq, dk, dalpha_q and dalpha_k vanish
-// exactly.
-bool vanishesButForEpsilon(const v1::KernelSpec& spec, int64_t tokens, size_t gradient);
+// exactly. A varlen case's gradients vanish where they do in each of its
+// documents (`documents`, its cu_seqlens; empty documents aside).
+bool vanishesButForEpsilon(const v1::KernelSpec& spec, int64_t tokens, size_t gradient,
+                           const std::vector<int32_t>& documents = {});
 
 // How epsilon-sized such a gradient is on `inputs`: the largest share
 // eps / (mean square + eps) that qk_norm's epsilon takes of a q or k row's

@@ -103,6 +103,21 @@ double softmaxRow(const v1::KernelSpec& spec, const std::vector<double>& query,
   return top + std::log(sum);
 }
 
+IhaInputs documentInputs(const v1::KernelSpec& spec, const IhaInputs& in, int64_t begin, int64_t end) {
+  const int64_t H = spec.heads(), G = spec.kv_heads(), d = spec.head_dim();
+  IhaInputs doc = in;
+  doc.batch = 1;
+  doc.tokens = end - begin;
+  doc.cu_seqlens.clear();
+  auto rows = [&](const std::vector<double>& x, int64_t heads) {
+    return std::vector<double>(x.begin() + begin * heads * d, x.begin() + end * heads * d);
+  };
+  doc.q = rows(in.q, H);
+  doc.k = rows(in.k, G);
+  doc.v = rows(in.v, G);
+  return doc;
+}
+
 int64_t collapseIndex(const v1::KernelSpec& spec, int64_t h, int64_t source, int64_t p) {
   const int64_t H = spec.heads(), P = spec.pseudo_heads();
   if (spec.collapse() == v1::per_head) return source == h ? h * P + p : -1;
@@ -142,6 +157,18 @@ IhaOutputs forward(const v1::KernelSpec& spec, const IhaInputs& in, v1::DType ro
   IhaOutputs result;
   result.out.assign(size_t(B * N * H * d), 0.0);
   result.lse.assign(size_t(B * H * L), 0.0);
+  if (!in.cu_seqlens.empty()) {  // varlen: each document alone
+    for (size_t doc = 0; doc + 1 < in.cu_seqlens.size(); ++doc) {
+      const int64_t begin = in.cu_seqlens[doc], end = in.cu_seqlens[doc + 1];
+      if (end == begin) continue;
+      const IhaOutputs one = forward(spec, detail::documentInputs(spec, in, begin, end), rounding, tensorCoreRounding);
+      std::copy(one.out.begin(), one.out.end(), result.out.begin() + begin * H * d);
+      const int64_t rows = (end - begin) * P;
+      for (int64_t h = 0; h < H; ++h)
+        std::copy(one.lse.begin() + h * rows, one.lse.begin() + (h + 1) * rows, result.lse.begin() + h * L + begin * P);
+    }
+    return result;
+  }
 
   std::vector<double> weights;
   for (int64_t b = 0; b < B; ++b) {

@@ -21,6 +21,9 @@ struct IhaInputs {
   std::vector<double> q, k, v;
   std::vector<double> alpha_q, alpha_k, alpha_v;
   std::vector<double> collapse;
+  // Varlen (KernelSpec.varlen): batch 1 holds documents one after another,
+  // document i tokens [cu_seqlens[i], cu_seqlens[i + 1]); empty otherwise.
+  std::vector<int32_t> cu_seqlens;
 };
 
 struct IhaOutputs {
@@ -89,6 +92,11 @@ void rotate(std::vector<double>& row, int64_t position, double theta, double dir
 // row's lse.
 double softmaxRow(const v1::KernelSpec& spec, const std::vector<double>& query,
                   const std::vector<std::vector<double>>& keys, int64_t i, std::vector<double>& weights);
+
+// Varlen: tokens [begin, end) of a packed batch (batch 1) alone, a batch of
+// one sequence without cu_seqlens. The forward and the backward of packed
+// inputs are those of each document so taken (docs/IHA.md, Varlen).
+IhaInputs documentInputs(const v1::KernelSpec& spec, const IhaInputs& in, int64_t begin, int64_t end);
 
 // Step 5: the index into collapse of pseudo-head p of source head `source`
 // in output head h, or -1 where per_head collapse does not connect them.

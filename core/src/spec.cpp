@@ -46,6 +46,17 @@ Result<KernelSpec> readSpecFile(const std::string& path) {
   return spec;
 }
 
+Status validateCuSeqlens(const int32_t* cu, int64_t count, int64_t tokens) {
+  auto at = [&](int64_t i) { return "cu_seqlens[" + std::to_string(i) + "] (" + std::to_string(cu[i]) + ")"; };
+  if (count < 2) return makeError("cu_seqlens: want documents + 1 >= 2 entries, got " + std::to_string(count));
+  if (cu[0] != 0) return makeError(at(0) + " must be 0");
+  for (int64_t i = 1; i < count; ++i)
+    if (cu[i] < cu[i - 1]) return makeError(at(i) + " is below " + at(i - 1) + ": documents' bounds never decrease");
+  if (cu[count - 1] != tokens)
+    return makeError(at(count - 1) + " must be the tokens packed (" + std::to_string(tokens) + ")");
+  return Status::success();
+}
+
 Status validateSpec(const KernelSpec& spec) {
   auto fail = [](const std::string& message) { return Status(makeError(message)); };
   if (spec.heads() < 1) return fail("heads (" + std::to_string(spec.heads()) + ") must be at least 1");

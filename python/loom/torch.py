@@ -36,7 +36,7 @@ import torch
 
 from . import _loom
 
-__all__ = ["iha", "iha_eager", "decode", "warmup", "InterleavedHeadAttention", "HAS_CUSTOM_OP", "spec_for"]
+__all__ = ["iha", "iha_varlen", "iha_eager", "decode", "warmup", "InterleavedHeadAttention", "HAS_CUSTOM_OP", "spec_for"]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -145,13 +145,26 @@ def _check_inputs(q, weights):
             raise ValueError(f"{name}: dtype {t.dtype}, want {want} (the mixing weights and collapse are float32)")
 
 
+def _bounds(cu_seqlens: Optional[torch.Tensor], q: torch.Tensor):
+    """A varlen call's cu_seqlens as loom reads it (int32, dense, on q's device), or None."""
+    if cu_seqlens is None:
+        return None
+    if cu_seqlens.dtype != torch.int32 or cu_seqlens.dim() != 1:
+        raise ValueError(f"cu_seqlens: want int32 [documents + 1], got {cu_seqlens.dtype} {list(cu_seqlens.shape)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device}, q on {q.device}: IHA's tensors share one device")
+    return _capsule(cu_seqlens.contiguous())
+
+
 def _forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec: str, schedule: Optional[str], cache_dir: str,
-             service: str, threads: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, N, H, d], lse [B, H, N*P] float32): the forward and its pseudo-heads' log-sum-exp."""
+             service: str, threads: int, cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(out [B, N, H, d], lse [B, H, N*P] float32): the forward and its pseudo-heads' log-sum-exp (a varlen
+    call's: B = 1, the documents packed)."""
     _check_inputs(q, (alpha_q, alpha_k, alpha_v, collapse))
     tensors = _prepared((q, k, v, alpha_q, alpha_k, alpha_v, collapse))
+    bounds = _bounds(cu_seqlens, q)
     if q.dtype == torch.float64:
-        out, lse = _loom.reference(*tensors, spec)
+        out, lse = _loom.reference(*tensors, spec, cu_seqlens=bounds)
         return torch.utils.dlpack.from_dlpack(out), torch.utils.dlpack.from_dlpack(lse)
     heads, head_dim, pseudo = _out_dims(spec)
     B, N = q.shape[0], q.shape[1]
@@ -159,7 +172,8 @@ def _forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec: str, schedule: 
     lse = torch.empty((B, heads, N * pseudo), dtype=torch.float32, device=q.device)
     _loom.iha(*tensors, spec, stream=_stream(q), out=_capsule(out), lse=_capsule(lse), schedule=schedule,
               cache_dir=cache_dir, service=service, threads=threads,
-              workspace=_workspace(spec, B, N, "forward", q.device, schedule, cache_dir, service=service))
+              workspace=_workspace(spec, B, N, "forward", q.device, schedule, cache_dir, service=service),
+              cu_seqlens=bounds)
     return out, lse
 
 
@@ -174,12 +188,14 @@ def _deterministic_schedule(schedule: Optional[str]) -> str:
 
 
 def _backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, dout, spec: str, schedule: Optional[str],
-              cache_dir: str, service: str, threads: int, deterministic: bool):
+              cache_dir: str, service: str, threads: int, deterministic: bool,
+              cu_seqlens: Optional[torch.Tensor] = None):
     inputs = (q, k, v, alpha_q, alpha_k, alpha_v, collapse)
     tensors = _prepared(inputs)
     dout = _capsule(dout.detach().to(q.dtype).contiguous())
+    bounds = _bounds(cu_seqlens, q)
     if q.dtype == torch.float64:
-        grads = _loom.reference_backward(*tensors, dout, spec)
+        grads = _loom.reference_backward(*tensors, dout, spec, cu_seqlens=bounds)
         return tuple(torch.utils.dlpack.from_dlpack(g) for g in grads)
     if deterministic:
         schedule = _deterministic_schedule(schedule)
@@ -187,7 +203,7 @@ def _backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, dout, spec: str, sch
     _loom.iha_backward(*tensors, dout, spec, grads=[_capsule(g) for g in grads], stream=_stream(q),
                        schedule=schedule, cache_dir=cache_dir, service=service, threads=threads,
                        workspace=_workspace(spec, q.shape[0], q.shape[1], "backward", q.device, schedule, cache_dir,
-                                            service=service))
+                                            service=service), cu_seqlens=bounds)
     return tuple(g.to(t.dtype) for g, t in zip(grads, inputs))
 
 
@@ -226,6 +242,40 @@ class _IhaFunction(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         grads = _backward(*ctx.saved_tensors, dout, *ctx.options)
         return (*grads, None, None, None, None, None, None, None)
+
+
+def _varlen_forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, spec, schedule, cache_dir, service,
+                    threads):
+    """iha_varlen's forward on packed [total, ...] tensors: (out [total, H, d], lse [H, total * P])."""
+    out, lse = _forward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), alpha_q, alpha_k, alpha_v, collapse, spec,
+                        schedule, cache_dir, service, threads, cu_seqlens)
+    return out.squeeze(0), lse.squeeze(0)
+
+
+def _varlen_backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, dout, spec, schedule, cache_dir,
+                     service, threads, deterministic):
+    grads = _backward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), alpha_q, alpha_k, alpha_v, collapse,
+                      dout.unsqueeze(0), spec, schedule, cache_dir, service, threads, deterministic, cu_seqlens)
+    return (grads[0].squeeze(0), grads[1].squeeze(0), grads[2].squeeze(0), *grads[3:])
+
+
+class _IhaVarlenFunction(torch.autograd.Function):
+    """iha_varlen with loom's backward (PyTorch before 2.4); cu_seqlens is not differentiable."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, spec, schedule, backward_schedule,
+                cache_dir, service, threads, deterministic):
+        ctx.save_for_backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens)
+        ctx.options = (spec, backward_schedule, cache_dir, service, threads, deterministic)
+        out, lse = _varlen_forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, spec, schedule,
+                                   cache_dir, service, threads)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        grads = _varlen_backward(*ctx.saved_tensors, dout, *ctx.options)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 if HAS_CUSTOM_OP:
@@ -269,6 +319,46 @@ if HAS_CUSTOM_OP:
 
     _iha_op.register_autograd(_iha_op_backward, setup_context=_setup_context)
 
+    @torch.library.custom_op("loom::iha_varlen", mutates_args=())
+    def _iha_varlen_op(q: Tensor, k: Tensor, v: Tensor, alpha_q: Tensor, alpha_k: Tensor, alpha_v: Tensor,
+                       collapse: Tensor, cu_seqlens: Tensor, spec: str, schedule: Optional[str],
+                       backward_schedule: Optional[str], cache_dir: str, service: str, threads: int,
+                       deterministic: bool) -> Tuple[Tensor, Tensor]:
+        return _varlen_forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, spec, schedule, cache_dir,
+                               service, threads)
+
+    @_iha_varlen_op.register_fake
+    def _iha_varlen_fake(q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, spec, schedule,
+                         backward_schedule, cache_dir, service, threads, deterministic):
+        heads, head_dim, pseudo = _out_dims(spec)
+        return (q.new_empty((q.shape[0], heads, head_dim)),
+                q.new_empty((heads, q.shape[0] * pseudo), dtype=torch.float32))
+
+    @torch.library.custom_op("loom::iha_varlen_backward", mutates_args=())
+    def _iha_varlen_backward_op(q: Tensor, k: Tensor, v: Tensor, alpha_q: Tensor, alpha_k: Tensor,
+                                alpha_v: Tensor, collapse: Tensor, cu_seqlens: Tensor, dout: Tensor, spec: str,
+                                schedule: Optional[str], cache_dir: str, service: str, threads: int,
+                                deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        return _varlen_backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, dout, spec, schedule,
+                                cache_dir, service, threads, deterministic)
+
+    @_iha_varlen_backward_op.register_fake
+    def _iha_varlen_backward_fake(q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, dout, spec, schedule,
+                                  cache_dir, service, threads, deterministic):
+        return tuple(torch.empty_like(t) for t in (q, k, v, alpha_q, alpha_k, alpha_v, collapse))
+
+    def _setup_varlen_context(ctx, inputs, output):
+        ctx.save_for_backward(*inputs[:8])
+        spec, _, backward_schedule, cache_dir, service, threads, deterministic = inputs[8:]
+        ctx.options = (spec, backward_schedule, cache_dir, service, threads, deterministic)
+        ctx.mark_non_differentiable(output[1])
+
+    def _iha_varlen_op_backward(ctx, dout, _dlse):
+        grads = _iha_varlen_backward_op(*ctx.saved_tensors, dout, *ctx.options)
+        return (*grads, None, None, None, None, None, None, None, None)
+
+    _iha_varlen_op.register_autograd(_iha_varlen_op_backward, setup_context=_setup_varlen_context)
+
     @torch.library.custom_op("loom::decode", mutates_args=("k_cache", "v_cache", "page_errors"))
     def _decode_op(q: Tensor, k: Tensor, v: Tensor, alpha_q: Tensor, alpha_k: Tensor, alpha_v: Tensor,
                    collapse: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor, cache_len: Tensor,
@@ -311,6 +401,28 @@ def iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, *, schedule=None, ba
     args = (q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec_json, _schedule_text(schedule),
             _schedule_text(backward_schedule), cache_dir, service, threads, deterministic)
     out, lse = _iha_op(*args) if HAS_CUSTOM_OP else _IhaFunction.apply(*args)
+    return (out, lse) if return_lse else out
+
+
+def iha_varlen(q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, max_seqlen, spec, *, schedule=None,
+               backward_schedule=None, deterministic: bool = False, return_lse: bool = False, cache_dir: str = "",
+               service: str = "", threads: int = 0):
+    """IHA over packed documents (docs/IHA.md, Varlen), as flash_attn_varlen_func takes them: q [total, H, d], k
+    and v [total, G, d] hold the documents one after another, cu_seqlens (int32 [documents + 1], on q's device)
+    their bounds. Returns out [total, H, d]: per document, `iha` of that document alone (attention never
+    crosses a document; RoPE positions, masks and windows restart in each). Differentiable in the seven tensors
+    (the weights' gradients summed over the documents). The spec is `iha`'s, `varlen` set here; max_seqlen, the
+    longest document, is taken for flash_attn_varlen_func's callers and not needed (loom's grid covers the
+    packed tokens). The other options are `iha`'s; return_lse gives lse [H, total * P]. Each call copies
+    cu_seqlens to the host once to check it."""
+    s = _spec_dict(spec)
+    s["varlen"] = True
+    spec_json = _spec_text(json.dumps(s, sort_keys=True), q.dtype)
+    del max_seqlen
+    deterministic = bool(deterministic or torch.are_deterministic_algorithms_enabled())
+    args = (q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, spec_json, _schedule_text(schedule),
+            _schedule_text(backward_schedule), cache_dir, service, threads, deterministic)
+    out, lse = _iha_varlen_op(*args) if HAS_CUSTOM_OP else _IhaVarlenFunction.apply(*args)
     return (out, lse) if return_lse else out
 
 
@@ -438,7 +550,8 @@ def iha_eager(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec) -> torch.Tenso
 
 
 class InterleavedHeadAttention(torch.nn.Module):
-    """A drop-in IHA attention block: x [B, N, dim] -> [B, N, dim].
+    """A drop-in IHA attention block: x [B, N, dim] -> [B, N, dim], or packed documents x [total, dim] with
+    cu_seqlens (forward(x, cu_seqlens, max_seqlen), as flash_attn_varlen_func's callers pass them).
 
     Parameters (state_dict names):
       q_proj.weight [H*d, dim], k_proj.weight and v_proj.weight [G*d, dim], out_proj.weight [dim, H*d]
@@ -508,12 +621,15 @@ class InterleavedHeadAttention(torch.nn.Module):
     def extra_repr(self) -> str:
         return f"spec={self.spec}, backend={self.backend!r}"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
+                max_seqlen: Optional[int] = None) -> torch.Tensor:
+        """x [B, N, dim] -> [B, N, dim]; with cu_seqlens (int32 [documents + 1]) x is [total, dim], documents
+        packed one after another, each attended alone (iha_varlen; docs/IHA.md, Varlen)."""
+        if cu_seqlens is not None:
+            return self._packed(x, cu_seqlens, max_seqlen)
         B, N, _ = x.shape
         H, G, d = self.heads, self.kv_heads, self.head_dim
-        dt = self.compute_dtype or (torch.float64 if x.dtype == torch.float64 else
-                                    torch.bfloat16 if x.is_cuda else torch.float32)
-        wt = torch.float64 if dt == torch.float64 else torch.float32
+        dt, wt = self._dtypes(x)
         q = self.q_proj(x).view(B, N, H, d).to(dt)
         k = self.k_proj(x).view(B, N, G, d).to(dt)
         v = self.v_proj(x).view(B, N, G, d).to(dt)
@@ -524,3 +640,26 @@ class InterleavedHeadAttention(torch.nn.Module):
             o = iha(q, k, v, *weights, self._spec_json, schedule=self.schedule, cache_dir=self.cache_dir,
                     threads=self.threads)
         return self.out_proj(o.to(x.dtype).reshape(B, N, H * d))
+
+    def _dtypes(self, x: torch.Tensor):
+        """(the attention's dtype, the weights')."""
+        dt = self.compute_dtype or (torch.float64 if x.dtype == torch.float64 else
+                                    torch.bfloat16 if x.is_cuda else torch.float32)
+        return dt, torch.float64 if dt == torch.float64 else torch.float32
+
+    def _packed(self, x: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: Optional[int]) -> torch.Tensor:
+        total = x.shape[0]
+        H, G, d = self.heads, self.kv_heads, self.head_dim
+        dt, wt = self._dtypes(x)
+        q = self.q_proj(x).view(total, H, d).to(dt)
+        k = self.k_proj(x).view(total, G, d).to(dt)
+        v = self.v_proj(x).view(total, G, d).to(dt)
+        weights = [w.to(wt) for w in (self.alpha_q, self.alpha_k, self.alpha_v, self.collapse)]
+        if self.backend == "eager":  # each document alone
+            bounds = cu_seqlens.tolist()
+            o = torch.cat([iha_eager(q[a:b][None], k[a:b][None], v[a:b][None], *weights, self.spec)[0]
+                           for a, b in zip(bounds, bounds[1:])])
+        else:
+            o = iha_varlen(q, k, v, *weights, cu_seqlens, max_seqlen, self._spec_json, schedule=self.schedule,
+                           cache_dir=self.cache_dir, threads=self.threads)
+        return self.out_proj(o.to(x.dtype).reshape(total, H * d))

@@ -57,10 +57,18 @@ void scatter(const std::vector<double>& values, const Tensor& t) {
   });
 }
 
+// A varlen launch's bounds (host memory), checked, into the case.
+Status documentsInto(const IhaTensors& t, IhaCase& c) {
+  if (!t.cu_seqlens) return Status::success();
+  c.inputs.cu_seqlens.assign(t.cu_seqlens, t.cu_seqlens + t.documents + 1);
+  return validateCuSeqlens(c.inputs.cu_seqlens.data(), t.documents + 1, c.tokens);
+}
+
 // The host tensors as a case for the CPU backend or the emulator.
-Result<IhaCase> hostCase(const KernelSpec& spec, const IhaTensors& t) {
+Result<IhaCase> hostCase(const KernelSpec& spec, const IhaTensors& given) {
   if (Status ok = validateSpec(spec); !ok) return ok.error();
-  if (Status ok = validateTensors(spec, t, kHostDevice); !ok) return ok.error();
+  if (Status ok = validateTensors(spec, given, kHostDevice); !ok) return ok.error();
+  const IhaTensors t = batchedView(spec, given);
   IhaCase c;
   c.spec = spec;
   c.batch = t.q.shape[0];
@@ -74,6 +82,7 @@ Result<IhaCase> hostCase(const KernelSpec& spec, const IhaTensors& t) {
               hostValues(t.alpha_k),
               hostValues(t.alpha_v),
               hostValues(t.collapse)};
+  if (Status ok = documentsInto(t, c); !ok) return ok.error();
   return c;
 }
 
@@ -235,10 +244,12 @@ Status runDecodeOnHost(const KernelSpec& spec, const IhaTensors& step, const Pag
 namespace {
 
 // The host tensors and dout as a backward case, and the backward plan.
-Result<HostProgram> hostBackward(const KernelSpec& spec, const IhaTensors& t, const IhaGradTensors& g,
+Result<HostProgram> hostBackward(const KernelSpec& spec, const IhaTensors& givenInputs, const IhaGradTensors& givenGrads,
                                  const Schedule& schedule, const std::string& arch, const IhaSaved* saved) {
   if (Status ok = validateSpec(spec); !ok) return ok.error();
-  if (Status ok = validateGradTensors(spec, t, g, kHostDevice); !ok) return ok.error();
+  if (Status ok = validateGradTensors(spec, givenInputs, givenGrads, kHostDevice); !ok) return ok.error();
+  const IhaTensors t = batchedView(spec, givenInputs);
+  const IhaGradTensors g = batchedView(spec, givenGrads);
   if (saved)
     if (Status ok = validateSaved(spec, *saved, t.q.shape[0], t.q.shape[1], arch != "cpu", kHostDevice); !ok)
       return ok.error();
@@ -250,6 +261,7 @@ Result<HostProgram> hostBackward(const KernelSpec& spec, const IhaTensors& t, co
               hostValues(t.v),   hostValues(t.alpha_q), hostValues(t.alpha_k), hostValues(t.alpha_v),
               hostValues(t.collapse)};
   c.dout = hostValues(g.dout);
+  if (Status ok = documentsInto(t, c); !ok) return ok.error();
   auto target = parseTarget(arch);
   if (!target) return target.error();
   GenerateOptions options;

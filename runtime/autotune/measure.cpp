@@ -119,8 +119,9 @@ Status measure(const KernelSpec& spec, std::shared_ptr<cuda::Device> device, con
   // fresh case; for a decode step, the forward's rows of its last T tokens.
   const int64_t verifyTokens = decode ? std::max(T + 1, std::min(options.tokens + T, kDecodeVerifyTokens))
                                       : std::min(options.tokens, kVerifyTokens);
-  const IhaCase verify = backward ? drawCheckableBackwardCase(spec, 1, verifyTokens, options.seed)
-                                  : drawCheckableCase(spec, 1, verifyTokens, options.seed);
+  const int64_t documents = spec.varlen() ? 3 : 1;  // a varlen spec's: three documents packed
+  const IhaCase verify = backward ? drawCheckableBackwardCase(spec, documents, verifyTokens, options.seed)
+                                  : drawCheckableCase(spec, documents, verifyTokens, options.seed);
   std::optional<DecodeCase> verifyStep;
   if (decode) {
     auto step = decodeCaseFrom(verify, decodeLayout(options.seed, true));
@@ -172,7 +173,7 @@ Status measure(const KernelSpec& spec, std::shared_ptr<cuda::Device> device, con
     if (backward) {
       auto run = cuda::runBackwardCase(**kernel, *device, verify);
       if (!run) ran = run.error();
-      r.error = run ? worstGradientError(spec, verify.tokens, *run, *verify.expectedGradients) : std::nan("");
+      r.error = run ? worstGradientError(spec, verify.tokens, *run, *verify.expectedGradients, verify.inputs.cu_seqlens) : std::nan("");
     } else if (decode) {
       auto run = cuda::runDecodeCase(**kernel, *device, *verifyStep);
       if (!run) ran = run.error();

@@ -193,13 +193,15 @@ void emulateAll(const KernelSpec& spec, const v1::Target& target, const std::vec
       const bool backward = options.direction == Direction::backward;
       const int64_t P = spec.pseudo_heads();
       const int64_t tokens = std::min<int64_t>(backward ? 128 : 256, (3 * schedule.block_n() + P - 1) / P + 1);
-      const IhaCase c = backward ? drawCheckableBackwardCase(spec, 1, tokens, options.seed + at)
-                                 : drawCheckableCase(spec, 1, tokens, options.seed + at);
+      // A varlen spec's case packs three documents (one of them a single token).
+      const int64_t batch = spec.varlen() ? 3 : 1;
+      const IhaCase c = backward ? drawCheckableBackwardCase(spec, batch, tokens, options.seed + at)
+                                 : drawCheckableCase(spec, batch, tokens, options.seed + at);
       auto run = emu::runOnEmulator(*plan, c, emulatorOptions(backward ? 0 : 2 * spec.heads()));
       if (ranClean(run)) {
         double error = 0;
         if (backward) {
-          error = worstGradientError(spec, c.tokens, *run->gradients, *c.expectedGradients);
+          error = worstGradientError(spec, c.tokens, *run->gradients, *c.expectedGradients, c.inputs.cu_seqlens);
         } else {
           error = emu::coveredRelativeError(*run, *c.expected, c.batch, c.tokens, spec.heads(), spec.head_dim());
         }

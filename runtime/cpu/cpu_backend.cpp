@@ -122,6 +122,7 @@ struct HostTensors {
   NpyArray out;
   std::map<Workspace, std::vector<float>> workspaces;
   std::vector<float> dq, dk, dv, dalphaQ, dalphaK, dalphaV, dcollapse;
+  std::vector<int32_t> cuSeqlens;
   IhaArgs args{};
 };
 
@@ -165,6 +166,11 @@ void prepareTensors(const KernelPlan& plan, const IhaCase& c, HostTensors& t) {
   args.batch = B;
   args.tokens = N;
   setDenseStrides(args, N, H, G, d);
+  if (!c.inputs.cu_seqlens.empty()) {
+    t.cuSeqlens = c.inputs.cu_seqlens;
+    args.cu_seqlens = t.cuSeqlens.data();
+    args.documents = int64_t(t.cuSeqlens.size()) - 1;
+  }
   if (plan.direction != Direction::backward) return;
 
   t.dout = bytesOf(*c.dout);

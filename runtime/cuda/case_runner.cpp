@@ -59,6 +59,18 @@ Result<CaseBuffers> CaseBuffers::upload(const Device& device, const IhaCase& c) 
                      o.shape, {}, device.info().ordinal};
     buffers.buffers_.push_back(shared);
   }
+  if (const std::vector<int32_t>& bounds = c.inputs.cu_seqlens; !bounds.empty()) {
+    auto buffer = DeviceBuffer::allocate(device, bounds.size() * sizeof(int32_t));
+    if (!buffer) return buffer.error();
+    buffers.documents_ = std::make_shared<DeviceBuffer>(std::move(*buffer));
+    if (Status ok = check(device.api().cuMemcpyHtoD(buffers.documents_->get(), bounds.data(),
+                                                    bounds.size() * sizeof(int32_t)),
+                          "cuMemcpyHtoD of cu_seqlens");
+        !ok)
+      return ok.error();
+    t.cu_seqlens = static_cast<const int32_t*>(buffers.documents_->data());
+    t.documents = int64_t(bounds.size()) - 1;
+  }
   return buffers;
 }
 

@@ -51,6 +51,7 @@ class CaseBuffers {
 
  private:
   std::vector<std::shared_ptr<DeviceBuffer>> buffers_;  // q k v alpha_q alpha_k alpha_v collapse out lse
+  std::shared_ptr<DeviceBuffer> documents_;              // a varlen case's cu_seqlens
   IhaTensors tensors_;
 };
 

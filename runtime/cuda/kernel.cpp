@@ -100,8 +100,47 @@ Result<Tensor> tensorFromDlpack(const char* name, const DLTensor* t) {
 
 namespace {
 
+// [n, ...] as [1, n, ...] (its strides too).
+Tensor withBatchOfOne(Tensor t) {
+  if (!t.strides.empty()) t.strides.insert(t.strides.begin(), t.strides.front() * t.shape.front());
+  t.shape.insert(t.shape.begin(), 1);
+  return t;
+}
+
+}  // namespace
+
+IhaTensors batchedView(const KernelSpec& spec, const IhaTensors& t) {
+  if (!spec.varlen() || t.q.shape.size() != 3) return t;
+  IhaTensors view = t;
+  for (Tensor* x : {&view.q, &view.k, &view.v, &view.out})
+    if (x->shape.size() == 3) *x = withBatchOfOne(*x);
+  if (view.lse && view.lse->shape.size() == 2) *view.lse = withBatchOfOne(*view.lse);
+  return view;
+}
+
+IhaGradTensors batchedView(const KernelSpec& spec, const IhaGradTensors& g) {
+  if (!spec.varlen() || g.dout.shape.size() != 3) return g;
+  IhaGradTensors view = g;
+  for (Tensor* x : {&view.dout, &view.dq, &view.dk, &view.dv})
+    if (x->shape.size() == 3) *x = withBatchOfOne(*x);
+  return view;
+}
+
+namespace {
+
 // q, k, v and the weights (and `out` when `withOut`), then lse when given.
-Status validateOperands(const KernelSpec& spec, const IhaTensors& t, int device, bool withOut) {
+// A varlen spec's tensors are checked as one batch (batchedView).
+Status validateOperands(const KernelSpec& spec, const IhaTensors& given, int device, bool withOut) {
+  if (spec.varlen()) {
+    if (!given.cu_seqlens || given.documents < 1)
+      return makeError("cu_seqlens: missing (a varlen spec packs documents: give their bounds, int32 [documents + 1], "
+                       "and documents >= 1)");
+    if (given.q.shape.size() != 3 && !(given.q.shape.size() == 4 && given.q.shape[0] == 1))
+      return makeError("q: a varlen spec's q is [total, H, d] (or [1, total, H, d]), got " + shapeText(given.q.shape));
+  } else if (given.cu_seqlens) {
+    return makeError("cu_seqlens: given, but the spec is not varlen (set varlen true to pack documents)");
+  }
+  const IhaTensors t = batchedView(spec, given);
   if (t.q.shape.size() != 4) return makeError("q: want 4 dimensions [B, N, H, d], got " + shapeText(t.q.shape));
   const int64_t B = t.q.shape[0], N = t.q.shape[1], H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(),
                 d = spec.head_dim();
@@ -140,8 +179,11 @@ Status validateTensors(const KernelSpec& spec, const IhaTensors& t, int device) 
   return validateOperands(spec, t, device, /*withOut=*/true);
 }
 
-Status validateGradTensors(const KernelSpec& spec, const IhaTensors& inputs, const IhaGradTensors& g, int device) {
-  if (Status ok = validateOperands(spec, inputs, device, /*withOut=*/false); !ok) return ok;
+Status validateGradTensors(const KernelSpec& spec, const IhaTensors& givenInputs, const IhaGradTensors& givenGrads,
+                           int device) {
+  if (Status ok = validateOperands(spec, givenInputs, device, /*withOut=*/false); !ok) return ok;
+  const IhaTensors inputs = batchedView(spec, givenInputs);
+  const IhaGradTensors g = batchedView(spec, givenGrads);
   const int64_t B = inputs.q.shape[0], N = inputs.q.shape[1], H = spec.heads(), G = spec.kv_heads(),
                 P = spec.pseudo_heads(), d = spec.head_dim();
   const ElementKind f32 = ElementKind::float32;
@@ -455,6 +497,8 @@ IhaArgs operandArgs(const IhaTensors& t, const Tensor& outLike, const std::funct
   args.partials = static_cast<float*>(workspace("splits"));  // a split decode plan's (the backward's is set after)
   args.batch = t.q.shape[0];
   args.tokens = t.q.shape[1];
+  args.cu_seqlens = t.cu_seqlens;
+  args.documents = t.documents;
   const Tensor* strided[] = {&t.q, &t.k, &t.v, &outLike};
   int64_t* targets[] = {args.q_stride, args.k_stride, args.v_stride, args.out_stride};
   for (int i = 0; i < 4; ++i) {
@@ -513,12 +557,30 @@ Status Kernel::launchDecode(const IhaTensors& step, const PagedCacheTensors& cac
   return launchEntries(args, stream, /*skipForward=*/false, **state);
 }
 
-Status Kernel::launch(const IhaTensors& t, CUstream stream, const IhaSaved* keep, const WorkspaceMemory* workspace) {
+namespace {
+
+// A varlen launch's bounds, copied to the host and checked
+// (validateCuSeqlens): one small synchronous copy a launch.
+Status checkDocuments(cuda::Device& device, const IhaTensors& t) {
+  if (!t.cu_seqlens) return Status::success();
+  std::vector<int32_t> bounds(size_t(t.documents + 1));
+  if (Status ok = cuda::check(device.api().cuMemcpyDtoH(bounds.data(), reinterpret_cast<CUdeviceptr>(t.cu_seqlens),
+                                                        bounds.size() * sizeof(int32_t)),
+                              "cuMemcpyDtoH of cu_seqlens");
+      !ok)
+    return ok;
+  return validateCuSeqlens(bounds.data(), int64_t(bounds.size()), t.q.shape[1]);
+}
+
+}  // namespace
+
+Status Kernel::launch(const IhaTensors& given, CUstream stream, const IhaSaved* keep, const WorkspaceMemory* workspace) {
   if (compiled_.direction() == v1::direction_backward)
     return makeError("this is a backward kernel: call launchBackward with dout and the gradients");
   if (isDecode(compiled_.direction()))
     return makeError("this is a decode kernel: call launchDecode with the step and its paged cache");
-  if (Status ok = validateTensors(compiled_.spec(), t, device_->info().ordinal); !ok) return ok;
+  if (Status ok = validateTensors(compiled_.spec(), given, device_->info().ordinal); !ok) return ok;
+  const IhaTensors t = batchedView(compiled_.spec(), given);
   if (keep) {
     for (const char* name : {"q_mixed", "k_mixed", "v_mixed", "o_pseudo"})
       if (std::find(compiled_.workspaces().begin(), compiled_.workspaces().end(), name) == compiled_.workspaces().end())
@@ -529,6 +591,7 @@ Status Kernel::launch(const IhaTensors& t, CUstream stream, const IhaSaved* keep
       return ok;
   }
   if (Status ok = device_->makeCurrent(); !ok) return ok;
+  if (Status ok = checkDocuments(*device_, t); !ok) return ok;
   const int64_t B = t.q.shape[0], N = t.q.shape[1];
   std::lock_guard lock(mutex_);
   auto state = streamState(stream, B, N, workspace);
@@ -579,16 +642,20 @@ Status Kernel::launchEntries(IhaArgs& args, CUstream stream, bool skipForward, S
   return Status::success();
 }
 
-Status Kernel::launchBackward(const IhaTensors& t, const IhaGradTensors& g, CUstream stream, const IhaSaved* saved,
-                              const WorkspaceMemory* workspace) {
+Status Kernel::launchBackward(const IhaTensors& givenInputs, const IhaGradTensors& givenGrads, CUstream stream,
+                              const IhaSaved* saved, const WorkspaceMemory* workspace) {
   if (compiled_.direction() != v1::direction_backward)
     return makeError("this is a forward kernel: Runtime::backwardKernel gives the backward's");
-  if (Status ok = validateGradTensors(compiled_.spec(), t, g, device_->info().ordinal); !ok) return ok;
+  if (Status ok = validateGradTensors(compiled_.spec(), givenInputs, givenGrads, device_->info().ordinal); !ok)
+    return ok;
+  const IhaTensors t = batchedView(compiled_.spec(), givenInputs);
+  const IhaGradTensors g = batchedView(compiled_.spec(), givenGrads);
   if (saved)
     if (Status ok = validateSaved(compiled_.spec(), *saved, t.q.shape[0], t.q.shape[1], true, device_->info().ordinal);
         !ok)
       return ok;
   if (Status ok = device_->makeCurrent(); !ok) return ok;
+  if (Status ok = checkDocuments(*device_, t); !ok) return ok;
   const int64_t B = t.q.shape[0], N = t.q.shape[1];
   std::lock_guard lock(mutex_);
   auto state = streamState(stream, B, N, workspace);

@@ -190,6 +190,13 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
   args.batch = B;
   args.tokens = N;
   cpu::setDenseStrides(args, N, H, G, d);
+  if (!c.inputs.cu_seqlens.empty()) {
+    const std::vector<int32_t>& bounds = c.inputs.cu_seqlens;
+    void* data = memory.allocate("cu_seqlens", bounds.size() * sizeof(int32_t), true);
+    std::memcpy(data, bounds.data(), bounds.size() * sizeof(int32_t));
+    args.cu_seqlens = static_cast<const int32_t*>(data);
+    args.documents = int64_t(bounds.size()) - 1;
+  }
   if (options.decode) {  // the step's cache: read and appended to through the page table
     const DecodeCase& step = *options.decode;
     auto cache = [&](const char* name, const std::vector<double>& values) {

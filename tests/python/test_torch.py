@@ -327,6 +327,116 @@ class Layer(unittest.TestCase):
         self.assertLess(losses[-1], 0.9 * losses[0], losses)
 
 
+class Varlen(unittest.TestCase):
+    """loom.torch.iha_varlen (docs/IHA.md, Varlen): documents packed as flash_attn_varlen_func takes them give,
+    per document, iha of that document alone, forward and backward (the weights' gradients summed), in float64
+    (the reference; gradcheck too) and float32 (the host kernels); its ops pass opcheck."""
+
+    def documents(self, rng, total):
+        cuts = sorted(rng.sample(range(1, total), min(rng.randint(1, 3), total - 1)))
+        return [0, *cuts, total]
+
+    def test_packed_documents_are_each_alone(self):
+        rng = random.Random(SEED + 40)
+        for dtype, tolerance in ((torch.float64, 1e-12), (torch.float32, FLOAT32_GRADIENT_TOLERANCE)):
+            for spec, exact, gen in drawn_cases(SEED + 41 + int(dtype == torch.float32), 3, (2, 16)):
+                bounds = self.documents(rng, exact[0].shape[1])
+                with self.subTest(dtype=dtype, spec=spec, cu_seqlens=bounds):
+                    weights = torch.float64 if dtype == torch.float64 else torch.float32
+                    packed = [(t[0] if i < 3 else t).detach().to(dtype if i < 3 else weights).requires_grad_()
+                              for i, t in enumerate(exact)]
+                    cu = torch.tensor(bounds, dtype=torch.int32)
+                    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+                    out = lt.iha_varlen(*packed, cu, longest, spec, cache_dir=CACHE, threads=2)
+                    self.assertEqual(tuple(out.shape), (bounds[-1], spec["heads"], spec["head_dim"]))
+                    dout = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(dtype)
+                    got = torch.autograd.grad(out, packed, dout)
+                    want_grads = [torch.zeros_like(t) for t in packed]
+                    for a, b in zip(bounds, bounds[1:]):
+                        alone = [(t[a:b].unsqueeze(0) if i < 3 else t).detach().requires_grad_()
+                                 for i, t in enumerate(packed)]
+                        piece = iha(*alone, spec=spec)
+                        self.assertLess(relative(out[a:b], piece[0]), tolerance, f"out of tokens {a}..{b}")
+                        for i, g in enumerate(torch.autograd.grad(piece, alone, dout[a:b].unsqueeze(0))):
+                            if i < 3:
+                                want_grads[i][a:b] = g[0]
+                            else:
+                                want_grads[i] += g
+                    for name, g, w in zip(GRADIENTS, got, want_grads):
+                        self.assertLess(relative(g, w), tolerance, name)
+
+    def test_gradcheck(self):
+        rng = random.Random(SEED + 43)
+        for spec, exact, _ in drawn_cases(SEED + 43, 2, (2, 5), head_dims=(8,)):
+            bounds = self.documents(rng, exact[0].shape[1])
+            packed = [(t[0] if i < 3 else t).detach().requires_grad_() for i, t in enumerate(exact)]
+            cu = torch.tensor(bounds, dtype=torch.int32)
+            with self.subTest(spec=spec, cu_seqlens=bounds):
+                self.assertTrue(torch.autograd.gradcheck(
+                    lambda *t: lt.iha_varlen(*t, cu, bounds[-1], spec, cache_dir=CACHE), packed, eps=1e-6,
+                    atol=1e-8, rtol=1e-6))
+
+    def test_errors_name_what_is_wrong(self):
+        spec, exact, _ = next(drawn_cases(SEED + 44, 1, (4, 6)))
+        packed = [(t[0] if i < 3 else t).detach().float() for i, t in enumerate(exact)]
+        total = packed[0].shape[0]
+        with self.assertRaisesRegex(ValueError, "cu_seqlens: want int32"):
+            lt.iha_varlen(*packed, torch.tensor([0, total]), total, spec, cache_dir=CACHE)
+        with self.assertRaisesRegex(ValueError, "must be the tokens packed"):
+            lt.iha_varlen(*packed, torch.tensor([0, total + 1], dtype=torch.int32), total, spec, cache_dir=CACHE)
+        with self.assertRaisesRegex(ValueError, "never decrease"):
+            lt.iha_varlen(*packed, torch.tensor([0, 3, 2, total], dtype=torch.int32), total, spec, cache_dir=CACHE)
+
+    def test_a_packed_training_step_is_the_per_document_loop(self):
+        """One SGD step of an IHA layer on a packed batch (loom's host kernels) against the same step taken as a
+        loop over the documents, each a batch of one: the same parameters after the step."""
+        rng = random.Random(SEED + 46)
+        torch.manual_seed(SEED + 46)
+        layer = lt.InterleavedHeadAttention(16, heads=2, pseudo_heads=2, kv_heads=2, head_dim=8,
+                                            mask=rng.choice(("flat_causal", "token_causal")), window=rng.choice((0, 3)),
+                                            qk_norm=rng.random() < 0.5, cache_dir=CACHE, threads=2)
+        looped = lt.InterleavedHeadAttention(16, heads=2, pseudo_heads=2, kv_heads=2, head_dim=8,
+                                             mask=layer.spec["mask"], window=layer.spec["window"],
+                                             qk_norm="qk_norm" in layer.spec, cache_dir=CACHE, threads=2)
+        looped.load_state_dict(layer.state_dict())
+        total = rng.randint(6, 20)
+        bounds = self.documents(rng, total)
+        x = torch.randn(total, 16)
+        target = torch.randn(total, 16)
+        cu = torch.tensor(bounds, dtype=torch.int32)
+        step = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (layer, looped)]
+        ((layer(x, cu, max(b - a for a, b in zip(bounds, bounds[1:]))) - target) ** 2).sum().backward()
+        loss = sum(((looped(x[a:b][None])[0] - target[a:b]) ** 2).sum() for a, b in zip(bounds, bounds[1:]))
+        loss.backward()
+        for name, p in layer.named_parameters():
+            other = dict(looped.named_parameters())[name]
+            self.assertLess(relative(p.grad, other.grad), 1e-5, name)
+        for s in step:
+            s.step()
+        for name, p in layer.named_parameters():
+            self.assertLess(relative(p, dict(looped.named_parameters())[name]), 1e-6, name)
+        # The eager layer packs the same way.
+        layer.backend = "eager"
+        with torch.no_grad():
+            self.assertLess(relative(layer(x, cu), torch.cat([looped(x[a:b][None])[0]
+                                                             for a, b in zip(bounds, bounds[1:])])), 1e-5)
+
+    @unittest.skipUnless(lt.HAS_CUSTOM_OP, "torch.library.custom_op needs PyTorch 2.4 or later")
+    def test_opcheck(self):
+        gen = torch.Generator().manual_seed(SEED + 45)
+        spec = random_spec(random.Random(SEED + 45))
+        spec["head_dim"] = 8
+        tensors = draw(spec, 1, 7, torch.float32, gen)
+        packed = [(t[0] if i < 3 else t).detach() for i, t in enumerate(tensors)]
+        spec_json = json.dumps({**lt.spec_for(spec, torch.float32), "varlen": True}, sort_keys=True)
+        cu = torch.tensor([0, 3, 7], dtype=torch.int32)
+        torch.library.opcheck(torch.ops.loom.iha_varlen.default,
+                              (*[t.requires_grad_() for t in packed], cu, spec_json, None, None, CACHE, "", 2, False))
+        dout = torch.randn(7, spec["heads"], 8, generator=gen)
+        torch.library.opcheck(torch.ops.loom.iha_varlen_backward.default,
+                              (*[t.detach() for t in packed], cu, dout, spec_json, None, CACHE, "", 2, True))
+
+
 @unittest.skipUnless(lt.HAS_CUSTOM_OP, f"PyTorch {torch.__version__} has no torch.library.custom_op (2.4 and later): "
                                        "loom.torch.iha is an autograd.Function there")
 class Compile(unittest.TestCase):

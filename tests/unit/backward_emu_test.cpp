@@ -292,6 +292,7 @@ struct BackwardFault {
   const char* from;
   const char* to;
   std::vector<FindingKind> kinds;  // none: dq must be wrong instead
+  bool dqLaunch = false;           // the fault is in the dq launch (dq separate), else dq atomic
 };
 
 class BackwardFaultOnEmulator : public ::testing::TestWithParam<int> {};
@@ -304,8 +305,8 @@ const std::vector<BackwardFault>& backwardFaults() {
        {FindingKind::outOfBounds}},
       {"dq_zeroing_removed", "      if constexpr (C::atomic_dq) a.dq_pseudo[at + c] = 0.0f;", "", {}},
       // The query stages: the next block fetched while this one is used.
-      {"query_block_used_before_its_copies_land", "    cuda::waitCopies<1>();\n  } else {",
-       "    cuda::waitCopies<2>();\n  } else {", {FindingKind::asyncAccess}},
+      {"query_block_used_before_its_copies_land", "    cuda::waitCopies<1>();\n    q.stage ^= 1;",
+       "    cuda::waitCopies<2>();\n    q.stage ^= 1;", {FindingKind::asyncAccess}},
       {"next_block_fetched_before_the_warps_leave_its_stage",
        "  __syncthreads();  // every warp is done with the previous block's stage\n", "", {FindingKind::race}},
       {"next_block_fetched_into_the_stage_in_use",
@@ -313,6 +314,16 @@ const std::vector<BackwardFault>& backwardFaults() {
        "copyQueryStage<C>(a, q.stage ^ 1, row0 + C::block_m, h, b, L);", {FindingKind::asyncAccess}},
       {"lse_left_in_the_natural_log", "fragment::accumulatorColumn(l, column)] * kLog2e;",
        "fragment::accumulatorColumn(l, column)];", {}},
+      // The dq launch's K and V stages: the next key block fetched while this one is used.
+      {"key_block_used_before_its_copies_land", "    cuda::waitCopies<1>();\n    kv.stage ^= 1;",
+       "    cuda::waitCopies<2>();\n    kv.stage ^= 1;", {FindingKind::asyncAccess}, true},
+      {"next_key_block_fetched_before_the_warps_leave_its_stage",
+       "  __syncthreads();  // every warp is done with the previous key block's stage\n", "", {FindingKind::race},
+       true},
+      {"next_key_block_fetched_into_the_stage_in_use", "copyKvStage<C>(a, kv.stage, col0 + C::block_n, g, b, L);",
+       "copyKvStage<C>(a, kv.stage ^ 1, col0 + C::block_n, g, b, L);", {FindingKind::asyncAccess}, true},
+      {"first_key_block_fetched_into_the_other_stage", "copyKvStage<C>(a, kv.stage ^ 1, col0, g, b, seq_len<C>(a));",
+       "copyKvStage<C>(a, kv.stage, col0, g, b, seq_len<C>(a));", {FindingKind::asyncAccess}, true},
   };
   return faults;
 }
@@ -320,7 +331,9 @@ const std::vector<BackwardFault>& backwardFaults() {
 TEST_P(BackwardFaultOnEmulator, FailsWithTheMatchingFinding) {
   const BackwardFault& fault = backwardFaults()[size_t(GetParam())];
   const IhaCase c = atomicCase(GetParam() % 2 ? v1::bfloat16 : v1::float16, testing::testSeed() + 72, 100);
-  auto plan = backwardPlan(c.spec, atomicSchedule(), "sm_80");
+  Schedule schedule = atomicSchedule();
+  if (fault.dqLaunch) schedule.set_dq(v1::dq_separate);  // its own launch, over seven key blocks
+  auto plan = backwardPlan(c.spec, schedule, "sm_80");
   ASSERT_TRUE(plan) << plan.error().message;
   EmuOptions o = options(testing::testSeed());
   o.headers = testing::mutatedHeader("loom/tile/cuda_backward.h", fault.from, fault.to);

@@ -15,6 +15,7 @@ struct DrawOptions {
   std::string outDir;
   int64_t batch = 1;
   int64_t tokens = 16;
+  int64_t documents = 3;
   uint64_t seed = 1;
 };
 
@@ -22,11 +23,19 @@ int draw(const DrawOptions& options) {
   auto spec = readSpecFile(options.specPath);
   if (!spec) return badInput(spec.error().message);
   if (options.batch < 1 || options.tokens < 1) return badInput("--batch and --tokens must be at least 1");
+  if (spec->varlen() && options.batch != 1)
+    return badInput("a varlen spec packs its documents in one batch: give --documents (and --tokens, their total), "
+                    "not --batch");
+  if (options.documents < 1) return badInput("--documents must be at least 1");
 
-  const IhaCase c = drawCheckableCase(*spec, options.batch, options.tokens, options.seed);
+  // A varlen case: `documents` documents over the tokens, their bounds drawn (cu_seqlens.npy).
+  const IhaCase c =
+      drawCheckableCase(*spec, spec->varlen() ? options.documents : options.batch, options.tokens, options.seed);
   if (Status written = writeCase(options.outDir, c); !written) return badInput(written.error().message);
-  std::printf("wrote case %s (B=%lld, N=%lld, seed %llu)\n", options.outDir.c_str(), (long long)options.batch,
-              (long long)options.tokens, (unsigned long long)options.seed);
+  std::string documents;
+  for (int32_t bound : c.inputs.cu_seqlens) documents += (documents.empty() ? ", cu_seqlens " : " ") + std::to_string(bound);
+  std::printf("wrote case %s (B=%lld, N=%lld%s, seed %llu)\n", options.outDir.c_str(), (long long)c.batch,
+              (long long)options.tokens, documents.c_str(), (unsigned long long)options.seed);
   return kExitOk;
 }
 
@@ -43,6 +52,9 @@ void addDrawCommand(CLI::App& app, std::function<int()>* action) {
   cmd->add_option("--out", options->outDir, "case folder to write")->required();
   cmd->add_option("--batch", options->batch, "B")->capture_default_str();
   cmd->add_option("--tokens", options->tokens, "N")->capture_default_str();
+  cmd->add_option("--documents", options->documents,
+                  "varlen specs: documents packed into the --tokens of one batch (cu_seqlens drawn)")
+      ->capture_default_str();
   cmd->add_option("--seed", options->seed, "random seed")->capture_default_str();
   cmd->callback([options, action] { *action = [options] { return draw(*options); }; });
 }

@@ -223,7 +223,7 @@ int runBackward(const RunOptions& options, const IhaCase& c) {
     std::printf("no expected gradients in %s: nothing to compare\n", options.caseDir.c_str());
     return clean ? kExitOk : kExitCheckFailed;
   }
-  const std::vector<double> errors = gradientErrors(c.spec, c.tokens, gradients, *c.expectedGradients);
+  const std::vector<double> errors = gradientErrors(c.spec, c.tokens, gradients, *c.expectedGradients, c.inputs.cu_seqlens);
   const double tolerance = gradientToleranceFor(c.spec.dtype());
   bool pass = true;
   for (size_t i = 0; i < got.size(); ++i) {

@@ -419,11 +419,14 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
       spec.qk_norm() == v1::KernelSpec::rms ? QkNorm::rms : QkNorm::none, llvm::APFloat(effectiveQkNormEps(spec)),
       spec.rope_direction() == v1::KernelSpec::negative ? RopeDirection::negative : RopeDirection::positive,
       spec.window_align() == v1::KernelSpec::token ? WindowAlign::token : WindowAlign::virtual_rows,
-      int64_t(spec.window_rows()));
+      int64_t(spec.window_rows()), spec.varlen());
   if (!specAttr) return makeError("spec: " + c.diagnostics);
   const bool hopper = target.kind() == v1::Target::cuda && target.arch() == "sm_90a";
   ScheduleFields given = fieldsOf(schedule);
   if (auto why = checkScheduleFields(given)) return makeError(*why);
+  if (spec.varlen() && direction == Direction::decode)
+    return makeError("varlen (packed documents) is for forward and backward plans; a decode step's sequences are "
+                     "its page table's");
   if (given.kvSplits > 1 && direction != Direction::decode)
     return makeError("schedule.kv_splits is for decode plans only (it splits a decode step's cached key blocks)");
   if (given.stackHeads && direction != Direction::decode)

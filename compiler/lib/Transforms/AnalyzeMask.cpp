@@ -20,6 +20,24 @@ namespace {
 
 using mlir::Value;
 
+// Varlen: r (blocks of `block` rows) cut to the documents of rows
+// [first, last] (loom::withinDocuments): the bounds looked up once a CTA.
+BlockRanges<Value> cutToDocuments(mlir::OpBuilder& builder, IndexMath& math, mlir::Location loc,
+                                  const BlockRanges<Value>& r, int64_t block, Value first, Value last) {
+  auto bound = [&](Value row, bool end) -> Value {
+    return builder.create<DocumentBoundOp>(loc, builder.getI64Type(), row, end);
+  };
+  const Value begin = bound(first, false), end = bound(last, true);
+  // 1 where both rows lie in one document (their documents' starts differ by P or more otherwise).
+  const Value same = math.sub(math.c(1), math.min(math.sub(bound(last, false), begin), math.c(1)));
+  return withinDocuments(math, r, block, begin, end, same);
+}
+
+// The last row of a block of `size` rows from `first`, cut at seqLen.
+Value lastRow(IndexMath& math, Value first, int64_t size, Value seqLen) {
+  return math.sub(math.min(math.add(first, math.c(size)), seqLen), math.c(1));
+}
+
 struct AnalyzeMask : impl::IhaAnalyzeMaskBase<AnalyzeMask> {
   void runOnOperation() override {
     llvm::SmallVector<KvStreamOp> streams;
@@ -42,6 +60,9 @@ struct AnalyzeMask : impl::IhaAnalyzeMaskBase<AnalyzeMask> {
       const ScheduleAttr schedule = kernel.getScheduleAttr();
       BlockRanges<Value> r = blockRanges(math, maskRuleOf(kernel.getSpec()), schedule.getBlockM(),
                                          schedule.getBlockN(), Value(loop.getRow0()), seqLen);
+      if (kernel.getSpec().getVarlen())
+        r = cutToDocuments(builder, math, stream.getLoc(), r, schedule.getBlockN(), loop.getRow0(),
+                           lastRow(math, loop.getRow0(), schedule.getBlockM(), seqLen));
       if (kernel.getDecode() && schedule.getKvSplits() > 1) {
         // Each split CTA takes its even share of the visible blocks [lo, hi);
         // every range is clamped to that share.
@@ -95,16 +116,22 @@ struct AnalyzeMask : impl::IhaAnalyzeMaskBase<AnalyzeMask> {
       mlir::OpBuilder builder(op);
       if (auto loop = llvm::dyn_cast<QLoopOp>(op)) {
         if (siblings(QLoopOp{}) != 1 || !loop.getMasked()) continue;
-        const BlockRanges<Value> r = queryBlockRanges(math, rule, schedule.getBlockM(), schedule.getBlockN(),
-                                                      Value(loop.getCol0()), seqLen);
+        BlockRanges<Value> r = queryBlockRanges(math, rule, schedule.getBlockM(), schedule.getBlockN(),
+                                                Value(loop.getCol0()), seqLen);
+        if (kernel.getSpec().getVarlen())
+          r = cutToDocuments(hoisted, math, op->getLoc(), r, schedule.getBlockM(), loop.getCol0(),
+                             lastRow(math, loop.getCol0(), schedule.getBlockN(), seqLen));
         for (auto [lower, upper, masked] : {std::tuple{r.lo, r.ilo, true}, {r.ilo, r.ihi, false}, {r.ihi, r.hi, true}})
           builder.create<QLoopOp>(loop.getLoc(), lower, upper, loop.getCol0(), loop.getHead(), loop.getBatch(), masked,
                                   loop.getAtomicDq());
       } else {
         auto dq = llvm::cast<DqLoopOp>(op);
         if (siblings(DqLoopOp{}) != 1 || !dq.getMasked()) continue;
-        const BlockRanges<Value> r =
+        BlockRanges<Value> r =
             blockRanges(math, rule, schedule.getBlockM(), schedule.getBlockN(), Value(dq.getRow0()), seqLen);
+        if (kernel.getSpec().getVarlen())
+          r = cutToDocuments(hoisted, math, op->getLoc(), r, schedule.getBlockN(),
+                             dq.getRow0(), lastRow(math, dq.getRow0(), schedule.getBlockM(), seqLen));
         for (auto [lower, upper, masked] : {std::tuple{r.lo, r.ilo, true}, {r.ilo, r.ihi, false}, {r.ihi, r.hi, true}})
           builder.create<DqLoopOp>(dq.getLoc(), lower, upper, dq.getRow0(), dq.getHead(), dq.getBatch(), masked);
       }

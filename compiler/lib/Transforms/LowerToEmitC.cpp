@@ -53,6 +53,7 @@ std::string configStruct(SpecAttr spec, ScheduleAttr schedule, bool backward, bo
   text += line("bool", "rope_negative", spec.getRopeDirection() == RopeDirection::negative ? "true" : "false");
   text += line("bool", "window_token_aligned", spec.getWindowAlign() == WindowAlign::token ? "true" : "false");
   text += line("int", "window_rows", std::to_string(spec.getWindowRows()));
+  text += line("bool", "varlen", spec.getVarlen() ? "true" : "false");
   text += line("int", "block_m", std::to_string(schedule.getBlockM()));
   // The rows a CTA owns and stores of each of its heads: the whole tokens
   // among its block_m, or with stack_heads among block_m / (H / G) rows
@@ -202,6 +203,10 @@ class LaunchLowering {
         .Case([&](mlir::arith::MinSIOp o) { return helper("min", o); })
         .Case([&](SeqLenOp o) {
           map.map(o.getResult(), callValue("seq_len", {args_}));
+          return mlir::success();
+        })
+        .Case([&](DocumentBoundOp o) {
+          map.map(o.getResult(), callValue(o.getEnd() ? "document_end" : "document_first", {args_, get(o.getRow())}));
           return mlir::success();
         })
         .Case([&](DecodeLenOp o) {
@@ -483,13 +488,24 @@ class LaunchLowering {
   // One query block's dq step over a key block: dq += dS K.
   mlir::LogicalResult lowerDqLoop(DqLoopOp o) {
     Value head = kvHead(get(o.getHead()));
+    // The launch's loops take the key blocks in order from the first one's
+    // lower bound (iha-analyze-mask's ranges are contiguous): that block is
+    // fetched ahead of them, and each block's load fetches the next (the
+    // CUDA tiles' two K and V stages).
+    bool first = true;
+    for (mlir::Operation* op = o->getPrevNode(); op && first; op = op->getPrevNode()) first = !llvm::isa<DqLoopOp>(op);
+    if (first) {
+      Value col0 = b_.create<mlir::emitc::MulOp>(loc_, b_.getI64Type(), get(o.getLower()),
+                                                 constant(kernel_.getScheduleAttr().getBlockN()));
+      call("kv_grad_ahead", {state("KvGradTile"), args_, col0, head, get(o.getBatch())});
+    }
     auto loop = b_.create<mlir::emitc::ForOp>(loc_, get(o.getLower()), get(o.getUpper()), constant(1));
     mlir::OpBuilder::InsertionGuard guard(b_);
     b_.setInsertionPointToStart(loop.getBody());
     Value col0 = b_.create<mlir::emitc::MulOp>(loc_, b_.getI64Type(), loop.getInductionVar(),
                                                constant(kernel_.getScheduleAttr().getBlockN()));
     Value scores = state("BwdScores"), q = state("QGradTile"), kv = state("KvGradTile");
-    call("load_kv_grad", {kv, args_, col0, head, get(o.getBatch())});
+    call("load_kv_grad", {kv, args_, col0, head, get(o.getBatch())}, {"true"});
     backwardScores(o.getMasked(), kQueriesOuter);
     call("bwd_ds", {scores, q, kv}, {kQueriesOuter});
     call("dq_accumulate", {state("DqTile"), scores, kv});

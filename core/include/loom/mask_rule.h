@@ -182,6 +182,21 @@ BlockRanges<Value> blockRanges(Math& m, const MaskRule& rule, int64_t blockM, in
   return r;
 }
 
+// Varlen (packed documents): ranges r (of blocks of `block` rows) cut to the
+// documents of a block's first and last rows, virtual rows [first, end).
+// `same` is 1 where both lie in one document, else 0: then every block is
+// masked, since the block's rows see different keys. Each row's own
+// document lies within [first, end), so no allowed pair is cut.
+template <class Math, class Value>
+BlockRanges<Value> withinDocuments(Math& m, BlockRanges<Value> r, int64_t block, Value first, Value end, Value same) {
+  Value b = m.c(block);
+  r.hi = m.min(r.hi, m.ceilDiv(end, b));
+  r.lo = m.min(m.max(r.lo, m.floorDiv(first, b)), r.hi);
+  r.ilo = m.clamp(m.max(r.ilo, m.ceilDiv(first, b)), r.lo, r.hi);
+  r.ihi = m.clamp(m.min(r.ihi, m.floorDiv(end, b)), r.ilo, r.hi);
+  r.ihi = m.add(r.ilo, m.mul(m.sub(r.ihi, r.ilo), same));
+  return r;
+}
 
 // The transposed ranges, for a backward kernel whose CTA owns a key block and
 // loops over query blocks: for the key block starting at col0 (blockN rows,

@@ -23,6 +23,11 @@ Result<KernelSpec> readSpecFile(const std::string& path);
 // names the field: "kv_heads (3) must divide heads (4)".
 Status validateSpec(const KernelSpec& spec);
 
+// Checks a varlen launch's documents (KernelSpec.varlen): `count` = documents
+// + 1 bounds, cu_seqlens[0] 0, never decreasing, the last `tokens`; the
+// error names the entry: "cu_seqlens[2] (5) is below cu_seqlens[1] (7)".
+Status validateCuSeqlens(const int32_t* cuSeqlens, int64_t count, int64_t tokens);
+
 // JSON with the proto field names (snake_case), stable field order.
 std::string toJson(const google::protobuf::Message& message);
 

@@ -61,7 +61,18 @@ struct IhaTensors {
   Tensor alpha_q, alpha_k, alpha_v, collapse;
   Tensor out;
   std::optional<Tensor> lse;
+  // Varlen (KernelSpec.varlen; docs/IHA.md, Varlen): the documents' bounds,
+  // int32 [documents + 1], dense, where the tensors are (device or host).
+  // q, k, v and out then hold the packed tokens, [total, H | G, d] (or
+  // [1, total, H | G, d]), and lse is [H, total * P] (or [1, H, total * P]).
+  const int32_t* cu_seqlens = nullptr;
+  int64_t documents = 0;
 };
+
+// A varlen spec's tensors as one batch: [total, ...] viewed as [1, total,
+// ...], lse [H, total * P] as [1, H, total * P], the form the launches take;
+// any other spec's (or tensors already batched) as they are.
+IhaTensors batchedView(const KernelSpec& spec, const IhaTensors& tensors);
 
 // Checks shapes, dtypes, strides, alignment and device against the spec
 // before anything is launched; the error names the tensor.
@@ -78,6 +89,8 @@ struct IhaGradTensors {
   Tensor dq, dk, dv;
   Tensor dalpha_q, dalpha_k, dalpha_v, dcollapse;
 };
+// dout, dq, dk and dv of a varlen spec as one batch (batchedView).
+IhaGradTensors batchedView(const KernelSpec& spec, const IhaGradTensors& grads);
 
 // What a forward keeps for its backward (docs/compiler.md, The backward),
 // in caller-owned dense tensors: q_mixed and o_pseudo [B, H, N*P, d],

@@ -27,7 +27,7 @@ LogicalResult SpecAttr::verify(function_ref<InFlightDiagnostic()> emitError, int
                                int64_t pseudoHeads, int64_t headDim, ElementType, MaskMode mask, int64_t window,
                                CollapseMode, llvm::APFloat ropeThetaValue, llvm::APFloat scaleValue, QkNorm,
                                llvm::APFloat qkNormEpsValue, RopeDirection ropeDirection, WindowAlign windowAlign,
-                               int64_t windowRows) {
+                               int64_t windowRows, bool) {
   const double ropeTheta = ropeThetaValue.convertToDouble(), scale = scaleValue.convertToDouble();
   if (heads < 1) return emitError() << "heads (" << heads << ") must be at least 1";
   if (kvHeads < 1 || heads % kvHeads != 0)

@@ -90,6 +90,12 @@ static LogicalResult verifyInDecode(Operation* op) {
   return success();
 }
 LogicalResult DecodeLenOp::verify() { return verifyInDecode(*this); }
+LogicalResult DocumentBoundOp::verify() {
+  if (failed(verifyInLaunch(*this))) return failure();
+  auto kernel = (*this)->getParentOfType<KernelOp>();
+  if (!kernel || !kernel.getSpec().getVarlen()) return emitOpError() << "belongs to a kernel of a varlen spec";
+  return success();
+}
 LogicalResult CachedRowsOp::verify() { return verifyInDecode(*this); }
 LogicalResult AppendCacheOp::verify() { return verifyInDecode(*this); }
 LogicalResult CombineSplitsOp::verify() { return verifyInDecode(*this); }

@@ -94,6 +94,12 @@ struct IhaArgs {
   int64_t page_size;
   int64_t max_pages;
 
+  // Packed documents (KernelSpec.varlen), null elsewhere: cu_seqlens
+  // [documents + 1], int32, ascending from 0 to tokens, the bounds of each
+  // document among the launch's tokens (batch 1).
+  const int32_t* cu_seqlens;
+  int64_t documents;
+
   // The device's check of a decode step's page table and lengths (a CUDA
   // launch given an error word; null elsewhere): the append launch writes
   // sequence_ok[b], 0 for a sequence whose length or pages (below
@@ -266,6 +272,64 @@ LOOM_HOST_DEVICE constexpr ColumnRange<Int> allowedColumns(Int i) {
   if (W == 0) return {Int(0), i + (Int(1) << (sizeof(Int) * 8 - 3))};
   return {(ti - W + 1) * P, (ti + W - 1) * P + P - 1};
 }
+// Varlen: the document holding `token`, [begin, end) in tokens, by a binary
+// search of cu_seqlens (invariant cu[lo] <= token < cu[hi], so empty
+// documents are stepped over): log2 of the documents' count in loads, made
+// where a row's document is needed (a CTA's block ranges, masked blocks'
+// rows, rotated rows), never in an unmasked block.
+struct TokenRange {
+  int begin, end;
+};
+LOOM_HOST_DEVICE inline TokenRange document_of(const IhaArgs& a, int64_t token) {
+  int lo = 0, hi = int(a.documents);
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (a.cu_seqlens[mid] <= token) lo = mid;
+    else hi = mid;
+  }
+  return {a.cu_seqlens[lo], a.cu_seqlens[lo + 1]};
+}
+// The virtual rows of the document holding virtual row i: its first, and
+// one past its last.
+template <class C>
+LOOM_HOST_DEVICE inline int64_t document_first(const IhaArgs& a, int64_t i) {
+  return int64_t(document_of(a, i / C::pseudo_heads).begin) * C::pseudo_heads;
+}
+template <class C>
+LOOM_HOST_DEVICE inline int64_t document_end(const IhaArgs& a, int64_t i) {
+  return int64_t(document_of(a, i / C::pseudo_heads).end) * C::pseudo_heads;
+}
+// RoPE's position of virtual row i: i, or with varlen its row within its
+// document (positions restart in each).
+template <class C>
+LOOM_HOST_DEVICE inline int64_t rope_position(const IhaArgs& a, int64_t i) {
+  if constexpr (C::varlen) return i - document_first<C>(a, i);
+  else return i;
+}
+// allowedColumns within row i's document (varlen), the keys a masked block
+// lets row i see.
+template <class C, class Int = int64_t>
+LOOM_HOST_DEVICE inline ColumnRange<Int> visibleColumns(const IhaArgs& a, Int i) {
+  ColumnRange<Int> range = allowedColumns<C, Int>(i);
+  if constexpr (C::varlen) {
+    const TokenRange doc = document_of(a, i / C::pseudo_heads);
+    const Int first = Int(doc.begin) * C::pseudo_heads, last = Int(doc.end) * C::pseudo_heads - 1;
+    range.lo = range.lo > first ? range.lo : first;
+    range.hi = range.hi < last ? range.hi : last;
+  }
+  return range;
+}
+// allowed<C> within one document (varlen).
+template <class C, class Int = int64_t>
+LOOM_HOST_DEVICE inline bool visible(const IhaArgs& a, Int i, Int j) {
+  if constexpr (C::varlen) {
+    const ColumnRange<Int> range = visibleColumns<C, Int>(a, i);
+    return range.lo <= j && j <= range.hi;
+  } else {
+    return allowed<C, Int>(i, j);
+  }
+}
+
 // Whether allowedColumns' lower end can exclude a key (a window), or every
 // row may see from key 0.
 template <class C>

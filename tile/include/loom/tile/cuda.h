@@ -547,7 +547,7 @@ __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t b, int64_t bloc
       if (active && j < L) {
         mix(raw, a.alpha_k, t, p, lo, keys);
         mix(raw, a.alpha_k, t, p, hi, partner);
-        rotatePair<C>(keys, partner, j, lo);
+        rotatePair<C>(keys, partner, rope_position<C>(a, j), lo);
       }
       if constexpr (kShuffledKeySquares<C>) {
         float squares = 0.0f;
@@ -596,7 +596,8 @@ __device__ void mixStagedKv(const IhaArgs& a, int64_t g, int64_t b, int64_t bloc
           for (int e = 0; e < kChunkElements; ++e) {
             const int c = column + e;
             keys[e] = rotate<C>(mixElement(raw, a.alpha_k, t, p, c),
-                                mixElement(raw, a.alpha_k, t, p, c < half ? c + half : c - half), j, c);
+                                mixElement(raw, a.alpha_k, t, p, c < half ? c + half : c - half),
+                                rope_position<C>(a, j), c);
           }
         }
         mix(raw + G::rawRole, a.alpha_v, t, p, column, values);
@@ -778,10 +779,10 @@ __device__ void mask_scores(ScoreTile<C, false>& s, const IhaArgs& a, int64_t ro
     #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int i = i0 + ctaRow<C>(cuda::tileRow<C>(mt) + fragment::accumulatorRow(l, 2 * h)).row;
-      const ColumnRange<int> range = allowedColumns<C, int>(i);
+      const ColumnRange<int> range = visibleColumns<C, int>(a, i);
       const int hi = (range.hi < L - 1 ? range.hi : L - 1) - first, lo = range.lo - first;  // relative to `first`
       cuda::ColumnBits<G::NT> allowed = cuda::columnsBelow<G::NT>(hi + 1);
-      if constexpr (windowed<C>()) allowed &= ~cuda::columnsBelow<G::NT>(lo);
+      if constexpr (windowed<C>() || C::varlen) allowed &= ~cuda::columnsBelow<G::NT>(lo);
       #pragma unroll
       for (int nt = 0; nt < G::NT; ++nt)
         #pragma unroll

@@ -147,6 +147,7 @@ struct KvGradTile {
   float dk[cuda::BackwardGeometry<C>::KMT][cuda::Geometry<C>::OT][4];
   float dv[cuda::BackwardGeometry<C>::KMT][cuda::Geometry<C>::OT][4];
   int64_t col0;
+  int stage = 0;  // the K and V stage holding col0's rows (the dq launch's two; layout.h, BackwardSmem)
 };
 
 template <class C>
@@ -231,17 +232,71 @@ __device__ void collapse_grad(const IhaArgs& a, int64_t token0, int64_t b) {
 // Loads shared by both loops
 //===----------------------------------------------------------------------===//
 
-// K and V rows [col0, col0 + block_n) of kv head g (after every warp is
-// done with the previous ones).
-template <class C>
-__device__ void load_kv_grad(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g, int64_t b) {
+// K and V rows [col0, col0 + block_n) of kv head g into K and V stage
+// `stage` by cp.async (zeros past L), one commit group; Unrolled from the
+// thread's cursor where a row's chunks divide the threads (the dq launch's
+// loop), else by copyRows' loop (the key-block-outer launch's one block:
+// there the cursor's registers cost its loop a spill).
+template <class C, bool Unrolled = true>
+__device__ void copyKvStage(const IhaArgs& a, int stage, int64_t col0, int64_t g, int64_t b, int64_t L) {
+  using G = cuda::Geometry<C>;
   const BackwardSmem s = cuda::bwdSmem<C>();
-  const int64_t L = seq_len<C>(a);
-  __syncthreads();
-  cuda::copyRows<C, C::block_n>(cuda::bwdTile<C>(s.k), a.k_mixed, C::kv_heads, b, g, col0, L);
-  cuda::copyRows<C, C::block_n>(cuda::bwdTile<C>(s.v), a.v_mixed, C::kv_heads, b, g, col0, L);
+  const int at = stage * s.kvStage;
+  constexpr int chunks = G::Dp / kChunkElements, dChunks = G::D / kChunkElements;
+  const int64_t rows = (b * C::kv_heads + g) * L;  // the kv head's first row in the workspaces
+  if constexpr (Unrolled && G::threads % chunks == 0) {
+    const int r0 = cuda::cursorRow<C>(), chunk = cuda::cursorChunk<C>();
+    const int64_t first = (rows + col0) * G::D + (r0 * G::D + chunk * kChunkElements);
+    const Bits32 place = Bits32((r0 * G::pitch + chunk * kChunkElements) * kTileElementBytes);
+    const Bits32 kTarget = cuda::sharedAddress(cuda::bwdTile<C>(s.k + at)) + place;
+    const Bits32 vTarget = cuda::sharedAddress(cuda::bwdTile<C>(s.v + at)) + place;
+    const int left = int(min(L - col0, int64_t(C::block_n))) - r0;  // the thread's rows before L
+    const bool column = dChunks == chunks || chunk < dChunks;
+    cuda::copyCursorRounds<C, C::block_n, cuda::kKeyRows | cuda::kValueRows>(
+        kTarget, static_cast<const Bits16*>(a.k_mixed) + first, vTarget, static_cast<const Bits16*>(a.v_mixed) + first,
+        0, r0, left, column);
+  } else {
+    cuda::copyRows<C, C::block_n>(cuda::bwdTile<C>(s.k + at), a.k_mixed, C::kv_heads, b, g, col0, L);
+    cuda::copyRows<C, C::block_n>(cuda::bwdTile<C>(s.v + at), a.v_mixed, C::kv_heads, b, g, col0, L);
+  }
   cuda::commitCopies();
+}
+// The shared-window address of kv's K and V stage's tile (`offset`: its stage 0's).
+template <class C>
+__device__ __forceinline__ Bits32 kvStageTile(int offset, const KvGradTile<C>& kv) {
+  return cuda::sharedAddress(cuda::bwdTile<C>(offset)) + Bits32(kv.stage * cuda::bwdSmem<C>().kvStage);
+}
+
+// The dq launch's first key block (rows [col0, col0 + block_n) of kv head
+// g) into the stage its loop's first load_kv_grad reads, without waiting:
+// the loop takes the blocks in order from there, each fetching the next
+// (as q_grad_ahead and the key-block-outer loop's query blocks).
+template <class C>
+__device__ void kv_grad_ahead(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g, int64_t b) {
+  __syncthreads();
   cuda::waitCopies<0>();
+  copyKvStage<C>(a, kv.stage ^ 1, col0, g, b, seq_len<C>(a));
+}
+
+// K and V rows [col0, col0 + block_n) of kv head g; zeros past L. With
+// Ahead (the dq launch's loop, after kv_grad_ahead) the rows are on their
+// way into the other stage: the next block's are copied into the previous
+// block's stage while this one is used, and only this block's copies are
+// waited for. Without (the key-block-outer launch's one block), they are
+// copied into stage 0 and waited for.
+template <class C, bool Ahead = false>
+__device__ void load_kv_grad(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g, int64_t b) {
+  const int64_t L = seq_len<C>(a);
+  __syncthreads();  // every warp is done with the previous key block's stage
+  if constexpr (Ahead) {
+    if (col0 + C::block_n < L) copyKvStage<C>(a, kv.stage, col0 + C::block_n, g, b, L);
+    else cuda::commitCopies();  // an empty group: the wait leaves the newest group in flight either way
+    cuda::waitCopies<1>();
+    kv.stage ^= 1;
+  } else {
+    copyKvStage<C, false>(a, 0, col0, g, b, L);
+    cuda::waitCopies<0>();
+  }
   __syncthreads();
   kv.col0 = col0;
 }
@@ -334,12 +389,13 @@ __device__ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, int64_t row0, int
     if (row0 + C::block_m < L) copyQueryStage<C>(a, q.stage, row0 + C::block_m, h, b, L);
     else cuda::commitCopies();  // an empty group: the wait leaves the newest group in flight either way
     cuda::waitCopies<1>();
-  } else {
-    copyQueryStage<C>(a, q.stage ^ 1, row0, h, b, L);
+    q.stage ^= 1;
+  } else {  // stage 0: the dq launch's second K and V stage lies over stage 1
+    copyQueryStage<C>(a, 0, row0, h, b, L);
     cuda::waitCopies<0>();
+    q.stage = 0;
   }
   __syncthreads();
-  q.stage ^= 1;
   q.row0 = row0;
 }
 
@@ -350,7 +406,7 @@ __device__ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, int64_t row0, int
 // Outer::keys: S^T = K Q^T * scale * log2(e), warps over key rows.
 // Outer::queries: S = Q K^T * scale * log2(e), warps over query rows.
 template <class C, Outer O>
-__device__ void bwd_scores(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>&) {
+__device__ void bwd_scores(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) {
   using G = cuda::Geometry<C>;
   using BG = cuda::BackwardGeometry<C>;
   const BackwardSmem smem = cuda::bwdSmem<C>();
@@ -391,7 +447,7 @@ __device__ void bwd_scores(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>&) {
       #pragma unroll
       for (int pair = 0; pair < G::NT / 2; ++pair) {
         Bits32 bk[4];
-        cuda::loadB<C>(bk, kTile, pair, kt);
+        cuda::loadB<C>(bk, kvStageTile<C>(smem.k, kv), pair, kt);
         #pragma unroll
         for (int mt = 0; mt < G::MT; ++mt) {
           cuda::mma16816<C>(s.s[mt][2 * pair], a[mt], bk[0], bk[1]);
@@ -423,7 +479,7 @@ __device__ void bwd_mask(BwdScores<C>& s, const IhaArgs& a, QGradTile<C>& q, KvG
         for (int e = 0; e < 4; ++e) {
           const int j = j0 + cuda::keyRow<C>(mt) + fragment::accumulatorRow(l, e);
           const int i = i0 + nt * 8 + fragment::accumulatorColumn(l, e);
-          if (i >= L || j >= L || !allowed<C, int>(i, j)) s.t[mt][nt][e] = cuda::negativeInfinity();
+          if (i >= L || j >= L || !visible<C, int>(a, i, j)) s.t[mt][nt][e] = cuda::negativeInfinity();
         }
   } else {
     #pragma unroll
@@ -434,7 +490,7 @@ __device__ void bwd_mask(BwdScores<C>& s, const IhaArgs& a, QGradTile<C>& q, KvG
         for (int e = 0; e < 4; ++e) {
           const int i = i0 + cuda::tileRow<C>(mt) + fragment::accumulatorRow(l, e);
           const int j = j0 + nt * 8 + fragment::accumulatorColumn(l, e);
-          if (i >= L || j >= L || !allowed<C, int>(i, j)) s.s[mt][nt][e] = cuda::negativeInfinity();
+          if (i >= L || j >= L || !visible<C, int>(a, i, j)) s.s[mt][nt][e] = cuda::negativeInfinity();
         }
   }
 }
@@ -500,7 +556,7 @@ __device__ void bwd_dv(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
 // Outer::keys: dP^T = V do^T, dS^T = P^T (dP^T - D).
 // Outer::queries: dP = do V^T, dS = P (dP - D).
 template <class C, Outer O>
-__device__ void bwd_ds(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>&) {
+__device__ void bwd_ds(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) {
   using G = cuda::Geometry<C>;
   using BG = cuda::BackwardGeometry<C>;
   const BackwardSmem smem = cuda::bwdSmem<C>();
@@ -566,7 +622,7 @@ __device__ void bwd_ds(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>&) {
       #pragma unroll
       for (int pair = 0; pair < G::NT / 2; ++pair) {
         Bits32 b[4];
-        cuda::loadB<C>(b, vTile, pair, kt);
+        cuda::loadB<C>(b, kvStageTile<C>(smem.v, kv), pair, kt);
         #pragma unroll
         for (int mt = 0; mt < G::MT; ++mt) {
           cuda::mma16816<C>(s.ds[mt][2 * pair], a[mt], b[0], b[1]);
@@ -708,9 +764,9 @@ __device__ void dq_init(DqTile<C>& dq) {
 
 // dq += dS K: dS's C fragments re-packed as A, K by ldmatrix.trans.
 template <class C>
-__device__ void dq_accumulate(DqTile<C>& dq, BwdScores<C>& s, KvGradTile<C>&) {
+__device__ void dq_accumulate(DqTile<C>& dq, BwdScores<C>& s, KvGradTile<C>& kv) {
   using G = cuda::Geometry<C>;
-  const Bits16* kTile = cuda::bwdTile<C>(cuda::bwdSmem<C>().k);
+  const Bits32 kTile = kvStageTile<C>(cuda::bwdSmem<C>().k, kv);
   #pragma unroll
   for (int kk = 0; kk < G::PK; ++kk) {
     Bits32 ds[G::MT][4];
@@ -779,7 +835,7 @@ __device__ void unmix(const IhaArgs& a, int64_t token0, int64_t b) {
           float value = g[c];
           if constexpr (Role_::rotated) {
             constexpr int half = D / 2;
-            value = cuda::unrotate<C>(value, g[c < half ? c + half : c - half], i, c);
+            value = cuda::unrotate<C>(value, g[c < half ? c + half : c - half], rope_position<C>(a, i), c);
           }
           out[c] = value;
         }

@@ -152,7 +152,7 @@ __device__ float mixedElement(const IhaArgs& a, int64_t b, int64_t n, int h, int
     constexpr int half = C::head_dim / 2;
     const float partner = mixFromGlobal<C, R>(a, b, n, h, p, c < half ? c + half : c - half);
     const int64_t token = C::decode ? a.cache_len[b] + n : n;
-    return rotate<C>(x, partner, token * C::pseudo_heads + p, c);
+    return rotate<C>(x, partner, rope_position<C>(a, token * C::pseudo_heads + p), c);
   }
 }
 
@@ -232,7 +232,7 @@ __device__ __forceinline__ void mixedChunk(const IhaArgs& a, int64_t b, int64_t 
     mixChunk<C, R>(a, b, n, h, p, column < half ? column + half : column - half, partner);
     #pragma unroll
     for (int e = 0; e < kChunkElements; ++e)
-      out[e] = rotate<C>(out[e], partner[e], n * C::pseudo_heads + p, column + e);
+      out[e] = rotate<C>(out[e], partner[e], rope_position<C>(a, n * C::pseudo_heads + p), column + e);
   }
 }
 
@@ -584,7 +584,7 @@ __device__ void premix(const IhaArgs& a, int64_t token0, int64_t b) {
         ptx::pinRegisters(held[m]);  // widened here, once, not again in every group
       }
     }
-    const int64_t position0 = n * P;
+    const int64_t position0 = rope_position<C>(a, n * P);
     #pragma unroll 1
     for (int p0 = 0; p0 < P; p0 += Ps) {
       if constexpr (Ps < P) stage(p0);

@@ -435,7 +435,7 @@ __device__ void mixKvTile(const IhaArgs& a, int64_t g, int64_t b, int64_t block,
       mix(rows, role ? a.alpha_v : a.alpha_k, p, lo * kChunkElements, first);
       mix(rows, role ? a.alpha_v : a.alpha_k, p, (lo + halfChunks) * kChunkElements, second);
       if constexpr (cuda::RoleOf<C, Role::key>::rotated) {
-        if (role == 0) cuda::rotatePair<C>(first, second, j, lo * kChunkElements);
+        if (role == 0) cuda::rotatePair<C>(first, second, rope_position<C>(a, j), lo * kChunkElements);
       }
       unsigned char* tile = role ? vTile : kTile;
       cuda::storeChunk<C>(reinterpret_cast<Bits16*>(tile + chunkOffset(r, lo)), first);
@@ -712,10 +712,10 @@ __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int
   const int first = int(block * C::block_n) + fragment::accumulatorColumn(cuda::lane(), 0);
   #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const ColumnRange<int> range = allowedColumns<C, int>(int(row0) + hopper::accumulatorRow(2 * h));
+    const ColumnRange<int> range = visibleColumns<C, int>(a, int(row0) + hopper::accumulatorRow(2 * h));
     const int hi = (range.hi < L - 1 ? range.hi : L - 1) - first, lo = range.lo - first;  // relative to `first`
     cuda::ColumnBits<G::NT> allowed = cuda::columnsBelow<G::NT>(hi + 1);
-    if constexpr (windowed<C>()) allowed &= ~cuda::columnsBelow<G::NT>(lo);
+    if constexpr (windowed<C>() || C::varlen) allowed &= ~cuda::columnsBelow<G::NT>(lo);
     #pragma unroll
     for (int t = 0; t < G::NT; ++t)
       #pragma unroll

@@ -142,7 +142,8 @@ void mixedRow(const IhaArgs& a, int64_t b, int64_t n, int64_t h, int64_t p, floa
   const int64_t token = C::decode ? a.cache_len[b] + n : n;
   const int64_t base = b * stride[0] + n * stride[1];
   mixRowFrom<C, R>(
-      a, [&](int m, int c) { return loadElement<C>(x, base + m * stride[2] + c); }, token * C::pseudo_heads + p, h,
+      a, [&](int m, int c) { return loadElement<C>(x, base + m * stride[2] + c); },
+      rope_position<C>(a, token * C::pseudo_heads + p), h,
       p, out, mixOnly);
 }
 
@@ -479,7 +480,7 @@ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int64_t block)
   for (int r = 0; r < C::block_m; ++r)
     for (int c = 0; c < C::block_n; ++c) {
       const int64_t j = block * C::block_n + c;
-      if (j >= L || !allowed<C>(row0 + ctaRow<C>(r).row, j)) s.at(r, c) = -std::numeric_limits<float>::infinity();
+      if (j >= L || !visible<C>(a, row0 + ctaRow<C>(r).row, j)) s.at(r, c) = -std::numeric_limits<float>::infinity();
     }
 }
 
@@ -764,7 +765,11 @@ struct DqTile {
   std::vector<float> dq = std::vector<float>(size_t(C::block_m) * C::head_dim);
 };
 
+// The dq launch's first key block (the CUDA tiles fetch it ahead; the host
+// has nothing to overlap), and each block; Ahead marks that loop's calls.
 template <class C>
+void kv_grad_ahead(KvGradTile<C>&, const IhaArgs&, int64_t, int64_t, int64_t) {}
+template <class C, bool Ahead = false>
 void load_kv_grad(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g, int64_t b) {
   const int64_t L = seq_len<C>(a);
   kv.col0 = col0;
@@ -831,7 +836,7 @@ void bwd_mask(BwdScores<C>& s, const IhaArgs& a, QGradTile<C>& q, KvGradTile<C>&
   for (int r = 0; r < C::block_m; ++r)
     for (int c = 0; c < C::block_n; ++c) {
       const int64_t i = q.row0 + r, j = kv.col0 + c;
-      if (i >= L || j >= L || !allowed<C>(i, j)) s.at(r, c) = -std::numeric_limits<float>::infinity();
+      if (i >= L || j >= L || !visible<C>(a, i, j)) s.at(r, c) = -std::numeric_limits<float>::infinity();
     }
 }
 
@@ -971,7 +976,7 @@ void unmix(const IhaArgs& a, int64_t token0, int64_t b) {
         const int64_t i = n * P + p;
         std::memcpy(g, host::workspaceRow(grads, b, heads, h, L, i, D), sizeof g);
         if (R != Role::value) {
-          if (C::rope_theta > 0) host::rotate<C>(g, i, /*inverse=*/true);
+          if (C::rope_theta > 0) host::rotate<C>(g, rope_position<C>(a, i), /*inverse=*/true);
           if (C::qk_norm) {  // dx = r g - (r^3 / d) (x . g) x
             host::mixedRow<C, R>(a, b, n, h, p, mixed, /*mixOnly=*/true);
             float squares = 0.0f, dot = 0.0f;

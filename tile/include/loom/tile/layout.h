@@ -436,11 +436,13 @@ constexpr int ctaSharedMemory(bool wgmma, int blockM, int blockN, int headDim, i
 // The backward's CTA: K and V tiles, then kBackwardQueryStages query
 // stages (Q, dO, lse, D; `stage` bytes apart: the key-block-outer loop
 // copies the next query block into one while it uses the other), then the
-// dS tile of atomic dq.
+// dS tile of atomic dq. The dq launch holds one query block (stage 0) and
+// two K and V stages, `kvStage` bytes apart: the second over query stage 1
+// (the CTA grows where two K and V tiles outgrow a query stage).
 constexpr int kBackwardQueryStages = 2;
 struct BackwardSmem {
   int k, v, q, dO, lse, delta, ds, total;
-  int stage;
+  int stage, kvStage;
 };
 constexpr BackwardSmem backwardSmem(int blockM, int blockN, int headDim, bool atomicDq = false) {
   const int kv = blockN * tilePitch(headDim) * kTileElementBytes;
@@ -455,6 +457,8 @@ constexpr BackwardSmem backwardSmem(int blockM, int blockN, int headDim, bool at
   s.stage = 2 * rows + 2 * blockM * kAccumulatorBytes;
   s.ds = s.q + kBackwardQueryStages * s.stage;
   s.total = s.ds + (atomicDq ? blockN * tilePitch(blockM) * kTileElementBytes : 0);
+  s.kvStage = s.q + s.stage;
+  s.total = s.total > s.kvStage + 2 * kv ? s.total : s.kvStage + 2 * kv;
   return s;
 }
 // The collapse backward's CTA: its dcollapse partial sums (f32).

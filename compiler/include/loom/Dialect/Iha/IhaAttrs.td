@@ -75,7 +75,7 @@ def Iha_SpecAttr : AttrDef<Iha_Dialect, "Spec"> {
     Everything that fixes the math of one IHA computation (docs/IHA.md);
     batch and sequence length stay run-time sizes. The options of public IHA
     code (`qk_norm`, `qk_norm_eps`, `rope_direction`, `window_align`,
-    `window_rows`) default away and are then not printed.
+    `window_rows`) and `varlen` (packed documents) default away and are then not printed.
 
     Example:
     ```mlir
@@ -93,7 +93,8 @@ def Iha_SpecAttr : AttrDef<Iha_Dialect, "Spec"> {
                         Iha_DefaultDoubleParameter<"1e-6">:$qk_norm_eps,
                         DefaultValuedParameter<"RopeDirection", "RopeDirection::positive">:$rope_direction,
                         DefaultValuedParameter<"WindowAlign", "WindowAlign::virtual_rows">:$window_align,
-                        DefaultValuedParameter<"int64_t", "0">:$window_rows);
+                        DefaultValuedParameter<"int64_t", "0">:$window_rows,
+                        DefaultValuedParameter<"bool", "false">:$varlen);
   let assemblyFormat = "`<` struct(params) `>`";
   let genVerifyDecl = 1;
 }

@@ -156,6 +156,22 @@ def Iha_SeqLenOp : Iha_BlockOp<"seq_len", [Pure]> {
   let assemblyFormat = "attr-dict `:` type($result)";
 }
 
+def Iha_DocumentBoundOp : Iha_BlockOp<"document_bound", [Pure]> {
+  let summary = "varlen: where the document holding a virtual row starts (or ends)";
+  let description = [{
+    In a kernel of a varlen spec (packed documents, cu_seqlens at run time),
+    the first virtual row of the document holding virtual row `row`, or with
+    `end` one past its last: iha-analyze-mask cuts a CTA's block ranges to
+    its rows' documents.
+
+    Example: `%first = iha.document_bound %row0 : i64`,
+    `%end = iha.document_bound %last end : i64`
+  }];
+  let arguments = (ins I64:$row, UnitAttr:$end);
+  let results = (outs I64:$result);
+  let assemblyFormat = "$row (`end` $end^)? attr-dict `:` type($result)";
+}
+
 def Iha_DecodeLenOp : Iha_BlockOp<"decode_len", [Pure]> {
   let summary = "a decode step's virtual sequence length: (cache_len[batch] + T) * P";
   let description = [{
