@@ -66,6 +66,9 @@ IhaCase stepCase(const DecodeCase& step) {
 Result<DecodeCase> decodeCaseFrom(const IhaCase& c, const DecodeLayout& layout) {
   const int64_t B = c.batch, N = c.tokens, T = layout.newTokens, S = layout.pageSize;
   const int64_t H = c.spec.heads(), d = c.spec.head_dim();
+  if (c.spec.varlen())
+    return makeError("a varlen case packs documents; a decode step's sequences are its page table's (decode a "
+                     "case without varlen)");
   if (T < 1 || T > N)
     return makeError("--decode " + std::to_string(T) + ": the case has " + std::to_string(N) +
                      " tokens, so 1 to " + std::to_string(N) + " new tokens");

@@ -89,7 +89,9 @@ Prepared prepare(const v1::KernelSpec& spec, Rows mixed) {
 void unprepare(const v1::KernelSpec& spec, const Prepared& prepared, Rows& grads) {
   for (size_t h = 0; h < grads.size(); ++h)
     for (size_t i = 0; i < grads[h].size(); ++i) {
-      if (spec.rope_theta() > 0) detail::rotate(grads[h][i], int64_t(i), spec.rope_theta(), -detail::ropeDirection(spec));
+      if (spec.rope_theta() > 0)
+        detail::rotate(grads[h][i], int64_t(i), spec.rope_theta(), -detail::ropeDirection(spec),
+                       int(spec.rope_table_dtype()));
       if (spec.qk_norm() == v1::KernelSpec::rms) unnormalize(grads[h][i], prepared.mixed[h][i], prepared.factor[h][i]);
     }
 }

@@ -39,13 +39,22 @@ double ropeDirection(const v1::KernelSpec& spec) {
   return spec.rope_direction() == v1::KernelSpec::negative ? -1.0 : 1.0;
 }
 
-void rotate(std::vector<double>& row, int64_t position, double theta, double direction) {
+void rotate(std::vector<double>& row, int64_t position, double theta, double direction, int table) {
   const int64_t d = int64_t(row.size());
   for (int64_t j = 0; j < d / 2; ++j) {
-    const double angle = direction * double(position) * std::pow(theta, -2.0 * double(j) / double(d));
+    double c, s;
+    if (table != 0) {
+      const double angle = half::ropeTableAngle(position, half::ropeTableInvFreq(theta, int(j), int(d)));
+      c = half::ropeTableRound(std::cos(angle), table);
+      s = direction * half::ropeTableRound(std::sin(angle), table);
+    } else {
+      const double angle = direction * double(position) * std::pow(theta, -2.0 * double(j) / double(d));
+      c = std::cos(angle);
+      s = std::sin(angle);
+    }
     const double x0 = row[j], x1 = row[j + d / 2];
-    row[j] = x0 * std::cos(angle) - x1 * std::sin(angle);
-    row[j + d / 2] = x0 * std::sin(angle) + x1 * std::cos(angle);
+    row[j] = x0 * c - x1 * s;
+    row[j + d / 2] = x0 * s + x1 * c;
   }
 }
 
@@ -79,7 +88,9 @@ void normalizeAndRotate(const v1::KernelSpec& spec, Rows& rows, std::vector<std:
         const double factor = rmsNormalize(rows[h][i], eps);
         if (factors) (*factors)[h][i] = factor;
       }
-      if (spec.rope_theta() > 0) rotate(rows[h][i], firstPosition + int64_t(i), spec.rope_theta(), ropeDirection(spec));
+      if (spec.rope_theta() > 0)
+        rotate(rows[h][i], firstPosition + int64_t(i), spec.rope_theta(), ropeDirection(spec),
+               int(spec.rope_table_dtype()));
     }
 }
 

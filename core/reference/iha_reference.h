@@ -84,8 +84,11 @@ void normalizeAndRotate(const v1::KernelSpec& spec, Rows& rows, std::vector<std:
                         int64_t firstPosition = 0);
 
 // Half-split rotary embedding of a row at virtual position `position`;
-// `direction` -1 turns by the opposite angle (and undoes a turn by +1).
-void rotate(std::vector<double>& row, int64_t position, double theta, double direction);
+// `direction` -1 turns by the opposite angle (and undoes a turn by +1, or
+// with a rounded table is the turn's transpose). `table`: the spec's
+// rope_table_dtype (0 exact angles; 1 and 2 the public table's entries,
+// loom/half.h).
+void rotate(std::vector<double>& row, int64_t position, double theta, double direction, int table = 0);
 
 // Step 4 for virtual row i: the softmax weights of `query` against every
 // row of `keys` under the mask (0 where masked) into `weights`; returns the

@@ -74,6 +74,7 @@ echo '{"engine": "engine_wgmma"}' >"$schedules/decode-wgmma.json"
 echo '{"engine": "engine_wgmma", "kv_splits": 4}' >"$schedules/decode-wgmma-split.json"
 for case in tests/data/cases/*/; do
   name=$(basename "$case")
+  grep -Eq '"varlen": *true' "$case/spec.json" && continue  # packed documents: no decode step
   labels=(decode)
   if [[ $arch == sm_90a ]] && grep -Eq '"head_dim": *(64|128|192|256)[,} ]' "$case/spec.json"; then
     labels+=(decode-wgmma decode-wgmma-split)

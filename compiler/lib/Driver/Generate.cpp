@@ -419,7 +419,7 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
       spec.qk_norm() == v1::KernelSpec::rms ? QkNorm::rms : QkNorm::none, llvm::APFloat(effectiveQkNormEps(spec)),
       spec.rope_direction() == v1::KernelSpec::negative ? RopeDirection::negative : RopeDirection::positive,
       spec.window_align() == v1::KernelSpec::token ? WindowAlign::token : WindowAlign::virtual_rows,
-      int64_t(spec.window_rows()), spec.varlen());
+      int64_t(spec.window_rows()), spec.varlen(), static_cast<RopeTable>(int(spec.rope_table_dtype())));
   if (!specAttr) return makeError("spec: " + c.diagnostics);
   const bool hopper = target.kind() == v1::Target::cuda && target.arch() == "sm_90a";
   ScheduleFields given = fieldsOf(schedule);

@@ -11,6 +11,7 @@
 
 #include "PassDetail.h"
 #include "loom/Dialect/Iha/Schedule.h"
+#include "loom/half.h"
 #include "llvm/ADT/TypeSwitch.h"
 #include "mlir/IR/IRMapping.h"
 
@@ -54,6 +55,7 @@ std::string configStruct(SpecAttr spec, ScheduleAttr schedule, bool backward, bo
   text += line("bool", "window_token_aligned", spec.getWindowAlign() == WindowAlign::token ? "true" : "false");
   text += line("int", "window_rows", std::to_string(spec.getWindowRows()));
   text += line("bool", "varlen", spec.getVarlen() ? "true" : "false");
+  text += line("int", "rope_table", std::to_string(int(spec.getRopeTable())));
   text += line("int", "block_m", std::to_string(schedule.getBlockM()));
   // The rows a CTA owns and stores of each of its heads: the whole tokens
   // among its block_m, or with stack_heads among block_m / (H / G) rows
@@ -105,6 +107,25 @@ std::string configStruct(SpecAttr spec, ScheduleAttr schedule, bool backward, bo
       table += value;
     }
     text += line("unsigned long long", "rope_turns[" + std::to_string(spec.getHeadDim() / 2) + "]", "{" + table + "}");
+    // A rounded table (rope_table_dtype): each pair's float32 inverse
+    // frequency as public code computes it (loom/half.h) and its distance
+    // from the exact one, from which the device turns the exact angle into
+    // the float32 one (loom/tile/cuda_common.h, ropeSinCos).
+    if (spec.getRopeTable() != RopeTable::exact) {
+      std::string inverse, error;
+      for (int64_t j = 0; j < spec.getHeadDim() / 2; ++j) {
+        const float f = half::ropeTableInvFreq(theta, int(j), int(spec.getHeadDim()));
+        const double exact = std::pow(theta, -2.0 * double(j) / double(spec.getHeadDim()));
+        char value[48];
+        std::snprintf(value, sizeof value, "%s%af", j ? ", " : "", double(f));
+        inverse += value;
+        std::snprintf(value, sizeof value, "%s%af", j ? ", " : "", double(float(double(f) - exact)));
+        error += value;
+      }
+      const std::string pairs = std::to_string(spec.getHeadDim() / 2);
+      text += line("float", "rope_inv_freq[" + pairs + "]", "{" + inverse + "}");
+      text += line("float", "rope_freq_error[" + pairs + "]", "{" + error + "}");
+    }
   }
   return text + "};";
 }

@@ -6,6 +6,7 @@
 // embedded beside the tile headers for the programs compiled at run time.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -69,6 +70,24 @@ inline uint16_t floatToBfloat16(float f) {
   __builtin_memcpy(&u, &f, 4);
   if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40u);
   return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// RoPE as public training code tables it (KernelSpec.rope_table_dtype; the
+// generator, the host tile API and the reference all take it from here):
+// pair j's inverse frequency 1 / theta^((2j) / d) and the angle
+// float32(position) * inv_freq, each in float32 arithmetic, then a table
+// entry (a cosine or sine) rounded to the table's dtype: `table` 1 float32,
+// 2 bfloat16.
+inline float ropeTableInvFreq(double theta, int j, int d) {
+  const float exponent = float(2 * j) / float(d);
+  return 1.0f / std::pow(float(theta), exponent);
+}
+inline float ropeTableAngle(int64_t position, float invFreq) {
+  const volatile float product = float(position) * invFreq;  // rounded to float32, never fused or widened
+  return product;
+}
+inline double ropeTableRound(double x, int table) {
+  return table == 2 ? double(bfloat16ToFloat(floatToBfloat16(float(x)))) : double(float(x));
 }
 
 }  // namespace loom::half

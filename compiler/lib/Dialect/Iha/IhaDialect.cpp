@@ -25,9 +25,9 @@ void IhaDialect::initialize() {
 
 LogicalResult SpecAttr::verify(function_ref<InFlightDiagnostic()> emitError, int64_t heads, int64_t kvHeads,
                                int64_t pseudoHeads, int64_t headDim, ElementType, MaskMode mask, int64_t window,
-                               CollapseMode, llvm::APFloat ropeThetaValue, llvm::APFloat scaleValue, QkNorm,
+                               CollapseMode, llvm::APFloat ropeThetaValue, llvm::APFloat scaleValue, QkNorm qkNorm,
                                llvm::APFloat qkNormEpsValue, RopeDirection ropeDirection, WindowAlign windowAlign,
-                               int64_t windowRows, bool) {
+                               int64_t windowRows, bool, RopeTable ropeTable) {
   const double ropeTheta = ropeThetaValue.convertToDouble(), scale = scaleValue.convertToDouble();
   if (heads < 1) return emitError() << "heads (" << heads << ") must be at least 1";
   if (kvHeads < 1 || heads % kvHeads != 0)
@@ -43,6 +43,10 @@ LogicalResult SpecAttr::verify(function_ref<InFlightDiagnostic()> emitError, int
   if (!(qkNormEpsValue.convertToDouble() > 0)) return emitError() << "qk_norm_eps must be positive";
   if (ropeDirection == RopeDirection::negative && ropeTheta == 0)
     return emitError() << "rope_direction negative needs rotary embedding (rope_theta > 0)";
+  if (ropeTable != RopeTable::exact && ropeTheta == 0)
+    return emitError() << "rope_table_dtype needs rotary embedding (rope_theta > 0)";
+  if (ropeTable != RopeTable::exact && qkNorm != QkNorm::none)
+    return emitError() << "rope_table_dtype with qk_norm is not supported yet";
   if (windowAlign == WindowAlign::token && window == 0)
     return emitError() << "window_align token needs a window (window > 0 tokens)";
   if (windowRows < 0) return emitError() << "window_rows (" << windowRows << ") must not be negative";

@@ -264,6 +264,12 @@ std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule) {
            ": heads " + str(spec.getHeads()) + " (kv_heads " + str(spec.getKvHeads()) +
            ") do not divide into CTAs that read whole kv groups (up to 16 heads; absorbed, up to " +
            str(stepMostHeads(false, int(P), int(spec.getHeadDim()))) + ")";
+  // Both one-CTA steps turn a cached row by R(tP) and R(j) apart, which a
+  // rounded RoPE table does not compose to R(tP + j).
+  if ((schedule.getAbsorbMixing() || schedule.getTensorMixing()) && spec.getRopeTable() != RopeTable::exact)
+    return std::string(schedule.getAbsorbMixing() ? "schedule.absorb_mixing" : "schedule.tensor_mixing") +
+           " turns a cached row by R(tP) and R(j) apart, which a rounded RoPE table (rope_table_dtype " +
+           stringifyRopeTable(spec.getRopeTable()).str() + ") does not compose to R(tP + j)";
   if (schedule.getAbsorbMixing()) {
     const int64_t H = stepH;
     if (schedule.getEngine() != Engine::mma) return "schedule.absorb_mixing needs engine mma";

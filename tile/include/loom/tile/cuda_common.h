@@ -70,12 +70,35 @@ __device__ __forceinline__ float quadSum(float x) {
 // whole turns exactly and its top 32 bits are the angle's fraction of a turn
 // in [-1/2, 1/2) (about 1e-7 rad from the exact angle at any position); the
 // sine and cosine of that small angle in float.
+//
+// A rounded table (rope_table_dtype, as public training code builds it):
+// the angle is float32(position) * inv_freq in float32, which differs from
+// the exact one by delta = p (inv_freq - exact) - (p inv_freq - angle), the
+// second term the float32 product's own rounding (one fma); the exact
+// angle's cosine and sine turned by delta (small: no range reduction), then
+// rounded to the table's dtype (bfloat16: to nearest even).
+__device__ __forceinline__ float roundToBfloat16(float x) {
+  unsigned bits = __float_as_uint(x);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return __uint_as_float(bits & 0xffff0000u);
+}
 template <class C>
 __device__ __forceinline__ void ropeSinCos(int64_t position, int j, float* sine, float* cosine) {
   constexpr float kTwoPiOver2To32 = 6.2831853071795865f / 4294967296.0f;
   const unsigned long long turns = static_cast<unsigned long long>(position) * C::rope_turns[j];
   const float reduced = float(static_cast<int>(static_cast<unsigned>(turns >> 32))) * kTwoPiOver2To32;
   __sincosf(reduced, sine, cosine);  // |reduced| <= pi: the fast path is accurate to ~4e-7
+  if constexpr (C::rope_table != 0) {
+    const float p = float(position);
+    const float angle = p * C::rope_inv_freq[j];
+    const float residual = fmaf(p, C::rope_inv_freq[j], -angle);  // p inv_freq - angle, exactly
+    const float delta = fmaf(p, C::rope_freq_error[j], -residual);
+    float sd, cd;
+    __sincosf(delta, &sd, &cd);
+    const float c = *cosine * cd - *sine * sd, s = *sine * cd + *cosine * sd;
+    *cosine = C::rope_table == 2 ? roundToBfloat16(c) : c;
+    *sine = C::rope_table == 2 ? roundToBfloat16(s) : s;
+  }
 }
 
 // Element `c` of a rotated row, given the element and its partner (c +- d/2);

@@ -97,6 +97,12 @@ const std::array<double, C::head_dim / 2> ropeFrequency = [] {
   for (int j = 0; j < C::head_dim / 2; ++j) f[j] = std::pow(double(C::rope_theta), -2.0 * j / C::head_dim);
   return f;
 }();
+template <class C>
+const std::array<float, C::head_dim / 2> ropeInvFreq = [] {
+  std::array<float, C::head_dim / 2> f{};
+  for (int j = 0; j < C::head_dim / 2; ++j) f[j] = loom::half::ropeTableInvFreq(C::rope_theta, j, C::head_dim);
+  return f;
+}();
 }  // namespace
 
 // Half-split rotary embedding at virtual position `position` (by the opposite
@@ -108,8 +114,16 @@ void rotate(float* row, int64_t position, bool inverse = false) {
   const std::array<double, half>& frequency = ropeFrequency<C>;
   const double direction = (C::rope_negative ? -1.0 : 1.0) * (inverse ? -1.0 : 1.0);
   for (int j = 0; j < half; ++j) {
-    const double angle = direction * double(position) * frequency[j];
-    const double c = std::cos(angle), s = std::sin(angle);
+    double c, s;
+    if constexpr (C::rope_table != 0) {  // the public table (loom/half.h): float32 angle, rounded entries
+      const double angle = loom::half::ropeTableAngle(position, ropeInvFreq<C>[j]);
+      c = loom::half::ropeTableRound(std::cos(angle), C::rope_table);
+      s = direction * loom::half::ropeTableRound(std::sin(angle), C::rope_table);
+    } else {
+      const double angle = direction * double(position) * frequency[j];
+      c = std::cos(angle);
+      s = std::sin(angle);
+    }
     const float x0 = row[j], x1 = row[j + half];
     row[j] = float(x0 * c - x1 * s);
     row[j + half] = float(x0 * s + x1 * c);

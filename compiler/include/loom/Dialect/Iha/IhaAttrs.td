@@ -26,6 +26,10 @@ def Iha_RopeDirection : I32EnumAttr<"RopeDirection", "the sense in which RoPE tu
     I32EnumAttrCase<"positive", 0>, I32EnumAttrCase<"negative", 1>]> {
   let cppNamespace = "::loom::iha";
 }
+def Iha_RopeTable : I32EnumAttr<"RopeTable", "RoPE's cosines and sines: exact, or a rounded table", [
+    I32EnumAttrCase<"exact", 0>, I32EnumAttrCase<"table_float32", 1>, I32EnumAttrCase<"table_bfloat16", 2>]> {
+  let cppNamespace = "::loom::iha";
+}
 def Iha_WindowAlign : I32EnumAttr<"WindowAlign", "how a window in tokens is counted", [
     I32EnumAttrCase<"virtual_rows", 0, "virtual">, I32EnumAttrCase<"token", 1>]> {
   let cppNamespace = "::loom::iha";
@@ -94,7 +98,8 @@ def Iha_SpecAttr : AttrDef<Iha_Dialect, "Spec"> {
                         DefaultValuedParameter<"RopeDirection", "RopeDirection::positive">:$rope_direction,
                         DefaultValuedParameter<"WindowAlign", "WindowAlign::virtual_rows">:$window_align,
                         DefaultValuedParameter<"int64_t", "0">:$window_rows,
-                        DefaultValuedParameter<"bool", "false">:$varlen);
+                        DefaultValuedParameter<"bool", "false">:$varlen,
+                        DefaultValuedParameter<"RopeTable", "RopeTable::exact">:$rope_table);
   let assemblyFormat = "`<` struct(params) `>`";
   let genVerifyDecl = 1;
 }
