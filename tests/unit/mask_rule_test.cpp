@@ -133,5 +133,66 @@ TEST(MaskRule, QueryBlockRangesAreExactForEveryRule) {
   std::printf("[ blocks   ] %lld (key block, query block) pairs checked\n", (long long)checked);
 }
 
+// Varlen (loom::withinDocuments): a CTA's ranges cut to the documents of
+// its first and last rows. Over every rule, block shape and several packings
+// (one-token, empty and window-short documents), in both loops (key blocks
+// of a query block; query blocks of a key block): every block holding a pair
+// allowed within one document is visited, and every block run without a mask
+// has every pair allowed, within one document and in bounds.
+TEST(MaskRule, DocumentRangesKeepEveryPairWithinItsDocument) {
+  IntegerMath math;
+  const std::vector<std::vector<int32_t>> packings = {
+      {0, 40}, {0, 1, 40}, {0, 13, 13, 27, 40}, {0, 3, 4, 5, 21, 22, 40}, {0, 16, 32, 40}, {0, 39, 40}};
+  int64_t checked = 0;
+  for (int P = 1; P <= 4; ++P)
+    for (const KernelSpec& spec : maskSpecs(P)) {
+      const MaskRule rule = MaskRule::of(spec);
+      const int64_t L = 40 * P;
+      for (const std::vector<int32_t>& bounds : packings) {
+        auto document = [&](int64_t row) {  // [first, end) virtual rows of row's document
+          const int64_t token = row / P;
+          size_t d = 0;
+          while (!(bounds[d] <= token && token < bounds[d + 1])) ++d;
+          return std::pair<int64_t, int64_t>{bounds[d] * P, bounds[d + 1] * P};
+        };
+        auto pair = [&](int64_t i, int64_t j) { return document(i) == document(j) && reference::allowed(spec, i, j); };
+        for (int64_t blockM : {int64_t(std::lcm(P, 16)), int64_t(std::lcm(P, 32))})
+          for (int64_t blockN : {16, 32}) {
+            for (const bool keyBlocks : {true, false}) {  // the forward's loop, the backward's transposed one
+              const int64_t outer = keyBlocks ? blockM : blockN, inner = keyBlocks ? blockN : blockM;
+              for (int64_t start = 0; start < L; start += outer) {
+                const int64_t last = std::min(start + outer, L) - 1;
+                BlockRanges<int64_t> r = keyBlocks ? blockRanges(math, rule, blockM, blockN, start, L)
+                                                   : queryBlockRanges(math, rule, blockM, blockN, start, L);
+                const int64_t same = document(start) == document(last) ? 1 : 0;
+                r = withinDocuments(math, r, inner, document(start).first, document(last).second, same);
+                ASSERT_LE(r.lo, r.ilo);
+                ASSERT_LE(r.ilo, r.ihi);
+                ASSERT_LE(r.ihi, r.hi);
+                for (int64_t block = 0; block * inner < L; ++block) {
+                  // Whole blocks: the key block; in the transposed loop both (its rows past L hold no data).
+                  bool any = false, all = (block + 1) * inner <= L && (keyBlocks || start + outer <= L);
+                  for (int64_t a = start; a <= last; ++a)
+                    for (int64_t b = block * inner; b < std::min((block + 1) * inner, L); ++b) {
+                      const bool ok = keyBlocks ? pair(a, b) : pair(b, a);
+                      any |= ok;
+                      all &= ok;
+                    }
+                  const std::string where = spec.ShortDebugString() + (keyBlocks ? " key" : " query") +
+                                            " blocks, start " + std::to_string(start) + " block " +
+                                            std::to_string(block) + " block_m " + std::to_string(blockM) +
+                                            " block_n " + std::to_string(blockN);
+                  if (any) ASSERT_TRUE(r.lo <= block && block < r.hi) << where << ": an allowed pair not visited";
+                  if (r.ilo <= block && block < r.ihi) ASSERT_TRUE(all) << where << ": run unmasked";
+                  ++checked;
+                }
+              }
+            }
+          }
+      }
+    }
+  std::printf("[ blocks   ] %lld block pairs of packed documents checked\n", (long long)checked);
+}
+
 }  // namespace
 }  // namespace loom
