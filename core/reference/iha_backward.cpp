@@ -87,12 +87,21 @@ Prepared prepare(const v1::KernelSpec& spec, Rows mixed) {
 // Steps 3 and 2 backwards on the gradients of the attended rows, leaving
 // the gradients of the mixed rows.
 void unprepare(const v1::KernelSpec& spec, const Prepared& prepared, Rows& grads) {
+  const int table = int(spec.rope_table_dtype());
   for (size_t h = 0; h < grads.size(); ++h)
     for (size_t i = 0; i < grads[h].size(); ++i) {
-      if (spec.rope_theta() > 0)
-        detail::rotate(grads[h][i], int64_t(i), spec.rope_theta(), -detail::ropeDirection(spec),
-                       int(spec.rope_table_dtype()));
-      if (spec.qk_norm() == v1::KernelSpec::rms) unnormalize(grads[h][i], prepared.mixed[h][i], prepared.factor[h][i]);
+      auto unturn = [&] {  // the turn's transpose
+        if (spec.rope_theta() > 0)
+          detail::rotate(grads[h][i], int64_t(i), spec.rope_theta(), -detail::ropeDirection(spec), table);
+      };
+      if (table == 0) unturn();
+      if (spec.qk_norm() == v1::KernelSpec::rms) {
+        // The norm's input: the mixed row, or with a rounded table the turned one.
+        std::vector<double> x = prepared.mixed[h][i];
+        if (table != 0) detail::rotate(x, int64_t(i), spec.rope_theta(), detail::ropeDirection(spec), table);
+        unnormalize(grads[h][i], x, prepared.factor[h][i]);
+      }
+      if (table != 0) unturn();
     }
 }
 

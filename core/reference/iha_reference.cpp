@@ -82,15 +82,23 @@ void normalizeAndRotate(const v1::KernelSpec& spec, Rows& rows, std::vector<std:
                         int64_t firstPosition) {
   const double eps = qkNormEps(spec);
   if (factors) factors->assign(rows.size(), std::vector<double>(rows.empty() ? 0 : rows[0].size(), 1.0));
+  // A rounded table's turn does not keep a row's norm: the norm is then
+  // taken of the turned row (public code's order, docs/IHA.md, Options);
+  // with exact angles either order is the same function.
+  const bool turnFirst = spec.rope_table_dtype() != v1::KernelSpec::exact;
   for (size_t h = 0; h < rows.size(); ++h)
     for (size_t i = 0; i < rows[h].size(); ++i) {
+      auto turn = [&] {
+        if (spec.rope_theta() > 0)
+          rotate(rows[h][i], firstPosition + int64_t(i), spec.rope_theta(), ropeDirection(spec),
+                 int(spec.rope_table_dtype()));
+      };
+      if (turnFirst) turn();
       if (spec.qk_norm() == v1::KernelSpec::rms) {
         const double factor = rmsNormalize(rows[h][i], eps);
         if (factors) (*factors)[h][i] = factor;
       }
-      if (spec.rope_theta() > 0)
-        rotate(rows[h][i], firstPosition + int64_t(i), spec.rope_theta(), ropeDirection(spec),
-               int(spec.rope_table_dtype()));
+      if (!turnFirst) turn();
     }
 }
 

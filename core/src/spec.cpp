@@ -101,10 +101,6 @@ Status validateSpec(const KernelSpec& spec) {
   if (spec.rope_table_dtype() != v1::KernelSpec::exact && spec.rope_theta() == 0)
     return fail("rope_table_dtype " + std::string(v1::KernelSpec::RopeTableDtype_Name(spec.rope_table_dtype())) +
                 " needs rotary embedding (rope_theta > 0)");
-  if (spec.rope_table_dtype() != v1::KernelSpec::exact && spec.qk_norm() != v1::KernelSpec::none)
-    return fail("rope_table_dtype " + std::string(v1::KernelSpec::RopeTableDtype_Name(spec.rope_table_dtype())) +
-                " with qk_norm is not supported yet: a rounded table's turn does not keep a row's norm, so the "
-                "norm's place beside it matters (public code puts it on either side)");
   if (!v1::KernelSpec::WindowAlign_IsValid(spec.window_align())) return fail("window_align must be virtual or token");
   if (spec.window_align() == v1::KernelSpec::token && spec.window() == 0)
     return fail("window_align token needs a window (window > 0 tokens)");

@@ -38,6 +38,22 @@ def rotary_tables(length, head_dim, base):
     return np.cos(freqs), np.sin(freqs)
 
 
+def to_bfloat16(x):
+    """x rounded to bfloat16 (to nearest even), as float64."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
+    return bits.view(np.float32).astype(np.float64)
+
+
+def rotary_tables_bfloat16(length, head_dim, base):
+    """nanochat's table on a bf16 GPU: inv_freq = 1 / base ** (arange(0, d, 2) / d) and the angles
+    outer(arange(length), inv_freq) in float32, their cos and sin rounded to bfloat16."""
+    channel = np.arange(0, head_dim, 2, dtype=np.float32)
+    inv_freq = (np.float32(1.0) / np.power(np.float32(base), channel / np.float32(head_dim))).astype(np.float32)
+    freqs = np.outer(np.arange(length, dtype=np.float32), inv_freq).astype(np.float32)
+    return to_bfloat16(np.cos(freqs.astype(np.float64))), to_bfloat16(np.sin(freqs.astype(np.float64)))
+
+
 def apply_rotary_emb(x, cos, sin):
     """The rotation of nanochat-style and speedrun-style code on [B, L, heads, D]:
     y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos (it turns by minus the angle)."""
@@ -84,20 +100,20 @@ class Families(unittest.TestCase):
         self.assertLessEqual(relative_error(ref, family_out), 1e-9, "loom's reference against the family")
         self.assertLessEqual(relative_error(out, family_out), 1e-5, "loom's program against the family")
 
-    def test_nanochat_style(self):
+    def test_nanochat_style(self, bfloat16_table=False):
         """Per-head mixing weights [H, H, P] as alpha[m, h, p]; rows token-major;
         rotary first, then parameter-free rms_norm with the dtype's epsilon;
         q and k times 1.2; a window of W whole tokens back from the query's
         token, causal on the interleaved rows; a global collapse [H, H*P] whose
         column h'*P + p takes pseudo-head p of head h'."""
-        rng = np.random.default_rng(SEED)
+        rng = np.random.default_rng(SEED + int(bfloat16_table))
         B, T, H, D, P, W, base = 2, 13, 4, 16, 3, 3, 10000.0
         q, k, v, mix_q, mix_k, mix_v = draw(rng, B, T, H, H, D, P)
         q, k, v, mix_q, mix_k, mix_v = (x.astype(np.float32).astype(np.float64) for x in (q, k, v, mix_q, mix_k, mix_v))
         c_proj = (rng.standard_normal((H, H * P)) / math.sqrt(H * P)).astype(np.float32).astype(np.float64)
 
         qs, ks, vs = interleave(q, mix_q), interleave(k, mix_k), interleave(v, mix_v)
-        cos, sin = rotary_tables(T * P, D, base)
+        cos, sin = rotary_tables_bfloat16(T * P, D, base) if bfloat16_table else rotary_tables(T * P, D, base)
         qs, ks = apply_rotary_emb(qs, cos, sin), apply_rotary_emb(ks, cos, sin)
         qs, ks = rms_norm(qs, FLOAT32_EPS), rms_norm(ks, FLOAT32_EPS)
         qs, ks = qs * 1.2, ks * 1.2
@@ -111,7 +127,18 @@ class Families(unittest.TestCase):
                 "mask": "flat_causal", "window": W, "window_align": "token", "collapse": "global",
                 "rope_theta": base, "rope_direction": "negative", "qk_norm": "rms", "qk_norm_eps": FLOAT32_EPS,
                 "scale": 1.44 / math.sqrt(D)}
+        if bfloat16_table:
+            # The table moves the function by about bfloat16's rounding: without rope_table_dtype loom is that far.
+            f32 = lambda x: np.ascontiguousarray(x, np.float32)
+            exact, _ = loom.reference(*(f32(x) for x in (q, k, v, mix_q, mix_k, mix_v, c_proj)), spec)
+            self.assertGreater(relative_error(np.from_dlpack(exact), family_out), 1e-4)
+            spec["rope_table_dtype"] = "table_bfloat16"
         self.check(spec, family_out, q, k, v, mix_q, mix_k, mix_v, c_proj)
+
+    def test_nanochat_style_with_its_bfloat16_rotary_table(self):
+        """The same model with the rotary table nanochat builds on a bfloat16 GPU (rope_table_dtype
+        table_bfloat16): angles in float32, cos and sin in bfloat16, the norm taken of the turned rows."""
+        self.test_nanochat_style(bfloat16_table=True)
 
     def test_speedrun_style(self):
         """Grouped-query attention with [G, G, P] key / value mixing; rms_norm

@@ -1,10 +1,14 @@
 // rope_table_dtype (docs/IHA.md, Options): RoPE's cosines and sines as
 // public training code tables them, a float32 angle and entries rounded to
-// float32 or bfloat16. The float64 reference against a table built here from
-// the public recipe; the host program in float32 (where the table's
-// rounding is a hundred times the tolerance); the CUDA pre-mix's rotated
-// rows on the emulator (float16 rows, whose rounding is a quarter of a
-// bfloat16 entry's); and the decode steps that cannot have it refused.
+// float32 or bfloat16, qk_norm then taken of the turned rows. The float64
+// reference against a table built here from the public recipe; the host
+// program in float32 (where the table's rounding is far over the
+// tolerance), forward, backward and decode; the CUDA pre-mix's rotated rows
+// on the emulator (float16 rows, whose rounding is a quarter of a bfloat16
+// entry's); the emulated backward and decode step; and the decode steps
+// that cannot have it refused. (The CUDA backward's order, the norm's
+// transpose before the turn's, moves float16 gradients by about their own
+// rounding: the host program's float32 backward is what pins it.)
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -12,7 +16,9 @@
 #include "cpu/cpu_backend.h"
 #include "emu/emulator.h"
 #include "io/case.h"
+#include "io/decode_case.h"
 #include "loom/compiler.h"
+#include "reference/iha_backward.h"
 #include "reference/iha_reference.h"
 #include "test_util.h"
 
@@ -69,8 +75,6 @@ KernelSpec tableSpec(std::mt19937_64& rng, v1::KernelSpec::RopeTableDtype table,
   spec.set_rope_table_dtype(table);
   spec.set_head_dim(8 * (2 + int32_t(rng() % 3)));
   spec.set_dtype(dtype);
-  spec.clear_qk_norm();  // not with a rounded table yet
-  spec.clear_qk_norm_eps();
   testing::dropStaleOptions(spec);
   return spec;
 }
@@ -109,6 +113,7 @@ TEST(RopeTable, EmulatedPremixTurnsByTheTable) {
   for (const std::string arch : {"sm_80", "sm_90a"}) {
     KernelSpec spec = tableSpec(rng, v1::KernelSpec::table_bfloat16, v1::float16);
     spec.set_head_dim(64);
+    if (arch == "sm_90a") spec.set_qk_norm(v1::KernelSpec::rms);  // the norm of the turned row
     const IhaCase c = drawCase(spec, 1, 64 + int64_t(rng() % 64), rng());
     SCOPED_TRACE(testing::describe(c) + " " + arch);
     Schedule schedule;
@@ -146,16 +151,93 @@ TEST(RopeTable, EmulatedPremixTurnsByTheTable) {
   }
 }
 
-// qk_norm beside a rounded table is refused (which side the norm takes
-// matters there), as are the decode steps that turn a cached row by R(tP)
-// and R(j) apart; the default decode plan takes another.
-TEST(RopeTable, QkNormAndOneCtaDecodeStepsAreRefused) {
+// The backward with a table, qk_norm on (the norm of the turned row, so
+// through the norm first and then the turn's transpose): the host program
+// in float32 within float32's gradient tolerance, and the emulated CUDA
+// backward (sm_80) in float16 within its own.
+TEST(RopeTable, BackwardThroughTheTableAndTheNorm) {
+  std::mt19937_64 rng(testing::testSeed() ^ 0x7ab3);
+  for (const v1::DType dtype : {v1::float32, v1::float16}) {
+    const IhaCase c = testing::drawCheckableShape(rng, /*backward=*/true, [&] {
+      KernelSpec spec = tableSpec(rng, v1::KernelSpec::table_bfloat16, dtype);
+      spec.set_qk_norm(v1::KernelSpec::rms);
+      if (dtype == v1::float16) spec.set_head_dim(32);
+      return testing::DrawnShape{spec, 1, 20 + int64_t(rng() % 20)};
+    });
+    SCOPED_TRACE(testing::describe(c));
+    GenerateOptions backward;
+    backward.direction = Direction::backward;
+    reference::IhaGradients got;
+    if (dtype == v1::float32) {
+      auto plan = generateKernel(c.spec, {}, *parseTarget("cpu"), backward);
+      ASSERT_TRUE(plan) << plan.error().message;
+      auto run = cpu::runBackwardPlan(*plan, c, {LOOM_TEST_CACHE, 2});
+      ASSERT_TRUE(run) << run.error().message;
+      got = run->gradients;
+    } else {
+      auto plan = generateKernel(c.spec, {}, *parseTarget("sm_80"), backward);
+      ASSERT_TRUE(plan) << plan.error().message;
+      emu::EmuOptions options;
+      options.cacheDir = LOOM_TEST_CACHE;
+      options.threads = 2;
+      options.seed = rng();
+      auto run = emu::runOnEmulator(*plan, c, options);
+      ASSERT_TRUE(run) << run.error().message;
+      EXPECT_EQ(run->findingCount, 0) << emu::summary(*run);
+      ASSERT_TRUE(run->gradients);
+      got = *run->gradients;
+    }
+    const std::vector<double> errors = gradientErrors(c.spec, c.tokens, got, *c.expectedGradients);
+    for (size_t i = 0; i < errors.size(); ++i)
+      EXPECT_LE(errors[i], gradientToleranceFor(dtype)) << reference::kGradientNames[i];
+  }
+}
+
+// A decode step with a table (qk_norm on and off) over either cache layout:
+// the host program in float32 and the emulated CUDA step (sm_80, the general
+// step; float16) give the forward's rows of the new tokens.
+TEST(RopeTable, DecodeStepsGiveTheForwardsRows) {
+  std::mt19937_64 rng(testing::testSeed() ^ 0x7ab4);
+  for (const v1::DType dtype : {v1::float32, v1::float16})
+    for (const CacheLayout layout : {CacheLayout::raw, CacheLayout::mixed}) {
+      const IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
+        KernelSpec spec = tableSpec(rng, v1::KernelSpec::table_bfloat16, dtype);
+        if (dtype == v1::float16) spec.set_head_dim(32);
+        return testing::DrawnShape{spec, 2, 24 + int64_t(rng() % 24)};
+      });
+      SCOPED_TRACE(testing::describe(c) + " " + cacheLayoutName(layout));
+      auto step = decodeCaseFrom(c, {2, 5, layout, {}, rng()});
+      ASSERT_TRUE(step) << step.error().message;
+      GenerateOptions decode;
+      decode.direction = Direction::decode;
+      decode.mixedCache = layout == CacheLayout::mixed;
+      auto plan = generateKernel(c.spec, {}, *parseTarget(dtype == v1::float32 ? "cpu" : "sm_80"), decode);
+      ASSERT_TRUE(plan) << plan.error().message;
+      std::vector<double> out;
+      if (dtype == v1::float32) {
+        auto run = cpu::runDecodePlan(*plan, *step, {LOOM_TEST_CACHE, 2});
+        ASSERT_TRUE(run) << run.error().message;
+        out = run->out;
+      } else {
+        emu::EmuOptions options;
+        options.cacheDir = LOOM_TEST_CACHE;
+        options.threads = 2;
+        options.seed = rng();
+        auto run = emu::runDecodeOnEmulator(*plan, *step, options);
+        ASSERT_TRUE(run) << run.error().message;
+        EXPECT_EQ(run->findingCount, 0) << emu::summary(*run);
+        out = run->out;
+      }
+      EXPECT_LE(relativeError(out, step->expected), toleranceFor(dtype));
+    }
+}
+
+// The decode steps that turn a cached row by R(tP) and R(j) apart are
+// refused with a table, and the default decode plan takes another.
+TEST(RopeTable, OneCtaDecodeStepsAreRefused) {
   KernelSpec spec = testing::makeSpec({.heads = 8, .kvHeads = 8, .pseudoHeads = 8, .headDim = 64,
                                        .dtype = v1::bfloat16, .ropeTheta = 10000});
   spec.set_rope_table_dtype(v1::KernelSpec::table_bfloat16);
-  KernelSpec normed = spec;
-  normed.set_qk_norm(v1::KernelSpec::rms);
-  EXPECT_NE(validateSpec(normed).error().message.find("with qk_norm is not supported yet"), std::string::npos);
   GenerateOptions decode;
   decode.direction = Direction::decode;
   for (const bool tensor : {false, true}) {

@@ -25,7 +25,7 @@ void IhaDialect::initialize() {
 
 LogicalResult SpecAttr::verify(function_ref<InFlightDiagnostic()> emitError, int64_t heads, int64_t kvHeads,
                                int64_t pseudoHeads, int64_t headDim, ElementType, MaskMode mask, int64_t window,
-                               CollapseMode, llvm::APFloat ropeThetaValue, llvm::APFloat scaleValue, QkNorm qkNorm,
+                               CollapseMode, llvm::APFloat ropeThetaValue, llvm::APFloat scaleValue, QkNorm,
                                llvm::APFloat qkNormEpsValue, RopeDirection ropeDirection, WindowAlign windowAlign,
                                int64_t windowRows, bool, RopeTable ropeTable) {
   const double ropeTheta = ropeThetaValue.convertToDouble(), scale = scaleValue.convertToDouble();
@@ -45,8 +45,6 @@ LogicalResult SpecAttr::verify(function_ref<InFlightDiagnostic()> emitError, int
     return emitError() << "rope_direction negative needs rotary embedding (rope_theta > 0)";
   if (ropeTable != RopeTable::exact && ropeTheta == 0)
     return emitError() << "rope_table_dtype needs rotary embedding (rope_theta > 0)";
-  if (ropeTable != RopeTable::exact && qkNorm != QkNorm::none)
-    return emitError() << "rope_table_dtype with qk_norm is not supported yet";
   if (windowAlign == WindowAlign::token && window == 0)
     return emitError() << "window_align token needs a window (window > 0 tokens)";
   if (windowRows < 0) return emitError() << "window_rows (" << windowRows << ") must not be negative";

@@ -831,25 +831,49 @@ __device__ void unmix(const IhaArgs& a, int64_t token0, int64_t b) {
         const int64_t i = n * P + p;
         const float* g = grads + ((b * heads + h) * L + i) * D;
         float* out = staged + (row - first) * D;
+        constexpr int half = D / 2;
+        // With a rounded RoPE table the norm's input is the turned row (the
+        // forward turns, then normalises): through the norm first, then the
+        // turn's transpose; else the turn's transpose first.
+        constexpr bool turnedNorm = C::rope_table != 0 && Role_::rotated && cuda::Normalized<C, R>::value;
         for (int c = cuda::lane(); c < D; c += kWarpSize) {
           float value = g[c];
-          if constexpr (Role_::rotated) {
-            constexpr int half = D / 2;
+          if constexpr (Role_::rotated && !turnedNorm)
             value = cuda::unrotate<C>(value, g[c < half ? c + half : c - half], rope_position<C>(a, i), c);
-          }
           out[c] = value;
         }
         if constexpr (cuda::Normalized<C, R>::value) {
+          auto input = [&](int c) {  // element c of the norm's input
+            const float mixed = cuda::mixFromGlobal<C, R>(a, b, n, h, p, c);
+            if constexpr (!turnedNorm) return mixed;
+            else
+              return cuda::rotate<C>(mixed, cuda::mixFromGlobal<C, R>(a, b, n, h, p, c < half ? c + half : c - half),
+                                     rope_position<C>(a, i), c);
+          };
           float squares = 0.0f, dot = 0.0f;
           for (int c = cuda::lane(); c < D; c += kWarpSize) {
-            const float mixed = cuda::mixFromGlobal<C, R>(a, b, n, h, p, c);
-            squares += mixed * mixed;
-            dot += mixed * out[c];
+            const float x = input(c);
+            squares += x * x;
+            dot += x * out[c];
           }
           const float r = rsqrtf(cuda::warpSum(squares) * (1.0f / D) + C::qk_norm_eps);
           const float k = r * r * r * (1.0f / D) * cuda::warpSum(dot);
-          for (int c = cuda::lane(); c < D; c += kWarpSize)
-            out[c] = r * out[c] - k * cuda::mixFromGlobal<C, R>(a, b, n, h, p, c);
+          for (int c = cuda::lane(); c < D; c += kWarpSize) out[c] = r * out[c] - k * input(c);
+        }
+        if constexpr (turnedNorm) {  // the turn's transpose of the row just written
+          float turned[(D + kWarpSize - 1) / kWarpSize];
+          __syncwarp();
+          #pragma unroll
+          for (int e = 0; e < (D + kWarpSize - 1) / kWarpSize; ++e) {
+            const int c = cuda::lane() + e * kWarpSize;
+            if (c < D) turned[e] = cuda::unrotate<C>(out[c], out[c < half ? c + half : c - half], rope_position<C>(a, i), c);
+          }
+          __syncwarp();
+          #pragma unroll
+          for (int e = 0; e < (D + kWarpSize - 1) / kWarpSize; ++e) {
+            const int c = cuda::lane() + e * kWarpSize;
+            if (c < D) out[c] = turned[e];
+          }
         }
         #pragma unroll 1
         for (int m = 0; m < heads; ++m) {

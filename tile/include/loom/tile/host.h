@@ -143,8 +143,10 @@ void mixRowFrom(const IhaArgs& a, Element element, int64_t position, int64_t h, 
     for (int c = 0; c < C::head_dim; ++c) out[c] += weight * element(m, c);
   }
   if (mixOnly) return;
+  // With a rounded RoPE table the norm is of the turned row (docs/IHA.md, Options).
+  if (C::rope_table != 0 && C::rope_theta > 0 && R != Role::value) rotate<C>(out, position);
   if (C::qk_norm && R != Role::value) normalize<C>(out);
-  if (C::rope_theta > 0 && R != Role::value) rotate<C>(out, position);
+  if (C::rope_table == 0 && C::rope_theta > 0 && R != Role::value) rotate<C>(out, position);
 }
 
 // Row n*P + p of head `h` of the role, from q, k or v. In a decode step
@@ -990,9 +992,12 @@ void unmix(const IhaArgs& a, int64_t token0, int64_t b) {
         const int64_t i = n * P + p;
         std::memcpy(g, host::workspaceRow(grads, b, heads, h, L, i, D), sizeof g);
         if (R != Role::value) {
-          if (C::rope_theta > 0) host::rotate<C>(g, rope_position<C>(a, i), /*inverse=*/true);
+          // With a rounded RoPE table the norm's input is the turned row:
+          // through the norm first, then the turn's transpose.
+          if (C::rope_theta > 0 && C::rope_table == 0) host::rotate<C>(g, rope_position<C>(a, i), /*inverse=*/true);
           if (C::qk_norm) {  // dx = r g - (r^3 / d) (x . g) x
             host::mixedRow<C, R>(a, b, n, h, p, mixed, /*mixOnly=*/true);
+            if (C::rope_theta > 0 && C::rope_table != 0) host::rotate<C>(mixed, rope_position<C>(a, i));
             float squares = 0.0f, dot = 0.0f;
             for (int c = 0; c < D; ++c) {
               squares += mixed[c] * mixed[c];
@@ -1002,6 +1007,7 @@ void unmix(const IhaArgs& a, int64_t token0, int64_t b) {
             const float k = r * r * r / D * dot;
             for (int c = 0; c < D; ++c) g[c] = r * g[c] - k * mixed[c];
           }
+          if (C::rope_theta > 0 && C::rope_table != 0) host::rotate<C>(g, rope_position<C>(a, i), /*inverse=*/true);
         }
         for (int m = 0; m < heads; ++m) {
           const int64_t at = (int64_t(m) * heads + h) * P + p;
