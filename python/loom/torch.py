@@ -418,7 +418,7 @@ def iha_varlen(q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, max_seq
     s = _spec_dict(spec)
     s["varlen"] = True
     spec_json = _spec_text(json.dumps(s, sort_keys=True), q.dtype)
-    del max_seqlen
+    del max_seqlen  # flash_attn_varlen_func's argument: loom's grid covers the packed tokens
     deterministic = bool(deterministic or torch.are_deterministic_algorithms_enabled())
     args = (q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, spec_json, _schedule_text(schedule),
             _schedule_text(backward_schedule), cache_dir, service, threads, deterministic)
