@@ -232,14 +232,6 @@ DecodeCase drawRawStep(std::mt19937_64& rng, IhaCase& c, int heads, int kvHeads,
   return dc ? *dc : DecodeCase{};
 }
 
-emu::EmuOptions emulatorOptions(uint64_t seed) {
-  emu::EmuOptions o;
-  o.cacheDir = LOOM_TEST_CACHE;
-  o.threads = 2;
-  o.seed = seed;
-  return o;
-}
-
 // The CUDA decode step of `arch` over the step's cache layout on the
 // emulator: no finding, out and lse within the dtype's tolerance of the
 // forward's rows, and its append.
@@ -247,7 +239,7 @@ void expectEmulatedStep(const IhaCase& c, const DecodeCase& dc, const std::strin
                         const Schedule& schedule = {}) {
   auto plan = decodePlan(dc, schedule, arch);
   ASSERT_TRUE(plan) << plan.error().message;
-  auto run = emu::runDecodeOnEmulator(*plan, dc, emulatorOptions(seed));
+  auto run = emu::runDecodeOnEmulator(*plan, dc, testing::emulatorOptions(seed));
   ASSERT_TRUE(run) << run.error().message;
   EXPECT_EQ(run->findingCount, 0) << emu::summary(*run);
   EXPECT_FALSE(run->deadlocked);
@@ -646,7 +638,7 @@ struct HeaderFault {
 // output).
 void expectHeaderFaultsFound(const IhaCase& c, const DecodeCase& dc, const KernelPlan& plan, const std::string& header,
                              const std::vector<HeaderFault>& faults, uint64_t seed) {
-  emu::EmuOptions o = emulatorOptions(seed);
+  emu::EmuOptions o = testing::emulatorOptions(seed);
   auto clean = emu::runDecodeOnEmulator(plan, dc, o);
   ASSERT_TRUE(clean) << clean.error().message;
   EXPECT_EQ(clean->findingCount, 0) << emu::summary(*clean);
@@ -847,7 +839,7 @@ TEST(Decode, WgmmaRingFaultsAreFound) {
   schedule.set_kv_splits(1);
   auto plan = decodePlan(*dc, schedule, "sm_90a");
   ASSERT_TRUE(plan) << plan.error().message;
-  emu::EmuOptions o = emulatorOptions(rng());
+  emu::EmuOptions o = testing::emulatorOptions(rng());
   auto clean = emu::runDecodeOnEmulator(*plan, *dc, o);
   ASSERT_TRUE(clean) << clean.error().message;
   EXPECT_EQ(clean->findingCount, 0) << emu::summary(*clean);
@@ -909,7 +901,7 @@ TEST(Decode, DevicePageCheckRefusesABadSequenceAndTouchesNothing) {
   ASSERT_TRUE(valid) << valid.error().message;
   auto plan = decodePlan(*valid, {}, arch);
   ASSERT_TRUE(plan) << plan.error().message;
-  emu::EmuOptions options = emulatorOptions(rng());
+  emu::EmuOptions options = testing::emulatorOptions(rng());
   options.devicePageCheck = true;
   auto good = emu::runDecodeOnEmulator(*plan, *valid, options);
   ASSERT_TRUE(good) << good.error().message;

@@ -16,6 +16,16 @@
 
 namespace loom::testing {
 
+// The emulator as the tests run it: the test cache, two threads, `seed`
+// choosing the shared window's base and when copies land.
+inline emu::EmuOptions emulatorOptions(uint64_t seed) {
+  emu::EmuOptions o;
+  o.cacheDir = LOOM_TEST_CACHE;
+  o.threads = 2;
+  o.seed = seed;
+  return o;
+}
+
 // The embedded text of a tile header with `from` replaced by `to` (which
 // must occur exactly once).
 inline std::map<std::string, std::string> mutatedHeader(const std::string& header, const std::string& from,

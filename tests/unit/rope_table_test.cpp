@@ -18,6 +18,7 @@
 #include "io/case.h"
 #include "io/decode_case.h"
 #include "loom/compiler.h"
+#include "mutate.h"
 #include "reference/iha_backward.h"
 #include "reference/iha_reference.h"
 #include "test_util.h"
@@ -122,10 +123,7 @@ TEST(RopeTable, EmulatedPremixTurnsByTheTable) {
     auto plan = generateKernel(spec, schedule, *parseTarget(arch));
     ASSERT_TRUE(plan) << plan.error().message;
     KeptForward kept;
-    emu::EmuOptions options;
-    options.cacheDir = LOOM_TEST_CACHE;
-    options.threads = 2;
-    options.seed = rng();
+    emu::EmuOptions options = testing::emulatorOptions(rng());
     options.keep = &kept;
     auto run = emu::runOnEmulator(*plan, c, options);
     ASSERT_TRUE(run) << run.error().message;
@@ -177,11 +175,7 @@ TEST(RopeTable, BackwardThroughTheTableAndTheNorm) {
     } else {
       auto plan = generateKernel(c.spec, {}, *parseTarget("sm_80"), backward);
       ASSERT_TRUE(plan) << plan.error().message;
-      emu::EmuOptions options;
-      options.cacheDir = LOOM_TEST_CACHE;
-      options.threads = 2;
-      options.seed = rng();
-      auto run = emu::runOnEmulator(*plan, c, options);
+      auto run = emu::runOnEmulator(*plan, c, testing::emulatorOptions(rng()));
       ASSERT_TRUE(run) << run.error().message;
       EXPECT_EQ(run->findingCount, 0) << emu::summary(*run);
       ASSERT_TRUE(run->gradients);
@@ -219,11 +213,7 @@ TEST(RopeTable, DecodeStepsGiveTheForwardsRows) {
         ASSERT_TRUE(run) << run.error().message;
         out = run->out;
       } else {
-        emu::EmuOptions options;
-        options.cacheDir = LOOM_TEST_CACHE;
-        options.threads = 2;
-        options.seed = rng();
-        auto run = emu::runDecodeOnEmulator(*plan, *step, options);
+        auto run = emu::runDecodeOnEmulator(*plan, *step, testing::emulatorOptions(rng()));
         ASSERT_TRUE(run) << run.error().message;
         EXPECT_EQ(run->findingCount, 0) << emu::summary(*run);
         out = run->out;

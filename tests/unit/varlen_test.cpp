@@ -27,14 +27,6 @@ namespace {
 
 cpu::CpuOptions cpuOptions() { return {LOOM_TEST_CACHE, 2}; }
 
-emu::EmuOptions emuOptions(uint64_t seed) {
-  emu::EmuOptions o;
-  o.cacheDir = LOOM_TEST_CACHE;
-  o.threads = 2;
-  o.seed = seed;
-  return o;
-}
-
 Result<KernelPlan> planFor(const KernelSpec& spec, const Schedule& schedule, const std::string& target,
                            Direction direction = Direction::forward) {
   GenerateOptions options;
@@ -58,6 +50,14 @@ IhaCase drawVarlenCase(std::mt19937_64& rng, bool backward, int64_t maxTokens, c
     testing::dropStaleOptions(spec);
     return testing::DrawnShape{spec, documents > 0 ? documents : pick(1, 5), pick(minTokens, maxTokens)};
   });
+}
+
+// Every gradient of a backward run within the dtype's tolerance of the
+// case's expected ones (judged per document where one vanishes).
+void expectGradients(const IhaCase& c, const reference::IhaGradients& got, const std::string& what = "") {
+  const std::vector<double> errors = gradientErrors(c.spec, c.tokens, got, *c.expectedGradients, c.inputs.cu_seqlens);
+  for (size_t i = 0; i < errors.size(); ++i)
+    EXPECT_LE(errors[i], gradientToleranceFor(c.spec.dtype())) << reference::kGradientNames[i] << " " << what;
 }
 
 std::string describeDocuments(const IhaCase& c) {
@@ -191,10 +191,7 @@ TEST(Varlen, HostBackwardMatchesTheReference) {
       ASSERT_TRUE(plan) << plan.error().message;
       auto got = cpu::runBackwardPlan(*plan, c, cpuOptions());
       ASSERT_TRUE(got) << got.error().message << "\n" << got.error().log;
-      const std::vector<double> errors = gradientErrors(c.spec, c.tokens, got->gradients, *c.expectedGradients, c.inputs.cu_seqlens);
-      for (size_t i = 0; i < errors.size(); ++i)
-        EXPECT_LE(errors[i], gradientToleranceFor(c.spec.dtype()))
-            << reference::kGradientNames[i] << " " << plan->schedule.ShortDebugString();
+      expectGradients(c, got->gradients, plan->schedule.ShortDebugString());
     }
   }
 }
@@ -217,7 +214,7 @@ TEST(Varlen, EmulatedForwardOnBothEngines) {
     auto plan = planFor(c.spec, schedule, arch);
     if (!plan) plan = planFor(c.spec, Schedule(), arch);
     ASSERT_TRUE(plan) << plan.error().message;
-    auto run = emu::runOnEmulator(*plan, c, emuOptions(rng()));
+    auto run = emu::runOnEmulator(*plan, c, testing::emulatorOptions(rng()));
     ASSERT_TRUE(run) << run.error().message << "\n" << run.error().log;
     std::printf("[ emu      ] %s %s: %.2f s, %lld CTAs\n", arch.c_str(), plan->schedule.ShortDebugString().c_str(),
                 run->runSeconds, (long long)run->coverage.ctas);
@@ -239,13 +236,11 @@ TEST(Varlen, EmulatedBackward) {
     SCOPED_TRACE(describeDocuments(c) + " " + arch);
     auto plan = planFor(c.spec, Schedule(), arch, Direction::backward);
     ASSERT_TRUE(plan) << plan.error().message;
-    auto run = emu::runOnEmulator(*plan, c, emuOptions(rng()));
+    auto run = emu::runOnEmulator(*plan, c, testing::emulatorOptions(rng()));
     ASSERT_TRUE(run) << run.error().message << "\n" << run.error().log;
     EXPECT_EQ(run->findingCount, 0) << emu::summary(*run);
     ASSERT_TRUE(run->gradients);
-    const std::vector<double> errors = gradientErrors(c.spec, c.tokens, *run->gradients, *c.expectedGradients, c.inputs.cu_seqlens);
-    for (size_t i = 0; i < errors.size(); ++i)
-      EXPECT_LE(errors[i], gradientToleranceFor(c.spec.dtype())) << reference::kGradientNames[i];
+    expectGradients(c, *run->gradients);
   }
 }
 
@@ -272,7 +267,7 @@ TEST(Varlen, FaultsAreFound) {
   auto plan = planFor(c.spec, schedule, "sm_80");
   ASSERT_TRUE(plan) << plan.error().message;
   const auto want = reference::ihaForward(c.spec, packed.inputs);
-  auto clean = emu::runOnEmulator(*plan, packed, emuOptions(rng()));
+  auto clean = emu::runOnEmulator(*plan, packed, testing::emulatorOptions(rng()));
   ASSERT_TRUE(clean) << clean.error().message;
   ASSERT_EQ(clean->findingCount, 0) << emu::summary(*clean);
   ASSERT_LE(relativeError(clean->out, want.out), toleranceFor(c.spec.dtype()));
@@ -283,7 +278,7 @@ TEST(Varlen, FaultsAreFound) {
        {"int lo = 0, hi = int(a.documents);", "int lo = 0, hi = int(a.documents);\n  if (token > 0) --token;"}},
   };
   for (const auto& [fault, change] : faults) {
-    emu::EmuOptions options = emuOptions(rng());
+    emu::EmuOptions options = testing::emulatorOptions(rng());
     options.headers = testing::mutatedHeader("loom/tile/common.h", change.first, change.second);
     auto faulty = emu::runOnEmulator(*plan, packed, options);
     ASSERT_TRUE(faulty) << fault << ": " << faulty.error().message;
@@ -316,9 +311,7 @@ TEST(Varlen, HostApiTakesPackedTensors) {
   EXPECT_LE(relativeError(hostValues(t.out), want.out), toleranceFor(c.spec.dtype()));
   EXPECT_LE(relativeError(hostValues(*t.lse), want.lse), toleranceFor(c.spec.dtype()));
   ASSERT_TRUE(runBackwardOnHost(c.spec, t, g, {}, options));
-  const std::vector<double> errors = gradientErrors(c.spec, c.tokens, host.gradients(), *c.expectedGradients, c.inputs.cu_seqlens);
-  for (size_t i = 0; i < errors.size(); ++i)
-    EXPECT_LE(errors[i], gradientToleranceFor(c.spec.dtype())) << reference::kGradientNames[i];
+  expectGradients(c, host.gradients());
 
   auto refusal = [&](const IhaTensors& bad, const KernelSpec& spec) {
     const Status status = runOnHost(spec, bad, {}, options);
