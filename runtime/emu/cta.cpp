@@ -478,10 +478,14 @@ void Cta::access(const void* address, uint32_t size, bool write, const void* pc)
     return;
   }
   if (config_.global && config_.global->mayContain(address)) {
-    // Between the buffers lies other memory (a thread's stack): left alone.
-    checkGlobal(address, size, write, std::string(write ? "st.global." : "ld.global.") + widthName(size), pc,
-                /*mustBeInABuffer=*/false);
-    return;
+    // Between the buffers lies other memory (a thread's stack, its
+    // registers): that falls through to the registers' checks below.
+    const GlobalMemory::Buffer* buffer = nullptr;
+    if (config_.global->locate(address, size, &buffer) != GlobalMemory::Where::elsewhere) {
+      checkGlobal(address, size, write, std::string(write ? "st.global." : "ld.global.") + widthName(size), pc,
+                  /*mustBeInABuffer=*/false);
+      return;
+    }
   }
   for (const Thread::RegisterRange& r : t.pendingRegisters)
     if (a < r.end && a + size > r.begin && (r.results || write)) {

@@ -6,6 +6,7 @@
 // or misaligned accesses, barrier misuse).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <numeric>
 
 #include <cstring>
@@ -57,15 +58,17 @@ Schedule scheduleFor(const KernelSpec& spec, int pick) {
   return s;
 }
 
-// The run is clean and every gradient within the dtype's tolerance of `want`.
+// The run is clean and every gradient within the dtype's tolerance of `want`;
+// `wgmma` receives the wgmma instructions it ran.
 void expectClean(const IhaCase& c, const reference::IhaGradients& want, const Schedule& schedule,
-                 const std::string& arch, const std::string& what, uint64_t seed) {
+                 const std::string& arch, const std::string& what, uint64_t seed, int64_t* wgmma = nullptr) {
   auto plan = backwardPlan(c.spec, schedule, arch);
   ASSERT_TRUE(plan) << what << ": " << plan.error().message;
   auto run = runOnEmulator(*plan, c, options(seed));
   ASSERT_TRUE(run) << what << ": " << run.error().message << "\n" << run.error().log;
   std::printf("[ emu bwd  ] %s %s %s: %.2f s, %lld CTAs\n", what.c_str(), arch.c_str(),
               plan->schedule.ShortDebugString().c_str(), run->runSeconds, (long long)run->coverage.ctas);
+  if (wgmma) *wgmma = int64_t(run->coverage.wgmma);
   EXPECT_EQ(run->findingCount, 0) << what << " " << arch << "\n" << summary(*run);
   EXPECT_FALSE(run->deadlocked);
   ASSERT_TRUE(run->gradients);
@@ -134,6 +137,36 @@ TEST_P(DrawnBackwardOnEmulator, MatchesTheReferenceWithoutFindings) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Random, DrawnBackwardOnEmulator, ::testing::Range(0, 6));
+
+// The key-block-outer launch on wgmma (sm_90a, schedule.engine wgmma:
+// loom/tile/cuda_backward.h, bwgmma): fresh specs at head_dim 64 and 128
+// (its swizzled tiles' widths), every mask, GQA, RoPE and qk_norm among
+// them, sequences of one to three 64-row query and key blocks, in both
+// dtypes, against the float64 reference with zero findings; its defaults
+// and a CTA of two warpgroups with 128-row query blocks.
+class WgmmaBackwardOnEmulator : public ::testing::TestWithParam<int> {};
+
+TEST_P(WgmmaBackwardOnEmulator, MatchesTheReferenceWithoutFindings) {
+  std::mt19937_64 rng(testing::testSeed() + uint64_t(GetParam()) * 6151);
+  const IhaCase c = testing::drawCheckableShape(rng, true, [&] {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_head_dim(GetParam() == 3 ? 128 : 64);
+    spec.set_dtype(GetParam() % 2 ? v1::bfloat16 : v1::float16);
+    return testing::DrawnShape{spec, 1, 8 + int64_t(rng() % 40)};
+  });
+  Schedule s;
+  s.set_engine(v1::engine_wgmma);
+  if (GetParam() == 2) {
+    s.set_warps(8);
+    s.set_block_n(128);
+    s.set_block_m(128);
+  }
+  int64_t wgmma = 0;
+  expectClean(c, *c.expectedGradients, s, "sm_90a", testing::describe(c), rng(), &wgmma);
+  EXPECT_GT(wgmma, 0) << "the key-block-outer launch ran no wgmma";
+}
+
+INSTANTIATE_TEST_SUITE_P(Drawn, WgmmaBackwardOnEmulator, ::testing::Range(0, 4));
 
 // The host API's backward on host tensors (q strided, a padded buffer of
 // H + 3 heads per token), through the host tile API and through the CUDA
@@ -254,6 +287,20 @@ Schedule atomicSchedule() {
   return s;
 }
 
+// The wgmma backward's fault case: four 64-row query blocks (100 tokens,
+// P 2) over two kv heads' key blocks, at head_dim 64 (its narrowest tiles).
+IhaCase wgmmaCase(v1::DType dtype, uint64_t seed) {
+  KernelSpec spec = testing::makeSpec({.heads = 2, .kvHeads = 1, .pseudoHeads = 2, .headDim = 64, .dtype = dtype,
+                                       .mask = v1::flat_causal, .collapse = v1::per_head, .ropeTheta = 10000});
+  return drawCheckableBackwardCase(spec, 1, 100, seed);
+}
+
+Schedule wgmmaSchedule() {
+  Schedule s;
+  s.set_engine(v1::engine_wgmma);
+  return s;
+}
+
 // dq by red.global.add.f32 in the key-block-outer launch: one launch fewer
 // than dq in its own, no findings (the adds of concurrent CTAs are atomic,
 // bounds checked), and dq within the tolerance of the reference and of the
@@ -291,8 +338,9 @@ struct BackwardFault {
   const char* name;
   const char* from;
   const char* to;
-  std::vector<FindingKind> kinds;  // none: dq must be wrong instead
+  std::vector<FindingKind> kinds;  // none: a gradient must be wrong instead
   bool dqLaunch = false;           // the fault is in the dq launch (dq separate), else dq atomic
+  bool wgmma = false;              // the fault is in the key-block-outer launch on wgmma (sm_90a, head_dim 64)
 };
 
 class BackwardFaultOnEmulator : public ::testing::TestWithParam<int> {};
@@ -305,15 +353,16 @@ const std::vector<BackwardFault>& backwardFaults() {
        {FindingKind::outOfBounds}},
       {"dq_zeroing_removed", "      if constexpr (C::atomic_dq) a.dq_pseudo[at + c] = 0.0f;", "", {}},
       // The query stages: the next block fetched while this one is used.
-      {"query_block_used_before_its_copies_land", "    cuda::waitCopies<1>();\n    q.stage ^= 1;",
-       "    cuda::waitCopies<2>();\n    q.stage ^= 1;", {FindingKind::asyncAccess}},
+      {"query_block_used_before_its_copies_land", "    cuda::waitCopies<1>();\n    if constexpr (C::wgmma_backward)",
+       "    cuda::waitCopies<2>();\n    if constexpr (C::wgmma_backward)", {FindingKind::asyncAccess}},
       {"next_block_fetched_before_the_warps_leave_its_stage",
        "  __syncthreads();  // every warp is done with the previous block's stage\n", "", {FindingKind::race}},
       {"next_block_fetched_into_the_stage_in_use",
-       "copyQueryStage<C>(a, q.stage, row0 + C::block_m, h, b, L);",
-       "copyQueryStage<C>(a, q.stage ^ 1, row0 + C::block_m, h, b, L);", {FindingKind::asyncAccess}},
-      {"lse_left_in_the_natural_log", "fragment::accumulatorColumn(l, column)] * kLog2e;",
-       "fragment::accumulatorColumn(l, column)];", {}},
+       "copyQueryStage<C, C::wgmma_backward>(a, q.stage, row0 + C::block_m, h, b, L);",
+       "copyQueryStage<C, C::wgmma_backward>(a, q.stage ^ 1, row0 + C::block_m, h, b, L);",
+       {FindingKind::asyncAccess}},
+      {"lse_left_in_the_natural_log", "const float m[2] = {pair.x * kLog2e, pair.y * kLog2e};",
+       "const float m[2] = {pair.x, pair.y};", {}},
       // The dq launch's K and V stages: the next key block fetched while this one is used.
       {"key_block_used_before_its_copies_land", "    cuda::waitCopies<1>();\n    kv.stage ^= 1;",
        "    cuda::waitCopies<2>();\n    kv.stage ^= 1;", {FindingKind::asyncAccess}, true},
@@ -324,16 +373,29 @@ const std::vector<BackwardFault>& backwardFaults() {
        "copyKvStage<C>(a, kv.stage ^ 1, col0 + C::block_n, g, b, L);", {FindingKind::asyncAccess}, true},
       {"first_key_block_fetched_into_the_other_stage", "copyKvStage<C>(a, kv.stage ^ 1, col0, g, b, seq_len<C>(a));",
        "copyKvStage<C>(a, kv.stage, col0, g, b, seq_len<C>(a));", {FindingKind::asyncAccess}, true},
+      // The key-block-outer launch on wgmma: its swizzled tiles, read by the async proxy.
+      {"wgmma_query_stage_not_handed_to_the_async_proxy",
+       "    if constexpr (C::wgmma_backward) ptx::fenceProxyAsync();", "", {FindingKind::proxyFence}, false, true},
+      {"wgmma_scores_read_before_their_products_retire",
+       "  ptx::wgmmaCommit();\n  ptx::wgmmaWait<0>();\n  ptx::pinRegisters(acc);\n}\n\n// acc += T B",
+       "  ptx::wgmmaCommit();\n  ptx::pinRegisters(acc);\n}\n\n// acc += T B", {FindingKind::asyncAccess}, false, true},
+      {"wgmma_tiles_copied_unswizzled", "swizzledChunk(r0, chunk % 8))", "r0 * kSwizzleRowBytes + (chunk % 8) * 16)", {},
+       false, true},
+      {"wgmma_dv_taken_over_the_values_tile", "bwgmma::stageTile<C>(w.dO, q.stage));\n    return;",
+       "bwgmma::baseAddress() + Bits32(w.v));\n    return;", {}, false, true},
   };
   return faults;
 }
 
 TEST_P(BackwardFaultOnEmulator, FailsWithTheMatchingFinding) {
   const BackwardFault& fault = backwardFaults()[size_t(GetParam())];
-  const IhaCase c = atomicCase(GetParam() % 2 ? v1::bfloat16 : v1::float16, testing::testSeed() + 72, 100);
+  const v1::DType dtype = GetParam() % 2 ? v1::bfloat16 : v1::float16;
+  const IhaCase c = fault.wgmma ? wgmmaCase(dtype, testing::testSeed() + 73)
+                                : atomicCase(dtype, testing::testSeed() + 72, 100);
   Schedule schedule = atomicSchedule();
   if (fault.dqLaunch) schedule.set_dq(v1::dq_separate);  // its own launch, over seven key blocks
-  auto plan = backwardPlan(c.spec, schedule, "sm_80");
+  if (fault.wgmma) schedule = wgmmaSchedule();
+  auto plan = backwardPlan(c.spec, schedule, fault.wgmma ? "sm_90a" : "sm_80");
   ASSERT_TRUE(plan) << plan.error().message;
   EmuOptions o = options(testing::testSeed());
   o.headers = testing::mutatedHeader("loom/tile/cuda_backward.h", fault.from, fault.to);
@@ -342,11 +404,12 @@ TEST_P(BackwardFaultOnEmulator, FailsWithTheMatchingFinding) {
   ASSERT_TRUE(faulty) << faulty.error().message << "\n" << faulty.error().log;
   if (fault.kinds.empty()) {
     ASSERT_TRUE(faulty->gradients);
-    EXPECT_FALSE(relativeError(faulty->gradients->dq, c.expectedGradients->dq) <=
-                 gradientToleranceFor(c.spec.dtype()))
-        << fault.name << ": dq should be wrong\n" << summary(*faulty);
+    const std::vector<double> errors = gradientErrors(c.spec, c.tokens, *faulty->gradients, *c.expectedGradients);
+    EXPECT_FALSE(std::all_of(errors.begin(), errors.end(),
+                             [&](double e) { return e <= gradientToleranceFor(c.spec.dtype()); }))
+        << fault.name << ": a gradient should be wrong\n" << summary(*faulty);
   }
-  testing::expectEachFinding(*faulty, fault.kinds, fault.name, "wrong dq");
+  testing::expectEachFinding(*faulty, fault.kinds, fault.name, "a wrong gradient");
 }
 
 INSTANTIATE_TEST_SUITE_P(Mutations, BackwardFaultOnEmulator, ::testing::Range(0, int(backwardFaults().size())),

@@ -323,7 +323,7 @@ std::vector<Fault> faults() {
       {"split_pipeline_reads_v_before_it_lands", "loom/tile/cuda.h",
        "    cuda::waitCopies<0>();\n    __syncthreads();\n    if (block + 1 < pipe.upper)",
        "    __syncthreads();\n    if (block + 1 < pipe.upper)", "sm_80", split, {FindingKind::asyncAccess}},
-      {"wrong_swizzle_mode_in_a_wgmma_descriptor", "loom/tile/hopper.h", "Bits32(1) << 30", "Bits32(2) << 30",
+      {"wrong_swizzle_mode_in_a_wgmma_descriptor", "loom/tile/cuda_common.h", "Bits32(1) << 30", "Bits32(2) << 30",
        "sm_90a", hopper, {FindingKind::uninitialized}},
       {"expect_tx_16_bytes_short", "loom/tile/hopper.h", "hopper::mbarrierExpectBytes(full, 2 * G::kvTileBytes);",
        "hopper::mbarrierExpectBytes(full, 2 * G::kvTileBytes - 16);", "sm_90a", hopper,

@@ -104,7 +104,7 @@ struct GenerateOptions {
 };
 
 // The tile implementation a target's source includes.
-std::string tileHeaderFor(const v1::Target& target, const Schedule& schedule);
+std::string tileHeaderFor(const v1::Target& target, const Schedule& schedule, Direction direction);
 
 // Generates the program. Invalid spec or schedule combinations fail with the
 // compiler's diagnostic, which names the field.

@@ -82,7 +82,9 @@ Schedule scheduleOf(ScheduleAttr attr, Direction direction) {
 }
 
 // Dynamic shared memory of the CUDA attention CTA (tile/include/loom/tile/layout.h).
-int64_t attentionSharedMemory(SpecAttr spec, ScheduleAttr schedule) {
+// `backward`: the forward launch of a backward plan, on mma.sync whatever
+// the plan's engine (a backward's engine is its key-block-outer launch's).
+int64_t attentionSharedMemory(SpecAttr spec, ScheduleAttr schedule, bool backward = false) {
   if (schedule.getTensorMixing())
     return tensorMixingSmem(int(oneCtaStepHeads(spec, schedule)), int(spec.getHeadDim()), int(schedule.getStages()),
                             int(spec.getKvHeads()))
@@ -94,7 +96,8 @@ int64_t attentionSharedMemory(SpecAttr spec, ScheduleAttr schedule) {
         .total;
   const bool fusedGlobal =
       schedule.getCollapse() == CollapseStrategy::epilogue && spec.getCollapse() == CollapseMode::global;
-  return ctaSharedMemory(schedule.getEngine() == Engine::wgmma, int(schedule.getBlockM()), int(schedule.getBlockN()),
+  return ctaSharedMemory(schedule.getEngine() == Engine::wgmma && !backward, int(schedule.getBlockM()),
+                         int(schedule.getBlockN()),
                          int(spec.getHeadDim()), int(schedule.getStages()), int(spec.getHeads()), int(spec.getKvHeads()),
                          int(spec.getPseudoHeads()), schedule.getMix() == MixStrategy::fused,
                          schedule.getCollapse() == CollapseStrategy::epilogue, fusedGlobal);
@@ -102,11 +105,17 @@ int64_t attentionSharedMemory(SpecAttr spec, ScheduleAttr schedule) {
 
 // The widest head the mma.sync backward keeps in registers.
 constexpr int64_t kMaxBackwardHeadDim = 128;
+// The wgmma backward's key-block-outer CTA: one warpgroup (64 key rows),
+// 64-row query blocks (the N of S^T and dP^T).
+constexpr int64_t kWgmmaBackwardWarps = 4, kWgmmaBackwardRows = 64;
 
-// Dynamic shared memory of a backward launch on the mma.sync path
-// (layout.h: backwardSmem, collapseGradSmem, unmixSmem); 0 for the others.
+// Dynamic shared memory of a backward launch (layout.h: backwardSmem, or
+// backwardWgmmaSmem for the key-block-outer launch on wgmma;
+// collapseGradSmem, unmixSmem); 0 for the others.
 int64_t backwardSharedMemory(SpecAttr spec, ScheduleAttr schedule, llvm::StringRef launch) {
   const int H = int(spec.getHeads()), P = int(spec.getPseudoHeads()), d = int(spec.getHeadDim());
+  if (launch == kBackwardKvEntry && schedule.getEngine() == Engine::wgmma)
+    return backwardWgmmaSmem(int(schedule.getBlockM()), int(schedule.getBlockN()), d).total;
   if (launch == kBackwardKvEntry || launch == kBackwardQEntry)
     return backwardSmem(int(schedule.getBlockM()), int(schedule.getBlockN()), d,
                         launch == kBackwardKvEntry && schedule.getDq() == DqStrategy::atomic)
@@ -125,7 +134,7 @@ void readPlan(KernelOp kernel, KernelPlan& plan) {
     const SpecAttr spec = kernel.getSpec();
     const int64_t sharedBytes =
         !cuda       ? 0
-        : attention ? attentionSharedMemory(spec, kernel.getScheduleAttr())
+        : attention ? attentionSharedMemory(spec, kernel.getScheduleAttr(), kernel.getBackward())
         : premix    ? premixSmem(int(spec.getHeads()), int(spec.getKvHeads()), int(spec.getPseudoHeads()))
                     : backwardSharedMemory(spec, kernel.getScheduleAttr(), launch.getSymName());
     plan.launches.push_back({launch.getSymName().str(), int64_t(launch.getRowsPerToken()),
@@ -190,21 +199,21 @@ int32_t defaultDecodeSplits(const KernelSpec& spec, const ScheduleFields& given,
 // unset mix falls back to materialised when fused mixing's raw-row stages
 // do not fit.
 std::optional<std::string> fitCudaTarget(SpecAttr spec, ScheduleAttr& schedule, const Schedule& requested,
-                                         const v1::Target& target) {
+                                         const v1::Target& target, bool backward) {
   if (spec.getDtype() == ElementType::f32)
     return "dtype float32 is not supported on CUDA targets: the tensor cores take float16 or bfloat16 "
            "(loom run --backend cuda --dtype float16|bfloat16 converts a case)";
   if (schedule.getEngine() == Engine::wgmma && target.arch() != "sm_90a")
     return "schedule.engine wgmma needs target sm_90a (wgmma and setmaxnreg exist only there), not " + target.arch();
   const int64_t limit = sharedMemoryLimit(target);
-  if (attentionSharedMemory(spec, schedule) > limit && requested.mix() == v1::mix_unspecified) {
+  if (attentionSharedMemory(spec, schedule, backward) > limit && requested.mix() == v1::mix_unspecified) {
     schedule = ScheduleAttr::get(spec.getContext(), schedule.getBlockM(), schedule.getBlockN(), schedule.getWarps(),
                                  schedule.getStages(), MixStrategy::materialized, schedule.getCollapse(),
                                  schedule.getEngine(), schedule.getProducerRegisters(), schedule.getDq(),
                                  schedule.getKvSplits(), schedule.getStackHeads(), schedule.getAbsorbMixing(),
                                  schedule.getTensorMixing());
   }
-  const int64_t bytes = attentionSharedMemory(spec, schedule);
+  const int64_t bytes = attentionSharedMemory(spec, schedule, backward);
   if (bytes > limit)
     return "schedule needs " + std::to_string(bytes) + " bytes of shared memory per block, over the " +
            target.arch() + " limit of " + std::to_string(limit) + " (lower block_m, block_n or stages)";
@@ -348,9 +357,11 @@ v1::CompiledKernel toCompiledKernel(const KernelPlan& plan) {
   return kernel;
 }
 
-std::string tileHeaderFor(const v1::Target& target, const Schedule& schedule) {
+std::string tileHeaderFor(const v1::Target& target, const Schedule& schedule, Direction direction) {
   if (target.kind() != v1::Target::cuda) return "loom/tile/host.h";
-  return schedule.engine() == v1::engine_wgmma ? "loom/tile/hopper.h" : "loom/tile/cuda.h";
+  // A backward on wgmma is cuda.h's (its key-block-outer launch, bwgmma).
+  return schedule.engine() == v1::engine_wgmma && direction != Direction::backward ? "loom/tile/hopper.h"
+                                                                                     : "loom/tile/cuda.h";
 }
 
 namespace {
@@ -424,6 +435,7 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
   const bool hopper = target.kind() == v1::Target::cuda && target.arch() == "sm_90a";
   ScheduleFields given = fieldsOf(schedule);
   if (auto why = checkScheduleFields(given)) return makeError(*why);
+  bool wgmmaBackward = false;  // a backward whose key-block-outer launch is on wgmma
   if (spec.varlen() && direction == Direction::decode)
     return makeError("varlen (packed documents) is for forward and backward plans; a decode step's sequences are "
                      "its page table's");
@@ -444,6 +456,25 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
       return makeError("head_dim " + std::to_string(spec.head_dim()) + " has no CUDA backward yet: its dK and dV "
                        "accumulators (2 x 16 rows x head_dim per warp) exceed the registers above head_dim " +
                        std::to_string(kMaxBackwardHeadDim));
+    // wgmma (sm_90a): one warpgroup of 64 key rows, 64-row query blocks
+    // (loom/tile/cuda_backward.h, bwgmma); the plan's other launches are
+    // completed and checked on mma.sync, the engine put back below.
+    wgmmaBackward = given.engine == Engine::wgmma;
+    if (wgmmaBackward) {
+      if (target.kind() != v1::Target::cuda || target.arch() != "sm_90a")
+        return makeError("schedule.engine wgmma needs target sm_90a for a backward kernel (wgmma exists only there)");
+      if (spec.head_dim() % 64 != 0 || spec.head_dim() > 128)
+        return makeError("schedule.engine wgmma takes head_dim 64 or 128 in a backward kernel (128-byte swizzled "
+                         "tiles of 64 columns; dK and dV in registers), not " + std::to_string(spec.head_dim()));
+      if (given.dq == DqStrategy::atomic)
+        return makeError("schedule.engine wgmma computes dq in its own launch in a backward kernel (dq separate)");
+      if (!given.warps && !given.blockM && !given.blockN) {
+        given.warps = kWgmmaBackwardWarps;
+        given.blockM = std::max<int64_t>(kWgmmaBackwardRows, (spec.pseudo_heads() + 63) / 64 * 64);
+        given.blockN = 16 * kWgmmaBackwardWarps;
+      }
+      given.engine = Engine::mma;
+    }
     // Above head_dim 64 the key-block-outer CTA's dK and dV take 128
     // registers a thread: two warps on 32-row blocks leave S^T and dS^T
     // room (64-row query blocks spill); dq atomic's product on top of them
@@ -482,7 +513,13 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
   ScheduleAttr scheduleAttr = completeSchedule(specAttr, given, hopper);
   if (auto why = checkSchedule(specAttr, scheduleAttr)) return makeError(*why);
   if (direction == Direction::backward) {
-    if (auto why = checkBackwardSchedule(scheduleAttr)) return makeError(*why);
+    if (wgmmaBackward)
+      scheduleAttr = ScheduleAttr::get(specAttr.getContext(), scheduleAttr.getBlockM(), scheduleAttr.getBlockN(),
+                                       scheduleAttr.getWarps(), scheduleAttr.getStages(), scheduleAttr.getMix(),
+                                       scheduleAttr.getCollapse(), Engine::wgmma, scheduleAttr.getProducerRegisters(),
+                                       scheduleAttr.getDq(), scheduleAttr.getKvSplits(), scheduleAttr.getStackHeads(),
+                                       scheduleAttr.getAbsorbMixing(), scheduleAttr.getTensorMixing());
+    if (auto why = checkBackwardKernelSchedule(specAttr, scheduleAttr)) return makeError(*why);
     if (target.kind() == v1::Target::cuda) {
       // The mma.sync backward (loom/tile/cuda_backward.h): warps own 16 key
       // rows each in the key-block-outer launch; dq has its own launch or is
@@ -491,9 +528,14 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
         return makeError("schedule.block_n (" + std::to_string(scheduleAttr.getBlockN()) +
                          ") must be a multiple of 16 rows per warp x " + std::to_string(scheduleAttr.getWarps()) +
                          " warps for a CUDA backward kernel (its warps own the key rows)");
-      const int64_t bytes = backwardSmem(int(scheduleAttr.getBlockM()), int(scheduleAttr.getBlockN()),
-                                         int(spec.head_dim()), scheduleAttr.getDq() == DqStrategy::atomic)
-                                .total;
+      const int64_t bytes = std::max<int64_t>(
+          backwardSmem(int(scheduleAttr.getBlockM()), int(scheduleAttr.getBlockN()), int(spec.head_dim()),
+                       scheduleAttr.getDq() == DqStrategy::atomic)
+              .total,
+          wgmmaBackward ? backwardWgmmaSmem(int(scheduleAttr.getBlockM()), int(scheduleAttr.getBlockN()),
+                                            int(spec.head_dim()))
+                              .total
+                        : 0);
       const int64_t limit = sharedMemoryLimit(target);
       if (bytes > limit)
         return makeError("schedule needs " + std::to_string(bytes) + " bytes of shared memory per block in the "
@@ -528,7 +570,8 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
     // A decode step keeps its mixing whatever shared memory it needs.
     Schedule requested = schedule;
     if (direction == Direction::decode) requested.set_mix(mixedCache ? v1::mix_materialized : v1::mix_fused);
-    if (auto why = fitCudaTarget(specAttr, scheduleAttr, requested, target)) return makeError(*why);
+    if (auto why = fitCudaTarget(specAttr, scheduleAttr, requested, target, direction == Direction::backward))
+      return makeError(*why);
     if (direction == Direction::forward) scheduleAttr = withFlashAttention2Shape(specAttr, scheduleAttr, given, target);
   }
   return std::make_pair(specAttr, scheduleAttr);
@@ -636,7 +679,7 @@ Result<KernelPlan> generateKernel(const KernelSpec& spec, const Schedule& schedu
   // Phase 2: EmitC, then C++.
   mlir::PassManager lowerPm(&context);
   configure(lowerPm);
-  buildIhaLoweringPipeline(lowerPm, tileHeaderFor(target, plan.schedule));
+  buildIhaLoweringPipeline(lowerPm, tileHeaderFor(target, plan.schedule, options.direction));
   if (mlir::failed(lowerPm.run(*module))) return makeError("compiler: " + diagnostics);
 
   llvm::raw_string_ostream sourceStream(plan.source);

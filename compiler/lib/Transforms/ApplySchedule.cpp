@@ -158,9 +158,8 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
       }
       chosen = completeSchedule(spec, *fields);
     }
-    if (auto why = checkSchedule(spec, chosen)) return kernel.emitError() << *why;
-    if (kernel.getBackward())
-      if (auto why = checkBackwardSchedule(chosen)) return kernel.emitError() << *why;
+    if (auto why = kernel.getBackward() ? checkBackwardKernelSchedule(spec, chosen) : checkSchedule(spec, chosen))
+      return kernel.emitError() << *why;
     kernel.setScheduleAttr(chosen);
 
     for (mlir::Operation& op : llvm::make_early_inc_range(kernel.getBlock())) op.erase();

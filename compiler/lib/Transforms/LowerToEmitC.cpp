@@ -76,7 +76,12 @@ std::string configStruct(SpecAttr spec, ScheduleAttr schedule, bool backward, bo
   text += line("bool", "fused_mix", fusedMix ? "true" : "false");
   text += line("bool", "fused_collapse", schedule.getCollapse() == CollapseStrategy::epilogue ? "true" : "false");
   text += line("bool", "fused_global_collapse", fusedGlobal ? "true" : "false");
-  if (backward) text += line("bool", "atomic_dq", schedule.getDq() == DqStrategy::atomic ? "true" : "false");
+  if (backward) {
+    text += line("bool", "atomic_dq", schedule.getDq() == DqStrategy::atomic ? "true" : "false");
+    // The key-block-outer launch on wgmma (loom/tile/cuda_backward.h, bwgmma);
+    // the plan's other launches stay on mma.sync.
+    text += line("bool", "wgmma_backward", schedule.getEngine() == Engine::wgmma ? "true" : "false");
+  }
   // A decode step (loom/tile/common.h's decode fields of IhaArgs).
   text += line("bool", "decode", decode ? "true" : "false");
   text += line("bool", "mixed_cache", mixedCache ? "true" : "false");
@@ -86,7 +91,7 @@ std::string configStruct(SpecAttr spec, ScheduleAttr schedule, bool backward, bo
   // Their mixing on the tensor cores, once a cached token (loom/tile/cuda_tensor_mixing.h).
   text += line("bool", "tensor_mixing", decode && schedule.getTensorMixing() ? "true" : "false");
   text += line("int", "kv_splits", std::to_string(decode ? schedule.getKvSplits() : 1));
-  if (schedule.getEngine() == Engine::wgmma) {
+  if (schedule.getEngine() == Engine::wgmma && !backward) {
     text += line("int", "producer_registers", std::to_string(schedule.getProducerRegisters()));
     text += line("int", "consumer_registers",
                  std::to_string(loom::consumerRegisters(int(schedule.getWarps()), int(schedule.getProducerRegisters()))));

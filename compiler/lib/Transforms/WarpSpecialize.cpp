@@ -37,6 +37,7 @@ struct WarpSpecialize : impl::IhaWarpSpecializeBase<WarpSpecialize> {
   void runOnOperation() override {
     getOperation().walk([&](KernelOp kernel) {
       if (!kernel.getScheduleAttr() || kernel.getScheduleAttr().getEngine() != Engine::wgmma) return;
+      if (kernel.getBackward()) return;  // a backward's engine is its key-block-outer launch's (mma.sync forward)
       LaunchOp attention = findLaunch(kernel, kAttentionLaunch);
       if (!attention || !attention.getBlock().getOps<WarpSpecializeOp>().empty()) return;
       split(attention);

@@ -12,7 +12,8 @@ using namespace loom::iha;
 
 LogicalResult KernelOp::verify() {
   if (auto schedule = getScheduleAttr()) {
-    if (auto why = checkSchedule(getSpec(), schedule)) return emitOpError() << *why;
+    if (auto why = getBackward() ? checkBackwardKernelSchedule(getSpec(), schedule) : checkSchedule(getSpec(), schedule))
+      return emitOpError() << *why;
   }
   bool specLevel = false, launchLevel = false;
   for (Operation& op : getBlock()) {

@@ -224,12 +224,34 @@ void completeDecodeFields(ScheduleFields& fields, bool mixedCache, int64_t stack
 }
 
 std::optional<std::string> checkBackwardSchedule(ScheduleAttr schedule) {
-  if (schedule.getEngine() != Engine::mma) return "schedule.engine must be mma for a backward kernel (no wgmma backward yet)";
+  if (schedule.getEngine() == Engine::wgmma) {
+    // The key-block-outer launch on wgmma (loom/tile/cuda_backward.h, bwgmma).
+    if (schedule.getWarps() % 4 != 0 || schedule.getBlockN() != 16 * schedule.getWarps())
+      return "schedule.block_n must be 16 x warps, in whole warpgroups (64 key rows each), for a wgmma backward "
+             "kernel (block_n " + str(schedule.getBlockN()) + ", warps " + str(schedule.getWarps()) + ")";
+    if (schedule.getBlockM() % 64 != 0 || schedule.getBlockM() > 256)
+      return "schedule.block_m must be 64, 128, 192 or 256 for a wgmma backward kernel (the N of its S^T), not " +
+             str(schedule.getBlockM());
+    if (schedule.getDq() == DqStrategy::atomic)
+      return "schedule.dq must be separate for a wgmma backward kernel (dq in its own launch)";
+  } else if (schedule.getEngine() != Engine::mma) {
+    return "schedule.engine must be mma or wgmma for a backward kernel";
+  }
   if (schedule.getMix() != MixStrategy::materialized)
     return "schedule.mix must be materialized for a backward kernel: its loops read every mixed row many times";
   if (schedule.getCollapse() != CollapseStrategy::separate)
     return "schedule.collapse must be separate for a backward kernel: it needs the pseudo outputs";
   return std::nullopt;
+}
+
+std::optional<std::string> checkBackwardKernelSchedule(SpecAttr spec, ScheduleAttr schedule) {
+  const ScheduleAttr forward =
+      ScheduleAttr::get(spec.getContext(), schedule.getBlockM(), schedule.getBlockN(), schedule.getWarps(),
+                        schedule.getStages(), schedule.getMix(), schedule.getCollapse(), Engine::mma,
+                        schedule.getProducerRegisters(), schedule.getDq(), schedule.getKvSplits(),
+                        schedule.getStackHeads(), schedule.getAbsorbMixing(), schedule.getTensorMixing());
+  if (auto why = checkSchedule(spec, forward)) return why;
+  return checkBackwardSchedule(schedule);
 }
 
 std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule) {

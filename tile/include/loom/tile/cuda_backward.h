@@ -23,6 +23,8 @@
 // domain, as in the forward: lse (natural) is scaled by log2(e) as read.
 #pragma once
 
+#include "loom/tile/wgmma.h"
+
 namespace loom {
 
 namespace cuda {
@@ -173,6 +175,151 @@ struct DqTile {
 };
 
 //===----------------------------------------------------------------------===//
+// The key-block-outer launch on wgmma (sm_90a, schedule.engine wgmma)
+//===----------------------------------------------------------------------===//
+
+// The same steps and the same register tiles: a wgmma accumulator's rows
+// are its warp's 16 (warp w of the CTA holds key rows 16w..16w + 15 of the
+// block, one m-tile a warp: block_n = 16 warps), its columns an mma.sync
+// C fragment's, so the mask, the probabilities, dS and the stores read
+// them as they stand, and P^T and dS^T re-pack as wgmma's register A
+// operand as they do as mma.sync's. What differs is the products: each a
+// warpgroup's wgmma over its 64 key rows, the other operand by descriptor
+// from 128-byte swizzled tiles (layout.h, backwardWgmmaSmem), which the
+// loads fill by cp.async and hand to the async proxy (fence.proxy.async).
+//   S^T = K Q^T, dP^T = V dO^T: K-major A (K, V) and B (Q, dO), N = block_m;
+//   dV += P^T dO, dK += dS^T Q: A from registers, B N-major, N = head_dim.
+// The dq launch stays on mma.sync (its own tiles, layout.h: backwardSmem).
+namespace bwgmma {
+
+template <class C>
+struct Geometry {
+  static_assert(C::dtype != DType::f32, "CUDA tiles take float16 or bfloat16 inputs");
+  static_assert(C::warps % 4 == 0 && C::block_n == 16 * C::warps,
+                "wgmma backward: 64 key rows a warpgroup (block_n = 16 x warps)");
+  static_assert(C::head_dim % kSwizzleAtomColumns == 0 && C::head_dim <= 128, "wgmma backward: head_dim 64 or 128");
+  static_assert(C::block_m % 64 == 0 && C::block_m <= 256, "wgmma backward: block_m in {64, 128, 192, 256}");
+  static_assert(!C::atomic_dq, "wgmma backward: dq in its own launch");
+  static constexpr int D = C::head_dim;
+  static constexpr int threads = C::warps * kWarpSize;
+  static constexpr int KT = D / 16;           // k-steps of S^T and dP^T (d)
+  static constexpr int QK = C::block_m / 16;  // k-steps of dV and dK (query rows)
+  static constexpr int qAtomBytes = C::block_m * kSwizzleRowBytes;
+  static constexpr int kvAtomBytes = C::block_n * kSwizzleRowBytes;
+};
+
+template <class C>
+__device__ __forceinline__ BackwardSmem layout() {
+  return backwardWgmmaSmem(C::block_m, C::block_n, C::head_dim);
+}
+// The dynamic shared memory rounded up to the swizzle period (its 32-bit
+// shared-window address, and as a pointer).
+__device__ __forceinline__ Bits32 baseAddress() {
+  const Bits32 base = cuda::sharedAddress(cuda::smem());
+  return (base + (kSwizzlePeriodBytes - 1)) & ~Bits32(kSwizzlePeriodBytes - 1);
+}
+__device__ __forceinline__ unsigned char* base() {
+  unsigned char* smem = cuda::smem();
+  return smem + (baseAddress() - cuda::sharedAddress(smem));
+}
+
+// The shared-window address of query stage `stage`'s tile at `offset`
+// (stage 0's), the stage taken from lane 0: ptxas then knows it
+// warp-uniform, and the descriptors built from it stay in uniform registers.
+template <class C>
+__device__ __forceinline__ Bits32 stageTile(int offset, int stage) {
+  return baseAddress() + Bits32(offset) + Bits32(__shfl_sync(0xffffffffu, stage, 0) * layout<C>().stage);
+}
+
+// Rows [first, first + Rows) of head h of a 16-bit workspace [B, heads, L,
+// d] into a swizzled tile of Rows-row atoms by cp.async, zeros past L. A
+// thread's 16-byte column is fixed and its rows step by a multiple of 8, so
+// its swizzle is too: every copy is its base addresses plus constants. A
+// row past L takes src-size 0 (zeros, nothing read: the address is never
+// dereferenced).
+template <class C, int Rows>
+__device__ __forceinline__ void copyTile(Bits32 tile, const void* workspace, int heads, int64_t b, int64_t h,
+                                         int64_t first, int64_t L) {
+  constexpr int chunks = C::head_dim / kChunkElements, threads = C::warps * kWarpSize, step = threads / chunks;
+  static_assert(threads % chunks == 0 && step % 8 == 0 && Rows % step == 0, "whole rounds of 8-row groups");
+  const int chunk = int(threadIdx.x) % chunks, r0 = int(threadIdx.x) / chunks;
+  const Bits16* source = static_cast<const Bits16*>(workspace) + ((b * heads + h) * L + first + r0) * C::head_dim +
+                         chunk * kChunkElements;
+  const Bits32 target = tile + Bits32((chunk / 8) * Rows * kSwizzleRowBytes + swizzledChunk(r0, chunk % 8));
+  const int left = int(min(L - first, int64_t(Rows))) - r0;  // the thread's rows before L
+  #pragma unroll
+  for (int k = 0; k < Rows / step; ++k)
+    ptx::cpAsyncCg16(target + Bits32(k * step * kSwizzleRowBytes), source + k * step * C::head_dim, k * step < left);
+}
+
+// Waits for this thread's copies but the newest `Pending` groups, hands what
+// landed to the async proxy (wgmma reads it there), and syncs the CTA.
+template <int Pending>
+__device__ __forceinline__ void landCopies() {
+  cuda::waitCopies<Pending>();
+  ptx::fenceProxyAsync();
+  __syncthreads();
+}
+
+// Descriptors: K-major rows [64 wg, 64 wg + 64) of a tile of `atomBytes`
+// atoms at k-step kt; an N-major tile (n = d) at k-step kk of its rows.
+__device__ __forceinline__ Bits64 kMajor(Bits32 tile, int atomBytes, int firstRow, int kt) {
+  const int atom = kt / (kSwizzleAtomColumns / 16), inner = (kt % (kSwizzleAtomColumns / 16)) * 16 * kTileElementBytes;
+  return hopper::advanced(hopper::descriptorAt(tile, 16, kSwizzlePeriodBytes),
+                          atom * atomBytes + firstRow * kSwizzleRowBytes + inner);
+}
+__device__ __forceinline__ Bits64 nMajor(Bits32 tile, int atomBytes, int kk) {
+  return hopper::advanced(hopper::descriptorAt(tile, atomBytes, kSwizzlePeriodBytes), kk * 16 * kSwizzleRowBytes);
+}
+
+// acc = A B^T over d: A the warpgroup's 64 rows of a K or V tile, B a query
+// stage's Q or dO tile (both K-major), N = block_m.
+template <class C>
+__device__ __forceinline__ void rowProduct(float (&acc)[C::block_m / 2], int aTile, Bits32 bTile) {
+  using G = Geometry<C>;
+  const Bits32 a = baseAddress() + Bits32(aTile);
+  // The warpgroup's first key row, from lane 0 (uniform, as stageTile's stage).
+  const int firstRow = C::warps == 4 ? 0 : __shfl_sync(0xffffffffu, cuda::warp() / 4, 0) * 64;
+  ptx::pinRegisters(acc);
+  ptx::wgmmaFence();
+  #pragma unroll
+  for (int kt = 0; kt < G::KT; ++kt)
+    wgmma::Wgmma<C::dtype, C::block_m>::ss(acc, kMajor(a, G::kvAtomBytes, firstRow, kt),
+                                           kMajor(bTile, G::qAtomBytes, 0, kt), kt > 0);
+  ptx::wgmmaCommit();
+  ptx::wgmmaWait<0>();
+  ptx::pinRegisters(acc);
+}
+
+// acc += T B: T (block_n x block_m, the thread's C fragments `t`) re-packed
+// as the register A operand, B a query stage's tile read N-major (n = d).
+template <class C>
+__device__ __forceinline__ void columnProduct(float (&acc)[C::head_dim / 2], const float (&t)[C::block_m / 8][4],
+                                              Bits32 bTile) {
+  using G = Geometry<C>;
+  Bits32 a[G::QK][4];
+  #pragma unroll
+  for (int kk = 0; kk < G::QK; ++kk) cuda::repack<C>(a[kk], t, kk);
+  ptx::pinRegisters(acc);
+  ptx::wgmmaFence();
+  #pragma unroll
+  for (int kk = 0; kk < G::QK; ++kk)
+    wgmma::Wgmma<C::dtype, C::head_dim>::rs(acc, a[kk], nMajor(bTile, G::qAtomBytes, kk), true);
+  ptx::wgmmaCommit();
+  ptx::wgmmaWait<0>();
+  ptx::pinRegisters(acc);
+}
+
+// The one m-tile of a register tile, as wgmma's flat accumulators.
+template <int N, class T>
+__device__ __forceinline__ float (&flat(T& tile))[N] {
+  static_assert(sizeof(T) == N * sizeof(float), "one m-tile of accumulators");
+  return reinterpret_cast<float(&)[N]>(tile);
+}
+
+}  // namespace bwgmma
+
+//===----------------------------------------------------------------------===//
 // The collapse backward (token-parallel)
 //===----------------------------------------------------------------------===//
 
@@ -293,6 +440,13 @@ __device__ void load_kv_grad(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, 
     else cuda::commitCopies();  // an empty group: the wait leaves the newest group in flight either way
     cuda::waitCopies<1>();
     kv.stage ^= 1;
+  } else if constexpr (C::wgmma_backward) {  // the key-block-outer launch's one block, swizzled
+    const BackwardSmem w = bwgmma::layout<C>();
+    bwgmma::copyTile<C, C::block_n>(bwgmma::baseAddress() + Bits32(w.k), a.k_mixed, C::kv_heads, b, g, col0, L);
+    bwgmma::copyTile<C, C::block_n>(bwgmma::baseAddress() + Bits32(w.v), a.v_mixed, C::kv_heads, b, g, col0, L);
+    cuda::commitCopies();
+    cuda::waitCopies<0>();
+    ptx::fenceProxyAsync();
   } else {
     copyKvStage<C, false>(a, 0, col0, g, b, L);
     cuda::waitCopies<0>();
@@ -312,14 +466,20 @@ __device__ void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0,
 // into query stage `stage` by cp.async (zeros past L), one commit group.
 // A thread copies the same bytes of a stage for every block, so its own
 // wait orders its copies before it writes that stage again.
-template <class C>
+// Swizzled: the key-block-outer launch on wgmma (its tiles, bwgmma::layout).
+template <class C, bool Swizzled = false>
 __device__ void copyQueryStage(const IhaArgs& a, int stage, int64_t row0, int64_t h, int64_t b, int64_t L) {
   using G = cuda::Geometry<C>;
-  const BackwardSmem s = cuda::bwdSmem<C>();
+  const BackwardSmem s = Swizzled ? bwgmma::layout<C>() : cuda::bwdSmem<C>();
+  unsigned char* const base = Swizzled ? bwgmma::base() : cuda::smem();
   const int at = stage * s.stage;
   constexpr int chunks = G::Dp / kChunkElements, dChunks = G::D / kChunkElements;
   const int64_t rows = (b * C::heads + h) * L;  // the head's first row in the workspaces
-  if constexpr (G::threads % chunks == 0) {
+  if constexpr (Swizzled) {
+    const Bits32 tiles = cuda::sharedAddress(base) + Bits32(at);
+    bwgmma::copyTile<C, C::block_m>(tiles + Bits32(s.q), a.q_mixed, C::heads, b, h, row0, L);
+    bwgmma::copyTile<C, C::block_m>(tiles + Bits32(s.dO), a.do_pseudo, C::heads, b, h, row0, L);
+  } else if constexpr (G::threads % chunks == 0) {
     // The thread's 16-byte chunk column is fixed and its rows step by
     // threads / chunks: every copy is its base addresses plus constants,
     // unrolled; a row past L takes src-size 0 (zeros, nothing read).
@@ -338,8 +498,8 @@ __device__ void copyQueryStage(const IhaArgs& a, int stage, int64_t row0, int64_
     cuda::copyRows<C, C::block_m>(cuda::bwdTile<C>(s.q + at), a.q_mixed, C::heads, b, h, row0, L);
     cuda::copyRows<C, C::block_m>(cuda::bwdTile<C>(s.dO + at), a.do_pseudo, C::heads, b, h, row0, L);
   }
-  float* lse = cuda::bwdFloats<C>(s.lse + at);
-  float* delta = cuda::bwdFloats<C>(s.delta + at);
+  float* lse = reinterpret_cast<float*>(base + s.lse + at);
+  float* delta = reinterpret_cast<float*>(base + s.delta + at);
   #pragma unroll
   for (int k = 0; k < (C::block_m + G::threads - 1) / G::threads; ++k) {
     const int r = int(threadIdx.x) + k * G::threads;
@@ -372,7 +532,7 @@ template <class C>
 __device__ void q_grad_ahead(QGradTile<C>& q, const IhaArgs& a, int64_t row0, int64_t h, int64_t b) {
   __syncthreads();        // every warp is done with the previous head's stages
   cuda::waitCopies<0>();  // and this thread's copies have landed
-  copyQueryStage<C>(a, q.stage ^ 1, row0, h, b, seq_len<C>(a));
+  copyQueryStage<C, C::wgmma_backward>(a, q.stage ^ 1, row0, h, b, seq_len<C>(a));
 }
 
 // Q and do rows [row0, row0 + block_m) of query head h, with lse and D;
@@ -386,9 +546,10 @@ __device__ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, int64_t row0, int
   const int64_t L = seq_len<C>(a);
   __syncthreads();  // every warp is done with the previous block's stage
   if constexpr (Ahead) {
-    if (row0 + C::block_m < L) copyQueryStage<C>(a, q.stage, row0 + C::block_m, h, b, L);
+    if (row0 + C::block_m < L) copyQueryStage<C, C::wgmma_backward>(a, q.stage, row0 + C::block_m, h, b, L);
     else cuda::commitCopies();  // an empty group: the wait leaves the newest group in flight either way
     cuda::waitCopies<1>();
+    if constexpr (C::wgmma_backward) ptx::fenceProxyAsync();  // wgmma reads the stage through the async proxy
     q.stage ^= 1;
   } else {  // stage 0: the dq launch's second K and V stage lies over stage 1
     copyQueryStage<C>(a, 0, row0, h, b, L);
@@ -403,8 +564,9 @@ __device__ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, int64_t row0, int
 // The steps of a (query block, key block) pair
 //===----------------------------------------------------------------------===//
 
-// Outer::keys: S^T = K Q^T * scale * log2(e), warps over key rows.
-// Outer::queries: S = Q K^T * scale * log2(e), warps over query rows.
+// Outer::keys: S^T = K Q^T, warps over key rows.
+// Outer::queries: S = Q K^T, warps over query rows.
+// (Unscaled: bwd_probs folds scale * log2(e) into its exponentials.)
 template <class C, Outer O>
 __device__ void bwd_scores(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) {
   using G = cuda::Geometry<C>;
@@ -412,31 +574,30 @@ __device__ void bwd_scores(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) 
   const BackwardSmem smem = cuda::bwdSmem<C>();
   const Bits16* kTile = cuda::bwdTile<C>(smem.k);
   const Bits32 qTile = stageTile<C>(smem.q, q);
-  constexpr float scale = C::scale * kLog2e;
   if constexpr (O == Outer::keys) {
-    cuda::zero<C>(s.t);
-    #pragma unroll
-    for (int kt = 0; kt < G::KT; ++kt) {
-      Bits32 a[BG::KMT][4];
+    if constexpr (C::wgmma_backward) {
+      const BackwardSmem w = bwgmma::layout<C>();
+      bwgmma::rowProduct<C>(bwgmma::flat<C::block_m / 2>(s.t), w.k,
+                            bwgmma::stageTile<C>(w.q, q.stage));
+    } else {
+      cuda::zero<C>(s.t);
       #pragma unroll
-      for (int mt = 0; mt < BG::KMT; ++mt) cuda::loadA<C>(a[mt], kTile, cuda::keyRow<C>(mt), kt);
-      #pragma unroll
-      for (int pair = 0; pair < BG::QNT / 2; ++pair) {
-        Bits32 bq[4];
-        cuda::loadB<C>(bq, qTile, pair, kt);
+      for (int kt = 0; kt < G::KT; ++kt) {
+        Bits32 a[BG::KMT][4];
         #pragma unroll
-        for (int mt = 0; mt < BG::KMT; ++mt) {
-          cuda::mma16816<C>(s.t[mt][2 * pair], a[mt], bq[0], bq[1]);
-          cuda::mma16816<C>(s.t[mt][2 * pair + 1], a[mt], bq[2], bq[3]);
+        for (int mt = 0; mt < BG::KMT; ++mt) cuda::loadA<C>(a[mt], kTile, cuda::keyRow<C>(mt), kt);
+        #pragma unroll
+        for (int pair = 0; pair < BG::QNT / 2; ++pair) {
+          Bits32 bq[4];
+          cuda::loadB<C>(bq, qTile, pair, kt);
+          #pragma unroll
+          for (int mt = 0; mt < BG::KMT; ++mt) {
+            cuda::mma16816<C>(s.t[mt][2 * pair], a[mt], bq[0], bq[1]);
+            cuda::mma16816<C>(s.t[mt][2 * pair + 1], a[mt], bq[2], bq[3]);
+          }
         }
       }
     }
-    #pragma unroll
-    for (int mt = 0; mt < BG::KMT; ++mt)
-      #pragma unroll
-      for (int nt = 0; nt < BG::QNT; ++nt)
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) s.t[mt][nt][e] *= scale;
   } else {
     cuda::zero<C>(s.s);
     #pragma unroll
@@ -455,12 +616,6 @@ __device__ void bwd_scores(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) 
         }
       }
     }
-    #pragma unroll
-    for (int mt = 0; mt < G::MT; ++mt)
-      #pragma unroll
-      for (int nt = 0; nt < G::NT; ++nt)
-        #pragma unroll
-        for (int e = 0; e < 4; ++e) s.s[mt][nt][e] *= scale;
   }
 }
 
@@ -495,25 +650,30 @@ __device__ void bwd_mask(BwdScores<C>& s, const IhaArgs& a, QGradTile<C>& q, KvG
   }
 }
 
-// P = exp2(S - lse): the forward's probabilities, recomputed.
+// P = exp2(S * scale * log2(e) - lse * log2(e)): the forward's
+// probabilities, recomputed (flush-to-zero, as the forward's).
 template <class C, Outer O>
 __device__ void bwd_probs(BwdScores<C>& s, QGradTile<C>& q) {
   using G = cuda::Geometry<C>;
   using BG = cuda::BackwardGeometry<C>;
+  constexpr float scale = C::scale * kLog2e;
   const float* lse = cuda::bwdFloats<C>(cuda::bwdSmem<C>().lse + stageOf<C>(q));
   const int l = cuda::lane();
+  if constexpr (O == Outer::keys && C::wgmma_backward) {
+    const BackwardSmem w = bwgmma::layout<C>();
+    lse = reinterpret_cast<const float*>(bwgmma::base() + w.lse + q.stage * w.stage);
+  }
   if constexpr (O == Outer::keys) {
     #pragma unroll
-    for (int nt = 0; nt < BG::QNT; ++nt)
+    for (int nt = 0; nt < BG::QNT; ++nt) {
+      // The thread's two query columns of the n-tile, adjacent.
+      const float2 pair = *reinterpret_cast<const float2*>(lse + nt * 8 + fragment::accumulatorColumn(l, 0));
+      const float m[2] = {pair.x * kLog2e, pair.y * kLog2e};
       #pragma unroll
-      for (int column = 0; column < 2; ++column) {
-        const float m = lse[nt * 8 + fragment::accumulatorColumn(l, column)] * kLog2e;
+      for (int mt = 0; mt < BG::KMT; ++mt)
         #pragma unroll
-        for (int mt = 0; mt < BG::KMT; ++mt) {
-          s.t[mt][nt][column] = exp2f(s.t[mt][nt][column] - m);
-          s.t[mt][nt][column + 2] = exp2f(s.t[mt][nt][column + 2] - m);
-        }
-      }
+        for (int e = 0; e < 4; ++e) s.t[mt][nt][e] = ptx::exp2Ftz(fmaf(s.t[mt][nt][e], scale, -m[e % 2]));
+    }
   } else {
     #pragma unroll
     for (int mt = 0; mt < G::MT; ++mt)
@@ -522,8 +682,8 @@ __device__ void bwd_probs(BwdScores<C>& s, QGradTile<C>& q) {
         const float m = lse[cuda::tileRow<C>(mt) + fragment::accumulatorRow(l, 2 * h)] * kLog2e;
         #pragma unroll
         for (int nt = 0; nt < G::NT; ++nt) {
-          s.s[mt][nt][2 * h] = exp2f(s.s[mt][nt][2 * h] - m);
-          s.s[mt][nt][2 * h + 1] = exp2f(s.s[mt][nt][2 * h + 1] - m);
+          s.s[mt][nt][2 * h] = ptx::exp2Ftz(fmaf(s.s[mt][nt][2 * h], scale, -m));
+          s.s[mt][nt][2 * h + 1] = ptx::exp2Ftz(fmaf(s.s[mt][nt][2 * h + 1], scale, -m));
         }
       }
   }
@@ -534,6 +694,12 @@ template <class C>
 __device__ void bwd_dv(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
   using G = cuda::Geometry<C>;
   using BG = cuda::BackwardGeometry<C>;
+  if constexpr (C::wgmma_backward) {
+    const BackwardSmem w = bwgmma::layout<C>();
+    bwgmma::columnProduct<C>(bwgmma::flat<C::head_dim / 2>(kv.dv), s.t[0],
+                             bwgmma::stageTile<C>(w.dO, q.stage));
+    return;
+  }
   const Bits32 dO = stageTile<C>(cuda::bwdSmem<C>().dO, q);
   #pragma unroll
   for (int kk = 0; kk < BG::QK; ++kk) {
@@ -565,34 +731,39 @@ __device__ void bwd_ds(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) {
   const float* delta = cuda::bwdFloats<C>(smem.delta + stageOf<C>(q));
   const int l = cuda::lane();
   if constexpr (O == Outer::keys) {
-    cuda::zero<C>(s.dt);
-    #pragma unroll
-    for (int kt = 0; kt < G::KT; ++kt) {
-      Bits32 a[BG::KMT][4];
+    if constexpr (C::wgmma_backward) {
+      const BackwardSmem w = bwgmma::layout<C>();
+      bwgmma::rowProduct<C>(bwgmma::flat<C::block_m / 2>(s.dt), w.v,
+                            bwgmma::stageTile<C>(w.dO, q.stage));
+      delta = reinterpret_cast<const float*>(bwgmma::base() + w.delta + q.stage * w.stage);
+    } else {
+      cuda::zero<C>(s.dt);
       #pragma unroll
-      for (int mt = 0; mt < BG::KMT; ++mt) cuda::loadA<C>(a[mt], vTile, cuda::keyRow<C>(mt), kt);
-      #pragma unroll
-      for (int pair = 0; pair < BG::QNT / 2; ++pair) {
-        Bits32 b[4];
-        cuda::loadB<C>(b, dOTile, pair, kt);
+      for (int kt = 0; kt < G::KT; ++kt) {
+        Bits32 a[BG::KMT][4];
         #pragma unroll
-        for (int mt = 0; mt < BG::KMT; ++mt) {
-          cuda::mma16816<C>(s.dt[mt][2 * pair], a[mt], b[0], b[1]);
-          cuda::mma16816<C>(s.dt[mt][2 * pair + 1], a[mt], b[2], b[3]);
+        for (int mt = 0; mt < BG::KMT; ++mt) cuda::loadA<C>(a[mt], vTile, cuda::keyRow<C>(mt), kt);
+        #pragma unroll
+        for (int pair = 0; pair < BG::QNT / 2; ++pair) {
+          Bits32 b[4];
+          cuda::loadB<C>(b, dOTile, pair, kt);
+          #pragma unroll
+          for (int mt = 0; mt < BG::KMT; ++mt) {
+            cuda::mma16816<C>(s.dt[mt][2 * pair], a[mt], b[0], b[1]);
+            cuda::mma16816<C>(s.dt[mt][2 * pair + 1], a[mt], b[2], b[3]);
+          }
         }
       }
     }
     #pragma unroll
-    for (int nt = 0; nt < BG::QNT; ++nt)
+    for (int nt = 0; nt < BG::QNT; ++nt) {
+      const float2 pair = *reinterpret_cast<const float2*>(delta + nt * 8 + fragment::accumulatorColumn(l, 0));
+      const float d[2] = {pair.x, pair.y};
       #pragma unroll
-      for (int column = 0; column < 2; ++column) {
-        const float d = delta[nt * 8 + fragment::accumulatorColumn(l, column)];
+      for (int mt = 0; mt < BG::KMT; ++mt)
         #pragma unroll
-        for (int mt = 0; mt < BG::KMT; ++mt) {
-          s.dt[mt][nt][column] = s.t[mt][nt][column] * (s.dt[mt][nt][column] - d);
-          s.dt[mt][nt][column + 2] = s.t[mt][nt][column + 2] * (s.dt[mt][nt][column + 2] - d);
-        }
-      }
+        for (int e = 0; e < 4; ++e) s.dt[mt][nt][e] = s.t[mt][nt][e] * (s.dt[mt][nt][e] - d[e % 2]);
+    }
     // dq atomic: dS^T (16-bit, as the products read it) to shared memory,
     // where bwd_dk takes its warp's rows and bwd_dq_atomic every row; dS^T
     // leaves the registers here.
@@ -650,6 +821,12 @@ template <class C>
 __device__ void bwd_dk(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
   using G = cuda::Geometry<C>;
   using BG = cuda::BackwardGeometry<C>;
+  if constexpr (C::wgmma_backward) {
+    const BackwardSmem w = bwgmma::layout<C>();
+    bwgmma::columnProduct<C>(bwgmma::flat<C::head_dim / 2>(kv.dk), s.dt[0],
+                             bwgmma::stageTile<C>(w.q, q.stage));
+    return;
+  }
   const Bits32 qTile = stageTile<C>(cuda::bwdSmem<C>().q, q);
   #pragma unroll
   for (int kk = 0; kk < BG::QK; ++kk) {

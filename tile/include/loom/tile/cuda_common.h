@@ -806,4 +806,31 @@ __device__ void combine_splits(const IhaArgs& a, int64_t token0, int64_t b) {
   }
 }
 
+namespace hopper {
+
+// wgmma's shared-memory matrix descriptors for 128-byte swizzled tiles (the
+// sm_90a forward, loom/tile/hopper.h, and the wgmma backward). `leading` is the
+// byte step between 64-column atoms along N of an N-major operand (unused,
+// 16, for K-major ones); `stride` the step between 8-row groups.
+// A descriptor as its two words: the low one holds the start address (bits
+// 0-13, in 16-byte units) and the leading byte offset, the high one the
+// stride and the swizzle mode (bits 62-63 of the whole: 1, 128-byte), the
+// same for every tile of a kind.
+struct Descriptor {
+  Bits32 lo, hi;
+};
+__device__ __forceinline__ Descriptor descriptorAt(Bits32 address, int leading, int stride) {
+  return {((address >> 4) & 0x3FFF) | Bits32((leading >> 4) & 0x3FFF) << 16,
+          Bits32((stride >> 4) & 0x3FFF) | Bits32(1) << 30};
+}
+// The descriptor `bytes` further on: only the start address grows (shared
+// addresses stay below 2^18, so it never carries into the next field).
+__device__ __forceinline__ Descriptor offset(Descriptor d, int bytes) { return {d.lo + Bits32(bytes >> 4), d.hi}; }
+__device__ __forceinline__ Bits64 advanced(Descriptor d, int bytes) {
+  const Descriptor at = offset(d, bytes);
+  return Bits64(at.hi) << 32 | Bits64(at.lo);
+}
+
+}  // namespace hopper
+
 }  // namespace loom

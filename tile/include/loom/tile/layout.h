@@ -461,6 +461,28 @@ constexpr BackwardSmem backwardSmem(int blockM, int blockN, int headDim, bool at
   s.total = s.total > s.kvStage + 2 * kv ? s.total : s.kvStage + 2 * kv;
   return s;
 }
+// The key-block-outer launch on wgmma (sm_90a, schedule.engine wgmma): the
+// same parts, K and V and each query stage's Q and dO as 128-byte swizzled
+// tiles of 64-column atoms (what wgmma's descriptors read; no padding), the
+// stages 1024 bytes apart, from a base the launch rounds up to the swizzle
+// period (kSwizzlePeriodBytes of slack in total). No dS tile (dq has its own
+// launch) and no second K and V stage.
+constexpr BackwardSmem backwardWgmmaSmem(int blockM, int blockN, int headDim) {
+  const int kv = blockN * headDim * kTileElementBytes;
+  const int rows = blockM * headDim * kTileElementBytes;
+  BackwardSmem s{};
+  s.k = 0;
+  s.v = kv;
+  s.q = 2 * kv;
+  s.dO = s.q + rows;
+  s.lse = s.q + 2 * rows;
+  s.delta = s.lse + blockM * kAccumulatorBytes;
+  s.stage = alignUp(2 * rows + 2 * blockM * kAccumulatorBytes, kSwizzlePeriodBytes);
+  s.ds = s.q + kBackwardQueryStages * s.stage;
+  s.kvStage = 0;
+  s.total = s.ds + kSwizzlePeriodBytes;
+  return s;
+}
 // The collapse backward's CTA: its dcollapse partial sums (f32).
 constexpr int collapseGradSmem(int heads, int pseudo, bool global) {
   return (global ? heads : 1) * heads * pseudo * kAccumulatorBytes;

@@ -93,9 +93,14 @@ void completeDecodeFields(ScheduleFields& fields, bool mixedCache, int64_t stack
 
 // Why a complete schedule cannot compute a backward kernel, naming the
 // field: the backward reads the mixed rows from workspaces (mix
-// materialized), needs the pseudo outputs (collapse separate) and has the
-// mma engine's tiles only.
+// materialized) and needs the pseudo outputs (collapse separate); on wgmma
+// its key-block-outer launch takes whole warpgroups of 64 key rows and dq
+// has its own launch.
 std::optional<std::string> checkBackwardSchedule(ScheduleAttr schedule);
+// A backward kernel's schedule whole: its forward launches (on mma.sync,
+// whatever the engine: a backward's engine is its key-block-outer
+// launch's) by checkSchedule, then checkBackwardSchedule.
+std::optional<std::string> checkBackwardKernelSchedule(SpecAttr spec, ScheduleAttr schedule);
 
 // Why `schedule` cannot compute `spec`, naming the field; nullopt when fine.
 std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule);
