@@ -59,12 +59,13 @@ struct DriverApi {
                                      CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 };
 
-// The host side of loom::TmaMaps (tile/include/loom/tile/hopper.h): the tensor maps a
-// warp-specialised attention launch takes after its IhaArgs.
+// The host side of loom::TmaMaps (tile/include/loom/tile/cuda_common.h): the tensor
+// maps a warp-specialised attention launch (or the wgmma backward's key-block-outer
+// launch) takes after its IhaArgs.
 struct TmaMaps {
-  CUtensorMap q, k, v;
+  CUtensorMap q, k, v, dO, lse, delta;
 };
-static_assert(sizeof(TmaMaps) == 3 * 128, "loom::TmaMaps is three 128-byte tensor maps");
+static_assert(sizeof(TmaMaps) == 6 * 128, "loom::TmaMaps is six 128-byte tensor maps");
 
 // cuTensorMapEncodeTiled's signature: the driver's, or the emulator's.
 using TensorMapEncoder = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
@@ -72,7 +73,8 @@ using TensorMapEncoder = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint3
                                       CUtensorMapSwizzle, CUtensorMapL2promotion, CUtensorMapFloatOOBfill);
 
 // The tensor maps a warp-specialised launch of `compiled` takes over its
-// mixed workspaces (args.q_mixed, k_mixed, v_mixed; L = N * P rows), encoded
+// mixed workspaces (args.q_mixed, k_mixed, v_mixed, and a backward's
+// do_pseudo, lse and delta; L = N * P rows), encoded
 // by `encode`; `check` turns a failure into an error naming the map.
 Status encodeWorkspaceMaps(TensorMapEncoder encode, const std::function<Status(CUresult, const std::string&)>& check,
                            const v1::CompiledKernel& compiled, const IhaArgs& args, int64_t L, int64_t B,

@@ -441,9 +441,10 @@ Result<Kernel::StreamState*> Kernel::streamState(CUstream stream, int64_t batch,
 
 namespace cuda {
 
-// Tensor maps over the mixed workspaces [B * heads, L, d] for the wgmma
-// engine's TMA loads (loom/tile/hopper.h, loom::TmaMaps): boxes of one
-// 128-byte swizzle atom (64 columns) by 64 query rows or block_n key rows.
+// Tensor maps over the mixed workspaces [B * heads, L, d] (and a
+// backward's do_pseudo) for the wgmma engine's TMA loads (loom::TmaMaps,
+// loom/tile/cuda_common.h): boxes of one 128-byte swizzle atom (64 columns)
+// by 64 query rows or block_n key rows.
 // With fused mixing there are no workspaces and the maps stay unused.
 Status encodeWorkspaceMaps(TensorMapEncoder encode, const std::function<Status(CUresult, const std::string&)>& check,
                            const v1::CompiledKernel& compiled, const IhaArgs& args, int64_t L, int64_t B,
@@ -464,6 +465,42 @@ Status encodeWorkspaceMaps(TensorMapEncoder encode, const std::function<Status(C
                  std::string("cuTensorMapEncodeTiled(") + name + ")");
   };
   const cuuint32_t blockN = cuuint32_t(compiled.schedule().block_n());
+  if (compiled.direction() == v1::direction_backward) {
+    // The wgmma backward's key-block-outer launch: each tile whole in one
+    // box (4-d: 64 columns, block_m or block_n rows, atoms, planes), lse and
+    // D as runs of B * H * L floats (1-d, block_m a box; a head's rows past
+    // L are the next head's, or zeros past the end).
+    const int64_t d = spec.head_dim(), bytes = compiled.workspace_element_bytes();
+    auto tiles = [&](CUtensorMap& out, void* base, int64_t heads, cuuint32_t boxRows, const char* name) -> Status {
+      if (!base) return Status::success();
+      const cuuint64_t dims[4] = {kAtomColumns, cuuint64_t(L), cuuint64_t(d / kAtomColumns), cuuint64_t(B * heads)};
+      const cuuint64_t strides[3] = {cuuint64_t(d * bytes), cuuint64_t(kAtomColumns * bytes),
+                                     cuuint64_t(L * d * bytes)};
+      const cuuint32_t box[4] = {kAtomColumns, boxRows, cuuint32_t(d / kAtomColumns), 1};
+      const cuuint32_t elementStrides[4] = {1, 1, 1, 1};
+      return check(encode(&out, type, 4, base, dims, strides, box, elementStrides, CU_TENSOR_MAP_INTERLEAVE_NONE,
+                          CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+                   std::string("cuTensorMapEncodeTiled(") + name + ")");
+    };
+    auto run = [&](CUtensorMap& out, void* base, const char* name) -> Status {
+      if (!base) return Status::success();
+      const cuuint64_t dims[1] = {cuuint64_t(B * spec.heads() * L)};
+      const cuuint32_t box[1] = {cuuint32_t(compiled.schedule().block_m())};
+      const cuuint32_t elementStrides[1] = {1};
+      return check(encode(&out, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 1, base, dims, nullptr, box, elementStrides,
+                          CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_NONE,
+                          CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
+                   std::string("cuTensorMapEncodeTiled(") + name + ")");
+    };
+    const cuuint32_t blockM = cuuint32_t(compiled.schedule().block_m());
+    if (Status ok = tiles(maps.q, args.q_mixed, spec.heads(), blockM, "q_mixed"); !ok) return ok;
+    if (Status ok = tiles(maps.dO, args.do_pseudo, spec.heads(), blockM, "do_pseudo"); !ok) return ok;
+    if (Status ok = tiles(maps.k, args.k_mixed, spec.kv_heads(), blockN, "k_mixed"); !ok) return ok;
+    if (Status ok = tiles(maps.v, args.v_mixed, spec.kv_heads(), blockN, "v_mixed"); !ok) return ok;
+    if (Status ok = run(maps.lse, args.lse, "lse"); !ok) return ok;
+    return run(maps.delta, args.delta, "delta");
+  }
   if (Status ok = map(maps.q, args.q_mixed, spec.heads(), kQueryRows, "q_mixed"); !ok) return ok;
   if (Status ok = map(maps.k, args.k_mixed, spec.kv_heads(), blockN, "k_mixed"); !ok) return ok;
   return map(maps.v, args.v_mixed, spec.kv_heads(), blockN, "v_mixed");
@@ -611,7 +648,8 @@ Status Kernel::launchEntries(IhaArgs& args, CUstream stream, bool skipForward, S
   const int64_t B = args.batch, N = args.tokens;
   const bool wantsMaps = std::any_of(compiled_.entries().begin(), compiled_.entries().end(),
                                      [](const v1::EntryPoint& entry) { return entry.tensor_maps(); });
-  const std::array<const void*, 3> buffers = {args.q_mixed, args.k_mixed, args.v_mixed};
+  const std::array<const void*, 6> buffers = {args.q_mixed, args.k_mixed,  args.v_mixed,
+                                              args.do_pseudo, args.lse, args.delta};
   if (wantsMaps && (state.mapsShape != std::make_pair(B, N) || state.mapsBuffers != buffers)) {
     if (!state.maps) state.maps = std::make_unique<cuda::TmaMaps>();
     if (Status ok = encodeTensorMaps(args, N * compiled_.spec().pseudo_heads(), B, *state.maps); !ok) return ok;

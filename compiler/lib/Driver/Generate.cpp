@@ -139,7 +139,8 @@ void readPlan(KernelOp kernel, KernelPlan& plan) {
                     : backwardSharedMemory(spec, kernel.getScheduleAttr(), launch.getSymName());
     plan.launches.push_back({launch.getSymName().str(), int64_t(launch.getRowsPerToken()),
                              int64_t(launch.getRowsPerCta()), int64_t(launch.getGridY()),
-                             int64_t(launch.getThreads()), sharedBytes, specialized, cuda && specialized});
+                             int64_t(launch.getThreads()), sharedBytes, specialized,
+                             cuda && takesTensorMaps(kernel, launch)});
     if (premix)
       plan.workspaces.insert(plan.workspaces.end(), {Workspace::q_mixed, Workspace::k_mixed, Workspace::v_mixed});
     bool storesRows = false;

@@ -326,7 +326,10 @@ class LaunchLowering {
           return mlir::success();
         })
         .Case([&](KvGradBeginOp o) {
-          call("kv_grad_begin", {state("KvGradTile"), args_, get(o.getCol0()), get(o.getHead()), get(o.getBatch())});
+          llvm::SmallVector<Value> operands{state("KvGradTile")};
+          operands.append(launchArgs());
+          operands.append({get(o.getCol0()), get(o.getHead()), get(o.getBatch())});
+          call("kv_grad_begin", operands);
           return mlir::success();
         })
         .Case([&](ForGroupHeadsOp o) {
@@ -347,12 +350,17 @@ class LaunchLowering {
             QLoopOp firstLoop = *loops.begin();
             Value row0 = b_.create<mlir::emitc::MulOp>(loc_, b_.getI64Type(), get(firstLoop.getLower()),
                                                        constant(kernel_.getScheduleAttr().getBlockM()));
-            call("q_grad_ahead", {state("QGradTile"), args_, row0, loop.getInductionVar(), get(firstLoop.getBatch())});
+            llvm::SmallVector<Value> operands{state("QGradTile")};
+            operands.append(launchArgs());
+            operands.append({row0, loop.getInductionVar(), get(firstLoop.getBatch())});
+            call("q_grad_ahead", operands);
           }
           return lowerBlock(o.getBody().front());
         })
         .Case([&](QLoopOp o) { return lowerQLoop(o); })
         .Case([&](KvGradStoreOp o) {
+          // The query stages' last copies land (one may run past the loop's last block).
+          call("q_grad_finish", {state("QGradTile"), args_});
           call("kv_grad_store", {state("KvGradTile"), args_, get(o.getCol0()), get(o.getHead()), get(o.getBatch())});
           return mlir::success();
         })
@@ -502,7 +510,10 @@ class LaunchLowering {
     Value row0 = b_.create<mlir::emitc::MulOp>(loc_, b_.getI64Type(), loop.getInductionVar(),
                                                constant(kernel_.getScheduleAttr().getBlockM()));
     Value scores = state("BwdScores"), q = state("QGradTile"), kv = state("KvGradTile");
-    call("load_q_grad", {q, args_, row0, get(o.getHead()), get(o.getBatch())}, {"true"});
+    llvm::SmallVector<Value> operands{q};
+    operands.append(launchArgs());
+    operands.append({row0, get(o.getHead()), get(o.getBatch())});
+    call("load_q_grad", operands, {"true"});
     backwardScores(o.getMasked(), kKeysOuter);
     call("bwd_dv", {kv, scores, q});
     call("bwd_ds", {scores, q, kv}, {kKeysOuter});
@@ -589,7 +600,7 @@ struct LowerToEmitC : impl::IhaLowerToEmitCBase<LowerToEmitC> {
     const bool specialized = !launch.getBlock().getOps<WarpSpecializeOp>().empty();
     const bool cuda = tileHeader != "loom/tile/host.h";
     llvm::SmallVector<mlir::Type> parameters{mlir::emitc::OpaqueType::get(ctx, kArgsType)};
-    if (specialized && cuda) parameters.push_back(mlir::emitc::OpaqueType::get(ctx, kMapsType));
+    if (takesTensorMaps(kernel, launch) && cuda) parameters.push_back(mlir::emitc::OpaqueType::get(ctx, kMapsType));
     auto func = builder.create<mlir::emitc::FuncOp>(launch.getLoc(), launch.getSymName(),
                                                     builder.getFunctionType(parameters, {}));
     llvm::SmallVector<llvm::StringRef> specifiers{"LOOM_KERNEL"};

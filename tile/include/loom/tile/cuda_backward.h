@@ -156,6 +156,11 @@ template <class C>
 struct QGradTile {
   int64_t row0;
   int stage = 0;  // the query stage holding row0's rows (layout.h, BackwardSmem)
+  // wgmma: the parity each stage's mbarrier completes next, and the stages
+  // with a TMA fill issued and not yet waited for (bit s: stage s); the
+  // aligned shared memory's and row0's stage's shared-window addresses.
+  unsigned phases = 0, pending = 0;
+  Bits32 base = 0, tiles = 0;
 };
 
 // The key-block-outer launch uses t (S^T, then P^T) and dt (dS^T), the dq
@@ -223,42 +228,38 @@ __device__ __forceinline__ unsigned char* base() {
   return smem + (baseAddress() - cuda::sharedAddress(smem));
 }
 
-// The shared-window address of query stage `stage`'s tile at `offset`
-// (stage 0's), the stage taken from lane 0: ptxas then knows it
-// warp-uniform, and the descriptors built from it stay in uniform registers.
+
+// mbarrier `index` (0: K and V; 1 + s: query stage s) as a shared-window address.
 template <class C>
-__device__ __forceinline__ Bits32 stageTile(int offset, int stage) {
-  return baseAddress() + Bits32(offset) + Bits32(__shfl_sync(0xffffffffu, stage, 0) * layout<C>().stage);
+__device__ __forceinline__ Bits32 barrierAt(int index, Bits32 base = baseAddress()) {
+  return base + Bits32(layout<C>().barriers + index * 8);
 }
 
-// Rows [first, first + Rows) of head h of a 16-bit workspace [B, heads, L,
-// d] into a swizzled tile of Rows-row atoms by cp.async, zeros past L. A
-// thread's 16-byte column is fixed and its rows step by a multiple of 8, so
-// its swizzle is too: every copy is its base addresses plus constants. A
-// row past L takes src-size 0 (zeros, nothing read: the address is never
-// dereferenced).
-template <class C, int Rows>
-__device__ __forceinline__ void copyTile(Bits32 tile, const void* workspace, int heads, int64_t b, int64_t h,
-                                         int64_t first, int64_t L) {
-  constexpr int chunks = C::head_dim / kChunkElements, threads = C::warps * kWarpSize, step = threads / chunks;
-  static_assert(threads % chunks == 0 && step % 8 == 0 && Rows % step == 0, "whole rounds of 8-row groups");
-  const int chunk = int(threadIdx.x) % chunks, r0 = int(threadIdx.x) / chunks;
-  const Bits16* source = static_cast<const Bits16*>(workspace) + ((b * heads + h) * L + first + r0) * C::head_dim +
-                         chunk * kChunkElements;
-  const Bits32 target = tile + Bits32((chunk / 8) * Rows * kSwizzleRowBytes + swizzledChunk(r0, chunk % 8));
-  const int left = int(min(L - first, int64_t(Rows))) - r0;  // the thread's rows before L
+// Thread 0 fills `tile` (Rows rows of 64-column atoms) with rows [first,
+// first + Rows) of plane `plane` of `map` by one TMA box (the runtime's 4-d
+// maps: 64 columns, Rows rows, every atom), completing on `bar` (whose
+// expected bytes the caller set). Rows past L come as zeros (the map's bounds).
+__device__ __forceinline__ void tmaTile(Bits32 tile, const TensorMap* map, int64_t first, int64_t plane, Bits32 bar) {
+  ptx::tmaLoad4d(tile, map, 0, int(first), 0, int(plane), bar);
+}
+
+// Query stage `stage` <- Q and dO rows [row0, row0 + block_m) of query head
+// h, with their lse and D, by TMA (thread 0, on the stage's mbarrier).
+template <class C>
+__device__ void fillQueryStage(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int stage, int64_t row0,
+                               int64_t h, int64_t b, int64_t L);
+
+// Waits for every fill issued and not yet waited for (a block fetched past
+// a loop's last: a window ends it before L).
+template <class C>
+__device__ __forceinline__ void drainQueryStages(QGradTile<C>& q) {
   #pragma unroll
-  for (int k = 0; k < Rows / step; ++k)
-    ptx::cpAsyncCg16(target + Bits32(k * step * kSwizzleRowBytes), source + k * step * C::head_dim, k * step < left);
-}
-
-// Waits for this thread's copies but the newest `Pending` groups, hands what
-// landed to the async proxy (wgmma reads it there), and syncs the CTA.
-template <int Pending>
-__device__ __forceinline__ void landCopies() {
-  cuda::waitCopies<Pending>();
-  ptx::fenceProxyAsync();
-  __syncthreads();
+  for (int stage = 0; stage < kBackwardQueryStages; ++stage)
+    if (q.pending & (1u << stage)) {
+      ptx::mbarrierWaitParity(barrierAt<C>(1 + stage, q.base), int(q.phases >> stage) & 1);
+      q.phases ^= 1u << stage;
+    }
+  q.pending = 0;
 }
 
 // Descriptors: K-major rows [64 wg, 64 wg + 64) of a tile of `atomBytes`
@@ -275,9 +276,9 @@ __device__ __forceinline__ Bits64 nMajor(Bits32 tile, int atomBytes, int kk) {
 // acc = A B^T over d: A the warpgroup's 64 rows of a K or V tile, B a query
 // stage's Q or dO tile (both K-major), N = block_m.
 template <class C>
-__device__ __forceinline__ void rowProduct(float (&acc)[C::block_m / 2], int aTile, Bits32 bTile) {
+__device__ __forceinline__ void rowProduct(float (&acc)[C::block_m / 2], Bits32 aTile, Bits32 bTile) {
   using G = Geometry<C>;
-  const Bits32 a = baseAddress() + Bits32(aTile);
+  const Bits32 a = aTile;
   // The warpgroup's first key row, from lane 0 (uniform, as stageTile's stage).
   const int firstRow = C::warps == 4 ? 0 : __shfl_sync(0xffffffffu, cuda::warp() / 4, 0) * 64;
   ptx::pinRegisters(acc);
@@ -440,13 +441,6 @@ __device__ void load_kv_grad(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, 
     else cuda::commitCopies();  // an empty group: the wait leaves the newest group in flight either way
     cuda::waitCopies<1>();
     kv.stage ^= 1;
-  } else if constexpr (C::wgmma_backward) {  // the key-block-outer launch's one block, swizzled
-    const BackwardSmem w = bwgmma::layout<C>();
-    bwgmma::copyTile<C, C::block_n>(bwgmma::baseAddress() + Bits32(w.k), a.k_mixed, C::kv_heads, b, g, col0, L);
-    bwgmma::copyTile<C, C::block_n>(bwgmma::baseAddress() + Bits32(w.v), a.v_mixed, C::kv_heads, b, g, col0, L);
-    cuda::commitCopies();
-    cuda::waitCopies<0>();
-    ptx::fenceProxyAsync();
   } else {
     copyKvStage<C, false>(a, 0, col0, g, b, L);
     cuda::waitCopies<0>();
@@ -461,25 +455,41 @@ __device__ void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0,
   cuda::zero<C>(kv.dk);
   cuda::zero<C>(kv.dv);
 }
+// On wgmma: the mbarriers set up, then the block's K and V by TMA.
+template <class C>
+__device__ void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs& a, const TmaMaps& maps, int64_t col0, int64_t g,
+                              int64_t b) {
+  static_assert(C::wgmma_backward, "the key-block-outer launch takes tensor maps on wgmma only");
+  const BackwardSmem w = bwgmma::layout<C>();
+  const Bits32 bar = bwgmma::barrierAt<C>(0);
+  if (threadIdx.x == 0) {
+    #pragma unroll
+    for (int i = 0; i < 1 + kBackwardQueryStages; ++i) ptx::mbarrierInit(bwgmma::barrierAt<C>(i), 1);
+    ptx::fenceMbarrierInit();
+    ptx::mbarrierArriveExpectTx(bar, 2 * C::block_n * C::head_dim * kTileElementBytes);
+    const int64_t plane = b * C::kv_heads + g;
+    bwgmma::tmaTile(bwgmma::baseAddress() + Bits32(w.k), &maps.k, col0, plane, bar);
+    bwgmma::tmaTile(bwgmma::baseAddress() + Bits32(w.v), &maps.v, col0, plane, bar);
+  }
+  __syncthreads();  // the barriers are initialised before anyone waits
+  ptx::mbarrierWaitParity(bar, 0);
+  kv.col0 = col0;
+  cuda::zero<C>(kv.dk);
+  cuda::zero<C>(kv.dv);
+}
 
 // Q and do rows [row0, row0 + block_m) of query head h, with lse and D,
 // into query stage `stage` by cp.async (zeros past L), one commit group.
 // A thread copies the same bytes of a stage for every block, so its own
 // wait orders its copies before it writes that stage again.
-// Swizzled: the key-block-outer launch on wgmma (its tiles, bwgmma::layout).
-template <class C, bool Swizzled = false>
+template <class C>
 __device__ void copyQueryStage(const IhaArgs& a, int stage, int64_t row0, int64_t h, int64_t b, int64_t L) {
   using G = cuda::Geometry<C>;
-  const BackwardSmem s = Swizzled ? bwgmma::layout<C>() : cuda::bwdSmem<C>();
-  unsigned char* const base = Swizzled ? bwgmma::base() : cuda::smem();
+  const BackwardSmem s = cuda::bwdSmem<C>();
   const int at = stage * s.stage;
   constexpr int chunks = G::Dp / kChunkElements, dChunks = G::D / kChunkElements;
   const int64_t rows = (b * C::heads + h) * L;  // the head's first row in the workspaces
-  if constexpr (Swizzled) {
-    const Bits32 tiles = cuda::sharedAddress(base) + Bits32(at);
-    bwgmma::copyTile<C, C::block_m>(tiles + Bits32(s.q), a.q_mixed, C::heads, b, h, row0, L);
-    bwgmma::copyTile<C, C::block_m>(tiles + Bits32(s.dO), a.do_pseudo, C::heads, b, h, row0, L);
-  } else if constexpr (G::threads % chunks == 0) {
+  if constexpr (G::threads % chunks == 0) {
     // The thread's 16-byte chunk column is fixed and its rows step by
     // threads / chunks: every copy is its base addresses plus constants,
     // unrolled; a row past L takes src-size 0 (zeros, nothing read).
@@ -498,8 +508,8 @@ __device__ void copyQueryStage(const IhaArgs& a, int stage, int64_t row0, int64_
     cuda::copyRows<C, C::block_m>(cuda::bwdTile<C>(s.q + at), a.q_mixed, C::heads, b, h, row0, L);
     cuda::copyRows<C, C::block_m>(cuda::bwdTile<C>(s.dO + at), a.do_pseudo, C::heads, b, h, row0, L);
   }
-  float* lse = reinterpret_cast<float*>(base + s.lse + at);
-  float* delta = reinterpret_cast<float*>(base + s.delta + at);
+  float* lse = cuda::bwdFloats<C>(s.lse + at);
+  float* delta = cuda::bwdFloats<C>(s.delta + at);
   #pragma unroll
   for (int k = 0; k < (C::block_m + G::threads - 1) / G::threads; ++k) {
     const int r = int(threadIdx.x) + k * G::threads;
@@ -532,7 +542,24 @@ template <class C>
 __device__ void q_grad_ahead(QGradTile<C>& q, const IhaArgs& a, int64_t row0, int64_t h, int64_t b) {
   __syncthreads();        // every warp is done with the previous head's stages
   cuda::waitCopies<0>();  // and this thread's copies have landed
-  copyQueryStage<C, C::wgmma_backward>(a, q.stage ^ 1, row0, h, b, seq_len<C>(a));
+  copyQueryStage<C>(a, q.stage ^ 1, row0, h, b, seq_len<C>(a));
+}
+// On wgmma: the same, Q and dO by TMA.
+template <class C>
+__device__ void q_grad_ahead(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int64_t row0, int64_t h,
+                             int64_t b) {
+  __syncthreads();
+  q.base = bwgmma::baseAddress();
+  bwgmma::drainQueryStages<C>(q);
+  bwgmma::fillQueryStage<C>(q, a, maps, q.stage ^ 1, row0, h, b, seq_len<C>(a));
+}
+
+// After the key-block-outer loops: every copy they issued has landed (a
+// block fetched past the loop's last) before the CTA ends.
+template <class C>
+__device__ void q_grad_finish(QGradTile<C>& q, const IhaArgs&) {
+  if constexpr (C::wgmma_backward) bwgmma::drainQueryStages<C>(q);
+  cuda::waitCopies<0>();
 }
 
 // Q and do rows [row0, row0 + block_m) of query head h, with lse and D;
@@ -546,10 +573,9 @@ __device__ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, int64_t row0, int
   const int64_t L = seq_len<C>(a);
   __syncthreads();  // every warp is done with the previous block's stage
   if constexpr (Ahead) {
-    if (row0 + C::block_m < L) copyQueryStage<C, C::wgmma_backward>(a, q.stage, row0 + C::block_m, h, b, L);
+    if (row0 + C::block_m < L) copyQueryStage<C>(a, q.stage, row0 + C::block_m, h, b, L);
     else cuda::commitCopies();  // an empty group: the wait leaves the newest group in flight either way
     cuda::waitCopies<1>();
-    if constexpr (C::wgmma_backward) ptx::fenceProxyAsync();  // wgmma reads the stage through the async proxy
     q.stage ^= 1;
   } else {  // stage 0: the dq launch's second K and V stage lies over stage 1
     copyQueryStage<C>(a, 0, row0, h, b, L);
@@ -559,6 +585,43 @@ __device__ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, int64_t row0, int
   __syncthreads();
   q.row0 = row0;
 }
+// On wgmma (the key-block-outer loop): the next block by TMA, this one's
+// waited for on its stage's mbarrier (TMA writes and wgmma reads through
+// the async proxy: no proxy fence; the wait makes lse and D visible).
+template <class C, bool Ahead>
+__device__ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int64_t row0, int64_t h,
+                            int64_t b) {
+  static_assert(Ahead && C::wgmma_backward, "tensor maps: the key-block-outer loop on wgmma");
+  const int64_t L = seq_len<C>(a);
+  __syncthreads();  // every warp is done with the previous block's stage (TMA refills it)
+  if (row0 + C::block_m < L) bwgmma::fillQueryStage<C>(q, a, maps, q.stage, row0 + C::block_m, h, b, L);
+  const int next = q.stage ^ 1;
+  ptx::mbarrierWaitParity(bwgmma::barrierAt<C>(1 + next, q.base), int(q.phases >> next) & 1);
+  q.phases ^= 1u << next;
+  q.pending &= ~(1u << next);
+  q.stage = next;
+  q.tiles = q.base + Bits32(next * bwgmma::layout<C>().stage);
+  q.row0 = row0;
+}
+
+namespace bwgmma {
+template <class C>
+__device__ void fillQueryStage(QGradTile<C>& q, const IhaArgs&, const TmaMaps& maps, int stage, int64_t row0,
+                               int64_t h, int64_t b, int64_t L) {
+  const BackwardSmem w = layout<C>();
+  if (threadIdx.x == 0) {
+    const Bits32 bar = barrierAt<C>(1 + stage, q.base), tiles = q.base + Bits32(stage * w.stage);
+    ptx::mbarrierArriveExpectTx(bar, 2 * C::block_m * (C::head_dim * kTileElementBytes + kAccumulatorBytes));
+    const int64_t plane = b * C::heads + h;
+    tmaTile(tiles + Bits32(w.q), &maps.q, row0, plane, bar);
+    tmaTile(tiles + Bits32(w.dO), &maps.dO, row0, plane, bar);
+    // lse and D of the rows (past L: the next head's, or zeros; masked).
+    ptx::tmaLoad1d(tiles + Bits32(w.lse), &maps.lse, int(plane * L + row0), bar);
+    ptx::tmaLoad1d(tiles + Bits32(w.delta), &maps.delta, int(plane * L + row0), bar);
+  }
+  q.pending |= 1u << stage;
+}
+}  // namespace bwgmma
 
 //===----------------------------------------------------------------------===//
 // The steps of a (query block, key block) pair
@@ -577,8 +640,7 @@ __device__ void bwd_scores(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) 
   if constexpr (O == Outer::keys) {
     if constexpr (C::wgmma_backward) {
       const BackwardSmem w = bwgmma::layout<C>();
-      bwgmma::rowProduct<C>(bwgmma::flat<C::block_m / 2>(s.t), w.k,
-                            bwgmma::stageTile<C>(w.q, q.stage));
+      bwgmma::rowProduct<C>(bwgmma::flat<C::block_m / 2>(s.t), q.base + Bits32(w.k), q.tiles + Bits32(w.q));
     } else {
       cuda::zero<C>(s.t);
       #pragma unroll
@@ -696,8 +758,7 @@ __device__ void bwd_dv(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
   using BG = cuda::BackwardGeometry<C>;
   if constexpr (C::wgmma_backward) {
     const BackwardSmem w = bwgmma::layout<C>();
-    bwgmma::columnProduct<C>(bwgmma::flat<C::head_dim / 2>(kv.dv), s.t[0],
-                             bwgmma::stageTile<C>(w.dO, q.stage));
+    bwgmma::columnProduct<C>(bwgmma::flat<C::head_dim / 2>(kv.dv), s.t[0], q.tiles + Bits32(w.dO));
     return;
   }
   const Bits32 dO = stageTile<C>(cuda::bwdSmem<C>().dO, q);
@@ -733,8 +794,7 @@ __device__ void bwd_ds(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) {
   if constexpr (O == Outer::keys) {
     if constexpr (C::wgmma_backward) {
       const BackwardSmem w = bwgmma::layout<C>();
-      bwgmma::rowProduct<C>(bwgmma::flat<C::block_m / 2>(s.dt), w.v,
-                            bwgmma::stageTile<C>(w.dO, q.stage));
+      bwgmma::rowProduct<C>(bwgmma::flat<C::block_m / 2>(s.dt), q.base + Bits32(w.v), q.tiles + Bits32(w.dO));
       delta = reinterpret_cast<const float*>(bwgmma::base() + w.delta + q.stage * w.stage);
     } else {
       cuda::zero<C>(s.dt);
@@ -823,8 +883,7 @@ __device__ void bwd_dk(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
   using BG = cuda::BackwardGeometry<C>;
   if constexpr (C::wgmma_backward) {
     const BackwardSmem w = bwgmma::layout<C>();
-    bwgmma::columnProduct<C>(bwgmma::flat<C::head_dim / 2>(kv.dk), s.dt[0],
-                             bwgmma::stageTile<C>(w.q, q.stage));
+    bwgmma::columnProduct<C>(bwgmma::flat<C::head_dim / 2>(kv.dk), s.dt[0], q.tiles + Bits32(w.q));
     return;
   }
   const Bits32 qTile = stageTile<C>(cuda::bwdSmem<C>().q, q);
@@ -882,7 +941,6 @@ __device__ void storeFragments(const float (&acc)[MTiles][Geometry<C>::OT][4], f
 template <class C>
 __device__ void kv_grad_store(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g, int64_t b) {
   const int64_t L = seq_len<C>(a);
-  cuda::waitCopies<0>();  // a block fetched past the loop's last lands before the CTA ends
   auto first = [](int mt) { return cuda::keyRow<C>(mt); };
   cuda::storeFragments<C>(kv.dk, a.dk_pseudo, C::kv_heads, b, g, col0, L, C::scale, first);
   cuda::storeFragments<C>(kv.dv, a.dv_pseudo, C::kv_heads, b, g, col0, L, 1.0f, first);

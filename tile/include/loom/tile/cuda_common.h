@@ -806,6 +806,27 @@ __device__ void combine_splits(const IhaArgs& a, int64_t token0, int64_t b) {
   }
 }
 
+// A CUtensorMap: 128 opaque bytes, encoded on the host by
+// cuTensorMapEncodeTiled and passed by value as a __grid_constant__.
+struct alignas(64) TensorMap {
+  unsigned long long opaque[16];
+};
+
+// The tensor maps of a warp-specialised attention launch (and of the wgmma
+// backward's key-block-outer launch), over the mixed workspaces [B * heads,
+// L, d] (16-bit) and do_pseudo: boxes of 64 columns by 64 rows (q, dO) or
+// block_n rows (k, v), 128-byte swizzle; and a backward's lse and D as one
+// run of B * heads * L floats each (coordinate (b * heads + h) * L + i),
+// boxes of 64. Unused with fused mixing.
+struct TmaMaps {
+  TensorMap q;
+  TensorMap k;
+  TensorMap v;
+  TensorMap dO;
+  TensorMap lse;
+  TensorMap delta;
+};
+
 namespace hopper {
 
 // wgmma's shared-memory matrix descriptors for 128-byte swizzled tiles (the

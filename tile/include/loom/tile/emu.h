@@ -274,6 +274,14 @@ LOOM_EMU_LEAF inline void tmaLoad3d(Bits32 destination, const void* map, int c0,
   const int32_t coordinates[3] = {c0, c1, c2};
   emu::api->tmaLoad(destination, map, coordinates, 3, bar, LOOM_EMU_PC);
 }
+LOOM_EMU_LEAF inline void tmaLoad4d(Bits32 destination, const void* map, int c0, int c1, int c2, int c3, Bits32 bar) {
+  const int32_t coordinates[4] = {c0, c1, c2, c3};
+  emu::api->tmaLoad(destination, map, coordinates, 4, bar, LOOM_EMU_PC);
+}
+LOOM_EMU_LEAF inline void tmaLoad1d(Bits32 destination, const void* map, int c0, Bits32 bar) {
+  const int32_t coordinates[1] = {c0};
+  emu::api->tmaLoad(destination, map, coordinates, 1, bar, LOOM_EMU_PC);
+}
 
 LOOM_EMU_LEAF inline void wgmmaFence() { emu::api->wgmmaFence(LOOM_EMU_PC); }
 LOOM_EMU_LEAF inline void wgmmaCommit() { emu::api->wgmmaCommit(LOOM_EMU_PC); }

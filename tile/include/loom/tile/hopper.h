@@ -47,21 +47,6 @@
 
 namespace loom {
 
-// A CUtensorMap: 128 opaque bytes, encoded on the host by
-// cuTensorMapEncodeTiled and passed by value as a __grid_constant__.
-struct alignas(64) TensorMap {
-  unsigned long long opaque[16];
-};
-
-// The tensor maps of a warp-specialised attention launch, over the mixed
-// workspaces [B * heads, L, d] (16-bit): boxes of 64 columns by 64 rows
-// (q) or block_n rows (k, v), 128-byte swizzle. Unused with fused mixing.
-struct TmaMaps {
-  TensorMap q;
-  TensorMap k;
-  TensorMap v;
-};
-
 namespace hopper {
 
 constexpr int kWarpgroupThreads = 128;

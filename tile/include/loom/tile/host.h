@@ -802,10 +802,13 @@ void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g,
 }
 
 // The first query block of the key-block-outer loop's head (the CUDA
-// tiles fetch it ahead; the host has nothing to overlap), and each block;
-// Ahead marks that loop's calls.
+// tiles fetch it ahead; the host has nothing to overlap), the end of its
+// loops (the CUDA tiles' last copies land), and each block; Ahead marks
+// that loop's calls.
 template <class C>
 void q_grad_ahead(QGradTile<C>&, const IhaArgs&, int64_t, int64_t, int64_t) {}
+template <class C>
+void q_grad_finish(QGradTile<C>&, const IhaArgs&) {}
 template <class C, bool Ahead = false>
 void load_q_grad(QGradTile<C>& q, const IhaArgs& a, int64_t row0, int64_t h, int64_t b) {
   const int64_t L = seq_len<C>(a);

@@ -443,6 +443,7 @@ constexpr int kBackwardQueryStages = 2;
 struct BackwardSmem {
   int k, v, q, dO, lse, delta, ds, total;
   int stage, kvStage;
+  int barriers;  // the wgmma launch's mbarriers (K and V, then each query stage's); 0 elsewhere
 };
 constexpr BackwardSmem backwardSmem(int blockM, int blockN, int headDim, bool atomicDq = false) {
   const int kv = blockN * tilePitch(headDim) * kTileElementBytes;
@@ -463,10 +464,11 @@ constexpr BackwardSmem backwardSmem(int blockM, int blockN, int headDim, bool at
 }
 // The key-block-outer launch on wgmma (sm_90a, schedule.engine wgmma): the
 // same parts, K and V and each query stage's Q and dO as 128-byte swizzled
-// tiles of 64-column atoms (what wgmma's descriptors read; no padding), the
-// stages 1024 bytes apart, from a base the launch rounds up to the swizzle
-// period (kSwizzlePeriodBytes of slack in total). No dS tile (dq has its own
-// launch) and no second K and V stage.
+// tiles of 64-column atoms (what TMA writes and wgmma's descriptors read; no
+// padding), the stages 1024 bytes apart, then the mbarriers their TMA
+// copies complete on (K and V's, each query stage's), from a base the
+// launch rounds up to the swizzle period (kSwizzlePeriodBytes of slack in
+// total). No dS tile (dq has its own launch) and no second K and V stage.
 constexpr BackwardSmem backwardWgmmaSmem(int blockM, int blockN, int headDim) {
   const int kv = blockN * headDim * kTileElementBytes;
   const int rows = blockM * headDim * kTileElementBytes;
@@ -480,7 +482,8 @@ constexpr BackwardSmem backwardWgmmaSmem(int blockM, int blockN, int headDim) {
   s.stage = alignUp(2 * rows + 2 * blockM * kAccumulatorBytes, kSwizzlePeriodBytes);
   s.ds = s.q + kBackwardQueryStages * s.stage;
   s.kvStage = 0;
-  s.total = s.ds + kSwizzlePeriodBytes;
+  s.barriers = s.ds;
+  s.total = s.barriers + (1 + kBackwardQueryStages) * 8 + kSwizzlePeriodBytes;
   return s;
 }
 // The collapse backward's CTA: its dcollapse partial sums (f32).

@@ -219,6 +219,24 @@ __device__ __forceinline__ void tmaLoad3d(Bits32 destination, const void* map, i
       : "memory");
 }
 
+// The same of a 4-d map (the wgmma backward's tiles: every atom of a row
+// block in one box) and of a 1-d one (its lse and D runs).
+__device__ __forceinline__ void tmaLoad4d(Bits32 destination, const void* map, int c0, int c1, int c2, int c3,
+                                          Bits32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], "
+      "[%6];" ::"r"(destination),
+      "l"(reinterpret_cast<Bits64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
+      : "memory");
+}
+__device__ __forceinline__ void tmaLoad1d(Bits32 destination, const void* map, int c0, Bits32 bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2}], [%3];" ::"r"(
+          destination),
+      "l"(reinterpret_cast<Bits64>(map)), "r"(c0), "r"(bar)
+      : "memory");
+}
+
 //===--- wgmma bookkeeping and register hand-over (the products: wgmma.h) ---===//
 
 __device__ __forceinline__ void wgmmaFence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }

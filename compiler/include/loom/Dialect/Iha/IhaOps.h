@@ -11,3 +11,16 @@
 
 #define GET_OP_CLASSES
 #include "loom/Dialect/Iha/IhaOps.h.inc"
+
+namespace loom::iha {
+
+// A CUDA launch that takes loom::TmaMaps after its IhaArgs: the
+// warp-specialised attention, and the key-block-outer launch of a backward
+// on wgmma (its K, V, Q and dO tiles by TMA).
+inline bool takesTensorMaps(KernelOp kernel, LaunchOp launch) {
+  if (!launch.getBlock().getOps<WarpSpecializeOp>().empty()) return true;
+  return kernel.getBackward() && kernel.getScheduleAttr() && kernel.getScheduleAttr().getEngine() == Engine::wgmma &&
+         launch.getSymName() == "iha_bwd_kv";
+}
+
+}  // namespace loom::iha
