@@ -150,7 +150,23 @@ void Cta::schedule() {
     }
     const bool finished = std::all_of(threads_.begin(), threads_.end(),
                                       [](const Thread& t) { return t.state == Thread::State::finished; });
-    if (finished) return;
+    if (finished) {
+      // The CTA's shared memory goes with it: a copy still writing into it
+      // was never waited for (its data unused, or a later CTA's clobbered).
+      for (const Copy& c : copies)
+        if (!c.done) {
+          report(FindingKind::asyncAccess, "exit", c.pc,
+                 "the CTA ends with a cp.async into its shared memory never waited for", -1);
+          break;
+        }
+      for (const TensorCopy& c : tensorCopies)
+        if (!c.landed) {
+          report(FindingKind::asyncAccess, "exit", c.pc,
+                 "the CTA ends with a TMA copy into its shared memory in flight", -1);
+          break;
+        }
+      return;
+    }
     if (landAny() && !runQueue_.empty()) continue;
     deadlocked_ = true;
     reportDeadlock();

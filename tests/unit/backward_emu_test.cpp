@@ -391,10 +391,14 @@ const std::vector<BackwardFault>& backwardFaults() {
       {"wgmma_next_block_fetched_before_the_warps_leave_its_stage",
        "  __syncthreads();  // every warp is done with the previous block's stage (TMA refills it)\n", "",
        {FindingKind::race}, false, true},
-      {"wgmma_dv_taken_over_the_values_tile",
-       "bwgmma::columnProduct<C>(bwgmma::flat<C::head_dim / 2>(kv.dv), s.t[0], q.tiles + Bits32(w.dO));",
-       "bwgmma::columnProduct<C>(bwgmma::flat<C::head_dim / 2>(kv.dv), s.t[0], q.base + Bits32(w.v));", {}, false,
-       true},
+      {"wgmma_dv_taken_over_the_values_tile", "s.t[0], q.tiles + Bits32(w.dO),", "s.t[0], q.base + Bits32(w.v),", {},
+       false, true},
+      // The dq launch on wgmma: its two K and V stages by TMA.
+      {"wgmma_key_block_used_before_its_copies_land",
+       "  ptx::mbarrierWaitParity(kv.base + Bits32(w.barriers + 8 * (1 + next)), int(kv.phases >> next) & 1);\n", "",
+       {FindingKind::race}, true, true},
+      {"wgmma_dq_taken_over_the_values_tile", "s.ds[0], kv.tiles,", "s.ds[0], kv.tiles + Bits32(bwgmma::dqLayout<C>().v - bwgmma::dqLayout<C>().k),",
+       {}, true, true},
       {"wgmma_lse_of_the_next_head", "&maps.lse, int(plane * L + row0), bar);", "&maps.lse, int((plane + 1) * L + row0), bar);",
        {}, false, true},
   };

@@ -116,6 +116,8 @@ int64_t backwardSharedMemory(SpecAttr spec, ScheduleAttr schedule, llvm::StringR
   const int H = int(spec.getHeads()), P = int(spec.getPseudoHeads()), d = int(spec.getHeadDim());
   if (launch == kBackwardKvEntry && schedule.getEngine() == Engine::wgmma)
     return backwardWgmmaSmem(int(schedule.getBlockM()), int(schedule.getBlockN()), d).total;
+  if (launch == kBackwardQEntry && schedule.getEngine() == Engine::wgmma)
+    return backwardWgmmaDqSmem(int(schedule.getBlockM()), int(schedule.getBlockN()), d).total;
   if (launch == kBackwardKvEntry || launch == kBackwardQEntry)
     return backwardSmem(int(schedule.getBlockM()), int(schedule.getBlockN()), d,
                         launch == kBackwardKvEntry && schedule.getDq() == DqStrategy::atomic)
@@ -533,9 +535,12 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
           backwardSmem(int(scheduleAttr.getBlockM()), int(scheduleAttr.getBlockN()), int(spec.head_dim()),
                        scheduleAttr.getDq() == DqStrategy::atomic)
               .total,
-          wgmmaBackward ? backwardWgmmaSmem(int(scheduleAttr.getBlockM()), int(scheduleAttr.getBlockN()),
-                                            int(spec.head_dim()))
-                              .total
+          wgmmaBackward ? std::max(backwardWgmmaSmem(int(scheduleAttr.getBlockM()), int(scheduleAttr.getBlockN()),
+                                                     int(spec.head_dim()))
+                                       .total,
+                                   backwardWgmmaDqSmem(int(scheduleAttr.getBlockM()), int(scheduleAttr.getBlockN()),
+                                                       int(spec.head_dim()))
+                                       .total)
                         : 0);
       const int64_t limit = sharedMemoryLimit(target);
       if (bytes > limit)

@@ -365,12 +365,17 @@ class LaunchLowering {
           return mlir::success();
         })
         .Case([&](DqBeginOp o) {
-          call("load_q_grad", {state("QGradTile"), args_, get(o.getRow0()), get(o.getHead()), get(o.getBatch())});
+          llvm::SmallVector<Value> operands{state("QGradTile")};
+          operands.append(launchArgs());
+          operands.append({get(o.getRow0()), get(o.getHead()), get(o.getBatch())});
+          call("load_q_grad", operands);
           call("dq_init", {state("DqTile")});
           return mlir::success();
         })
         .Case([&](DqLoopOp o) { return lowerDqLoop(o); })
         .Case([&](DqStoreOp o) {
+          // The K and V stages' last copies land (one may run past the loop's last block).
+          call("kv_grad_finish", {state("KvGradTile"), args_});
           call("dq_store", {state("DqTile"), args_, get(o.getRow0()), get(o.getHead()), get(o.getBatch())});
           return mlir::success();
         })
@@ -534,7 +539,10 @@ class LaunchLowering {
     if (first) {
       Value col0 = b_.create<mlir::emitc::MulOp>(loc_, b_.getI64Type(), get(o.getLower()),
                                                  constant(kernel_.getScheduleAttr().getBlockN()));
-      call("kv_grad_ahead", {state("KvGradTile"), args_, col0, head, get(o.getBatch())});
+      llvm::SmallVector<Value> operands{state("KvGradTile")};
+      operands.append(launchArgs());
+      operands.append({col0, head, get(o.getBatch())});
+      call("kv_grad_ahead", operands);
     }
     auto loop = b_.create<mlir::emitc::ForOp>(loc_, get(o.getLower()), get(o.getUpper()), constant(1));
     mlir::OpBuilder::InsertionGuard guard(b_);
@@ -542,7 +550,10 @@ class LaunchLowering {
     Value col0 = b_.create<mlir::emitc::MulOp>(loc_, b_.getI64Type(), loop.getInductionVar(),
                                                constant(kernel_.getScheduleAttr().getBlockN()));
     Value scores = state("BwdScores"), q = state("QGradTile"), kv = state("KvGradTile");
-    call("load_kv_grad", {kv, args_, col0, head, get(o.getBatch())}, {"true"});
+    llvm::SmallVector<Value> operands{kv};
+    operands.append(launchArgs());
+    operands.append({col0, head, get(o.getBatch())});
+    call("load_kv_grad", operands, {"true"});
     backwardScores(o.getMasked(), kQueriesOuter);
     call("bwd_ds", {scores, q, kv}, {kQueriesOuter});
     call("dq_accumulate", {state("DqTile"), scores, kv});

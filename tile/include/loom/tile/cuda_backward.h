@@ -150,6 +150,9 @@ struct KvGradTile {
   float dv[cuda::BackwardGeometry<C>::KMT][cuda::Geometry<C>::OT][4];
   int64_t col0;
   int stage = 0;  // the K and V stage holding col0's rows (the dq launch's two; layout.h, BackwardSmem)
+  // wgmma's dq launch: as QGradTile's, for the K and V stages.
+  unsigned phases = 0, pending = 0;
+  Bits32 base = 0, tiles = 0;
 };
 
 template <class C>
@@ -229,6 +232,12 @@ __device__ __forceinline__ unsigned char* base() {
 }
 
 
+// The dq launch's (layout.h).
+template <class C>
+__device__ __forceinline__ BackwardSmem dqLayout() {
+  return backwardWgmmaDqSmem(C::block_m, C::block_n, C::head_dim);
+}
+
 // mbarrier `index` (0: K and V; 1 + s: query stage s) as a shared-window address.
 template <class C>
 __device__ __forceinline__ Bits32 barrierAt(int index, Bits32 base = baseAddress()) {
@@ -243,11 +252,52 @@ __device__ __forceinline__ void tmaTile(Bits32 tile, const TensorMap* map, int64
   ptx::tmaLoad4d(tile, map, 0, int(first), 0, int(plane), bar);
 }
 
+// Thread 0: the tiles of layout `w` from `tiles` on (a query stage's) <- Q
+// and dO rows [row0, row0 + block_m) of plane `plane` (b * H + h), with
+// their lse and D, by TMA on `bar` (past L: zeros, or the next head's lse
+// and D; masked).
+template <class C>
+__device__ __forceinline__ void fillQueryTiles(const TmaMaps& maps, const BackwardSmem& w, Bits32 tiles, Bits32 bar,
+                                               int64_t row0, int64_t plane, int64_t L) {
+  ptx::mbarrierArriveExpectTx(bar, 2 * C::block_m * (C::head_dim * kTileElementBytes + kAccumulatorBytes));
+  tmaTile(tiles + Bits32(w.q), &maps.q, row0, plane, bar);
+  tmaTile(tiles + Bits32(w.dO), &maps.dO, row0, plane, bar);
+  ptx::tmaLoad1d(tiles + Bits32(w.lse), &maps.lse, int(plane * L + row0), bar);
+  ptx::tmaLoad1d(tiles + Bits32(w.delta), &maps.delta, int(plane * L + row0), bar);
+}
+
 // Query stage `stage` <- Q and dO rows [row0, row0 + block_m) of query head
 // h, with their lse and D, by TMA (thread 0, on the stage's mbarrier).
 template <class C>
 __device__ void fillQueryStage(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int stage, int64_t row0,
                                int64_t h, int64_t b, int64_t L);
+
+// The dq launch's K and V stage `stage` <- rows [col0, col0 + block_n) of
+// kv head g by TMA (thread 0, on the stage's mbarrier: 1 + stage).
+template <class C>
+__device__ void fillKvStage(KvGradTile<C>& kv, const TmaMaps& maps, int stage, int64_t col0, int64_t g, int64_t b) {
+  const BackwardSmem w = dqLayout<C>();
+  if (threadIdx.x == 0) {
+    const Bits32 bar = kv.base + Bits32(w.barriers + 8 * (1 + stage));
+    const Bits32 tiles = kv.base + Bits32(w.k + stage * w.kvStage);
+    ptx::mbarrierArriveExpectTx(bar, 2 * C::block_n * C::head_dim * kTileElementBytes);
+    const int64_t plane = b * C::kv_heads + g;
+    tmaTile(tiles, &maps.k, col0, plane, bar);
+    tmaTile(tiles + Bits32(w.v - w.k), &maps.v, col0, plane, bar);
+  }
+  kv.pending |= 1u << stage;
+}
+template <class C>
+__device__ __forceinline__ void drainKvStages(KvGradTile<C>& kv) {
+  const BackwardSmem w = dqLayout<C>();
+  #pragma unroll
+  for (int stage = 0; stage < 2; ++stage)
+    if (kv.pending & (1u << stage)) {
+      ptx::mbarrierWaitParity(kv.base + Bits32(w.barriers + 8 * (1 + stage)), int(kv.phases >> stage) & 1);
+      kv.phases ^= 1u << stage;
+    }
+  kv.pending = 0;
+}
 
 // Waits for every fill issued and not yet waited for (a block fetched past
 // a loop's last: a window ends it before L).
@@ -273,39 +323,38 @@ __device__ __forceinline__ Bits64 nMajor(Bits32 tile, int atomBytes, int kk) {
   return hopper::advanced(hopper::descriptorAt(tile, atomBytes, kSwizzlePeriodBytes), kk * 16 * kSwizzleRowBytes);
 }
 
-// acc = A B^T over d: A the warpgroup's 64 rows of a K or V tile, B a query
-// stage's Q or dO tile (both K-major), N = block_m.
-template <class C>
-__device__ __forceinline__ void rowProduct(float (&acc)[C::block_m / 2], Bits32 aTile, Bits32 bTile) {
+// acc = A B^T over d, both K-major: A the warpgroup's 64 rows of a tile of
+// `aAtomBytes` atoms (K or V over the key-block-outer launch's queries; Q
+// or dO over the dq launch's keys), B a tile of `bAtomBytes` atoms, N its rows.
+template <class C, int N>
+__device__ __forceinline__ void rowProduct(float (&acc)[N / 2], Bits32 a, int aAtomBytes, Bits32 b, int bAtomBytes) {
   using G = Geometry<C>;
-  const Bits32 a = aTile;
-  // The warpgroup's first key row, from lane 0 (uniform, as stageTile's stage).
+  // The warpgroup's first row, from lane 0 (uniform, as the stage bases).
   const int firstRow = C::warps == 4 ? 0 : __shfl_sync(0xffffffffu, cuda::warp() / 4, 0) * 64;
   ptx::pinRegisters(acc);
   ptx::wgmmaFence();
   #pragma unroll
   for (int kt = 0; kt < G::KT; ++kt)
-    wgmma::Wgmma<C::dtype, C::block_m>::ss(acc, kMajor(a, G::kvAtomBytes, firstRow, kt),
-                                           kMajor(bTile, G::qAtomBytes, 0, kt), kt > 0);
+    wgmma::Wgmma<C::dtype, N>::ss(acc, kMajor(a, aAtomBytes, firstRow, kt), kMajor(b, bAtomBytes, 0, kt), kt > 0);
   ptx::wgmmaCommit();
   ptx::wgmmaWait<0>();
   ptx::pinRegisters(acc);
 }
 
-// acc += T B: T (block_n x block_m, the thread's C fragments `t`) re-packed
-// as the register A operand, B a query stage's tile read N-major (n = d).
-template <class C>
-__device__ __forceinline__ void columnProduct(float (&acc)[C::head_dim / 2], const float (&t)[C::block_m / 8][4],
-                                              Bits32 bTile) {
-  using G = Geometry<C>;
-  Bits32 a[G::QK][4];
+// acc += T B: T (the warpgroup's 64 rows by K, the thread's C fragments
+// `t`) re-packed as the register A operand, B a tile of `bAtomBytes` atoms
+// read N-major (n = d), K its rows.
+template <class C, int K>
+__device__ __forceinline__ void columnProduct(float (&acc)[C::head_dim / 2], const float (&t)[K / 8][4], Bits32 b,
+                                              int bAtomBytes) {
+  Bits32 a[K / 16][4];
   #pragma unroll
-  for (int kk = 0; kk < G::QK; ++kk) cuda::repack<C>(a[kk], t, kk);
+  for (int kk = 0; kk < K / 16; ++kk) cuda::repack<C>(a[kk], t, kk);
   ptx::pinRegisters(acc);
   ptx::wgmmaFence();
   #pragma unroll
-  for (int kk = 0; kk < G::QK; ++kk)
-    wgmma::Wgmma<C::dtype, C::head_dim>::rs(acc, a[kk], nMajor(bTile, G::qAtomBytes, kk), true);
+  for (int kk = 0; kk < K / 16; ++kk)
+    wgmma::Wgmma<C::dtype, C::head_dim>::rs(acc, a[kk], nMajor(b, bAtomBytes, kk), true);
   ptx::wgmmaCommit();
   ptx::wgmmaWait<0>();
   ptx::pinRegisters(acc);
@@ -449,6 +498,39 @@ __device__ void load_kv_grad(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, 
   kv.col0 = col0;
 }
 
+// The dq launch on wgmma: the same by TMA into its two K and V stages, each
+// waited for on its stage's mbarrier (kv_grad_ahead fetches the first).
+template <class C>
+__device__ void kv_grad_ahead(KvGradTile<C>& kv, const IhaArgs&, const TmaMaps& maps, int64_t col0, int64_t g,
+                              int64_t b) {
+  __syncthreads();
+  kv.base = bwgmma::baseAddress();
+  bwgmma::fillKvStage<C>(kv, maps, kv.stage ^ 1, col0, g, b);
+}
+template <class C, bool Ahead>
+__device__ void load_kv_grad(KvGradTile<C>& kv, const IhaArgs& a, const TmaMaps& maps, int64_t col0, int64_t g,
+                             int64_t b) {
+  static_assert(Ahead && C::wgmma_backward, "tensor maps: the dq launch's loop on wgmma");
+  const BackwardSmem w = bwgmma::dqLayout<C>();
+  const int64_t L = seq_len<C>(a);
+  __syncthreads();  // every warp is done with the previous key block's stage (TMA refills it)
+  if (col0 + C::block_n < L) bwgmma::fillKvStage<C>(kv, maps, kv.stage, col0 + C::block_n, g, b);
+  const int next = kv.stage ^ 1;
+  ptx::mbarrierWaitParity(kv.base + Bits32(w.barriers + 8 * (1 + next)), int(kv.phases >> next) & 1);
+  kv.phases ^= 1u << next;
+  kv.pending &= ~(1u << next);
+  kv.stage = next;
+  kv.tiles = kv.base + Bits32(w.k + next * w.kvStage);
+  kv.col0 = col0;
+}
+// After the dq launch's loops: every copy they issued has landed (a key
+// block fetched past the loop's last) before the CTA ends.
+template <class C>
+__device__ void kv_grad_finish(KvGradTile<C>& kv, const IhaArgs&) {
+  if constexpr (C::wgmma_backward) bwgmma::drainKvStages<C>(kv);
+  cuda::waitCopies<0>();
+}
+
 template <class C>
 __device__ void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g, int64_t b) {
   load_kv_grad<C>(kv, a, col0, g, b);
@@ -588,11 +670,30 @@ __device__ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, int64_t row0, int
 // On wgmma (the key-block-outer loop): the next block by TMA, this one's
 // waited for on its stage's mbarrier (TMA writes and wgmma reads through
 // the async proxy: no proxy fence; the wait makes lse and D visible).
-template <class C, bool Ahead>
+// Without Ahead (the dq launch's one query block): the mbarriers set up,
+// then the block's Q, dO, lse and D by TMA, waited for.
+template <class C, bool Ahead = false>
 __device__ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int64_t row0, int64_t h,
                             int64_t b) {
-  static_assert(Ahead && C::wgmma_backward, "tensor maps: the key-block-outer loop on wgmma");
+  static_assert(C::wgmma_backward, "tensor maps: the backward on wgmma");
   const int64_t L = seq_len<C>(a);
+  if constexpr (!Ahead) {
+    const BackwardSmem w = bwgmma::dqLayout<C>();
+    q.base = bwgmma::baseAddress();
+    const Bits32 bar = q.base + Bits32(w.barriers);
+    if (threadIdx.x == 0) {
+      #pragma unroll
+      for (int i = 0; i < 3; ++i) ptx::mbarrierInit(bar + Bits32(8 * i), 1);
+      ptx::fenceMbarrierInit();
+      bwgmma::fillQueryTiles<C>(maps, w, q.base, bar, row0, b * C::heads + h, L);
+    }
+    __syncthreads();  // the barriers are initialised before anyone waits
+    ptx::mbarrierWaitParity(bar, 0);
+    q.tiles = q.base;
+    q.stage = 0;
+    q.row0 = row0;
+    return;
+  }
   __syncthreads();  // every warp is done with the previous block's stage (TMA refills it)
   if (row0 + C::block_m < L) bwgmma::fillQueryStage<C>(q, a, maps, q.stage, row0 + C::block_m, h, b, L);
   const int next = q.stage ^ 1;
@@ -609,16 +710,9 @@ template <class C>
 __device__ void fillQueryStage(QGradTile<C>& q, const IhaArgs&, const TmaMaps& maps, int stage, int64_t row0,
                                int64_t h, int64_t b, int64_t L) {
   const BackwardSmem w = layout<C>();
-  if (threadIdx.x == 0) {
-    const Bits32 bar = barrierAt<C>(1 + stage, q.base), tiles = q.base + Bits32(stage * w.stage);
-    ptx::mbarrierArriveExpectTx(bar, 2 * C::block_m * (C::head_dim * kTileElementBytes + kAccumulatorBytes));
-    const int64_t plane = b * C::heads + h;
-    tmaTile(tiles + Bits32(w.q), &maps.q, row0, plane, bar);
-    tmaTile(tiles + Bits32(w.dO), &maps.dO, row0, plane, bar);
-    // lse and D of the rows (past L: the next head's, or zeros; masked).
-    ptx::tmaLoad1d(tiles + Bits32(w.lse), &maps.lse, int(plane * L + row0), bar);
-    ptx::tmaLoad1d(tiles + Bits32(w.delta), &maps.delta, int(plane * L + row0), bar);
-  }
+  if (threadIdx.x == 0)
+    fillQueryTiles<C>(maps, w, q.base + Bits32(stage * w.stage), barrierAt<C>(1 + stage, q.base), row0,
+                      b * C::heads + h, L);
   q.pending |= 1u << stage;
 }
 }  // namespace bwgmma
@@ -640,7 +734,8 @@ __device__ void bwd_scores(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) 
   if constexpr (O == Outer::keys) {
     if constexpr (C::wgmma_backward) {
       const BackwardSmem w = bwgmma::layout<C>();
-      bwgmma::rowProduct<C>(bwgmma::flat<C::block_m / 2>(s.t), q.base + Bits32(w.k), q.tiles + Bits32(w.q));
+      bwgmma::rowProduct<C, C::block_m>(bwgmma::flat<C::block_m / 2>(s.t), q.base + Bits32(w.k), bwgmma::Geometry<C>::kvAtomBytes,
+                                        q.tiles + Bits32(w.q), bwgmma::Geometry<C>::qAtomBytes);
     } else {
       cuda::zero<C>(s.t);
       #pragma unroll
@@ -659,7 +754,21 @@ __device__ void bwd_scores(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) 
           }
         }
       }
+      // Scaled here (into the log2 domain), where bwd_probs then subtracts
+      // lse alone: folding the scale into bwd_probs' FFMA costs this launch
+      // under dq atomic at head_dim 128 a spill on sm_80.
+      constexpr float scale = C::scale * kLog2e;
+      #pragma unroll
+      for (int mt = 0; mt < BG::KMT; ++mt)
+        #pragma unroll
+        for (int nt = 0; nt < BG::QNT; ++nt)
+          #pragma unroll
+          for (int e = 0; e < 4; ++e) s.t[mt][nt][e] *= scale;
     }
+  } else if constexpr (C::wgmma_backward) {
+    using W = bwgmma::Geometry<C>;
+    bwgmma::rowProduct<C, C::block_n>(bwgmma::flat<C::block_n / 2>(s.s), q.tiles + Bits32(bwgmma::dqLayout<C>().q),
+                                      W::qAtomBytes, kv.tiles, W::kvAtomBytes);
   } else {
     cuda::zero<C>(s.s);
     #pragma unroll
@@ -724,8 +833,10 @@ __device__ void bwd_probs(BwdScores<C>& s, QGradTile<C>& q) {
   if constexpr (O == Outer::keys && C::wgmma_backward) {
     const BackwardSmem w = bwgmma::layout<C>();
     lse = reinterpret_cast<const float*>(bwgmma::base() + w.lse + q.stage * w.stage);
+  } else if constexpr (C::wgmma_backward) {
+    lse = reinterpret_cast<const float*>(bwgmma::base() + bwgmma::dqLayout<C>().lse);
   }
-  if constexpr (O == Outer::keys) {
+  if constexpr (O == Outer::keys && C::wgmma_backward) {
     #pragma unroll
     for (int nt = 0; nt < BG::QNT; ++nt) {
       // The thread's two query columns of the n-tile, adjacent.
@@ -736,6 +847,20 @@ __device__ void bwd_probs(BwdScores<C>& s, QGradTile<C>& q) {
         #pragma unroll
         for (int e = 0; e < 4; ++e) s.t[mt][nt][e] = ptx::exp2Ftz(fmaf(s.t[mt][nt][e], scale, -m[e % 2]));
     }
+  } else if constexpr (O == Outer::keys) {
+    // One column at a time (a float2 of both costs the key-block-outer
+    // launch under dq atomic at head_dim 128 a spill on sm_80).
+    #pragma unroll
+    for (int nt = 0; nt < BG::QNT; ++nt)
+      #pragma unroll
+      for (int column = 0; column < 2; ++column) {
+        const float m = lse[nt * 8 + fragment::accumulatorColumn(l, column)] * kLog2e;
+        #pragma unroll
+        for (int mt = 0; mt < BG::KMT; ++mt) {
+          s.t[mt][nt][column] = ptx::exp2Ftz(s.t[mt][nt][column] - m);
+          s.t[mt][nt][column + 2] = ptx::exp2Ftz(s.t[mt][nt][column + 2] - m);
+        }
+      }
   } else {
     #pragma unroll
     for (int mt = 0; mt < G::MT; ++mt)
@@ -758,7 +883,8 @@ __device__ void bwd_dv(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
   using BG = cuda::BackwardGeometry<C>;
   if constexpr (C::wgmma_backward) {
     const BackwardSmem w = bwgmma::layout<C>();
-    bwgmma::columnProduct<C>(bwgmma::flat<C::head_dim / 2>(kv.dv), s.t[0], q.tiles + Bits32(w.dO));
+    bwgmma::columnProduct<C, C::block_m>(bwgmma::flat<C::head_dim / 2>(kv.dv), s.t[0], q.tiles + Bits32(w.dO),
+                                         bwgmma::Geometry<C>::qAtomBytes);
     return;
   }
   const Bits32 dO = stageTile<C>(cuda::bwdSmem<C>().dO, q);
@@ -794,7 +920,8 @@ __device__ void bwd_ds(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) {
   if constexpr (O == Outer::keys) {
     if constexpr (C::wgmma_backward) {
       const BackwardSmem w = bwgmma::layout<C>();
-      bwgmma::rowProduct<C>(bwgmma::flat<C::block_m / 2>(s.dt), q.base + Bits32(w.v), q.tiles + Bits32(w.dO));
+      bwgmma::rowProduct<C, C::block_m>(bwgmma::flat<C::block_m / 2>(s.dt), q.base + Bits32(w.v), bwgmma::Geometry<C>::kvAtomBytes,
+                                        q.tiles + Bits32(w.dO), bwgmma::Geometry<C>::qAtomBytes);
       delta = reinterpret_cast<const float*>(bwgmma::base() + w.delta + q.stage * w.stage);
     } else {
       cuda::zero<C>(s.dt);
@@ -817,8 +944,14 @@ __device__ void bwd_ds(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) {
     }
     #pragma unroll
     for (int nt = 0; nt < BG::QNT; ++nt) {
-      const float2 pair = *reinterpret_cast<const float2*>(delta + nt * 8 + fragment::accumulatorColumn(l, 0));
-      const float d[2] = {pair.x, pair.y};
+      float d[2];
+      if constexpr (C::wgmma_backward) {  // the thread's two query columns, adjacent
+        const float2 pair = *reinterpret_cast<const float2*>(delta + nt * 8 + fragment::accumulatorColumn(l, 0));
+        d[0] = pair.x, d[1] = pair.y;
+      } else {  // one at a time (as bwd_probs: a float2 spills dq atomic at head_dim 128 on sm_80)
+        d[0] = delta[nt * 8 + fragment::accumulatorColumn(l, 0)];
+        d[1] = delta[nt * 8 + fragment::accumulatorColumn(l, 1)];
+      }
       #pragma unroll
       for (int mt = 0; mt < BG::KMT; ++mt)
         #pragma unroll
@@ -844,20 +977,28 @@ __device__ void bwd_ds(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) {
       __syncthreads();
     }
   } else {
-    cuda::zero<C>(s.ds);
-    #pragma unroll
-    for (int kt = 0; kt < G::KT; ++kt) {
-      Bits32 a[G::MT][4];
+    if constexpr (C::wgmma_backward) {
+      using W = bwgmma::Geometry<C>;
+      const BackwardSmem w = bwgmma::dqLayout<C>();
+      bwgmma::rowProduct<C, C::block_n>(bwgmma::flat<C::block_n / 2>(s.ds), q.tiles + Bits32(w.dO), W::qAtomBytes,
+                                        kv.tiles + Bits32(w.v - w.k), W::kvAtomBytes);
+      delta = reinterpret_cast<const float*>(bwgmma::base() + w.delta);
+    } else {
+      cuda::zero<C>(s.ds);
       #pragma unroll
-      for (int mt = 0; mt < G::MT; ++mt) cuda::loadA<C>(a[mt], dOTile, cuda::tileRow<C>(mt), kt);
-      #pragma unroll
-      for (int pair = 0; pair < G::NT / 2; ++pair) {
-        Bits32 b[4];
-        cuda::loadB<C>(b, kvStageTile<C>(smem.v, kv), pair, kt);
+      for (int kt = 0; kt < G::KT; ++kt) {
+        Bits32 a[G::MT][4];
         #pragma unroll
-        for (int mt = 0; mt < G::MT; ++mt) {
-          cuda::mma16816<C>(s.ds[mt][2 * pair], a[mt], b[0], b[1]);
-          cuda::mma16816<C>(s.ds[mt][2 * pair + 1], a[mt], b[2], b[3]);
+        for (int mt = 0; mt < G::MT; ++mt) cuda::loadA<C>(a[mt], dOTile, cuda::tileRow<C>(mt), kt);
+        #pragma unroll
+        for (int pair = 0; pair < G::NT / 2; ++pair) {
+          Bits32 b[4];
+          cuda::loadB<C>(b, kvStageTile<C>(smem.v, kv), pair, kt);
+          #pragma unroll
+          for (int mt = 0; mt < G::MT; ++mt) {
+            cuda::mma16816<C>(s.ds[mt][2 * pair], a[mt], b[0], b[1]);
+            cuda::mma16816<C>(s.ds[mt][2 * pair + 1], a[mt], b[2], b[3]);
+          }
         }
       }
     }
@@ -883,7 +1024,8 @@ __device__ void bwd_dk(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
   using BG = cuda::BackwardGeometry<C>;
   if constexpr (C::wgmma_backward) {
     const BackwardSmem w = bwgmma::layout<C>();
-    bwgmma::columnProduct<C>(bwgmma::flat<C::head_dim / 2>(kv.dk), s.dt[0], q.tiles + Bits32(w.q));
+    bwgmma::columnProduct<C, C::block_m>(bwgmma::flat<C::head_dim / 2>(kv.dk), s.dt[0], q.tiles + Bits32(w.q),
+                                         bwgmma::Geometry<C>::qAtomBytes);
     return;
   }
   const Bits32 qTile = stageTile<C>(cuda::bwdSmem<C>().q, q);
@@ -1001,6 +1143,11 @@ __device__ void dq_init(DqTile<C>& dq) {
 template <class C>
 __device__ void dq_accumulate(DqTile<C>& dq, BwdScores<C>& s, KvGradTile<C>& kv) {
   using G = cuda::Geometry<C>;
+  if constexpr (C::wgmma_backward) {  // K read N-major from its stage
+    bwgmma::columnProduct<C, C::block_n>(bwgmma::flat<C::head_dim / 2>(dq.dq), s.ds[0], kv.tiles,
+                                         bwgmma::Geometry<C>::kvAtomBytes);
+    return;
+  }
   const Bits32 kTile = kvStageTile<C>(cuda::bwdSmem<C>().k, kv);
   #pragma unroll
   for (int kk = 0; kk < G::PK; ++kk) {

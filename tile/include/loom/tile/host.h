@@ -809,6 +809,8 @@ template <class C>
 void q_grad_ahead(QGradTile<C>&, const IhaArgs&, int64_t, int64_t, int64_t) {}
 template <class C>
 void q_grad_finish(QGradTile<C>&, const IhaArgs&) {}
+template <class C>
+void kv_grad_finish(KvGradTile<C>&, const IhaArgs&) {}
 template <class C, bool Ahead = false>
 void load_q_grad(QGradTile<C>& q, const IhaArgs& a, int64_t row0, int64_t h, int64_t b) {
   const int64_t L = seq_len<C>(a);

@@ -486,6 +486,27 @@ constexpr BackwardSmem backwardWgmmaSmem(int blockM, int blockN, int headDim) {
   s.total = s.barriers + (1 + kBackwardQueryStages) * 8 + kSwizzlePeriodBytes;
   return s;
 }
+// The dq launch on wgmma: the query block's Q and dO tiles (swizzled, as
+// above), its lse and D, then two K and V stages (`kvStage` bytes apart:
+// the next key block lands while this one is used), then the mbarriers (the
+// query block's, each K and V stage's).
+constexpr BackwardSmem backwardWgmmaDqSmem(int blockM, int blockN, int headDim) {
+  const int kv = blockN * headDim * kTileElementBytes;
+  const int rows = blockM * headDim * kTileElementBytes;
+  BackwardSmem s{};
+  s.q = 0;
+  s.dO = rows;
+  s.lse = 2 * rows;
+  s.delta = s.lse + blockM * kAccumulatorBytes;
+  s.stage = 0;
+  s.k = alignUp(s.delta + blockM * kAccumulatorBytes, kSwizzlePeriodBytes);
+  s.v = s.k + kv;
+  s.kvStage = 2 * kv;
+  s.ds = s.k + 2 * s.kvStage;
+  s.barriers = s.ds;
+  s.total = s.barriers + 3 * 8 + kSwizzlePeriodBytes;
+  return s;
+}
 // The collapse backward's CTA: its dcollapse partial sums (f32).
 constexpr int collapseGradSmem(int heads, int pseudo, bool global) {
   return (global ? heads : 1) * heads * pseudo * kAccumulatorBytes;

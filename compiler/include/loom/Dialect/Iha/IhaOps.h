@@ -15,12 +15,12 @@
 namespace loom::iha {
 
 // A CUDA launch that takes loom::TmaMaps after its IhaArgs: the
-// warp-specialised attention, and the key-block-outer launch of a backward
-// on wgmma (its K, V, Q and dO tiles by TMA).
+// warp-specialised attention, and the key-block-outer and dq launches of a
+// backward on wgmma (their K, V, Q and dO tiles, lse and D by TMA).
 inline bool takesTensorMaps(KernelOp kernel, LaunchOp launch) {
   if (!launch.getBlock().getOps<WarpSpecializeOp>().empty()) return true;
   return kernel.getBackward() && kernel.getScheduleAttr() && kernel.getScheduleAttr().getEngine() == Engine::wgmma &&
-         launch.getSymName() == "iha_bwd_kv";
+         (launch.getSymName() == "iha_bwd_kv" || launch.getSymName() == "iha_bwd_q");
 }
 
 }  // namespace loom::iha
