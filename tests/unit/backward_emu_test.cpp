@@ -361,8 +361,8 @@ const std::vector<BackwardFault>& backwardFaults() {
        "copyQueryStage<C>(a, q.stage, row0 + C::block_m, h, b, L);",
        "copyQueryStage<C>(a, q.stage ^ 1, row0 + C::block_m, h, b, L);",
        {FindingKind::asyncAccess}},
-      {"lse_left_in_the_natural_log", "const float m[2] = {pair.x * kLog2e, pair.y * kLog2e};",
-       "const float m[2] = {pair.x, pair.y};", {}},
+      {"lse_left_in_the_natural_log", "fragment::accumulatorColumn(l, column)] * kLog2e;",
+       "fragment::accumulatorColumn(l, column)];", {}},
       // The dq launch's K and V stages: the next key block fetched while this one is used.
       {"key_block_used_before_its_copies_land", "    cuda::waitCopies<1>();\n    kv.stage ^= 1;",
        "    cuda::waitCopies<2>();\n    kv.stage ^= 1;", {FindingKind::asyncAccess}, true},
