@@ -530,6 +530,26 @@ std::vector<std::string> gateMisses(const v1::ResourceUsage& usage, const v1::Ke
   return budgetMisses(usage, spec.head_dim(), pingPongExpected(schedule));
 }
 
+std::vector<std::string> backwardGateMisses(const v1::ResourceUsage& usage) {
+  std::vector<std::string> misses;
+  for (const v1::SassLoop& loop : usage.loops()) {
+    if (loop.tensor_flops_per_warp() <= 0) continue;
+    std::ostringstream where;
+    where << usage.entry() << " loop at 0x" << std::hex << loop.first_offset() << std::dec
+          << (loop.masked() ? " (masked)" : "");
+    if (loop.instructions_per_tensor_mflop() > kFa3BackwardPerTensorMflop) {
+      std::ostringstream line;
+      line << where.str() << ": " << std::fixed << std::setprecision(0) << loop.instructions_per_tensor_mflop()
+           << " instructions per tensor MFLOP, over FlashAttention-3's backward (" << kFa3BackwardPerTensorMflop
+           << ")";
+      misses.push_back(line.str());
+    }
+    if (loop.local_memory() > 0)
+      misses.push_back(where.str() + ": " + std::to_string(loop.local_memory()) + " local-memory instructions");
+  }
+  return misses;
+}
+
 double fa3PerTensorMflop(int headDim, bool masked) {
   if (headDim == 128) return masked ? 599 : 459;  // 628 and 481 instructions per warp, 128 x 128
   if (headDim == 64) return masked ? 1123 : 845;  // 589 and 443, 192 x 128

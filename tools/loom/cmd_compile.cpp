@@ -158,9 +158,22 @@ int compile(const CompileOptions& options) {
     std::printf("SASS (nvdisasm; per warp per iteration of each tensor-core loop):\n%s",
                 jit::sass::formatLoops(entries).c_str());
     const int d = spec->head_dim();
+    const bool backward = kernel->direction() == v1::direction_backward;
+    if (backward && a.arch == "sm_90a" && kernel->schedule().engine() == v1::engine_wgmma && d == 128) {
+      std::printf("  gate (docs/performance.md): %.0f instructions per tensor MFLOP in every loop of %s and %s, "
+                  "FlashAttention-3's backward loop\n",
+                  jit::sass::kFa3BackwardPerTensorMflop, kBackwardKvEntry, kBackwardQEntry);
+      std::vector<std::string> misses;
+      for (const v1::ResourceUsage& u : entries)
+        if (u.entry() == kBackwardKvEntry || u.entry() == kBackwardQEntry)
+          for (std::string& miss : jit::sass::backwardGateMisses(u)) misses.push_back(std::move(miss));
+      if (misses.empty()) std::printf("  within the gate\n");
+      for (const std::string& miss : misses) std::printf("  misses the gate: %s\n", miss.c_str());
+    }
     for (const v1::ResourceUsage& u : entries) {
+      // (A backward's forward launch is on mma.sync whatever its engine.)
       if (u.entry() != kAttentionEntry || a.arch != "sm_90a" || kernel->schedule().engine() != v1::engine_wgmma ||
-          jit::sass::budgetPerTensorMflop(d, false) == 0)
+          backward || jit::sass::budgetPerTensorMflop(d, false) == 0)
         continue;
       std::printf("  gate (docs/performance.md): %.0f / %.0f instructions per tensor MFLOP (unmasked / masked), "
                   "FlashAttention-3's loops; this reader counts them at %.0f / %.0f\n",

@@ -460,9 +460,14 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
                        "accumulators (2 x 16 rows x head_dim per warp) exceed the registers above head_dim " +
                        std::to_string(kMaxBackwardHeadDim));
     // wgmma (sm_90a): one warpgroup of 64 key rows, 64-row query blocks
-    // (loom/tile/cuda_backward.h, bwgmma); the plan's other launches are
-    // completed and checked on mma.sync, the engine put back below.
-    wgmmaBackward = given.engine == Engine::wgmma;
+    // (loom/tile/cuda_backward.h, bwgmma), loads by TMA; the plan's other
+    // launches are completed and checked on mma.sync, the engine put back
+    // below.
+    // The default on sm_90a where the spec allows it and the fields given
+    // leave its tile free.
+    wgmmaBackward = given.engine == Engine::wgmma ||
+                    (!given.engine && hopper && spec.head_dim() % 64 == 0 && spec.head_dim() <= 128 &&
+                     given.dq != DqStrategy::atomic && !given.warps && !given.blockM && !given.blockN);
     if (wgmmaBackward) {
       if (target.kind() != v1::Target::cuda || target.arch() != "sm_90a")
         return makeError("schedule.engine wgmma needs target sm_90a for a backward kernel (wgmma exists only there)");

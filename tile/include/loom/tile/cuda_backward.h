@@ -164,6 +164,9 @@ struct QGradTile {
   // aligned shared memory's and row0's stage's shared-window addresses.
   unsigned phases = 0, pending = 0;
   Bits32 base = 0, tiles = 0;
+  // wgmma's dq launch: Q's and dO's rows of the warp as wgmma's register A
+  // operand, a k-step each (its S and dP then take K's and V's descriptors alone).
+  Bits32 qa[C::wgmma_backward ? C::head_dim / 16 : 1][4], doa[C::wgmma_backward ? C::head_dim / 16 : 1][4];
 };
 
 // The key-block-outer launch uses t (S^T, then P^T) and dt (dS^T), the dq
@@ -339,6 +342,35 @@ __device__ __forceinline__ void rowProduct(float (&acc)[N / 2], Bits32 a, int aA
   ptx::wgmmaCommit();
   ptx::wgmmaWait<0>();
   ptx::pinRegisters(acc);
+}
+
+// The same with A from registers (a[kt]: the warp's 16 rows, k-step kt).
+template <class C, int N>
+__device__ __forceinline__ void registerRowProduct(float (&acc)[N / 2], const Bits32 (&a)[C::head_dim / 16][4],
+                                                   Bits32 b, int bAtomBytes) {
+  ptx::pinRegisters(acc);
+  ptx::wgmmaFence();
+  #pragma unroll
+  for (int kt = 0; kt < C::head_dim / 16; ++kt)
+    wgmma::Wgmma<C::dtype, N>::rsKMajor(acc, a[kt], kMajor(b, bAtomBytes, 0, kt), kt > 0);
+  ptx::wgmmaCommit();
+  ptx::wgmmaWait<0>();
+  ptx::pinRegisters(acc);
+}
+
+// The warp's 16 rows of a swizzled tile of `atomBytes` atoms (the
+// warpgroup's 64 from row 64 wg) as wgmma's register A operand, by
+// ldmatrix.x4 a k-step: lane l gives row l % 16, the 8 columns (l / 16) * 8
+// of the step's 16 (the m16k16 A fragment).
+template <class C>
+__device__ __forceinline__ void loadRows(Bits32 (&a)[C::head_dim / 16][4], Bits32 tile, int atomBytes) {
+  const int l = cuda::lane(), r = cuda::warp() * 16 + l % 16;
+  #pragma unroll
+  for (int kt = 0; kt < C::head_dim / 16; ++kt) {
+    const int column = kt * 16 + (l / 16) * kChunkElements;
+    ptx::ldmatrixX4(a[kt], tile + Bits32((column / kSwizzleAtomColumns) * atomBytes +
+                                         swizzledChunk(r, (column % kSwizzleAtomColumns) / kChunkElements)));
+  }
 }
 
 // acc += T B: T (the warpgroup's 64 rows by K, the thread's C fragments
@@ -689,6 +721,8 @@ __device__ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& ma
     }
     __syncthreads();  // the barriers are initialised before anyone waits
     ptx::mbarrierWaitParity(bar, 0);
+    bwgmma::loadRows<C>(q.qa, q.base + Bits32(w.q), bwgmma::Geometry<C>::qAtomBytes);
+    bwgmma::loadRows<C>(q.doa, q.base + Bits32(w.dO), bwgmma::Geometry<C>::qAtomBytes);
     q.tiles = q.base;
     q.stage = 0;
     q.row0 = row0;
@@ -767,8 +801,7 @@ __device__ void bwd_scores(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) 
     }
   } else if constexpr (C::wgmma_backward) {
     using W = bwgmma::Geometry<C>;
-    bwgmma::rowProduct<C, C::block_n>(bwgmma::flat<C::block_n / 2>(s.s), q.tiles + Bits32(bwgmma::dqLayout<C>().q),
-                                      W::qAtomBytes, kv.tiles, W::kvAtomBytes);
+    bwgmma::registerRowProduct<C, C::block_n>(bwgmma::flat<C::block_n / 2>(s.s), q.qa, kv.tiles, W::kvAtomBytes);
   } else {
     cuda::zero<C>(s.s);
     #pragma unroll
@@ -980,8 +1013,8 @@ __device__ void bwd_ds(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) {
     if constexpr (C::wgmma_backward) {
       using W = bwgmma::Geometry<C>;
       const BackwardSmem w = bwgmma::dqLayout<C>();
-      bwgmma::rowProduct<C, C::block_n>(bwgmma::flat<C::block_n / 2>(s.ds), q.tiles + Bits32(w.dO), W::qAtomBytes,
-                                        kv.tiles + Bits32(w.v - w.k), W::kvAtomBytes);
+      bwgmma::registerRowProduct<C, C::block_n>(bwgmma::flat<C::block_n / 2>(s.ds), q.doa,
+                                                kv.tiles + Bits32(w.v - w.k), W::kvAtomBytes);
       delta = reinterpret_cast<const float*>(bwgmma::base() + w.delta);
     } else {
       cuda::zero<C>(s.ds);
