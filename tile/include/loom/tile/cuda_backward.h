@@ -178,6 +178,10 @@ struct BwdScores {
   float dt[cuda::BackwardGeometry<C>::KMT][cuda::BackwardGeometry<C>::QNT][4];
   float s[cuda::Geometry<C>::MT][cuda::Geometry<C>::NT][4];
   float ds[cuda::Geometry<C>::MT][cuda::Geometry<C>::NT][4];
+  // wgmma: P^T and dS^T (key-block-outer) or dS (dq) packed as the register
+  // A operand of the next product, kept until it retires.
+  Bits32 pa[C::wgmma_backward ? (C::block_m > C::block_n ? C::block_m : C::block_n) / 16 : 1][4];
+  Bits32 da[C::wgmma_backward ? C::block_m / 16 : 1][4];
 };
 
 template <class C>
@@ -326,36 +330,31 @@ __device__ __forceinline__ Bits64 nMajor(Bits32 tile, int atomBytes, int kk) {
   return hopper::advanced(hopper::descriptorAt(tile, atomBytes, kSwizzlePeriodBytes), kk * 16 * kSwizzleRowBytes);
 }
 
+// The products issue their wgmma only: the caller fences before (ordering
+// its register accesses), commits after and waits where it reads the
+// results (a product in flight overlaps the next step's arithmetic).
+//
 // acc = A B^T over d, both K-major: A the warpgroup's 64 rows of a tile of
-// `aAtomBytes` atoms (K or V over the key-block-outer launch's queries; Q
-// or dO over the dq launch's keys), B a tile of `bAtomBytes` atoms, N its rows.
+// `aAtomBytes` atoms (K or V over the key-block-outer launch's queries), B a
+// tile of `bAtomBytes` atoms, N its rows.
 template <class C, int N>
 __device__ __forceinline__ void rowProduct(float (&acc)[N / 2], Bits32 a, int aAtomBytes, Bits32 b, int bAtomBytes) {
   using G = Geometry<C>;
   // The warpgroup's first row, from lane 0 (uniform, as the stage bases).
   const int firstRow = C::warps == 4 ? 0 : __shfl_sync(0xffffffffu, cuda::warp() / 4, 0) * 64;
-  ptx::pinRegisters(acc);
-  ptx::wgmmaFence();
   #pragma unroll
   for (int kt = 0; kt < G::KT; ++kt)
     wgmma::Wgmma<C::dtype, N>::ss(acc, kMajor(a, aAtomBytes, firstRow, kt), kMajor(b, bAtomBytes, 0, kt), kt > 0);
-  ptx::wgmmaCommit();
-  ptx::wgmmaWait<0>();
-  ptx::pinRegisters(acc);
 }
 
-// The same with A from registers (a[kt]: the warp's 16 rows, k-step kt).
+// The same with A from registers (a[kt]: the warp's 16 rows, k-step kt:
+// the dq launch's Q or dO).
 template <class C, int N>
 __device__ __forceinline__ void registerRowProduct(float (&acc)[N / 2], const Bits32 (&a)[C::head_dim / 16][4],
                                                    Bits32 b, int bAtomBytes) {
-  ptx::pinRegisters(acc);
-  ptx::wgmmaFence();
   #pragma unroll
   for (int kt = 0; kt < C::head_dim / 16; ++kt)
     wgmma::Wgmma<C::dtype, N>::rsKMajor(acc, a[kt], kMajor(b, bAtomBytes, 0, kt), kt > 0);
-  ptx::wgmmaCommit();
-  ptx::wgmmaWait<0>();
-  ptx::pinRegisters(acc);
 }
 
 // The warp's 16 rows of a swizzled tile of `atomBytes` atoms (the
@@ -373,23 +372,23 @@ __device__ __forceinline__ void loadRows(Bits32 (&a)[C::head_dim / 16][4], Bits3
   }
 }
 
-// acc += T B: T (the warpgroup's 64 rows by K, the thread's C fragments
-// `t`) re-packed as the register A operand, B a tile of `bAtomBytes` atoms
-// read N-major (n = d), K its rows.
-template <class C, int K>
-__device__ __forceinline__ void columnProduct(float (&acc)[C::head_dim / 2], const float (&t)[K / 8][4], Bits32 b,
-                                              int bAtomBytes) {
-  Bits32 a[K / 16][4];
+// T (the warpgroup's 64 rows by K, the thread's C fragments `t`) packed
+// as wgmma's register A operand, a k-step of 16 each.
+template <class C, int K, int Steps>
+__device__ __forceinline__ void pack(Bits32 (&a)[Steps][4], const float (&t)[K / 8][4]) {
+  static_assert(Steps >= K / 16, "a k-step a 16 columns");
   #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) cuda::repack<C>(a[kk], t, kk);
-  ptx::pinRegisters(acc);
-  ptx::wgmmaFence();
+}
+
+// acc += T B: T packed (pack), B a tile of `bAtomBytes` atoms read N-major
+// (n = d), K its rows.
+template <class C, int K, int Steps>
+__device__ __forceinline__ void columnProduct(float (&acc)[C::head_dim / 2], const Bits32 (&a)[Steps][4], Bits32 b,
+                                              int bAtomBytes) {
   #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk)
     wgmma::Wgmma<C::dtype, C::head_dim>::rs(acc, a[kk], nMajor(b, bAtomBytes, kk), true);
-  ptx::wgmmaCommit();
-  ptx::wgmmaWait<0>();
-  ptx::pinRegisters(acc);
 }
 
 // The one m-tile of a register tile, as wgmma's flat accumulators.
@@ -767,9 +766,21 @@ __device__ void bwd_scores(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) 
   const Bits32 qTile = stageTile<C>(smem.q, q);
   if constexpr (O == Outer::keys) {
     if constexpr (C::wgmma_backward) {
+      // S^T, then dP^T in flight while the probabilities and dV are made
+      // (bwd_dv's wait retires it).
+      using W = bwgmma::Geometry<C>;
       const BackwardSmem w = bwgmma::layout<C>();
-      bwgmma::rowProduct<C, C::block_m>(bwgmma::flat<C::block_m / 2>(s.t), q.base + Bits32(w.k), bwgmma::Geometry<C>::kvAtomBytes,
-                                        q.tiles + Bits32(w.q), bwgmma::Geometry<C>::qAtomBytes);
+      ptx::pinRegisters(bwgmma::flat<C::block_m / 2>(s.t));
+      ptx::pinRegisters(bwgmma::flat<C::block_m / 2>(s.dt));
+      ptx::wgmmaFence();
+      bwgmma::rowProduct<C, C::block_m>(bwgmma::flat<C::block_m / 2>(s.t), q.base + Bits32(w.k), W::kvAtomBytes,
+                                        q.tiles + Bits32(w.q), W::qAtomBytes);
+      ptx::wgmmaCommit();
+      bwgmma::rowProduct<C, C::block_m>(bwgmma::flat<C::block_m / 2>(s.dt), q.base + Bits32(w.v), W::kvAtomBytes,
+                                        q.tiles + Bits32(w.dO), W::qAtomBytes);
+      ptx::wgmmaCommit();
+      ptx::wgmmaWait<1>();
+      ptx::pinRegisters(bwgmma::flat<C::block_m / 2>(s.t));
     } else {
       cuda::zero<C>(s.t);
       #pragma unroll
@@ -800,8 +811,20 @@ __device__ void bwd_scores(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) 
           for (int e = 0; e < 4; ++e) s.t[mt][nt][e] *= scale;
     }
   } else if constexpr (C::wgmma_backward) {
+    // S, then dP in flight while the probabilities are made (bwd_ds's wait
+    // retires it).
     using W = bwgmma::Geometry<C>;
+    const BackwardSmem w = bwgmma::dqLayout<C>();
+    ptx::pinRegisters(bwgmma::flat<C::block_n / 2>(s.s));
+    ptx::pinRegisters(bwgmma::flat<C::block_n / 2>(s.ds));
+    ptx::wgmmaFence();
     bwgmma::registerRowProduct<C, C::block_n>(bwgmma::flat<C::block_n / 2>(s.s), q.qa, kv.tiles, W::kvAtomBytes);
+    ptx::wgmmaCommit();
+    bwgmma::registerRowProduct<C, C::block_n>(bwgmma::flat<C::block_n / 2>(s.ds), q.doa, kv.tiles + Bits32(w.v - w.k),
+                                              W::kvAtomBytes);
+    ptx::wgmmaCommit();
+    ptx::wgmmaWait<1>();
+    ptx::pinRegisters(bwgmma::flat<C::block_n / 2>(s.s));
   } else {
     cuda::zero<C>(s.s);
     #pragma unroll
@@ -915,9 +938,16 @@ __device__ void bwd_dv(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
   using G = cuda::Geometry<C>;
   using BG = cuda::BackwardGeometry<C>;
   if constexpr (C::wgmma_backward) {
+    // dV's product in flight until bwd_dk's wait; this wait retires dP^T.
     const BackwardSmem w = bwgmma::layout<C>();
-    bwgmma::columnProduct<C, C::block_m>(bwgmma::flat<C::head_dim / 2>(kv.dv), s.t[0], q.tiles + Bits32(w.dO),
+    bwgmma::pack<C, C::block_m>(s.pa, s.t[0]);
+    ptx::pinRegisters(bwgmma::flat<C::head_dim / 2>(kv.dv));
+    ptx::wgmmaFence();
+    bwgmma::columnProduct<C, C::block_m>(bwgmma::flat<C::head_dim / 2>(kv.dv), s.pa, q.tiles + Bits32(w.dO),
                                          bwgmma::Geometry<C>::qAtomBytes);
+    ptx::wgmmaCommit();
+    ptx::wgmmaWait<1>();
+    ptx::pinRegisters(bwgmma::flat<C::block_m / 2>(s.dt));
     return;
   }
   const Bits32 dO = stageTile<C>(cuda::bwdSmem<C>().dO, q);
@@ -951,10 +981,8 @@ __device__ void bwd_ds(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) {
   const float* delta = cuda::bwdFloats<C>(smem.delta + stageOf<C>(q));
   const int l = cuda::lane();
   if constexpr (O == Outer::keys) {
-    if constexpr (C::wgmma_backward) {
+    if constexpr (C::wgmma_backward) {  // dP^T: bwd_scores issued it, bwd_dv's wait retired it
       const BackwardSmem w = bwgmma::layout<C>();
-      bwgmma::rowProduct<C, C::block_m>(bwgmma::flat<C::block_m / 2>(s.dt), q.base + Bits32(w.v), bwgmma::Geometry<C>::kvAtomBytes,
-                                        q.tiles + Bits32(w.dO), bwgmma::Geometry<C>::qAtomBytes);
       delta = reinterpret_cast<const float*>(bwgmma::base() + w.delta + q.stage * w.stage);
     } else {
       cuda::zero<C>(s.dt);
@@ -1010,12 +1038,10 @@ __device__ void bwd_ds(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) {
       __syncthreads();
     }
   } else {
-    if constexpr (C::wgmma_backward) {
-      using W = bwgmma::Geometry<C>;
-      const BackwardSmem w = bwgmma::dqLayout<C>();
-      bwgmma::registerRowProduct<C, C::block_n>(bwgmma::flat<C::block_n / 2>(s.ds), q.doa,
-                                                kv.tiles + Bits32(w.v - w.k), W::kvAtomBytes);
-      delta = reinterpret_cast<const float*>(bwgmma::base() + w.delta);
+    if constexpr (C::wgmma_backward) {  // dP: bwd_scores issued it
+      ptx::wgmmaWait<0>();
+      ptx::pinRegisters(bwgmma::flat<C::block_n / 2>(s.ds));
+      delta = reinterpret_cast<const float*>(bwgmma::base() + bwgmma::dqLayout<C>().delta);
     } else {
       cuda::zero<C>(s.ds);
       #pragma unroll
@@ -1055,10 +1081,17 @@ template <class C>
 __device__ void bwd_dk(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
   using G = cuda::Geometry<C>;
   using BG = cuda::BackwardGeometry<C>;
-  if constexpr (C::wgmma_backward) {
+  if constexpr (C::wgmma_backward) {  // this wait retires dV's product and dK's
     const BackwardSmem w = bwgmma::layout<C>();
-    bwgmma::columnProduct<C, C::block_m>(bwgmma::flat<C::head_dim / 2>(kv.dk), s.dt[0], q.tiles + Bits32(w.q),
+    bwgmma::pack<C, C::block_m>(s.da, s.dt[0]);
+    ptx::pinRegisters(bwgmma::flat<C::head_dim / 2>(kv.dk));
+    ptx::wgmmaFence();
+    bwgmma::columnProduct<C, C::block_m>(bwgmma::flat<C::head_dim / 2>(kv.dk), s.da, q.tiles + Bits32(w.q),
                                          bwgmma::Geometry<C>::qAtomBytes);
+    ptx::wgmmaCommit();
+    ptx::wgmmaWait<0>();
+    ptx::pinRegisters(bwgmma::flat<C::head_dim / 2>(kv.dv));
+    ptx::pinRegisters(bwgmma::flat<C::head_dim / 2>(kv.dk));
     return;
   }
   const Bits32 qTile = stageTile<C>(cuda::bwdSmem<C>().q, q);
@@ -1177,8 +1210,14 @@ template <class C>
 __device__ void dq_accumulate(DqTile<C>& dq, BwdScores<C>& s, KvGradTile<C>& kv) {
   using G = cuda::Geometry<C>;
   if constexpr (C::wgmma_backward) {  // K read N-major from its stage
-    bwgmma::columnProduct<C, C::block_n>(bwgmma::flat<C::head_dim / 2>(dq.dq), s.ds[0], kv.tiles,
+    bwgmma::pack<C, C::block_n>(s.pa, s.ds[0]);
+    ptx::pinRegisters(bwgmma::flat<C::head_dim / 2>(dq.dq));
+    ptx::wgmmaFence();
+    bwgmma::columnProduct<C, C::block_n>(bwgmma::flat<C::head_dim / 2>(dq.dq), s.pa, kv.tiles,
                                          bwgmma::Geometry<C>::kvAtomBytes);
+    ptx::wgmmaCommit();
+    ptx::wgmmaWait<0>();
+    ptx::pinRegisters(bwgmma::flat<C::head_dim / 2>(dq.dq));
     return;
   }
   const Bits32 kTile = kvStageTile<C>(cuda::bwdSmem<C>().k, kv);
