@@ -428,7 +428,8 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& s, const v1::T
 }
 
 CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& s, const v1::Target& target, int64_t batch,
-                                  int64_t tokens, std::optional<int> registersPerThread) {
+                                  int64_t tokens, std::optional<int> registersPerThread,
+                                  const std::optional<BackwardIssue>& issue) {
   const DeviceModel device = deviceModel(target);
   const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
   const int64_t L = tokens * P, heads = batch * H;
@@ -467,8 +468,11 @@ CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& s, con
 
   const int threads = s.warps() * 32;
   const int registers = registersPerThread.value_or(int(std::min<int64_t>(kMaxThreadRegisters, 200)));
-  const int64_t smem =
-      target.kind() != v1::Target::cuda ? 0 : backwardSmem(int(bm), int(bn), int(d), atomicDq).total;
+  const bool wgmma = s.engine() == v1::engine_wgmma;
+  const int64_t smem = target.kind() != v1::Target::cuda ? 0
+                       : wgmma ? std::max(backwardWgmmaSmem(int(bm), int(bn), int(d)).total,
+                                          backwardWgmmaDqSmem(int(bm), int(bn), int(d)).total)
+                               : backwardSmem(int(bm), int(bn), int(d), atomicDq).total;
   e.ctasPerSm = ctasPerSmOf(device, smem, registers, threads);
   if (e.ctasPerSm == 0) {
     e.seconds = 1e9;
@@ -479,21 +483,39 @@ CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& s, con
   const double slots = double(device.smCount) * e.ctasPerSm;
   e.waveEfficiency = double(gridCtas) / (std::ceil(double(gridCtas) / slots) * slots);
   const double activeWarps = std::min<double>(double(e.ctasPerSm) * s.warps(), double(gridCtas) / device.smCount * s.warps());
-  const double tensorShare = device.mmaSyncEfficiency * std::min(1.0, activeWarps / kWarpsToSaturateTensorCores);
+  // wgmma: its rate with one warpgroup a CTA, mma.sync's share with many warps.
+  const double tensorShare =
+      wgmma ? device.wgmmaEfficiency * std::min(1.0, activeWarps / kWarpsToSaturateTensorCores)
+            : device.mmaSyncEfficiency * std::min(1.0, activeWarps / kWarpsToSaturateTensorCores);
   const double utilisation = std::min(1.0, double(gridCtas) / device.smCount) * e.waveEfficiency;
   const double tensorTime = e.matrixFlops / (device.tensorFlops * tensorShare);
   const double expTime = exps / device.expPerSecond;
   const double simtTime = (mixFlops + maskOps) / device.fmaFlops;
   // Every warp reads its operand tiles through ldmatrix: about four tile
-  // reads per product.
+  // reads per product; wgmma reads them once a warpgroup.
+  const double readers = wgmma ? s.warps() / 4.0 : double(s.warps());
   const double sharedBytes =
-      double(heads) * double(blocks.visited) * kProducts * double(s.warps()) * (bm + bn) / 2.0 * paddedDim * kBytes16;
+      double(heads) * double(blocks.visited) * kProducts * readers * (bm + bn) / 2.0 * paddedDim * kBytes16;
   const double sharedTime = sharedBytes / device.sharedBytesPerSecond;
-  const double computeTime = std::max(tensorTime, sharedTime) + kExposedSimtShare * (expTime + simtTime);
+  double computeTime = std::max(tensorTime, sharedTime) + kExposedSimtShare * (expTime + simtTime);
+  if (wgmma && issue) {
+    // The machine code's loops: each visited pair is one iteration of the
+    // key-block-outer loop and one of the dq loop, their warps issuing 4
+    // instructions a cycle an SM (fmaFlops / 64 over the device).
+    const double warps = double(heads) * double(s.warps());
+    const double unmasked = double(blocks.visited - blocks.masked), masked = double(blocks.masked);
+    const double issued = warps * (unmasked * (issue->kv.unmasked + issue->q.unmasked) +
+                                   masked * (issue->kv.masked + issue->q.masked));
+    const double issueTime = issued / (device.fmaFlops / 64.0);
+    computeTime = std::max(std::max(tensorTime, sharedTime), issueTime) + kWgmmaExposedSimtShare * simtTime;
+  }
   const double memoryTime = bytes / device.dramBytesPerSecond + l2Bytes / device.l2BytesPerSecond;
-  // The backward's loads are not pipelined (cp.async, then wait): the
-  // smaller of the two stays exposed whole.
-  const double kernelTime = computeTime + memoryTime;
+  // mma.sync: the loads are not pipelined (cp.async, then wait), the smaller
+  // of the two stays exposed whole; wgmma: TMA fetches the next block while
+  // this one is used.
+  const double kernelTime = wgmma ? std::max(computeTime, memoryTime) +
+                                        kWgmmaExposedOverlapShare * std::min(computeTime, memoryTime)
+                                  : computeTime + memoryTime;
   const int kLaunches = atomicDq ? 6 : 7;
   e.seconds = kernelTime / std::max(utilisation, 1e-3) + kLaunches * kLaunchSeconds;
   const double parts[] = {tensorTime, memoryTime, expTime, simtTime, sharedTime};

@@ -123,9 +123,18 @@ CostEstimate estimateCost(const KernelSpec& spec, const Schedule& schedule, cons
 // read once, each loop's re-reads of the other side's blocks from L2; the
 // key-block-outer launch's grid (key blocks x kv heads x batch) and
 // occupancy (its shared memory, `registersPerThread` from ptxas when known)
-// set the utilisation. A model to order candidates, never a measurement.
+// set the utilisation. On wgmma (sm_90a): the tensor pipe at wgmma's rate,
+// operands read once a warpgroup, the loads by TMA overlapped; with `issue`
+// (the machine code's loops of the two launches) the instructions their
+// warps issue bound the loops as well. A model to order candidates, never a
+// measurement.
+struct BackwardIssue {
+  LoopIssue kv;  // iha_bwd_kv's loops
+  LoopIssue q;   // iha_bwd_q's (dq separate)
+};
 CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target,
-                                  int64_t batch, int64_t tokens, std::optional<int> registersPerThread = std::nullopt);
+                                  int64_t batch, int64_t tokens, std::optional<int> registersPerThread = std::nullopt,
+                                  const std::optional<BackwardIssue>& issue = std::nullopt);
 
 // A decode step (docs/IHA.md, Decode over a paged cache): `newTokens` per
 // sequence over caches of `cachedTokens`. Memory-bound at serving's batch

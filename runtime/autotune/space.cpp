@@ -169,6 +169,25 @@ SearchSpace backwardSearchSpace(const KernelSpec& spec, const v1::Target& target
         }
       }
     }
+  // sm_90a: the wgmma backward (loom/tile/cuda_backward.h, bwgmma): one or
+  // two warpgroups of 64 key rows, query blocks of 64 rows a warpgroup.
+  if (target.kind() == v1::Target::cuda && target.arch() == "sm_90a")
+    for (int warpgroups : {1, 2}) {
+      Schedule s;
+      s.set_warps(4 * warpgroups);
+      s.set_block_m(64 * warpgroups);
+      s.set_block_n(64 * warpgroups);
+      s.set_stages(2);
+      s.set_mix(v1::mix_materialized);
+      s.set_collapse(v1::collapse_separate);
+      s.set_engine(v1::engine_wgmma);
+      s.set_dq(v1::dq_separate);
+      auto resolved = resolveSchedule(spec, s, target, Direction::backward);
+      const std::string key = scheduleKey(resolved ? *resolved : s) + ".backward";
+      if (!seen.insert(key).second) continue;
+      if (!resolved) space.pruned.push_back({s, key, resolved.error().message});
+      else space.candidates.push_back({*resolved, key});
+    }
   return space;
 }
 

@@ -52,9 +52,11 @@ void onThreads(const TuneOptions& options, size_t count, const std::function<boo
 CostEstimate predict(const KernelSpec& spec, const Schedule& schedule, const v1::Target& target, int64_t batch,
                      int64_t tokens, Direction direction, bool mixedCache, int64_t newTokens,
                      std::optional<int> registers = std::nullopt,
-                     const std::optional<LoopIssue>& issue = std::nullopt) {
+                     const std::optional<LoopIssue>& issue = std::nullopt,
+                     const std::optional<BackwardIssue>& backwardIssue = std::nullopt) {
   switch (direction) {
-    case Direction::backward: return estimateBackwardCost(spec, schedule, target, batch, tokens, registers);
+    case Direction::backward:
+      return estimateBackwardCost(spec, schedule, target, batch, tokens, registers, backwardIssue);
     case Direction::decode:
       return estimateDecodeCost(spec, schedule, target, batch, tokens, newTokens, mixedCache, registers);
     case Direction::forward: break;
@@ -99,9 +101,22 @@ void compileAll(const KernelSpec& spec, const v1::Target& target, const std::vec
           issue = loopIssueOf(usage);
           r.sass = jit::sass::loopsBrief(usage);
         }
+      // The wgmma backward's two loops likewise.
+      std::optional<BackwardIssue> backwardIssue;
+      if (backward && r.candidate.schedule.engine() == v1::engine_wgmma) {
+        std::optional<LoopIssue> kv, q;
+        for (const v1::ResourceUsage& usage : artifact->resources) {
+          if (usage.entry() == kBackwardKvEntry) {
+            kv = loopIssueOf(usage);
+            r.sass = jit::sass::loopsBrief(usage);
+          }
+          if (usage.entry() == kBackwardQEntry) q = loopIssueOf(usage);
+        }
+        if (kv && q) backwardIssue = BackwardIssue{*kv, *q};
+      }
       if (attentionRegisters > 0)
         r.predictedMs = predict(spec, r.candidate.schedule, target, options.batch, options.tokens, options.direction,
-                                options.mixedCache, options.newTokens, attentionRegisters, issue)
+                                options.mixedCache, options.newTokens, attentionRegisters, issue, backwardIssue)
                             .seconds *
                         1e3;
       // A kernel that ptxas or its PTX shows losing speed is no candidate.
