@@ -288,10 +288,13 @@ Schedule atomicSchedule() {
 }
 
 // The wgmma backward's fault case: four 64-row query blocks (100 tokens,
-// P 2) over two kv heads' key blocks, at head_dim 64 (its narrowest tiles).
+// P 2) of two query heads a kv head's key blocks, at head_dim 64 (its
+// narrowest tiles), a window ending each head's query loop before L (its
+// last block fetched past the loop's last).
 IhaCase wgmmaCase(v1::DType dtype, uint64_t seed) {
   KernelSpec spec = testing::makeSpec({.heads = 2, .kvHeads = 1, .pseudoHeads = 2, .headDim = 64, .dtype = dtype,
-                                       .mask = v1::flat_causal, .collapse = v1::per_head, .ropeTheta = 10000});
+                                       .mask = v1::flat_causal, .window = 40, .collapse = v1::per_head,
+                                       .ropeTheta = 10000});
   return drawCheckableBackwardCase(spec, 1, 100, seed);
 }
 
@@ -398,6 +401,9 @@ const std::vector<BackwardFault>& backwardFaults() {
       {"wgmma_next_block_fetched_before_the_warps_leave_its_stage",
        "  __syncthreads();  // every warp is done with the previous block's stage (TMA refills it)\n", "",
        {FindingKind::race}, false, true},
+      {"wgmma_next_head_filled_before_every_thread_drains",
+       "    bwgmma::drainQueryStages<C>(q);\n    __syncthreads();\n", "    bwgmma::drainQueryStages<C>(q);\n",
+       {FindingKind::deadlock}, false, true},
       {"wgmma_dv_taken_over_the_values_tile", "s.pa, q.tiles + Bits32(w.dO),", "s.pa, q.base + Bits32(w.v),", {},
        false, true},
       // The dq launch on wgmma: its two K and V stages by TMA.

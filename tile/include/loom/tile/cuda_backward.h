@@ -663,7 +663,13 @@ __device__ void q_grad_ahead(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& m
                              int64_t b) {
   __syncthreads();
   q.base = bwgmma::baseAddress();
-  bwgmma::drainQueryStages<C>(q);
+  if (q.pending) {  // the same in every thread
+    // Every thread waits out the previous head's last fill before one of
+    // them fills a stage again: a barrier two phases on would hold a late
+    // thread's parity wait forever (found by the emulator, a windowed GQA spec).
+    bwgmma::drainQueryStages<C>(q);
+    __syncthreads();
+  }
   bwgmma::fillQueryStage<C>(q, a, maps, q.stage ^ 1, row0, h, b, seq_len<C>(a));
 }
 
@@ -846,34 +852,49 @@ __device__ void bwd_scores(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) 
   }
 }
 
-// -inf for pairs the mask forbids and rows or columns past the end.
+// -inf for pairs the mask forbids and rows or columns past the end: each
+// query row's visible keys (visibleColumns: the mask within its document)
+// found once, then its elements compared with them.
 template <class C, Outer O>
 __device__ void bwd_mask(BwdScores<C>& s, const IhaArgs& a, QGradTile<C>& q, KvGradTile<C>& kv) {
   using G = cuda::Geometry<C>;
   using BG = cuda::BackwardGeometry<C>;
   const int L = int(seq_len<C>(a)), i0 = int(q.row0), j0 = int(kv.col0), l = cuda::lane();
+  // A row sees from key 0 on unless a window or its document starts it later.
+  constexpr bool kLowerEnd = windowed<C>() || C::varlen;
   if constexpr (O == Outer::keys) {
+    // The thread's query columns (n-tile nt, column c) against its key rows.
     #pragma unroll
-    for (int mt = 0; mt < BG::KMT; ++mt)
+    for (int nt = 0; nt < BG::QNT; ++nt)
       #pragma unroll
-      for (int nt = 0; nt < BG::QNT; ++nt)
+      for (int c = 0; c < 2; ++c) {
+        const int i = i0 + nt * 8 + fragment::accumulatorColumn(l, c);
+        const ColumnRange<int> keys = visibleColumns<C, int>(a, i);
+        const int lo = keys.lo, hi = keys.hi < L - 1 ? keys.hi : L - 1;
         #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int j = j0 + cuda::keyRow<C>(mt) + fragment::accumulatorRow(l, e);
-          const int i = i0 + nt * 8 + fragment::accumulatorColumn(l, e);
-          if (i >= L || j >= L || !visible<C, int>(a, i, j)) s.t[mt][nt][e] = cuda::negativeInfinity();
-        }
+        for (int mt = 0; mt < BG::KMT; ++mt)
+          #pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int j = j0 + cuda::keyRow<C>(mt) + fragment::accumulatorRow(l, 2 * r);
+            if (i >= L || (kLowerEnd && j < lo) || j > hi) s.t[mt][nt][2 * r + c] = cuda::negativeInfinity();
+          }
+      }
   } else {
     #pragma unroll
     for (int mt = 0; mt < G::MT; ++mt)
       #pragma unroll
-      for (int nt = 0; nt < G::NT; ++nt)
+      for (int r = 0; r < 2; ++r) {
+        const int i = i0 + cuda::tileRow<C>(mt) + fragment::accumulatorRow(l, 2 * r);
+        const ColumnRange<int> keys = visibleColumns<C, int>(a, i);
+        const int lo = keys.lo, hi = keys.hi < L - 1 ? keys.hi : L - 1;
         #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = i0 + cuda::tileRow<C>(mt) + fragment::accumulatorRow(l, e);
-          const int j = j0 + nt * 8 + fragment::accumulatorColumn(l, e);
-          if (i >= L || j >= L || !visible<C, int>(a, i, j)) s.s[mt][nt][e] = cuda::negativeInfinity();
-        }
+        for (int nt = 0; nt < G::NT; ++nt)
+          #pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int j = j0 + nt * 8 + fragment::accumulatorColumn(l, c);
+            if (i >= L || (kLowerEnd && j < lo) || j > hi) s.s[mt][nt][2 * r + c] = cuda::negativeInfinity();
+          }
+      }
   }
 }
 
