@@ -52,8 +52,9 @@ for case in tests/data/cases/*/; do
     done
   done
 done
-# The backward (mma.sync on every arch) of each shared backward case, dq in
-# its own launch and by atomic adds.
+# The backward of each shared backward case, dq in its own launch (the
+# default: on sm_90a the wgmma backward where head_dim is 64 or 128, as
+# bwd-gqa-d64-window's; mma.sync elsewhere) and by atomic adds (mma.sync).
 echo '{}' >"$schedules/backward.json"
 echo '{"dq": "dq_atomic"}' >"$schedules/backward-atomic.json"
 for case in tests/data/cases/bwd-*/; do
