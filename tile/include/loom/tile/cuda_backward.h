@@ -194,17 +194,19 @@ struct DqTile {
 //===----------------------------------------------------------------------===//
 
 // The same steps and the same register tiles: a wgmma accumulator's rows
-// are its warp's 16 (warp w of the CTA holds key rows 16w..16w + 15 of the
-// block, one m-tile a warp: block_n = 16 warps), its columns an mma.sync
-// C fragment's, so the mask, the probabilities, dS and the stores read
-// them as they stand, and P^T and dS^T re-pack as wgmma's register A
-// operand as they do as mma.sync's. What differs is the products: each a
-// warpgroup's wgmma over its 64 key rows, the other operand by descriptor
-// from 128-byte swizzled tiles (layout.h, backwardWgmmaSmem), which the
-// loads fill by cp.async and hand to the async proxy (fence.proxy.async).
-//   S^T = K Q^T, dP^T = V dO^T: K-major A (K, V) and B (Q, dO), N = block_m;
-//   dV += P^T dO, dK += dS^T Q: A from registers, B N-major, N = head_dim.
-// The dq launch stays on mma.sync (its own tiles, layout.h: backwardSmem).
+// are its warp's 16 (warp w of the CTA holds rows 16w..16w + 15 of the
+// block, one m-tile a warp), its columns an mma.sync C fragment's, so the
+// mask, the probabilities, dS and the stores read them as they stand, and
+// P^T, dS^T and dS pack as wgmma's register A operand as they do as
+// mma.sync's. What differs is the products, a warpgroup's wgmma over its
+// 64 rows with the other operand by descriptor from 128-byte swizzled tiles
+// that TMA fills (layout.h, backwardWgmmaSmem and backwardWgmmaDqSmem):
+//   key-block-outer: S^T = K Q^T, dP^T = V dO^T (K-major A and B, N =
+//     block_m); dV += P^T dO, dK += dS^T Q (A from registers, B N-major);
+//   dq: S = Q K^T, dP = dO V^T (Q and dO held as register A operands, K
+//     and V K-major, N = block_n); dq += dS K (K N-major).
+// The products are issued, committed and waited for by the steps, so that
+// one runs while the next step's arithmetic does (bwd_scores, bwd_dv).
 namespace bwgmma {
 
 template <class C>
@@ -238,7 +240,6 @@ __device__ __forceinline__ unsigned char* base() {
   return smem + (baseAddress() - cuda::sharedAddress(smem));
 }
 
-
 // The dq launch's (layout.h).
 template <class C>
 __device__ __forceinline__ BackwardSmem dqLayout() {
@@ -251,15 +252,16 @@ __device__ __forceinline__ Bits32 barrierAt(int index, Bits32 base = baseAddress
   return base + Bits32(layout<C>().barriers + index * 8);
 }
 
-// Thread 0 fills `tile` (Rows rows of 64-column atoms) with rows [first,
-// first + Rows) of plane `plane` of `map` by one TMA box (the runtime's 4-d
-// maps: 64 columns, Rows rows, every atom), completing on `bar` (whose
-// expected bytes the caller set). Rows past L come as zeros (the map's bounds).
+// One thread fills `tile` (64-column atoms of block_m or block_n rows) with
+// the rows from `first` of plane `plane` of `map` by one TMA box (the
+// runtime's 4-d maps: 64 columns, the tile's rows, every atom), completing
+// on `bar` (whose expected bytes the caller set). Rows past L come as zeros
+// (the map's bounds).
 __device__ __forceinline__ void tmaTile(Bits32 tile, const TensorMap* map, int64_t first, int64_t plane, Bits32 bar) {
   ptx::tmaLoad4d(tile, map, 0, int(first), 0, int(plane), bar);
 }
 
-// Thread 0: the tiles of layout `w` from `tiles` on (a query stage's) <- Q
+// One thread: the tiles of layout `w` from `tiles` on (a query stage's) <- Q
 // and dO rows [row0, row0 + block_m) of plane `plane` (b * H + h), with
 // their lse and D, by TMA on `bar` (past L: zeros, or the next head's lse
 // and D; masked).
@@ -274,13 +276,13 @@ __device__ __forceinline__ void fillQueryTiles(const TmaMaps& maps, const Backwa
 }
 
 // Query stage `stage` <- Q and dO rows [row0, row0 + block_m) of query head
-// h, with their lse and D, by TMA (thread 0, on the stage's mbarrier).
+// h, with their lse and D, by TMA (one thread, on the stage's mbarrier).
 template <class C>
 __device__ void fillQueryStage(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int stage, int64_t row0,
                                int64_t h, int64_t b, int64_t L);
 
 // The dq launch's K and V stage `stage` <- rows [col0, col0 + block_n) of
-// kv head g by TMA (thread 0, on the stage's mbarrier: 1 + stage).
+// kv head g by TMA (one thread, on the stage's mbarrier: 1 + stage).
 template <class C>
 __device__ void fillKvStage(KvGradTile<C>& kv, const TmaMaps& maps, int stage, int64_t col0, int64_t g, int64_t b) {
   const BackwardSmem w = dqLayout<C>();
