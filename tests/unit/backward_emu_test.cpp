@@ -270,6 +270,48 @@ TEST(BackwardOnEmulator, RefusesWhatItHasNoTilesFor) {
       << refused.error().message;
 }
 
+// Where the wgmma backward is sm_90a's default and where it is refused:
+// head_dim 64 and 128 take it (its two attention launches take tensor maps,
+// its pre-mix and forward stay on mma.sync), head_dim 32, dq atomic and
+// given mma tiles keep mma.sync; asked for elsewhere, the error says why.
+TEST(BackwardPlan, WgmmaIsTheSm90aDefaultWhereItApplies) {
+  auto spec = [](int d) { return testing::makeSpec({.heads = 4, .kvHeads = 2, .pseudoHeads = 2, .headDim = d}); };
+  for (int d : {64, 128}) {
+    auto plan = backwardPlan(spec(d), Schedule(), "sm_90a");
+    ASSERT_TRUE(plan) << plan.error().message;
+    EXPECT_EQ(plan->schedule.engine(), v1::engine_wgmma) << d;
+    EXPECT_NE(plan->source.find("wgmma_backward = true"), std::string::npos);
+    for (const LaunchPlan& launch : plan->launches)
+      EXPECT_EQ(launch.tensorMaps, launch.name == kBackwardKvEntry || launch.name == kBackwardQEntry) << launch.name;
+    auto sm80 = backwardPlan(spec(d), Schedule(), "sm_80");
+    ASSERT_TRUE(sm80) << sm80.error().message;
+    EXPECT_EQ(sm80->schedule.engine(), v1::engine_mma) << d;
+  }
+  Schedule atomic;
+  atomic.set_dq(v1::dq_atomic);
+  Schedule tiles;
+  tiles.set_warps(2);
+  tiles.set_block_m(32);
+  tiles.set_block_n(32);
+  for (const auto& [d, schedule] : {std::pair{32, Schedule()}, std::pair{128, atomic}, std::pair{128, tiles}}) {
+    auto plan = backwardPlan(spec(d), schedule, "sm_90a");
+    ASSERT_TRUE(plan) << plan.error().message;
+    EXPECT_EQ(plan->schedule.engine(), v1::engine_mma) << d << " " << schedule.ShortDebugString();
+  }
+  Schedule wgmma;
+  wgmma.set_engine(v1::engine_wgmma);
+  const std::pair<std::string, std::string> refusals[] = {{"sm_80", "needs target sm_90a"}, {"sm_90a", "head_dim 64 or 128"}};
+  for (const auto& [arch, why] : refusals) {
+    auto refused = backwardPlan(spec(arch == "sm_80" ? 64 : 32), wgmma, arch);
+    ASSERT_FALSE(refused) << arch;
+    EXPECT_NE(refused.error().message.find(why), std::string::npos) << refused.error().message;
+  }
+  wgmma.set_dq(v1::dq_atomic);
+  auto refused = backwardPlan(spec(64), wgmma, "sm_90a");
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message.find("dq in its own launch"), std::string::npos) << refused.error().message;
+}
+
 // A grouped-query spec whose last query block is cut short (L = 74 rows of
 // 64-row blocks), several key blocks adding to each dq row.
 IhaCase atomicCase(v1::DType dtype, uint64_t seed, int64_t tokens = 37) {
