@@ -281,13 +281,24 @@ template <class C>
 __device__ void fillQueryStage(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int stage, int64_t row0,
                                int64_t h, int64_t b, int64_t L);
 
+// Stage `stage`'s TMA fill in the wgmma launches: its mbarrier (layout
+// `w`'s, after the launch's first: 1 + stage), waited for by the parity it
+// completes next (`phases`), after which it is no longer `pending`.
+__device__ __forceinline__ Bits32 stageBarrier(Bits32 base, const BackwardSmem& w, int stage) {
+  return base + Bits32(w.barriers + 8 * (1 + stage));
+}
+__device__ __forceinline__ void waitStage(unsigned& phases, unsigned& pending, Bits32 bar, int stage) {
+  ptx::mbarrierWaitParity(bar, int(phases >> stage) & 1);
+  phases ^= 1u << stage;
+  pending &= ~(1u << stage);
+}
 // The dq launch's K and V stage `stage` <- rows [col0, col0 + block_n) of
 // kv head g by TMA (one thread, on the stage's mbarrier: 1 + stage).
 template <class C>
 __device__ void fillKvStage(KvGradTile<C>& kv, const TmaMaps& maps, int stage, int64_t col0, int64_t g, int64_t b) {
   const BackwardSmem w = dqLayout<C>();
   if (threadIdx.x == 0) {
-    const Bits32 bar = kv.base + Bits32(w.barriers + 8 * (1 + stage));
+    const Bits32 bar = stageBarrier(kv.base, w, stage);
     const Bits32 tiles = kv.base + Bits32(w.k + stage * w.kvStage);
     ptx::mbarrierArriveExpectTx(bar, 2 * C::block_n * C::head_dim * kTileElementBytes);
     const int64_t plane = b * C::kv_heads + g;
@@ -296,29 +307,12 @@ __device__ void fillKvStage(KvGradTile<C>& kv, const TmaMaps& maps, int stage, i
   }
   kv.pending |= 1u << stage;
 }
-template <class C>
-__device__ __forceinline__ void drainKvStages(KvGradTile<C>& kv) {
-  const BackwardSmem w = dqLayout<C>();
-  #pragma unroll
-  for (int stage = 0; stage < 2; ++stage)
-    if (kv.pending & (1u << stage)) {
-      ptx::mbarrierWaitParity(kv.base + Bits32(w.barriers + 8 * (1 + stage)), int(kv.phases >> stage) & 1);
-      kv.phases ^= 1u << stage;
-    }
-  kv.pending = 0;
-}
-
 // Waits for every fill issued and not yet waited for (a block fetched past
 // a loop's last: a window ends it before L).
-template <class C>
-__device__ __forceinline__ void drainQueryStages(QGradTile<C>& q) {
+__device__ __forceinline__ void drainStages(unsigned& phases, unsigned& pending, Bits32 base, const BackwardSmem& w) {
   #pragma unroll
-  for (int stage = 0; stage < kBackwardQueryStages; ++stage)
-    if (q.pending & (1u << stage)) {
-      ptx::mbarrierWaitParity(barrierAt<C>(1 + stage, q.base), int(q.phases >> stage) & 1);
-      q.phases ^= 1u << stage;
-    }
-  q.pending = 0;
+  for (int stage = 0; stage < 2; ++stage)
+    if (pending & (1u << stage)) waitStage(phases, pending, stageBarrier(base, w, stage), stage);
 }
 
 // Descriptors: K-major rows [64 wg, 64 wg + 64) of a tile of `atomBytes`
@@ -549,9 +543,7 @@ __device__ void load_kv_grad(KvGradTile<C>& kv, const IhaArgs& a, const TmaMaps&
   __syncthreads();  // every warp is done with the previous key block's stage (TMA refills it)
   if (col0 + C::block_n < L) bwgmma::fillKvStage<C>(kv, maps, kv.stage, col0 + C::block_n, g, b);
   const int next = kv.stage ^ 1;
-  ptx::mbarrierWaitParity(kv.base + Bits32(w.barriers + 8 * (1 + next)), int(kv.phases >> next) & 1);
-  kv.phases ^= 1u << next;
-  kv.pending &= ~(1u << next);
+  bwgmma::waitStage(kv.phases, kv.pending, bwgmma::stageBarrier(kv.base, w, next), next);
   kv.stage = next;
   kv.tiles = kv.base + Bits32(w.k + next * w.kvStage);
   kv.col0 = col0;
@@ -560,7 +552,7 @@ __device__ void load_kv_grad(KvGradTile<C>& kv, const IhaArgs& a, const TmaMaps&
 // block fetched past the loop's last) before the CTA ends.
 template <class C>
 __device__ void kv_grad_finish(KvGradTile<C>& kv, const IhaArgs&) {
-  if constexpr (C::wgmma_backward) bwgmma::drainKvStages<C>(kv);
+  if constexpr (C::wgmma_backward) bwgmma::drainStages(kv.phases, kv.pending, kv.base, bwgmma::dqLayout<C>());
   cuda::waitCopies<0>();
 }
 
@@ -669,7 +661,7 @@ __device__ void q_grad_ahead(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& m
     // Every thread waits out the previous head's last fill before one of
     // them fills a stage again: a barrier two phases on would hold a late
     // thread's parity wait forever (found by the emulator, a windowed GQA spec).
-    bwgmma::drainQueryStages<C>(q);
+    bwgmma::drainStages(q.phases, q.pending, q.base, bwgmma::layout<C>());
     __syncthreads();
   }
   bwgmma::fillQueryStage<C>(q, a, maps, q.stage ^ 1, row0, h, b, seq_len<C>(a));
@@ -679,7 +671,7 @@ __device__ void q_grad_ahead(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& m
 // block fetched past the loop's last) before the CTA ends.
 template <class C>
 __device__ void q_grad_finish(QGradTile<C>& q, const IhaArgs&) {
-  if constexpr (C::wgmma_backward) bwgmma::drainQueryStages<C>(q);
+  if constexpr (C::wgmma_backward) bwgmma::drainStages(q.phases, q.pending, q.base, bwgmma::layout<C>());
   cuda::waitCopies<0>();
 }
 
@@ -737,12 +729,11 @@ __device__ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& ma
   }
   __syncthreads();  // every warp is done with the previous block's stage (TMA refills it)
   if (row0 + C::block_m < L) bwgmma::fillQueryStage<C>(q, a, maps, q.stage, row0 + C::block_m, h, b, L);
+  const BackwardSmem w = bwgmma::layout<C>();
   const int next = q.stage ^ 1;
-  ptx::mbarrierWaitParity(bwgmma::barrierAt<C>(1 + next, q.base), int(q.phases >> next) & 1);
-  q.phases ^= 1u << next;
-  q.pending &= ~(1u << next);
+  bwgmma::waitStage(q.phases, q.pending, bwgmma::stageBarrier(q.base, w, next), next);
   q.stage = next;
-  q.tiles = q.base + Bits32(next * bwgmma::layout<C>().stage);
+  q.tiles = q.base + Bits32(next * w.stage);
   q.row0 = row0;
 }
 
@@ -752,7 +743,7 @@ __device__ void fillQueryStage(QGradTile<C>& q, const IhaArgs&, const TmaMaps& m
                                int64_t h, int64_t b, int64_t L) {
   const BackwardSmem w = layout<C>();
   if (threadIdx.x == 0)
-    fillQueryTiles<C>(maps, w, q.base + Bits32(stage * w.stage), barrierAt<C>(1 + stage, q.base), row0,
+    fillQueryTiles<C>(maps, w, q.base + Bits32(stage * w.stage), stageBarrier(q.base, w, stage), row0,
                       b * C::heads + h, L);
   q.pending |= 1u << stage;
 }

@@ -445,16 +445,21 @@ struct BackwardSmem {
   int stage, kvStage;
   int barriers;  // the wgmma launch's mbarriers (K and V, then each query stage's); 0 elsewhere
 };
+// A query block's parts from byte `at` on: Q and dO tiles of `rows` bytes
+// each, then lse and D (f32, blockM of each).
+constexpr void placeQueryBlock(BackwardSmem& s, int at, int rows, int blockM) {
+  s.q = at;
+  s.dO = at + rows;
+  s.lse = at + 2 * rows;
+  s.delta = s.lse + blockM * kAccumulatorBytes;
+}
 constexpr BackwardSmem backwardSmem(int blockM, int blockN, int headDim, bool atomicDq = false) {
   const int kv = blockN * tilePitch(headDim) * kTileElementBytes;
   const int rows = blockM * tilePitch(headDim) * kTileElementBytes;
   BackwardSmem s{};
   s.k = 0;
   s.v = kv;
-  s.q = 2 * kv;
-  s.dO = s.q + rows;
-  s.lse = s.q + 2 * rows;
-  s.delta = s.lse + blockM * kAccumulatorBytes;
+  placeQueryBlock(s, 2 * kv, rows, blockM);
   s.stage = 2 * rows + 2 * blockM * kAccumulatorBytes;
   s.ds = s.q + kBackwardQueryStages * s.stage;
   s.total = s.ds + (atomicDq ? blockN * tilePitch(blockM) * kTileElementBytes : 0);
@@ -475,10 +480,7 @@ constexpr BackwardSmem backwardWgmmaSmem(int blockM, int blockN, int headDim) {
   BackwardSmem s{};
   s.k = 0;
   s.v = kv;
-  s.q = 2 * kv;
-  s.dO = s.q + rows;
-  s.lse = s.q + 2 * rows;
-  s.delta = s.lse + blockM * kAccumulatorBytes;
+  placeQueryBlock(s, 2 * kv, rows, blockM);
   s.stage = alignUp(2 * rows + 2 * blockM * kAccumulatorBytes, kSwizzlePeriodBytes);
   s.ds = s.q + kBackwardQueryStages * s.stage;
   s.kvStage = 0;
@@ -494,10 +496,7 @@ constexpr BackwardSmem backwardWgmmaDqSmem(int blockM, int blockN, int headDim) 
   const int kv = blockN * headDim * kTileElementBytes;
   const int rows = blockM * headDim * kTileElementBytes;
   BackwardSmem s{};
-  s.q = 0;
-  s.dO = rows;
-  s.lse = 2 * rows;
-  s.delta = s.lse + blockM * kAccumulatorBytes;
+  placeQueryBlock(s, 0, rows, blockM);
   s.stage = 0;
   s.k = alignUp(s.delta + blockM * kAccumulatorBytes, kSwizzlePeriodBytes);
   s.v = s.k + kv;
