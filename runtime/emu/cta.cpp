@@ -55,7 +55,8 @@ Cta::Cta(const CtaConfig& config) : random(config.seed), config_(config) {
   const int T = config.threads;
   threads_.resize(size_t(T));
   int registers = config.registersPerThread;
-  if (registers <= 0) registers = std::min(kDefaultRegisters, kRegisterFile / std::max(T, 1) / 8 * 8);
+  const int file = kRegisterFile / std::max(config.ctasPerSm, 1);
+  if (registers <= 0) registers = std::min(kDefaultRegisters, file / std::max(T, 1) / 8 * 8);
   for (int i = 0; i < T; ++i) {
     Thread& t = threads_[size_t(i)];
     t.index = i;
@@ -72,7 +73,7 @@ Cta::Cta(const CtaConfig& config) : random(config.seed), config_(config) {
   }
   agentClock_.assign(size_t(T) + 1, 0);
   agentClock_[size_t(T)] = 1;
-  freeRegisters = kRegisterFile - T * registers;
+  freeRegisters = file - T * registers;
   sharedStorage_.assign(size_t(config.sharedBytes) + 2 * kSharedRedZone, kSharedGarbage);
   shared_ = sharedStorage_.data() + kSharedRedZone;
   shadow_.reset(size_t(config.sharedBytes));

@@ -54,9 +54,12 @@ struct CtaConfig {
   Dim3 blockIdx{0, 0, 0};
   Dim3 gridDim{1, 1, 1};
   // Registers each thread holds at launch (what ptxas allocated); 0: the
-  // largest multiple of 8 up to 240 that 64K / threads allows, which is what
-  // ptxas gives loom's one-CTA-per-SM (warp-specialised) kernels.
+  // largest multiple of 8 up to 240 that the CTA's share of the 64K file
+  // allows, which is what ptxas gives loom's warp-specialised kernels.
   int registersPerThread = 0;
+  // The CTAs an SM the launch is bounded for: setmaxnreg moves registers
+  // within 64K / ctasPerSm.
+  int ctasPerSm = 1;
   uint64_t seed = 1;
   GlobalMemory* global = nullptr;  // null: no global buffers are checked
   FindingLog* findings = nullptr;

@@ -281,6 +281,7 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
         CtaConfig config;
         config.threads = int(launch.threads);
         config.sharedBytes = launch.sharedMemoryBytes;
+        config.ctasPerSm = launch.ctasPerSm;
         config.sharedWindowBase = windowBase;
         config.blockIdx = ctas[i];
         config.gridDim = {unsigned(gridX), unsigned(launch.gridY), unsigned(B)};

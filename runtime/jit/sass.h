@@ -95,15 +95,18 @@ double budgetPerTensorMflop(int headDim, bool masked);
 // nvcc 13.0 with its setup.py flags): 914 instructions a warp a key block,
 // per million tensor FLOP. The sm_80 gate (perf_test Specs/Sm80Gate).
 inline constexpr double kFa2PerTensorMflop = 872;
-// FlashAttention-3's backward loop as this reader counts it (flash-attention
-// 0251105a, hdim 128, bf16, causal, sm90, its own dispatch: 64 x 128 tiles,
-// two MMA warpgroups; nvcc 13.0 with its flags): 486 instructions a warp an
-// iteration, per million tensor FLOP. The gate of the sm_90a default
-// backward's tensor-core loops (dK and dV, dq) at head_dim 128.
+// FlashAttention-3's backward loop (flash-attention 0251105a, hdim 128, bf16,
+// causal, sm90, its own dispatch: 64 x 128 tiles, two MMA warpgroups; nvcc
+// 13.0 with its flags), per million tensor FLOP: 486 instructions a warp an
+// iteration when first read (2026-12-05), 496-499 (378-381) read again with
+// this reader on the same build. FA3's backward is one loop whose body holds
+// its causal mask; loom's masked blocks (the diagonal's, a window's edges)
+// run in a loop of their own. The gate of the sm_90a default backward's
+// unmasked tensor-core loops (dK and dV, dq) at head_dim 128: the lower figure.
 inline constexpr double kFa3BackwardPerTensorMflop = 371;
-// One line per way a backward entry's loops miss that gate (every loop of
-// the key-block-outer and dq launches over kFa3BackwardPerTensorMflop, local
-// memory); empty when they meet it.
+// One line per way a backward entry's loops miss that gate (an unmasked
+// loop of the key-block-outer or dq launch over kFa3BackwardPerTensorMflop,
+// local memory in any loop); empty when they meet it.
 std::vector<std::string> backwardGateMisses(const v1::ResourceUsage& usage);
 // The share of a loop's exponentials that must sit in the P V window
 // (FlashAttention-3's unmasked loop: 13 of 66).

@@ -160,8 +160,8 @@ int compile(const CompileOptions& options) {
     const int d = spec->head_dim();
     const bool backward = kernel->direction() == v1::direction_backward;
     if (backward && a.arch == "sm_90a" && kernel->schedule().engine() == v1::engine_wgmma && d == 128) {
-      std::printf("  gate (docs/performance.md): %.0f instructions per tensor MFLOP in every loop of %s and %s, "
-                  "FlashAttention-3's backward loop\n",
+      std::printf("  gate (docs/performance.md): %.0f instructions per tensor MFLOP in the unmasked loops of %s and %s, "
+                  "FlashAttention-3's backward loop (one loop, its causal mask inside; masked loops printed above)\n",
                   jit::sass::kFa3BackwardPerTensorMflop, kBackwardKvEntry, kBackwardQEntry);
       std::vector<std::string> misses;
       for (const v1::ResourceUsage& u : entries)

@@ -51,6 +51,9 @@ struct LaunchPlan {
   int64_t sharedMemoryBytes = 0;  // dynamic shared memory (CUDA targets)
   bool warpSpecialized = false;   // producer warpgroup + consumer warpgroups (engine wgmma)
   bool tensorMaps = false;        // takes loom::TmaMaps after IhaArgs (CUDA, engine wgmma)
+  // Warp-specialised: the CTAs an SM its register bounds assume (setmaxnreg
+  // moves registers within the CTA's share of the file; layout.h).
+  int ctasPerSm = 1;
 };
 
 // Float workspaces a plan needs between launches (see loom/tile/common.h).

@@ -329,7 +329,7 @@ class LaunchLowering {
           llvm::SmallVector<Value> operands{state("KvGradTile")};
           operands.append(launchArgs());
           operands.append({get(o.getCol0()), get(o.getHead()), get(o.getBatch())});
-          call("kv_grad_begin", operands);
+          call(producing_ ? "kv_grad_begin_fill" : "kv_grad_begin", operands);
           return mlir::success();
         })
         .Case([&](ForGroupHeadsOp o) {
@@ -345,8 +345,9 @@ class LaunchLowering {
           // The head's query loops take its blocks in order from the first
           // one's lower bound: that block is fetched ahead of them, and each
           // block's load fetches the next (the CUDA tiles' two query stages).
+          // (Warp-specialised, the producer fills them in that order.)
           auto loops = o.getBody().front().getOps<QLoopOp>();
-          if (!loops.empty()) {
+          if (!loops.empty() && !specialized_) {
             QLoopOp firstLoop = *loops.begin();
             Value row0 = b_.create<mlir::emitc::MulOp>(loc_, b_.getI64Type(), get(firstLoop.getLower()),
                                                        constant(kernel_.getScheduleAttr().getBlockM()));
@@ -368,6 +369,10 @@ class LaunchLowering {
           llvm::SmallVector<Value> operands{state("QGradTile")};
           operands.append(launchArgs());
           operands.append({get(o.getRow0()), get(o.getHead()), get(o.getBatch())});
+          if (producing_) {
+            call("dq_begin_fill", operands);
+            return mlir::success();
+          }
           call("load_q_grad", operands);
           call("dq_init", {state("DqTile")});
           return mlir::success();
@@ -426,17 +431,28 @@ class LaunchLowering {
 
   // pipeline_init; if (is_producer) { producer_start; <producer> }
   //                else { consumer_start; <consumer> }
+  // A backward's launches (loom/tile/cuda_backward.h, bwgmma) call their own,
+  // which take the launch (loom::Outer: keys for iha_bwd_kv, queries for
+  // iha_bwd_q) and whose producer is the last warpgroup.
   mlir::LogicalResult lowerWarpSpecialize(WarpSpecializeOp o) {
-    call("pipeline_init", {});
-    Value producer = callValue("is_producer", {}, /*configured=*/true, b_.getI1Type());
+    const bool backward = kernel_.getBackward();
+    const std::string prefix = backward ? "bwd_" : "";
+    llvm::SmallVector<llvm::StringRef, 1> launchArg;
+    if (backward) launchArg.push_back(o->getParentOfType<LaunchOp>().getSymName() == kBackwardQEntry ? kQueriesOuter
+                                                                                                    : kKeysOuter);
+    call(prefix + "pipeline_init", {}, launchArg);
+    Value producer = callValue(prefix + "is_producer", {}, /*configured=*/true, b_.getI1Type());
     auto branch = b_.create<mlir::emitc::IfOp>(loc_, producer, /*addThenBlock=*/true, /*addElseBlock=*/true);
     mlir::OpBuilder::InsertionGuard guard(b_);
     auto side = [&](mlir::Region& region, llvm::StringRef start, mlir::Block& slice) {
       mlir::Block& block = region.front();
       if (!block.empty() && block.back().hasTrait<mlir::OpTrait::IsTerminator>()) b_.setInsertionPoint(&block.back());
       else b_.setInsertionPointToEnd(&block);
-      call(start, {});
-      if (mlir::failed(lowerBlock(slice))) return mlir::failure();
+      call(prefix + start.str(), {}, launchArg);
+      producing_ = start == "producer_start";
+      const mlir::LogicalResult lowered = lowerBlock(slice);
+      producing_ = false;
+      if (mlir::failed(lowered)) return mlir::failure();
       if (block.empty() || !block.back().hasTrait<mlir::OpTrait::IsTerminator>()) {
         b_.setInsertionPointToEnd(&block);
         b_.create<mlir::emitc::YieldOp>(loc_);
@@ -508,6 +524,7 @@ class LaunchLowering {
 
   // One key block's step over a query block: dV += P^T do, dK += dS^T Q
   // (and dq += dS K by atomic adds).
+  // (Warp-specialised, the producer's side fills each block's stage.)
   mlir::LogicalResult lowerQLoop(QLoopOp o) {
     auto loop = b_.create<mlir::emitc::ForOp>(loc_, get(o.getLower()), get(o.getUpper()), constant(1));
     mlir::OpBuilder::InsertionGuard guard(b_);
@@ -518,6 +535,10 @@ class LaunchLowering {
     llvm::SmallVector<Value> operands{q};
     operands.append(launchArgs());
     operands.append({row0, get(o.getHead()), get(o.getBatch())});
+    if (producing_) {
+      call("q_grad_fill", operands);
+      return mlir::success();
+    }
     call("load_q_grad", operands, {"true"});
     backwardScores(o.getMasked(), kKeysOuter);
     call("bwd_dv", {kv, scores, q});
@@ -534,7 +555,8 @@ class LaunchLowering {
     // lower bound (iha-analyze-mask's ranges are contiguous): that block is
     // fetched ahead of them, and each block's load fetches the next (the
     // CUDA tiles' two K and V stages).
-    bool first = true;
+    // (Warp-specialised, the producer fills each block's stage in that order.)
+    bool first = !specialized_;
     for (mlir::Operation* op = o->getPrevNode(); op && first; op = op->getPrevNode()) first = !llvm::isa<DqLoopOp>(op);
     if (first) {
       Value col0 = b_.create<mlir::emitc::MulOp>(loc_, b_.getI64Type(), get(o.getLower()),
@@ -553,6 +575,10 @@ class LaunchLowering {
     llvm::SmallVector<Value> operands{kv};
     operands.append(launchArgs());
     operands.append({col0, head, get(o.getBatch())});
+    if (producing_) {
+      call("kv_grad_fill", operands);
+      return mlir::success();
+    }
     call("load_kv_grad", operands, {"true"});
     backwardScores(o.getMasked(), kQueriesOuter);
     call("bwd_ds", {scores, q, kv}, {kQueriesOuter});
@@ -572,6 +598,7 @@ class LaunchLowering {
   Value args_;
   Value maps_;
   bool specialized_;
+  bool producing_ = false;  // lowering a warp-specialised launch's producer slice
   mlir::MLIRContext* ctx_;
   mlir::Location loc_ = mlir::UnknownLoc::get(ctx_);
   llvm::StringMap<Value> state_;
@@ -615,8 +642,13 @@ struct LowerToEmitC : impl::IhaLowerToEmitCBase<LowerToEmitC> {
     auto func = builder.create<mlir::emitc::FuncOp>(launch.getLoc(), launch.getSymName(),
                                                     builder.getFunctionType(parameters, {}));
     llvm::SmallVector<llvm::StringRef> specifiers{"LOOM_KERNEL"};
-    // setmaxnreg needs a register cap at entry: one CTA of `threads` per SM.
-    const std::string bounds = "__launch_bounds__(" + std::to_string(launch.getThreads()) + ", 1)";
+    // setmaxnreg needs a register cap at entry: one CTA of `threads` per SM
+    // (the backward's dq launch: two, layout.h backwardCtasPerSm).
+    const int ctas = kernel.getBackward() ? backwardCtasPerSm(launch.getSymName() == kBackwardQEntry,
+                                                              int(kernel.getScheduleAttr().getWarps()))
+                                          : 1;
+    const std::string bounds =
+        "__launch_bounds__(" + std::to_string(launch.getThreads()) + ", " + std::to_string(ctas) + ")";
     if (specialized && cuda) specifiers.push_back(bounds);
     func.setSpecifiersAttr(builder.getStrArrayAttr(specifiers));
     mlir::Block* entry = func.addEntryBlock();

@@ -1,9 +1,12 @@
 // iha-warp-specialize: with schedule engine = wgmma, the attention launch
+// (and a backward's two attention launches, iha_bwd_kv and iha_bwd_q)
 // becomes an iha.warp_specialize whose two regions are slices of the one
-// program. The producer slice keeps every iha.kv_stream, the loops over
-// heads around it, and the arithmetic its bounds need; the consumer slice is
-// everything else. Both walk the same key blocks in the same order, which is
-// all the mbarrier ring between them relies on.
+// program. The producer slice keeps what it loads (every iha.kv_stream; a
+// backward's kv_grad_begin and q_loops, or dq_begin and dq_loops), the
+// loops over heads around them, and the arithmetic their bounds need; the
+// consumer slice is the whole program, its loads waiting on the producer's.
+// Both walk the same blocks in the same order, which is all the mbarrier
+// ring between them relies on.
 #include "PassDetail.h"
 #include "loom/Dialect/Iha/Schedule.h"
 #include "mlir/IR/IRMapping.h"
@@ -15,16 +18,19 @@ namespace loom::iha {
 
 namespace {
 
-// Drops from `block` whatever a kv_stream does not need: other effects,
-// head loops left without a stream, and pure ops left without a use.
-// Returns whether a kv_stream remains.
+// What a producer loads: the forward's key blocks, the backward's.
+bool loads(mlir::Operation& op) { return llvm::isa<KvStreamOp, KvGradBeginOp, QLoopOp, DqBeginOp, DqLoopOp>(op); }
+
+// Drops from `block` whatever its loads do not need: other effects, head
+// loops left without a load, and pure ops left without a use. Returns
+// whether a load remains.
 bool keepStreams(mlir::Block& block) {
   bool streams = false;
   for (mlir::Operation& op : llvm::make_early_inc_range(llvm::reverse(block))) {
-    if (llvm::isa<KvStreamOp>(op)) {
+    if (loads(op)) {
       streams = true;
-    } else if (auto heads = llvm::dyn_cast<ForEachHeadOp>(op)) {
-      if (keepStreams(heads.getBody().front())) streams = true;
+    } else if (llvm::isa<ForEachHeadOp, ForGroupHeadsOp>(op)) {
+      if (keepStreams(op.getRegion(0).front())) streams = true;
       else op.erase();
     } else if (!mlir::isPure(&op) || op.use_empty()) {
       op.erase();
@@ -37,14 +43,19 @@ struct WarpSpecialize : impl::IhaWarpSpecializeBase<WarpSpecialize> {
   void runOnOperation() override {
     getOperation().walk([&](KernelOp kernel) {
       if (!kernel.getScheduleAttr() || kernel.getScheduleAttr().getEngine() != Engine::wgmma) return;
-      if (kernel.getBackward()) return;  // a backward's engine is its key-block-outer launch's (mma.sync forward)
-      LaunchOp attention = findLaunch(kernel, kAttentionLaunch);
-      if (!attention || !attention.getBlock().getOps<WarpSpecializeOp>().empty()) return;
-      split(attention);
+      // A backward's recomputed forward stays on mma.sync; its two attention
+      // launches are wgmma's (loom/tile/cuda_backward.h, bwgmma).
+      llvm::SmallVector<llvm::StringRef, 2> names;
+      if (kernel.getBackward()) names = {kBackwardKvEntry, kBackwardQEntry};
+      else names = {kAttentionLaunch};
+      for (llvm::StringRef name : names) {
+        LaunchOp launch = findLaunch(kernel, name);
+        if (launch && launch.getBlock().getOps<WarpSpecializeOp>().empty()) split(launch, kernel.getBackward());
+      }
     });
   }
 
-  void split(LaunchOp launch) {
+  void split(LaunchOp launch, bool backward) {
     mlir::Block& body = launch.getBlock();
     mlir::OpBuilder builder = mlir::OpBuilder::atBlockBegin(&body);
     auto split = builder.create<WarpSpecializeOp>(launch.getLoc());
@@ -59,7 +70,7 @@ struct WarpSpecialize : impl::IhaWarpSpecializeBase<WarpSpecialize> {
     mlir::OpBuilder producerBuilder = mlir::OpBuilder::atBlockEnd(producer);
     for (mlir::Operation& op : *consumer) producerBuilder.clone(op, map);
     keepStreams(*producer);
-    consumer->walk([](KvStreamOp stream) { stream.erase(); });
+    if (!backward) consumer->walk([](KvStreamOp stream) { stream.erase(); });
     launch.setThreads(launch.getThreads() + kWarpgroupWarps * kThreadsPerWarp);  // the producer warpgroup
   }
 };

@@ -151,7 +151,7 @@ struct KvGradTile {
   int64_t col0;
   int stage = 0;  // the K and V stage holding col0's rows (the dq launch's two; layout.h, BackwardSmem)
   // wgmma's dq launch: as QGradTile's, for the K and V stages.
-  unsigned phases = 0, pending = 0;
+  unsigned phases = 0, held = 0;
   Bits32 base = 0, tiles = 0;
 };
 
@@ -159,10 +159,11 @@ template <class C>
 struct QGradTile {
   int64_t row0;
   int stage = 0;  // the query stage holding row0's rows (layout.h, BackwardSmem)
-  // wgmma: the parity each stage's mbarrier completes next, and the stages
-  // with a TMA fill issued and not yet waited for (bit s: stage s); the
-  // aligned shared memory's and row0's stage's shared-window addresses.
-  unsigned phases = 0, pending = 0;
+  // wgmma (a side of the ring, bwgmma): the parity each stage's mbarrier
+  // completes next (bit s: stage s; the consumers' full, the producer's
+  // empty barriers), and whether a consumer holds `stage`; the aligned
+  // shared memory's and row0's stage's shared-window addresses.
+  unsigned phases = 0, held = 0;
   Bits32 base = 0, tiles = 0;
   // wgmma's dq launch: Q's and dO's rows of the warp as wgmma's register A
   // operand, a k-step each (its S and dP then take K's and V's descriptors alone).
@@ -207,6 +208,10 @@ struct DqTile {
 //     and V K-major, N = block_n); dq += dS K (K N-major).
 // The products are issued, committed and waited for by the steps, so that
 // one runs while the next step's arithmetic does (bwd_scores, bwd_dv).
+// Both launches are warp-specialised (iha-warp-specialize): a producer
+// warpgroup after the consumer warps issues every TMA fill (the *_fill
+// calls), the consumers only wait for what they use and hand it back
+// (below, the ring).
 namespace bwgmma {
 
 template <class C>
@@ -275,44 +280,49 @@ __device__ __forceinline__ void fillQueryTiles(const TmaMaps& maps, const Backwa
   ptx::tmaLoad1d(tiles + Bits32(w.delta), &maps.delta, int(plane * L + row0), bar);
 }
 
-// Query stage `stage` <- Q and dO rows [row0, row0 + block_m) of query head
-// h, with their lse and D, by TMA (one thread, on the stage's mbarrier).
-template <class C>
-__device__ void fillQueryStage(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int stage, int64_t row0,
-                               int64_t h, int64_t b, int64_t L);
-
-// Stage `stage`'s TMA fill in the wgmma launches: its mbarrier (layout
-// `w`'s, after the launch's first: 1 + stage), waited for by the parity it
-// completes next (`phases`), after which it is no longer `pending`.
+// Warp specialisation (both launches): the CTA's last warpgroup is the
+// producer, one of its threads issuing every TMA fill in the order the
+// consumers (warps 0 .. C::warps - 1, as without it) use them, into a ring
+// of two stages. The mbarriers of layout `w`: 0 the launch's one block (K
+// and V, or the dq launch's query block), 1 + s stage s full (its fill's
+// bytes landed), 3 + s stage s empty (every consumer thread has left it).
+// A ring's side (QGradTile / KvGradTile: stage, phases, held) counts its
+// own uses; the producer's and the consumers' walk the same blocks.
+constexpr int kEmptyBarriers = 1 + kBackwardQueryStages;
 __device__ __forceinline__ Bits32 stageBarrier(Bits32 base, const BackwardSmem& w, int stage) {
   return base + Bits32(w.barriers + 8 * (1 + stage));
 }
-__device__ __forceinline__ void waitStage(unsigned& phases, unsigned& pending, Bits32 bar, int stage) {
-  ptx::mbarrierWaitParity(bar, int(phases >> stage) & 1);
-  phases ^= 1u << stage;
-  pending &= ~(1u << stage);
+__device__ __forceinline__ Bits32 emptyBarrier(Bits32 base, const BackwardSmem& w, int stage) {
+  return base + Bits32(w.barriers + 8 * (kEmptyBarriers + stage));
 }
-// The dq launch's K and V stage `stage` <- rows [col0, col0 + block_n) of
-// kv head g by TMA (one thread, on the stage's mbarrier: 1 + stage).
 template <class C>
-__device__ void fillKvStage(KvGradTile<C>& kv, const TmaMaps& maps, int stage, int64_t col0, int64_t g, int64_t b) {
-  const BackwardSmem w = dqLayout<C>();
-  if (threadIdx.x == 0) {
-    const Bits32 bar = stageBarrier(kv.base, w, stage);
-    const Bits32 tiles = kv.base + Bits32(w.k + stage * w.kvStage);
-    ptx::mbarrierArriveExpectTx(bar, 2 * C::block_n * C::head_dim * kTileElementBytes);
-    const int64_t plane = b * C::kv_heads + g;
-    tmaTile(tiles, &maps.k, col0, plane, bar);
-    tmaTile(tiles + Bits32(w.v - w.k), &maps.v, col0, plane, bar);
-  }
-  kv.pending |= 1u << stage;
+__device__ __forceinline__ bool producerIssues() {
+  return threadIdx.x == C::warps * kWarpSize;
 }
-// Waits for every fill issued and not yet waited for (a block fetched past
-// a loop's last: a window ends it before L).
-__device__ __forceinline__ void drainStages(unsigned& phases, unsigned& pending, Bits32 base, const BackwardSmem& w) {
-  #pragma unroll
-  for (int stage = 0; stage < 2; ++stage)
-    if (pending & (1u << stage)) waitStage(phases, pending, stageBarrier(base, w, stage), stage);
+// A consumer's next block: the stage it holds (if any) handed back to the
+// producer, then the next stage's fill waited for (the wait makes lse and D
+// visible; TMA writes and wgmma reads through the async proxy). Returns the
+// stage.
+__device__ __forceinline__ int nextFullStage(int& stage, unsigned& phases, unsigned& held, Bits32 base,
+                                             const BackwardSmem& w) {
+  if (held) {
+    ptx::mbarrierArrive(emptyBarrier(base, w, stage));
+    stage ^= 1;
+  }
+  ptx::mbarrierWaitParity(stageBarrier(base, w, stage), int(phases >> stage) & 1);
+  phases ^= 1u << stage;
+  held = 1;
+  return stage;
+}
+// The producer's next stage, once every consumer has left it (the first
+// fill of a stage waits on the parity before a fresh mbarrier's first
+// phase, which has completed: it waits for nothing). Returns the stage.
+__device__ __forceinline__ int nextEmptyStage(int& stage, unsigned& phases, Bits32 base, const BackwardSmem& w) {
+  const int s = stage;
+  ptx::mbarrierWaitParity(emptyBarrier(base, w, s), int((phases >> s) & 1) ^ 1);
+  phases ^= 1u << s;
+  stage ^= 1;
+  return s;
 }
 
 // Descriptors: K-major rows [64 wg, 64 wg + 64) of a tile of `atomBytes`
@@ -525,35 +535,38 @@ __device__ void load_kv_grad(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, 
   kv.col0 = col0;
 }
 
-// The dq launch on wgmma: the same by TMA into its two K and V stages, each
-// waited for on its stage's mbarrier (kv_grad_ahead fetches the first).
+// The dq launch on wgmma, warp-specialised (bwgmma): the producer fills
+// the two K and V stages by TMA, one key block after another in the loop's
+// order (kv_grad_fill); each consumer's load_kv_grad hands the stage of the
+// block before back and waits for this block's.
 template <class C>
-__device__ void kv_grad_ahead(KvGradTile<C>& kv, const IhaArgs&, const TmaMaps& maps, int64_t col0, int64_t g,
-                              int64_t b) {
-  __syncthreads();
-  kv.base = bwgmma::baseAddress();
-  bwgmma::fillKvStage<C>(kv, maps, kv.stage ^ 1, col0, g, b);
+__device__ void kv_grad_fill(KvGradTile<C>& kv, const IhaArgs&, const TmaMaps& maps, int64_t col0, int64_t g,
+                             int64_t b) {
+  if (!bwgmma::producerIssues<C>()) return;
+  const BackwardSmem w = bwgmma::dqLayout<C>();
+  const Bits32 base = bwgmma::baseAddress();
+  const int stage = bwgmma::nextEmptyStage(kv.stage, kv.phases, base, w);
+  const Bits32 bar = bwgmma::stageBarrier(base, w, stage), tiles = base + Bits32(w.k + stage * w.kvStage);
+  ptx::mbarrierArriveExpectTx(bar, 2 * C::block_n * C::head_dim * kTileElementBytes);
+  const int64_t plane = b * C::kv_heads + g;
+  bwgmma::tmaTile(tiles, &maps.k, col0, plane, bar);
+  bwgmma::tmaTile(tiles + Bits32(w.v - w.k), &maps.v, col0, plane, bar);
 }
 template <class C, bool Ahead>
-__device__ void load_kv_grad(KvGradTile<C>& kv, const IhaArgs& a, const TmaMaps& maps, int64_t col0, int64_t g,
-                             int64_t b) {
+__device__ void load_kv_grad(KvGradTile<C>& kv, const IhaArgs&, const TmaMaps&, int64_t col0, int64_t, int64_t) {
   static_assert(Ahead && C::wgmma_backward, "tensor maps: the dq launch's loop on wgmma");
   const BackwardSmem w = bwgmma::dqLayout<C>();
-  const int64_t L = seq_len<C>(a);
-  __syncthreads();  // every warp is done with the previous key block's stage (TMA refills it)
-  if (col0 + C::block_n < L) bwgmma::fillKvStage<C>(kv, maps, kv.stage, col0 + C::block_n, g, b);
-  const int next = kv.stage ^ 1;
-  bwgmma::waitStage(kv.phases, kv.pending, bwgmma::stageBarrier(kv.base, w, next), next);
-  kv.stage = next;
-  kv.tiles = kv.base + Bits32(w.k + next * w.kvStage);
+  kv.base = bwgmma::baseAddress();
+  const int stage = bwgmma::nextFullStage(kv.stage, kv.phases, kv.held, kv.base, w);
+  kv.tiles = kv.base + Bits32(w.k + stage * w.kvStage);
   kv.col0 = col0;
 }
 // After the dq launch's loops: every copy they issued has landed (a key
-// block fetched past the loop's last) before the CTA ends.
+// block fetched past the loop's last) before the CTA ends. (On wgmma the
+// consumers have waited for every fill the producer issued.)
 template <class C>
-__device__ void kv_grad_finish(KvGradTile<C>& kv, const IhaArgs&) {
-  if constexpr (C::wgmma_backward) bwgmma::drainStages(kv.phases, kv.pending, kv.base, bwgmma::dqLayout<C>());
-  cuda::waitCopies<0>();
+__device__ void kv_grad_finish(KvGradTile<C>&, const IhaArgs&) {
+  if constexpr (!C::wgmma_backward) cuda::waitCopies<0>();
 }
 
 template <class C>
@@ -562,27 +575,26 @@ __device__ void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0,
   cuda::zero<C>(kv.dk);
   cuda::zero<C>(kv.dv);
 }
-// On wgmma: the mbarriers set up, then the block's K and V by TMA.
+// On wgmma (warp-specialised): the consumers wait for the block's K and V,
+// which the producer fills by TMA (kv_grad_begin_fill) onto mbarrier 0.
 template <class C>
-__device__ void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs& a, const TmaMaps& maps, int64_t col0, int64_t g,
-                              int64_t b) {
+__device__ void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs&, const TmaMaps&, int64_t col0, int64_t, int64_t) {
   static_assert(C::wgmma_backward, "the key-block-outer launch takes tensor maps on wgmma only");
-  const BackwardSmem w = bwgmma::layout<C>();
-  const Bits32 bar = bwgmma::barrierAt<C>(0);
-  if (threadIdx.x == 0) {
-    #pragma unroll
-    for (int i = 0; i < 1 + kBackwardQueryStages; ++i) ptx::mbarrierInit(bwgmma::barrierAt<C>(i), 1);
-    ptx::fenceMbarrierInit();
-    ptx::mbarrierArriveExpectTx(bar, 2 * C::block_n * C::head_dim * kTileElementBytes);
-    const int64_t plane = b * C::kv_heads + g;
-    bwgmma::tmaTile(bwgmma::baseAddress() + Bits32(w.k), &maps.k, col0, plane, bar);
-    bwgmma::tmaTile(bwgmma::baseAddress() + Bits32(w.v), &maps.v, col0, plane, bar);
-  }
-  __syncthreads();  // the barriers are initialised before anyone waits
-  ptx::mbarrierWaitParity(bar, 0);
+  ptx::mbarrierWaitParity(bwgmma::barrierAt<C>(0), 0);
   kv.col0 = col0;
   cuda::zero<C>(kv.dk);
   cuda::zero<C>(kv.dv);
+}
+template <class C>
+__device__ void kv_grad_begin_fill(KvGradTile<C>&, const IhaArgs&, const TmaMaps& maps, int64_t col0, int64_t g,
+                                   int64_t b) {
+  if (!bwgmma::producerIssues<C>()) return;
+  const BackwardSmem w = bwgmma::layout<C>();
+  const Bits32 bar = bwgmma::barrierAt<C>(0);
+  ptx::mbarrierArriveExpectTx(bar, 2 * C::block_n * C::head_dim * kTileElementBytes);
+  const int64_t plane = b * C::kv_heads + g;
+  bwgmma::tmaTile(bwgmma::baseAddress() + Bits32(w.k), &maps.k, col0, plane, bar);
+  bwgmma::tmaTile(bwgmma::baseAddress() + Bits32(w.v), &maps.v, col0, plane, bar);
 }
 
 // Q and do rows [row0, row0 + block_m) of query head h, with lse and D,
@@ -651,28 +663,12 @@ __device__ void q_grad_ahead(QGradTile<C>& q, const IhaArgs& a, int64_t row0, in
   cuda::waitCopies<0>();  // and this thread's copies have landed
   copyQueryStage<C>(a, q.stage ^ 1, row0, h, b, seq_len<C>(a));
 }
-// On wgmma: the same, Q and dO by TMA.
-template <class C>
-__device__ void q_grad_ahead(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int64_t row0, int64_t h,
-                             int64_t b) {
-  __syncthreads();
-  q.base = bwgmma::baseAddress();
-  if (q.pending) {  // the same in every thread
-    // Every thread waits out the previous head's last fill before one of
-    // them fills a stage again: a barrier two phases on would hold a late
-    // thread's parity wait forever (found by the emulator, a windowed GQA spec).
-    bwgmma::drainStages(q.phases, q.pending, q.base, bwgmma::layout<C>());
-    __syncthreads();
-  }
-  bwgmma::fillQueryStage<C>(q, a, maps, q.stage ^ 1, row0, h, b, seq_len<C>(a));
-}
-
 // After the key-block-outer loops: every copy they issued has landed (a
 // block fetched past the loop's last) before the CTA ends.
+// (On wgmma the consumers have waited for every fill the producer issued.)
 template <class C>
-__device__ void q_grad_finish(QGradTile<C>& q, const IhaArgs&) {
-  if constexpr (C::wgmma_backward) bwgmma::drainStages(q.phases, q.pending, q.base, bwgmma::layout<C>());
-  cuda::waitCopies<0>();
+__device__ void q_grad_finish(QGradTile<C>&, const IhaArgs&) {
+  if constexpr (!C::wgmma_backward) cuda::waitCopies<0>();
 }
 
 // Q and do rows [row0, row0 + block_m) of query head h, with lse and D;
@@ -698,56 +694,83 @@ __device__ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, int64_t row0, int
   __syncthreads();
   q.row0 = row0;
 }
-// On wgmma (the key-block-outer loop): the next block by TMA, this one's
-// waited for on its stage's mbarrier (TMA writes and wgmma reads through
-// the async proxy: no proxy fence; the wait makes lse and D visible).
-// Without Ahead (the dq launch's one query block): the mbarriers set up,
-// then the block's Q, dO, lse and D by TMA, waited for.
+// On wgmma, warp-specialised (bwgmma): in the key-block-outer loop, the
+// stage of the block before handed back to the producer and this block's
+// waited for (q_grad_fill fills them in the loop's order). Without Ahead
+// (the dq launch's one query block): its Q, dO, lse and D (dq_begin_fill,
+// mbarrier 0) waited for, Q and dO then held in registers.
 template <class C, bool Ahead = false>
-__device__ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int64_t row0, int64_t h,
-                            int64_t b) {
+__device__ void load_q_grad(QGradTile<C>& q, const IhaArgs&, const TmaMaps&, int64_t row0, int64_t, int64_t) {
   static_assert(C::wgmma_backward, "tensor maps: the backward on wgmma");
-  const int64_t L = seq_len<C>(a);
+  q.base = bwgmma::baseAddress();
+  q.row0 = row0;
   if constexpr (!Ahead) {
     const BackwardSmem w = bwgmma::dqLayout<C>();
-    q.base = bwgmma::baseAddress();
-    const Bits32 bar = q.base + Bits32(w.barriers);
-    if (threadIdx.x == 0) {
-      #pragma unroll
-      for (int i = 0; i < 3; ++i) ptx::mbarrierInit(bar + Bits32(8 * i), 1);
-      ptx::fenceMbarrierInit();
-      bwgmma::fillQueryTiles<C>(maps, w, q.base, bar, row0, b * C::heads + h, L);
-    }
-    __syncthreads();  // the barriers are initialised before anyone waits
-    ptx::mbarrierWaitParity(bar, 0);
+    ptx::mbarrierWaitParity(q.base + Bits32(w.barriers), 0);
     bwgmma::loadRows<C>(q.qa, q.base + Bits32(w.q), bwgmma::Geometry<C>::qAtomBytes);
     bwgmma::loadRows<C>(q.doa, q.base + Bits32(w.dO), bwgmma::Geometry<C>::qAtomBytes);
     q.tiles = q.base;
-    q.stage = 0;
-    q.row0 = row0;
     return;
   }
-  __syncthreads();  // every warp is done with the previous block's stage (TMA refills it)
-  if (row0 + C::block_m < L) bwgmma::fillQueryStage<C>(q, a, maps, q.stage, row0 + C::block_m, h, b, L);
   const BackwardSmem w = bwgmma::layout<C>();
-  const int next = q.stage ^ 1;
-  bwgmma::waitStage(q.phases, q.pending, bwgmma::stageBarrier(q.base, w, next), next);
-  q.stage = next;
-  q.tiles = q.base + Bits32(next * w.stage);
-  q.row0 = row0;
+  const int stage = bwgmma::nextFullStage(q.stage, q.phases, q.held, q.base, w);
+  q.tiles = q.base + Bits32(stage * w.stage);
+}
+// The producer's side: query block row0 of head h into the next free query
+// stage (the key-block-outer launch's loop), or the dq launch's one block
+// onto mbarrier 0 (dq_begin_fill).
+template <class C>
+__device__ void q_grad_fill(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int64_t row0, int64_t h,
+                            int64_t b) {
+  if (!bwgmma::producerIssues<C>()) return;
+  const BackwardSmem w = bwgmma::layout<C>();
+  const Bits32 base = bwgmma::baseAddress();
+  const int stage = bwgmma::nextEmptyStage(q.stage, q.phases, base, w);
+  bwgmma::fillQueryTiles<C>(maps, w, base + Bits32(stage * w.stage), bwgmma::stageBarrier(base, w, stage), row0,
+                            b * C::heads + h, seq_len<C>(a));
+}
+template <class C>
+__device__ void dq_begin_fill(QGradTile<C>&, const IhaArgs& a, const TmaMaps& maps, int64_t row0, int64_t h,
+                              int64_t b) {
+  if (!bwgmma::producerIssues<C>()) return;
+  const BackwardSmem w = bwgmma::dqLayout<C>();
+  const Bits32 base = bwgmma::baseAddress();
+  bwgmma::fillQueryTiles<C>(maps, w, base, base + Bits32(w.barriers), row0, b * C::heads + h, seq_len<C>(a));
 }
 
-namespace bwgmma {
-template <class C>
-__device__ void fillQueryStage(QGradTile<C>& q, const IhaArgs&, const TmaMaps& maps, int stage, int64_t row0,
-                               int64_t h, int64_t b, int64_t L) {
-  const BackwardSmem w = layout<C>();
-  if (threadIdx.x == 0)
-    fillQueryTiles<C>(maps, w, q.base + Bits32(stage * w.stage), stageBarrier(q.base, w, stage), row0,
-                      b * C::heads + h, L);
-  q.pending |= 1u << stage;
+// Warp specialisation of the wgmma backward's launches (bwgmma): every
+// thread sets up the mbarriers of the launch's layout (O: Outer::keys the
+// key-block-outer launch, Outer::queries the dq launch), then the last
+// warpgroup produces and the others consume, their registers moved by
+// setmaxnreg (layout.h, backwardConsumerRegisters).
+template <class C, Outer O>
+__device__ void bwd_pipeline_init() {
+  static_assert(C::wgmma_backward, "the wgmma backward is warp-specialised");
+  const BackwardSmem w = O == Outer::keys ? bwgmma::layout<C>() : bwgmma::dqLayout<C>();
+  if (threadIdx.x == 0) {
+    const Bits32 base = bwgmma::baseAddress();
+    #pragma unroll
+    for (int i = 0; i < bwgmma::kEmptyBarriers; ++i) ptx::mbarrierInit(base + Bits32(w.barriers + 8 * i), 1);
+    #pragma unroll
+    for (int s = 0; s < kBackwardQueryStages; ++s)
+      ptx::mbarrierInit(bwgmma::emptyBarrier(base, w, s), C::warps * kWarpSize);
+    ptx::fenceMbarrierInit();
+  }
+  __syncthreads();  // the barriers are initialised before anyone waits or arrives
 }
-}  // namespace bwgmma
+template <class C>
+__device__ __forceinline__ bool bwd_is_producer() {
+  return __shfl_sync(0xffffffffu, int(threadIdx.x) / kWarpgroupThreadCount, 0) ==
+         C::warps * kWarpSize / kWarpgroupThreadCount;
+}
+template <class C, Outer O>
+__device__ __forceinline__ void bwd_producer_start() {
+  ptx::setmaxnregDec<backwardProducerRegisters(O == Outer::queries)>();
+}
+template <class C, Outer O>
+__device__ __forceinline__ void bwd_consumer_start() {
+  ptx::setmaxnregInc<backwardConsumerRegisters(C::warps, O == Outer::queries)>();
+}
 
 //===----------------------------------------------------------------------===//
 // The steps of a (query block, key block) pair

@@ -467,6 +467,24 @@ constexpr BackwardSmem backwardSmem(int blockM, int blockN, int headDim, bool at
   s.total = s.total > s.kvStage + 2 * kv ? s.total : s.kvStage + 2 * kv;
   return s;
 }
+// The wgmma backward's launches are warp-specialised (cuda_backward.h,
+// bwgmma): a producer warpgroup (one thread issuing the TMA fills) and the
+// consumers at what is left of their CTA's share of the register file after
+// setmaxnreg. The key-block-outer launch takes an SM (its dK and dV
+// accumulators want 240; its producer walks the loops over heads and query
+// blocks, which spill at 24); the dq launch with one consumer warpgroup two
+// CTAs an SM. Five mbarriers: the launch's one block, each stage full and
+// empty.
+constexpr int kBackwardWgmmaBarriers = 1 + 2 * kBackwardQueryStages;
+constexpr int backwardCtasPerSm(bool dqLaunch, int warps) { return dqLaunch && warps == 4 ? 2 : 1; }
+constexpr int backwardProducerRegisters(bool dqLaunch) { return dqLaunch ? 24 : 48; }
+constexpr int backwardConsumerRegisters(int warps, bool dqLaunch) {
+  const int groups = warps / 4 > 0 ? warps / 4 : 1;
+  const int left = (kRegisterFileWords / backwardCtasPerSm(dqLaunch, warps) / kWarpgroupThreadCount -
+                    backwardProducerRegisters(dqLaunch)) /
+                   groups / 8 * 8;
+  return left < kMaxConsumerRegisters ? left : kMaxConsumerRegisters;
+}
 // The key-block-outer launch on wgmma (sm_90a, schedule.engine wgmma): the
 // same parts, K and V and each query stage's Q and dO as 128-byte swizzled
 // tiles of 64-column atoms (what TMA writes and wgmma's descriptors read; no
@@ -485,7 +503,7 @@ constexpr BackwardSmem backwardWgmmaSmem(int blockM, int blockN, int headDim) {
   s.ds = s.q + kBackwardQueryStages * s.stage;
   s.kvStage = 0;
   s.barriers = s.ds;
-  s.total = s.barriers + (1 + kBackwardQueryStages) * 8 + kSwizzlePeriodBytes;
+  s.total = s.barriers + kBackwardWgmmaBarriers * kBarrierBytes + kSwizzlePeriodBytes;
   return s;
 }
 // The dq launch on wgmma: the query block's Q and dO tiles (swizzled, as
@@ -503,7 +521,7 @@ constexpr BackwardSmem backwardWgmmaDqSmem(int blockM, int blockN, int headDim) 
   s.kvStage = 2 * kv;
   s.ds = s.k + 2 * s.kvStage;
   s.barriers = s.ds;
-  s.total = s.barriers + 3 * 8 + kSwizzlePeriodBytes;
+  s.total = s.barriers + kBackwardWgmmaBarriers * kBarrierBytes + kSwizzlePeriodBytes;
   return s;
 }
 // The collapse backward's CTA: its dcollapse partial sums (f32).
