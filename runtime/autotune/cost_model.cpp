@@ -473,12 +473,9 @@ CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& s, con
                        : wgmma ? std::max(backwardWgmmaSmem(int(bm), int(bn), int(d)).total,
                                           backwardWgmmaDqSmem(int(bm), int(bn), int(d)).total)
                                : backwardSmem(int(bm), int(bn), int(d), atomicDq).total;
-  // wgmma: warp-specialised, a producer warpgroup beside the consumers and
-  // registers moved by setmaxnreg; the key-block-outer launch (the longest)
-  // takes an SM (layout.h, backwardCtasPerSm).
-  e.ctasPerSm = wgmma ? std::min(ctasPerSmOf(device, smem, registers, threads + kWarpgroupThreadCount, true),
-                                 backwardCtasPerSm(false, int(s.warps())))
-                      : ctasPerSmOf(device, smem, registers, threads);
+  // (The key-block-outer launch, the longest; on wgmma only the dq launch
+  // adds a producer warpgroup, within its CTAs' share.)
+  e.ctasPerSm = ctasPerSmOf(device, smem, registers, threads);
   if (e.ctasPerSm == 0) {
     e.seconds = 1e9;
     e.bound = "resources";

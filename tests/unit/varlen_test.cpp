@@ -244,6 +244,25 @@ TEST(Varlen, EmulatedBackward) {
   }
 }
 
+// The same on sm_90a's wgmma backward (head_dim 64): TMA fills of each
+// document's query blocks, and the dq launch's producer warpgroup walking
+// each document's key blocks as its consumers do, blocks across documents
+// included.
+TEST(Varlen, EmulatedWgmmaBackward) {
+  std::mt19937_64 rng(testing::testSeed() ^ 0x7a18);
+  const IhaCase c = drawVarlenCase(rng, true, 40, {v1::float16, v1::bfloat16},
+                                   [&](KernelSpec& spec) { spec.set_head_dim(64); });
+  SCOPED_TRACE(describeDocuments(c));
+  auto plan = planFor(c.spec, Schedule(), "sm_90a", Direction::backward);
+  ASSERT_TRUE(plan) << plan.error().message;
+  ASSERT_EQ(plan->schedule.engine(), v1::engine_wgmma);
+  auto run = emu::runOnEmulator(*plan, c, testing::emulatorOptions(rng()));
+  ASSERT_TRUE(run) << run.error().message << "\n" << run.error().log;
+  EXPECT_EQ(run->findingCount, 0) << emu::summary(*run);
+  ASSERT_TRUE(run->gradients);
+  expectGradients(c, *run->gradients);
+}
+
 // What keeps each document alone, each broken in common.h on the same
 // drawn case (several documents, blocks across them), is caught by the
 // emulated forward's numbers.

@@ -144,8 +144,7 @@ void readPlan(KernelOp kernel, KernelPlan& plan) {
                              int64_t(launch.getThreads()), sharedBytes, specialized,
                              cuda && takesTensorMaps(kernel, launch)});
     if (specialized && kernel.getBackward())
-      plan.launches.back().ctasPerSm = backwardCtasPerSm(launch.getSymName() == kBackwardQEntry,
-                                                         int(kernel.getScheduleAttr().getWarps()));
+      plan.launches.back().ctasPerSm = backwardDqCtasPerSm(int(kernel.getScheduleAttr().getWarps()));
     if (premix)
       plan.workspaces.insert(plan.workspaces.end(), {Workspace::q_mixed, Workspace::k_mixed, Workspace::v_mixed});
     bool storesRows = false;

@@ -329,7 +329,7 @@ class LaunchLowering {
           llvm::SmallVector<Value> operands{state("KvGradTile")};
           operands.append(launchArgs());
           operands.append({get(o.getCol0()), get(o.getHead()), get(o.getBatch())});
-          call(producing_ ? "kv_grad_begin_fill" : "kv_grad_begin", operands);
+          call("kv_grad_begin", operands);
           return mlir::success();
         })
         .Case([&](ForGroupHeadsOp o) {
@@ -345,9 +345,8 @@ class LaunchLowering {
           // The head's query loops take its blocks in order from the first
           // one's lower bound: that block is fetched ahead of them, and each
           // block's load fetches the next (the CUDA tiles' two query stages).
-          // (Warp-specialised, the producer fills them in that order.)
           auto loops = o.getBody().front().getOps<QLoopOp>();
-          if (!loops.empty() && !specialized_) {
+          if (!loops.empty()) {
             QLoopOp firstLoop = *loops.begin();
             Value row0 = b_.create<mlir::emitc::MulOp>(loc_, b_.getI64Type(), get(firstLoop.getLower()),
                                                        constant(kernel_.getScheduleAttr().getBlockM()));
@@ -431,15 +430,14 @@ class LaunchLowering {
 
   // pipeline_init; if (is_producer) { producer_start; <producer> }
   //                else { consumer_start; <consumer> }
-  // A backward's launches (loom/tile/cuda_backward.h, bwgmma) call their own,
-  // which take the launch (loom::Outer: keys for iha_bwd_kv, queries for
-  // iha_bwd_q) and whose producer is the last warpgroup.
+  // A backward's dq launch (loom/tile/cuda_backward.h, bwgmma) calls its
+  // own, which take the launch (loom::Outer::queries) and whose producer is
+  // the last warpgroup.
   mlir::LogicalResult lowerWarpSpecialize(WarpSpecializeOp o) {
     const bool backward = kernel_.getBackward();
     const std::string prefix = backward ? "bwd_" : "";
     llvm::SmallVector<llvm::StringRef, 1> launchArg;
-    if (backward) launchArg.push_back(o->getParentOfType<LaunchOp>().getSymName() == kBackwardQEntry ? kQueriesOuter
-                                                                                                    : kKeysOuter);
+    if (backward) launchArg.push_back(kQueriesOuter);
     call(prefix + "pipeline_init", {}, launchArg);
     Value producer = callValue(prefix + "is_producer", {}, /*configured=*/true, b_.getI1Type());
     auto branch = b_.create<mlir::emitc::IfOp>(loc_, producer, /*addThenBlock=*/true, /*addElseBlock=*/true);
@@ -524,7 +522,6 @@ class LaunchLowering {
 
   // One key block's step over a query block: dV += P^T do, dK += dS^T Q
   // (and dq += dS K by atomic adds).
-  // (Warp-specialised, the producer's side fills each block's stage.)
   mlir::LogicalResult lowerQLoop(QLoopOp o) {
     auto loop = b_.create<mlir::emitc::ForOp>(loc_, get(o.getLower()), get(o.getUpper()), constant(1));
     mlir::OpBuilder::InsertionGuard guard(b_);
@@ -535,10 +532,6 @@ class LaunchLowering {
     llvm::SmallVector<Value> operands{q};
     operands.append(launchArgs());
     operands.append({row0, get(o.getHead()), get(o.getBatch())});
-    if (producing_) {
-      call("q_grad_fill", operands);
-      return mlir::success();
-    }
     call("load_q_grad", operands, {"true"});
     backwardScores(o.getMasked(), kKeysOuter);
     call("bwd_dv", {kv, scores, q});
@@ -643,10 +636,9 @@ struct LowerToEmitC : impl::IhaLowerToEmitCBase<LowerToEmitC> {
                                                     builder.getFunctionType(parameters, {}));
     llvm::SmallVector<llvm::StringRef> specifiers{"LOOM_KERNEL"};
     // setmaxnreg needs a register cap at entry: one CTA of `threads` per SM
-    // (the backward's dq launch: two, layout.h backwardCtasPerSm).
-    const int ctas = kernel.getBackward() ? backwardCtasPerSm(launch.getSymName() == kBackwardQEntry,
-                                                              int(kernel.getScheduleAttr().getWarps()))
-                                          : 1;
+    // (the backward's dq launch: two with one consumer warpgroup, layout.h
+    // backwardDqCtasPerSm).
+    const int ctas = kernel.getBackward() ? backwardDqCtasPerSm(int(kernel.getScheduleAttr().getWarps())) : 1;
     const std::string bounds =
         "__launch_bounds__(" + std::to_string(launch.getThreads()) + ", " + std::to_string(ctas) + ")";
     if (specialized && cuda) specifiers.push_back(bounds);

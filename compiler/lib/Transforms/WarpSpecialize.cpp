@@ -1,10 +1,12 @@
 // iha-warp-specialize: with schedule engine = wgmma, the attention launch
-// (and a backward's two attention launches, iha_bwd_kv and iha_bwd_q)
-// becomes an iha.warp_specialize whose two regions are slices of the one
-// program. The producer slice keeps what it loads (every iha.kv_stream; a
-// backward's kv_grad_begin and q_loops, or dq_begin and dq_loops), the
-// loops over heads around them, and the arithmetic their bounds need; the
-// consumer slice is the whole program, its loads waiting on the producer's.
+// (and a backward's dq launch, iha_bwd_q) becomes an iha.warp_specialize
+// whose two regions are slices of the one program. The producer slice keeps
+// what it loads (every iha.kv_stream; the dq launch's dq_begin and
+// dq_loops), the loops over heads around them, and the arithmetic their
+// bounds need; the consumer slice is the rest (a backward's: the whole
+// launch, its loads waiting on the producer's). A backward's key-block-outer
+// launch is not split: a producer warpgroup beside its consumers (240
+// registers) would cost its second CTA an SM.
 // Both walk the same blocks in the same order, which is all the mbarrier
 // ring between them relies on.
 #include "PassDetail.h"
@@ -19,7 +21,7 @@ namespace loom::iha {
 namespace {
 
 // What a producer loads: the forward's key blocks, the backward's.
-bool loads(mlir::Operation& op) { return llvm::isa<KvStreamOp, KvGradBeginOp, QLoopOp, DqBeginOp, DqLoopOp>(op); }
+bool loads(mlir::Operation& op) { return llvm::isa<KvStreamOp, DqBeginOp, DqLoopOp>(op); }
 
 // Drops from `block` whatever its loads do not need: other effects, head
 // loops left without a load, and pure ops left without a use. Returns
@@ -43,15 +45,10 @@ struct WarpSpecialize : impl::IhaWarpSpecializeBase<WarpSpecialize> {
   void runOnOperation() override {
     getOperation().walk([&](KernelOp kernel) {
       if (!kernel.getScheduleAttr() || kernel.getScheduleAttr().getEngine() != Engine::wgmma) return;
-      // A backward's recomputed forward stays on mma.sync; its two attention
+      // A backward's recomputed forward stays on mma.sync; its attention
       // launches are wgmma's (loom/tile/cuda_backward.h, bwgmma).
-      llvm::SmallVector<llvm::StringRef, 2> names;
-      if (kernel.getBackward()) names = {kBackwardKvEntry, kBackwardQEntry};
-      else names = {kAttentionLaunch};
-      for (llvm::StringRef name : names) {
-        LaunchOp launch = findLaunch(kernel, name);
-        if (launch && launch.getBlock().getOps<WarpSpecializeOp>().empty()) split(launch, kernel.getBackward());
-      }
+      LaunchOp launch = findLaunch(kernel, kernel.getBackward() ? llvm::StringRef(kBackwardQEntry) : llvm::StringRef(kAttentionLaunch));
+      if (launch && launch.getBlock().getOps<WarpSpecializeOp>().empty()) split(launch, kernel.getBackward());
     });
   }
 

@@ -150,7 +150,10 @@ struct KvGradTile {
   float dv[cuda::BackwardGeometry<C>::KMT][cuda::Geometry<C>::OT][4];
   int64_t col0;
   int stage = 0;  // the K and V stage holding col0's rows (the dq launch's two; layout.h, BackwardSmem)
-  // wgmma's dq launch: as QGradTile's, for the K and V stages.
+  // wgmma's dq launch: a side of its ring of K and V stages (bwgmma): the
+  // parity each stage's mbarrier completes next (bit s: stage s; the
+  // consumers' full, the producer's empty barriers), and whether a consumer
+  // holds `stage`.
   unsigned phases = 0, held = 0;
   Bits32 base = 0, tiles = 0;
 };
@@ -159,11 +162,10 @@ template <class C>
 struct QGradTile {
   int64_t row0;
   int stage = 0;  // the query stage holding row0's rows (layout.h, BackwardSmem)
-  // wgmma (a side of the ring, bwgmma): the parity each stage's mbarrier
-  // completes next (bit s: stage s; the consumers' full, the producer's
-  // empty barriers), and whether a consumer holds `stage`; the aligned
-  // shared memory's and row0's stage's shared-window addresses.
-  unsigned phases = 0, held = 0;
+  // wgmma: the parity each stage's mbarrier completes next, and the stages
+  // with a TMA fill issued and not yet waited for (bit s: stage s); the
+  // aligned shared memory's and row0's stage's shared-window addresses.
+  unsigned phases = 0, pending = 0;
   Bits32 base = 0, tiles = 0;
   // wgmma's dq launch: Q's and dO's rows of the warp as wgmma's register A
   // operand, a k-step each (its S and dP then take K's and V's descriptors alone).
@@ -208,10 +210,12 @@ struct DqTile {
 //     and V K-major, N = block_n); dq += dS K (K N-major).
 // The products are issued, committed and waited for by the steps, so that
 // one runs while the next step's arithmetic does (bwd_scores, bwd_dv).
-// Both launches are warp-specialised (iha-warp-specialize): a producer
+// The dq launch is warp-specialised (iha-warp-specialize): a producer
 // warpgroup after the consumer warps issues every TMA fill (the *_fill
 // calls), the consumers only wait for what they use and hand it back
-// (below, the ring).
+// (below, the ring). The key-block-outer launch's thread 0 fills its query
+// stages itself: a producer warpgroup there would cost its second CTA an SM
+// (docs/performance.md, The Hopper backward).
 namespace bwgmma {
 
 template <class C>
@@ -280,18 +284,41 @@ __device__ __forceinline__ void fillQueryTiles(const TmaMaps& maps, const Backwa
   ptx::tmaLoad1d(tiles + Bits32(w.delta), &maps.delta, int(plane * L + row0), bar);
 }
 
-// Warp specialisation (both launches): the CTA's last warpgroup is the
-// producer, one of its threads issuing every TMA fill in the order the
-// consumers (warps 0 .. C::warps - 1, as without it) use them, into a ring
-// of two stages. The mbarriers of layout `w`: 0 the launch's one block (K
-// and V, or the dq launch's query block), 1 + s stage s full (its fill's
-// bytes landed), 3 + s stage s empty (every consumer thread has left it).
-// A ring's side (QGradTile / KvGradTile: stage, phases, held) counts its
-// own uses; the producer's and the consumers' walk the same blocks.
-constexpr int kEmptyBarriers = 1 + kBackwardQueryStages;
+// Query stage `stage` <- Q and dO rows [row0, row0 + block_m) of query head
+// h, with their lse and D, by TMA (one thread, on the stage's mbarrier).
+template <class C>
+__device__ void fillQueryStage(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int stage, int64_t row0,
+                               int64_t h, int64_t b, int64_t L);
+
+// Stage `stage`'s TMA fill in the wgmma launches: its mbarrier (layout
+// `w`'s, after the launch's first: 1 + stage). The key-block-outer launch
+// waits for it by the parity it completes next (`phases`), after which it
+// is no longer `pending`.
 __device__ __forceinline__ Bits32 stageBarrier(Bits32 base, const BackwardSmem& w, int stage) {
   return base + Bits32(w.barriers + 8 * (1 + stage));
 }
+__device__ __forceinline__ void waitStage(unsigned& phases, unsigned& pending, Bits32 bar, int stage) {
+  ptx::mbarrierWaitParity(bar, int(phases >> stage) & 1);
+  phases ^= 1u << stage;
+  pending &= ~(1u << stage);
+}
+// Waits for every fill issued and not yet waited for (a block fetched past
+// a loop's last: a window ends it before L).
+__device__ __forceinline__ void drainStages(unsigned& phases, unsigned& pending, Bits32 base, const BackwardSmem& w) {
+  #pragma unroll
+  for (int stage = 0; stage < 2; ++stage)
+    if (pending & (1u << stage)) waitStage(phases, pending, stageBarrier(base, w, stage), stage);
+}
+
+// The dq launch is warp-specialised: the CTA's last warpgroup is the
+// producer, one of its threads issuing every TMA fill in the order the
+// consumers (warps 0 .. C::warps - 1, as without it) use them, into a ring
+// of two K and V stages. The mbarriers of its layout `w`: 0 the query block,
+// 1 + s stage s full (its fill's bytes landed), 3 + s stage s empty (every
+// consumer thread has left it). A ring's side (KvGradTile: stage, phases,
+// held) counts its own uses; the producer's and the consumers' walk the
+// same key blocks.
+constexpr int kEmptyBarriers = 1 + kBackwardQueryStages;
 __device__ __forceinline__ Bits32 emptyBarrier(Bits32 base, const BackwardSmem& w, int stage) {
   return base + Bits32(w.barriers + 8 * (kEmptyBarriers + stage));
 }
@@ -575,26 +602,27 @@ __device__ void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0,
   cuda::zero<C>(kv.dk);
   cuda::zero<C>(kv.dv);
 }
-// On wgmma (warp-specialised): the consumers wait for the block's K and V,
-// which the producer fills by TMA (kv_grad_begin_fill) onto mbarrier 0.
+// On wgmma: the mbarriers set up, then the block's K and V by TMA.
 template <class C>
-__device__ void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs&, const TmaMaps&, int64_t col0, int64_t, int64_t) {
+__device__ void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs& a, const TmaMaps& maps, int64_t col0, int64_t g,
+                              int64_t b) {
   static_assert(C::wgmma_backward, "the key-block-outer launch takes tensor maps on wgmma only");
-  ptx::mbarrierWaitParity(bwgmma::barrierAt<C>(0), 0);
+  const BackwardSmem w = bwgmma::layout<C>();
+  const Bits32 bar = bwgmma::barrierAt<C>(0);
+  if (threadIdx.x == 0) {
+    #pragma unroll
+    for (int i = 0; i < 1 + kBackwardQueryStages; ++i) ptx::mbarrierInit(bwgmma::barrierAt<C>(i), 1);
+    ptx::fenceMbarrierInit();
+    ptx::mbarrierArriveExpectTx(bar, 2 * C::block_n * C::head_dim * kTileElementBytes);
+    const int64_t plane = b * C::kv_heads + g;
+    bwgmma::tmaTile(bwgmma::baseAddress() + Bits32(w.k), &maps.k, col0, plane, bar);
+    bwgmma::tmaTile(bwgmma::baseAddress() + Bits32(w.v), &maps.v, col0, plane, bar);
+  }
+  __syncthreads();  // the barriers are initialised before anyone waits
+  ptx::mbarrierWaitParity(bar, 0);
   kv.col0 = col0;
   cuda::zero<C>(kv.dk);
   cuda::zero<C>(kv.dv);
-}
-template <class C>
-__device__ void kv_grad_begin_fill(KvGradTile<C>&, const IhaArgs&, const TmaMaps& maps, int64_t col0, int64_t g,
-                                   int64_t b) {
-  if (!bwgmma::producerIssues<C>()) return;
-  const BackwardSmem w = bwgmma::layout<C>();
-  const Bits32 bar = bwgmma::barrierAt<C>(0);
-  ptx::mbarrierArriveExpectTx(bar, 2 * C::block_n * C::head_dim * kTileElementBytes);
-  const int64_t plane = b * C::kv_heads + g;
-  bwgmma::tmaTile(bwgmma::baseAddress() + Bits32(w.k), &maps.k, col0, plane, bar);
-  bwgmma::tmaTile(bwgmma::baseAddress() + Bits32(w.v), &maps.v, col0, plane, bar);
 }
 
 // Q and do rows [row0, row0 + block_m) of query head h, with lse and D,
@@ -663,12 +691,28 @@ __device__ void q_grad_ahead(QGradTile<C>& q, const IhaArgs& a, int64_t row0, in
   cuda::waitCopies<0>();  // and this thread's copies have landed
   copyQueryStage<C>(a, q.stage ^ 1, row0, h, b, seq_len<C>(a));
 }
+// On wgmma: the same, Q and dO by TMA.
+template <class C>
+__device__ void q_grad_ahead(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int64_t row0, int64_t h,
+                             int64_t b) {
+  __syncthreads();
+  q.base = bwgmma::baseAddress();
+  if (q.pending) {  // the same in every thread
+    // Every thread waits out the previous head's last fill before one of
+    // them fills a stage again: a barrier two phases on would hold a late
+    // thread's parity wait forever (found by the emulator, a windowed GQA spec).
+    bwgmma::drainStages(q.phases, q.pending, q.base, bwgmma::layout<C>());
+    __syncthreads();
+  }
+  bwgmma::fillQueryStage<C>(q, a, maps, q.stage ^ 1, row0, h, b, seq_len<C>(a));
+}
+
 // After the key-block-outer loops: every copy they issued has landed (a
 // block fetched past the loop's last) before the CTA ends.
-// (On wgmma the consumers have waited for every fill the producer issued.)
 template <class C>
-__device__ void q_grad_finish(QGradTile<C>&, const IhaArgs&) {
-  if constexpr (!C::wgmma_backward) cuda::waitCopies<0>();
+__device__ void q_grad_finish(QGradTile<C>& q, const IhaArgs&) {
+  if constexpr (C::wgmma_backward) bwgmma::drainStages(q.phases, q.pending, q.base, bwgmma::layout<C>());
+  cuda::waitCopies<0>();
 }
 
 // Q and do rows [row0, row0 + block_m) of query head h, with lse and D;
@@ -694,41 +738,51 @@ __device__ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, int64_t row0, int
   __syncthreads();
   q.row0 = row0;
 }
-// On wgmma, warp-specialised (bwgmma): in the key-block-outer loop, the
-// stage of the block before handed back to the producer and this block's
-// waited for (q_grad_fill fills them in the loop's order). Without Ahead
-// (the dq launch's one query block): its Q, dO, lse and D (dq_begin_fill,
-// mbarrier 0) waited for, Q and dO then held in registers.
+// On wgmma (the key-block-outer loop): the next block by TMA, this one's
+// waited for on its stage's mbarrier (TMA writes and wgmma reads through
+// the async proxy: no proxy fence; the wait makes lse and D visible).
+// Without Ahead (the dq launch's one query block, warp-specialised): its
+// Q, dO, lse and D (dq_begin_fill, mbarrier 0) waited for, Q and dO then
+// held in registers.
 template <class C, bool Ahead = false>
-__device__ void load_q_grad(QGradTile<C>& q, const IhaArgs&, const TmaMaps&, int64_t row0, int64_t, int64_t) {
+__device__ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int64_t row0, int64_t h,
+                            int64_t b) {
   static_assert(C::wgmma_backward, "tensor maps: the backward on wgmma");
-  q.base = bwgmma::baseAddress();
-  q.row0 = row0;
+  const int64_t L = seq_len<C>(a);
   if constexpr (!Ahead) {
     const BackwardSmem w = bwgmma::dqLayout<C>();
+    q.base = bwgmma::baseAddress();
     ptx::mbarrierWaitParity(q.base + Bits32(w.barriers), 0);
     bwgmma::loadRows<C>(q.qa, q.base + Bits32(w.q), bwgmma::Geometry<C>::qAtomBytes);
     bwgmma::loadRows<C>(q.doa, q.base + Bits32(w.dO), bwgmma::Geometry<C>::qAtomBytes);
     q.tiles = q.base;
+    q.stage = 0;
+    q.row0 = row0;
     return;
   }
+  __syncthreads();  // every warp is done with the previous block's stage (TMA refills it)
+  if (row0 + C::block_m < L) bwgmma::fillQueryStage<C>(q, a, maps, q.stage, row0 + C::block_m, h, b, L);
   const BackwardSmem w = bwgmma::layout<C>();
-  const int stage = bwgmma::nextFullStage(q.stage, q.phases, q.held, q.base, w);
-  q.tiles = q.base + Bits32(stage * w.stage);
+  const int next = q.stage ^ 1;
+  bwgmma::waitStage(q.phases, q.pending, bwgmma::stageBarrier(q.base, w, next), next);
+  q.stage = next;
+  q.tiles = q.base + Bits32(next * w.stage);
+  q.row0 = row0;
 }
-// The producer's side: query block row0 of head h into the next free query
-// stage (the key-block-outer launch's loop), or the dq launch's one block
-// onto mbarrier 0 (dq_begin_fill).
+
+namespace bwgmma {
 template <class C>
-__device__ void q_grad_fill(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& maps, int64_t row0, int64_t h,
-                            int64_t b) {
-  if (!bwgmma::producerIssues<C>()) return;
-  const BackwardSmem w = bwgmma::layout<C>();
-  const Bits32 base = bwgmma::baseAddress();
-  const int stage = bwgmma::nextEmptyStage(q.stage, q.phases, base, w);
-  bwgmma::fillQueryTiles<C>(maps, w, base + Bits32(stage * w.stage), bwgmma::stageBarrier(base, w, stage), row0,
-                            b * C::heads + h, seq_len<C>(a));
+__device__ void fillQueryStage(QGradTile<C>& q, const IhaArgs&, const TmaMaps& maps, int stage, int64_t row0,
+                               int64_t h, int64_t b, int64_t L) {
+  const BackwardSmem w = layout<C>();
+  if (threadIdx.x == 0)
+    fillQueryTiles<C>(maps, w, q.base + Bits32(stage * w.stage), stageBarrier(q.base, w, stage), row0,
+                      b * C::heads + h, L);
+  q.pending |= 1u << stage;
 }
+}  // namespace bwgmma
+
+// The dq launch's producer: its query block's Q, dO, lse and D onto mbarrier 0.
 template <class C>
 __device__ void dq_begin_fill(QGradTile<C>&, const IhaArgs& a, const TmaMaps& maps, int64_t row0, int64_t h,
                               int64_t b) {
@@ -738,15 +792,14 @@ __device__ void dq_begin_fill(QGradTile<C>&, const IhaArgs& a, const TmaMaps& ma
   bwgmma::fillQueryTiles<C>(maps, w, base, base + Bits32(w.barriers), row0, b * C::heads + h, seq_len<C>(a));
 }
 
-// Warp specialisation of the wgmma backward's launches (bwgmma): every
-// thread sets up the mbarriers of the launch's layout (O: Outer::keys the
-// key-block-outer launch, Outer::queries the dq launch), then the last
-// warpgroup produces and the others consume, their registers moved by
-// setmaxnreg (layout.h, backwardConsumerRegisters).
+// Warp specialisation of the wgmma backward's dq launch (bwgmma; O is
+// Outer::queries, the launch): every thread sets up the mbarriers of its
+// layout, then the last warpgroup produces and the others consume, their
+// registers moved by setmaxnreg (layout.h, backwardDqConsumerRegisters).
 template <class C, Outer O>
 __device__ void bwd_pipeline_init() {
-  static_assert(C::wgmma_backward, "the wgmma backward is warp-specialised");
-  const BackwardSmem w = O == Outer::keys ? bwgmma::layout<C>() : bwgmma::dqLayout<C>();
+  static_assert(C::wgmma_backward && O == Outer::queries, "the wgmma backward's dq launch is warp-specialised");
+  const BackwardSmem w = bwgmma::dqLayout<C>();
   if (threadIdx.x == 0) {
     const Bits32 base = bwgmma::baseAddress();
     #pragma unroll
@@ -765,11 +818,11 @@ __device__ __forceinline__ bool bwd_is_producer() {
 }
 template <class C, Outer O>
 __device__ __forceinline__ void bwd_producer_start() {
-  ptx::setmaxnregDec<backwardProducerRegisters(O == Outer::queries)>();
+  ptx::setmaxnregDec<kBackwardDqProducerRegisters>();
 }
 template <class C, Outer O>
 __device__ __forceinline__ void bwd_consumer_start() {
-  ptx::setmaxnregInc<backwardConsumerRegisters(C::warps, O == Outer::queries)>();
+  ptx::setmaxnregInc<backwardDqConsumerRegisters(C::warps)>();
 }
 
 //===----------------------------------------------------------------------===//

@@ -467,22 +467,22 @@ constexpr BackwardSmem backwardSmem(int blockM, int blockN, int headDim, bool at
   s.total = s.total > s.kvStage + 2 * kv ? s.total : s.kvStage + 2 * kv;
   return s;
 }
-// The wgmma backward's launches are warp-specialised (cuda_backward.h,
-// bwgmma): a producer warpgroup (one thread issuing the TMA fills) and the
-// consumers at what is left of their CTA's share of the register file after
-// setmaxnreg. The key-block-outer launch takes an SM (its dK and dV
-// accumulators want 240; its producer walks the loops over heads and query
-// blocks, which spill at 24); the dq launch with one consumer warpgroup two
-// CTAs an SM. Five mbarriers: the launch's one block, each stage full and
-// empty.
+// The wgmma backward's dq launch is warp-specialised (cuda_backward.h,
+// bwgmma): a producer warpgroup (one thread issuing the TMA fills) at
+// kBackwardDqProducerRegisters and the consumers at what is left of their
+// CTA's share of the register file after setmaxnreg: with one consumer
+// warpgroup two CTAs an SM (as without the producer). Five mbarriers: the
+// query block's, each K and V stage full and empty. (The key-block-outer
+// launch is not: its consumers need 240 registers, so a producer beside
+// them would cost its second CTA an SM; docs/performance.md.)
+constexpr int kBackwardDqProducerRegisters = 24;
 constexpr int kBackwardWgmmaBarriers = 1 + 2 * kBackwardQueryStages;
-constexpr int backwardCtasPerSm(bool dqLaunch, int warps) { return dqLaunch && warps == 4 ? 2 : 1; }
-constexpr int backwardProducerRegisters(bool dqLaunch) { return dqLaunch ? 24 : 48; }
-constexpr int backwardConsumerRegisters(int warps, bool dqLaunch) {
+constexpr int backwardDqCtasPerSm(int warps) { return warps == 4 ? 2 : 1; }
+constexpr int backwardDqConsumerRegisters(int warps) {
   const int groups = warps / 4 > 0 ? warps / 4 : 1;
-  const int left = (kRegisterFileWords / backwardCtasPerSm(dqLaunch, warps) / kWarpgroupThreadCount -
-                    backwardProducerRegisters(dqLaunch)) /
-                   groups / 8 * 8;
+  const int left =
+      (kRegisterFileWords / backwardDqCtasPerSm(warps) / kWarpgroupThreadCount - kBackwardDqProducerRegisters) /
+      groups / 8 * 8;
   return left < kMaxConsumerRegisters ? left : kMaxConsumerRegisters;
 }
 // The key-block-outer launch on wgmma (sm_90a, schedule.engine wgmma): the
@@ -503,13 +503,13 @@ constexpr BackwardSmem backwardWgmmaSmem(int blockM, int blockN, int headDim) {
   s.ds = s.q + kBackwardQueryStages * s.stage;
   s.kvStage = 0;
   s.barriers = s.ds;
-  s.total = s.barriers + kBackwardWgmmaBarriers * kBarrierBytes + kSwizzlePeriodBytes;
+  s.total = s.barriers + (1 + kBackwardQueryStages) * kBarrierBytes + kSwizzlePeriodBytes;
   return s;
 }
 // The dq launch on wgmma: the query block's Q and dO tiles (swizzled, as
 // above), its lse and D, then two K and V stages (`kvStage` bytes apart:
 // the next key block lands while this one is used), then the mbarriers (the
-// query block's, each K and V stage's).
+// query block's, each K and V stage's full and empty: kBackwardWgmmaBarriers).
 constexpr BackwardSmem backwardWgmmaDqSmem(int blockM, int blockN, int headDim) {
   const int kv = blockN * headDim * kTileElementBytes;
   const int rows = blockM * headDim * kTileElementBytes;
