@@ -431,14 +431,10 @@ class LaunchLowering {
   // pipeline_init; if (is_producer) { producer_start; <producer> }
   //                else { consumer_start; <consumer> }
   // A backward's dq launch (loom/tile/cuda_backward.h, bwgmma) calls its
-  // own, which take the launch (loom::Outer::queries) and whose producer is
-  // the last warpgroup.
+  // own, whose producer is the last warpgroup.
   mlir::LogicalResult lowerWarpSpecialize(WarpSpecializeOp o) {
-    const bool backward = kernel_.getBackward();
-    const std::string prefix = backward ? "bwd_" : "";
-    llvm::SmallVector<llvm::StringRef, 1> launchArg;
-    if (backward) launchArg.push_back(kQueriesOuter);
-    call(prefix + "pipeline_init", {}, launchArg);
+    const std::string prefix = kernel_.getBackward() ? "bwd_" : "";
+    call(prefix + "pipeline_init", {});
     Value producer = callValue(prefix + "is_producer", {}, /*configured=*/true, b_.getI1Type());
     auto branch = b_.create<mlir::emitc::IfOp>(loc_, producer, /*addThenBlock=*/true, /*addElseBlock=*/true);
     mlir::OpBuilder::InsertionGuard guard(b_);
@@ -446,7 +442,7 @@ class LaunchLowering {
       mlir::Block& block = region.front();
       if (!block.empty() && block.back().hasTrait<mlir::OpTrait::IsTerminator>()) b_.setInsertionPoint(&block.back());
       else b_.setInsertionPointToEnd(&block);
-      call(prefix + start.str(), {}, launchArg);
+      call(prefix + start.str(), {});
       producing_ = start == "producer_start";
       const mlir::LogicalResult lowered = lowerBlock(slice);
       producing_ = false;
@@ -548,8 +544,9 @@ class LaunchLowering {
     // lower bound (iha-analyze-mask's ranges are contiguous): that block is
     // fetched ahead of them, and each block's load fetches the next (the
     // CUDA tiles' two K and V stages).
-    // (Warp-specialised, the producer fills each block's stage in that order.)
-    bool first = !specialized_;
+    // (Warp-specialised, the producer fills each block's stage in that order
+    // and the consumers' kv_grad_ahead only finds the ring.)
+    bool first = !producing_;
     for (mlir::Operation* op = o->getPrevNode(); op && first; op = op->getPrevNode()) first = !llvm::isa<DqLoopOp>(op);
     if (first) {
       Value col0 = b_.create<mlir::emitc::MulOp>(loc_, b_.getI64Type(), get(o.getLower()),

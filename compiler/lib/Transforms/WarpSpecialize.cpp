@@ -47,12 +47,14 @@ struct WarpSpecialize : impl::IhaWarpSpecializeBase<WarpSpecialize> {
       if (!kernel.getScheduleAttr() || kernel.getScheduleAttr().getEngine() != Engine::wgmma) return;
       // A backward's recomputed forward stays on mma.sync; its attention
       // launches are wgmma's (loom/tile/cuda_backward.h, bwgmma).
-      LaunchOp launch = findLaunch(kernel, kernel.getBackward() ? llvm::StringRef(kBackwardQEntry) : llvm::StringRef(kAttentionLaunch));
-      if (launch && launch.getBlock().getOps<WarpSpecializeOp>().empty()) split(launch, kernel.getBackward());
+      const llvm::StringRef name =
+          kernel.getBackward() ? llvm::StringRef(kBackwardQEntry) : llvm::StringRef(kAttentionLaunch);
+      LaunchOp launch = findLaunch(kernel, name);
+      if (launch && launch.getBlock().getOps<WarpSpecializeOp>().empty()) split(launch);
     });
   }
 
-  void split(LaunchOp launch, bool backward) {
+  void split(LaunchOp launch) {
     mlir::Block& body = launch.getBlock();
     mlir::OpBuilder builder = mlir::OpBuilder::atBlockBegin(&body);
     auto split = builder.create<WarpSpecializeOp>(launch.getLoc());
@@ -67,7 +69,7 @@ struct WarpSpecialize : impl::IhaWarpSpecializeBase<WarpSpecialize> {
     mlir::OpBuilder producerBuilder = mlir::OpBuilder::atBlockEnd(producer);
     for (mlir::Operation& op : *consumer) producerBuilder.clone(op, map);
     keepStreams(*producer);
-    if (!backward) consumer->walk([](KvStreamOp stream) { stream.erase(); });
+    consumer->walk([](KvStreamOp stream) { stream.erase(); });
     launch.setThreads(launch.getThreads() + kWarpgroupWarps * kThreadsPerWarp);  // the producer warpgroup
   }
 };

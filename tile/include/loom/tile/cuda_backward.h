@@ -579,11 +579,16 @@ __device__ void kv_grad_fill(KvGradTile<C>& kv, const IhaArgs&, const TmaMaps& m
   bwgmma::tmaTile(tiles, &maps.k, col0, plane, bar);
   bwgmma::tmaTile(tiles + Bits32(w.v - w.k), &maps.v, col0, plane, bar);
 }
+// The consumers' side before the loops: the ring's base, once (the
+// producer fills the first key block).
+template <class C>
+__device__ void kv_grad_ahead(KvGradTile<C>& kv, const IhaArgs&, const TmaMaps&, int64_t, int64_t, int64_t) {
+  kv.base = bwgmma::baseAddress();
+}
 template <class C, bool Ahead>
 __device__ void load_kv_grad(KvGradTile<C>& kv, const IhaArgs&, const TmaMaps&, int64_t col0, int64_t, int64_t) {
   static_assert(Ahead && C::wgmma_backward, "tensor maps: the dq launch's loop on wgmma");
   const BackwardSmem w = bwgmma::dqLayout<C>();
-  kv.base = bwgmma::baseAddress();
   const int stage = bwgmma::nextFullStage(kv.stage, kv.phases, kv.held, kv.base, w);
   kv.tiles = kv.base + Bits32(w.k + stage * w.kvStage);
   kv.col0 = col0;
@@ -792,13 +797,13 @@ __device__ void dq_begin_fill(QGradTile<C>&, const IhaArgs& a, const TmaMaps& ma
   bwgmma::fillQueryTiles<C>(maps, w, base, base + Bits32(w.barriers), row0, b * C::heads + h, seq_len<C>(a));
 }
 
-// Warp specialisation of the wgmma backward's dq launch (bwgmma; O is
-// Outer::queries, the launch): every thread sets up the mbarriers of its
-// layout, then the last warpgroup produces and the others consume, their
-// registers moved by setmaxnreg (layout.h, backwardDqConsumerRegisters).
-template <class C, Outer O>
+// Warp specialisation of the wgmma backward's dq launch (bwgmma): every
+// thread sets up the mbarriers of its layout, then the last warpgroup
+// produces and the others consume, their registers moved by setmaxnreg
+// (layout.h, consumerRegisters over backwardDqCtasPerSm's share).
+template <class C>
 __device__ void bwd_pipeline_init() {
-  static_assert(C::wgmma_backward && O == Outer::queries, "the wgmma backward's dq launch is warp-specialised");
+  static_assert(C::wgmma_backward, "the wgmma backward's dq launch is warp-specialised");
   const BackwardSmem w = bwgmma::dqLayout<C>();
   if (threadIdx.x == 0) {
     const Bits32 base = bwgmma::baseAddress();
@@ -816,13 +821,13 @@ __device__ __forceinline__ bool bwd_is_producer() {
   return __shfl_sync(0xffffffffu, int(threadIdx.x) / kWarpgroupThreadCount, 0) ==
          C::warps * kWarpSize / kWarpgroupThreadCount;
 }
-template <class C, Outer O>
+template <class C>
 __device__ __forceinline__ void bwd_producer_start() {
   ptx::setmaxnregDec<kBackwardDqProducerRegisters>();
 }
-template <class C, Outer O>
+template <class C>
 __device__ __forceinline__ void bwd_consumer_start() {
-  ptx::setmaxnregInc<backwardDqConsumerRegisters(C::warps)>();
+  ptx::setmaxnregInc<consumerRegisters(C::warps, kBackwardDqProducerRegisters, backwardDqCtasPerSm(C::warps))>();
 }
 
 //===----------------------------------------------------------------------===//

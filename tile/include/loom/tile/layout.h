@@ -341,14 +341,15 @@ constexpr int kWgmmaBlockNs[] = {64, 128, 192, 256};
 constexpr int kHopperSharedMemoryPerBlock = 232448;
 
 // Registers per consumer thread once the producer warpgroup has given up
-// its share (setmaxnreg): the register file (64K) split over the consumer
-// warpgroups, a multiple of 8, at most 240.
+// its share (setmaxnreg): the CTA's share of the register file (64K over
+// `ctasPerSm`) split over the consumer warpgroups, a multiple of 8, at most
+// 240.
 constexpr int kRegisterFileWords = 65536;
 constexpr int kWarpgroupThreadCount = 128;
 constexpr int kMaxConsumerRegisters = 240;
-constexpr int consumerRegisters(int warps, int producerRegisters) {
+constexpr int consumerRegisters(int warps, int producerRegisters, int ctasPerSm = 1) {
   const int groups = warps / 4 > 0 ? warps / 4 : 1;
-  const int left = (kRegisterFileWords / kWarpgroupThreadCount - producerRegisters) / groups / 8 * 8;
+  const int left = (kRegisterFileWords / ctasPerSm / kWarpgroupThreadCount - producerRegisters) / groups / 8 * 8;
   return left < kMaxConsumerRegisters ? left : kMaxConsumerRegisters;
 }
 
@@ -478,13 +479,6 @@ constexpr BackwardSmem backwardSmem(int blockM, int blockN, int headDim, bool at
 constexpr int kBackwardDqProducerRegisters = 24;
 constexpr int kBackwardWgmmaBarriers = 1 + 2 * kBackwardQueryStages;
 constexpr int backwardDqCtasPerSm(int warps) { return warps == 4 ? 2 : 1; }
-constexpr int backwardDqConsumerRegisters(int warps) {
-  const int groups = warps / 4 > 0 ? warps / 4 : 1;
-  const int left =
-      (kRegisterFileWords / backwardDqCtasPerSm(warps) / kWarpgroupThreadCount - kBackwardDqProducerRegisters) /
-      groups / 8 * 8;
-  return left < kMaxConsumerRegisters ? left : kMaxConsumerRegisters;
-}
 // The key-block-outer launch on wgmma (sm_90a, schedule.engine wgmma): the
 // same parts, K and V and each query stage's Q and dO as 128-byte swizzled
 // tiles of 64-column atoms (what TMA writes and wgmma's descriptors read; no
