@@ -409,12 +409,40 @@ std::optional<WorkspaceMemory> workspaceOf(const py::object& value, std::optiona
   return WorkspaceMemory{static_cast<char*>(t.data) + t.byte_offset, elements * ((t.dtype.bits * t.dtype.lanes + 7) / 8)};
 }
 
+// The forward's kept state (IhaSaved) from a sequence of five tensors
+// (q_mixed, k_mixed, v_mixed, o_pseudo, lse), or none; `held` keeps the
+// borrowed capsules for the call.
+std::optional<IhaSaved> savedOf(const py::object& value, std::optional<int64_t> stream, std::vector<Borrowed>& held) {
+  if (value.is_none()) return std::nullopt;
+  const auto tensors = value.cast<std::vector<py::object>>();
+  const char* names[] = {"q_mixed", "k_mixed", "v_mixed", "o_pseudo", "lse"};
+  if (tensors.size() != 5)
+    throw BadArgument("saved: want five tensors (q_mixed, k_mixed, v_mixed, o_pseudo, lse), got " +
+                      std::to_string(tensors.size()));
+  IhaSaved saved;
+  Tensor* slots[] = {&saved.q_mixed, &saved.k_mixed, &saved.v_mixed, &saved.o_pseudo, &saved.lse};
+  for (size_t i = 0; i < 5; ++i) {
+    held.push_back(borrow(tensors[i], names[i], stream));
+    *slots[i] = valueOr(tensorFromDlpack(names[i], held.back().tensor), true);
+  }
+  return saved;
+}
+
+// The forward kernel of a call: the keeping one where the call keeps its
+// state (a service's own where it keeps, else this runtime's).
+std::shared_ptr<Kernel> forwardKernelFor(Runtime& runtime, const KernelSpec& spec, const Schedule& schedule,
+                                         const std::string& service, bool keeps) {
+  if (keeps && (service.empty() || !kernelFor(runtime, spec, schedule, service)->keepsForward()))
+    return valueOr(runtime.keepingKernel(spec, schedule), false);
+  return kernelFor(runtime, spec, schedule, service);
+}
+
 py::object iha(const py::object& q, const py::object& k, const py::object& v, const py::object& alphaQ,
                const py::object& alphaK, const py::object& alphaV, const py::object& collapse,
                const py::object& specValue, std::optional<int64_t> stream, const py::object& out,
                const py::object& lse, const py::object& scheduleValue, const std::string& cacheDir,
                const std::string& service, int threads, const py::object& workspaceValue,
-               const py::object& cuSeqlens) {
+               const py::object& cuSeqlens, const py::object& savedValue) {
   const KernelSpec spec = specOf(specValue);
   const Schedule schedule = scheduleOf(scheduleValue);
   const Inputs inputs = borrowInputs(q, k, v, alphaQ, alphaK, alphaV, collapse, stream);
@@ -444,20 +472,26 @@ py::object iha(const py::object& q, const py::object& k, const py::object& v, co
       true);
   std::optional<Borrowed> bounds;
   documentsInto(cuSeqlens, stream, device, tensors, bounds);
+  std::vector<Borrowed> savedHeld;
+  const std::optional<IhaSaved> saved = savedOf(savedValue, stream, savedHeld);
+  const Schedule forced = saved ? valueOr(keepingSchedule(schedule), true) : schedule;
   if (onHost) {
     check(validateTensors(spec, tensors, kHostDevice), true);
-    checkResolves(spec, schedule, hostTarget());
+    checkResolves(spec, forced, hostTarget());
+    if (saved) check(validateSaved(spec, *saved, tensors.q.shape[0], tensors.q.shape[1], false, kHostDevice), true);
     const cpu::CpuOptions options{cacheDir, threads};
     py::gil_scoped_release release;
-    check(runOnHost(spec, tensors, schedule, options), false);  // what is left: compiling, running
+    check(runOnHost(spec, tensors, schedule, options, saved ? &*saved : nullptr), false);  // compiling, running
   } else {
-    checkResolves(spec, schedule, runtime->target());
-    std::shared_ptr<Kernel> kernel = kernelFor(*runtime, spec, schedule, service);
+    checkResolves(spec, forced, runtime->target());
+    std::shared_ptr<Kernel> kernel = forwardKernelFor(*runtime, spec, schedule, service, saved.has_value());
     check(validateTensors(spec, tensors, device.device_id), true);
+    if (saved)
+      check(validateSaved(spec, *saved, tensors.q.shape[0], tensors.q.shape[1], true, device.device_id), true);
     std::optional<Borrowed> held;
     const std::optional<WorkspaceMemory> workspace = workspaceOf(workspaceValue, stream, device, held);
     py::gil_scoped_release release;
-    check(kernel->launch(tensors, reinterpret_cast<CUstream>(stream.value_or(0)), nullptr,
+    check(kernel->launch(tensors, reinterpret_cast<CUstream>(stream.value_or(0)), saved ? &*saved : nullptr,
                          workspace ? &*workspace : nullptr),
           false);
   }
@@ -478,7 +512,7 @@ py::tuple ihaBackward(const py::object& q, const py::object& k, const py::object
                       const py::object& dout, const py::object& specValue, const std::vector<py::object>& given,
                       const py::object& lse, std::optional<int64_t> stream, const py::object& scheduleValue,
                       const std::string& cacheDir, const std::string& service, int threads,
-                      const py::object& workspaceValue, const py::object& cuSeqlens) {
+                      const py::object& workspaceValue, const py::object& cuSeqlens, const py::object& savedValue) {
   const KernelSpec spec = specOf(specValue);
   const Schedule schedule = scheduleOf(scheduleValue);
   const Inputs inputs = borrowInputs(q, k, v, alphaQ, alphaK, alphaV, collapse, stream);
@@ -514,21 +548,25 @@ py::tuple ihaBackward(const py::object& q, const py::object& k, const py::object
                                  true);
   std::optional<Borrowed> bounds;
   documentsInto(cuSeqlens, stream, device, tensors, bounds);
+  std::vector<Borrowed> savedHeld;
+  const std::optional<IhaSaved> saved = savedOf(savedValue, stream, savedHeld);
   if (onHost) {
     check(validateGradTensors(spec, tensors, grads, kHostDevice), true);
     checkResolves(spec, schedule, hostTarget(), Direction::backward);
+    if (saved) check(validateSaved(spec, *saved, B, N, false, kHostDevice), true);
     const cpu::CpuOptions options{cacheDir, threads};
     py::gil_scoped_release release;
-    check(runBackwardOnHost(spec, tensors, grads, schedule, options), false);
+    check(runBackwardOnHost(spec, tensors, grads, schedule, options, saved ? &*saved : nullptr), false);
   } else {
     checkResolves(spec, schedule, runtime->target(), Direction::backward);
     std::shared_ptr<Kernel> kernel = kernelFor(*runtime, spec, schedule, service, v1::direction_backward);
     check(validateGradTensors(spec, tensors, grads, device.device_id), true);
+    if (saved) check(validateSaved(spec, *saved, B, N, true, device.device_id), true);
     std::optional<Borrowed> held;
     const std::optional<WorkspaceMemory> workspace = workspaceOf(workspaceValue, stream, device, held);
     py::gil_scoped_release release;
-    check(kernel->launchBackward(tensors, grads, reinterpret_cast<CUstream>(stream.value_or(0)), nullptr,
-                                 workspace ? &*workspace : nullptr),
+    check(kernel->launchBackward(tensors, grads, reinterpret_cast<CUstream>(stream.value_or(0)),
+                                 saved ? &*saved : nullptr, workspace ? &*workspace : nullptr),
           false);
   }
   py::tuple result(7);
@@ -740,15 +778,17 @@ py::object decode(const py::object& q, const py::object& k, const py::object& v,
 // step's N is its new tokens T): the kernel is found as the launch finds it.
 int64_t workspaceBytesOf(const py::object& specValue, int64_t batch, int64_t tokens, const std::string& direction,
                          const std::string& layoutName, const py::object& scheduleValue, int device,
-                         const std::string& cacheDir, const std::string& service) {
+                         const std::string& cacheDir, const std::string& service, bool keep) {
   const KernelSpec spec = specOf(specValue);
   const Schedule schedule = scheduleOf(scheduleValue);
   if (batch < 1 || tokens < 1) throw BadArgument("batch and tokens: want at least 1");
+  if (keep && direction != "forward") throw BadArgument("keep: only a forward keeps what its backward reads");
   v1::Direction which = v1::direction_forward;
   if (direction == "backward") which = v1::direction_backward;
   else if (direction == "decode") which = decodeDirectionOf(valueOr(parseCacheLayout(layoutName), true));
   else if (direction != "forward") throw BadArgument("direction: want forward, backward or decode, not " + direction);
   std::shared_ptr<Runtime> runtime = runtimeFor(device, cacheDir);
+  if (keep) return workspaceBytes(forwardKernelFor(*runtime, spec, schedule, service, true)->compiled(), batch, tokens);
   return workspaceBytes(kernelFor(*runtime, spec, schedule, service, which)->compiled(), batch, tokens);
 }
 
@@ -864,24 +904,30 @@ PYBIND11_MODULE(_loom, m) {
         "`workspace` (CUDA): a dense tensor of at least workspace_bytes(...) bytes on q's device for the\n"
         "launch's workspaces (else the kernel keeps its own per stream); ignored for host tensors.\n"
         "`cu_seqlens` (a varlen spec): int32 [documents + 1] on q's device, the packed documents' bounds; q, k, v\n"
-        "and out are then [1, total, H | G, d] (docs/IHA.md, Varlen).",
+        "and out are then [1, total, H | G, d] (docs/IHA.md, Varlen).\n"
+        "`saved`: five dense tensors on q's device that receive what the backward reads: q_mixed and o_pseudo\n"
+        "[B, H, N*P, d], k_mixed and v_mixed [B, G, N*P, d] (the spec's dtype on CUDA, float32 on the host), lse\n"
+        "[B, H, N*P] float32; iha_backward given them skips the pre-mix and the recomputed attention. The forward\n"
+        "then materialises the mixing and collapses separately (a schedule asking for either fused is refused);\n"
+        "lse is saved's.",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha_q"), py::arg("alpha_k"), py::arg("alpha_v"),
         py::arg("collapse"), py::arg("spec"), py::arg("stream") = py::none(), py::arg("out") = py::none(),
         py::arg("lse") = py::none(), py::arg("schedule") = py::none(), py::arg("cache_dir") = "",
         py::arg("service") = "", py::arg("threads") = 0, py::arg("workspace") = py::none(),
-        py::arg("cu_seqlens") = py::none());
+        py::arg("cu_seqlens") = py::none(), py::arg("saved") = py::none());
   m.def("iha_backward", &ihaBackward,
         "(dq, dk, dv, dalpha_q, dalpha_k, dalpha_v, dcollapse): the gradients of sum(out * dout) for `spec`,\n"
         "float32, each the shape of its input, by loom's backward kernels (CUDA tensors, on `stream`) or its\n"
         "program on the host tile API (host tensors). dout: out's shape, the spec's dtype. `grads`: up to seven\n"
         "tensors to write (None: allocated and returned as loom.Tensor). `lse`: receives the recomputed lse.\n"
         "`schedule`, `cache_dir`, `service`, `threads`, `workspace`, `cu_seqlens` as for iha (the backward\n"
-        "kernel is cached apart).",
+        "kernel is cached apart). `saved`: what iha(..., saved=...) kept of the same inputs: the backward starts\n"
+        "from it (no pre-mix, no recomputed attention).",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha_q"), py::arg("alpha_k"), py::arg("alpha_v"),
         py::arg("collapse"), py::arg("dout"), py::arg("spec"), py::arg("grads") = std::vector<py::object>{},
         py::arg("lse") = py::none(), py::arg("stream") = py::none(), py::arg("schedule") = py::none(),
         py::arg("cache_dir") = "", py::arg("service") = "", py::arg("threads") = 0,
-        py::arg("workspace") = py::none(), py::arg("cu_seqlens") = py::none());
+        py::arg("workspace") = py::none(), py::arg("cu_seqlens") = py::none(), py::arg("saved") = py::none());
   m.def("decode", &decode,
         "One decode step over a paged cache (docs/IHA.md, Decode over a paged cache): the new\n"
         "tokens' q [B, T, H, d], k and v [B, T, G, d] and the weights as for iha; k_cache and v_cache\n"
@@ -906,10 +952,11 @@ PYBIND11_MODULE(_loom, m) {
   m.def("workspace_bytes", &workspaceBytesOf,
         "Bytes of the `workspace` a CUDA launch of `batch` x `tokens` needs (a decode step: tokens = T, its new\n"
         "tokens), for `direction` 'forward', 'backward' or 'decode' (`cache` 'raw' or 'mixed'), the kernel found as\n"
-        "the launch finds it (`schedule`, `cache_dir`, `service`) on CUDA `device`. Needs a GPU.",
+        "the launch finds it (`schedule`, `cache_dir`, `service`; `keep`: a forward given `saved`) on CUDA\n"
+        "`device`. Needs a GPU.",
         py::arg("spec"), py::arg("batch"), py::arg("tokens"), py::arg("direction") = "forward",
         py::arg("cache") = "raw", py::arg("schedule") = py::none(), py::arg("device") = 0, py::arg("cache_dir") = "",
-        py::arg("service") = "");
+        py::arg("service") = "", py::arg("keep") = false);
   m.def("reference_backward", &referenceBackward,
         "The seven gradients of sum(out * dout) by the float64 backward reference, on host tensors, as float64\n"
         "loom.Tensors (inputs may be float64, float32 or the 16-bit dtypes); `cu_seqlens` (host int32) for a\n"

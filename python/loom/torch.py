@@ -126,13 +126,13 @@ _capsule = torch.utils.dlpack.to_dlpack
 
 
 def _workspace(spec: str, batch: int, tokens: int, direction: str, device: torch.device, schedule, cache_dir: str,
-               cache: str = "raw", service: str = ""):
+               cache: str = "raw", service: str = "", keep: bool = False):
     """A CUDA launch's workspaces from PyTorch's caching allocator, on the current stream (None on the host):
     torch's memory statistics see them, and CUDA-graph capture takes them from the graph's pool."""
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    size = _loom.workspace_bytes(spec, batch, tokens, direction, cache, schedule, index, cache_dir, service)
+    size = _loom.workspace_bytes(spec, batch, tokens, direction, cache, schedule, index, cache_dir, service, keep)
     return _capsule(torch.empty(max(size, 1), dtype=torch.uint8, device=device))
 
 
@@ -156,25 +156,48 @@ def _bounds(cu_seqlens: Optional[torch.Tensor], q: torch.Tensor):
     return _capsule(cu_seqlens.contiguous())
 
 
+def _keeps(q: torch.Tensor, schedule: Optional[str], save_forward: bool) -> bool:
+    """Whether a forward keeps what its backward reads: asked for, a kernel's (not the float64 reference's), and a
+    forced schedule that allows it (its mixing not fused, its collapse not fused)."""
+    if not save_forward or q.dtype == torch.float64:
+        return False
+    s = {} if schedule is None else json.loads(schedule)
+    return s.get("mix") != "mix_fused" and s.get("collapse") != "collapse_fused"
+
+
+def _saved_rows(spec: str, q: torch.Tensor, keep: bool):
+    """The rows a keeping forward fills (q_mixed, k_mixed, v_mixed, o_pseudo: [B, H | G, N*P, d], the spec's dtype
+    on CUDA, float32 on the host), or four empty tensors."""
+    if not keep:
+        return tuple(q.new_empty(0) for _ in range(4))
+    s = json.loads(spec)
+    H, G, P, d = s["heads"], s.get("kv_heads", s["heads"]), s["pseudo_heads"], s["head_dim"]
+    B, L = q.shape[0], q.shape[1] * P
+    dtype = q.dtype if q.is_cuda else torch.float32
+    return tuple(torch.empty((B, n, L, d), dtype=dtype, device=q.device) for n in (H, G, G, H))
+
+
 def _forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec: str, schedule: Optional[str], cache_dir: str,
-             service: str, threads: int, cu_seqlens: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(out [B, N, H, d], lse [B, H, N*P] float32): the forward and its pseudo-heads' log-sum-exp (a varlen
-    call's: B = 1, the documents packed)."""
+             service: str, threads: int, cu_seqlens: Optional[torch.Tensor] = None, keep: bool = False):
+    """(out [B, N, H, d], lse [B, H, N*P] float32, rows): the forward, its pseudo-heads' log-sum-exp (a varlen
+    call's: B = 1, the documents packed) and, with `keep`, the four saved rows the backward starts from
+    (_saved_rows; else four empty tensors)."""
     _check_inputs(q, (alpha_q, alpha_k, alpha_v, collapse))
     tensors = _prepared((q, k, v, alpha_q, alpha_k, alpha_v, collapse))
     bounds = _bounds(cu_seqlens, q)
+    rows = _saved_rows(spec, q, keep)
     if q.dtype == torch.float64:
         out, lse = _loom.reference(*tensors, spec, cu_seqlens=bounds)
-        return torch.utils.dlpack.from_dlpack(out), torch.utils.dlpack.from_dlpack(lse)
+        return torch.utils.dlpack.from_dlpack(out), torch.utils.dlpack.from_dlpack(lse), rows
     heads, head_dim, pseudo = _out_dims(spec)
     B, N = q.shape[0], q.shape[1]
     out = torch.empty((B, N, heads, head_dim), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, heads, N * pseudo), dtype=torch.float32, device=q.device)
     _loom.iha(*tensors, spec, stream=_stream(q), out=_capsule(out), lse=_capsule(lse), schedule=schedule,
               cache_dir=cache_dir, service=service, threads=threads,
-              workspace=_workspace(spec, B, N, "forward", q.device, schedule, cache_dir, service=service),
-              cu_seqlens=bounds)
-    return out, lse
+              workspace=_workspace(spec, B, N, "forward", q.device, schedule, cache_dir, service=service, keep=keep),
+              cu_seqlens=bounds, saved=[_capsule(t) for t in (*rows, lse)] if keep else None)
+    return out, lse, rows
 
 
 def _deterministic_schedule(schedule: Optional[str]) -> str:
@@ -189,7 +212,9 @@ def _deterministic_schedule(schedule: Optional[str]) -> str:
 
 def _backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, dout, spec: str, schedule: Optional[str],
               cache_dir: str, service: str, threads: int, deterministic: bool,
-              cu_seqlens: Optional[torch.Tensor] = None):
+              cu_seqlens: Optional[torch.Tensor] = None, saved=None):
+    """The seven gradients; `saved` (the four rows and lse a keeping forward filled) skips the pre-mix and the
+    recomputed attention."""
     inputs = (q, k, v, alpha_q, alpha_k, alpha_v, collapse)
     tensors = _prepared(inputs)
     dout = _capsule(dout.detach().to(q.dtype).contiguous())
@@ -203,7 +228,8 @@ def _backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, dout, spec: str, sch
     _loom.iha_backward(*tensors, dout, spec, grads=[_capsule(g) for g in grads], stream=_stream(q),
                        schedule=schedule, cache_dir=cache_dir, service=service, threads=threads,
                        workspace=_workspace(spec, q.shape[0], q.shape[1], "backward", q.device, schedule, cache_dir,
-                                            service=service), cu_seqlens=bounds)
+                                            service=service), cu_seqlens=bounds,
+                       saved=None if saved is None else [_capsule(t) for t in saved])
     return tuple(g.to(t.dtype) for g, t in zip(grads, inputs))
 
 
@@ -225,97 +251,119 @@ def _decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page
 
 
 class _IhaFunction(torch.autograd.Function):
-    """IHA with loom's backward: saves the seven inputs (the backward
-    recomputes the attention, as FlashAttention's does), not the P-times-longer
-    mixed sequence. lse is not differentiable."""
+    """IHA with loom's backward (PyTorch before 2.4): saves the seven inputs and, where the forward keeps them
+    (save_forward), its mixed rows, pseudo-head outputs and lse, from which the backward starts without
+    recomputing the attention; else the backward recomputes it, as FlashAttention's does. lse is not
+    differentiable."""
 
     @staticmethod
     def forward(ctx, q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, schedule, backward_schedule, cache_dir,
-                service, threads, deterministic):
-        ctx.save_for_backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse)
+                service, threads, deterministic, save_forward):
+        ctx.keep = _keeps(q, schedule, save_forward)
+        out, lse, rows = _forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, schedule, cache_dir, service,
+                                  threads, keep=ctx.keep)
+        ctx.save_for_backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, *rows, lse)
         ctx.options = (spec, backward_schedule, cache_dir, service, threads, deterministic)
-        out, lse = _forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, schedule, cache_dir, service, threads)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        grads = _backward(*ctx.saved_tensors, dout, *ctx.options)
-        return (*grads, None, None, None, None, None, None, None)
+        saved = ctx.saved_tensors
+        grads = _backward(*saved[:7], dout, *ctx.options, saved=saved[7:] if ctx.keep else None)
+        return (*grads, None, None, None, None, None, None, None, None)
 
 
 def _varlen_forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, spec, schedule, cache_dir, service,
-                    threads):
-    """iha_varlen's forward on packed [total, ...] tensors: (out [total, H, d], lse [H, total * P])."""
-    out, lse = _forward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), alpha_q, alpha_k, alpha_v, collapse, spec,
-                        schedule, cache_dir, service, threads, cu_seqlens)
-    return out.squeeze(0), lse.squeeze(0)
+                    threads, keep=False):
+    """iha_varlen's forward on packed [total, ...] tensors: (out [total, H, d], lse [H, total * P], the saved rows
+    [1, H | G, total * P, d] or four empty tensors)."""
+    out, lse, rows = _forward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), alpha_q, alpha_k, alpha_v, collapse,
+                              spec, schedule, cache_dir, service, threads, cu_seqlens, keep)
+    return out.squeeze(0), lse.squeeze(0), rows
 
 
 def _varlen_backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, dout, spec, schedule, cache_dir,
-                     service, threads, deterministic):
+                     service, threads, deterministic, saved=None):
+    if saved is not None:
+        saved = (*saved[:4], saved[4].unsqueeze(0))
     grads = _backward(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), alpha_q, alpha_k, alpha_v, collapse,
-                      dout.unsqueeze(0), spec, schedule, cache_dir, service, threads, deterministic, cu_seqlens)
+                      dout.unsqueeze(0), spec, schedule, cache_dir, service, threads, deterministic, cu_seqlens,
+                      saved)
     return (grads[0].squeeze(0), grads[1].squeeze(0), grads[2].squeeze(0), *grads[3:])
 
 
 class _IhaVarlenFunction(torch.autograd.Function):
-    """iha_varlen with loom's backward (PyTorch before 2.4); cu_seqlens is not differentiable."""
+    """iha_varlen with loom's backward (PyTorch before 2.4), saving as _IhaFunction; cu_seqlens is not
+    differentiable."""
 
     @staticmethod
     def forward(ctx, q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, spec, schedule, backward_schedule,
-                cache_dir, service, threads, deterministic):
-        ctx.save_for_backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens)
+                cache_dir, service, threads, deterministic, save_forward):
+        ctx.keep = _keeps(q, schedule, save_forward)
+        out, lse, rows = _varlen_forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, spec, schedule,
+                                         cache_dir, service, threads, ctx.keep)
+        ctx.save_for_backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, *rows, lse)
         ctx.options = (spec, backward_schedule, cache_dir, service, threads, deterministic)
-        out, lse = _varlen_forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, spec, schedule,
-                                   cache_dir, service, threads)
         ctx.mark_non_differentiable(lse)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        grads = _varlen_backward(*ctx.saved_tensors, dout, *ctx.options)
-        return (*grads, None, None, None, None, None, None, None, None)
+        saved = ctx.saved_tensors
+        grads = _varlen_backward(*saved[:8], dout, *ctx.options, saved=saved[8:] if ctx.keep else None)
+        return (*grads, None, None, None, None, None, None, None, None, None)
 
 
 if HAS_CUSTOM_OP:
     Tensor = torch.Tensor
+    Gradients = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
+    Forward = Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]  # out, lse, q_mixed, k_mixed, v_mixed, o_pseudo
 
+    # The forward ops return (out, lse, q_mixed, k_mixed, v_mixed, o_pseudo): the rows are what the backward op
+    # starts from where the forward keeps them (else four empty tensors); only out is differentiable.
     @torch.library.custom_op("loom::iha", mutates_args=())
     def _iha_op(q: Tensor, k: Tensor, v: Tensor, alpha_q: Tensor, alpha_k: Tensor, alpha_v: Tensor,
                 collapse: Tensor, spec: str, schedule: Optional[str], backward_schedule: Optional[str],
-                cache_dir: str, service: str, threads: int, deterministic: bool) -> Tuple[Tensor, Tensor]:
-        return _forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, schedule, cache_dir, service, threads)
+                cache_dir: str, service: str, threads: int, deterministic: bool,
+                save_forward: bool) -> Forward:
+        out, lse, rows = _forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, schedule, cache_dir, service,
+                                  threads, keep=_keeps(q, schedule, save_forward))
+        return (out, lse, *rows)
 
     @_iha_op.register_fake
     def _iha_fake(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, schedule, backward_schedule, cache_dir,
-                  service, threads, deterministic):
+                  service, threads, deterministic, save_forward):
         heads, head_dim, pseudo = _out_dims(spec)
         return (q.new_empty((q.shape[0], q.shape[1], heads, head_dim)),
-                q.new_empty((q.shape[0], heads, q.shape[1] * pseudo), dtype=torch.float32))
+                q.new_empty((q.shape[0], heads, q.shape[1] * pseudo), dtype=torch.float32),
+                *_saved_rows(spec, q, _keeps(q, schedule, save_forward)))
 
     @torch.library.custom_op("loom::iha_backward", mutates_args=())
     def _iha_backward_op(q: Tensor, k: Tensor, v: Tensor, alpha_q: Tensor, alpha_k: Tensor, alpha_v: Tensor,
                          collapse: Tensor, dout: Tensor, spec: str, schedule: Optional[str], cache_dir: str,
-                         service: str, threads: int,
-                         deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                         service: str, threads: int, deterministic: bool, q_mixed: Tensor, k_mixed: Tensor,
+                         v_mixed: Tensor, o_pseudo: Tensor, lse: Tensor, keep: bool) -> Gradients:
         return _backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, dout, spec, schedule, cache_dir, service,
-                         threads, deterministic)
+                         threads, deterministic, saved=(q_mixed, k_mixed, v_mixed, o_pseudo, lse) if keep else None)
 
     @_iha_backward_op.register_fake
     def _iha_backward_fake(q, k, v, alpha_q, alpha_k, alpha_v, collapse, dout, spec, schedule, cache_dir, service,
-                           threads, deterministic):
+                           threads, deterministic, q_mixed, k_mixed, v_mixed, o_pseudo, lse, keep):
         return tuple(torch.empty_like(t) for t in (q, k, v, alpha_q, alpha_k, alpha_v, collapse))
 
     def _setup_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[:7])
-        spec, _, backward_schedule, cache_dir, service, threads, deterministic = inputs[7:]
+        spec, schedule, backward_schedule, cache_dir, service, threads, deterministic, save_forward = inputs[7:]
+        ctx.save_for_backward(*inputs[:7], *output[1:])
+        ctx.keep = _keeps(inputs[0], schedule, save_forward)
         ctx.options = (spec, backward_schedule, cache_dir, service, threads, deterministic)
-        ctx.mark_non_differentiable(output[1])
+        ctx.mark_non_differentiable(*output[1:])
 
-    def _iha_op_backward(ctx, dout, _dlse):
-        grads = _iha_backward_op(*ctx.saved_tensors, dout, *ctx.options)
-        return (*grads, None, None, None, None, None, None, None)
+    def _iha_op_backward(ctx, dout, *_):
+        saved = ctx.saved_tensors
+        lse, rows = saved[7], saved[8:]
+        grads = _iha_backward_op(*saved[:7], dout, *ctx.options, *rows, lse, ctx.keep)
+        return (*grads, None, None, None, None, None, None, None, None)
 
     _iha_op.register_autograd(_iha_op_backward, setup_context=_setup_context)
 
@@ -323,39 +371,47 @@ if HAS_CUSTOM_OP:
     def _iha_varlen_op(q: Tensor, k: Tensor, v: Tensor, alpha_q: Tensor, alpha_k: Tensor, alpha_v: Tensor,
                        collapse: Tensor, cu_seqlens: Tensor, spec: str, schedule: Optional[str],
                        backward_schedule: Optional[str], cache_dir: str, service: str, threads: int,
-                       deterministic: bool) -> Tuple[Tensor, Tensor]:
-        return _varlen_forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, spec, schedule, cache_dir,
-                               service, threads)
+                       deterministic: bool, save_forward: bool) -> Forward:
+        out, lse, rows = _varlen_forward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, spec, schedule,
+                                         cache_dir, service, threads, _keeps(q, schedule, save_forward))
+        return (out, lse, *rows)
 
     @_iha_varlen_op.register_fake
     def _iha_varlen_fake(q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, spec, schedule,
-                         backward_schedule, cache_dir, service, threads, deterministic):
+                         backward_schedule, cache_dir, service, threads, deterministic, save_forward):
         heads, head_dim, pseudo = _out_dims(spec)
         return (q.new_empty((q.shape[0], heads, head_dim)),
-                q.new_empty((heads, q.shape[0] * pseudo), dtype=torch.float32))
+                q.new_empty((heads, q.shape[0] * pseudo), dtype=torch.float32),
+                *_saved_rows(spec, q.unsqueeze(0), _keeps(q, schedule, save_forward)))
 
     @torch.library.custom_op("loom::iha_varlen_backward", mutates_args=())
     def _iha_varlen_backward_op(q: Tensor, k: Tensor, v: Tensor, alpha_q: Tensor, alpha_k: Tensor,
                                 alpha_v: Tensor, collapse: Tensor, cu_seqlens: Tensor, dout: Tensor, spec: str,
                                 schedule: Optional[str], cache_dir: str, service: str, threads: int,
-                                deterministic: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                                deterministic: bool, q_mixed: Tensor, k_mixed: Tensor, v_mixed: Tensor,
+                                o_pseudo: Tensor, lse: Tensor, keep: bool) -> Gradients:
         return _varlen_backward(q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, dout, spec, schedule,
-                                cache_dir, service, threads, deterministic)
+                                cache_dir, service, threads, deterministic,
+                                (q_mixed, k_mixed, v_mixed, o_pseudo, lse) if keep else None)
 
     @_iha_varlen_backward_op.register_fake
     def _iha_varlen_backward_fake(q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, dout, spec, schedule,
-                                  cache_dir, service, threads, deterministic):
+                                  cache_dir, service, threads, deterministic, q_mixed, k_mixed, v_mixed, o_pseudo,
+                                  lse, keep):
         return tuple(torch.empty_like(t) for t in (q, k, v, alpha_q, alpha_k, alpha_v, collapse))
 
     def _setup_varlen_context(ctx, inputs, output):
-        ctx.save_for_backward(*inputs[:8])
-        spec, _, backward_schedule, cache_dir, service, threads, deterministic = inputs[8:]
+        spec, schedule, backward_schedule, cache_dir, service, threads, deterministic, save_forward = inputs[8:]
+        ctx.save_for_backward(*inputs[:8], *output[1:])
+        ctx.keep = _keeps(inputs[0], schedule, save_forward)
         ctx.options = (spec, backward_schedule, cache_dir, service, threads, deterministic)
-        ctx.mark_non_differentiable(output[1])
+        ctx.mark_non_differentiable(*output[1:])
 
-    def _iha_varlen_op_backward(ctx, dout, _dlse):
-        grads = _iha_varlen_backward_op(*ctx.saved_tensors, dout, *ctx.options)
-        return (*grads, None, None, None, None, None, None, None, None)
+    def _iha_varlen_op_backward(ctx, dout, *_):
+        saved = ctx.saved_tensors
+        lse, rows = saved[8], saved[9:]
+        grads = _iha_varlen_backward_op(*saved[:8], dout, *ctx.options, *rows, lse, ctx.keep)
+        return (*grads, None, None, None, None, None, None, None, None, None)
 
     _iha_varlen_op.register_autograd(_iha_varlen_op_backward, setup_context=_setup_varlen_context)
 
@@ -382,9 +438,15 @@ if hasattr(torch, "compiler") and hasattr(torch.compiler, "assume_constant_resul
     _schedule_text = torch.compiler.assume_constant_result(_schedule_text)  # as _spec_text
 
 
+def _wants_backward(save_forward: bool, tensors) -> bool:
+    """Whether a forward keeps what its backward reads: asked to, and a backward can follow (grad mode on and an
+    input that requires grad; inference keeps nothing)."""
+    return bool(save_forward) and torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 def iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, *, schedule=None, backward_schedule=None,
-        deterministic: bool = False, return_lse: bool = False, cache_dir: str = "", service: str = "",
-        threads: int = 0):
+        deterministic: bool = False, return_lse: bool = False, save_forward: bool = True, cache_dir: str = "",
+        service: str = "", threads: int = 0):
     """out [B, N, H, d] = IHA(q, k, v; alpha_q, alpha_k, alpha_v, collapse) for `spec` (a dict, JSON text or a
     path; its dtype, when given, q's). Differentiable in all seven tensors.
 
@@ -394,35 +456,44 @@ def iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, *, schedule=None, ba
     run: dq is reduced in a fixed order (dq_separate) where the tuner may pick atomic adds, at the cost of the
     separate reduction (a few percent of the backward). `return_lse=True` returns (out, lse), lse [B, H, N*P]
     float32 the pseudo-heads' log-sum-exp (natural log; not differentiable): what merging partial attentions
-    needs. `cache_dir` is the kernel cache (default ~/.cache/loom), `service` "HOST:PORT" of a loom service to
-    take CUDA kernels from, `threads` the host path's."""
+    needs. `save_forward=True` (the default) keeps what the backward reads where one can follow (grad mode on and
+    an input requiring grad; inference keeps nothing): the forward materialises its mixing and collapses
+    separately (docs/compiler.md, The backward), and autograd holds its mixed rows, pseudo-head outputs and lse,
+    (2H + 2G) x P x d elements a token in the kernel's dtype (float32 on the CPU) beside the inputs, so that the
+    backward skips the pre-mix and the attention it would recompute (a forward pass of work).
+    `save_forward=False` saves only the seven inputs and recomputes (the memory-lean choice, FlashAttention's); a
+    `schedule` fusing the mixing or the collapse implies it. `cache_dir` is the kernel cache (default
+    ~/.cache/loom), `service` "HOST:PORT" of a loom service to take CUDA kernels from (a forward that keeps, where
+    the service's does not, is compiled here), `threads` the host path's."""
     spec_json = _spec_text(spec, q.dtype)
     deterministic = bool(deterministic or torch.are_deterministic_algorithms_enabled())
+    save = _wants_backward(save_forward, (q, k, v, alpha_q, alpha_k, alpha_v, collapse))
     args = (q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec_json, _schedule_text(schedule),
-            _schedule_text(backward_schedule), cache_dir, service, threads, deterministic)
-    out, lse = _iha_op(*args) if HAS_CUSTOM_OP else _IhaFunction.apply(*args)
+            _schedule_text(backward_schedule), cache_dir, service, threads, deterministic, save)
+    out, lse = _iha_op(*args)[:2] if HAS_CUSTOM_OP else _IhaFunction.apply(*args)
     return (out, lse) if return_lse else out
 
 
 def iha_varlen(q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, max_seqlen, spec, *, schedule=None,
-               backward_schedule=None, deterministic: bool = False, return_lse: bool = False, cache_dir: str = "",
-               service: str = "", threads: int = 0):
+               backward_schedule=None, deterministic: bool = False, return_lse: bool = False,
+               save_forward: bool = True, cache_dir: str = "", service: str = "", threads: int = 0):
     """IHA over packed documents (docs/IHA.md, Varlen), as flash_attn_varlen_func takes them: q [total, H, d], k
     and v [total, G, d] hold the documents one after another, cu_seqlens (int32 [documents + 1], on q's device)
     their bounds. Returns out [total, H, d]: per document, `iha` of that document alone (attention never
     crosses a document; RoPE positions, masks and windows restart in each). Differentiable in the seven tensors
     (the weights' gradients summed over the documents). The spec is `iha`'s, `varlen` set here; max_seqlen, the
     longest document, is taken for flash_attn_varlen_func's callers and not needed (loom's grid covers the
-    packed tokens). The other options are `iha`'s; return_lse gives lse [H, total * P]. Each call copies
-    cu_seqlens to the host once to check it."""
+    packed tokens). The other options are `iha`'s (save_forward too); return_lse gives lse [H, total * P]. Each
+    call copies cu_seqlens to the host once to check it."""
     s = _spec_dict(spec)
     s["varlen"] = True
     spec_json = _spec_text(json.dumps(s, sort_keys=True), q.dtype)
     del max_seqlen  # flash_attn_varlen_func's argument: loom's grid covers the packed tokens
     deterministic = bool(deterministic or torch.are_deterministic_algorithms_enabled())
+    save = _wants_backward(save_forward, (q, k, v, alpha_q, alpha_k, alpha_v, collapse))
     args = (q, k, v, alpha_q, alpha_k, alpha_v, collapse, cu_seqlens, spec_json, _schedule_text(schedule),
-            _schedule_text(backward_schedule), cache_dir, service, threads, deterministic)
-    out, lse = _iha_varlen_op(*args) if HAS_CUSTOM_OP else _IhaVarlenFunction.apply(*args)
+            _schedule_text(backward_schedule), cache_dir, service, threads, deterministic, save)
+    out, lse = _iha_varlen_op(*args)[:2] if HAS_CUSTOM_OP else _IhaVarlenFunction.apply(*args)
     return (out, lse) if return_lse else out
 
 

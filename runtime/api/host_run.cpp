@@ -112,7 +112,7 @@ struct HostProgram {
   IhaCase c;
   std::shared_ptr<const KernelPlan> plan;
 };
-// With `keep`, an unset mixing and collapse default to what keeping needs.
+// With `keep`, the schedule keepingSchedule makes of `schedule`.
 Result<HostProgram> hostProgram(const KernelSpec& spec, const IhaTensors& t, const Schedule& schedule,
                                 const std::string& arch, const IhaSaved* keep) {
   auto c = hostCase(spec, t);
@@ -122,8 +122,9 @@ Result<HostProgram> hostProgram(const KernelSpec& spec, const IhaTensors& t, con
   Schedule chosen = schedule;
   if (keep) {
     if (Status ok = validateSaved(spec, *keep, c->batch, c->tokens, arch != "cpu", kHostDevice); !ok) return ok.error();
-    if (chosen.mix() == v1::mix_unspecified) chosen.set_mix(v1::mix_materialized);
-    if (chosen.collapse() == v1::collapse_strategy_unspecified) chosen.set_collapse(v1::collapse_separate);
+    auto keeping = keepingSchedule(schedule);
+    if (!keeping) return keeping.error();
+    chosen = *keeping;
   }
   auto plan = keptPlan(spec, chosen, *target);
   if (!plan) return plan.error();

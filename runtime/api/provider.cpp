@@ -6,6 +6,7 @@
 #include "api/compile.h"
 #include "loom/compiler.h"
 #include "loom/counters.h"
+#include "loom/runtime.h"
 
 namespace loom {
 
@@ -17,8 +18,10 @@ KernelProvider::KernelProvider(const std::string& cacheDir, int maxConcurrentCom
 }
 
 Result<ProvidedKernel> KernelProvider::provide(const KernelSpec& spec, const v1::Target& target,
-                                               const Schedule& schedule, v1::Direction direction) {
+                                               const Schedule& schedule, v1::Direction direction, bool keepsForward) {
   if (target.kind() != v1::Target::cuda) return makeError("target must be a CUDA arch (sm_80, sm_90a, ...)");
+  if (keepsForward && direction != v1::direction_forward)
+    return makeError("only a forward kernel keeps what its backward reads");
   ProvidedKernel provided;
   Schedule chosen = schedule;
   provided.scheduleSource = schedule.ByteSizeLong() ? "given" : "default";
@@ -41,6 +44,21 @@ Result<ProvidedKernel> KernelProvider::provide(const KernelSpec& spec, const v1:
   GenerateOptions options;
   options.direction = directionOf(direction);
   options.mixedCache = mixedCacheOf(direction);
+  if (keepsForward) {  // a decision's mixing and collapse give way; a given schedule's must allow keeping
+    const bool decided = provided.scheduleSource != "given" && provided.scheduleSource != "default";
+    if (decided) {
+      chosen.clear_mix();
+      chosen.clear_collapse();
+    }
+    auto keeping = keepingSchedule(chosen);
+    if (!keeping) return keeping.error();
+    chosen = *keeping;
+    if (decided) provided.scheduleSource += ", mixing materialised and collapse separate to keep the forward";
+    if (decided && !generateKernel(spec, chosen, target, options)) {  // the decision's tiles do not fit keeping
+      chosen = *keepingSchedule({});
+      provided.scheduleSource = "default (the decision does not keep the forward)";
+    }
+  }
   auto plan = generateKernel(spec, chosen, target, options);
   if (!plan) return plan.error();
   v1::CompiledKernel probe = toCompiledKernel(*plan);

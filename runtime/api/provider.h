@@ -43,9 +43,12 @@ class KernelProvider {
   // An empty `schedule` means: the cache's decision for this device, else
   // the compiler's default.
   // `direction` backward: the backward kernel, its decision and artifact
-  // keyed apart from the forward's.
+  // keyed apart from the forward's. `keepsForward` (a forward): the kernel
+  // that keeps what its backward reads (keepingSchedule of the given
+  // schedule, else of the decision's with its mixing and collapse unset,
+  // else of the default).
   Result<ProvidedKernel> provide(const KernelSpec& spec, const v1::Target& target, const Schedule& schedule = {},
-                                 v1::Direction direction = v1::direction_forward);
+                                 v1::Direction direction = v1::direction_forward, bool keepsForward = false);
 
   // How a miss with no decision picks its schedule (default: the compiler's
   // default). The service installs the cost model's best here.

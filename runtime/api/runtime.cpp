@@ -39,14 +39,15 @@ v1::Target Runtime::target() const { return cuda::targetOf(device()); }
 // The provider's kernel for `direction`, loaded, its provenance saying
 // where it came from (`what` names a direction other than the forward).
 Result<std::shared_ptr<Kernel>> Runtime::provideAndLoad(const KernelSpec& spec, const Schedule& schedule,
-                                                        v1::Direction direction, const std::string& what) {
-  const std::string key =
-      std::to_string(int(direction)) + '\0' + spec.SerializeAsString() + '\0' + schedule.SerializeAsString();
+                                                        v1::Direction direction, const std::string& what,
+                                                        bool keepsForward) {
+  const std::string key = std::to_string(int(direction)) + (keepsForward ? "k" : "") + '\0' +
+                          spec.SerializeAsString() + '\0' + schedule.SerializeAsString();
   {
     std::lock_guard lock(state_->mutex);
     if (auto found = state_->kept.find(key); found != state_->kept.end()) return found->second;
   }
-  auto provided = state_->provider->provide(spec, target(), schedule, direction);
+  auto provided = state_->provider->provide(spec, target(), schedule, direction, keepsForward);
   if (!provided) return provided.error();
   auto kernel = load(provided->kernel);
   if (!kernel) return kernel.error();
@@ -62,6 +63,10 @@ void Runtime::reload() {
 
 Result<std::shared_ptr<Kernel>> Runtime::kernel(const KernelSpec& spec, const Schedule& schedule) {
   return provideAndLoad(spec, schedule, v1::direction_forward, "");
+}
+
+Result<std::shared_ptr<Kernel>> Runtime::keepingKernel(const KernelSpec& spec, const Schedule& schedule) {
+  return provideAndLoad(spec, schedule, v1::direction_forward, " (keeping the forward)", true);
 }
 
 Result<std::shared_ptr<Kernel>> Runtime::backwardKernel(const KernelSpec& spec, const Schedule& schedule) {

@@ -230,6 +230,19 @@ ElementKind savedRowElement(const KernelSpec& spec, bool cudaKernel) {
   return cudaKernel ? elementOf(spec.dtype()) : ElementKind::float32;
 }
 
+Result<Schedule> keepingSchedule(const Schedule& schedule) {
+  Schedule keeping = schedule;
+  if (keeping.mix() == v1::mix_fused)
+    return makeError("schedule.mix: mix_fused keeps no mixed rows for the backward; a forward that keeps them "
+                     "materialises the mixing (mix_materialized)");
+  if (keeping.collapse() == v1::collapse_fused)
+    return makeError("schedule.collapse: collapse_fused keeps no pseudo-head outputs for the backward; a forward "
+                     "that keeps them collapses separately (collapse_separate)");
+  keeping.set_mix(v1::mix_materialized);
+  keeping.set_collapse(v1::collapse_separate);
+  return keeping;
+}
+
 Status validateSaved(const KernelSpec& spec, const IhaSaved& s, int64_t B, int64_t N, bool cudaKernel, int device) {
   const int64_t H = spec.heads(), G = spec.kv_heads(), L = N * spec.pseudo_heads(), d = spec.head_dim();
   const ElementKind rows = savedRowElement(spec, cudaKernel);
@@ -611,6 +624,14 @@ Status checkDocuments(cuda::Device& device, const IhaTensors& t) {
 
 }  // namespace
 
+bool Kernel::keepsForward() const {
+  if (compiled_.direction() != v1::direction_forward) return false;
+  for (const char* name : {"q_mixed", "k_mixed", "v_mixed", "o_pseudo"})
+    if (std::find(compiled_.workspaces().begin(), compiled_.workspaces().end(), name) == compiled_.workspaces().end())
+      return false;
+  return true;
+}
+
 Status Kernel::launch(const IhaTensors& given, CUstream stream, const IhaSaved* keep, const WorkspaceMemory* workspace) {
   if (compiled_.direction() == v1::direction_backward)
     return makeError("this is a backward kernel: call launchBackward with dout and the gradients");
@@ -619,10 +640,9 @@ Status Kernel::launch(const IhaTensors& given, CUstream stream, const IhaSaved* 
   if (Status ok = validateTensors(compiled_.spec(), given, device_->info().ordinal); !ok) return ok;
   const IhaTensors t = batchedView(compiled_.spec(), given);
   if (keep) {
-    for (const char* name : {"q_mixed", "k_mixed", "v_mixed", "o_pseudo"})
-      if (std::find(compiled_.workspaces().begin(), compiled_.workspaces().end(), name) == compiled_.workspaces().end())
-        return makeError(std::string("this forward kernel keeps no ") + name + " for the backward: compile it with "
-                         "schedule.mix mix_materialized and schedule.collapse collapse_separate");
+    if (!keepsForward())
+      return makeError("this forward kernel keeps no mixed rows and pseudo-head outputs for the backward: load it "
+                       "with Runtime::keepingKernel (schedule.mix mix_materialized, collapse collapse_separate)");
     if (Status ok = validateSaved(compiled_.spec(), *keep, t.q.shape[0], t.q.shape[1], true, device_->info().ordinal);
         !ok)
       return ok;

@@ -222,6 +222,64 @@ class Counters(unittest.TestCase):
                     self.assertLessEqual(relative_error(np.from_dlpack(result), np.from_dlpack(ref)), 1e-5)
 
 
+class KeptForward(unittest.TestCase):
+    """A forward given `saved` keeps what the backward reads; iha_backward given it starts there: the same
+    gradients as a backward that recomputes the attention, from fewer launches (no pre-mix, no attention)."""
+
+    def test_a_backward_from_the_kept_forward(self):
+        rng = np.random.default_rng(SEED + 21)
+        spec = random_spec(rng)
+        spec["dtype"] = "float32"
+        B, N = int(rng.integers(1, 3)), int(rng.integers(2, 12))
+        H, G, P, d = spec["heads"], spec["kv_heads"], spec["pseudo_heads"], spec["head_dim"]
+        inputs = draw(rng, spec, B, N)
+        dout = rng.standard_normal((B, N, H, d)).astype(np.float32)
+        saved = [np.full((B, n, N * P, d), np.nan, np.float32) for n in (H, G, G, H)]
+        lse = np.full((B, H, N * P), np.nan, np.float32)
+        saved.append(lse)
+        out = np.from_dlpack(loom.iha(*inputs, spec, lse=lse, saved=saved, cache_dir=CACHE, threads=1))
+        ref, ref_lse = (np.from_dlpack(t) for t in loom.reference(*inputs, spec))
+        self.assertLessEqual(relative_error(out, ref), 1e-5)
+        self.assertLessEqual(relative_error(lse, ref_lse), 1e-5)
+        for name, t in zip(("q_mixed", "k_mixed", "v_mixed", "o_pseudo"), saved):
+            self.assertTrue(np.isfinite(t).all(), f"{name} not wholly written")
+
+        def backward(**options):
+            start = loom.counters()["launches"]
+            grads = loom.iha_backward(*inputs, dout, spec, cache_dir=CACHE, threads=1, **options)
+            return [np.from_dlpack(g) for g in grads], loom.counters()["launches"] - start
+
+        recomputed, _ = backward()  # warm-up: the backward's program generated, compiled or read
+        recomputed, recomputing = backward()
+        kept, keeping = backward(saved=saved)
+        # The recomputing backward is held to the float64 one elsewhere (test_torch, on checkable draws); here
+        # both start from the same float32 rows. A gradient may be zero (a window of one key): norms, not ratios.
+        for name, got, again in zip(("dq", "dk", "dv", "dalpha_q", "dalpha_k", "dalpha_v", "dcollapse"), kept,
+                                    recomputed):
+            with self.subTest(gradient=name, spec=spec, B=B, N=N):
+                self.assertTrue(np.isfinite(got).all())
+                self.assertLessEqual(np.linalg.norm(got - again), 1e-5 * np.linalg.norm(again))
+        self.assertLess(keeping, recomputing, "the backward from a kept forward launched as many grids")
+
+    def test_what_cannot_keep_is_refused(self):
+        spec = Errors.spec
+        inputs = draw(np.random.default_rng(SEED + 22), spec, 1, 5)
+        B, N, H, G, P, d = 1, 5, 2, 2, 2, 8
+        saved = [np.zeros((B, n, N * P, d), np.float32) for n in (H, G, G, H)] + [np.zeros((B, H, N * P), np.float32)]
+        with self.assertRaisesRegex(ValueError, "schedule.mix: mix_fused keeps no mixed rows"):
+            loom.iha(*inputs, spec, saved=saved, schedule={"mix": "mix_fused"}, cache_dir=CACHE)
+        with self.assertRaisesRegex(ValueError, "schedule.collapse: collapse_fused"):
+            loom.iha(*inputs, spec, saved=saved, schedule={"collapse": "collapse_fused"}, cache_dir=CACHE)
+        with self.assertRaisesRegex(ValueError, "^saved: want five tensors"):
+            loom.iha(*inputs, spec, saved=saved[:4], cache_dir=CACHE)
+        with self.assertRaisesRegex(ValueError, "^o_pseudo: shape"):
+            loom.iha(*inputs, spec, saved=[*saved[:3], saved[3][:, :, 1:], saved[4]], cache_dir=CACHE)
+        dout = np.zeros((B, N, H, d), np.float32)
+        with self.assertRaisesRegex(ValueError, "^k_mixed: element type float16, want float32"):
+            loom.iha_backward(*inputs, dout, spec, saved=[saved[0], saved[1].astype(np.float16), *saved[2:]],
+                              cache_dir=CACHE)
+
+
 class Errors(unittest.TestCase):
     spec = {"heads": 2, "kv_heads": 2, "pseudo_heads": 2, "head_dim": 8, "dtype": "float32",
             "mask": "none", "collapse": "per_head", "rope_theta": 0.0}

@@ -146,14 +146,48 @@ class HostKernels(unittest.TestCase):
                 else:
                     self.fail(f"no draw of {CHECKABLE_DRAWS} whose float32 rounding alone leaves its gradients "
                               "within a quarter of the tolerance")
-                single = [t.detach().float().requires_grad_() for t in exact]
-                out = iha(*single, spec=spec)
-                self.assertEqual(out.dtype, torch.float32)
-                out.backward(dout.float())
-                self.assertLess(relative(out, want_out), 1e-5)
-                for name, t, w in zip(GRADIENTS, single, want):
-                    self.assertEqual(t.grad.dtype, t.dtype, name)
-                    self.assertLess(relative(t.grad, w), FLOAT32_GRADIENT_TOLERANCE, name)
+                launched = {}
+                for save in (True, False):  # the backward from the kept forward (the default), and recomputing
+                    single = [t.detach().float().requires_grad_() for t in exact]
+                    out = iha(*single, spec=spec, save_forward=save)
+                    self.assertEqual(out.dtype, torch.float32)
+                    start = loom.counters()["launches"]
+                    out.backward(dout.float())
+                    launched[save] = loom.counters()["launches"] - start
+                    self.assertLess(relative(out, want_out), 1e-5)
+                    for name, t, w in zip(GRADIENTS, single, want):
+                        self.assertEqual(t.grad.dtype, t.dtype, name)
+                        self.assertLess(relative(t.grad, w), FLOAT32_GRADIENT_TOLERANCE, f"{name}, save {save}")
+                self.assertLess(launched[True], launched[False], "the kept forward's backward recomputed it")
+
+    def test_the_forward_keeps_its_rows_only_for_a_backward(self):
+        """save_forward (the default): autograd holds the mixed rows and pseudo-head outputs ([B, H | G, N*P, d],
+        float32 on the host); save_forward=False holds none; inference (no_grad) keeps nothing and launches as
+        the non-keeping forward does."""
+        gen = torch.Generator().manual_seed(SEED + 5)
+        spec = {"heads": 4, "kv_heads": 2, "pseudo_heads": 3, "head_dim": 8, "mask": "flat_causal",
+                "collapse": "global", "rope_theta": 10000.0}
+        B, N = 2, 5
+        tensors = draw(spec, B, N, torch.float32, gen)
+
+        def forward(**options):
+            start = loom.counters()["launches"]
+            out = iha(*tensors, spec=spec, **options)
+            return out, loom.counters()["launches"] - start
+
+        kept, _ = forward()
+        rows = [tuple(t.shape) for t in kept.grad_fn.saved_tensors if t.dim() == 4 and t.shape[2] == N * 3]
+        self.assertEqual(sorted(rows), sorted([(B, 4, N * 3, 8), (B, 2, N * 3, 8), (B, 2, N * 3, 8),
+                                               (B, 4, N * 3, 8)]))
+        self.assertTrue(all(t.dtype == torch.float32 for t in kept.grad_fn.saved_tensors if t.dim() == 4 and
+                            t.shape[2] == N * 3))
+        plain, plain_launches = forward(save_forward=False)
+        self.assertEqual([t.numel() for t in plain.grad_fn.saved_tensors if t.dim() == 4 and t.shape[2] == N * 3],
+                         [])
+        with torch.no_grad():
+            inferred, inferred_launches = forward()
+        self.assertEqual(inferred_launches, plain_launches)
+        self.assertLess(relative(inferred, kept), 1e-5)
 
     def test_strided_inputs_and_a_dout_that_is_a_view(self):
         """q a slice of a wider projection, dout an expanded view (as sum() hands back): both made dense."""
@@ -430,11 +464,16 @@ class Varlen(unittest.TestCase):
         packed = [(t[0] if i < 3 else t).detach() for i, t in enumerate(tensors)]
         spec_json = json.dumps({**lt.spec_for(spec, torch.float32), "varlen": True}, sort_keys=True)
         cu = torch.tensor([0, 3, 7], dtype=torch.int32)
-        torch.library.opcheck(torch.ops.loom.iha_varlen.default,
-                              (*[t.requires_grad_() for t in packed], cu, spec_json, None, None, CACHE, "", 2, False))
+        options = (spec_json, None, None, CACHE, "", 2, False)
+        for save in (True, False):
+            torch.library.opcheck(torch.ops.loom.iha_varlen.default,
+                                  (*[t.detach().requires_grad_() for t in packed], cu, *options, save))
+        plain = [t.detach() for t in packed]
+        _, lse, *rows = torch.ops.loom.iha_varlen.default(*plain, cu, *options, True)
         dout = torch.randn(7, spec["heads"], 8, generator=gen)
-        torch.library.opcheck(torch.ops.loom.iha_varlen_backward.default,
-                              (*[t.detach() for t in packed], cu, dout, spec_json, None, CACHE, "", 2, True))
+        for keep in (True, False):
+            torch.library.opcheck(torch.ops.loom.iha_varlen_backward.default,
+                                  (*plain, cu, dout, spec_json, None, CACHE, "", 2, True, *rows, lse, keep))
 
 
 @unittest.skipUnless(lt.HAS_CUSTOM_OP, f"PyTorch {torch.__version__} has no torch.library.custom_op (2.4 and later): "
@@ -459,10 +498,14 @@ class Compile(unittest.TestCase):
         tensors = draw(spec, 2, 6, torch.float32, self.gen)
         spec_json = json.dumps(lt.spec_for(spec, torch.float32), sort_keys=True)
         options = (spec_json, None, None, CACHE, "", 2, False)
-        torch.library.opcheck(torch.ops.loom.iha.default, (*tensors, *options))
+        for save in (True, False):  # the forward keeping its rows for the backward, and not
+            torch.library.opcheck(torch.ops.loom.iha.default, (*tensors, *options, save))
         plain = [t.detach() for t in tensors]
+        _, lse, *rows = torch.ops.loom.iha.default(*plain, *options, True)
         dout = torch.randn(2, 6, spec["heads"], 8, generator=self.gen)
-        torch.library.opcheck(torch.ops.loom.iha_backward.default, (*plain, dout, spec_json, None, CACHE, "", 2, True))
+        for keep in (True, False):
+            torch.library.opcheck(torch.ops.loom.iha_backward.default,
+                                  (*plain, dout, spec_json, None, CACHE, "", 2, True, *rows, lse, keep))
         G, page = spec["kv_heads"], 4
         k_cache, v_cache = (torch.randn(8, page, G, 8, generator=self.gen) for _ in range(2))
         table = torch.randperm(8, generator=self.gen)[:6].view(2, 3).to(torch.int32)
@@ -639,7 +682,9 @@ class CudaOps(unittest.TestCase):
         gen = torch.Generator().manual_seed(SEED + 40)
         tensors = self.inputs(gen, 2, 77)
         spec_json = json.dumps(lt.spec_for(self.spec, torch.bfloat16), sort_keys=True)
-        torch.library.opcheck(torch.ops.loom.iha.default, (*tensors, spec_json, None, None, CACHE, "", 0, False))
+        for save in (True, False):
+            torch.library.opcheck(torch.ops.loom.iha.default,
+                                  (*tensors, spec_json, None, None, CACHE, "", 0, False, save))
         loss = lambda *t: iha(*t, spec=spec_json).float().square().sum()  # noqa: E731
         compiled = torch.compile(loss, fullgraph=True)
         value = compiled(*tensors)

@@ -775,5 +775,66 @@ TEST(Provider, DecisionsKeepTheEngineTheyWereTunedOn) {
   }
 }
 
+// A forward that keeps what its backward reads (Runtime::keepingKernel):
+// the tuned decision's tiles and engine with its mixing materialised and
+// its collapse separate, so that the kernel has the rows to keep; a given
+// schedule that fuses either is refused, naming the field; a backward
+// keeps nothing.
+TEST(Provider, AKeepingForwardTakesTheDecisionWithItsMixingMaterialised) {
+  testing::TempDir dir;
+  const KernelSpec s = spec(4, 2, 2, 64);
+  v1::Target hopper = target("sm_90a");
+  hopper.mutable_device()->set_name("NVIDIA H200");
+  hopper.mutable_device()->set_sm_count(132);
+  {
+    auto store = cache::openSqliteStore(cache::storePath(dir.path()));
+    ASSERT_TRUE(store) << store.error().message;
+    cache::Decision d;
+    d.spec = s;
+    d.device = cache::DeviceModel::of(hopper);
+    d.toolchain = jit::nvrtcVersion();
+    Schedule& best = *d.result.mutable_best();
+    best.set_block_m(128);
+    best.set_block_n(64);
+    best.set_warps(8);
+    best.set_stages(2);
+    best.set_engine(v1::engine_wgmma);
+    best.set_mix(v1::mix_fused);
+    best.set_collapse(v1::collapse_fused);
+    d.result.set_measured(true);
+    d.candidatesJson = "[]";
+    ASSERT_TRUE((*store)->putDecision(d));
+  }
+  KernelProvider provider(dir.path());
+  auto plain = provider.provide(s, hopper);
+  ASSERT_TRUE(plain) << plain.error().message;
+  EXPECT_EQ(plain->kernel.schedule().mix(), v1::mix_fused);
+  auto keeping = provider.provide(s, hopper, {}, v1::direction_forward, /*keepsForward=*/true);
+  ASSERT_TRUE(keeping) << keeping.error().message;
+  const Schedule& kept = keeping->kernel.schedule();
+  EXPECT_EQ(kept.mix(), v1::mix_materialized);
+  EXPECT_EQ(kept.collapse(), v1::collapse_separate);
+  EXPECT_EQ(kept.block_m(), 128);
+  EXPECT_EQ(kept.warps(), 8);
+  EXPECT_EQ(kept.engine(), v1::engine_wgmma);
+  EXPECT_EQ(keeping->scheduleSource, "tuned, mixing materialised and collapse separate to keep the forward");
+  for (const char* name : {"q_mixed", "k_mixed", "v_mixed", "o_pseudo"})
+    EXPECT_NE(std::find(keeping->kernel.workspaces().begin(), keeping->kernel.workspaces().end(), name),
+              keeping->kernel.workspaces().end())
+        << name;
+  EXPECT_NE(keeping->kernel.source(), plain->kernel.source());
+
+  Schedule fused;
+  fused.set_mix(v1::mix_fused);
+  auto refused = provider.provide(s, hopper, fused, v1::direction_forward, true);
+  ASSERT_FALSE(refused);
+  EXPECT_NE(refused.error().message.find("schedule.mix: mix_fused keeps no mixed rows"), std::string::npos)
+      << refused.error().message;
+  auto backward = provider.provide(s, hopper, {}, v1::direction_backward, true);
+  ASSERT_FALSE(backward);
+  EXPECT_NE(backward.error().message.find("only a forward kernel keeps"), std::string::npos)
+      << backward.error().message;
+}
+
 }  // namespace
 }  // namespace loom::autotune

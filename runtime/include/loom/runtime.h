@@ -104,6 +104,10 @@ struct IhaSaved {
   Tensor q_mixed, k_mixed, v_mixed, o_pseudo, lse;
 };
 ElementKind savedRowElement(const KernelSpec& spec, bool cudaKernel);
+// The forward schedule that keeps what its backward reads (IhaSaved):
+// `schedule` with its mixing materialised and its collapse separate where
+// unset; an error, naming the field, where it asks for either fused.
+Result<Schedule> keepingSchedule(const Schedule& schedule);
 // Checks the saved tensors against the spec, B and N; the error names the tensor.
 Status validateSaved(const KernelSpec& spec, const IhaSaved& saved, int64_t batch, int64_t tokens, bool cudaKernel,
                      int device);
@@ -259,6 +263,9 @@ class Kernel {
                       bool checkPages = true, const WorkspaceMemory* workspace = nullptr);
 
   const v1::CompiledKernel& compiled() const { return compiled_; }
+  // Whether a forward launch can keep IhaSaved (its mixing materialised,
+  // its collapse separate: keepingSchedule).
+  bool keepsForward() const;
   // Where the kernel came from: "compiled now", "kernel cache", and whether
   // its schedule was tuned (and on which device) or the default.
   const std::string& provenance() const { return provenance_; }
@@ -322,6 +329,11 @@ class Runtime {
   // compiled kernel from the cache, else generated and compiled by NVRTC
   // (and stored).
   Result<std::shared_ptr<Kernel>> kernel(const KernelSpec& spec, const Schedule& schedule = {});
+  // The spec's forward kernel that can keep what its backward reads
+  // (Kernel::launch with IhaSaved): the given schedule, else the tuned one
+  // (or the default), with its mixing materialised and its collapse
+  // separate (keepingSchedule); kept apart from kernel()'s.
+  Result<std::shared_ptr<Kernel>> keepingKernel(const KernelSpec& spec, const Schedule& schedule = {});
   // The spec's backward kernel (Kernel::launchBackward), cached apart from
   // the forward's.
   Result<std::shared_ptr<Kernel>> backwardKernel(const KernelSpec& spec, const Schedule& schedule = {});
@@ -342,7 +354,8 @@ class Runtime {
  private:
   Runtime() = default;
   Result<std::shared_ptr<Kernel>> provideAndLoad(const KernelSpec& spec, const Schedule& schedule,
-                                                 v1::Direction direction, const std::string& what);
+                                                 v1::Direction direction, const std::string& what,
+                                                 bool keepsForward = false);
   struct State;
   std::unique_ptr<State> state_;
 };
