@@ -5,7 +5,10 @@
 // backward bundle's by FlashAttention's count, 2.5 forwards) and the
 // bandwidth of the operands moved once. A backward bundle is timed whole
 // (pre-mix, recomputed attention, prep, dK/dV, dQ, un-mix, reduce) on a
-// fresh dout as well. Prints a table; with a second
+// fresh dout as well, and, where the bundle has a keeping forward beside it
+// (NAME-keep: its mixing materialised, collapse separate), again from what
+// that forward kept (row NAME-kept: no pre-mix, no recomputed attention,
+// loom.torch's default training step). Prints a table; with a second
 // argument also writes it as JSON there (bench/report.py reads it).
 // A decode bundle, bench-decode.c<C>b<B>.<label>.pb, is one step of one new
 // token per sequence over B raw paged caches of C tokens (16-token pages
@@ -120,6 +123,44 @@ Result<autotune::Timing> timeDecode(Kernel& kernel, const cuda::Device& device, 
       kPlan);
 }
 
+// The backward from a kept forward: the keeping forward bundle at `keeping`
+// run once on the case's inputs into SavedBuffers, then the backward timed
+// from them; a row named `label` (direction backward_kept, saved_bytes the
+// rows kept between the passes).
+Status timeKeptBackward(Kernel& backward, const std::shared_ptr<cuda::Device>& gpu, const cuda::DeviceBuffer& flush,
+                        const fs::path& keeping, const IhaCase& c, const IhaTensors& inputs, const std::string& label,
+                        nlohmann::json& results) {
+  v1::CompiledKernel compiled;
+  std::ifstream in(keeping, std::ios::binary);
+  if (!compiled.ParseFromIstream(&in)) return makeError("cannot read " + keeping.string());
+  const cuda::Device& device = *gpu;
+  auto forward = Kernel::load(gpu, compiled);
+  if (!forward) return forward.error();
+  auto saved = cuda::SavedBuffers::allocate(device, c.spec, c.batch, c.tokens);
+  if (!saved) return saved.error();
+  auto grads = cuda::GradBuffers::upload(device, c);
+  if (!grads) return grads.error();
+  if (Status ok = (*forward)->launch(inputs, nullptr, &saved->saved()); !ok) return ok;
+  auto timing = autotune::timeRuns(
+      [&](int) { return backward.launchBackward(inputs, grads->tensors(), nullptr, &saved->saved()); }, device, flush,
+      kPlan);
+  if (!timing) return timing.error();
+  const double median = timing->medianMs, flops = autotune::ihaBackwardFlops(c.spec, c.batch, c.tokens);
+  std::printf("%-34s %4lld %6lld %10.3f %10.3f %9.1f %9s %9s\n", label.c_str(), (long long)c.batch,
+              (long long)c.tokens, median, timing->p90Ms, flops / (median * 1e-3) / 1e12, "", "");
+  results.push_back({{"name", label},
+                     {"batch", c.batch},
+                     {"tokens", c.tokens},
+                     {"median_ms", median},
+                     {"p90_ms", timing->p90Ms},
+                     {"tflops", flops / (median * 1e-3) / 1e12},
+                     {"direction", "backward_kept"},
+                     {"engine", backward.compiled().schedule().engine() == v1::engine_wgmma ? "wgmma" : "mma"},
+                     {"workspace_bytes", workspaceBytes(backward.compiled(), c.batch, c.tokens)},
+                     {"saved_bytes", saved->bytes()}});
+  return Status::success();
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -224,6 +265,16 @@ int main(int argc, char** argv) {
       std::printf("%-34s launch failed: %s\n", m[3].str().c_str(), timing.error().message.c_str());
       ++failures;
       continue;
+    }
+    const fs::path keeping = fs::path(path).parent_path() / ("bench.n" + m[1].str() + "b" + m[2].str() + "." +
+                                                              m[3].str() + "-keep.pb");
+    if (backward && fs::exists(keeping)) {
+      if (Status ok = timeKeptBackward(**kernel, *device, *flush, keeping, c, buffers->tensors(), m[3].str() + "-kept",
+                                       results);
+          !ok) {
+        std::printf("%-34s kept backward failed: %s\n", (m[3].str() + "-kept").c_str(), ok.error().message.c_str());
+        ++failures;
+      }
     }
     const double median = timing->medianMs, p90 = timing->p90Ms;
     const double flops =

@@ -13,7 +13,10 @@ whether issue 8's targets hold (N*P >= 8192: at least the fastest peer and
 With a training-step peers.json (bench/peers.py --run --backward) loom's
 time is its forward kernel's plus its backward kernel's (the bundle named
 NAME-backward), against each peer's forward and autograd backward; the
-FLOPs are 3.5 forwards and the target is the fastest peer.
+FLOPs are 3.5 forwards and the target is the fastest peer. Where the run
+timed loom.torch's default step (the keeping forward NAME-backward-keep and
+the backward from what it kept, NAME-backward-kept), that pair is loom's
+time, marked "kept", its memory the rows kept between the passes too.
 No third-party package is needed; the plot needs matplotlib and is skipped
 (with a note) without it.
 """
@@ -59,8 +62,14 @@ def main():
         mine = loom.get(name)
         if training and mine:
             step = loom.get(name + "-backward")
-            mine = step and {**step, "median_ms": mine["median_ms"] + step["median_ms"],
-                             "workspace_bytes": max(mine["workspace_bytes"], step["workspace_bytes"])}
+            keeping, kept = loom.get(name + "-backward-keep"), loom.get(name + "-backward-kept")
+            if keeping and kept:  # loom.torch's default: the backward from what the forward kept
+                mine = {**kept, "median_ms": keeping["median_ms"] + kept["median_ms"],
+                        "workspace_bytes": max(keeping["workspace_bytes"], kept["workspace_bytes"]) +
+                        kept["saved_bytes"], "engine": kept["engine"] + ", kept"}
+            else:
+                mine = step and {**step, "median_ms": mine["median_ms"] + step["median_ms"],
+                                 "workspace_bytes": max(mine["workspace_bytes"], step["workspace_bytes"])}
             if mine:
                 mine["tflops"] = row["flops"] / (mine["median_ms"] * 1e-3) / 1e12
         cells = []

@@ -257,36 +257,48 @@ Result<reference::IhaGradients> runKeptBackwardCase(Kernel& forward, Kernel& bac
   if (!buffers) return buffers.error();
   auto grads = GradBuffers::upload(device, c);
   if (!grads) return grads.error();
-  const KernelSpec& spec = c.spec;
-  const int64_t B = c.batch, L = c.tokens * spec.pseudo_heads(), H = spec.heads(), G = spec.kv_heads(),
-                d = spec.head_dim();
-  std::vector<std::shared_ptr<DeviceBuffer>> owned;
+  auto saved = SavedBuffers::allocate(device, c.spec, c.batch, c.tokens);
+  if (!saved) return saved.error();
+  if (Status ok = grads->poison(device); !ok) return ok.error();
+  if (Status ok = forward.launch(buffers->tensors(), nullptr, &saved->saved()); !ok) return ok.error();
+  if (Status ok = backward.launchBackward(buffers->tensors(), grads->tensors(), nullptr, &saved->saved()); !ok)
+    return ok.error();
+  return grads->download(device);
+}
+
+Result<SavedBuffers> SavedBuffers::allocate(const Device& device, const KernelSpec& spec, int64_t B, int64_t N) {
+  const int64_t L = N * spec.pseudo_heads(), H = spec.heads(), G = spec.kv_heads(), d = spec.head_dim();
+  const ElementKind rows = savedRowElement(spec, true);
+  SavedBuffers made;
   auto poisoned = [&](ElementKind element, std::vector<int64_t> shape) -> Result<Tensor> {
     int64_t count = 1;
     for (int64_t extent : shape) count *= extent;
     auto buffer = DeviceBuffer::allocate(device, size_t(count * elementBytes(element)));
     if (!buffer) return buffer.error();
-    owned.push_back(std::make_shared<DeviceBuffer>(std::move(*buffer)));
-    if (Status ok = check(device.api().cuMemsetD8(owned.back()->get(), kPoisonByte, owned.back()->size()), "cuMemsetD8");
-        !ok)
+    made.buffers_.push_back(std::make_shared<DeviceBuffer>(std::move(*buffer)));
+    const DeviceBuffer& b = *made.buffers_.back();
+    if (Status ok = check(device.api().cuMemsetD8(b.get(), kPoisonByte, b.size()), "cuMemsetD8"); !ok)
       return ok.error();
-    return Tensor{owned.back()->data(), element, std::move(shape), {}, device.info().ordinal};
+    return Tensor{b.data(), element, std::move(shape), {}, device.info().ordinal};
   };
-  const ElementKind rows = savedRowElement(spec, true);
-  IhaSaved saved;
-  const std::pair<Tensor*, Result<Tensor>> made[] = {{&saved.q_mixed, poisoned(rows, {B, H, L, d})},
-                                                     {&saved.k_mixed, poisoned(rows, {B, G, L, d})},
-                                                     {&saved.v_mixed, poisoned(rows, {B, G, L, d})},
-                                                     {&saved.o_pseudo, poisoned(rows, {B, H, L, d})},
-                                                     {&saved.lse, poisoned(ElementKind::float32, {B, H, L})}};
-  for (const auto& [target, tensor] : made) {
+  const std::pair<Tensor*, std::pair<ElementKind, std::vector<int64_t>>> slots[] = {
+      {&made.saved_.q_mixed, {rows, {B, H, L, d}}},
+      {&made.saved_.k_mixed, {rows, {B, G, L, d}}},
+      {&made.saved_.v_mixed, {rows, {B, G, L, d}}},
+      {&made.saved_.o_pseudo, {rows, {B, H, L, d}}},
+      {&made.saved_.lse, {ElementKind::float32, {B, H, L}}}};
+  for (const auto& [target, what] : slots) {
+    auto tensor = poisoned(what.first, what.second);
     if (!tensor) return tensor.error();
     *target = *tensor;
   }
-  if (Status ok = grads->poison(device); !ok) return ok.error();
-  if (Status ok = forward.launch(buffers->tensors(), nullptr, &saved); !ok) return ok.error();
-  if (Status ok = backward.launchBackward(buffers->tensors(), grads->tensors(), nullptr, &saved); !ok) return ok.error();
-  return grads->download(device);
+  return made;
+}
+
+size_t SavedBuffers::bytes() const {
+  size_t total = 0;
+  for (const auto& buffer : buffers_) total += buffer->size();
+  return total;
 }
 
 }  // namespace loom::cuda

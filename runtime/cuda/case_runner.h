@@ -91,4 +91,17 @@ class GradBuffers {
   IhaGradTensors tensors_;
 };
 
+// What a forward keeps for its backward (IhaSaved) in device buffers of B x N
+// tokens, poisoned with NaN bit patterns until a keeping forward fills them.
+class SavedBuffers {
+ public:
+  static Result<SavedBuffers> allocate(const Device& device, const KernelSpec& spec, int64_t batch, int64_t tokens);
+  const IhaSaved& saved() const { return saved_; }
+  size_t bytes() const;
+
+ private:
+  std::vector<std::shared_ptr<DeviceBuffer>> buffers_;  // q_mixed k_mixed v_mixed o_pseudo lse
+  IhaSaved saved_;
+};
+
 }  // namespace loom::cuda

@@ -112,11 +112,18 @@ bench h8p8d64-bf16-causal-mma 4096 1 "$paper" "$mma"
 bench h8p8d64-bf16-causal-mma-materialized 4096 1 "$paper" '{"engine": "engine_mma", "mix": "mix_materialized"}'
 bench gqa-h16g4p4d128-fp16-w512-mma 4096 2 "$gqa" "$mma"
 bench h8p4d128-bf16-causal-mma 4096 1 "$d128" "$mma"
-# The backward (mma.sync on every arch; timed whole, recomputation included).
-bench h8p8d64-bf16-causal-backward 4096 1 "$paper" '{}' --backward
-bench h8p8d64-bf16-causal-backward-atomic 4096 1 "$paper" '{"dq": "dq_atomic"}' --backward
-bench h8p4d128-bf16-causal-backward 4096 1 "$d128" '{}' --backward
-bench gqa-h16g4p4d128-fp16-w512-backward 4096 2 "$gqa" '{}' --backward
+# The backward (timed whole, recomputation included), and beside each the
+# forward that keeps what it reads (NAME-keep: loom.torch's default training
+# step; loom-gpu-bench times the backward again from what that forward kept).
+keep='{"mix": "mix_materialized", "collapse": "collapse_separate"}'
+backward_bench() {  # name tokens batch spec-json schedule-json
+  bench "$1" "$2" "$3" "$4" "$5" --backward
+  bench "$1-keep" "$2" "$3" "$4" "$keep"
+}
+backward_bench h8p8d64-bf16-causal-backward 4096 1 "$paper" '{}'
+backward_bench h8p8d64-bf16-causal-backward-atomic 4096 1 "$paper" '{"dq": "dq_atomic"}'
+backward_bench h8p4d128-bf16-causal-backward 4096 1 "$d128" '{}'
+backward_bench gqa-h16g4p4d128-fp16-w512-backward 4096 2 "$gqa" '{}'
 if [[ $arch == sm_90a ]]; then
   bench h8p8d64-bf16-causal-wgmma 1024 4 "$paper"
   bench h8p8d64-bf16-causal-wgmma 4096 1 "$paper"
@@ -137,7 +144,7 @@ while read -r name tokens batch; do
     if [[ $direction == forward ]]; then
       bench "$name" "$tokens" "$batch" "$(cat "$schedules/peers/$name.json")" &
     else
-      bench "$name-backward" "$tokens" "$batch" "$(cat "$schedules/peers/$name.json")" '{}' --backward &
+      backward_bench "$name-backward" "$tokens" "$batch" "$(cat "$schedules/peers/$name.json")" '{}' &
     fi
     jobs+=($!)
     if ((${#jobs[@]} >= $(nproc))); then wait "${jobs[0]}"; jobs=("${jobs[@]:1}"); fi
