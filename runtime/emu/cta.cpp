@@ -46,6 +46,7 @@ void Coverage::add(const Coverage& o) {
   shfl += o.shfl;
   barriers += o.barriers;
   cpAsync += o.cpAsync;
+  bulk += o.bulk;
   mbarrier += o.mbarrier;
   tma += o.tma;
   wgmma += o.wgmma;
@@ -164,6 +165,14 @@ void Cta::schedule() {
         if (!c.landed) {
           report(FindingKind::asyncAccess, "exit", c.pc,
                  "the CTA ends with a TMA copy into its shared memory in flight", -1);
+          break;
+        }
+      for (const BulkRead& r : bulkReads)
+        if (!r.retired) {
+          report(FindingKind::asyncAccess, "exit", r.pc,
+                 "the CTA ends with a bulk reduction still reading its shared memory (no "
+                 "cp.async.bulk.wait_group.read covers it)",
+                 -1);
           break;
         }
       return;
@@ -398,7 +407,9 @@ void Cta::checkShared(int actor, const std::vector<Clock>& clock, int64_t offset
     }
     if (s.asyncReads[b] && access != Access::read)
       problem(FindingKind::asyncAccess,
-              who(actor) + " writes " + range + " while a wgmma in flight reads it (before its wgmma.wait_group)");
+              who(actor) + " writes " + range +
+                  " while the async proxy still reads it (a wgmma before its wgmma.wait_group, or a bulk reduction "
+                  "before its cp.async.bulk.wait_group.read)");
     if (access != Access::write && !(flags & SharedShadow::kWritten))
       problem(FindingKind::uninitialized, who(actor) + " reads " + range + ", which no thread has written");
     const int writer = s.writer[b];
@@ -614,6 +625,17 @@ void Cta::retireMma(int id) {
   for (const auto& [offset, bytes] : m.operands)
     for (int64_t i = offset; i < offset + bytes; ++i)
       if (shadow_.asyncReads[size_t(i)]) --shadow_.asyncReads[size_t(i)];
+}
+
+void Cta::retireBulkRead(Thread& waiter, int id) {
+  BulkRead& r = bulkReads[size_t(id)];
+  if (r.retired) return;
+  r.retired = true;
+  for (int64_t i = r.source; i < r.source + r.bytes; ++i)
+    if (shadow_.asyncReads[size_t(i)]) --shadow_.asyncReads[size_t(i)];
+  // The read happened before the wait returned: a later write must be
+  // ordered after the waiter's wait, as after a read of its own.
+  checkShared(waiter.index, waiter.clock, r.source, r.bytes, Access::read, "cp.async.bulk.wait_group.read", r.pc);
 }
 
 void Cta::maybeLand() {

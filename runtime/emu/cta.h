@@ -43,7 +43,7 @@ struct Coverage {
   int64_t threads = 0;
   int64_t instructions = 0;  // emulated PTX instructions (every leaf of loom/tile/ptx.h and the built-ins)
   int64_t sharedAccesses = 0, globalAccesses = 0;
-  int64_t ldmatrix = 0, mma = 0, shfl = 0, barriers = 0, cpAsync = 0, mbarrier = 0, tma = 0, wgmma = 0;
+  int64_t ldmatrix = 0, mma = 0, shfl = 0, barriers = 0, cpAsync = 0, mbarrier = 0, tma = 0, wgmma = 0, bulk = 0;
   void add(const Coverage& other);
 };
 
@@ -84,6 +84,9 @@ struct Thread {
   // wgmma: operations not yet committed, then groups oldest first.
   std::vector<int> uncommittedMmas;
   std::deque<std::vector<int>> mmaGroups;
+  // cp.reduce.async.bulk: operations not yet committed, then bulk groups oldest first.
+  std::vector<int> uncommittedBulk;
+  std::deque<std::vector<int>> bulkGroups;
   // Register state a wgmma in flight owns: accumulators (results pending)
   // and A operands (being read).
   struct PendingAccumulator {
@@ -219,13 +222,23 @@ class Cta {
     std::vector<const uint32_t*> registerOperands;      // by position (A from registers), or empty
     bool retired = false;
   };
+  struct BulkRead {  // cp.reduce.async.bulk: the async proxy reading shared memory
+    int thread = 0;
+    int64_t source = 0, bytes = 0;  // shared offset and size
+    bool retired = false;
+    const void* pc = nullptr;
+  };
   std::vector<Copy> copies;
   std::vector<TensorCopy> tensorCopies;
   std::vector<Mma> mmas;
+  std::vector<BulkRead> bulkReads;
   void landCopy(int id);
   void completeCopy(Thread& thread, int id);
   void landTensorCopy(int id);
   void retireMma(int id);
+  // The bulk read `id` done (cp.async.bulk.wait_group{.read} of `waiter`):
+  // its bytes are free to write once the waiter's wait is ordered first.
+  void retireBulkRead(Thread& waiter, int id);
   // Lands one pending copy at random now and then (the seeded arbitrary
   // moment); called by every instruction.
   void maybeLand();

@@ -353,6 +353,75 @@ void redGlobalAddF32(float* address, float value, const void* pc) {
   }
 }
 
+//===--- bulk reductions (cp.reduce.async.bulk) ------------------------------===//
+
+// cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [global],
+// [shared], bytes: the async proxy reads `bytes` of shared memory (so the
+// generic writes it reads need fence.proxy.async, and every thread's
+// writes must be ordered before the issue) and adds them into global
+// memory, element by element, atomically against every CTA's adds. The
+// add is made at the issue; the shared bytes stay read until a
+// cp.async.bulk.wait_group{.read} of the issuing thread covers the
+// operation: a write into them before that is a finding, as is a CTA that
+// ends with one in flight.
+void bulkReduceAddF32(float* global, uint32_t source, uint32_t bytes, const void* pc) {
+  Cta& x = cta();
+  x.maybeLand();
+  ++x.coverage_.bulk;
+  Thread& t = x.self();
+  const char* name = "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32";
+  if (bytes == 0 || bytes % 16 != 0 || source % 16 != 0 || reinterpret_cast<uintptr_t>(global) % 16 != 0) {
+    x.report(FindingKind::misaligned, name, pc,
+             "size " + std::to_string(bytes) + " at shared " + hex(source) +
+                 ": the size, the shared and the global address must be multiples of 16 (size not 0)");
+    return;
+  }
+  auto offset = x.sharedOffset(source, int64_t(bytes), name, pc);
+  if (!offset) return;
+  for (uint32_t at = 0; at < bytes; at += 16)
+    if (!x.checkGlobal(reinterpret_cast<unsigned char*>(global) + at, 16, true, name, pc)) return;
+  x.checkAsyncProxyRead(t.index, t.clock, *offset, bytes, name, pc);
+  for (uint32_t at = 0; at < bytes; at += 4) {
+    float value;
+    std::memcpy(&value, x.shared() + *offset + at, 4);
+    auto* word = reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(global) + at);
+    uint32_t seen = __atomic_load_n(word, __ATOMIC_RELAXED);
+    for (;;) {
+      float old;
+      std::memcpy(&old, &seen, 4);
+      const float sum = old + value;
+      uint32_t next;
+      std::memcpy(&next, &sum, 4);
+      if (__atomic_compare_exchange_n(word, &seen, next, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) break;
+    }
+  }
+  const int id = int(x.bulkReads.size());
+  x.bulkReads.push_back({t.index, *offset, int64_t(bytes), false, pc});
+  for (int64_t i = *offset; i < *offset + int64_t(bytes); ++i) ++x.shadow().asyncReads[size_t(i)];
+  t.uncommittedBulk.push_back(id);
+}
+
+void bulkCommit(const void*) {
+  Cta& x = cta();
+  x.maybeLand();
+  Thread& t = x.self();
+  t.bulkGroups.push_back(std::move(t.uncommittedBulk));
+  t.uncommittedBulk.clear();
+}
+
+// cp.async.bulk.wait_group{.read} pending: the thread's bulk groups but the
+// newest `pending` complete (with .read, have read their sources; the
+// emulator's adds are already made, so both retire the reads).
+void bulkWait(int pending, int, const void*) {
+  Cta& x = cta();
+  x.maybeLand();
+  Thread& t = x.self();
+  while (int(t.bulkGroups.size()) > pending) {
+    for (int id : t.bulkGroups.front()) x.retireBulkRead(t, id);
+    t.bulkGroups.pop_front();
+  }
+}
+
 //===--- mbarriers and fences -------------------------------------------------===//
 
 Cta::Mbarrier* mbarrierAt(Cta& x, uint32_t address, const char* name, const void* pc, int64_t* offset) {
@@ -816,6 +885,9 @@ const Api& api() {
       .redGlobalAddF32 = redGlobalAddF32,
       .barArrive = barArrive,
       .warpSync = warpSync,
+      .bulkReduceAddF32 = bulkReduceAddF32,
+      .bulkCommit = bulkCommit,
+      .bulkWait = bulkWait,
   };
   return table;
 }

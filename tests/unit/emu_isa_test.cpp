@@ -4,7 +4,8 @@
 // intrinsics define their lanes, bar.sync with thread counts, cp.async
 // groups, mbarrier phases and transaction counts, tensor-map loads with
 // out-of-bounds fill and swizzles, wgmma through matrix descriptors in every
-// canonical layout, fences, setmaxnreg, elect.sync and global reductions.
+// canonical layout, fences, setmaxnreg, elect.sync, global reductions and
+// bulk reductions from shared memory.
 // Each test runs a small CTA on the emulator, calling the instructions
 // through the same table the emulated programs call.
 #include <gtest/gtest.h>
@@ -827,6 +828,102 @@ TEST(EmuIsa, GlobalReductionsAreAtomicAcrossCtasAndChecked) {
   EXPECT_EQ(input[0], 0.0f);
   EXPECT_EQ(local, 0.0f);
   EXPECT_EQ(sums[0], float(kCtas * kThreads * kRounds / 8));
+}
+
+// cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 from four CTAs
+// on four OS threads at once into the same floats: every thread writes its
+// float of shared memory, fences the async proxy, a barrier, and thread 0
+// adds the CTA's 64 floats with one bulk reduction, then waits for its read.
+// The sums are exact (small integers, any order). Each misuse is found: no
+// fence.proxy.async, a writer not ordered before the issue, the source
+// written before the read wait, the CTA ending with the read in flight, a
+// size or address not a multiple of 16, past a buffer's end, into an input.
+TEST(EmuIsa, BulkReductionsAddAtomicallyAndHoldTheirSourceUntilTheReadWait) {
+  GlobalMemory global;
+  auto* sums = reinterpret_cast<float*>(global.allocate("sums", 64 * sizeof(float), false));
+  auto* input = reinterpret_cast<float*>(global.allocate("input", 64 * sizeof(float), true));
+  constexpr int kCtas = 4, kThreads = 64;
+  // Each thread's float, fenced for the async proxy unless `fence` is false;
+  // the barrier orders the writes before thread 0's issue unless `barrier` is false.
+  auto write = [&](int ctaIndex, bool fence, bool barrier) {
+    const float value = float(ctaIndex + 1) * float(tid() + 1);
+    std::memcpy(cta().shared() + 4 * tid(), &value, 4);
+    isa().access(cta().shared() + 4 * tid(), 4, 1, nullptr);
+    if (fence) isa().fenceProxyAsync(nullptr);
+    if (barrier) isa().barSync(0, 0, nullptr);
+  };
+  std::vector<Outcome> runs(kCtas);
+  std::vector<std::thread> workers;
+  for (int c = 0; c < kCtas; ++c)
+    workers.emplace_back([&, c] {
+      runCta(runs[size_t(c)], kThreads, 256, [&] {
+        write(c, true, true);
+        if (tid() == 0) {
+          isa().bulkReduceAddF32(sums, sharedAddress(0), 256, nullptr);
+          isa().bulkCommit(nullptr);
+          isa().bulkWait(0, 1, nullptr);
+        }
+      }, &global, uint64_t(c + 1));
+    });
+  for (std::thread& w : workers) w.join();
+  for (const Outcome& run : runs) EXPECT_TRUE(run.log.empty()) << run.text();
+  for (int i = 0; i < 64; ++i) EXPECT_EQ(sums[i], float((1 + 2 + 3 + 4) * (i + 1))) << i;
+
+  const std::pair<const char*, std::function<void()>> misuses[] = {
+      {"no fence.proxy.async", [&] {
+         write(0, false, true);
+         if (tid() == 0) {
+           isa().bulkReduceAddF32(sums, sharedAddress(0), 256, nullptr);
+           isa().bulkCommit(nullptr);
+           isa().bulkWait(0, 1, nullptr);
+         }
+       }},
+      {"a writer not ordered before the issue", [&] {
+         if (tid() == 0) {
+           isa().bulkReduceAddF32(sums, sharedAddress(0), 256, nullptr);
+           isa().bulkCommit(nullptr);
+           isa().bulkWait(0, 1, nullptr);
+         }
+         write(0, true, false);
+       }},
+      {"the source written before the read wait", [&] {
+         write(0, true, true);
+         if (tid() == 0) {
+           isa().bulkReduceAddF32(sums, sharedAddress(0), 256, nullptr);
+           isa().bulkCommit(nullptr);
+           isa().access(cta().shared(), 4, 1, nullptr);
+           isa().bulkWait(0, 1, nullptr);
+         }
+       }},
+      {"the CTA ending with the read in flight", [&] {
+         write(0, true, true);
+         if (tid() == 0) {
+           isa().bulkReduceAddF32(sums, sharedAddress(0), 256, nullptr);
+           isa().bulkCommit(nullptr);
+         }
+       }},
+  };
+  const FindingKind expected[] = {FindingKind::proxyFence, FindingKind::race, FindingKind::asyncAccess,
+                                  FindingKind::asyncAccess};
+  for (size_t m = 0; m < std::size(misuses); ++m) {
+    Outcome run;
+    runCta(run, kThreads, 256, misuses[m].second, &global);
+    EXPECT_TRUE(run.has(expected[m])) << misuses[m].first << ":\n" << run.text();
+  }
+  const float before = sums[0];
+  Outcome wrong;
+  runCta(wrong, 32, 256, [&] {
+    write(0, true, true);
+    if (tid() == 0) isa().bulkReduceAddF32(sums, sharedAddress(0), 8, nullptr);            // size not a multiple of 16
+    if (tid() == 1) isa().bulkReduceAddF32(sums + 1, sharedAddress(0), 16, nullptr);       // global not 16-aligned
+    if (tid() == 2) isa().bulkReduceAddF32(sums + 60, sharedAddress(0), 32, nullptr);      // past the end
+    if (tid() == 3) isa().bulkReduceAddF32(input, sharedAddress(0), 16, nullptr);          // into an input
+  }, &global);
+  EXPECT_TRUE(wrong.has(FindingKind::misaligned)) << wrong.text();
+  EXPECT_TRUE(wrong.has(FindingKind::outOfBounds)) << wrong.text();
+  EXPECT_TRUE(wrong.has(FindingKind::readOnly)) << wrong.text();
+  EXPECT_EQ(sums[0], before) << "a refused reduction added nothing";
+  EXPECT_EQ(input[0], 0.0f);
 }
 
 //===--- conversions -------------------------------------------------------------===//

@@ -186,6 +186,29 @@ TEST(Nvrtc, FailuresCarryTheLog) {
   EXPECT_NE(result.error().log.find("error"), std::string::npos) << result.error().log;
 }
 
+// The bulk reduction's leaves (loom/tile/ptx.h: cp.reduce.async.bulk add.f32,
+// cp.async.bulk.commit_group and wait_group{.read}) assemble for sm_90a, as
+// the emulator runs them (EmuIsa.BulkReductions...).
+TEST(Nvrtc, BulkReductionsAssembleForHopper) {
+  jit::NvrtcCompiler compiler("");
+  const std::string source = R"(#include "loom/tile/ptx.h"
+extern "C" __global__ void add_rows(float* g) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  reinterpret_cast<float*>(smem)[threadIdx.x] = float(threadIdx.x);
+  loom::ptx::fenceProxyAsync();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    loom::ptx::bulkReduceAddF32(g, loom::Bits32(__cvta_generic_to_shared(smem)), 512);
+    loom::ptx::bulkCommit();
+    loom::ptx::bulkWaitRead<0>();
+    loom::ptx::bulkWait<0>();
+  }
+}
+)";
+  auto result = compiler.compile(source, "sm_90a");
+  ASSERT_TRUE(result) << result.error().message << "\n" << result.error().log;
+}
+
 TEST(Nvrtc, ArtifactsAreCachedInMemoryAndOnDisk) {
   testing::TempDir cache;
   auto plan = generateKernel(specs()[3].spec, Schedule(), *parseTarget("sm_80"));

@@ -227,6 +227,18 @@ LOOM_EMU_LEAF inline void redSharedAddF32(Bits32 address, float value) {
 LOOM_EMU_LEAF inline void redGlobalAddF32(float* address, float value) {
   emu::api->redGlobalAddF32(address, value, LOOM_EMU_PC);
 }
+LOOM_EMU_LEAF inline void bulkReduceAddF32(float* global, Bits32 source, Bits32 bytes) {
+  emu::api->bulkReduceAddF32(global, source, bytes, LOOM_EMU_PC);
+}
+LOOM_EMU_LEAF inline void bulkCommit() { emu::api->bulkCommit(LOOM_EMU_PC); }
+template <int Pending>
+LOOM_EMU_LEAF void bulkWaitRead() {
+  emu::api->bulkWait(Pending, 1, LOOM_EMU_PC);
+}
+template <int Pending>
+LOOM_EMU_LEAF void bulkWait() {
+  emu::api->bulkWait(Pending, 0, LOOM_EMU_PC);
+}
 
 template <int Id, int Threads>
 LOOM_EMU_LEAF inline void barSync() {

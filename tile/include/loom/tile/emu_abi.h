@@ -13,7 +13,7 @@
 
 namespace loom::emu {
 
-constexpr uint32_t kAbiVersion = 4;
+constexpr uint32_t kAbiVersion = 5;
 
 struct Dim3 {
   unsigned x, y, z;
@@ -85,6 +85,12 @@ struct Api {
   // bar.warp.sync membermask (__syncwarp): the member lanes' accesses so far
   // happen before each member's next.
   void (*warpSync)(uint32_t membermask, const void* pc);
+  // cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [global],
+  // [shared], bytes; cp.async.bulk.commit_group; cp.async.bulk.wait_group
+  // (read: .read) pending.
+  void (*bulkReduceAddF32)(float* global, uint32_t shared, uint32_t bytes, const void* pc);
+  void (*bulkCommit)(const void* pc);
+  void (*bulkWait)(int pending, int read, const void* pc);
 };
 
 }  // namespace loom::emu

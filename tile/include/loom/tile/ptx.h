@@ -150,6 +150,23 @@ __device__ __forceinline__ void redSharedAddF32(Bits32 address, float value) {
 __device__ __forceinline__ void redGlobalAddF32(float* address, float value) {
   asm volatile("red.global.add.f32 [%0], %1;" ::"l"(address), "f"(value) : "memory");
 }
+// sm_90: `bytes` (a multiple of 16) of f32 at a shared-window address added
+// into global memory by the async proxy, in the thread's bulk group; the
+// source is read until a bulk wait with .read covers the group.
+__device__ __forceinline__ void bulkReduceAddF32(float* global, Bits32 source, Bits32 bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;" ::"l"(global),
+               "r"(source), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void bulkCommit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+template <int Pending>
+__device__ __forceinline__ void bulkWaitRead() {
+  asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(Pending) : "memory");
+}
+template <int Pending>
+__device__ __forceinline__ void bulkWait() {
+  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(Pending) : "memory");
+}
 
 // st.shared.f32 at a 32-bit shared-window address.
 __device__ __forceinline__ void stSharedF32(Bits32 address, float value) {
