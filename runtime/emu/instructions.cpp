@@ -335,13 +335,10 @@ void redSharedAddF32(uint32_t address, float value, const void* pc) {
   std::memcpy(x.shared() + *offset, &old, 4);
 }
 
-// CTAs run on several OS threads at once: the add is a compare-and-swap
-// loop, as atomic against other CTAs as the GPU's.
-void redGlobalAddF32(float* address, float value, const void* pc) {
-  Cta& x = cta();
-  x.maybeLand();
-  if (!x.checkGlobal(address, 4, true, "red.global.add.f32", pc)) return;
-  auto* word = reinterpret_cast<uint32_t*>(address);
+// CTAs run on several OS threads at once: a global add is a
+// compare-and-swap loop, as atomic against other CTAs as the GPU's.
+void atomicAddF32(void* address, float value) {
+  auto* word = static_cast<uint32_t*>(address);
   uint32_t seen = __atomic_load_n(word, __ATOMIC_RELAXED);
   for (;;) {
     float old;
@@ -351,6 +348,13 @@ void redGlobalAddF32(float* address, float value, const void* pc) {
     std::memcpy(&next, &sum, 4);
     if (__atomic_compare_exchange_n(word, &seen, next, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) return;
   }
+}
+
+void redGlobalAddF32(float* address, float value, const void* pc) {
+  Cta& x = cta();
+  x.maybeLand();
+  if (!x.checkGlobal(address, 4, true, "red.global.add.f32", pc)) return;
+  atomicAddF32(address, value);
 }
 
 //===--- bulk reductions (cp.reduce.async.bulk) ------------------------------===//
@@ -384,16 +388,7 @@ void bulkReduceAddF32(float* global, uint32_t source, uint32_t bytes, const void
   for (uint32_t at = 0; at < bytes; at += 4) {
     float value;
     std::memcpy(&value, x.shared() + *offset + at, 4);
-    auto* word = reinterpret_cast<uint32_t*>(reinterpret_cast<unsigned char*>(global) + at);
-    uint32_t seen = __atomic_load_n(word, __ATOMIC_RELAXED);
-    for (;;) {
-      float old;
-      std::memcpy(&old, &seen, 4);
-      const float sum = old + value;
-      uint32_t next;
-      std::memcpy(&next, &sum, 4);
-      if (__atomic_compare_exchange_n(word, &seen, next, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) break;
-    }
+    atomicAddF32(reinterpret_cast<unsigned char*>(global) + at, value);
   }
   const int id = int(x.bulkReads.size());
   x.bulkReads.push_back({t.index, *offset, int64_t(bytes), false, pc});

@@ -737,6 +737,29 @@ TEST(Tuner, RejectsFloat32AndCpuTargets) {
 namespace loom::autotune {
 namespace {
 
+// An H200 as a compile target.
+v1::Target h200() {
+  v1::Target hopper = target("sm_90a");
+  hopper.mutable_device()->set_name("NVIDIA H200");
+  hopper.mutable_device()->set_sm_count(132);
+  return hopper;
+}
+
+// `best` filed in the kernel cache under `dir` as the measured decision for
+// the spec's forward on `device`.
+void storeDecision(const std::string& dir, const KernelSpec& s, const v1::Target& device, const Schedule& best) {
+  auto store = cache::openSqliteStore(cache::storePath(dir));
+  ASSERT_TRUE(store) << store.error().message;
+  cache::Decision d;
+  d.spec = s;
+  d.device = cache::DeviceModel::of(device);
+  d.toolchain = jit::nvrtcVersion();
+  *d.result.mutable_best() = best;
+  d.result.set_measured(true);
+  d.candidatesJson = "[]";
+  ASSERT_TRUE((*store)->putDecision(d));
+}
+
 // A tuned schedule stored before engines existed (engine unset) was measured
 // on the mma.sync path: on sm_90a the provider keeps it there rather than
 // reading its block sizes as a wgmma schedule; a schedule that names its
@@ -744,27 +767,15 @@ namespace {
 TEST(Provider, DecisionsKeepTheEngineTheyWereTunedOn) {
   testing::TempDir dir;
   const KernelSpec s = spec(4, 4, 2, 64);
-  v1::Target hopper = target("sm_90a");
-  hopper.mutable_device()->set_name("NVIDIA H200");
-  hopper.mutable_device()->set_sm_count(132);
+  const v1::Target hopper = h200();
   for (v1::Engine engine : {v1::engine_unspecified, v1::engine_wgmma}) {
-    {
-      auto store = cache::openSqliteStore(cache::storePath(dir.path()));
-      ASSERT_TRUE(store) << store.error().message;
-      cache::Decision d;
-      d.spec = s;
-      d.device = cache::DeviceModel::of(hopper);
-      d.toolchain = jit::nvrtcVersion();
-      Schedule& best = *d.result.mutable_best();
-      best.set_block_m(64);
-      best.set_block_n(64);
-      best.set_warps(4);
-      best.set_stages(2);
-      best.set_engine(engine);
-      d.result.set_measured(true);
-      d.candidatesJson = "[]";
-      ASSERT_TRUE((*store)->putDecision(d));
-    }
+    Schedule best;
+    best.set_block_m(64);
+    best.set_block_n(64);
+    best.set_warps(4);
+    best.set_stages(2);
+    best.set_engine(engine);
+    storeDecision(dir.path(), s, hopper, best);
     KernelProvider provider(dir.path());
     auto provided = provider.provide(s, hopper);
     ASSERT_TRUE(provided) << provided.error().message;
@@ -783,28 +794,16 @@ TEST(Provider, DecisionsKeepTheEngineTheyWereTunedOn) {
 TEST(Provider, AKeepingForwardTakesTheDecisionWithItsMixingMaterialised) {
   testing::TempDir dir;
   const KernelSpec s = spec(4, 2, 2, 64);
-  v1::Target hopper = target("sm_90a");
-  hopper.mutable_device()->set_name("NVIDIA H200");
-  hopper.mutable_device()->set_sm_count(132);
-  {
-    auto store = cache::openSqliteStore(cache::storePath(dir.path()));
-    ASSERT_TRUE(store) << store.error().message;
-    cache::Decision d;
-    d.spec = s;
-    d.device = cache::DeviceModel::of(hopper);
-    d.toolchain = jit::nvrtcVersion();
-    Schedule& best = *d.result.mutable_best();
-    best.set_block_m(128);
-    best.set_block_n(64);
-    best.set_warps(8);
-    best.set_stages(2);
-    best.set_engine(v1::engine_wgmma);
-    best.set_mix(v1::mix_fused);
-    best.set_collapse(v1::collapse_fused);
-    d.result.set_measured(true);
-    d.candidatesJson = "[]";
-    ASSERT_TRUE((*store)->putDecision(d));
-  }
+  const v1::Target hopper = h200();
+  Schedule best;
+  best.set_block_m(128);
+  best.set_block_n(64);
+  best.set_warps(8);
+  best.set_stages(2);
+  best.set_engine(v1::engine_wgmma);
+  best.set_mix(v1::mix_fused);
+  best.set_collapse(v1::collapse_fused);
+  storeDecision(dir.path(), s, hopper, best);
   KernelProvider provider(dir.path());
   auto plain = provider.provide(s, hopper);
   ASSERT_TRUE(plain) << plain.error().message;
