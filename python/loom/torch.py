@@ -97,19 +97,24 @@ if hasattr(torch, "compiler") and hasattr(torch.compiler, "assume_constant_resul
     # json.dumps would break the graph.
     _spec_text = torch.compiler.assume_constant_result(_spec_text)
 
-_OUT_DIMS = {}
+_DIMS = {}
+
+
+def _dims(spec_json: str) -> Tuple[int, int, int, int]:
+    """(H, d, P, G) of spec_for's text, parsed once a text."""
+    dims = _DIMS.get(spec_json)
+    if dims is None:
+        s = json.loads(spec_json)
+        dims = (s["heads"], s["head_dim"], s["pseudo_heads"], s.get("kv_heads", s["heads"]))
+        if len(_DIMS) >= 1024:
+            _DIMS.clear()
+        _DIMS[spec_json] = dims
+    return dims
 
 
 def _out_dims(spec_json: str) -> Tuple[int, int, int]:
     """(H, d, P) of spec_for's text: out is [B, N, H, d], lse [B, H, N*P]."""
-    dims = _OUT_DIMS.get(spec_json)
-    if dims is None:
-        s = json.loads(spec_json)
-        dims = (s["heads"], s["head_dim"], s["pseudo_heads"])
-        if len(_OUT_DIMS) >= 1024:
-            _OUT_DIMS.clear()
-        _OUT_DIMS[spec_json] = dims
-    return dims
+    return _dims(spec_json)[:3]
 
 
 def _stream(t: torch.Tensor):
@@ -159,10 +164,22 @@ def _bounds(cu_seqlens: Optional[torch.Tensor], q: torch.Tensor):
 def _keeps(q: torch.Tensor, schedule: Optional[str], save_forward: bool) -> bool:
     """Whether a forward keeps what its backward reads: asked for, a kernel's (not the float64 reference's), and a
     forced schedule that allows it (its mixing not fused, its collapse not fused)."""
-    if not save_forward or q.dtype == torch.float64:
-        return False
-    s = {} if schedule is None else json.loads(schedule)
-    return s.get("mix") != "mix_fused" and s.get("collapse") != "collapse_fused"
+    return bool(save_forward) and q.dtype != torch.float64 and (schedule is None or not _fuses(schedule))
+
+
+_FUSES = {}
+
+
+def _fuses(schedule: str) -> bool:
+    """Whether a forced schedule's text fuses the mixing or the collapse (parsed once a text)."""
+    fuses = _FUSES.get(schedule)
+    if fuses is None:
+        s = json.loads(schedule)
+        fuses = s.get("mix") == "mix_fused" or s.get("collapse") == "collapse_fused"
+        if len(_FUSES) >= 1024:
+            _FUSES.clear()
+        _FUSES[schedule] = fuses
+    return fuses
 
 
 def _saved_rows(spec: str, q: torch.Tensor, keep: bool):
@@ -170,8 +187,7 @@ def _saved_rows(spec: str, q: torch.Tensor, keep: bool):
     on CUDA, float32 on the host), or four empty tensors."""
     if not keep:
         return tuple(q.new_empty(0) for _ in range(4))
-    s = json.loads(spec)
-    H, G, P, d = s["heads"], s.get("kv_heads", s["heads"]), s["pseudo_heads"], s["head_dim"]
+    H, d, P, G = _dims(spec)
     B, L = q.shape[0], q.shape[1] * P
     dtype = q.dtype if q.is_cuda else torch.float32
     return tuple(torch.empty((B, n, L, d), dtype=dtype, device=q.device) for n in (H, G, G, H))

@@ -44,22 +44,25 @@ Result<ProvidedKernel> KernelProvider::provide(const KernelSpec& spec, const v1:
   GenerateOptions options;
   options.direction = directionOf(direction);
   options.mixedCache = mixedCacheOf(direction);
-  if (keepsForward) {  // a decision's mixing and collapse give way; a given schedule's must allow keeping
-    const bool decided = provided.scheduleSource != "given" && provided.scheduleSource != "default";
-    if (decided) {
+  // Keeping: a decision's mixing and collapse give way; a given schedule's must allow keeping.
+  const bool keepsDecision =
+      keepsForward && provided.scheduleSource != "given" && provided.scheduleSource != "default";
+  if (keepsForward) {
+    if (keepsDecision) {
       chosen.clear_mix();
       chosen.clear_collapse();
+      provided.scheduleSource += ", mixing materialised and collapse separate to keep the forward";
     }
     auto keeping = keepingSchedule(chosen);
     if (!keeping) return keeping.error();
     chosen = *keeping;
-    if (decided) provided.scheduleSource += ", mixing materialised and collapse separate to keep the forward";
-    if (decided && !generateKernel(spec, chosen, target, options)) {  // the decision's tiles do not fit keeping
-      chosen = *keepingSchedule({});
-      provided.scheduleSource = "default (the decision does not keep the forward)";
-    }
   }
   auto plan = generateKernel(spec, chosen, target, options);
+  if (!plan && keepsDecision) {  // the decision's tiles do not fit keeping
+    chosen = *keepingSchedule({});
+    provided.scheduleSource = "default (the decision does not keep the forward)";
+    plan = generateKernel(spec, chosen, target, options);
+  }
   if (!plan) return plan.error();
   v1::CompiledKernel probe = toCompiledKernel(*plan);
   setCompilerIdentity(probe, target.arch());
