@@ -54,6 +54,24 @@ reference::IhaInputs sliceTokens(const KernelSpec& spec, const reference::IhaInp
   return slice;
 }
 
+Result<IhaCase> withSharedPrefix(const IhaCase& c, int64_t tokens) {
+  if (tokens < 0 || tokens > c.tokens)
+    return makeError("a shared prefix of " + std::to_string(tokens) + " tokens: the case has " +
+                     std::to_string(c.tokens));
+  if (c.spec.varlen())
+    return makeError("a varlen case packs documents; a shared prefix is a decode step's (decode a case without varlen)");
+  IhaCase shared = c;
+  const int64_t N = c.tokens, d = c.spec.head_dim();
+  for (auto [x, heads] : {std::pair{&shared.inputs.q, int64_t(c.spec.heads())},
+                          std::pair{&shared.inputs.k, int64_t(c.spec.kv_heads())},
+                          std::pair{&shared.inputs.v, int64_t(c.spec.kv_heads())}})
+    for (int64_t b = 1; b < c.batch; ++b)
+      std::copy_n(x->begin(), tokens * heads * d, x->begin() + b * N * heads * d);
+  shared.expected.reset();
+  shared.expectedGradients.reset();
+  return shared;
+}
+
 IhaCase stepCase(const DecodeCase& step) {
   IhaCase c;
   c.spec = step.spec;
@@ -81,6 +99,20 @@ Result<DecodeCase> decodeCaseFrom(const IhaCase& c, const DecodeLayout& layout) 
       return makeError("sequence " + std::to_string(b) + ": " + std::to_string(cached[size_t(b)]) + " cached + " +
                        std::to_string(T) + " new tokens: the case has " + std::to_string(N));
 
+  const int64_t shared = layout.sharedPages, sharedTokens = shared * S;
+  if (shared < 0) return makeError("shared pages: " + std::to_string(shared) + ", negative");
+  for (int64_t b = 0; b < B && shared > 0; ++b) {
+    if (cached[size_t(b)] < sharedTokens)
+      return makeError("sequence " + std::to_string(b) + " caches " + std::to_string(cached[size_t(b)]) +
+                       " tokens: a shared prefix of " + std::to_string(shared) + " pages (" +
+                       std::to_string(sharedTokens) + " tokens) must lie wholly before its new tokens");
+    const reference::IhaInputs mine = sliceTokens(c.spec, c.inputs, b, 0, sharedTokens);
+    const reference::IhaInputs first = sliceTokens(c.spec, c.inputs, 0, 0, sharedTokens);
+    if (mine.k != first.k || mine.v != first.v)
+      return makeError("sequence " + std::to_string(b) + "'s first " + std::to_string(sharedTokens) +
+                       " tokens' k and v differ from sequence 0's: shared pages hold one prefix");
+  }
+
   DecodeCase dc;
   dc.spec = c.spec;
   dc.layout = layout.layout;
@@ -92,7 +124,7 @@ Result<DecodeCase> decodeCaseFrom(const IhaCase& c, const DecodeLayout& layout) 
   // One spare page per sequence in the table and one in the cache, so that
   // neither ends where the step's pages do.
   cache.maxPages = *std::max_element(pages.begin(), pages.end()) + 1;
-  cache.numPages = std::accumulate(pages.begin(), pages.end(), int64_t(0)) + 1;
+  cache.numPages = std::accumulate(pages.begin(), pages.end(), int64_t(0)) - shared * (B - 1) + 1;
   std::vector<int32_t> order(size_t(cache.numPages));
   std::iota(order.begin(), order.end(), 0);
   std::mt19937_64 rng(layout.seed);
@@ -100,7 +132,8 @@ Result<DecodeCase> decodeCaseFrom(const IhaCase& c, const DecodeLayout& layout) 
   cache.pageTable.assign(size_t(B * cache.maxPages), -1);
   size_t next = 0;
   for (int64_t b = 0; b < B; ++b)
-    for (int64_t e = 0; e < pages[size_t(b)]; ++e) cache.pageTable[size_t(b * cache.maxPages + e)] = order[next++];
+    for (int64_t e = 0; e < pages[size_t(b)]; ++e)
+      cache.pageTable[size_t(b * cache.maxPages + e)] = b > 0 && e < shared ? cache.pageTable[size_t(e)] : order[next++];
   const int64_t E = reference::cacheTokenElements(c.spec, cache.mixed);
   cache.k.assign(size_t(cache.numPages * S * E), std::numeric_limits<double>::quiet_NaN());
   cache.v = cache.k;
@@ -108,7 +141,12 @@ Result<DecodeCase> decodeCaseFrom(const IhaCase& c, const DecodeLayout& layout) 
 
   // The cached tokens go in through the step's own append, one sequence at a time.
   for (int64_t b = 0; b < B; ++b) {
-    if (cached[size_t(b)] == 0) continue;
+    // The shared pages hold sequence 0's prefix; the others append after it.
+    const int64_t from = b > 0 ? sharedTokens : 0;
+    if (cached[size_t(b)] == from) {
+      cache.cacheLen[size_t(b)] = int32_t(from);
+      continue;
+    }
     reference::PagedCache one;
     one.mixed = cache.mixed;
     one.numPages = cache.numPages;
@@ -118,8 +156,8 @@ Result<DecodeCase> decodeCaseFrom(const IhaCase& c, const DecodeLayout& layout) 
     one.v = std::move(cache.v);
     one.pageTable.assign(cache.pageTable.begin() + b * cache.maxPages,
                          cache.pageTable.begin() + (b + 1) * cache.maxPages);
-    one.cacheLen = {0};
-    reference::appendToCache(c.spec, sliceTokens(c.spec, c.inputs, b, 0, cached[size_t(b)]), one);
+    one.cacheLen = {int32_t(from)};
+    reference::appendToCache(c.spec, sliceTokens(c.spec, c.inputs, b, from, cached[size_t(b)]), one);
     cache.k = std::move(one.k);
     cache.v = std::move(one.v);
     cache.cacheLen[size_t(b)] = int32_t(cached[size_t(b)]);

@@ -24,6 +24,11 @@ struct DecodeLayout {
   // false: DecodeCase::expected stays empty (a step to time, whose cache is
   // too long for the float64 forward).
   bool expected = true;
+  // Pages every sequence shares (a shared prefix: prefix caching, parallel
+  // sampling): the first sharedPages pages of each sequence's table are the
+  // same pages, written once. Each sequence caches at least their tokens and
+  // its k and v there equal sequence 0's.
+  int64_t sharedPages = 0;
 };
 
 struct DecodeCase {
@@ -56,6 +61,12 @@ struct AppendCheck {
   double mixedError = 0;      // the mixed rows' relative error over the finite elements; 0 for raw
 };
 AppendCheck checkAppend(const DecodeCase& step, const reference::PagedCache& after);
+
+// The case with sequence 0's first `tokens` tokens (q, k and v) in every
+// sequence (a shared prompt, for DecodeLayout::sharedPages), and no
+// expected rows (the forward's change with them). Errors name a prefix
+// longer than the case.
+Result<IhaCase> withSharedPrefix(const IhaCase& c, int64_t tokens);
 
 // The step's new tokens as a case of N = T (what the backends launch on).
 IhaCase stepCase(const DecodeCase& step);

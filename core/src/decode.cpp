@@ -35,7 +35,15 @@ Status validateDecode(const DecodeShape& shape, std::span<const int32_t> pageTab
     return makeError("cache_len has " + std::to_string(cacheLen.size()) + " entries, one per sequence needs " +
                      std::to_string(shape.batch));
   const int64_t capacity = shape.maxPages * shape.pageSize;
-  std::unordered_map<int32_t, std::pair<int64_t, int64_t>> owner;  // page -> (sequence, entry)
+  // Each page's first user: (sequence, entry, whether the step writes there).
+  struct User {
+    int64_t sequence, entry;
+    bool writes;
+  };
+  std::unordered_map<int32_t, User> first;
+  auto name = [](int64_t b, int64_t e) {
+    return "page_table[" + std::to_string(b) + "][" + std::to_string(e) + "]";
+  };
   for (int64_t b = 0; b < shape.batch; ++b) {
     const int64_t length = cacheLen[size_t(b)];
     const std::string sequence = "sequence " + std::to_string(b);
@@ -47,15 +55,29 @@ Status validateDecode(const DecodeShape& shape, std::span<const int32_t> pageTab
     const int64_t used = (length + shape.newTokens + shape.pageSize - 1) / shape.pageSize;
     for (int64_t e = 0; e < used; ++e) {
       const int32_t page = pageTable[size_t(b * shape.maxPages + e)];
-      const std::string entry = "page_table[" + std::to_string(b) + "][" + std::to_string(e) + "]";
+      const std::string entry = name(b, e);
       if (page < 0 || page >= shape.numPages)
         return makeError(entry + " is " + std::to_string(page) + ", outside the cache's " +
                          std::to_string(shape.numPages) + " pages");
-      auto [at, fresh] = owner.try_emplace(page, b, e);
-      if (!fresh)
-        return makeError(entry + " is page " + std::to_string(page) + ", which page_table[" +
-                         std::to_string(at->second.first) + "][" + std::to_string(at->second.second) +
-                         "] uses too; a page holds one sequence's tokens");
+      // The step appends at positions length .. length + T - 1: a page
+      // holding any of them is written.
+      const bool writes = (e + 1) * shape.pageSize > length;
+      auto [at, fresh] = first.try_emplace(page, User{b, e, writes});
+      if (fresh) continue;
+      const User& other = at->second;
+      const std::string both = entry + " is page " + std::to_string(page) + ", which " +
+                               name(other.sequence, other.entry) + " uses too";
+      if (other.sequence == b)
+        return makeError(both + ": one sequence's positions cannot share a page");
+      if (writes)
+        return makeError(both + "; the step writes " + sequence + "'s new tokens there (cache_len " +
+                         std::to_string(length) + "), and a shared page must lie wholly before every sharer's "
+                         "cache_len");
+      if (other.writes)
+        return makeError(both + "; the step writes sequence " + std::to_string(other.sequence) +
+                         "'s new tokens there (cache_len " + std::to_string(cacheLen[size_t(other.sequence)]) +
+                         "), and a shared page must lie wholly before every sharer's cache_len");
+      // Both only read it: a shared prefix.
     }
   }
   return {};

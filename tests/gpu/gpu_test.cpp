@@ -135,7 +135,8 @@ TEST_F(Gpu, EveryBundleMatchesTheReferenceOnSharedAndDrawnCases) {
 // The decode kernels (tests/gpu/prepare.sh's "decode" bundles, and on
 // sm_90a "decode-wgmma" and "decode-wgmma-split", a raw cache): each shared case's last T tokens decoded over a shuffled paged
 // cache of the others (T = 1 over 16-token pages; T = 3 over 7-token pages
-// with ragged lengths), out and lse poisoned, within the dtype's tolerance
+// with ragged lengths; T = 1 over 4-token pages after a prompt of two
+// pages every sequence shares), out and lse poisoned, within the dtype's tolerance
 // of the forward's rows; the new tokens' k and v exactly at their slots and
 // no other slot written; two runs equal bit for bit.
 TEST_F(Gpu, EveryDecodeBundleMatchesTheForwardsRows) {
@@ -150,11 +151,24 @@ TEST_F(Gpu, EveryDecodeBundleMatchesTheForwardsRows) {
     const IhaCase c = withDtype(*shared, b.kernel.spec().dtype());
     DecodeLayout ragged{std::min<int64_t>(3, c.tokens), 7, CacheLayout::raw, {}, rng()};
     for (int64_t s = 0; s < c.batch; ++s) ragged.cached.push_back(int64_t(rng() % uint64_t(c.tokens - ragged.newTokens + 1)));
-    for (const DecodeLayout& layout : {DecodeLayout{1, 16, CacheLayout::raw, {}, rng()}, ragged}) {
-      auto step = decodeCaseFrom(c, layout);
+    // A shared prompt where the case has two sequences: two pages of 4
+    // tokens every page table names, each sequence's own tokens after them.
+    DecodeLayout sharing{1, 4, CacheLayout::raw, {}, rng()};
+    sharing.sharedPages = 2;
+    IhaCase prompt = c;
+    if (c.batch >= 2 && c.tokens >= 10) {
+      auto shared = withSharedPrefix(c, 8);
+      ASSERT_TRUE(shared) << shared.error().message;
+      prompt = std::move(*shared);
+      for (int64_t s = 0; s < c.batch; ++s) sharing.cached.push_back(8 + int64_t(rng() % uint64_t(c.tokens - 8)));
+    }
+    for (const DecodeLayout& layout : {DecodeLayout{1, 16, CacheLayout::raw, {}, rng()}, ragged, sharing}) {
+      if (layout.sharedPages > 0 && layout.cached.empty()) continue;  // one sequence, or too short
+      auto step = decodeCaseFrom(layout.sharedPages > 0 ? prompt : c, layout);
       ASSERT_TRUE(step) << step.error().message;
       const std::string what = b.caseName + " " + b.dtype + " " + b.label + " T=" + std::to_string(layout.newTokens) +
-                               " page " + std::to_string(layout.pageSize);
+                               " page " + std::to_string(layout.pageSize) +
+                               (layout.sharedPages > 0 ? " 2 pages shared" : "");
       auto first = cuda::runDecodeCase(**kernel, *device_, *step);
       ASSERT_TRUE(first) << what << ": " << first.error().message;
       auto second = cuda::runDecodeCase(**kernel, *device_, *step);

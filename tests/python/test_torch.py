@@ -274,6 +274,53 @@ class Decode(unittest.TestCase):
     def test_prefill_then_steps_give_the_forwards_rows(self):
         self.prefill_then_steps(SEED + 7, "cpu", torch.float32, 1e-5)
 
+    def test_a_shared_prompt_is_one_copy_of_its_pages(self):
+        """Prefix caching: three sequences open with one prompt, prefilled once into pages every page table
+        names; then steps of each sequence's own tokens (T = 2, then 1) append to pages it owns. Every row
+        equals the forward's over that sequence, and the shared pages stay as the prefill left them."""
+        rng = random.Random(SEED + 11)
+        gen = torch.Generator().manual_seed(SEED + 11)
+        for layout in ("raw", "mixed"):
+            spec = self.causal_spec(rng)
+            B, page, shared = 3, rng.choice((1, 2, 4)), rng.randint(1, 3)
+            n0 = shared * page
+            N = n0 + 3
+            G, P, d = spec["kv_heads"], spec["pseudo_heads"], spec["head_dim"]
+            with self.subTest(spec=spec, layout=layout, page=page, shared=shared):
+                q, k, v, *weights = draw(spec, B, N, torch.float32, gen, requires_grad=False)
+                for x in (q, k, v):
+                    x[1:, :n0] = x[0, :n0]  # the prompt
+                want = lt.iha_eager(q.double(), k.double(), v.double(), *[w.double() for w in weights], spec)
+                per = -(-N // page)
+                pages = torch.randperm(shared + B * (per - shared) + 1, generator=gen).to(torch.int32)
+                own = pages[shared:shared + B * (per - shared)].view(B, per - shared)
+                table = torch.cat([pages[:shared].expand(B, shared), own], dim=1).contiguous()
+                shape = (len(pages), page, G, d) if layout == "raw" else (len(pages), page, G, P, d)
+                k_cache = torch.full(shape, float("nan"))
+                v_cache = torch.full(shape, float("nan"))
+                run = dict(cache=layout, cache_dir=CACHE, threads=2)
+                prompt = lt.decode(q[:1, :n0], k[:1, :n0], v[:1, :n0], *weights, k_cache, v_cache, table[:1],
+                                   torch.zeros(1, dtype=torch.int32), spec, **run)
+                self.assertLess(relative(prompt, want[:1, :n0]), 1e-5)
+                prefix = [c[pages[:shared].long()].clone() for c in (k_cache, v_cache)]
+                cache_len = torch.full((B,), n0, dtype=torch.int32)
+                outs = []
+                for lo, hi in ((n0, n0 + 2), (n0 + 2, N)):
+                    outs.append(lt.decode(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], *weights, k_cache, v_cache, table,
+                                          cache_len, spec, **run))
+                    cache_len += hi - lo
+                self.assertLess(relative(torch.cat(outs, dim=1), want[:, n0:]), 1e-5)
+                for before, c in zip(prefix, (k_cache, v_cache)):
+                    self.assertTrue(torch.equal(c[pages[:shared].long()], before), "the shared pages are read only")
+                filled = int(torch.isfinite(k_cache).flatten(2).all(dim=2).sum())
+                self.assertEqual(filled, n0 + B * (N - n0), "one slot a token, the prompt's once")
+                # A step that would write into the prompt's pages: refused, naming both entries.
+                with self.assertRaisesRegex(Exception, r"page_table\[1\]\[%d\] is page %d, which page_table\[0\]"
+                                            r"\[%d\] uses too; the step writes" % (shared - 1, int(pages[shared - 1]),
+                                                                                    shared - 1)):
+                    lt.decode(q[:, :1], k[:, :1], v[:, :1], *weights, k_cache, v_cache, table,
+                              torch.tensor([N - 1, n0 - 1, N - 1], dtype=torch.int32), spec, **run)
+
     @unittest.skipUnless(torch.cuda.is_available() and loom.devices(),
                          "no CUDA device for PyTorch and loom here (" + (loom.gpu_error()[:80] or "torch sees none")
                          + ")")

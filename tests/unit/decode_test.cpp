@@ -214,10 +214,36 @@ Result<cpu::CpuDecodeOutputs> runOnHost(const DecodeCase& dc, const Schedule& sc
 // the reference's append of the new tokens' k and v and what it held
 // before, a mixed one the reference's mixed rows within the dtype's
 // tolerance, finite exactly where a sequence's tokens are.
+// Every slot no new token takes (every page the step only reads, a shared
+// prefix's included) holds what it held, bit for bit in the dtype the
+// backend's cache has (NaN where no token is; `inDtype` false: the float64
+// oracle's own cache).
+void expectReadSlotsKept(const DecodeCase& dc, const reference::PagedCache& got, bool inDtype = true) {
+  const reference::PagedCache& before = dc.cache;
+  const int64_t E = reference::cacheTokenElements(dc.spec, before.mixed);
+  std::vector<bool> written(size_t(before.numPages * before.pageSize), false);
+  for (int64_t b = 0; b < dc.shape.batch; ++b)
+    for (int64_t t = 0; t < dc.step.tokens; ++t)
+      written[size_t(reference::cacheSlot(before, b, before.cacheLen[size_t(b)] + t))] = true;
+  int64_t changed = 0;
+  for (const auto& [was, is] : {std::pair{&before.k, &got.k}, std::pair{&before.v, &got.v}}) {
+    ASSERT_EQ(was->size(), is->size());
+    const std::vector<double> rounded = inDtype ? roundedToDtype(*was, dc.spec.dtype()) : *was;
+    for (size_t slot = 0; slot < written.size(); ++slot)
+      for (int64_t e = 0; !written[slot] && e < E; ++e) {
+        const size_t at = slot * size_t(E) + size_t(e);
+        const bool same = std::isnan(rounded[at]) ? std::isnan((*is)[at]) : rounded[at] == (*is)[at];
+        changed += !same;
+      }
+  }
+  EXPECT_EQ(changed, 0) << cacheLayoutName(dc.layout) << " cache elements changed in slots the step only reads";
+}
+
 void expectAppend(const IhaCase& c, const DecodeCase& dc, const reference::PagedCache& got) {
   const AppendCheck check = checkAppend(dc, got);
   EXPECT_EQ(check.wrongElements, 0) << cacheLayoutName(dc.layout) << " cache elements other than the append's";
   EXPECT_LE(check.mixedError, toleranceFor(c.spec.dtype())) << "mixed rows appended";
+  expectReadSlotsKept(dc, got);
 }
 
 // The host kernel's step: out and lse within the dtype's tolerance, and its append.
@@ -1246,6 +1272,96 @@ TEST(Decode, StepsChainOverTheCacheTheyWrite) {
   }
 }
 
+// A prefix of whole pages shared by three sequences (prefix caching: one
+// copy of a system prompt's pages in every table), each sequence's own
+// tokens after it and a step of 1 to 3 new tokens appended to pages it owns:
+// every backend (the float64 oracle, the host program, the CUDA steps of
+// both arches and both sm_90a engines on the emulator) gives each sequence
+// the forward's rows of its own whole sequence, writes only its own slots,
+// and leaves the shared pages as they were, bit for bit.
+TEST(Decode, SharedPrefixPagesAreReadByEverySharer) {
+  std::mt19937_64 rng(testing::testSeed() ^ 0x5eed);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  for (int draw = 0; draw < 3; ++draw) {
+    const int64_t S = pick(1, 6), T = pick(1, 3), shared = pick(1, 3), N = shared * S + T + pick(1, 9);
+    DecodeLayout layout{T, S, draw % 2 ? CacheLayout::mixed : CacheLayout::raw, {}, rng()};
+    layout.sharedPages = shared;
+    IhaCase c;
+    bool checkable = false;
+    for (int tries = 0; tries < 16 && !checkable; ++tries) {
+      c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
+        KernelSpec spec = testing::randomSpec(rng);
+        spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
+        spec.set_head_dim(int32_t(pick(0, 1) ? 64 : 16 * pick(1, 3)));  // 64: the wgmma step's too
+        return testing::DrawnShape{spec, 3, N};
+      });
+      auto sharing = withSharedPrefix(c, shared * S);
+      ASSERT_TRUE(sharing) << sharing.error().message;
+      c = std::move(*sharing);
+      layout.cached.clear();
+      for (int64_t b = 0; b < 3; ++b) layout.cached.push_back(pick(shared * S, N - T));
+      checkable = stepCheckable(c, layout);
+    }
+    ASSERT_TRUE(checkable) << testing::describe(c) << ": 16 draws without a checkable step";
+    const std::string what = testing::describe(c) + ", " + cacheLayoutName(layout.layout) + " cache, pages of " +
+                             std::to_string(S) + ", " + std::to_string(shared) + " shared, T " + std::to_string(T);
+    SCOPED_TRACE(what);
+    auto dc = decodeCaseFrom(c, layout);
+    ASSERT_TRUE(dc) << dc.error().message;
+    for (int64_t b = 1; b < 3; ++b)
+      for (int64_t e = 0; e < shared; ++e)
+        ASSERT_EQ(dc->cache.pageTable[size_t(b * dc->cache.maxPages + e)], dc->cache.pageTable[size_t(e)]);
+    ASSERT_TRUE(validateDecode(dc->shape, dc->cache.pageTable, dc->cache.cacheLen));
+
+    reference::PagedCache cache = dc->cache;
+    EXPECT_LT(relativeError(reference::ihaDecode(c.spec, dc->step, cache).out, dc->expected), 1e-12) << "oracle";
+    expectOnlyTheSequencesSlotsFilled(*dc, cache);
+    expectReadSlotsKept(*dc, cache, /*inDtype=*/false);
+    expectHostStep(c, *dc);
+    const uint64_t seed = rng();
+    expectEmulatedStep(c, *dc, "sm_80", seed);
+    expectEmulatedStep(c, *dc, "sm_90a", seed);
+    Schedule wgmma;
+    wgmma.set_engine(v1::engine_wgmma);
+    auto wgmmaPlan = decodePlan(*dc, wgmma, "sm_90a");
+    if (wgmmaPlan) expectEmulatedStep(c, *dc, "sm_90a", seed, wgmma);
+    std::printf("[ shared   ] %s (sm_90a wgmma step: %s): page tables %s\n", what.c_str(),
+                wgmmaPlan ? "emulated" : wgmmaPlan.error().message.c_str(), [&] {
+      std::string t;
+      for (int32_t e : dc->cache.pageTable) t += std::to_string(e) + " ";
+      return t;
+    }().c_str());
+  }
+}
+
+// A step's writes go to pages one sequence names once: a shared page the
+// step would write, or a page one sequence names twice, is refused (the
+// rule and both entries named), and nothing runs.
+TEST(Decode, SharedPagesTheStepWouldWriteAreRefused) {
+  // Pages of 4; sequence 0 caches 8 (pages 3, 1 full), sequence 1 caches 6.
+  const DecodeShape shape{2, 1, 8, 4, 3};
+  const std::vector<int32_t> lengths = {8, 6};
+  // Sequence 1 shares page 3 (positions 0-3, before its cache_len 6).
+  EXPECT_TRUE(validateDecode(shape, std::vector<int32_t>{3, 1, 5, 3, 2, -1}, lengths));
+  auto expectRefused = [&](std::vector<int32_t> table, const std::string& words) {
+    Status status = validateDecode(shape, table, lengths);
+    ASSERT_FALSE(status) << words;
+    EXPECT_NE(status.error().message.find(words), std::string::npos) << status.error().message;
+  };
+  // ... and page 1 holds its position 6, the step's append: refused.
+  expectRefused({3, 1, 5, 3, 1, -1}, "page_table[1][1] is page 1, which page_table[0][1] uses too; the step writes "
+                                     "sequence 1's new tokens there (cache_len 6)");
+  // The writer first: sequence 0 appends at 8, into page 5; sequence 1 reads it.
+  expectRefused({3, 1, 5, 5, 2, -1}, "page_table[1][0] is page 5, which page_table[0][2] uses too; the step writes "
+                                     "sequence 0's new tokens there (cache_len 8)");
+  // One sequence's two positions in one page.
+  expectRefused({3, 3, 5, 4, 2, -1}, "page_table[0][1] is page 3, which page_table[0][0] uses too: one sequence's "
+                                     "positions cannot share a page");
+  // Three sharers of two pages, each appending into its own.
+  EXPECT_TRUE(validateDecode({3, 2, 9, 4, 4}, std::vector<int32_t>{0, 1, 2, -1, 0, 1, 3, 4, 0, 1, 5, -1},
+                             std::vector<int32_t>{9, 12, 8}));
+}
+
 // What a step's page table and lengths may not be, each named.
 TEST(Decode, BadPageTablesAndLengthsAreNamed) {
   const DecodeShape shape{2, 1, 6, 4, 3};
@@ -1258,7 +1374,8 @@ TEST(Decode, BadPageTablesAndLengthsAreNamed) {
   };
   expectError(shape, {4, 0, -1, 2, 6, 1}, lengths, "page_table[1][1] is 6, outside the cache's 6 pages");
   expectError(shape, {4, -1, -1, 2, 5, 1}, lengths, "page_table[0][1] is -1");
-  expectError(shape, {4, 0, -1, 2, 0, 1}, lengths, "page_table[1][1] is page 0, which page_table[0][1] uses too");
+  expectError(shape, {4, 0, -1, 2, 0, 1}, lengths,
+              "page_table[1][1] is page 0, which page_table[0][1] uses too; the step writes sequence 0's");
   expectError(shape, table, {5, 12}, "sequence 1: cache_len 12 + 1 new tokens do not fit");
   expectError(shape, table, {-1, 8}, "cache_len[0] is -1, negative");
   expectError({2, 0, 6, 4, 3}, table, lengths, "new tokens must be at least 1");
@@ -1321,6 +1438,21 @@ TEST(DecodeHostApi, StepsInPlaceAndChecksItsTensors) {
     PagedCacheTensors full = cache;
     full.cache_len = lengths.data();
     expectRefused(full, "sequence 1: cache_len");
+    // Sequence 1's append page (its entry 3: positions 12-15, cache_len 13)
+    // made sequence 0's first page: refused, neither cache touched.
+    const std::vector<double> kBefore = hostValues(cache.k_cache), vBefore = hostValues(cache.v_cache);
+    std::vector<int32_t> sharing = dc->cache.pageTable;
+    sharing[size_t(dc->shape.maxPages + 3)] = sharing[0];
+    PagedCacheTensors writesShared = cache;
+    writesShared.page_table = sharing.data();
+    expectRefused(writesShared, "page_table[1][3] is page " + std::to_string(sharing[0]) +
+                                    ", which page_table[0][0] uses too; the step writes sequence 1's new tokens there");
+    auto same = [](const std::vector<double>& a, const std::vector<double>& b) {
+      return std::equal(a.begin(), a.end(), b.begin(), b.end(),
+                        [](double x, double y) { return std::isnan(x) ? std::isnan(y) : x == y; });
+    };
+    EXPECT_TRUE(same(hostValues(cache.k_cache), kBefore));
+    EXPECT_TRUE(same(hostValues(cache.v_cache), vBefore));
   }
 }
 
@@ -1337,6 +1469,27 @@ TEST(DecodeCli, DecodesACaseAndSaysWhatDoesNotFit) {
   ASSERT_TRUE(written) << written.error().message;
   EXPECT_EQ(written->shape.at(1), 2);
 
+  // Every sequence over one copy of a shared prompt's pages (the first case of at least two sequences).
+  bool sharedRan = false;
+  for (const std::string& name : testing::sharedCaseNames()) {
+    auto shared = loadCase(testing::casesDir() + "/" + name);
+    ASSERT_TRUE(shared) << shared.error().message;
+    if (shared->batch < 2 || shared->spec.varlen() || shared->tokens < 5) continue;
+    auto run = testing::runLoom("run --case " + testing::casesDir() + "/" + name +
+                                " --decode 1 --page-size 2 --shared-pages 2 --backend cpu --cache-dir " +
+                                std::string(LOOM_TEST_CACHE) + " --out " + (dir / "shared.npy"));
+    EXPECT_EQ(run.exitCode, 0) << run.output;
+    EXPECT_NE(run.output.find("shared prefix: sequence 0's first 4 tokens in every sequence, in 2 pages"),
+              std::string::npos)
+        << run.output;
+    EXPECT_NE(run.output.find("append: 0 cache elements differ"), std::string::npos) << run.output;
+    sharedRan = true;
+    break;
+  }
+  EXPECT_TRUE(sharedRan) << "no shared case of two sequences and five tokens to share a prompt";
+  auto unshared = testing::runLoom("run --case " + cs + " --shared-pages 2 --out " + (dir / "x.npy"));
+  EXPECT_EQ(unshared.exitCode, 2) << unshared.output;
+  EXPECT_NE(unshared.output.find("--shared-pages 2: a decode step's"), std::string::npos) << unshared.output;
   auto tooMany = testing::runLoom("run --case " + cs + " --decode 100000 --out " + (dir / "x.npy"));
   EXPECT_EQ(tooMany.exitCode, 2) << tooMany.output;
   EXPECT_NE(tooMany.output.find("--decode 100000: the case has"), std::string::npos) << tooMany.output;

@@ -43,6 +43,7 @@ struct RunOptions {
   bool backward = false;
   std::string gradOut;
   int64_t decode = 0;  // T new tokens; 0: the forward
+  int64_t sharedPages = 0;  // with decode: pages every sequence shares (a shared prompt)
   int64_t pageSize = 16;
   std::string cacheLayout = "raw";
 };
@@ -239,7 +240,7 @@ int runBackward(const RunOptions& options, const IhaCase& c) {
 // --decode T: tokens 0 .. N-T-1 of each sequence into a paged cache with a
 // shuffled page table, one step over the last T, compared with the forward's
 // rows at those tokens.
-int runDecode(const RunOptions& options, const IhaCase& c) {
+int runDecode(const RunOptions& options, const IhaCase& given) {
   auto layout = parseCacheLayout(options.cacheLayout);
   if (!layout) return badInput("--cache: " + layout.error().message);
   DecodeLayout decodeLayout;
@@ -247,6 +248,17 @@ int runDecode(const RunOptions& options, const IhaCase& c) {
   decodeLayout.pageSize = options.pageSize;
   decodeLayout.layout = *layout;
   decodeLayout.seed = options.seed;
+  decodeLayout.sharedPages = options.sharedPages;
+  // --shared-pages: sequence 0's prompt in every sequence, in one copy of its pages.
+  IhaCase c = given;
+  if (options.sharedPages > 0) {
+    auto shared = withSharedPrefix(given, options.sharedPages * options.pageSize);
+    if (!shared) return badInput("--shared-pages " + std::to_string(options.sharedPages) + ": " + shared.error().message);
+    c = std::move(*shared);
+    std::printf("shared prefix: sequence 0's first %lld tokens in every sequence, in %lld pages every page table "
+                "names; the forward's rows computed again from them\n",
+                (long long)(options.sharedPages * options.pageSize), (long long)options.sharedPages);
+  }
   auto built = decodeCaseFrom(c, decodeLayout);
   if (!built) return badInput(built.error().message);
   DecodeCase& dc = *built;
@@ -348,6 +360,8 @@ int run(const RunOptions& options) {
   }
   const IhaCase& c = *loaded;
   if (options.backward && options.decode > 0) return badInput("--backward and --decode: choose one");
+  if (options.sharedPages > 0 && options.decode == 0)
+    return badInput("--shared-pages " + std::to_string(options.sharedPages) + ": a decode step's (give --decode T)");
   if (options.backward) return runBackward(options, c);
   if (options.decode > 0) return runDecode(options, c);
 
@@ -449,6 +463,11 @@ void addRunCommand(CLI::App& app, std::function<int()>* action) {
                   "decode step), emu (its CUDA program for --target on the emulator), cuda (the runtime's decode\n"
                   "kernel on --device, out poisoned first)")
       ->check(CLI::Range(int64_t(1), std::numeric_limits<int64_t>::max()));
+  cmd->add_option("--shared-pages", options->sharedPages,
+                  "with --decode: the sequences share their first K pages (prefix caching: sequence 0's first\n"
+                  "K x page-size tokens copied into every sequence, one copy of their pages in every page table,\n"
+                  "each sequence's own tokens after them; the forward's rows computed again)")
+      ->check(CLI::Range(int64_t(0), std::numeric_limits<int64_t>::max()));
   cmd->add_option("--page-size", options->pageSize, "with --decode: tokens per cache page")
       ->check(CLI::Range(int64_t(1), int64_t(1) << 20))
       ->capture_default_str();

@@ -47,10 +47,15 @@ struct DecodeShape {
 // Checks a step against its cache: B, T, page_size, num_pages and
 // max_pages positive; page_table of B * max_pages entries and cache_len of
 // B; each sequence's 0 <= cache_len and cache_len + T <= max_pages *
-// page_size; every page a sequence uses (positions 0 .. cache_len + T - 1)
-// in [0, num_pages) and used by no other page-table entry (the step writes
-// its new tokens there). Errors name the entry:
-// "page_table[1][3] is 40, outside the cache's 32 pages".
+// page_size; every page it uses (its positions 0 .. cache_len + T - 1) in
+// [0, num_pages). A page may be named by several sequences' entries (a
+// shared prefix: prefix caching, parallel sampling, beams) when every one
+// of them only reads it, the page lying wholly before that sequence's
+// cache_len; a page the step writes (one holding a new token's position) is
+// named by that entry alone, and no sequence names a page twice. Errors name
+// the entry and the rule: "page_table[1][3] is 40, outside the cache's 32
+// pages", "page_table[2][1] is page 7, which page_table[0][1] uses too; the
+// step writes sequence 2's new tokens there (cache_len 20), ...".
 Status validateDecode(const DecodeShape& shape, std::span<const int32_t> pageTable,
                       std::span<const int32_t> cacheLen);
 
