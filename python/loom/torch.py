@@ -636,6 +636,20 @@ def iha_eager(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec) -> torch.Tenso
     return torch.einsum("bgnpc,hgp->bnhc", o, collapse.to(dt).reshape(H, H, P))
 
 
+class _RmsNorm(torch.nn.Module):
+    """torch.nn.RMSNorm where PyTorch predates it (2.4): x / sqrt(mean(x^2) + eps) * weight over the last
+    axis, eps None meaning the dtype's machine epsilon."""
+
+    def __init__(self, d: int, eps: Optional[float]):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eps = self.eps if self.eps is not None else torch.finfo(x.dtype).eps
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * self.weight
+
+
 class InterleavedHeadAttention(torch.nn.Module):
     """A drop-in IHA attention block: x [B, N, dim] -> [B, N, dim], or packed documents x [total, dim] with
     cu_seqlens (forward(x, cu_seqlens, max_seqlen), as flash_attn_varlen_func's callers pass them).
@@ -648,6 +662,15 @@ class InterleavedHeadAttention(torch.nn.Module):
         (the noise tells the P pseudo heads apart).
       collapse [H, P] (per_head) or [H, H*P] (global): 1/P on each head's own pseudo heads.
     The function options are docs/IHA.md's (mask, window, RoPE, qk_norm, window_align, window_rows, scale).
+    Two conventions of public models sit around the kernel, in the layer:
+      qk_norm_position="before_mixing" (with qk_norm=True): Qwen3's query/key norm, an RMS norm over head_dim
+        with a learned weight (q_norm.weight and k_norm.weight [d], initialised to ones), applied to every raw
+        head before the mixing; loom then attends over the normalised heads with no norm of its own (the
+        default, "after_mixing", is loom's spec qk_norm: each mixed row normalised, no weight).
+      gate="headwise" or "elementwise": the sigmoid output gate of gated attention (Qiu et al., 2025, its G1
+        position): the attention's output multiplied by sigmoid(gate_proj(x)) before out_proj, x the layer's
+        input; gate_proj [H, dim] (one gate a head) or [H*d, dim] (one a head and channel), bias as the
+        projections'.
     `compute_dtype`: what q, k and v are cast to for the attention (default: bfloat16 on CUDA, float32 on the
     CPU, float64 for float64 inputs); the mixing weights stay float32. `backend`: "loom" (loom's kernels) or
     "eager" (iha_eager, plain PyTorch ops: the baseline)."""
@@ -658,7 +681,8 @@ class InterleavedHeadAttention(torch.nn.Module):
                  qk_norm: bool = False, qk_norm_eps: Optional[float] = None, window_align: str = "virtual",
                  window_rows: int = 0, scale: Optional[float] = None, bias: bool = False, init_noise: float = 0.1,
                  compute_dtype: Optional[torch.dtype] = None, backend: str = "loom", schedule=None,
-                 cache_dir: str = "", threads: int = 0):
+                 cache_dir: str = "", threads: int = 0, qk_norm_position: str = "after_mixing",
+                 gate: Optional[str] = None):
         super().__init__()
         H, G = heads, kv_heads or heads
         d = head_dim or dim // heads
@@ -667,13 +691,20 @@ class InterleavedHeadAttention(torch.nn.Module):
             raise ValueError(f"kv_heads ({G}) must divide heads ({H})")
         if backend not in ("loom", "eager"):
             raise ValueError(f"backend: {backend!r}, want 'loom' or 'eager'")
+        if qk_norm_position not in ("after_mixing", "before_mixing"):
+            raise ValueError(f"qk_norm_position: {qk_norm_position!r}, want 'after_mixing' or 'before_mixing'")
+        if qk_norm_position == "before_mixing" and not qk_norm:
+            raise ValueError("qk_norm_position='before_mixing' places a norm: give qk_norm=True")
+        if gate not in (None, "headwise", "elementwise"):
+            raise ValueError(f"gate: {gate!r}, want None, 'headwise' or 'elementwise'")
         self.heads, self.kv_heads, self.pseudo_heads, self.head_dim = H, G, P, d
         self.compute_dtype, self.backend = compute_dtype, backend
         self.schedule, self.cache_dir, self.threads = schedule, cache_dir, threads
         s = {"heads": H, "kv_heads": G, "pseudo_heads": P, "head_dim": d, "mask": mask, "window": window,
              "collapse": collapse, "rope_theta": rope_theta}
         # Options only where they change the function (loom refuses the rest).
-        if qk_norm:
+        self.norm_before_mixing = qk_norm and qk_norm_position == "before_mixing"
+        if qk_norm and not self.norm_before_mixing:
             s["qk_norm"] = "rms"
             if qk_norm_eps is not None:
                 s["qk_norm_eps"] = qk_norm_eps
@@ -693,6 +724,13 @@ class InterleavedHeadAttention(torch.nn.Module):
         self.k_proj = torch.nn.Linear(dim, G * d, bias=bias)
         self.v_proj = torch.nn.Linear(dim, G * d, bias=bias)
         self.out_proj = torch.nn.Linear(H * d, dim, bias=bias)
+        if self.norm_before_mixing:
+            eps = qk_norm_eps  # None: the dtype's machine epsilon, as torch's RMSNorm and rms_norm take it
+            self.q_norm = torch.nn.RMSNorm(d, eps=eps) if hasattr(torch.nn, "RMSNorm") else _RmsNorm(d, eps)
+            self.k_norm = torch.nn.RMSNorm(d, eps=eps) if hasattr(torch.nn, "RMSNorm") else _RmsNorm(d, eps)
+        self.gate = gate
+        if gate:
+            self.gate_proj = torch.nn.Linear(dim, H * d if gate == "elementwise" else H, bias=bias)
 
         def near_identity(n):
             eye = torch.eye(n)[:, :, None].expand(n, n, P)
@@ -717,8 +755,8 @@ class InterleavedHeadAttention(torch.nn.Module):
         B, N, _ = x.shape
         H, G, d = self.heads, self.kv_heads, self.head_dim
         dt, wt = self._dtypes(x)
-        q = self.q_proj(x).view(B, N, H, d).to(dt)
-        k = self.k_proj(x).view(B, N, G, d).to(dt)
+        q, k = self._normed(self.q_proj(x).view(B, N, H, d), self.k_proj(x).view(B, N, G, d))
+        q, k = q.to(dt), k.to(dt)
         v = self.v_proj(x).view(B, N, G, d).to(dt)
         weights = [w.to(wt) for w in (self.alpha_q, self.alpha_k, self.alpha_v, self.collapse)]
         if self.backend == "eager":
@@ -726,7 +764,21 @@ class InterleavedHeadAttention(torch.nn.Module):
         else:
             o = iha(q, k, v, *weights, self._spec_json, schedule=self.schedule, cache_dir=self.cache_dir,
                     threads=self.threads)
-        return self.out_proj(o.to(x.dtype).reshape(B, N, H * d))
+        return self.out_proj(self._gated(o.to(x.dtype), x).reshape(B, N, H * d))
+
+    def _normed(self, q: torch.Tensor, k: torch.Tensor):
+        """q and k [..., heads, d] as the kernel takes them: normalised here where the norm comes before the
+        mixing (Qwen-style), else as projected."""
+        if self.norm_before_mixing:
+            return self.q_norm(q), self.k_norm(k)
+        return q, k
+
+    def _gated(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The attention's output o [..., H, d] times the sigmoid gate of x (one a head, or a head and channel)."""
+        if not self.gate:
+            return o
+        g = torch.sigmoid(self.gate_proj(x))
+        return o * (g.view(*o.shape) if self.gate == "elementwise" else g.unsqueeze(-1))
 
     def _dtypes(self, x: torch.Tensor):
         """(the attention's dtype, the weights')."""
@@ -738,8 +790,8 @@ class InterleavedHeadAttention(torch.nn.Module):
         total = x.shape[0]
         H, G, d = self.heads, self.kv_heads, self.head_dim
         dt, wt = self._dtypes(x)
-        q = self.q_proj(x).view(total, H, d).to(dt)
-        k = self.k_proj(x).view(total, G, d).to(dt)
+        q, k = self._normed(self.q_proj(x).view(total, H, d), self.k_proj(x).view(total, G, d))
+        q, k = q.to(dt), k.to(dt)
         v = self.v_proj(x).view(total, G, d).to(dt)
         weights = [w.to(wt) for w in (self.alpha_q, self.alpha_k, self.alpha_v, self.collapse)]
         if self.backend == "eager":  # each document alone
@@ -749,4 +801,4 @@ class InterleavedHeadAttention(torch.nn.Module):
         else:
             o = iha_varlen(q, k, v, *weights, cu_seqlens, max_seqlen, self._spec_json, schedule=self.schedule,
                            cache_dir=self.cache_dir, threads=self.threads)
-        return self.out_proj(o.to(x.dtype).reshape(total, H * d))
+        return self.out_proj(self._gated(o.to(x.dtype), x).reshape(total, H * d))

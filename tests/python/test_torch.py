@@ -393,6 +393,71 @@ class Layer(unittest.TestCase):
                     floor = 4 * relative(p32.grad, p_eager.grad)
                     self.assertLess(relative(p.grad, p_eager.grad), max(FLOAT32_GRADIENT_TOLERANCE, floor), name)
 
+    def test_qwen_norm_and_output_gate_follow_their_public_descriptions(self):
+        """qk_norm_position="before_mixing" and gate=..., against a layer written here from the public
+        descriptions alone: Qwen3's attention (q_norm and k_norm, RMSNorm over head_dim with a learned weight,
+        on each projected head before anything else) and gated attention's G1 gate (Qiu et al., 2025: the
+        attention output times sigmoid(x W_g), x the attention's input, one gate a head or a head and channel),
+        around IHA written out (token-major pseudo-heads, RoPE at row n*P + p turning the usual way, causal
+        over the interleaved rows, a per-head collapse). float64 (loom's float64 reference) to 1e-10 in the
+        output and every gradient; float32 (the generated program on the host) to float32's tolerances."""
+        torch.manual_seed(SEED + 12)
+        dim, H, G, P, d, base, eps = 24, 4, 2, 3, 8, 500.0, 1e-6
+
+        def written_out(layer, x):
+            B, N, _ = x.shape
+            q = layer.q_proj(x).view(B, N, H, d)
+            k = layer.k_proj(x).view(B, N, G, d)
+            v = layer.v_proj(x).view(B, N, G, d)
+            rms = lambda t, w: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * w  # Qwen3RMSNorm
+            q, k = rms(q, layer.q_norm.weight), rms(k, layer.k_norm.weight)
+            mix = lambda t, a: torch.einsum("bnmd,mhp->bnphd", t, a).reshape(B, N * P, a.shape[1], d)
+            qs, ks, vs = mix(q, layer.alpha_q), mix(k, layer.alpha_k), mix(v, layer.alpha_v)
+            angle = torch.arange(N * P, dtype=x.dtype)[:, None] * base ** (-torch.arange(0, d, 2, dtype=x.dtype) / d)
+            cos, sin = torch.cos(angle)[None, :, None, :], torch.sin(angle)[None, :, None, :]
+            turn = lambda t: torch.cat([t[..., :d // 2] * cos - t[..., d // 2:] * sin,
+                                        t[..., :d // 2] * sin + t[..., d // 2:] * cos], dim=-1)
+            qs, ks = turn(qs), turn(ks)
+            ks, vs = ks.repeat_interleave(H // G, dim=2), vs.repeat_interleave(H // G, dim=2)
+            scores = torch.einsum("bihd,bjhd->bhij", qs, ks) / d ** 0.5
+            causal = torch.ones(N * P, N * P, dtype=torch.bool).tril()
+            weights = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1)
+            o = torch.einsum("bhij,bjhd->bihd", weights, vs).reshape(B, N, P, H, d)
+            o = torch.einsum("hp,bnphd->bnhd", layer.collapse, o)
+            g = torch.sigmoid(layer.gate_proj(x))
+            o = o * (g.view(B, N, H, d) if layer.gate == "elementwise" else g[..., None])
+            return layer.out_proj(o.reshape(B, N, H * d))
+
+        for gate in ("headwise", "elementwise"):
+            with self.subTest(gate=gate):
+                layer = lt.InterleavedHeadAttention(dim, H, P, G, d, rope_theta=base, qk_norm=True, qk_norm_eps=eps,
+                                                    qk_norm_position="before_mixing", gate=gate, bias=True,
+                                                    cache_dir=CACHE, threads=2)
+                self.assertEqual(tuple(layer.gate_proj.weight.shape), (H * d if gate == "elementwise" else H, dim))
+                self.assertEqual(tuple(layer.q_norm.weight.shape), (d,))
+                with torch.no_grad():  # weights away from their initial ones, so each gradient is exercised
+                    for p in layer.parameters():
+                        p.add_(0.2 * torch.randn_like(p))
+                x = torch.randn(2, 7, dim)
+                for dtype, tolerance in ((torch.float64, 1e-10), (torch.float32, FLOAT32_GRADIENT_TOLERANCE)):
+                    layer.zero_grad()
+                    model = layer.to(dtype)
+                    mine = lt.InterleavedHeadAttention(dim, H, P, G, d, rope_theta=base, qk_norm=True,
+                                                       qk_norm_eps=eps, qk_norm_position="before_mixing", gate=gate,
+                                                       bias=True).double()
+                    mine.load_state_dict({k: t.double() for k, t in model.state_dict().items()})
+                    y, want = model(x.to(dtype)), written_out(mine, x.double())
+                    self.assertLess(relative(y, want), 1e-10 if dtype == torch.float64 else 1e-5, str(dtype))
+                    dy = torch.randn_like(want)
+                    y.backward(dy.to(dtype))
+                    want.backward(dy)
+                    for (name, p), (_, p_want) in zip(model.named_parameters(), mine.named_parameters()):
+                        self.assertLess(relative(p.grad, p_want.grad), tolerance, f"{dtype} {name}")
+        with self.assertRaisesRegex(ValueError, "give qk_norm=True"):
+            lt.InterleavedHeadAttention(dim, H, P, G, d, qk_norm_position="before_mixing")
+        with self.assertRaisesRegex(ValueError, "gate: 'sigmoid'"):
+            lt.InterleavedHeadAttention(dim, H, P, G, d, gate="sigmoid")
+
     def test_a_few_steps_lower_the_loss(self):
         torch.manual_seed(SEED + 6)
         layer = lt.InterleavedHeadAttention(16, 2, 2, head_dim=8, cache_dir=CACHE, threads=2)
