@@ -67,7 +67,7 @@ void premixFloors(const loom::v1::Target& target, loom::jit::NvrtcCompiler& comp
               (long long)batch, (long long)tokens);
   std::printf("%-3s %-2s %-4s %10s %10s %10s %7s  %s\n", "H", "P", "d", "MB moved", "floor ms", "issue ms", "ratio",
               "SASS: mixing loops (q / k / v instructions a group), memory instructions");
-  for (int H : {8, 16})
+  for (int H : {8, 16, 32})
     for (int P : {2, 4, 8})
       for (int d : {64, 128}) {
         const loom::KernelSpec spec = paperSpec(H, P, d);
@@ -85,7 +85,7 @@ void premixFloors(const loom::v1::Target& target, loom::jit::NvrtcCompiler& comp
         std::string memory = "SASS not read";
         for (const auto& usage : resources)
           if (usage.entry() == loom::kPremixEntry && usage.sass_read()) {
-            issue = loom::autotune::premixIssueOf(usage);
+            issue = loom::autotune::premixIssueOf(usage, spec, kernel->schedule());
             memory = loom::jit::sass::memoryBrief(usage.memory());
           }
         const loom::autotune::PremixCost cost =

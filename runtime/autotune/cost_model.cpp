@@ -237,17 +237,74 @@ std::optional<LoopIssue> loopIssueOf(const v1::ResourceUsage& attention) {
   return issue;
 }
 
-std::optional<PremixIssue> premixIssueOf(const v1::ResourceUsage& premix) {
+std::optional<PremixIssue> premixIssueOf(const v1::ResourceUsage& premix, const KernelSpec& spec,
+                                         const Schedule& schedule) {
   if (!premix.sass_read()) return std::nullopt;
-  std::vector<double> mixing;
+  // A mixing group on the FMA units holds at least 16 FMAs; the tensor path's
+  // own loops on the FMA units (its weights split in halves, its angles) a
+  // few fp32 instructions.
+  constexpr int kMixingFp32 = 16;
+  struct Mixing {
+    int offset;
+    double instructions;
+    bool tensor;
+  };
+  std::vector<Mixing> mixing;
   for (const v1::SassLoop& loop : premix.simt_loops())
     for (const v1::SassClassCount& c : loop.classes())
-      if (c.name() == "fp32" && c.count() > 0) mixing.push_back(loop.instructions());
+      if (c.name() == "fp32" && c.count() >= kMixingFp32)
+        mixing.push_back({loop.first_offset(), double(loop.instructions()), false});
+  for (const v1::SassLoop& loop : premix.loops())
+    mixing.push_back({loop.first_offset(), double(loop.instructions()), true});
   if (mixing.size() != 3) return std::nullopt;  // not the loops this model knows
+  std::sort(mixing.begin(), mixing.end(), [](const Mixing& x, const Mixing& y) { return x.offset < y.offset; });
+  const int P = int(spec.pseudo_heads()), D = int(spec.head_dim());
+  const int sources[3] = {int(spec.heads()), int(spec.kv_heads()), int(spec.kv_heads())};
   PremixIssue issue;
-  for (int role = 0; role < 3; ++role) issue.perGroup[role] = mixing[size_t(role)];
+  for (int role = 0; role < 3; ++role) {
+    issue.perGroup[role] = mixing[size_t(role)].instructions;
+    issue.tensor[role] = mixing[size_t(role)].tensor;
+    if (issue.tensor[role] != premixOnTensorCores(sources[role], P, D, int(schedule.block_m()) / P, int(schedule.warps())))
+      return std::nullopt;
+  }
   return issue;
 }
+
+namespace {
+
+// A role's premix on the tensor cores (layout.h premixOnTensorCores): the
+// warp instructions one CTA issues for it, from the instructions of its
+// mixing loop (`unit`: a round, or a (token, m-tile) pair where a warp takes
+// several a round), or estimated from the loop's parts as the machine code
+// has them (docs/performance.md, The premix on the tensor cores): the mma
+// (two a product in bf16, hi and lo), the ldmatrix of the weights and the
+// raw rows, about 13 instructions an n-tile of 8 columns (packs, staging
+// stores, the 16-byte loads and stores out, their addresses), RoPE's
+// rotation (about 1.1 d) and qk_norm's (about 1.25 d); a round adds its
+// staging loop's body and its angles' (counted once), 15 of its own.
+double premixTensorIssue(int M, int P, int D, int ctaTokens, int warps, bool bf16, bool rotated, bool normalised,
+                         std::optional<double> unit) {
+  const int tiles = M * P / 16, round = premixTensorRoundTokens(M, P, ctaTokens, warps);
+  const int rounds = (ctaTokens + round - 1) / round, pairs = (round * tiles + warps - 1) / warps;
+  const int threads = warps * 32;
+  const double staging = std::ceil(double(round) * M * (D / 8) / threads) * 12.0 +
+                         (rotated ? std::ceil(double(round) * P * (D / 2) / threads) * 35.0 : 0.0);
+  double perUnit = 0;
+  if (unit) {
+    perUnit = *unit;
+  } else {
+    const double mma = double(M / 16) * (D / 8) * (bf16 ? 2 : 1);
+    const double ldmatrix = double(M / 16) * (bf16 ? 2 : 1) + double(M / 16) * (D / 16);
+    perUnit = mma + ldmatrix + 13.4 * (D / 8) + 27 + (rotated ? 1.1 * D : 0.0) + (normalised ? 1.25 * D + 8 : 0.0);
+    if (pairs == 1) perUnit += 25 + (rotated ? 35 : 0) + 15;  // the round loop: its staging once
+  }
+  // A warp's loop iterations a round: the round itself, or its pairs (and
+  // then the round's staging beside them).
+  const double perRound = pairs == 1 ? perUnit : pairs * perUnit + staging;
+  return double(rounds) * warps * perRound;
+}
+
+}  // namespace
 
 PremixCost estimatePremixCost(const KernelSpec& spec, const Schedule& s, const v1::Target& target, int64_t batch,
                               int64_t tokens, const std::optional<PremixIssue>& issue) {
@@ -267,6 +324,14 @@ PremixCost estimatePremixCost(const KernelSpec& spec, const Schedule& s, const v
     double warpRounds = 0;
     for (int first = 0; first < tokensPerCta; first += perRound)
       warpRounds += double((std::min(perRound, tokensPerCta - first) * lanes + 31) / 32);
+    if (premixOnTensorCores(M, P, D, tokensPerCta, threads / 32)) {
+      const bool rotated = role < 2 && rope, normalised = role < 2 && norm;
+      std::optional<double> unit;
+      if (issue && issue->tensor[role]) unit = issue->perGroup[role];
+      issued += ctas * premixTensorIssue(M, P, D, tokensPerCta, threads / 32, spec.dtype() == v1::bfloat16, rotated,
+                                         normalised, unit);
+      continue;
+    }
     const double groups = double(P) * M / R;
     double perGroup = issue ? issue->perGroup[role] : 0.0;
     if (!issue) {

@@ -77,14 +77,21 @@ struct LoopIssue {
 std::optional<LoopIssue> loopIssueOf(const v1::ResourceUsage& attention);
 
 // The machine code's figures of a compiled premix launch (iha_premix;
-// cuda_common.h premix): the instructions one warp issues per group of R
-// mixed rows, for q, k and v (the entry's innermost loops that hold fp32
-// work, in address order, which is the order of the roles).
+// cuda_common.h premix): for q, k and v (in address order, which is the
+// order of the roles) the instructions one warp issues per iteration of the
+// role's mixing loop: on the FMA units the innermost loop holding fp32 work,
+// a group of R mixed rows; on the tensor cores (premixTensor, layout.h
+// premixOnTensorCores) the innermost loop holding HMMA, a round of tokens
+// (its staging counted once) or, where a warp takes several m-tiles a
+// round, one (token, m-tile) pair.
 struct PremixIssue {
   double perGroup[3] = {0, 0, 0};
+  bool tensor[3] = {false, false, false};
 };
-// From a compiled premix entry's figures; nullopt without them.
-std::optional<PremixIssue> premixIssueOf(const v1::ResourceUsage& premix);
+// From a compiled premix entry's figures, its spec and schedule (which
+// roles mix on the tensor cores); nullopt without them.
+std::optional<PremixIssue> premixIssueOf(const v1::ResourceUsage& premix, const KernelSpec& spec,
+                                         const Schedule& schedule);
 
 // Materialised mixing's own launch: the bytes it must move (raw q, k, v
 // read once, the mixed rows written once) at the DRAM bandwidth, and the

@@ -12,6 +12,7 @@
 #include "emu/emulator.h"
 #include "io/npy.h"
 #include "loom/runtime.h"
+#include "loom/tile/layout.h"
 #include "loom/tile_headers.h"
 #include "reference/iha_reference.h"
 #include "mutate.h"
@@ -145,6 +146,52 @@ TEST_P(DrawnCaseOnEmulator, BothEnginesWithoutFindings) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Random, DrawnCaseOnEmulator, ::testing::Range(0, 4));
+
+// The premix on the tensor cores (layout.h premixOnTensorCores: 32 source
+// heads and more): drawn specs of 32, 48 or 64 query heads (kv heads as
+// many, or 8 or 16, which mix on the FMA units), P 1 to 4 or 8, head_dim
+// 32 to 128, both dtypes, RoPE, qk_norm and the rotation's direction drawn;
+// materialised mixing on sm_80 with one warp (a warp takes every m-tile of
+// a round) and four, and on sm_90a; no findings, the reference's rows.
+class TensorPremixOnEmulator : public ::testing::TestWithParam<int> {};
+
+TEST_P(TensorPremixOnEmulator, MixesOnTheTensorCoresWithoutFindings) {
+  std::mt19937_64 rng(testing::testSeed() + uint64_t(GetParam()) * 4099);
+  auto pick = [&](std::initializer_list<int> from) { return *(from.begin() + rng() % from.size()); };
+  const IhaCase c = testing::drawCheckableShape(rng, false, [&] {
+    KernelSpec spec = testing::randomSpec(rng);
+    const int H = pick({32, 48, 64});
+    spec.set_heads(H);
+    spec.set_kv_heads(pick({8, 16, H}));
+    spec.set_pseudo_heads(H == 32 ? pick({1, 2, 3, 4, 8}) : pick({1, 2, 3}));
+    spec.set_head_dim(pick({32, 64, 128}));
+    spec.set_dtype(GetParam() % 2 ? v1::bfloat16 : v1::float16);
+    testing::dropStaleOptions(spec);
+    return testing::DrawnShape{spec, 1, 6 + int64_t(rng() % 14)};
+  });
+  const KernelSpec& spec = c.spec;
+  const int P = spec.pseudo_heads();
+  const Schedule oneWarp = schedule(1, std::lcm(P, 16), 16, 1, v1::mix_materialized, v1::collapse_separate);
+  const Schedule fourWarps = schedule(4, std::lcm(P, 64), 32, 2, v1::mix_materialized, v1::collapse_separate);
+  Schedule hopper;
+  hopper.set_mix(v1::mix_materialized);
+  for (const auto& [given, target] : {std::pair{oneWarp, "sm_80"}, std::pair{fourWarps, "sm_80"}, std::pair{hopper, "sm_90a"}}) {
+    auto plan = generateKernel(spec, given, *parseTarget(target));
+    ASSERT_TRUE(plan) << testing::describe(c) << " " << target << ": " << plan.error().message;
+    ASSERT_EQ(plan->schedule.mix(), v1::mix_materialized);
+    auto tensor = [&](int M) {
+      return premixOnTensorCores(M, P, int(spec.head_dim()), int(plan->schedule.block_m()) / P,
+                                 int(plan->schedule.warps()));
+    };
+    const std::string what = testing::describe(c) + " (q on the " + (tensor(spec.heads()) ? "tensor cores" : "FMA units") +
+                             ", k and v on the " + (tensor(spec.kv_heads()) ? "tensor cores" : "FMA units") + ")";
+    // One warp or four: every drawn spec's queries fit (its weights within 64 KiB).
+    if (plan->schedule.warps() <= 4) ASSERT_TRUE(tensor(spec.heads())) << what;
+    expectClean(*plan, c, what + " " + target, rng());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Random, TensorPremixOnEmulator, ::testing::Range(0, 4));
 
 // The schedule space both engines take, each schedule exactly as given (no
 // fallback): sm_80 with 1 to 8 warps, 1 to 4 stages, both mixings and both

@@ -137,7 +137,9 @@ void readPlan(KernelOp kernel, KernelPlan& plan) {
     const int64_t sharedBytes =
         !cuda       ? 0
         : attention ? attentionSharedMemory(spec, kernel.getScheduleAttr(), kernel.getBackward())
-        : premix    ? premixSmem(int(spec.getHeads()), int(spec.getKvHeads()), int(spec.getPseudoHeads()))
+        : premix    ? premixSmem(int(spec.getHeads()), int(spec.getKvHeads()), int(spec.getPseudoHeads()),
+                                 int(spec.getHeadDim()), int(launch.getRowsPerCta()),
+                                 int(launch.getThreads() / kThreadsPerWarp))
                     : backwardSharedMemory(spec, kernel.getScheduleAttr(), launch.getSymName());
     plan.launches.push_back({launch.getSymName().str(), int64_t(launch.getRowsPerToken()),
                              int64_t(launch.getRowsPerCta()), int64_t(launch.getGridY()),

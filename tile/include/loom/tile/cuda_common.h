@@ -541,6 +541,173 @@ __device__ __forceinline__ int64_t block_z(const IhaArgs& a) { return a.batch_of
 // Pre-mix and collapse launches (token-parallel)
 //===----------------------------------------------------------------------===//
 
+// The premix of a role on the tensor cores (layout.h, premixOnTensorCores:
+// its shared memory and rounds). Per round the CTA stages its next tokens'
+// raw rows (16-byte loads), then each warp takes (token, m-tile) pairs: the
+// m-tile's 16 output rows (p-major: row p M + h) are A (weights, hi and lo)
+// times B (the token's M x d raw rows, ldmatrix.trans), d/8 accumulator
+// tiles in registers; RoPE pairs column c with c + d/2, which the same
+// thread holds (n-tile j and j + d/16), so the rotation needs no shuffle;
+// qk_norm's sum of squares is the row's four lanes'; the rows are packed
+// into the warp's staging rows and stored 16 bytes at a time.
+template <class C, Role R>
+__device__ void premixTensor(const IhaArgs& a, int64_t token0, int64_t b) {
+  using Role_ = cuda::RoleOf<C, R>;
+  constexpr int M = Role_::heads, P = C::pseudo_heads, D = C::head_dim, W = C::warps;
+  constexpr int tokens = C::block_m / P, tiles = M * P / 16, KS = M / 16, NT = D / 8;
+  constexpr int round = premixTensorRoundTokens(M, P, tokens, W);
+  constexpr int wp = premixTensorPitch(M), xp = premixTensorPitch(D);
+  constexpr bool split = C::dtype == DType::bf16;  // bf16 weights as hi + lo; f16's 11 bits as one half
+  static_assert(M % 16 == 0 && D % 16 == 0, "whole mma tiles");
+  const int64_t L = seq_len<C>(a);
+  const int64_t* s = Role_::stride(a);
+  const float* alpha = Role_::alpha(a);
+  Bits16* ws = static_cast<Bits16*>(Role_::workspace(a));
+  Bits16* smem = reinterpret_cast<Bits16*>(ptx::dynamicShared16());
+  auto mma = [](float(&d)[4], const Bits32(&w)[4], Bits32 b0, Bits32 b1) {
+    if constexpr (C::dtype == DType::f16) ptx::mmaF16(d, w, b0, b1);
+    else ptx::mmaBf16(d, w, b0, b1);
+  };
+  Bits16* hi = smem;
+  Bits16* lo = hi + M * P * wp;
+  Bits16* x = lo + M * P * wp;
+  Bits16* staging = x + round * M * xp + cuda::warp() * 16 * xp;
+  float* angles = reinterpret_cast<float*>(x + round * M * xp + W * 16 * xp);  // [round][P][d/2][sine, cosine]
+  const int lane = cuda::lane(), threads = int(blockDim.x);
+
+  __syncthreads();  // the previous role is done with the shared memory
+  // Weights: output row r = p M + h, k = source m: alpha[m, h, p], brought
+  // in as f32 by 4-byte asynchronous copies into the rows' space (unused
+  // before the first round), a chunk at a time, and split there.
+  constexpr int scratch = (round * M * xp + W * 16 * xp) * kTileElementBytes / kAccumulatorBytes;
+  float* staged = reinterpret_cast<float*>(x);
+  #pragma unroll 1
+  for (int base = 0; base < M * M * P; base += scratch) {
+    const int count = M * M * P - base < scratch ? M * M * P - base : scratch;
+    #pragma unroll 1
+    for (int e = int(threadIdx.x); e < count; e += threads) ptx::cpAsyncCa4(staged + e, alpha + base + e, true);
+    ptx::cpAsyncCommit();
+    ptx::cpAsyncWait<0>();
+    __syncthreads();
+    #pragma unroll 1
+    for (int e = int(threadIdx.x); e < count; e += threads) {
+      const int i = base + e, p = i % P, h = (i / P) % M, m = i / P / M, r = p * M + h;
+      const float w = staged[e];
+      const Bits16 high = cuda::toBits<C>(w);
+      hi[r * wp + m] = high;
+      if constexpr (split) lo[r * wp + m] = cuda::toBits<C>(w - cuda::toFloat<C>(high));
+    }
+    __syncthreads();  // the chunk is split before the next one lands over it
+  }
+  const Bits32 hiBase = cuda::sharedAddress(hi), loBase = cuda::sharedAddress(lo), xBase = cuda::sharedAddress(x);
+  #pragma unroll 1
+  for (int first = 0; first < tokens; first += round) {
+    __syncthreads();  // the last round's rows are read (and the weights written)
+    // The round's raw rows: token t's row m at x[(t M + m) xp], 16 bytes a load.
+    #pragma unroll 1
+    for (int e = int(threadIdx.x); e < round * M * (D / 8); e += threads) {
+      const int chunk = e % (D / 8), m = (e / (D / 8)) % M, t = e / (D / 8) / M;
+      const int64_t n = token0 + first + t;
+      Bits32 v[4] = {0, 0, 0, 0};
+      if (first + t < tokens && n < a.tokens)
+        cuda::loadPieceOf<8>(static_cast<const Bits16*>(Role_::source(a)) + b * s[0] + n * s[1] + m * s[2] + chunk * 8,
+                             v);
+      Bits32* to = reinterpret_cast<Bits32*>(x + (t * M + m) * xp + chunk * 8);  // 16-byte aligned: one st.shared.v4
+      to[0] = v[0], to[1] = v[1], to[2] = v[2], to[3] = v[3];
+    }
+    if constexpr (Role_::rotated) {  // the round's angles, once (the sine signed for the first half's column)
+      #pragma unroll 1
+      for (int e = int(threadIdx.x); e < round * P * (D / 2); e += threads) {
+        const int j = e % (D / 2), p = (e / (D / 2)) % P, t = e / (D / 2) / P;
+        float sine, cosine;
+        cuda::ropeSinCos<C>(rope_position<C>(a, (token0 + first + t) * P) + p, j, &sine, &cosine);
+        angles[2 * e] = C::rope_negative ? -sine : sine;
+        angles[2 * e + 1] = cosine;
+      }
+    }
+    __syncthreads();
+    #pragma unroll 1
+    for (int pair = cuda::warp(); pair < round * tiles; pair += W) {
+      const int t = pair / tiles, tile = pair % tiles;
+      const int64_t n = token0 + first + t;
+      if (first + t >= tokens || n >= a.tokens) continue;  // the whole warp
+      const int p = tile * 16 / M;
+      float acc[NT][4];
+      #pragma unroll
+      for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
+      #pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        Bits32 ah[4], al[4];
+        const Bits32 at = Bits32(((tile * 16 + fragment::aRow(lane)) * wp + ks * 16 + fragment::aColumn(lane)) *
+                                 kTileElementBytes);
+        ptx::ldmatrixX4(ah, hiBase + at);
+        if constexpr (split) ptx::ldmatrixX4(al, loBase + at);
+        #pragma unroll
+        for (int jj = 0; jj < D / 16; ++jj) {
+          Bits32 bx[4];
+          ptx::ldmatrixX4Trans(bx, xBase + Bits32(((t * M + ks * 16 + fragment::bTransRow(lane)) * xp + jj * 16 +
+                                                   fragment::bTransColumn(lane)) * kTileElementBytes));
+          mma(acc[2 * jj], ah, bx[0], bx[1]);
+          mma(acc[2 * jj + 1], ah, bx[2], bx[3]);
+          if constexpr (split) {
+            mma(acc[2 * jj], al, bx[0], bx[1]);
+            mma(acc[2 * jj + 1], al, bx[2], bx[3]);
+          }
+        }
+      }
+      if constexpr (Role_::rotated) {
+        // Column c = 8 j + 2 (lane % 4) + e of the first half and its partner c + d/2 (n-tile j + d/16).
+        // The angles of c and c + 1 in one 16-byte read.
+        const float* turn = angles + 2 * ((t * P + p) * (D / 2) + 2 * (lane % 4));
+        #pragma unroll
+        for (int j = 0; j < NT / 2; ++j) {
+          const float* at = turn + 16 * j;
+          #pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float sine = at[2 * e], cosine = at[2 * e + 1];
+            #pragma unroll
+            for (int half = 0; half < 2; ++half) {  // rows lane / 4 and lane / 4 + 8
+              const float x1 = acc[j][2 * half + e], x2 = acc[j + NT / 2][2 * half + e];
+              acc[j][2 * half + e] = fmaf(x1, cosine, -x2 * sine);
+              acc[j + NT / 2][2 * half + e] = fmaf(x1, sine, x2 * cosine);
+            }
+          }
+        }
+      }
+      if constexpr (cuda::Normalized<C, R>::value) {
+        #pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          float squares = 0.0f;
+          #pragma unroll
+          for (int j = 0; j < NT; ++j)
+            squares = fmaf(acc[j][2 * half], acc[j][2 * half], fmaf(acc[j][2 * half + 1], acc[j][2 * half + 1], squares));
+          squares += __shfl_xor_sync(0xffffffffu, squares, 1);
+          squares += __shfl_xor_sync(0xffffffffu, squares, 2);
+          const float factor = rsqrtf(squares * (1.0f / D) + C::qk_norm_eps);
+          #pragma unroll
+          for (int j = 0; j < NT; ++j) acc[j][2 * half] *= factor, acc[j][2 * half + 1] *= factor;
+        }
+      }
+      // The 16 rows into the warp's staging rows, then 16 bytes a store.
+      #pragma unroll
+      for (int j = 0; j < NT; ++j)
+        #pragma unroll
+        for (int half = 0; half < 2; ++half)
+          *reinterpret_cast<Bits32*>(staging + (lane / 4 + 8 * half) * xp + 8 * j + 2 * (lane % 4)) =
+              cuda::pack<C>(acc[j][2 * half], acc[j][2 * half + 1]);
+      __syncwarp();
+      #pragma unroll
+      for (int i = 0; i < 16 * (D / 8) / kWarpSize; ++i) {
+        const int e = lane + i * kWarpSize;
+        const int row = e / (D / 8), chunk = e % (D / 8), r = tile * 16 + row, h = r % M;
+        const Bits32* from = reinterpret_cast<const Bits32*>(staging + row * xp + chunk * 8);
+        ptx::storeGlobal(ws + ((b * M + h) * L + n * P + r / M) * D + chunk * 8, from[0], from[1], from[2], from[3]);
+      }
+      __syncwarp();  // the staging rows are read before the next pair writes them
+    }
+  }
+}
+
 // Materialised mixing (layout.h, premixVector: the thread geometry): each
 // raw element is read once, V to a load; each mixed row is written once, V
 // to a store. Per round a thread takes a piece of one token; per group it
@@ -557,6 +724,10 @@ __device__ void premix(const IhaArgs& a, int64_t token0, int64_t b) {
   constexpr int tokens = C::block_m / P;
   static_assert(pieces <= lanes && lanes <= kWarpSize && V % 2 == 0, "a token's pieces fit one warp");
   static_assert(!C::decode, "a decode step has no premix launch");
+  if constexpr (premixOnTensorCores(M, P, D, C::block_m / P, C::warps)) {
+    premixTensor<C, R>(a, token0, b);
+    return;
+  }
   const int threads = int(blockDim.x);
   const int perRound = threads / lanes;
   const int rounds = (tokens + perRound - 1) / perRound;

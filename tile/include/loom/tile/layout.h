@@ -573,10 +573,63 @@ constexpr int premixStagedPseudo(int sources, int pseudo) {
   const int fit = kPremixStagedAlphaFloats / (sources * sources);
   return fit < 1 ? 1 : fit < pseudo ? fit : pseudo;
 }
-constexpr int premixSmem(int heads, int kvHeads, int pseudo) {
-  const int q = heads * heads * premixStagedPseudo(heads, pseudo);
-  const int kv = kvHeads * kvHeads * premixStagedPseudo(kvHeads, pseudo);
-  return (q > kv ? q : kv) * kAccumulatorBytes;
+// The premix on the tensor cores (cuda_common.h, premixTensor), where a
+// role's mixing is FMA-bound on the FMA units (M source heads at least
+// kPremixTensorSources: a mixed element is M multiply-adds for 2 (1 + P)/P
+// bytes): each token's M x d raw rows are the B operand of mma.sync
+// (ldmatrix.trans from shared memory), the weights of 16 output rows the A
+// operand (f32 split in two 16-bit halves, hi and lo, in bf16; one half in
+// f16), and a warp turns, normalises and stores its 16 rows from the
+// accumulators. Output rows are p-major (row p M + h: an m-tile of 16 has
+// one pseudo-head, one RoPE position); a round holds as many tokens as give
+// every warp an m-tile (at most the CTA's). Shared memory, 16-bit elements,
+// rows padded by 8 (ldmatrix's eight rows in distinct banks): the weights
+// [M P][M + 8] hi, then lo; the round's tokens' raw rows [tokens][M][d + 8];
+// each warp's 16 output rows [16][d + 8] (staged for 16-byte stores); then
+// the round's RoPE angles, (sine, cosine) of each token, pseudo-head and
+// frequency (f32, computed once a round for every m-tile that needs them).
+// The f32 weights come in through the raw rows' space before the first round.
+constexpr int kPremixTensorSources = 32;
+constexpr int kPremixTensorWeightBytes = 65536;
+constexpr int kPremixTensorSmemBytes = 98304;  // under every CUDA target's limit (sm_86 and sm_89: 99 KiB)
+constexpr int premixTensorPitch(int columns) { return columns + 8; }
+constexpr int premixTensorRoundTokens(int sources, int pseudo, int ctaTokens, int warps) {
+  const int tiles = sources * pseudo / 16;
+  const int fit = warps / tiles > 0 ? warps / tiles : 1;
+  return fit < ctaTokens ? fit : ctaTokens;
+}
+constexpr int premixTensorWeightsBytes(int sources, int pseudo) {
+  return 2 * sources * pseudo * premixTensorPitch(sources) * kTileElementBytes;
+}
+constexpr int premixTensorTokensBytes(int sources, int pseudo, int headDim, int ctaTokens, int warps) {
+  return premixTensorRoundTokens(sources, pseudo, ctaTokens, warps) * sources * premixTensorPitch(headDim) *
+         kTileElementBytes;
+}
+constexpr int premixTensorAnglesBytes(int sources, int pseudo, int headDim, int ctaTokens, int warps) {
+  return premixTensorRoundTokens(sources, pseudo, ctaTokens, warps) * pseudo * headDim * kAccumulatorBytes;
+}
+constexpr int premixTensorSmem(int sources, int pseudo, int headDim, int ctaTokens, int warps) {
+  return premixTensorWeightsBytes(sources, pseudo) + premixTensorTokensBytes(sources, pseudo, headDim, ctaTokens, warps) +
+         warps * 16 * premixTensorPitch(headDim) * kTileElementBytes +
+         premixTensorAnglesBytes(sources, pseudo, headDim, ctaTokens, warps);
+}
+// Whether a role of `sources` heads mixes on the tensor cores in a premix
+// launch of `ctaTokens` tokens and `warps` warps a CTA.
+constexpr bool premixOnTensorCores(int sources, int pseudo, int headDim, int ctaTokens, int warps) {
+  return sources >= kPremixTensorSources && sources % 16 == 0 && headDim % 16 == 0 && headDim <= 128 &&
+         premixTensorWeightsBytes(sources, pseudo) <= kPremixTensorWeightBytes &&
+         premixTensorSmem(sources, pseudo, headDim, ctaTokens, warps) <= kPremixTensorSmemBytes;
+}
+// A role's shared memory: its staged weights (f32), or the tensor path's.
+constexpr int premixRoleSmem(int sources, int pseudo, int headDim, int ctaTokens, int warps) {
+  return premixOnTensorCores(sources, pseudo, headDim, ctaTokens, warps)
+             ? premixTensorSmem(sources, pseudo, headDim, ctaTokens, warps)
+             : sources * sources * premixStagedPseudo(sources, pseudo) * kAccumulatorBytes;
+}
+constexpr int premixSmem(int heads, int kvHeads, int pseudo, int headDim, int ctaTokens, int warps) {
+  const int q = premixRoleSmem(heads, pseudo, headDim, ctaTokens, warps);
+  const int kv = premixRoleSmem(kvHeads, pseudo, headDim, ctaTokens, warps);
+  return q > kv ? q : kv;
 }
 
 // Fragment geometry of mma.sync.m16n8k16 and ldmatrix.x4, as lane
