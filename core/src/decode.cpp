@@ -69,14 +69,12 @@ Status validateDecode(const DecodeShape& shape, std::span<const int32_t> pageTab
                                name(other.sequence, other.entry) + " uses too";
       if (other.sequence == b)
         return makeError(both + ": one sequence's positions cannot share a page");
-      if (writes)
-        return makeError(both + "; the step writes " + sequence + "'s new tokens there (cache_len " +
-                         std::to_string(length) + "), and a shared page must lie wholly before every sharer's "
-                         "cache_len");
-      if (other.writes)
-        return makeError(both + "; the step writes sequence " + std::to_string(other.sequence) +
-                         "'s new tokens there (cache_len " + std::to_string(cacheLen[size_t(other.sequence)]) +
+      if (writes || other.writes) {
+        const int64_t writer = writes ? b : other.sequence;
+        return makeError(both + "; the step writes sequence " + std::to_string(writer) + "'s new tokens there (cache_len " +
+                         std::to_string(cacheLen[size_t(writer)]) +
                          "), and a shared page must lie wholly before every sharer's cache_len");
+      }
       // Both only read it: a shared prefix.
     }
   }

@@ -725,9 +725,8 @@ class InterleavedHeadAttention(torch.nn.Module):
         self.v_proj = torch.nn.Linear(dim, G * d, bias=bias)
         self.out_proj = torch.nn.Linear(H * d, dim, bias=bias)
         if self.norm_before_mixing:
-            eps = qk_norm_eps  # None: the dtype's machine epsilon, as torch's RMSNorm and rms_norm take it
-            self.q_norm = torch.nn.RMSNorm(d, eps=eps) if hasattr(torch.nn, "RMSNorm") else _RmsNorm(d, eps)
-            self.k_norm = torch.nn.RMSNorm(d, eps=eps) if hasattr(torch.nn, "RMSNorm") else _RmsNorm(d, eps)
+            norm = getattr(torch.nn, "RMSNorm", _RmsNorm)  # eps None: the dtype's machine epsilon in both
+            self.q_norm, self.k_norm = norm(d, eps=qk_norm_eps), norm(d, eps=qk_norm_eps)
         self.gate = gate
         if gate:
             self.gate_proj = torch.nn.Linear(dim, H * d if gate == "elementwise" else H, bias=bias)

@@ -263,9 +263,9 @@ std::optional<PremixIssue> premixIssueOf(const v1::ResourceUsage& premix, const 
   PremixIssue issue;
   for (int role = 0; role < 3; ++role) {
     issue.perGroup[role] = mixing[size_t(role)].instructions;
-    issue.tensor[role] = mixing[size_t(role)].tensor;
-    if (issue.tensor[role] != premixOnTensorCores(sources[role], P, D, int(schedule.block_m()) / P, int(schedule.warps())))
-      return std::nullopt;
+    if (mixing[size_t(role)].tensor !=
+        premixOnTensorCores(sources[role], P, D, int(schedule.block_m()) / P, int(schedule.warps())))
+      return std::nullopt;  // each role's loop where its path puts it
   }
   return issue;
 }
@@ -321,17 +321,16 @@ PremixCost estimatePremixCost(const KernelSpec& spec, const Schedule& s, const v
     c.bytes += double(batch) * double(tokens) * double(M) * D * (1.0 + P) * 2.0;  // raw read, P mixed rows written
     // The warps that mix: those holding a token of the CTA, round by round.
     const int perRound = std::max(threads / lanes, 1);
-    double warpRounds = 0;
-    for (int first = 0; first < tokensPerCta; first += perRound)
-      warpRounds += double((std::min(perRound, tokensPerCta - first) * lanes + 31) / 32);
-    if (premixOnTensorCores(M, P, D, tokensPerCta, threads / 32)) {
+    if (premixOnTensorCores(M, P, D, tokensPerCta, threads / 32)) {  // premixIssueOf checked the loop's path
       const bool rotated = role < 2 && rope, normalised = role < 2 && norm;
-      std::optional<double> unit;
-      if (issue && issue->tensor[role]) unit = issue->perGroup[role];
+      const std::optional<double> unit = issue ? std::optional<double>(issue->perGroup[role]) : std::nullopt;
       issued += ctas * premixTensorIssue(M, P, D, tokensPerCta, threads / 32, spec.dtype() == v1::bfloat16, rotated,
                                          normalised, unit);
       continue;
     }
+    double warpRounds = 0;
+    for (int first = 0; first < tokensPerCta; first += perRound)
+      warpRounds += double((std::min(perRound, tokensPerCta - first) * lanes + 31) / 32);
     const double groups = double(P) * M / R;
     double perGroup = issue ? issue->perGroup[role] : 0.0;
     if (!issue) {

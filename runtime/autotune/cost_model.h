@@ -86,7 +86,6 @@ std::optional<LoopIssue> loopIssueOf(const v1::ResourceUsage& attention);
 // round, one (token, m-tile) pair.
 struct PremixIssue {
   double perGroup[3] = {0, 0, 0};
-  bool tensor[3] = {false, false, false};
 };
 // From a compiled premix entry's figures, its spec and schedule (which
 // roles mix on the tensor cores); nullopt without them.
