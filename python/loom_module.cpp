@@ -310,33 +310,37 @@ void reloadKernels() {
   served().forget();
 }
 
+// The kernel of the launch's shape bucket (cache::shapeBucket: a forward's
+// or backward's B and N, a decode step's B and cache capacity): the
+// decision tuned for those shapes, else the nearest, else every shape's.
 std::shared_ptr<Kernel> kernelFor(Runtime& runtime, const KernelSpec& spec, const Schedule& schedule,
-                                  const std::string& service, v1::Direction direction = v1::direction_forward) {
+                                  const std::string& service, v1::Direction direction, const std::string& bucket) {
   if (service.empty()) {
     switch (direction) {
-      case v1::direction_backward: return valueOr(runtime.backwardKernel(spec, schedule), false);
+      case v1::direction_backward: return valueOr(runtime.backwardKernel(spec, schedule, bucket), false);
       case v1::direction_decode:
       case v1::direction_decode_mixed:
         return valueOr(runtime.decodeKernel(spec, mixedCacheOf(direction) ? CacheLayout::mixed : CacheLayout::raw,
-                                            schedule),
+                                            schedule, bucket),
                        false);
-      default: return valueOr(runtime.kernel(spec, schedule), false);
+      default: return valueOr(runtime.kernel(spec, schedule, bucket), false);
     }
   }
-  // A service's kernels are kept too, loaded, by service, device, direction
-  // and spec, fetched once over one channel a service (service::ServedKernels;
-  // loom.reload() forgets the kernels).
+  // A service's kernels are kept too, loaded, by service, device, direction,
+  // spec and bucket, fetched once over one channel a service
+  // (service::ServedKernels; loom.reload() forgets the kernels).
   std::lock_guard lock(servedMutex());
   const std::string key = service + '\0' + std::to_string(runtime.device().ordinal) + '\0' +
-                          std::to_string(int(direction)) + '\0' + spec.SerializeAsString();
+                          std::to_string(int(direction)) + '\0' + spec.SerializeAsString() + '\0' + bucket;
   if (auto found = servedKernels().find(key); found != servedKernels().end()) return found->second;
-  auto compiled = valueOr(served().get(service, spec, runtime.target(), direction), false);
+  auto compiled = valueOr(served().get(service, spec, runtime.target(), direction, bucket), false);
   return servedKernels()[key] = valueOr(runtime.load(*compiled), false);
 }
 
 //===--- loom.iha --------------------------------------------------------===//
 
-// The seven inputs of IHA, borrowed; q must be [B, N, H, d].
+// The seven inputs of IHA, borrowed; q must be [B, N, H, d] (a ragged
+// step's [total, H, d]: qRank 3).
 struct Inputs {
   std::vector<Borrowed> borrowed;
   const DLTensor& q() const { return *borrowed[0].tensor; }
@@ -345,12 +349,14 @@ struct Inputs {
 
 Inputs borrowInputs(const py::object& q, const py::object& k, const py::object& v, const py::object& alphaQ,
                     const py::object& alphaK, const py::object& alphaV, const py::object& collapse,
-                    std::optional<int64_t> stream) {
+                    std::optional<int64_t> stream, int qRank = 4) {
   Inputs inputs;
   const char* names[] = {"q", "k", "v", "alpha_q", "alpha_k", "alpha_v", "collapse"};
   const py::object* objects[] = {&q, &k, &v, &alphaQ, &alphaK, &alphaV, &collapse};
   for (int i = 0; i < 7; ++i) inputs.borrowed.push_back(borrow(*objects[i], names[i], stream));
-  if (inputs.q().ndim != 4) throw BadArgument("q: want 4 dimensions [B, N, H, d]");
+  if (inputs.q().ndim != qRank)
+    throw BadArgument(qRank == 4 ? "q: want 4 dimensions [B, N, H, d]"
+                                 : "q: a ragged step packs its sequences' new tokens, [total, H, d]");
   return inputs;
 }
 
@@ -431,10 +437,11 @@ std::optional<IhaSaved> savedOf(const py::object& value, std::optional<int64_t> 
 // The forward kernel of a call: the keeping one where the call keeps its
 // state (a service's own where it keeps, else this runtime's).
 std::shared_ptr<Kernel> forwardKernelFor(Runtime& runtime, const KernelSpec& spec, const Schedule& schedule,
-                                         const std::string& service, bool keeps) {
-  if (keeps && (service.empty() || !kernelFor(runtime, spec, schedule, service)->keepsForward()))
-    return valueOr(runtime.keepingKernel(spec, schedule), false);
-  return kernelFor(runtime, spec, schedule, service);
+                                         const std::string& service, bool keeps, const std::string& bucket) {
+  if (keeps && (service.empty() ||
+                !kernelFor(runtime, spec, schedule, service, v1::direction_forward, bucket)->keepsForward()))
+    return valueOr(runtime.keepingKernel(spec, schedule, bucket), false);
+  return kernelFor(runtime, spec, schedule, service, v1::direction_forward, bucket);
 }
 
 py::object iha(const py::object& q, const py::object& k, const py::object& v, const py::object& alphaQ,
@@ -484,7 +491,10 @@ py::object iha(const py::object& q, const py::object& k, const py::object& v, co
     check(runOnHost(spec, tensors, schedule, options, saved ? &*saved : nullptr), false);  // compiling, running
   } else {
     checkResolves(spec, forced, runtime->target());
-    std::shared_ptr<Kernel> kernel = forwardKernelFor(*runtime, spec, schedule, service, saved.has_value());
+    const IhaTensors launched = batchedView(spec, tensors);
+    std::shared_ptr<Kernel> kernel =
+        forwardKernelFor(*runtime, spec, schedule, service, saved.has_value(),
+                         cache::shapeBucket(v1::direction_forward, launched.q.shape[0], launched.q.shape[1]));
     check(validateTensors(spec, tensors, device.device_id), true);
     if (saved)
       check(validateSaved(spec, *saved, tensors.q.shape[0], tensors.q.shape[1], true, device.device_id), true);
@@ -559,7 +569,8 @@ py::tuple ihaBackward(const py::object& q, const py::object& k, const py::object
     check(runBackwardOnHost(spec, tensors, grads, schedule, options, saved ? &*saved : nullptr), false);
   } else {
     checkResolves(spec, schedule, runtime->target(), Direction::backward);
-    std::shared_ptr<Kernel> kernel = kernelFor(*runtime, spec, schedule, service, v1::direction_backward);
+    std::shared_ptr<Kernel> kernel = kernelFor(*runtime, spec, schedule, service, v1::direction_backward,
+                                               cache::shapeBucket(v1::direction_backward, B, N));
     check(validateGradTensors(spec, tensors, grads, device.device_id), true);
     if (saved) check(validateSaved(spec, *saved, B, N, true, device.device_id), true);
     std::optional<Borrowed> held;
@@ -706,17 +717,39 @@ py::object decode(const py::object& q, const py::object& k, const py::object& v,
                   const py::object& cacheLen, const py::object& specValue, const std::string& layoutName,
                   const py::object& out, const py::object& lse, std::optional<int64_t> stream,
                   const py::object& scheduleValue, const std::string& cacheDir, const std::string& service,
-                  int threads, bool checkPages, const py::object& workspaceValue, const py::object& pageErrors) {
+                  int threads, bool checkPages, const py::object& workspaceValue, const py::object& pageErrors,
+                  const py::object& queryStartLoc, std::optional<int64_t> maxQueryLen) {
   const KernelSpec spec = specOf(specValue);
   const Schedule schedule = scheduleOf(scheduleValue);
   const CacheLayout layout = valueOr(parseCacheLayout(layoutName), true);
-  const Inputs inputs = borrowInputs(q, k, v, alphaQ, alphaK, alphaV, collapse, stream);
+  // A ragged step (docs/IHA.md, Ragged steps): packed rows, its sequences' offsets.
+  const bool ragged = !queryStartLoc.is_none();
+  const Inputs inputs = borrowInputs(q, k, v, alphaQ, alphaK, alphaV, collapse, stream, ragged ? 3 : 4);
   const DLTensor& qt = inputs.q();
   const DLDevice device = qt.device;
   const bool onHost = device.device_type == kDLCPU;
   std::shared_ptr<Runtime> runtime;
   if (!onHost) runtime = runtimeFor(device.device_id, cacheDir);
-  const std::vector<int64_t> outShape = {qt.shape[0], qt.shape[1], spec.heads(), spec.head_dim()};
+  std::optional<Borrowed> starts;
+  std::vector<int64_t> startsShape;
+  const int32_t* startsData = nullptr;
+  if (ragged) {
+    if (!lse.is_none()) throw BadArgument("lse: a ragged step gives none (its rows are packed)");
+    starts = borrow(queryStartLoc, "query_start_loc", stream);
+    startsData = int32Array(*starts, "query_start_loc", 1, device, &startsShape);
+    if (startsShape[0] < 2) throw BadArgument("query_start_loc: want [B + 1] entries, B at least 1");
+    if (!maxQueryLen) {
+      if (!onHost)
+        throw BadArgument("max_query_len: give the most new tokens one sequence brings (a CUDA step does not read "
+                          "query_start_loc back to find it)");
+      int64_t most = 0;
+      for (int64_t b = 0; b + 1 < startsShape[0]; ++b) most = std::max<int64_t>(most, startsData[b + 1] - startsData[b]);
+      maxQueryLen = most;
+    }
+  }
+  const int64_t sequences = ragged ? startsShape[0] - 1 : qt.shape[0];
+  const std::vector<int64_t> outShape = ragged ? std::vector<int64_t>{qt.shape[0], spec.heads(), spec.head_dim()}
+                                               : std::vector<int64_t>{qt.shape[0], qt.shape[1], spec.heads(), spec.head_dim()};
   std::optional<Borrowed> outGiven, lseGiven;
   Allocated made;
   const DLTensor* outTensor = nullptr;
@@ -739,11 +772,16 @@ py::object decode(const py::object& q, const py::object& k, const py::object& v,
   std::vector<int64_t> tableShape, lengthShape;
   cache.page_table = int32Array(table, "page_table", 2, device, &tableShape);
   cache.cache_len = int32Array(lengths, "cache_len", 1, device, &lengthShape);
-  if (tableShape[0] != qt.shape[0] || lengthShape[0] != qt.shape[0])
-    throw BadArgument("page_table and cache_len: want one row / entry per sequence (B = " + std::to_string(qt.shape[0]) +
+  if (tableShape[0] != sequences || lengthShape[0] != sequences)
+    throw BadArgument("page_table and cache_len: want one row / entry per sequence (B = " + std::to_string(sequences) +
                       "), got " + shapeString(tableShape) + " and " + shapeString(lengthShape));
   cache.max_pages = tableShape[1];
   cache.layout = layout;
+  if (ragged) {
+    cache.query_start_loc = startsData;
+    cache.batch = sequences;
+    cache.max_query_len = *maxQueryLen;
+  }
   std::optional<Borrowed> errorWord;
   if (!pageErrors.is_none() && !onHost) {  // host tensors are checked on the host in any case
     errorWord = borrow(pageErrors, "page_errors", stream);
@@ -761,8 +799,11 @@ py::object decode(const py::object& q, const py::object& k, const py::object& v,
     // launchDecode checks the tensors, then (check_pages) copies page_table
     // and cache_len back to check every entry before the launch.
     checkResolves(spec, schedule, runtime->target(), Direction::decode, layout == CacheLayout::mixed);
+    // A decode step's bucket: its sequences and their cache capacity (the
+    // lengths are the device's; max_pages * page_size bounds them).
     std::shared_ptr<Kernel> kernel =
-        kernelFor(*runtime, spec, schedule, service, decodeDirectionOf(layout));
+        kernelFor(*runtime, spec, schedule, service, decodeDirectionOf(layout),
+                  cache::shapeBucket(decodeDirectionOf(layout), sequences, cache.max_pages * cache.k_cache.shape[1]));
     std::optional<Borrowed> held;
     const std::optional<WorkspaceMemory> workspace = workspaceOf(workspaceValue, stream, device, held);
     py::gil_scoped_release release;
@@ -778,7 +819,7 @@ py::object decode(const py::object& q, const py::object& k, const py::object& v,
 // step's N is its new tokens T): the kernel is found as the launch finds it.
 int64_t workspaceBytesOf(const py::object& specValue, int64_t batch, int64_t tokens, const std::string& direction,
                          const std::string& layoutName, const py::object& scheduleValue, int device,
-                         const std::string& cacheDir, const std::string& service, bool keep) {
+                         const std::string& cacheDir, const std::string& service, bool keep, int64_t cacheTokens) {
   const KernelSpec spec = specOf(specValue);
   const Schedule schedule = scheduleOf(scheduleValue);
   if (batch < 1 || tokens < 1) throw BadArgument("batch and tokens: want at least 1");
@@ -788,8 +829,21 @@ int64_t workspaceBytesOf(const py::object& specValue, int64_t batch, int64_t tok
   else if (direction == "decode") which = decodeDirectionOf(valueOr(parseCacheLayout(layoutName), true));
   else if (direction != "forward") throw BadArgument("direction: want forward, backward or decode, not " + direction);
   std::shared_ptr<Runtime> runtime = runtimeFor(device, cacheDir);
-  if (keep) return workspaceBytes(forwardKernelFor(*runtime, spec, schedule, service, true)->compiled(), batch, tokens);
-  return workspaceBytes(kernelFor(*runtime, spec, schedule, service, which)->compiled(), batch, tokens);
+  // The kernel of the launch's shape bucket, as the launch finds it.
+  const std::string bucket = cache::shapeBucket(which, batch, isDecode(which) ? cacheTokens : tokens);
+  if (keep)
+    return workspaceBytes(forwardKernelFor(*runtime, spec, schedule, service, true, bucket)->compiled(), batch, tokens);
+  return workspaceBytes(kernelFor(*runtime, spec, schedule, service, which, bucket)->compiled(), batch, tokens);
+}
+
+// loom.shape_bucket: the bucket a launch's decision is looked up under.
+std::string shapeBucketOf(const std::string& direction, int64_t batch, int64_t tokens) {
+  v1::Direction which = v1::direction_forward;
+  if (direction == "backward") which = v1::direction_backward;
+  else if (direction == "decode") which = v1::direction_decode;
+  else if (direction != "forward") throw BadArgument("direction: want forward, backward or decode, not " + direction);
+  if (batch < 1 || tokens < 1) throw BadArgument("batch and tokens: want at least 1");
+  return cache::shapeBucket(which, batch, tokens);
 }
 
 std::string generate(const py::object& specValue, const py::object& scheduleValue, const std::string& targetName) {
@@ -942,21 +996,31 @@ PYBIND11_MODULE(_loom, m) {
         "CUDA-graph capture (a bad entry then reads or writes outside the cache). page_errors (CUDA): a one-element\n"
         "int32 tensor on the device that the caller zeroes: the step checks page_table and cache_len on the device\n"
         "first, skips the sequences it refuses (their out is not defined; nothing outside the cache is touched) and\n"
-        "writes 1 there if it refused one; read it when you like. Host tensors are always checked on the host.",
+        "writes 1 there if it refused one; read it when you like. Host tensors are always checked on the host.\n"
+        "A ragged step (docs/IHA.md, Ragged steps): query_start_loc [B + 1], int32 on q's device, and q\n"
+        "[total, H, d], k and v [total, G, d] packing each sequence's new tokens (0 or more) after the last's;\n"
+        "sequence b's are rows query_start_loc[b] .. query_start_loc[b + 1] - 1, appended at its cache_len\n"
+        "(advance it by its own count); out is [total, H, d], no lse. max_query_len, the most one sequence\n"
+        "brings, sizes the launch: needed for CUDA tensors, found from query_start_loc for host ones.",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("alpha_q"), py::arg("alpha_k"), py::arg("alpha_v"),
         py::arg("collapse"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"), py::arg("cache_len"),
         py::arg("spec"), py::arg("cache") = "raw", py::arg("out") = py::none(), py::arg("lse") = py::none(),
         py::arg("stream") = py::none(), py::arg("schedule") = py::none(), py::arg("cache_dir") = "",
         py::arg("service") = "", py::arg("threads") = 0, py::arg("check_pages") = true,
-        py::arg("workspace") = py::none(), py::arg("page_errors") = py::none());
+        py::arg("workspace") = py::none(), py::arg("page_errors") = py::none(),
+        py::arg("query_start_loc") = py::none(), py::arg("max_query_len") = py::none());
   m.def("workspace_bytes", &workspaceBytesOf,
         "Bytes of the `workspace` a CUDA launch of `batch` x `tokens` needs (a decode step: tokens = T, its new\n"
-        "tokens), for `direction` 'forward', 'backward' or 'decode' (`cache` 'raw' or 'mixed'), the kernel found as\n"
-        "the launch finds it (`schedule`, `cache_dir`, `service`; `keep`: a forward given `saved`) on CUDA\n"
-        "`device`. Needs a GPU.",
+        "tokens, and cache_tokens its cache capacity, max_pages x page_size), for `direction` 'forward', 'backward'\n"
+        "or 'decode' (`cache` 'raw' or 'mixed'), the kernel found as the launch finds it (`schedule`, `cache_dir`,\n"
+        "`service`, the shapes' bucket; `keep`: a forward given `saved`) on CUDA `device`. Needs a GPU.",
         py::arg("spec"), py::arg("batch"), py::arg("tokens"), py::arg("direction") = "forward",
         py::arg("cache") = "raw", py::arg("schedule") = py::none(), py::arg("device") = 0, py::arg("cache_dir") = "",
-        py::arg("service") = "", py::arg("keep") = false);
+        py::arg("service") = "", py::arg("keep") = false, py::arg("cache_tokens") = 0);
+  m.def("shape_bucket", &shapeBucketOf,
+        "The shape bucket a launch's kernel decision is looked up under (docs/caching: n<N> for a forward or\n"
+        "backward of N tokens, c<C>.b<B> for a decode step of B sequences over caches of C tokens; powers of two).",
+        py::arg("direction"), py::arg("batch"), py::arg("tokens"));
   m.def("reference_backward", &referenceBackward,
         "The seven gradients of sum(out * dout) by the float64 backward reference, on host tensors, as float64\n"
         "loom.Tensors (inputs may be float64, float32 or the 16-bit dtypes); `cu_seqlens` (host int32) for a\n"

@@ -2,6 +2,7 @@
 #include <google/protobuf/io/coded_stream.h>
 #include <google/protobuf/io/zero_copy_stream_impl_lite.h>
 
+#include <cmath>
 #include <cstdio>
 
 #include "loom/cache.h"
@@ -90,6 +91,48 @@ std::string decisionSpecKey(const KernelSpec& spec, v1::Direction direction) {
     case v1::direction_decode_mixed: return specKey(spec) + ".decode_mixed";
     default: return specKey(spec);
   }
+}
+
+namespace {
+
+int64_t powerOfTwoAtLeast(int64_t value, int64_t least) {
+  int64_t power = least;
+  while (power < value && power < (int64_t(1) << 40)) power *= 2;
+  return power;
+}
+
+}  // namespace
+
+std::string shapeBucket(v1::Direction direction, int64_t batch, int64_t tokens) {
+  if (direction == v1::direction_decode || direction == v1::direction_decode_mixed)
+    return "c" + std::to_string(powerOfTwoAtLeast(tokens, 16)) + ".b" + std::to_string(powerOfTwoAtLeast(batch, 1));
+  return "n" + std::to_string(powerOfTwoAtLeast(tokens, 16));
+}
+
+Result<BucketShape> parseShapeBucket(const std::string& bucket) {
+  auto bad = [&] {
+    return makeError("shape bucket '" + bucket + "': want n<tokens> (a forward or backward) or c<cache>.b<batch> (a "
+                     "decode step), positive integers");
+  };
+  auto number = [](const std::string& text, int64_t* value) {
+    if (text.empty() || text.size() > 15 || text.find_first_not_of("0123456789") != std::string::npos) return false;
+    *value = std::stoll(text);
+    return *value > 0;
+  };
+  BucketShape shape;
+  if (bucket.size() > 1 && bucket[0] == 'n') {
+    if (!number(bucket.substr(1), &shape.tokens)) return bad();
+    return shape;
+  }
+  const size_t dot = bucket.find(".b");
+  if (bucket.size() > 1 && bucket[0] == 'c' && dot != std::string::npos && number(bucket.substr(1, dot - 1), &shape.tokens) &&
+      number(bucket.substr(dot + 2), &shape.batch))
+    return shape;
+  return bad();
+}
+
+double bucketDistance(const BucketShape& a, const BucketShape& b) {
+  return std::abs(std::log2(double(a.tokens) / double(b.tokens))) + std::abs(std::log2(double(a.batch) / double(b.batch)));
 }
 
 namespace schema3 {

@@ -19,12 +19,16 @@ namespace loom::cache {
 namespace fs = std::filesystem;
 namespace {
 
-constexpr int kSchemaVersion = 4;
+constexpr int kSchemaVersion = 5;
 
 // Every column of each table at this schema (export and import copy by name).
 constexpr const char* kArtifactColumns = "key, blob, checksum, created, bytes, last_used";
 constexpr const char* kDecisionColumns =
-    "spec_key, device, toolchain, blob, checksum, created, bytes, last_used, device_class";
+    "spec_key, device, toolchain, blob, checksum, created, bytes, last_used, device_class, shape_bucket";
+// A decision's id (Entry::id; describe, remove): spec key / device /
+// toolchain, and @bucket where it was tuned for one.
+#define LOOM_DECISION_ID \
+  "(spec_key || '/' || device || '/' || toolchain || CASE WHEN shape_bucket = '' THEN '' ELSE '@' || shape_bucket END)"
 constexpr const char* kRankingColumns = "key, blob, checksum, created";
 
 int64_t now() {
@@ -156,6 +160,24 @@ Status migrateToV3(sqlite3* db) {
       return ok;
   }
   return Status::success();
+}
+
+// v5: decisions per shape bucket (TuningResult.shape_bucket): the key
+// gains the bucket, every earlier decision the empty one (every shape),
+// served as before.
+Status migrateToV5(sqlite3* db) {
+  return exec(db, R"(
+        CREATE TABLE decisions_v5(spec_key TEXT NOT NULL, device TEXT NOT NULL, toolchain TEXT NOT NULL,
+                                  blob BLOB NOT NULL, checksum TEXT NOT NULL, created INTEGER NOT NULL,
+                                  bytes INTEGER NOT NULL DEFAULT 0, last_used INTEGER NOT NULL DEFAULT 0,
+                                  device_class TEXT NOT NULL DEFAULT '', shape_bucket TEXT NOT NULL DEFAULT '',
+                                  PRIMARY KEY(spec_key, device, toolchain, shape_bucket));
+        INSERT INTO decisions_v5 SELECT spec_key, device, toolchain, blob, checksum, created, bytes, last_used,
+                                        device_class, '' FROM decisions;
+        DROP TABLE decisions;
+        ALTER TABLE decisions_v5 RENAME TO decisions;
+        CREATE INDEX decisions_by_class ON decisions(spec_key, device_class, toolchain);
+      )", "migration to schema 5");
 }
 
 std::string decisionToJson(const Decision& d) {
@@ -303,35 +325,60 @@ class SqliteStore final : public KernelStore {
   }
 
   Result<std::optional<DecisionLookup>> getDecision(const KernelSpec& spec, const DeviceModel& device,
-                                                    const std::string& toolchain, v1::Direction direction) override {
+                                                    const std::string& toolchain, v1::Direction direction,
+                                                    const std::string& shapeBucket) override {
+    std::optional<BucketShape> wanted;
+    if (!shapeBucket.empty()) {
+      auto parsed = parseShapeBucket(shapeBucket);
+      if (!parsed) return parsed.error();
+      wanted = *parsed;
+    }
     for (const bool fallback : {false, true}) {
-      std::string blob, checksum, rowid;
+      // The device's (or class's) decisions of every bucket, most recently used first.
+      struct Row {
+        std::string blob, checksum, bucket;
+        int64_t rowid;
+      };
+      std::vector<Row> rows;
       {
-        Statement select(db_, fallback ? "SELECT blob, checksum, rowid FROM decisions WHERE spec_key = ?1 AND "
-                                         "device_class = ?2 AND toolchain = ?3 ORDER BY last_used DESC LIMIT 1"
-                                       : "SELECT blob, checksum, rowid FROM decisions WHERE spec_key = ?1 AND "
-                                         "device = ?2 AND toolchain = ?3");
-        const int rc = select.bind(1, decisionSpecKey(spec, direction))
-                           .bind(2, fallback ? device.classKey() : device.key())
-                           .bind(3, toolchain)
-                           .step();
-        if (rc == SQLITE_DONE) continue;
-        if (rc != SQLITE_ROW) return makeError(std::string("kernel cache: ") + sqlite3_errmsg(db_));
-        blob = select.blob(0);
-        checksum = select.text(1);
-        rowid = select.text(2);
+        Statement select(db_, fallback ? "SELECT blob, checksum, shape_bucket, rowid FROM decisions WHERE spec_key = ?1 "
+                                         "AND device_class = ?2 AND toolchain = ?3 ORDER BY last_used DESC, rowid DESC"
+                                       : "SELECT blob, checksum, shape_bucket, rowid FROM decisions WHERE spec_key = ?1 "
+                                         "AND device = ?2 AND toolchain = ?3 ORDER BY last_used DESC, rowid DESC");
+        select.bind(1, decisionSpecKey(spec, direction)).bind(2, fallback ? device.classKey() : device.key()).bind(3, toolchain);
+        int rc;
+        while ((rc = select.step()) == SQLITE_ROW) rows.push_back({select.blob(0), select.text(1), select.text(2), select.integer(3)});
+        if (rc != SQLITE_DONE) return makeError(std::string("kernel cache: ") + sqlite3_errmsg(db_));
       }
-      auto decision = checksumOf(blob) == checksum ? decisionFromJson(blob) : Result<Decision>(makeError("checksum"));
-      if (!decision) {
-        Statement drop(db_, "DELETE FROM decisions WHERE rowid = ?1");
-        (void)drop.bind(1, int64_t(std::stoll(rowid))).done("kernel cache: dropping a corrupt decision");
-        continue;
+      // The bucket's own, else the nearest tuned one, else every shape's
+      // (a bucket-less ask: every shape's, else the most recent).
+      auto rank = [&](const Row& row) {
+        if (row.bucket == shapeBucket) return -1.0;
+        if (row.bucket.empty()) return 1e9;
+        auto shape = parseShapeBucket(row.bucket);
+        if (!shape) return 2e9;
+        return wanted ? bucketDistance(*wanted, *shape) : 5e8;
+      };
+      std::stable_sort(rows.begin(), rows.end(), [&](const Row& a, const Row& b) { return rank(a) < rank(b); });
+      for (const Row& row : rows) {
+        auto decision =
+            checksumOf(row.blob) == row.checksum ? decisionFromJson(row.blob) : Result<Decision>(makeError("checksum"));
+        if (!decision) {
+          Statement drop(db_, "DELETE FROM decisions WHERE rowid = ?1");
+          (void)drop.bind(1, row.rowid).done("kernel cache: dropping a corrupt decision");
+          continue;
+        }
+        touch("decisions", "rowid", std::to_string(row.rowid));
+        DecisionLookup lookup{*decision, fallback, ""};
+        if (fallback)
+          lookup.note = "tuned on " + decision->device.name + ", another device of class " + device.classKey();
+        if (row.bucket != shapeBucket) {
+          const std::string shapes = row.bucket.empty() ? "every shape" : "shape bucket " + row.bucket;
+          const std::string bucketNote = "tuned for " + shapes + (shapeBucket.empty() ? "" : ", the nearest to " + shapeBucket);
+          lookup.note = lookup.note.empty() ? bucketNote : lookup.note + "; " + bucketNote;
+        }
+        return std::optional<DecisionLookup>(lookup);
       }
-      touch("decisions", "rowid", rowid);
-      DecisionLookup lookup{*decision, fallback, ""};
-      if (fallback)
-        lookup.note = "tuned on " + decision->device.name + ", another device of class " + device.classKey();
-      return std::optional<DecisionLookup>(lookup);
     }
     return std::optional<DecisionLookup>();
   }
@@ -340,7 +387,7 @@ class SqliteStore final : public KernelStore {
     const std::string blob = decisionToJson(d);
     Statement insert(db_,
                      "INSERT OR REPLACE INTO decisions(spec_key, device, toolchain, blob, checksum, created, bytes, "
-                     "last_used, device_class) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?6, ?8)");
+                     "last_used, device_class, shape_bucket) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?6, ?8, ?9)");
     if (Status ok = insert.bind(1, decisionSpecKey(d.spec, d.result.direction()))
                         .bind(2, d.device.key())
                         .bind(3, d.toolchain)
@@ -349,6 +396,7 @@ class SqliteStore final : public KernelStore {
                         .bind(6, now())
                         .bind(7, int64_t(blob.size()))
                         .bind(8, d.device.classKey())
+                        .bind(9, d.result.shape_bucket())
                         .done("kernel cache: storing a decision");
         !ok)
       return ok;
@@ -388,8 +436,7 @@ class SqliteStore final : public KernelStore {
                            select.integer(2), select.integer(3)});
       }
     }
-    Statement select(db_, "SELECT spec_key || '/' || device || '/' || toolchain, blob, bytes, last_used FROM decisions "
-                          "ORDER BY last_used DESC");
+    Statement select(db_, "SELECT " LOOM_DECISION_ID ", blob, bytes, last_used FROM decisions ORDER BY last_used DESC");
     while (select.step() == SQLITE_ROW) {
       auto decision = decisionFromJson(select.blob(1));
       entries.push_back({"decision", select.text(0),
@@ -416,7 +463,7 @@ class SqliteStore final : public KernelStore {
       json["source_bytes"] = sourceBytes;
       return std::optional<std::string>(json.dump(2));
     }
-    Statement select(db_, "SELECT blob FROM decisions WHERE spec_key || '/' || device || '/' || toolchain = ?1");
+    Statement select(db_, "SELECT blob FROM decisions WHERE " LOOM_DECISION_ID " = ?1");
     if (select.bind(1, id).step() != SQLITE_ROW) return std::optional<std::string>();
     const auto json = nlohmann::json::parse(select.blob(0), nullptr, false);
     return std::optional<std::string>(json.is_discarded() ? "(unreadable)" : json.dump(2));
@@ -426,7 +473,7 @@ class SqliteStore final : public KernelStore {
     Statement artifacts(db_, "DELETE FROM artifacts WHERE key = ?1");
     if (Status ok = artifacts.bind(1, id).done("kernel cache: removing"); !ok) return ok;
     int changed = sqlite3_changes(db_);
-    Statement decisions(db_, "DELETE FROM decisions WHERE spec_key || '/' || device || '/' || toolchain = ?1");
+    Statement decisions(db_, "DELETE FROM decisions WHERE " LOOM_DECISION_ID " = ?1");
     if (Status ok = decisions.bind(1, id).done("kernel cache: removing"); !ok) return ok;
     changed += sqlite3_changes(db_);
     if (changed == 0) return makeError("kernel cache: no entry " + id);
@@ -448,7 +495,7 @@ class SqliteStore final : public KernelStore {
       }
     }
     {
-      Statement select(db_, "SELECT rowid, blob, checksum, spec_key || '/' || device || '/' || toolchain FROM decisions");
+      Statement select(db_, "SELECT rowid, blob, checksum, " LOOM_DECISION_ID " FROM decisions");
       while (select.step() == SQLITE_ROW) {
         ++report.checked;
         if (checksumOf(select.blob(1)) != select.text(2) || !decisionFromJson(select.blob(1))) {
@@ -604,6 +651,7 @@ Result<sqlite3*> openAndMigrate(const std::string& path, const SqliteOptions& op
   if (migrated && version < 2) migrated = migrateToV2(db);
   if (migrated && version < 3) migrated = migrateToV3(db);
   if (migrated && version < 4) migrated = migrateToV4(db);
+  if (migrated && version < 5) migrated = migrateToV5(db);
   if (migrated) migrated = exec(db, "PRAGMA user_version = " + std::to_string(kSchemaVersion), path);
   if (!migrated) {
     (void)exec(db, "ROLLBACK", path);

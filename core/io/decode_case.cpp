@@ -82,22 +82,33 @@ IhaCase stepCase(const DecodeCase& step) {
 }
 
 Result<DecodeCase> decodeCaseFrom(const IhaCase& c, const DecodeLayout& layout) {
-  const int64_t B = c.batch, N = c.tokens, T = layout.newTokens, S = layout.pageSize;
+  const int64_t B = c.batch, N = c.tokens, S = layout.pageSize;
   const int64_t H = c.spec.heads(), d = c.spec.head_dim();
   if (c.spec.varlen())
     return makeError("a varlen case packs documents; a decode step's sequences are its page table's (decode a "
                      "case without varlen)");
-  if (T < 1 || T > N)
-    return makeError("--decode " + std::to_string(T) + ": the case has " + std::to_string(N) +
-                     " tokens, so 1 to " + std::to_string(N) + " new tokens");
+  const bool ragged = !layout.newTokensOf.empty();
+  if (ragged && int64_t(layout.newTokensOf.size()) != B)
+    return makeError(std::to_string(layout.newTokensOf.size()) + " new-token counts for " + std::to_string(B) +
+                     " sequences");
+  std::vector<int64_t> fresh = ragged ? layout.newTokensOf : std::vector<int64_t>(size_t(B), layout.newTokens);
+  const int64_t T = *std::max_element(fresh.begin(), fresh.end());
+  for (int64_t b = 0; b < B; ++b)
+    if (fresh[size_t(b)] < (ragged ? 0 : 1) || fresh[size_t(b)] > N)
+      return makeError("--decode " + std::to_string(fresh[size_t(b)]) + (ragged ? " for sequence " + std::to_string(b) : "") +
+                       ": the case has " + std::to_string(N) + " tokens, so " + (ragged ? "0" : "1") + " to " +
+                       std::to_string(N) + " new tokens");
+  if (T < 1) return makeError("a ragged step where no sequence brings a token: at least one must");
   if (S < 1) return makeError("--page-size " + std::to_string(S) + ": must be at least 1");
-  std::vector<int64_t> cached = layout.cached.empty() ? std::vector<int64_t>(size_t(B), N - T) : layout.cached;
+  std::vector<int64_t> cached(static_cast<size_t>(B), 0);
+  for (int64_t b = 0; b < B; ++b) cached[size_t(b)] = N - fresh[size_t(b)];
+  if (!layout.cached.empty()) cached = layout.cached;
   if (int64_t(cached.size()) != B)
     return makeError(std::to_string(cached.size()) + " cached lengths for " + std::to_string(B) + " sequences");
   for (int64_t b = 0; b < B; ++b)
-    if (cached[size_t(b)] < 0 || cached[size_t(b)] + T > N)
+    if (cached[size_t(b)] < 0 || cached[size_t(b)] + fresh[size_t(b)] > N)
       return makeError("sequence " + std::to_string(b) + ": " + std::to_string(cached[size_t(b)]) + " cached + " +
-                       std::to_string(T) + " new tokens: the case has " + std::to_string(N));
+                       std::to_string(fresh[size_t(b)]) + " new tokens: the case has " + std::to_string(N));
 
   const int64_t shared = layout.sharedPages, sharedTokens = shared * S;
   if (shared < 0) return makeError("shared pages: " + std::to_string(shared) + ", negative");
@@ -120,7 +131,7 @@ Result<DecodeCase> decodeCaseFrom(const IhaCase& c, const DecodeLayout& layout) 
   cache.mixed = layout.layout == CacheLayout::mixed;
   cache.pageSize = S;
   std::vector<int64_t> pages(static_cast<size_t>(B));
-  for (int64_t b = 0; b < B; ++b) pages[size_t(b)] = (cached[size_t(b)] + T + S - 1) / S;
+  for (int64_t b = 0; b < B; ++b) pages[size_t(b)] = (cached[size_t(b)] + fresh[size_t(b)] + S - 1) / S;
   // One spare page per sequence in the table and one in the cache, so that
   // neither ends where the step's pages do.
   cache.maxPages = *std::max_element(pages.begin(), pages.end()) + 1;
@@ -168,9 +179,15 @@ Result<DecodeCase> decodeCaseFrom(const IhaCase& c, const DecodeLayout& layout) 
   dc.step.q.clear();
   dc.step.k.clear();
   dc.step.v.clear();
-  if (layout.expected) dc.expected.reserve(size_t(B * T * H * d));
+  const int64_t total = std::accumulate(fresh.begin(), fresh.end(), int64_t(0));
+  if (ragged) {
+    dc.step.query_start_loc.assign(1, 0);
+    for (int64_t b = 0; b < B; ++b) dc.step.query_start_loc.push_back(int32_t(dc.step.query_start_loc.back() + fresh[size_t(b)]));
+  }
+  if (layout.expected) dc.expected.reserve(size_t(total * H * d));
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t from = cached[size_t(b)], to = from + T;
+    const int64_t from = cached[size_t(b)], to = from + fresh[size_t(b)];
+    if (to == from) continue;
     const reference::IhaInputs step = sliceTokens(c.spec, c.inputs, b, from, to);
     dc.step.q.insert(dc.step.q.end(), step.q.begin(), step.q.end());
     dc.step.k.insert(dc.step.k.end(), step.k.begin(), step.k.end());
@@ -182,7 +199,7 @@ Result<DecodeCase> decodeCaseFrom(const IhaCase& c, const DecodeLayout& layout) 
                                      d, 0, from, to);
     dc.expected.insert(dc.expected.end(), want.begin(), want.end());
   }
-  dc.shape = {B, T, cache.numPages, S, cache.maxPages};
+  dc.shape = {B, T, cache.numPages, S, cache.maxPages, ragged ? total : 0};
   return dc;
 }
 

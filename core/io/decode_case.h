@@ -29,6 +29,10 @@ struct DecodeLayout {
   // same pages, written once. Each sequence caches at least their tokens and
   // its k and v there equal sequence 0's.
   int64_t sharedPages = 0;
+  // A ragged step (docs/IHA.md, Ragged steps): sequence b brings
+  // newTokensOf[b] new tokens (0 allowed; newTokens is then unused), packed
+  // one sequence after another; empty: newTokens each.
+  std::vector<int64_t> newTokensOf;
 };
 
 struct DecodeCase {
@@ -39,10 +43,10 @@ struct DecodeCase {
   // kernel that reads past a sequence's tokens shows it. Page-table entries a
   // sequence does not use are -1.
   reference::PagedCache cache;
-  reference::DecodeInputs step;  // batch B, tokens T
-  // [B, T, H, d]: the case's expected.npy rows where the step ends at the
-  // case's last token, the float64 forward over the sequence's first
-  // cache_len + T tokens elsewhere.
+  reference::DecodeInputs step;  // batch B, tokens T (a ragged step: packed, with query_start_loc)
+  // [B, T, H, d] (a ragged step's [total, H, d]): the case's expected.npy
+  // rows where the step ends at the case's last token, the float64 forward
+  // over the sequence's first cache_len + T tokens elsewhere.
   std::vector<double> expected;
 };
 

@@ -28,12 +28,23 @@ struct PagedCache {
 };
 
 // The new tokens of a step: q [B, T, H, d], k and v [B, T, G, d], and the
-// weights of IhaInputs (batch = B, tokens = T).
+// weights of IhaInputs (batch = B, tokens = T); a ragged step's
+// (query_start_loc set) packed, q [total, H, d], k and v [total, G, d],
+// tokens the most any sequence brings.
 using DecodeInputs = IhaInputs;
 
+// Sequence b's new tokens: the first one's row among the step's (packed or
+// [B, T]) and how many.
+struct StepRows {
+  int64_t first, count;
+};
+StepRows stepRows(const DecodeInputs& step, int64_t b);
+// Rows of all sequences together: B * T, or a ragged step's total.
+int64_t stepTotal(const DecodeInputs& step);
+
 struct DecodeOutputs {
-  std::vector<double> out;  // [B, T, H, d]
-  std::vector<double> lse;  // [B, H, T*P], the new virtual rows'
+  std::vector<double> out;  // [B, T, H, d]; a ragged step's [total, H, d]
+  std::vector<double> lse;  // [B, H, T*P], the new virtual rows' (a ragged step's first T_b * P of each)
 };
 
 // The slot (page * page_size + offset) of token t of sequence b.

@@ -24,6 +24,11 @@ struct IhaInputs {
   // Varlen (KernelSpec.varlen): batch 1 holds documents one after another,
   // document i tokens [cu_seqlens[i], cu_seqlens[i + 1]); empty otherwise.
   std::vector<int32_t> cu_seqlens;
+  // A ragged decode step (docs/IHA.md, Ragged steps): q, k and v pack every
+  // sequence's new tokens, sequence b's rows query_start_loc[b] ..
+  // query_start_loc[b + 1] - 1 of [total, heads, d], and tokens is the most
+  // any sequence brings; empty for a uniform step (or a forward).
+  std::vector<int32_t> query_start_loc;
 };
 
 struct IhaOutputs {

@@ -19,7 +19,7 @@ int64_t cacheBytesPerToken(const KernelSpec& spec, CacheLayout layout) {
 }
 
 Status validateDecode(const DecodeShape& shape, std::span<const int32_t> pageTable,
-                      std::span<const int32_t> cacheLen) {
+                      std::span<const int32_t> cacheLen, std::span<const int32_t> queryStartLoc) {
   const std::pair<const char*, int64_t> sizes[] = {{"batch", shape.batch},
                                                    {"new tokens", shape.newTokens},
                                                    {"num_pages", shape.numPages},
@@ -34,6 +34,33 @@ Status validateDecode(const DecodeShape& shape, std::span<const int32_t> pageTab
   if (int64_t(cacheLen.size()) != shape.batch)
     return makeError("cache_len has " + std::to_string(cacheLen.size()) + " entries, one per sequence needs " +
                      std::to_string(shape.batch));
+  const bool ragged = !queryStartLoc.empty();
+  if (ragged) {
+    if (int64_t(queryStartLoc.size()) != shape.batch + 1)
+      return makeError("query_start_loc has " + std::to_string(queryStartLoc.size()) + " entries; " +
+                       std::to_string(shape.batch) + " sequences need " + std::to_string(shape.batch + 1));
+    if (queryStartLoc[0] != 0)
+      return makeError("query_start_loc[0] is " + std::to_string(queryStartLoc[0]) + ": the packed rows start at 0");
+    for (int64_t b = 0; b < shape.batch; ++b) {
+      const int64_t count = int64_t(queryStartLoc[size_t(b) + 1]) - queryStartLoc[size_t(b)];
+      const std::string at = "query_start_loc[" + std::to_string(b + 1) + "] is " +
+                             std::to_string(queryStartLoc[size_t(b) + 1]) + ", ";
+      if (count < 0)
+        return makeError(at + "below query_start_loc[" + std::to_string(b) + "] " +
+                         std::to_string(queryStartLoc[size_t(b)]) + ": the offsets must not decrease");
+      if (count > shape.newTokens)
+        return makeError(at + "so sequence " + std::to_string(b) + " brings " + std::to_string(count) +
+                         " new tokens, more than the step's most, " + std::to_string(shape.newTokens) +
+                         " (max_query_len)");
+    }
+    if (queryStartLoc[size_t(shape.batch)] != shape.totalTokens)
+      return makeError("query_start_loc[" + std::to_string(shape.batch) + "] is " +
+                       std::to_string(queryStartLoc[size_t(shape.batch)]) + ", but q packs " +
+                       std::to_string(shape.totalTokens) + " tokens");
+  }
+  auto newTokensOf = [&](int64_t b) {
+    return ragged ? int64_t(queryStartLoc[size_t(b) + 1]) - queryStartLoc[size_t(b)] : shape.newTokens;
+  };
   const int64_t capacity = shape.maxPages * shape.pageSize;
   // Each page's first user: (sequence, entry, whether the step writes there).
   struct User {
@@ -45,14 +72,14 @@ Status validateDecode(const DecodeShape& shape, std::span<const int32_t> pageTab
     return "page_table[" + std::to_string(b) + "][" + std::to_string(e) + "]";
   };
   for (int64_t b = 0; b < shape.batch; ++b) {
-    const int64_t length = cacheLen[size_t(b)];
+    const int64_t length = cacheLen[size_t(b)], count = newTokensOf(b);
     const std::string sequence = "sequence " + std::to_string(b);
     if (length < 0) return makeError("cache_len[" + std::to_string(b) + "] is " + std::to_string(length) + ", negative");
-    if (length + shape.newTokens > capacity)
-      return makeError(sequence + ": cache_len " + std::to_string(length) + " + " + std::to_string(shape.newTokens) +
+    if (length + count > capacity)
+      return makeError(sequence + ": cache_len " + std::to_string(length) + " + " + std::to_string(count) +
                        " new tokens do not fit its max_pages " + std::to_string(shape.maxPages) + " x page_size " +
                        std::to_string(shape.pageSize) + " = " + std::to_string(capacity) + " slots");
-    const int64_t used = (length + shape.newTokens + shape.pageSize - 1) / shape.pageSize;
+    const int64_t used = (length + count + shape.pageSize - 1) / shape.pageSize;
     for (int64_t e = 0; e < used; ++e) {
       const int32_t page = pageTable[size_t(b * shape.maxPages + e)];
       const std::string entry = name(b, e);
@@ -61,7 +88,7 @@ Status validateDecode(const DecodeShape& shape, std::span<const int32_t> pageTab
                          std::to_string(shape.numPages) + " pages");
       // The step appends at positions length .. length + T - 1: a page
       // holding any of them is written.
-      const bool writes = (e + 1) * shape.pageSize > length;
+      const bool writes = count > 0 && (e + 1) * shape.pageSize > length;
       auto [at, fresh] = first.try_emplace(page, User{b, e, writes});
       if (fresh) continue;
       const User& other = at->second;

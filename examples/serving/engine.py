@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
-"""A small serving engine over loom's paged decode: continuous batching, a shared system prompt's pages
-(prefix caching, copy-on-write for its last partial page), and a page allocator that frees what a request
-leaves behind.
+"""A small serving engine over loom's paged decode: continuous batching in ragged steps (prefill chunks and
+decode tokens in one launch), a shared system prompt's pages (prefix caching, copy-on-write for its last
+partial page), and a page allocator that frees what a request leaves behind.
 
 The model is a small IHA language model (loom.torch's InterleavedHeadAttention in every layer, seeded
 random weights). Requests arrive at different steps, each a system prompt every request shares followed by
 prompt tokens of its own, and ask for a number of greedy tokens. Every step the engine:
   1. admits the requests that have arrived: each gets the system prompt's full pages (shared, read only),
-     a private copy of its last partial page, and pages of its own; its own prompt is prefilled over the
-     cached system prompt (one loom.torch.decode call a layer, a chunked prefill);
-  2. decodes one token of every running request in one batch (one loom.torch.decode call a layer, T = 1);
+     a private copy of its last partial page, and pages of its own;
+  2. runs one ragged step (docs/IHA.md, Ragged steps; one loom.torch.paged_attention call a layer): the
+     admitted requests' own prompts, each prefilled over the cached system prompt, packed beside one
+     decode token of every running request;
   3. retires the requests that have their tokens, giving their pages back (a shared page when its last
      sharer leaves; the system prompt's stay with the engine).
 With --check every request's tokens are compared with recomputing its whole sequence with loom.torch.iha
@@ -30,7 +31,7 @@ import time
 
 import torch
 
-from loom.torch import InterleavedHeadAttention, decode
+from loom.torch import InterleavedHeadAttention, paged_attention
 
 
 class PageAllocator:
@@ -75,7 +76,8 @@ class Block(torch.nn.Module):
 
 class TinyLM(torch.nn.Module):
     """Embedding, IHA blocks, head. forward() is the whole sequence at once (loom.torch.iha in every layer);
-    step() is the served path: new tokens over each layer's paged cache (loom.torch.decode)."""
+    step() is the served path: a ragged step's new tokens over each layer's paged cache
+    (loom.torch.paged_attention)."""
 
     def __init__(self, vocab: int, args):
         super().__init__()
@@ -91,21 +93,23 @@ class TinyLM(torch.nn.Module):
             x = x + b.mlp(b.norm2(x))
         return self.head(self.norm(x))
 
-    def step(self, tokens, caches, page_table, cache_len, layout, dtype, threads):
-        """tokens [B, T] at positions cache_len .. cache_len + T - 1 of each sequence -> logits [B, T, vocab];
-        appends each layer's k and v to its cache (the caller advances cache_len)."""
+    def step(self, tokens, caches, page_table, cache_len, starts, most, layout, dtype, threads):
+        """tokens [total]: sequence b's new tokens are tokens[starts[b]:starts[b + 1]], at its positions
+        cache_len[b] onwards -> logits [total, vocab]; appends each layer's k and v to its cache (the caller
+        advances cache_len). `most`: the most new tokens of one sequence."""
         x = self.embed(tokens)
-        B, T, _ = x.shape
+        total = x.shape[0]
         for b, (k_cache, v_cache) in zip(self.blocks, caches):
             a = b.attention
             h = b.norm1(x)
             H, G, d = a.heads, a.kv_heads, a.head_dim
-            q = a.q_proj(h).view(B, T, H, d).to(dtype)
-            k = a.k_proj(h).view(B, T, G, d).to(dtype)
-            v = a.v_proj(h).view(B, T, G, d).to(dtype)
-            o = decode(q, k, v, a.alpha_q.float(), a.alpha_k.float(), a.alpha_v.float(), a.collapse.float(),
-                       k_cache, v_cache, page_table, cache_len, a.spec, cache=layout, threads=threads)
-            x = x + a.out_proj(o.to(x.dtype).reshape(B, T, H * d))
+            q = a.q_proj(h).view(total, H, d).to(dtype)
+            k = a.k_proj(h).view(total, G, d).to(dtype)
+            v = a.v_proj(h).view(total, G, d).to(dtype)
+            o = paged_attention(q, k, v, a.alpha_q.float(), a.alpha_k.float(), a.alpha_v.float(),
+                                a.collapse.float(), k_cache, v_cache, page_table, cache_len, starts, a.spec,
+                                cache=layout, max_query_len=most, threads=threads)
+            x = x + a.out_proj(o.to(x.dtype).reshape(total, H * d))
             x = x + b.mlp(b.norm2(x))
         return self.head(self.norm(x))
 
@@ -129,16 +133,22 @@ class Engine:
         self.shared, self.system = [], []  # the system prompt's pages, and its tokens
         self.peak_pages = 0
         self.decoded_tokens = 0
+        self.steps_mixed = 0  # ragged steps holding a prefill and a decode token together
 
-    def _run(self, tokens, requests, lengths):
-        """One step of `tokens` [B, T] for `requests` cached up to `lengths`: logits of the last new token."""
-        width = max(len(r.pages) for r in requests)
-        table = torch.tensor([r.pages + [-1] * (width - len(r.pages)) for r in requests], dtype=torch.int32,
+    def _run(self, batch):
+        """One ragged step of `batch`, (request, its new tokens, its cached length) each: the logits of each
+        request's last new token."""
+        width = max(len(r.pages) for r, _, _ in batch)
+        table = torch.tensor([r.pages + [-1] * (width - len(r.pages)) for r, _, _ in batch], dtype=torch.int32,
                              device=self.device)
-        cache_len = torch.tensor(lengths, dtype=torch.int32, device=self.device)
-        logits = self.model.step(tokens, self.caches, table, cache_len, self.args.cache, self.dtype,
-                                 self.args.threads)
-        return logits[:, -1]
+        cache_len = torch.tensor([n for _, _, n in batch], dtype=torch.int32, device=self.device)
+        counts = [len(new) for _, new, _ in batch]
+        starts = torch.tensor([0] + [sum(counts[:i + 1]) for i in range(len(counts))], dtype=torch.int32,
+                              device=self.device)
+        tokens = torch.tensor([t for _, new, _ in batch for t in new], device=self.device)
+        logits = self.model.step(tokens, self.caches, table, cache_len, starts, max(counts), self.args.cache,
+                                 self.dtype, self.args.threads)
+        return logits[starts[1:].long() - 1]
 
     def _grow(self, r, length):
         """Pages enough for `length` tokens."""
@@ -150,12 +160,13 @@ class Engine:
         holder = Request(-1, 0, system, 0)
         self._grow(holder, len(system))
         with torch.no_grad():
-            self._run(torch.tensor([system], device=self.device), [holder], [0])
+            self._run([(holder, system, 0)])
         self.shared, self.system = holder.pages, system
 
     def admit(self, r):
         """Shares the system prompt's full pages, copies its last partial page (copy on write: the request
-        appends there), takes pages for its own prompt, and prefills that prompt over the cached system."""
+        appends there) and takes pages for its own prompt, which the next step prefills over the cached
+        system prompt."""
         S, n = self.args.page_size, len(self.system)
         full = n // S
         r.pages = [self.pool.share(p) for p in self.shared[:full]]
@@ -165,30 +176,32 @@ class Engine:
                 k_cache[own].copy_(k_cache[self.shared[full]])
                 v_cache[own].copy_(v_cache[self.shared[full]])
             r.pages.append(own)
-        suffix = r.prompt[n:]
         self._grow(r, len(r.prompt))
-        with torch.no_grad():
-            last = self._run(torch.tensor([suffix], device=self.device), [r], [n])
-        r.length = len(r.prompt)
-        r.generated.append(int(last.argmax(-1)[0]))
-        r.logits.append(last[0].float().cpu())
+        r.length = n
         self.running.append(r)
 
-    def decode_running(self):
-        """One token of every running request that still wants one, in one batch."""
-        batch = [r for r in self.running if len(r.generated) < r.wanted]
+    def run_step(self):
+        """One ragged step: every admitted request's own prompt (a prefill chunk over the cached system
+        prompt) and one token of every running request that still wants one, packed in one launch a layer."""
+        batch = []
+        for r in self.running:
+            if not r.generated:  # admitted: its prompt after the system prompt
+                batch.append((r, r.prompt[r.length:], r.length))
+            elif len(r.generated) < r.wanted:
+                self._grow(r, r.length + 1)
+                batch.append((r, [r.generated[-1]], r.length))
         if not batch:
             return
-        for r in batch:
-            self._grow(r, r.length + 1)
-        tokens = torch.tensor([[r.generated[-1]] for r in batch], device=self.device)
         with torch.no_grad():
-            last = self._run(tokens, batch, [r.length for r in batch])
-        for r, token, logits in zip(batch, last.argmax(-1).tolist(), last.float().cpu()):
-            r.length += 1
+            last = self._run(batch)
+        prefills = 0
+        for (r, new, _), token, logits in zip(batch, last.argmax(-1).tolist(), last.float().cpu()):
+            prefills += not r.generated
+            self.decoded_tokens += bool(r.generated)
+            r.length += len(new)
             r.generated.append(int(token))
             r.logits.append(logits)
-        self.decoded_tokens += len(batch)
+        self.steps_mixed += 0 < prefills < len(batch)
 
     def retire(self):
         for r in [r for r in self.running if len(r.generated) >= r.wanted]:
@@ -204,7 +217,7 @@ class Engine:
         while pending or self.running:
             while pending and pending[0].arrival <= step:
                 self.admit(pending.pop(0))
-            self.decode_running()
+            self.run_step()
             self.peak_pages = max(self.peak_pages, self.pool.in_use())
             self.retire()
             step += 1
@@ -280,7 +293,8 @@ def main():
         per_token = 2 * G * d * (P if layout == "mixed" else 1) * torch.finfo(dtype).bits // 8 * args.layers
         shared = len(system) // args.page_size
         print(f"{layout} cache: {len(requests)} requests served in {steps} steps, {engine.decoded_tokens} tokens "
-              f"decoded in batches; {per_token} bytes a cached token ({args.layers} layers, G={G} d={d}"
+              f"decoded in ragged steps ({engine.steps_mixed} of them prefilling and decoding together); "
+              f"{per_token} bytes a cached token ({args.layers} layers, G={G} d={d}"
               f"{f' P={P}' if layout == 'mixed' else ''}); the system prompt's {shared} full pages held once for "
               f"all {len(requests)} requests ({shared * (len(requests) - 1)} pages saved); peak "
               f"{engine.peak_pages} pages of {args.page_size} tokens in use, {engine.pool.in_use()} after the "

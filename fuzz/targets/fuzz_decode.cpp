@@ -1,7 +1,8 @@
-// A decode step's page table and lengths from any bytes: validateDecode
-// refuses them with a clean error, or the float64 decode step (which reads and
-// writes the cache only through them) stays inside every buffer and gives
-// finite rows.
+// A decode step's page table, lengths and (a ragged step's) query_start_loc
+// from any bytes: validateDecode refuses them with a clean error, or the
+// float64 decode step (which reads and writes the cache only through them,
+// and the packed rows through the offsets) stays inside every buffer and
+// gives finite rows.
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -34,7 +35,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::vector<int32_t> table(tableSize), lengths(size_t(shape.batch));
   for (int32_t& entry : table) entry = int32_t(int8_t(in.next()));
   for (int32_t& length : lengths) length = int32_t(int8_t(in.next()));
-  if (!loom::validateDecode(shape, table, lengths)) return 0;
+  // A ragged step: B + 1 offsets (or a drawn wrong count of them) into totalTokens packed rows.
+  std::vector<int32_t> starts;
+  if (in.next() & 1) {
+    shape.totalTokens = in.next() % 12;
+    starts.resize(size_t(std::max<int64_t>(1, shape.batch + 1)) + (in.next() % 4 == 0));
+    for (int32_t& start : starts) start = int32_t(int8_t(in.next()));
+  }
+  if (!loom::validateDecode(shape, table, lengths, starts)) return 0;
 
   loom::v1::KernelSpec spec;
   spec.set_heads(2);
@@ -59,15 +67,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   loom::reference::DecodeInputs step;
   step.batch = B;
   step.tokens = T;
-  step.q.assign(size_t(B * T * 2 * 2), 0.75);
-  step.k.assign(size_t(B * T * 1 * 2), -0.5);
+  step.query_start_loc = starts;
+  const int64_t rows = starts.empty() ? B * T : shape.totalTokens;
+  step.q.assign(size_t(rows * 2 * 2), 0.75);
+  step.k.assign(size_t(rows * 1 * 2), -0.5);
   step.v.assign(step.k.size(), 1.0);
   step.alpha_q = {1, 0.5, 0.25, 1, -0.5, 0.25, 1, 0};  // [H, H, P]
   step.alpha_k = {1, 0.5};                             // [G, G, P]
   step.alpha_v = {0.5, 1};
   step.collapse = {0.5, 0.5, -1, 2};  // [H, P]
   const loom::reference::DecodeOutputs out = loom::reference::ihaDecode(spec, step, cache);
-  if (out.out.size() != size_t(B * T * 2 * 2)) std::abort();
+  if (out.out.size() != size_t(rows * 2 * 2)) std::abort();
   for (double x : out.out)
     if (!std::isfinite(x)) std::abort();
   return 0;

@@ -27,4 +27,5 @@ from ._loom import (  # noqa: F401  (the public API)
     reference,
     reference_backward,
     reload,
+    shape_bucket,
 )

@@ -36,7 +36,7 @@ import torch
 
 from . import _loom
 
-__all__ = ["iha", "iha_varlen", "iha_eager", "decode", "warmup", "InterleavedHeadAttention", "HAS_CUSTOM_OP", "spec_for"]
+__all__ = ["iha", "iha_varlen", "iha_eager", "decode", "paged_attention", "warmup", "InterleavedHeadAttention", "HAS_CUSTOM_OP", "spec_for"]
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -131,13 +131,15 @@ _capsule = torch.utils.dlpack.to_dlpack
 
 
 def _workspace(spec: str, batch: int, tokens: int, direction: str, device: torch.device, schedule, cache_dir: str,
-               cache: str = "raw", service: str = "", keep: bool = False):
+               cache: str = "raw", service: str = "", keep: bool = False, cache_tokens: int = 0):
     """A CUDA launch's workspaces from PyTorch's caching allocator, on the current stream (None on the host):
-    torch's memory statistics see them, and CUDA-graph capture takes them from the graph's pool."""
+    torch's memory statistics see them, and CUDA-graph capture takes them from the graph's pool. A decode
+    step's cache_tokens (max_pages x page_size) picks its kernel's shape bucket, as the launch does."""
     if device.type != "cuda":
         return None
     index = device.index if device.index is not None else torch.cuda.current_device()
-    size = _loom.workspace_bytes(spec, batch, tokens, direction, cache, schedule, index, cache_dir, service, keep)
+    size = _loom.workspace_bytes(spec, batch, tokens, direction, cache, schedule, index, cache_dir, service, keep,
+                                 cache_tokens)
     return _capsule(torch.empty(max(size, 1), dtype=torch.uint8, device=device))
 
 
@@ -259,10 +261,34 @@ def _decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page
     heads, head_dim, _ = _out_dims(spec)
     out = torch.empty((q.shape[0], q.shape[1], heads, head_dim), dtype=q.dtype, device=q.device)
     tensors = _prepared((q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len))
-    workspace = _workspace(spec, q.shape[0], q.shape[1], "decode", q.device, schedule, cache_dir, cache, service)
+    workspace = _workspace(spec, q.shape[0], q.shape[1], "decode", q.device, schedule, cache_dir, cache, service,
+                           cache_tokens=page_table.shape[1] * k_cache.shape[1])
     _loom.decode(*tensors, spec, cache=cache, out=_capsule(out), stream=_stream(q), schedule=schedule,
                  cache_dir=cache_dir, service=service, threads=threads, check_pages=check_pages, workspace=workspace,
                  page_errors=None if page_errors is None else _capsule(page_errors))
+    return out
+
+
+def _paged_attention(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len,
+                     query_start_loc, max_query_len: int, spec: str, cache: str, schedule: Optional[str],
+                     cache_dir: str, service: str, threads: int, check_pages: bool) -> torch.Tensor:
+    _check_inputs(q, (alpha_q, alpha_k, alpha_v, collapse))
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous: the step appends to it in place")
+    if q.dim() != 3:
+        raise ValueError(f"q: a ragged step packs its sequences' new tokens, [total, H, d]; got {tuple(q.shape)}")
+    heads, head_dim, _ = _out_dims(spec)
+    out = torch.empty((q.shape[0], heads, head_dim), dtype=q.dtype, device=q.device)
+    if q.shape[0] == 0:  # no sequence brings a token: nothing to append or attend
+        return out
+    tensors = _prepared((q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len))
+    batch = query_start_loc.shape[0] - 1
+    workspace = _workspace(spec, batch, max_query_len, "decode", q.device, schedule, cache_dir, cache, service,
+                           cache_tokens=page_table.shape[1] * k_cache.shape[1])
+    _loom.decode(*tensors, spec, cache=cache, out=_capsule(out), stream=_stream(q), schedule=schedule,
+                 cache_dir=cache_dir, service=service, threads=threads, check_pages=check_pages, workspace=workspace,
+                 query_start_loc=_capsule(query_start_loc.contiguous()), max_query_len=max_query_len)
     return out
 
 
@@ -445,6 +471,23 @@ if HAS_CUSTOM_OP:
         heads, head_dim, _ = _out_dims(spec)
         return q.new_empty((q.shape[0], q.shape[1], heads, head_dim))
 
+    @torch.library.custom_op("loom::paged_attention", mutates_args=("k_cache", "v_cache"))
+    def _paged_attention_op(q: Tensor, k: Tensor, v: Tensor, alpha_q: Tensor, alpha_k: Tensor, alpha_v: Tensor,
+                            collapse: Tensor, k_cache: Tensor, v_cache: Tensor, page_table: Tensor,
+                            cache_len: Tensor, query_start_loc: Tensor, max_query_len: int, spec: str, cache: str,
+                            schedule: Optional[str], cache_dir: str, service: str, threads: int,
+                            check_pages: bool) -> Tensor:
+        return _paged_attention(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table,
+                                cache_len, query_start_loc, max_query_len, spec, cache, schedule, cache_dir, service,
+                                threads, check_pages)
+
+    @_paged_attention_op.register_fake
+    def _paged_attention_fake(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table,
+                              cache_len, query_start_loc, max_query_len, spec, cache, schedule, cache_dir, service,
+                              threads, check_pages):
+        heads, head_dim, _ = _out_dims(spec)
+        return q.new_empty((q.shape[0], heads, head_dim))
+
 
 def _schedule_text(schedule) -> Optional[str]:
     return None if schedule is None else (schedule if isinstance(schedule, str) else json.dumps(schedule))
@@ -534,6 +577,31 @@ def decode(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_
             _spec_text(spec, q.dtype), cache, _schedule_text(schedule), cache_dir, service, threads,
             check_pages)
     return _decode_op(*args) if HAS_CUSTOM_OP else _decode(*args)
+
+
+def paged_attention(q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len,
+                    query_start_loc, spec, *, cache: str = "raw", max_query_len: Optional[int] = None, schedule=None,
+                    cache_dir: str = "", service: str = "", threads: int = 0,
+                    check_pages: bool = True) -> torch.Tensor:
+    """A ragged step over a paged cache (docs/IHA.md, Ragged steps), as serving engines batch: B sequences
+    each bring their own number of new tokens (a prefill chunk over a cached prefix, a single decode token, or
+    none), packed one sequence after another in q [total, H, d], k and v [total, G, d]; query_start_loc [B + 1]
+    (int32, cumulative: sequence b's rows are query_start_loc[b] .. query_start_loc[b + 1] - 1), cache_len [B]
+    and page_table [B, max_pages] (int32), k_cache and v_cache as for decode (cache="raw" or "mixed"). Appends
+    each sequence's new k and v at its cache_len (in place; advance cache_len by each sequence's count
+    afterwards) and returns out [total, H, d]: each new token's row over its own sequence, as iha gives it.
+    max_query_len, the most new tokens one sequence brings, sizes the launch; left None it is read from
+    query_start_loc (a synchronisation for CUDA tensors: a serving loop passes it). CUDA tensors run loom's decode
+    kernel on the current stream; host tensors (float32 and the 16-bit dtypes) the generated program on the host
+    tile API. check_pages as for decode. With PyTorch 2.4 and later it is the custom op
+    torch.ops.loom.paged_attention (mutating k_cache and v_cache)."""
+    if max_query_len is None:
+        counts = query_start_loc[1:] - query_start_loc[:-1]
+        max_query_len = int(counts.max()) if counts.numel() else 0
+    args = (q, k, v, alpha_q, alpha_k, alpha_v, collapse, k_cache, v_cache, page_table, cache_len,
+            query_start_loc, int(max_query_len), _spec_text(spec, q.dtype), cache, _schedule_text(schedule),
+            cache_dir, service, threads, check_pages)
+    return _paged_attention_op(*args) if HAS_CUSTOM_OP else _paged_attention(*args)
 
 
 def warmup(spec, shapes, directions=("forward", "backward"), *, device="cpu", dtype: Optional[torch.dtype] = None,

@@ -203,12 +203,22 @@ Status runDecodeOnHost(const KernelSpec& spec, const IhaTensors& step, const Pag
                        const Schedule& schedule, const cpu::CpuOptions& options) {
   if (Status ok = validateSpec(spec); !ok) return ok.error();
   if (Status ok = validateDecodeTensors(spec, step, cache, kHostDevice); !ok) return ok.error();
-  auto c = hostCase(spec, step);
+  // A ragged step's packed rows come in as one batch of its tokens, then
+  // take its sequences and offsets.
+  const IhaTensors packed = packedView(step, cache);
+  auto c = hostCase(spec, packed);
   if (!c) return c.error();
+  const bool ragged = cache.query_start_loc != nullptr;
+  const int64_t total = c->tokens;
+  if (ragged) {
+    c->batch = c->inputs.batch = cache.batch;
+    c->tokens = c->inputs.tokens = cache.max_query_len;
+    c->inputs.query_start_loc.assign(cache.query_start_loc, cache.query_start_loc + cache.batch + 1);
+  }
   DecodeCase dc;
   dc.spec = spec;
   dc.layout = cache.layout;
-  dc.shape = {c->batch, c->tokens, cache.k_cache.shape[0], cache.k_cache.shape[1], cache.max_pages};
+  dc.shape = {c->batch, c->tokens, cache.k_cache.shape[0], cache.k_cache.shape[1], cache.max_pages, ragged ? total : 0};
   dc.step = c->inputs;
   reference::PagedCache& paged = dc.cache;
   paged.mixed = cache.layout == CacheLayout::mixed;
@@ -226,12 +236,12 @@ Status runDecodeOnHost(const KernelSpec& spec, const IhaTensors& step, const Pag
   if (!plan) return plan.error();
   auto outputs = cpu::runDecodePlan(**plan, dc, options);
   if (!outputs) return outputs.error();
-  scatterOutputs(outputs->out, outputs->lse, step);
+  scatterOutputs(outputs->out, outputs->lse, packed);
   // Only the new tokens' slots go back: the rest of the cache is the caller's.
   const int64_t E = reference::cacheTokenElements(spec, paged.mixed), bytes = elementBytes(cache.k_cache.element);
   const NpyType type = npyTypeOf(cache.k_cache.element);
   for (int64_t b = 0; b < c->batch; ++b)
-    for (int64_t t = 0; t < c->tokens; ++t) {
+    for (int64_t t = 0; t < reference::stepRows(dc.step, b).count; ++t) {
       const int64_t slot = reference::cacheSlot(paged, b, paged.cacheLen[size_t(b)] + t);
       for (const auto& [values, tensor] : {std::pair{&outputs->cache.k, &cache.k_cache}, {&outputs->cache.v, &cache.v_cache}}) {
         const std::vector<double> row(values->begin() + slot * E, values->begin() + (slot + 1) * E);

@@ -18,7 +18,8 @@ KernelProvider::KernelProvider(const std::string& cacheDir, int maxConcurrentCom
 }
 
 Result<ProvidedKernel> KernelProvider::provide(const KernelSpec& spec, const v1::Target& target,
-                                               const Schedule& schedule, v1::Direction direction, bool keepsForward) {
+                                               const Schedule& schedule, v1::Direction direction, bool keepsForward,
+                                               const std::string& shapeBucket) {
   if (target.kind() != v1::Target::cuda) return makeError("target must be a CUDA arch (sm_80, sm_90a, ...)");
   if (keepsForward && direction != v1::direction_forward)
     return makeError("only a forward kernel keeps what its backward reads");
@@ -27,11 +28,13 @@ Result<ProvidedKernel> KernelProvider::provide(const KernelSpec& spec, const v1:
   provided.scheduleSource = schedule.ByteSizeLong() ? "given" : "default";
   if (store_ && !schedule.ByteSizeLong()) {
     count(Counter::store_reads);
-    auto decision = store_->getDecision(spec, cache::DeviceModel::of(target), jit::nvrtcVersion(), direction);
+    auto decision =
+        store_->getDecision(spec, cache::DeviceModel::of(target), jit::nvrtcVersion(), direction, shapeBucket);
+    if (!decision && !shapeBucket.empty()) return decision.error();  // a malformed bucket
     if (decision && decision->has_value()) {
       chosen = (*decision)->decision.result.best();
       provided.scheduleSource = (*decision)->decision.result.measured() ? "tuned" : "ranked (untimed)";
-      if ((*decision)->fallback) provided.scheduleSource += " (" + (*decision)->note + ")";
+      if (!(*decision)->note.empty()) provided.scheduleSource += " (" + (*decision)->note + ")";
     }
   }
   if (provided.scheduleSource == "default" && chooser_ && direction == v1::direction_forward) {  // the cost model ranks forward schedules

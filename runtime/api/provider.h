@@ -46,9 +46,12 @@ class KernelProvider {
   // keyed apart from the forward's. `keepsForward` (a forward): the kernel
   // that keeps what its backward reads (keepingSchedule of the given
   // schedule, else of the decision's with its mixing and collapse unset,
-  // else of the default).
+  // else of the default). `shapeBucket` (cache::shapeBucket of the
+  // launches' shapes): that bucket's decision, else the nearest tuned
+  // one's, else the one for every shape (KernelStore::getDecision).
   Result<ProvidedKernel> provide(const KernelSpec& spec, const v1::Target& target, const Schedule& schedule = {},
-                                 v1::Direction direction = v1::direction_forward, bool keepsForward = false);
+                                 v1::Direction direction = v1::direction_forward, bool keepsForward = false,
+                                 const std::string& shapeBucket = "");
 
   // How a miss with no decision picks its schedule (default: the compiler's
   // default). The service installs the cost model's best here.

@@ -40,14 +40,14 @@ v1::Target Runtime::target() const { return cuda::targetOf(device()); }
 // where it came from (`what` names a direction other than the forward).
 Result<std::shared_ptr<Kernel>> Runtime::provideAndLoad(const KernelSpec& spec, const Schedule& schedule,
                                                         v1::Direction direction, const std::string& what,
-                                                        bool keepsForward) {
+                                                        bool keepsForward, const std::string& shapeBucket) {
   const std::string key = std::to_string(int(direction)) + (keepsForward ? "k" : "") + '\0' +
-                          spec.SerializeAsString() + '\0' + schedule.SerializeAsString();
+                          spec.SerializeAsString() + '\0' + schedule.SerializeAsString() + '\0' + shapeBucket;
   {
     std::lock_guard lock(state_->mutex);
     if (auto found = state_->kept.find(key); found != state_->kept.end()) return found->second;
   }
-  auto provided = state_->provider->provide(spec, target(), schedule, direction, keepsForward);
+  auto provided = state_->provider->provide(spec, target(), schedule, direction, keepsForward, shapeBucket);
   if (!provided) return provided.error();
   auto kernel = load(provided->kernel);
   if (!kernel) return kernel.error();
@@ -61,22 +61,25 @@ void Runtime::reload() {
   state_->kept.clear();
 }
 
-Result<std::shared_ptr<Kernel>> Runtime::kernel(const KernelSpec& spec, const Schedule& schedule) {
-  return provideAndLoad(spec, schedule, v1::direction_forward, "");
+Result<std::shared_ptr<Kernel>> Runtime::kernel(const KernelSpec& spec, const Schedule& schedule,
+                                                const std::string& shapeBucket) {
+  return provideAndLoad(spec, schedule, v1::direction_forward, "", false, shapeBucket);
 }
 
-Result<std::shared_ptr<Kernel>> Runtime::keepingKernel(const KernelSpec& spec, const Schedule& schedule) {
-  return provideAndLoad(spec, schedule, v1::direction_forward, " (keeping the forward)", true);
+Result<std::shared_ptr<Kernel>> Runtime::keepingKernel(const KernelSpec& spec, const Schedule& schedule,
+                                                       const std::string& shapeBucket) {
+  return provideAndLoad(spec, schedule, v1::direction_forward, " (keeping the forward)", true, shapeBucket);
 }
 
-Result<std::shared_ptr<Kernel>> Runtime::backwardKernel(const KernelSpec& spec, const Schedule& schedule) {
-  return provideAndLoad(spec, schedule, v1::direction_backward, " (backward)");
+Result<std::shared_ptr<Kernel>> Runtime::backwardKernel(const KernelSpec& spec, const Schedule& schedule,
+                                                        const std::string& shapeBucket) {
+  return provideAndLoad(spec, schedule, v1::direction_backward, " (backward)", false, shapeBucket);
 }
 
 Result<std::shared_ptr<Kernel>> Runtime::decodeKernel(const KernelSpec& spec, CacheLayout layout,
-                                                      const Schedule& schedule) {
+                                                      const Schedule& schedule, const std::string& shapeBucket) {
   return provideAndLoad(spec, schedule, decodeDirectionOf(layout),
-                        std::string(" (decode, ") + cacheLayoutName(layout) + " cache)");
+                        std::string(" (decode, ") + cacheLayoutName(layout) + " cache)", false, shapeBucket);
 }
 
 Result<std::shared_ptr<Kernel>> Runtime::load(const v1::CompiledKernel& compiled) {

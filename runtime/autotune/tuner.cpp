@@ -422,7 +422,11 @@ Result<TuneReport> tune(const KernelSpec& spec, const v1::Target& target, std::s
     results.push_back(r);
   }
   auto summary = summarize(spec, target, std::move(results), int(space.pruned.size()));
-  if (summary) summary->result.set_direction(directionOf(options.direction, options.mixedCache));
+  if (summary) {
+    const v1::Direction direction = directionOf(options.direction, options.mixedCache);
+    summary->result.set_direction(direction);
+    if (options.shapeBucketed) summary->result.set_shape_bucket(cache::shapeBucket(direction, options.batch, options.tokens));
+  }
   return summary;
 }
 

@@ -57,6 +57,11 @@ struct TuneOptions {
   // model and checked on the emulator.
   bool mixedCache = false;
   int64_t newTokens = 1;
+  // File the decision under the shape bucket of (batch, tokens)
+  // (cache::shapeBucket: a forward's or backward's N, a decode step's
+  // batch and cache length), served to launches of those shapes and, where
+  // no bucket nearer is tuned, to others; false: for every shape.
+  bool shapeBucketed = false;
 };
 
 struct TuneReport {

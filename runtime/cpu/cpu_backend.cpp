@@ -123,6 +123,7 @@ struct HostTensors {
   std::map<Workspace, std::vector<float>> workspaces;
   std::vector<float> dq, dk, dv, dalphaQ, dalphaK, dalphaV, dcollapse;
   std::vector<int32_t> cuSeqlens;
+  std::vector<int32_t> queryStartLoc;
   IhaArgs args{};
 };
 
@@ -140,9 +141,12 @@ void prepareTensors(const KernelPlan& plan, const IhaCase& c, HostTensors& t) {
   t.alphaK = floats(c.inputs.alpha_k);
   t.alphaV = floats(c.inputs.alpha_v);
   t.collapse = floats(c.inputs.collapse);
+  // A ragged step's out packs its sequences' new tokens, [total, H, d].
+  const std::vector<int32_t>& ragged = c.inputs.query_start_loc;
+  const int64_t rows = ragged.empty() ? B * N : ragged.back();
   t.out.type = storage;
-  t.out.shape = {B, N, H, d};
-  t.out.bytes.assign(size_t(B * N * H * d * NpyArray::elementSize(storage)), 0xff);  // poison: NaN in every type
+  t.out.shape = ragged.empty() ? std::vector<int64_t>{B, N, H, d} : std::vector<int64_t>{rows, H, d};
+  t.out.bytes.assign(size_t(rows * H * d * NpyArray::elementSize(storage)), 0xff);  // poison: NaN in every type
   t.lse.assign(size_t(B * H * L), std::nanf(""));
   for (Workspace w : plan.workspaces)
     t.workspaces[w].assign(size_t(workspaceElements(plan, w, B, N)), std::nanf(""));
@@ -170,6 +174,10 @@ void prepareTensors(const KernelPlan& plan, const IhaCase& c, HostTensors& t) {
     t.cuSeqlens = c.inputs.cu_seqlens;
     args.cu_seqlens = t.cuSeqlens.data();
     args.documents = int64_t(t.cuSeqlens.size()) - 1;
+  }
+  if (!ragged.empty()) {
+    t.queryStartLoc = ragged;
+    args.query_start_loc = t.queryStartLoc.data();
   }
   if (plan.direction != Direction::backward) return;
 
@@ -265,7 +273,7 @@ Status checkDecodeStep(const KernelPlan& plan, const DecodeCase& step, bool entr
   if (plan.mixedCache != (step.layout == CacheLayout::mixed))
     return makeError(std::string("the plan is for a ") + (plan.mixedCache ? "mixed" : "raw") + " cache, the step's is " +
                      cacheLayoutName(step.layout));
-  if (entries) return validateDecode(step.shape, step.cache.pageTable, step.cache.cacheLen);
+  if (entries) return validateDecode(step.shape, step.cache.pageTable, step.cache.cacheLen, step.step.query_start_loc);
   if (int64_t(step.cache.pageTable.size()) != step.shape.batch * step.shape.maxPages ||
       int64_t(step.cache.cacheLen.size()) != step.shape.batch)
     return makeError("page_table and cache_len: want B x max_pages and B entries");

@@ -128,8 +128,31 @@ Result<DeviceRun> runCase(Kernel& kernel, const Device& device, const IhaCase& c
   return buffers->download(device, c);
 }
 
+namespace {
+
+// The step's operands as CaseBuffers hold them: a ragged step's packed rows
+// as one batch of its tokens.
+IhaCase operandCase(const DecodeCase& step) {
+  IhaCase c = stepCase(step);
+  if (c.inputs.query_start_loc.empty()) return c;
+  c.batch = c.inputs.batch = 1;
+  c.tokens = c.inputs.tokens = c.inputs.query_start_loc.back();
+  c.inputs.query_start_loc.clear();
+  return c;
+}
+
+}  // namespace
+
+IhaTensors DecodeBuffers::tensors() const {
+  IhaTensors t = step_.tensors();
+  if (!cache_.query_start_loc) return t;
+  for (Tensor* x : {&t.q, &t.k, &t.v, &t.out}) x->shape.erase(x->shape.begin());  // [1, total, ...]: dense
+  t.lse.reset();
+  return t;
+}
+
 Result<DecodeBuffers> DecodeBuffers::upload(const Device& device, const DecodeCase& step) {
-  auto operands = CaseBuffers::upload(device, stepCase(step));
+  auto operands = CaseBuffers::upload(device, operandCase(step));
   if (!operands) return operands.error();
   DecodeBuffers buffers;
   buffers.step_ = std::move(*operands);
@@ -159,6 +182,13 @@ Result<DecodeBuffers> DecodeBuffers::upload(const Device& device, const DecodeCa
   cache.cache_len = static_cast<const int32_t*>(*lengths);
   cache.max_pages = step.shape.maxPages;
   cache.layout = step.layout;
+  if (const std::vector<int32_t>& starts = step.step.query_start_loc; !starts.empty()) {
+    auto uploaded = upload(starts.data(), starts.size() * sizeof(int32_t));
+    if (!uploaded) return uploaded.error();
+    cache.query_start_loc = static_cast<const int32_t*>(*uploaded);
+    cache.batch = step.shape.batch;
+    cache.max_query_len = step.shape.newTokens;
+  }
   return buffers;
 }
 
@@ -183,7 +213,7 @@ Result<DeviceDecodeRun> runDecodeCase(Kernel& kernel, const Device& device, cons
   if (!buffers) return buffers.error();
   if (Status ok = buffers->step().poison(device); !ok) return ok.error();
   if (Status ok = kernel.launchDecode(buffers->tensors(), buffers->cache()); !ok) return ok.error();
-  auto run = buffers->step().download(device, stepCase(step));
+  auto run = buffers->step().download(device, operandCase(step));
   if (!run) return run.error();
   auto cache = buffers->downloadCache(device, step);
   if (!cache) return cache.error();

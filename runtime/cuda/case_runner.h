@@ -60,8 +60,9 @@ class CaseBuffers {
 // launches (a step appends the same tokens to the same slots each time).
 class DecodeBuffers {
  public:
+  // A ragged step's operands are packed, [total, heads, d], with no lse.
   static Result<DecodeBuffers> upload(const Device& device, const DecodeCase& step);
-  IhaTensors tensors() const { return step_.tensors(); }
+  IhaTensors tensors() const;
   const PagedCacheTensors& cache() const { return cache_; }
   const CaseBuffers& step() const { return step_; }
   // The cache read back from the device, widened from the dtype.
@@ -69,7 +70,7 @@ class DecodeBuffers {
 
  private:
   CaseBuffers step_;
-  std::vector<std::shared_ptr<DeviceBuffer>> cacheBuffers_;  // k_cache v_cache page_table cache_len
+  std::vector<std::shared_ptr<DeviceBuffer>> cacheBuffers_;  // k_cache v_cache page_table cache_len [query_start_loc]
   PagedCacheTensors cache_;
 };
 

@@ -200,10 +200,43 @@ Status validateGradTensors(const KernelSpec& spec, const IhaTensors& givenInputs
   return Status::success();
 }
 
+IhaTensors packedView(const IhaTensors& step, const PagedCacheTensors& cache) {
+  if (!cache.query_start_loc || step.q.shape.size() != 3) return step;
+  IhaTensors view = step;
+  for (Tensor* x : {&view.q, &view.k, &view.v, &view.out})
+    if (x->shape.size() == 3) *x = withBatchOfOne(*x);
+  return view;
+}
+
+IhaTensors raggedLaunchView(const IhaTensors& step, const PagedCacheTensors& cache) {
+  if (!cache.query_start_loc) return step;
+  IhaTensors view = step;
+  for (Tensor* x : {&view.q, &view.k, &view.v, &view.out}) {
+    std::vector<int64_t> shape = x->shape, strides = stridesOf(*x);
+    if (shape.size() == 4) {  // [1, total, ...]
+      shape.erase(shape.begin());
+      strides.erase(strides.begin());
+    }
+    x->shape = {cache.batch, cache.max_query_len, shape[1], shape[2]};
+    x->strides = {0, strides[0], strides[1], strides[2]};
+  }
+  return view;
+}
+
 Status validateDecodeTensors(const KernelSpec& spec, const IhaTensors& step, const PagedCacheTensors& cache,
                              int device, bool checkPages) {
-  if (Status ok = validateOperands(spec, step, device, /*withOut=*/true); !ok) return ok;
-  const int64_t B = step.q.shape[0], T = step.q.shape[1];
+  const bool ragged = cache.query_start_loc != nullptr;
+  if (ragged) {
+    if (step.q.shape.size() != 3)
+      return makeError("q: a ragged step packs its sequences' new tokens, [total, H, d]; got " + shapeText(step.q.shape));
+    if (step.lse) return makeError("lse: a ragged step gives none (its rows are packed); pass no lse");
+    if (cache.batch < 1) return makeError("batch: a ragged step's sequences, at least 1, not " + std::to_string(cache.batch));
+    if (cache.max_query_len < 1 || cache.max_query_len > step.q.shape[0])
+      return makeError("max_query_len: the most new tokens one sequence brings, 1 to q's " +
+                       std::to_string(step.q.shape[0]) + ", not " + std::to_string(cache.max_query_len));
+  }
+  if (Status ok = validateOperands(spec, packedView(step, cache), device, /*withOut=*/true); !ok) return ok;
+  const int64_t B = ragged ? cache.batch : step.q.shape[0], T = ragged ? cache.max_query_len : step.q.shape[1];
   const bool mixed = cache.layout == CacheLayout::mixed;
   if (cache.k_cache.shape.size() != (mixed ? 5u : 4u))
     return makeError(std::string("k_cache: want ") + (mixed ? "[num_pages, page_size, G, P, d]" : "[num_pages, page_size, G, d]") +
@@ -222,8 +255,10 @@ Status validateDecodeTensors(const KernelSpec& spec, const IhaTensors& step, con
     return makeError("page_table: max_pages * page_size * pseudo_heads (" +
                      std::to_string(cache.max_pages * shape[1] * spec.pseudo_heads()) + ") must be below 2^31");
   if (!checkPages) return Status::success();
-  return validateDecode({B, T, shape[0], shape[1], cache.max_pages},
-                        {cache.page_table, size_t(B * cache.max_pages)}, {cache.cache_len, size_t(B)});
+  return validateDecode({B, T, shape[0], shape[1], cache.max_pages, ragged ? step.q.shape[0] : 0},
+                        {cache.page_table, size_t(B * cache.max_pages)}, {cache.cache_len, size_t(B)},
+                        ragged ? std::span<const int32_t>(cache.query_start_loc, size_t(B + 1))
+                               : std::span<const int32_t>());
 }
 
 ElementKind savedRowElement(const KernelSpec& spec, bool cudaKernel) {
@@ -568,13 +603,16 @@ Status Kernel::launchDecode(const IhaTensors& step, const PagedCacheTensors& cac
   if (mixedKernel != (cache.layout == CacheLayout::mixed))
     return makeError(std::string("this decode kernel reads a ") + (mixedKernel ? "mixed" : "raw") +
                      " cache, the step's is " + cacheLayoutName(cache.layout) + " (loom compile --decode --cache)");
-  if (step.q.shape.size() != 4) return makeError("q: want 4 dimensions [B, T, H, d]");
+  const bool ragged = cache.query_start_loc != nullptr;
+  if (step.q.shape.size() != (ragged ? 3u : 4u))
+    return makeError(ragged ? "q: a ragged step's is [total, H, d]" : "q: want 4 dimensions [B, T, H, d]");
   if (!cache.page_table || !cache.cache_len) return makeError("page_table and cache_len: missing");
   if (Status ok = device_->makeCurrent(); !ok) return ok;
-  const int64_t B = step.q.shape[0], T = step.q.shape[1];
+  const int64_t B = ragged ? cache.batch : step.q.shape[0], T = ragged ? cache.max_query_len : step.q.shape[1];
   if (B < 1 || cache.max_pages < 1) return makeError("q: B must be at least 1, and page_table's max_pages too");
-  // The page table and lengths come to the host to be checked.
+  // The page table, lengths and a ragged step's offsets come to the host to be checked.
   std::vector<int32_t> table(static_cast<size_t>(B * cache.max_pages)), lengths(static_cast<size_t>(B));
+  std::vector<int32_t> starts(ragged ? static_cast<size_t>(B + 1) : 0);
   auto fetch = [&](std::vector<int32_t>& host, const int32_t* device, const char* what) {
     return cuda::check(device_->api().cuMemcpyDtoH(host.data(), reinterpret_cast<CUdeviceptr>(device),
                                                    host.size() * sizeof(int32_t)),
@@ -583,16 +621,21 @@ Status Kernel::launchDecode(const IhaTensors& step, const PagedCacheTensors& cac
   if (checkPages) {
     if (Status ok = fetch(table, cache.page_table, "page_table"); !ok) return ok;
     if (Status ok = fetch(lengths, cache.cache_len, "cache_len"); !ok) return ok;
+    if (ragged)
+      if (Status ok = fetch(starts, cache.query_start_loc, "query_start_loc"); !ok) return ok;
   }
   PagedCacheTensors checked = cache;
   checked.page_table = table.data();
   checked.cache_len = lengths.data();
+  if (ragged) checked.query_start_loc = starts.data();
   if (Status ok = validateDecodeTensors(compiled_.spec(), step, checked, device_->info().ordinal, checkPages); !ok)
     return ok;
   std::lock_guard lock(mutex_);
   auto state = streamState(stream, B, T, workspace);
   if (!state) return state.error();
-  IhaArgs args = operandArgs(step, step.out, [&](const char* name) { return (*state)->workspace(name); });
+  const IhaTensors launched = raggedLaunchView(step, cache);
+  IhaArgs args = operandArgs(launched, launched.out, [&](const char* name) { return (*state)->workspace(name); });
+  args.query_start_loc = cache.query_start_loc;
   args.k_cache = cache.k_cache.data;
   args.v_cache = cache.v_cache.data;
   args.page_table = cache.page_table;

@@ -154,7 +154,10 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
   args.alpha_k = floats("alpha_k", c.inputs.alpha_k);
   args.alpha_v = floats("alpha_v", c.inputs.alpha_v);
   args.collapse = floats("collapse", c.inputs.collapse);
-  const size_t outBytes = size_t(B * N * H * d) * 2;
+  // A ragged decode step's out packs its sequences' new tokens, [total, H, d].
+  const std::vector<int32_t>& ragged = c.inputs.query_start_loc;
+  const int64_t outRows = ragged.empty() ? B * N : ragged.back();
+  const size_t outBytes = size_t(outRows * H * d) * 2;
   args.out = memory.allocate("out", outBytes, false, 0xff);
   args.lse = reinterpret_cast<float*>(memory.allocate("lse", size_t(B * H * L) * sizeof(float), false, 0xff));
   for (Workspace w : plan.workspaces) {
@@ -196,6 +199,11 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
     std::memcpy(data, bounds.data(), bounds.size() * sizeof(int32_t));
     args.cu_seqlens = static_cast<const int32_t*>(data);
     args.documents = int64_t(bounds.size()) - 1;
+  }
+  if (!ragged.empty()) {
+    void* data = memory.allocate("query_start_loc", ragged.size() * sizeof(int32_t), true);
+    std::memcpy(data, ragged.data(), ragged.size() * sizeof(int32_t));
+    args.query_start_loc = static_cast<const int32_t*>(data);
   }
   if (options.decode) {  // the step's cache: read and appended to through the page table
     const DecodeCase& step = *options.decode;
@@ -321,7 +329,7 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
 
   NpyArray out;
   out.type = storage;
-  out.shape = {B, N, H, d};
+  out.shape = {outRows, H, d};
   out.bytes.assign(static_cast<const uint8_t*>(args.out), static_cast<const uint8_t*>(args.out) + outBytes);
   run.out = npyToDouble(out, spec.dtype() == v1::bfloat16);
   run.lse.assign(args.lse, args.lse + B * H * L);

@@ -53,13 +53,15 @@ void KernelClient::authorize(grpc::ClientContext& context) const {
 }
 
 Result<v1::GetKernelResponse> KernelClient::getKernel(const v1::KernelSpec& spec, const v1::Target& target,
-                                                      int deadlineMs, v1::Direction direction) {
+                                                      int deadlineMs, v1::Direction direction,
+                                                      const std::string& shapeBucket) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(deadlineMs));
   v1::GetKernelRequest request;
   *request.mutable_spec() = spec;
   *request.mutable_target() = target;
   request.set_direction(direction);
+  request.set_shape_bucket(shapeBucket);
   v1::GetKernelResponse response;
   count(Counter::service_requests);
   const grpc::Status status = stub_->GetKernel(&context, request, &response);
@@ -95,13 +97,14 @@ Result<v1::PutTuningResponse> KernelClient::putTuning(const v1::TuningResult& re
 }
 
 Result<v1::LookupDecisionResponse> KernelClient::lookupDecision(const v1::KernelSpec& spec, const v1::Target& target,
-                                                              v1::Direction direction) {
+                                                              v1::Direction direction, const std::string& shapeBucket) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   v1::LookupDecisionRequest request;
   *request.mutable_spec() = spec;
   *request.mutable_target() = target;
   request.set_direction(direction);
+  request.set_shape_bucket(shapeBucket);
   v1::LookupDecisionResponse response;
   count(Counter::service_requests);
   const grpc::Status status = stub_->LookupDecision(&context, request, &response);
@@ -111,9 +114,10 @@ Result<v1::LookupDecisionResponse> KernelClient::lookupDecision(const v1::Kernel
 
 namespace {
 v1::LeaseRequest leaseRequest(const v1::KernelSpec& spec, const v1::Target& target, const std::string& worker,
-                              int seconds, v1::Direction direction) {
+                              int seconds, v1::Direction direction, const std::string& shapeBucket) {
   v1::LeaseRequest request;
   request.set_direction(direction);
+  request.set_shape_bucket(shapeBucket);
   *request.mutable_spec() = spec;
   *request.mutable_target() = target;
   request.set_worker(worker);
@@ -123,25 +127,29 @@ v1::LeaseRequest leaseRequest(const v1::KernelSpec& spec, const v1::Target& targ
 }  // namespace
 
 Result<v1::LeaseResponse> KernelClient::acquireLease(const v1::KernelSpec& spec, const v1::Target& target,
-                                                     const std::string& worker, int seconds, v1::Direction direction) {
+                                                     const std::string& worker, int seconds, v1::Direction direction,
+                                                     const std::string& shapeBucket) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   authorize(context);
   v1::LeaseResponse response;
   count(Counter::service_requests);
-  const grpc::Status status = stub_->AcquireLease(&context, leaseRequest(spec, target, worker, seconds, direction), &response);
+  const grpc::Status status = stub_->AcquireLease(&context, leaseRequest(spec, target, worker, seconds, direction, shapeBucket),
+                                                  &response);
   if (!status.ok()) return callError(status);
   return response;
 }
 
 Result<v1::LeaseResponse> KernelClient::releaseLease(const v1::KernelSpec& spec, const v1::Target& target,
-                                                     const std::string& worker, v1::Direction direction) {
+                                                     const std::string& worker, v1::Direction direction,
+                                                     const std::string& shapeBucket) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   authorize(context);
   v1::LeaseResponse response;
   count(Counter::service_requests);
-  const grpc::Status status = stub_->ReleaseLease(&context, leaseRequest(spec, target, worker, 0, direction), &response);
+  const grpc::Status status = stub_->ReleaseLease(&context, leaseRequest(spec, target, worker, 0, direction, shapeBucket),
+                                                  &response);
   if (!status.ok()) return callError(status);
   return response;
 }

@@ -5,6 +5,7 @@
 #include <regex>
 
 #include "jit/nvrtc_compiler.h"
+#include "loom/cache.h"
 #include "loom/compiler.h"
 #include "loom/spec.h"
 
@@ -88,10 +89,26 @@ Status checkDirection(v1::Direction direction) {
                    " is not forward, backward, decode or decode_mixed");
   return Status::OK;
 }
+
+// A shape bucket is empty (every shape) or cache::shapeBucket's form, of
+// the direction's kind: "n<N>" for the forward and backward, "c<C>.b<B>"
+// for a decode step.
+Status checkBucket(const std::string& bucket, v1::Direction direction, const char* field) {
+  if (bucket.empty()) return Status::OK;
+  if (bucket.size() > 40) return invalid(std::string(field) + ": longer than 40 characters");
+  auto shape = cache::parseShapeBucket(bucket);
+  if (!shape) return invalid(std::string(field) + ": " + shape.error().message);
+  const bool decode = direction == v1::direction_decode || direction == v1::direction_decode_mixed;
+  if (decode != (bucket[0] == 'c'))
+    return invalid(std::string(field) + " " + shortQuote(bucket) + ": a " + (decode ? "decode step's" : "forward's or backward's") +
+                   " bucket is " + (decode ? "c<cache>.b<batch>" : "n<tokens>"));
+  return Status::OK;
+}
 }  // namespace
 
 Status checkRequest(const v1::GetKernelRequest& request) {
   if (Status ok = checkDirection(request.direction()); !ok.ok()) return ok;
+  if (Status ok = checkBucket(request.shape_bucket(), request.direction(), "shape_bucket"); !ok.ok()) return ok;
   return checkSpecAndTarget(request.spec(), request.target());
 }
 
@@ -108,6 +125,7 @@ Status checkRequest(const v1::PutTuningRequest& request) {
     return invalid("kernel.schedule is not result.best");
   if (kernel.direction() != result.direction()) return invalid("kernel.direction differs from result.direction");
   if (Status ok = checkDirection(result.direction()); !ok.ok()) return ok;
+  if (Status ok = checkBucket(result.shape_bucket(), result.direction(), "result.shape_bucket"); !ok.ok()) return ok;
   if (!request.candidates_json().empty() && !nlohmann::json::accept(request.candidates_json()))
     return invalid("candidates_json is not JSON");
   return Status::OK;
@@ -126,11 +144,13 @@ Status checkRequest(const v1::TuneRequest& request) {
 
 Status checkRequest(const v1::LookupDecisionRequest& request) {
   if (Status ok = checkDirection(request.direction()); !ok.ok()) return ok;
+  if (Status ok = checkBucket(request.shape_bucket(), request.direction(), "shape_bucket"); !ok.ok()) return ok;
   return checkSpecAndTarget(request.spec(), request.target());
 }
 
 Status checkRequest(const v1::LeaseRequest& request) {
   if (Status ok = checkDirection(request.direction()); !ok.ok()) return ok;
+  if (Status ok = checkBucket(request.shape_bucket(), request.direction(), "shape_bucket"); !ok.ok()) return ok;
   if (Status ok = checkSpec(request.spec()); !ok.ok()) return ok;
   if (request.worker().empty()) return invalid("worker: name the worker taking the lease");
   if (request.worker().size() > kMaxWorkerName)

@@ -64,8 +64,8 @@ class KernelServiceImpl final : public v1::KernelService::Service {
       // outlives its callers is one thread per distinct (spec, target), at
       // most kMaxOutstanding of them: past that the server sheds requests
       // instead of queueing compiles without end.
-      const std::string key = cache::decisionSpecKey(request->spec(), request->direction()) + "/" +
-                              request->target().SerializeAsString();
+      const std::string key = cache::decisionSpecKey(request->spec(), request->direction()) + "@" +
+                              request->shape_bucket() + "/" + request->target().SerializeAsString();
       std::shared_future<Result<ProvidedKernel>> future;
       {
         std::lock_guard lock(pendingMutex_);
@@ -80,8 +80,8 @@ class KernelServiceImpl final : public v1::KernelService::Service {
           future = promise->get_future().share();
           pending_.emplace(key, future);
           std::thread([this, promise, key, spec = request->spec(), target = request->target(),
-                       direction = request->direction(), worker = Worker(*this)] {
-            auto provided = provider_.provide(spec, target, {}, direction);
+                       direction = request->direction(), bucket = request->shape_bucket(), worker = Worker(*this)] {
+            auto provided = provider_.provide(spec, target, {}, direction, false, bucket);
             if (provided && provided->compileSeconds) metrics_.compileSeconds(*provided->compileSeconds);
             {
               // Forgotten before it is answered: a request that comes after the answer must not
@@ -205,7 +205,7 @@ class KernelServiceImpl final : public v1::KernelService::Service {
       if (Status ok = checkRequest(*request); !ok.ok()) return ok;
       if (!provider_.store()) return Status(StatusCode::UNAVAILABLE, "the kernel cache is unavailable");
       auto found = provider_.store()->getDecision(request->spec(), cache::DeviceModel::of(request->target()),
-                                                  jit::nvrtcVersion(), request->direction());
+                                                  jit::nvrtcVersion(), request->direction(), request->shape_bucket());
       if (!found) return Status(StatusCode::INTERNAL, found.error().message);
       if (found->has_value()) {
         response->set_found(!(*found)->fallback);
@@ -348,7 +348,7 @@ class KernelServiceImpl final : public v1::KernelService::Service {
     return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
   }
   static std::string leaseKey(const v1::LeaseRequest& request) {
-    return cache::decisionSpecKey(request.spec(), request.direction()) + "/" +
+    return cache::decisionSpecKey(request.spec(), request.direction()) + "@" + request.shape_bucket() + "/" +
            cache::DeviceModel::of(request.target()).key();
   }
   std::mutex leaseMutex_;

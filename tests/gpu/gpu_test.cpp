@@ -136,7 +136,9 @@ TEST_F(Gpu, EveryBundleMatchesTheReferenceOnSharedAndDrawnCases) {
 // sm_90a "decode-wgmma" and "decode-wgmma-split", a raw cache): each shared case's last T tokens decoded over a shuffled paged
 // cache of the others (T = 1 over 16-token pages; T = 3 over 7-token pages
 // with ragged lengths; T = 1 over 4-token pages after a prompt of two
-// pages every sequence shares), out and lse poisoned, within the dtype's tolerance
+// pages every sequence shares; a ragged step, a chunk of up to 9 tokens, a
+// sequence bringing none and single tokens packed under query_start_loc,
+// over 5-token pages), out and lse poisoned, within the dtype's tolerance
 // of the forward's rows; the new tokens' k and v exactly at their slots and
 // no other slot written; two runs equal bit for bit.
 TEST_F(Gpu, EveryDecodeBundleMatchesTheForwardsRows) {
@@ -162,13 +164,24 @@ TEST_F(Gpu, EveryDecodeBundleMatchesTheForwardsRows) {
       prompt = std::move(*shared);
       for (int64_t s = 0; s < c.batch; ++s) sharing.cached.push_back(8 + int64_t(rng() % uint64_t(c.tokens - 8)));
     }
-    for (const DecodeLayout& layout : {DecodeLayout{1, 16, CacheLayout::raw, {}, rng()}, ragged, sharing}) {
+    // A ragged step (docs/IHA.md, Ragged steps): each sequence its own count
+    // of new tokens, a prefill chunk of up to 9 beside single tokens, and
+    // (two sequences or more) one bringing none; pages of 5.
+    DecodeLayout packed{1, 5, CacheLayout::raw, {}, rng()};
+    for (int64_t s = 0; s < c.batch; ++s)
+      packed.newTokensOf.push_back(s == 1 ? 0 : s == 0 ? std::min<int64_t>(9, c.tokens) : 1 + int64_t(rng() % 2));
+    for (const DecodeLayout& layout : {DecodeLayout{1, 16, CacheLayout::raw, {}, rng()}, ragged, sharing, packed}) {
       if (layout.sharedPages > 0 && layout.cached.empty()) continue;  // one sequence, or too short
       auto step = decodeCaseFrom(layout.sharedPages > 0 ? prompt : c, layout);
       ASSERT_TRUE(step) << step.error().message;
-      const std::string what = b.caseName + " " + b.dtype + " " + b.label + " T=" + std::to_string(layout.newTokens) +
-                               " page " + std::to_string(layout.pageSize) +
-                               (layout.sharedPages > 0 ? " 2 pages shared" : "");
+      std::string counts = "T=" + std::to_string(layout.newTokens);
+      if (!layout.newTokensOf.empty()) {
+        counts = "ragged T=";
+        for (int64_t t : layout.newTokensOf) counts += std::to_string(t) + ",";
+        counts.pop_back();
+      }
+      const std::string what = b.caseName + " " + b.dtype + " " + b.label + " " + counts + " page " +
+                               std::to_string(layout.pageSize) + (layout.sharedPages > 0 ? " 2 pages shared" : "");
       auto first = cuda::runDecodeCase(**kernel, *device_, *step);
       ASSERT_TRUE(first) << what << ": " << first.error().message;
       auto second = cuda::runDecodeCase(**kernel, *device_, *step);

@@ -280,6 +280,19 @@ class KeptForward(unittest.TestCase):
                               cache_dir=CACHE)
 
 
+class ShapeBuckets(unittest.TestCase):
+    """loom.shape_bucket: the bucket a launch's tuned decision is looked up under (README, decisions by shape)."""
+
+    def test_buckets_round_up_to_powers_of_two(self):
+        self.assertEqual(loom.shape_bucket("forward", 2, 3000), "n4096")
+        self.assertEqual(loom.shape_bucket("backward", 1, 4096), "n4096")
+        self.assertEqual(loom.shape_bucket("decode", 5, 40000), "c65536.b8")
+        with self.assertRaisesRegex(ValueError, "direction: want forward, backward or decode"):
+            loom.shape_bucket("sideways", 1, 16)
+        with self.assertRaisesRegex(ValueError, "at least 1"):
+            loom.shape_bucket("forward", 0, 16)
+
+
 class Errors(unittest.TestCase):
     spec = {"heads": 2, "kv_heads": 2, "pseudo_heads": 2, "head_dim": 8, "dtype": "float32",
             "mask": "none", "collapse": "per_head", "rope_theta": 0.0}

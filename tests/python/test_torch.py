@@ -8,6 +8,7 @@ them. Specs, shapes and data are drawn fresh every run (the seed is printed;
 LOOM_TEST_SEED replays it). Run by CTest with PYTHONPATH set to build/python,
 and by scripts/check-wheel against an installed wheel.
 """
+import itertools
 import json
 import os
 import random
@@ -233,6 +234,19 @@ class Decode(unittest.TestCase):
             if spec["mask"] != "none":
                 return spec
 
+    @staticmethod
+    def empty_cache(spec, layout, B, N, page, dtype, device, gen):
+        """B sequences' pages for N tokens each under a shuffled table (one spare page), the caches NaN, the
+        lengths 0: (page_table, k_cache, v_cache, cache_len)."""
+        G, P, d = spec["kv_heads"], spec["pseudo_heads"], spec["head_dim"]
+        per = -(-N // page)
+        pages = B * per + 1
+        table = torch.randperm(pages, generator=gen)[:B * per].view(B, per).to(torch.int32).to(device)
+        shape = (pages, page, G, d) if layout == "raw" else (pages, page, G, P, d)
+        k_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        v_cache = torch.full(shape, float("nan"), dtype=dtype, device=device)
+        return table, k_cache, v_cache, torch.zeros(B, dtype=torch.int32, device=device)
+
     def prefill_then_steps(self, seed, device, dtype, tolerance, head_dims=None):
         """Per layout, two drawn causal specs: the chunked prefill, then the steps, against the float64 eager
         forward; the cache's written slots counted, and (raw) read back as k was projected."""
@@ -251,13 +265,8 @@ class Decode(unittest.TestCase):
                     want = lt.iha_eager(*[t.double() for t in tensors], spec)
                     tensors = [t.to(device) for t in tensors]
                     q, k, v, weights = tensors[0], tensors[1], tensors[2], tensors[3:]
-                    per = -(-N // page)
-                    pages = B * per + 1
-                    table = torch.randperm(pages, generator=gen)[:B * per].view(B, per).to(torch.int32).to(device)
-                    shape = (pages, page, G, d) if layout == "raw" else (pages, page, G, P, d)
-                    k_cache = torch.full(shape, float("nan"), dtype=q.dtype, device=device)
-                    v_cache = torch.full(shape, float("nan"), dtype=q.dtype, device=device)
-                    cache_len = torch.zeros(B, dtype=torch.int32, device=device)
+                    table, k_cache, v_cache, cache_len = self.empty_cache(spec, layout, B, N, page, q.dtype, device,
+                                                                         gen)
                     outs = []
                     for lo, hi in ((0, n0), (n0, n0 + 2), (n0 + 2, N)):
                         outs.append(lt.decode(q[:, lo:hi], k[:, lo:hi], v[:, lo:hi], *weights, k_cache, v_cache,
@@ -320,6 +329,83 @@ class Decode(unittest.TestCase):
                                                                                     shared - 1)):
                     lt.decode(q[:, :1], k[:, :1], v[:, :1], *weights, k_cache, v_cache, table,
                               torch.tensor([N - 1, n0 - 1, N - 1], dtype=torch.int32), spec, **run)
+
+    def ragged_steps(self, seed, device, dtype, tolerance, head_dims=None):
+        """loom.torch.paged_attention: three sequences through three ragged steps, each step mixing prefill
+        chunks (several pages), single decode tokens and sequences bringing nothing; every sequence's rows
+        together are the float64 eager forward's over it, each slot written once, for both cache layouts."""
+        rng = random.Random(seed)
+        gen = torch.Generator().manual_seed(seed)
+        for layout in ("raw", "mixed"):
+            spec = self.causal_spec(rng)
+            if head_dims:
+                spec["head_dim"] = rng.choice(head_dims)
+            B, page = 3, rng.choice((2, 3, 4))
+            N = 3 * page + 3
+            # Each sequence's new tokens a step: a chunk of pages, one token, none, the rest.
+            plans = [(2 * page + 1, 1, N - 2 * page - 2), (0, page + 2, N - page - 2), (1, 0, N - 1)]
+            G, P, d = spec["kv_heads"], spec["pseudo_heads"], spec["head_dim"]
+            with self.subTest(spec=spec, layout=layout, page=page, device=device):
+                tensors = draw(spec, B, N, dtype, gen, requires_grad=False)
+                want = lt.iha_eager(*[t.double() for t in tensors], spec)
+                tensors = [t.to(device) for t in tensors]
+                q, k, v, weights = tensors[0], tensors[1], tensors[2], tensors[3:]
+                table, k_cache, v_cache, cache_len = self.empty_cache(spec, layout, B, N, page, q.dtype, device, gen)
+                outs = [[] for _ in range(B)]
+                for step in range(3):
+                    counts = [plans[b][step] for b in range(B)]
+                    lo = cache_len.tolist()
+                    rows = [(b, lo[b], lo[b] + counts[b]) for b in range(B)]
+                    packed = [torch.cat([x[b, a:z] for b, a, z in rows]) for x in (q, k, v)]
+                    starts = torch.tensor([0] + list(itertools.accumulate(counts)), dtype=torch.int32, device=device)
+                    out = lt.paged_attention(*packed, *weights, k_cache, v_cache, table, cache_len, starts, spec,
+                                             cache=layout, cache_dir=CACHE, threads=2)
+                    self.assertEqual(tuple(out.shape), (sum(counts), spec["heads"], d))
+                    for b, part in enumerate(out.split(counts)):
+                        outs[b].append(part)
+                    cache_len += torch.tensor(counts, dtype=torch.int32, device=device)
+                got = torch.stack([torch.cat(o) for o in outs])
+                self.assertLess(relative(got.cpu(), want.cpu()), tolerance)
+                filled = int(torch.isfinite(k_cache).flatten(2).all(dim=2).sum())
+                self.assertEqual(filled, B * N, "cache slots written: one per token")
+
+    def test_ragged_steps_mix_prefill_and_decode(self):
+        self.ragged_steps(SEED + 13, "cpu", torch.float32, 1e-5)
+
+    def test_ragged_errors_name_what_is_wrong(self):
+        spec = {"heads": 2, "kv_heads": 1, "pseudo_heads": 2, "head_dim": 8, "mask": "flat_causal",
+                "collapse": "per_head"}
+        gen = torch.Generator().manual_seed(SEED)
+        q, k, v, *weights = draw(spec, 1, 3, torch.float32, gen, requires_grad=False)
+        q, k, v = q[0], k[0], v[0]  # three packed tokens
+        k_cache, v_cache = torch.zeros(4, 4, 1, 8), torch.zeros(4, 4, 1, 8)
+        table = torch.tensor([[2, 0], [1, 3]], dtype=torch.int32)
+        lengths = torch.tensor([3, 1], dtype=torch.int32)
+        run = dict(cache_dir=CACHE, threads=2)
+        good = torch.tensor([0, 2, 3], dtype=torch.int32)
+        lt.paged_attention(q, k, v, *weights, k_cache, v_cache, table, lengths, good, spec, **run)
+        before = k_cache.clone()
+        for starts, words in (([0, 3, 2], r"query_start_loc\[2\] is 2, below query_start_loc\[1\] 3"),
+                              ([0, 1, 2], r"query_start_loc\[2\] is 2, but q packs 3 tokens"),
+                              ([1, 2, 3], r"query_start_loc\[0\] is 1")):
+            with self.assertRaisesRegex(ValueError, words):
+                lt.paged_attention(q, k, v, *weights, k_cache, v_cache, table, lengths,
+                                   torch.tensor(starts, dtype=torch.int32), spec, **run)
+        with self.assertRaisesRegex(ValueError, r"page_table and cache_len: want one row / entry per sequence"):
+            lt.paged_attention(q, k, v, *weights, k_cache, v_cache, table[:1], lengths[:1], good, spec, **run)
+        with self.assertRaisesRegex(ValueError, r"packs its sequences' new tokens, \[total, H, d\]"):
+            lt.paged_attention(q[None], k[None], v[None], *weights, k_cache, v_cache, table, lengths, good, spec,
+                               **run)
+        with self.assertRaisesRegex(ValueError, r"sequence 0 brings 2 new tokens, more than the step's most, 1"):
+            lt.paged_attention(q, k, v, *weights, k_cache, v_cache, table, lengths, good, spec, max_query_len=1,
+                               **run)
+        self.assertTrue(torch.equal(k_cache, before), "a refused step writes nothing")
+
+    @unittest.skipUnless(torch.cuda.is_available() and loom.devices(),
+                         "no CUDA device for PyTorch and loom here (" + (loom.gpu_error()[:80] or "torch sees none")
+                         + ")")
+    def test_cuda_ragged_steps_run_the_decode_kernel(self):
+        self.ragged_steps(SEED + 15, "cuda", torch.bfloat16, 3e-2, head_dims=(16, 64))
 
     @unittest.skipUnless(torch.cuda.is_available() and loom.devices(),
                          "no CUDA device for PyTorch and loom here (" + (loom.gpu_error()[:80] or "torch sees none")
@@ -626,6 +712,12 @@ class Compile(unittest.TestCase):
         torch.library.opcheck(torch.ops.loom.decode.default,
                               (*step, *plain[3:], k_cache, v_cache, table, lengths, None, spec_json, "raw", None,
                                CACHE, "", 2, True))
+        # A ragged step: sequence 0 brings two tokens, sequence 1 one.
+        packed = [torch.cat([t[0, :2], t[1, :1]]).contiguous() for t in plain[:3]]
+        starts = torch.tensor([0, 2, 3], dtype=torch.int32)
+        torch.library.opcheck(torch.ops.loom.paged_attention.default,
+                              (*packed, *plain[3:], k_cache, v_cache, table, lengths, starts, 2, spec_json, "raw",
+                               None, CACHE, "", 2, True))
 
     def test_fullgraph_forward_and_backward_match_eager(self):
         for _ in range(2):

@@ -747,7 +747,8 @@ v1::Target h200() {
 
 // `best` filed in the kernel cache under `dir` as the measured decision for
 // the spec's forward on `device`.
-void storeDecision(const std::string& dir, const KernelSpec& s, const v1::Target& device, const Schedule& best) {
+void storeDecision(const std::string& dir, const KernelSpec& s, const v1::Target& device, const Schedule& best,
+                   const std::string& shapeBucket = "") {
   auto store = cache::openSqliteStore(cache::storePath(dir));
   ASSERT_TRUE(store) << store.error().message;
   cache::Decision d;
@@ -756,6 +757,7 @@ void storeDecision(const std::string& dir, const KernelSpec& s, const v1::Target
   d.toolchain = jit::nvrtcVersion();
   *d.result.mutable_best() = best;
   d.result.set_measured(true);
+  d.result.set_shape_bucket(shapeBucket);
   d.candidatesJson = "[]";
   ASSERT_TRUE((*store)->putDecision(d));
 }
@@ -784,6 +786,70 @@ TEST(Provider, DecisionsKeepTheEngineTheyWereTunedOn) {
               engine == v1::engine_wgmma ? v1::engine_wgmma : v1::engine_mma);
     EXPECT_EQ(provided->kernel.schedule().block_n(), 64);
   }
+}
+
+// Decisions by shape (Triton's autotune key=): the provider hands a launch
+// of each shape bucket the decision tuned for it, else the nearest tuned
+// bucket's (said in the schedule source), else the one for every shape.
+TEST(Provider, EachShapeBucketGetsItsDecisionAndTheNearestAnswersTheRest) {
+  testing::TempDir dir;
+  const KernelSpec s = spec(4, 4, 2, 64);
+  const v1::Target hopper = h200();
+  auto tiles = [](int blockM, int blockN) {
+    Schedule best;
+    best.set_block_m(blockM);
+    best.set_block_n(blockN);
+    best.set_warps(4);
+    best.set_stages(2);
+    best.set_engine(v1::engine_mma);
+    return best;
+  };
+  storeDecision(dir.path(), s, hopper, tiles(64, 64));                // every shape
+  storeDecision(dir.path(), s, hopper, tiles(64, 32), "n512");        // short sequences
+  storeDecision(dir.path(), s, hopper, tiles(128, 64), "n16384");     // long ones
+  KernelProvider provider(dir.path());
+  struct Ask {
+    std::string bucket, source;
+    int blockM, blockN;
+  };
+  for (const Ask& ask : {Ask{"n512", "tuned", 64, 32}, Ask{"n1024", "tuned (tuned for shape bucket n512, the nearest to n1024)", 64, 32},
+                         Ask{"n65536", "tuned (tuned for shape bucket n16384, the nearest to n65536)", 128, 64},
+                         Ask{"", "tuned", 64, 64}}) {
+    auto provided = provider.provide(s, hopper, {}, v1::direction_forward, false, ask.bucket);
+    ASSERT_TRUE(provided) << ask.bucket << ": " << provided.error().message;
+    EXPECT_EQ(provided->scheduleSource, ask.source) << ask.bucket;
+    EXPECT_EQ(provided->kernel.schedule().block_m(), ask.blockM) << ask.bucket;
+    EXPECT_EQ(provided->kernel.schedule().block_n(), ask.blockN) << ask.bucket;
+  }
+  auto malformed = provider.provide(s, hopper, {}, v1::direction_forward, false, "n5x");
+  ASSERT_FALSE(malformed);
+  EXPECT_NE(malformed.error().message.find("shape bucket 'n5x'"), std::string::npos) << malformed.error().message;
+}
+
+// `loom tune --shape-bucket` files the decision under the bucket of its
+// --batch and --tokens (said in its last line); without the flag, for every shape.
+TEST(Tuner, TheCliFilesADecisionUnderItsShapeBucket) {
+  testing::TempDir dir;
+  std::ofstream(dir / "spec.json") << toJson(spec(2, 2, 1, 32));
+  const std::string base = "tune --spec " + (dir / "spec.json") + " --target sm_80 --budget 30s --compile-top 1 "
+                           "--no-emulate --cache-dir " + dir.path();
+  auto bucketed = testing::runLoom(base + " --tokens 3000 --shape-bucket");
+  ASSERT_EQ(bucketed.exitCode, 0) << bucketed.output;
+  EXPECT_NE(bucketed.output.find("for shape bucket n4096 (and the shapes nearest it)"), std::string::npos)
+      << bucketed.output;
+  auto plain = testing::runLoom(base + " --tokens 256");
+  ASSERT_EQ(plain.exitCode, 0) << plain.output;
+  EXPECT_NE(plain.output.find("for every shape"), std::string::npos) << plain.output;
+  auto store = cache::openSqliteStore(cache::storePath(dir.path()));
+  ASSERT_TRUE(store) << store.error().message;
+  const cache::DeviceModel model = cache::DeviceModel::of(*parseTarget("sm_80"));
+  auto exact = (*store)->getDecision(spec(2, 2, 1, 32), model, jit::nvrtcVersion(), v1::direction_forward, "n4096");
+  ASSERT_TRUE(exact && exact->has_value());
+  EXPECT_EQ((*exact)->decision.result.shape_bucket(), "n4096");
+  EXPECT_EQ((*exact)->note, "");
+  auto every = (*store)->getDecision(spec(2, 2, 1, 32), model, jit::nvrtcVersion());
+  ASSERT_TRUE(every && every->has_value());
+  EXPECT_EQ((*every)->decision.result.shape_bucket(), "");
 }
 
 // A forward that keeps what its backward reads (Runtime::keepingKernel):

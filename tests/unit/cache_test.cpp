@@ -402,7 +402,7 @@ TEST(Cache, MigratesFnvAddressesToSha256) {
     sqlite3_close(raw);
   }
   auto store = open(path);
-  EXPECT_EQ(userVersion(path), 4);
+  EXPECT_EQ(userVersion(path), schemaVersion());
   EXPECT_EQ(artifactKey(good).size(), 64u);
   auto found = store->getArtifact(artifactKey(good));
   ASSERT_TRUE(found && found->has_value());
@@ -419,6 +419,143 @@ TEST(Cache, MigratesFnvAddressesToSha256) {
   auto report = store->verify();
   ASSERT_TRUE(report);
   EXPECT_TRUE(report->corrupt.empty());
+}
+
+// Shape buckets: powers of two, a forward's N and a decode step's cache
+// length and batch; malformed ones named.
+TEST(Cache, ShapeBucketsRoundUpToPowersOfTwo) {
+  EXPECT_EQ(shapeBucket(v1::direction_forward, 4, 3000), "n4096");
+  EXPECT_EQ(shapeBucket(v1::direction_backward, 1, 4096), "n4096");
+  EXPECT_EQ(shapeBucket(v1::direction_forward, 1, 3), "n16");
+  EXPECT_EQ(shapeBucket(v1::direction_decode, 5, 33000), "c65536.b8");
+  EXPECT_EQ(shapeBucket(v1::direction_decode_mixed, 1, 100), "c128.b1");
+  auto shape = parseShapeBucket("c65536.b8");
+  ASSERT_TRUE(shape) << shape.error().message;
+  EXPECT_EQ(shape->tokens, 65536);
+  EXPECT_EQ(shape->batch, 8);
+  EXPECT_EQ(parseShapeBucket("n4096")->batch, 1);
+  EXPECT_DOUBLE_EQ(bucketDistance(*parseShapeBucket("n1024"), *parseShapeBucket("n8192")), 3.0);
+  EXPECT_DOUBLE_EQ(bucketDistance(*parseShapeBucket("c1024.b1"), *parseShapeBucket("c2048.b4")), 3.0);
+  for (const char* bad : {"", "n", "n0", "x4096", "c4096", "c4096.b", "c.b8", "n-4", "n12ab"}) {
+    auto parsed = parseShapeBucket(bad);
+    ASSERT_FALSE(parsed) << bad;
+    EXPECT_NE(parsed.error().message.find("want n<tokens>"), std::string::npos) << parsed.error().message;
+  }
+}
+
+// Decisions per shape bucket: the bucket's own, else the nearest tuned
+// bucket's (the note says so), else the one for every shape; a lookup
+// naming no bucket gets the one for every shape. Ids name the bucket.
+TEST(Cache, DecisionsAreKeptPerShapeBucketAndTheNearestAnswers) {
+  testing::TempDir dir;
+  auto store = open(dir / "k.sqlite");
+  auto tuned = [&](const std::string& bucket, int blockM) {
+    Decision d = decision(8, h200());
+    d.result.set_shape_bucket(bucket);
+    d.result.mutable_best()->set_block_m(blockM);
+    ASSERT_TRUE(store->putDecision(d));
+  };
+  tuned("n1024", 32);
+  tuned("n16384", 64);
+  auto get = [&](const std::string& bucket) { return store->getDecision(spec(8), h200(), "nvrtc-13.0",
+                                                                        v1::direction_forward, bucket); };
+  // Only bucketed decisions: an ask for every shape takes the most recent.
+  auto any = get("");
+  ASSERT_TRUE(any && any->has_value());
+  EXPECT_EQ((*any)->decision.result.shape_bucket(), "n16384");
+  tuned("", 128);
+  for (const auto& [ask, want, blockM] : {std::tuple{"n1024", "n1024", 32}, {"n2048", "n1024", 32},
+                                          {"n8192", "n16384", 64}, {"n65536", "n16384", 64}, {"", "", 128}}) {
+    auto found = get(ask);
+    ASSERT_TRUE(found && found->has_value()) << ask;
+    EXPECT_EQ((*found)->decision.result.shape_bucket(), want) << ask;
+    EXPECT_EQ((*found)->decision.result.best().block_m(), blockM) << ask;
+    EXPECT_FALSE((*found)->fallback) << ask;
+    if (std::string(ask) != want)
+      EXPECT_EQ((*found)->note, "tuned for shape bucket " + std::string(want) + ", the nearest to " + ask);
+    else
+      EXPECT_EQ((*found)->note, "");
+  }
+  // Another device of the class: the bucket still chooses, both noted.
+  auto sibling = store->getDecision(spec(8), {"NVIDIA H100 80GB HBM3", "sm_90a", 132}, "nvrtc-13.0",
+                                    v1::direction_forward, "n2048");
+  ASSERT_TRUE(sibling && sibling->has_value());
+  EXPECT_TRUE((*sibling)->fallback);
+  EXPECT_EQ((*sibling)->decision.result.shape_bucket(), "n1024");
+  EXPECT_NE((*sibling)->note.find("another device of class"), std::string::npos) << (*sibling)->note;
+  EXPECT_NE((*sibling)->note.find("tuned for shape bucket n1024, the nearest to n2048"), std::string::npos);
+  // A decode step's buckets are its own; a malformed ask is an error.
+  Decision step = decision(8, h200());
+  step.result.set_direction(v1::direction_decode);
+  step.result.set_shape_bucket("c32768.b8");
+  ASSERT_TRUE(store->putDecision(step));
+  auto decodeLookup = store->getDecision(spec(8), h200(), "nvrtc-13.0", v1::direction_decode, "c131072.b16");
+  ASSERT_TRUE(decodeLookup && decodeLookup->has_value());
+  EXPECT_EQ((*decodeLookup)->decision.result.shape_bucket(), "c32768.b8");
+  EXPECT_FALSE(store->getDecision(spec(8), h200(), "nvrtc-13.0", v1::direction_forward, "n40x"));
+  // Listed, described and removed by ids that name the bucket.
+  auto listed = store->list();
+  ASSERT_TRUE(listed);
+  std::set<std::string> ids;
+  for (const Entry& e : *listed) ids.insert(e.id);
+  const std::string base = decisionSpecKey(spec(8), v1::direction_forward) + "/" + h200().key() + "/nvrtc-13.0";
+  for (const std::string id : {base, base + "@n1024", base + "@n16384"}) EXPECT_TRUE(ids.count(id)) << id;
+  auto described = store->describe(base + "@n1024");
+  ASSERT_TRUE(described && described->has_value());
+  EXPECT_NE((*described)->find("\"shape_bucket\": \"n1024\""), std::string::npos) << **described;
+  ASSERT_TRUE(store->remove(base + "@n1024"));
+  EXPECT_EQ((*get("n1024"))->decision.result.shape_bucket(), "n16384") << "the nearest left";
+  EXPECT_TRUE(store->verify()->corrupt.empty());
+}
+
+// A schema-4 file (decisions before shape buckets) migrates: its decision
+// serves every shape, asked with a bucket or without, and a bucketed
+// decision then stands beside it.
+TEST(Cache, MigratesSchemaFourDecisionsToEveryShape) {
+  testing::TempDir dir;
+  const std::string path = dir / "k.sqlite";
+  const Decision d = decision(8, h200());
+  {
+    sqlite3* raw = nullptr;
+    ASSERT_EQ(sqlite3_open(path.c_str(), &raw), SQLITE_OK);
+    const std::string v4 = R"(
+      CREATE TABLE artifacts(key TEXT PRIMARY KEY, blob BLOB NOT NULL, checksum TEXT NOT NULL, created INTEGER NOT NULL,
+                             bytes INTEGER NOT NULL DEFAULT 0, last_used INTEGER NOT NULL DEFAULT 0);
+      CREATE TABLE decisions(spec_key TEXT NOT NULL, device TEXT NOT NULL, toolchain TEXT NOT NULL,
+                             blob BLOB NOT NULL, checksum TEXT NOT NULL, created INTEGER NOT NULL,
+                             bytes INTEGER NOT NULL DEFAULT 0, last_used INTEGER NOT NULL DEFAULT 0,
+                             device_class TEXT NOT NULL DEFAULT '', PRIMARY KEY(spec_key, device, toolchain));
+      CREATE INDEX decisions_by_class ON decisions(spec_key, device_class, toolchain);
+      CREATE INDEX artifacts_by_use ON artifacts(last_used);
+      CREATE TABLE rankings(key TEXT PRIMARY KEY, blob BLOB NOT NULL, checksum TEXT NOT NULL, created INTEGER NOT NULL);
+      PRAGMA user_version = 4;)";
+    ASSERT_EQ(sqlite3_exec(raw, v4.c_str(), nullptr, nullptr, nullptr), SQLITE_OK);
+    // The record as a schema-4 loom wrote it (no shape_bucket in its result).
+    nlohmann::json json = nlohmann::json::parse(oldDecisionJson(d));
+    const std::string blob = json.dump();
+    run(raw,
+        "INSERT INTO decisions(spec_key, blob, device, toolchain, checksum, created, bytes, last_used, device_class) "
+        "VALUES(?1, ?2, ?3, ?4, ?5, 1, 9, 1, ?6)",
+        {decisionSpecKey(d.spec, v1::direction_forward), blob, d.device.key(), d.toolchain,
+         ContentHash().add(blob).hex(), d.device.classKey()});
+    sqlite3_close(raw);
+  }
+  auto store = open(path);
+  EXPECT_EQ(userVersion(path), schemaVersion());
+  for (const std::string ask : {"", "n4096"}) {
+    auto found = store->getDecision(spec(8), h200(), "nvrtc-13.0", v1::direction_forward, ask);
+    ASSERT_TRUE(found && found->has_value()) << ask;
+    EXPECT_EQ((*found)->decision.result.median_ms(), 1.25);
+    EXPECT_EQ((*found)->decision.result.shape_bucket(), "");
+    EXPECT_EQ((*found)->note, ask.empty() ? "" : "tuned for every shape, the nearest to n4096");
+  }
+  Decision bucketed = d;
+  bucketed.result.set_shape_bucket("n4096");
+  bucketed.result.set_median_ms(0.5);
+  ASSERT_TRUE(store->putDecision(bucketed));
+  EXPECT_EQ((*store->getDecision(spec(8), h200(), "nvrtc-13.0", v1::direction_forward, "n4096"))->decision.result.median_ms(), 0.5);
+  EXPECT_EQ((*store->getDecision(spec(8), h200(), "nvrtc-13.0"))->decision.result.median_ms(), 1.25);
+  EXPECT_TRUE(store->verify()->corrupt.empty());
 }
 
 // Keys are SHA-256 over length-prefixed fields: the FIPS 180-2 vector, and

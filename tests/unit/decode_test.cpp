@@ -54,9 +54,11 @@ double largestScore(const KernelSpec& spec, const reference::detail::Rows& q, co
 double lseError(const IhaCase& c, const DecodeCase& dc, const reference::DecodeOutputs& got) {
   const KernelSpec& spec = c.spec;
   const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
-  const int64_t T = dc.step.tokens;
+  const int64_t Tmost = dc.step.tokens;
   double error = 0, scale = 0;
   for (int64_t b = 0; b < c.batch; ++b) {
+    const int64_t T = reference::stepRows(dc.step, b).count;
+    if (T == 0) continue;
     const int64_t from = dc.cache.cacheLen[size_t(b)], to = from + T;
     const reference::IhaInputs inputs = sliceTokens(spec, c.inputs, b, 0, to);
     const auto forward = reference::ihaForward(spec, inputs);
@@ -67,7 +69,7 @@ double lseError(const IhaCase& c, const DecodeCase& dc, const reference::DecodeO
     for (int64_t h = 0; h < H; ++h)
       for (int64_t r = 0; r < T * P; ++r) {
         const double want = forward.lse[size_t(h * to * P + from * P + r)];
-        const double have = got.lse[size_t((b * H + h) * T * P + r)];
+        const double have = got.lse[size_t((b * H + h) * Tmost * P + r)];
         const double rowScale = std::max(std::abs(want), largestScore(spec, q, k, h, from * P + r));
         error += (have - want) * (have - want);
         scale += rowScale * rowScale;
@@ -84,7 +86,7 @@ void expectOnlyTheSequencesSlotsFilled(const DecodeCase& dc, const reference::Pa
   const int64_t E = reference::cacheTokenElements(dc.spec, after.mixed);
   std::vector<bool> owned(size_t(after.numPages * after.pageSize), false);
   for (int64_t b = 0; b < dc.shape.batch; ++b)
-    for (int64_t t = 0; t < after.cacheLen[size_t(b)] + dc.step.tokens; ++t)
+    for (int64_t t = 0; t < after.cacheLen[size_t(b)] + reference::stepRows(dc.step, b).count; ++t)
       owned[size_t(reference::cacheSlot(after, b, t))] = true;
   int64_t wrong = 0;
   for (size_t slot = 0; slot < owned.size(); ++slot)
@@ -96,15 +98,18 @@ void expectOnlyTheSequencesSlotsFilled(const DecodeCase& dc, const reference::Pa
 
 // The new tokens' raw k and v sit at their slots, exactly.
 void expectRawAppend(const DecodeCase& dc, const reference::PagedCache& after) {
-  const int64_t E = reference::cacheTokenElements(dc.spec, false), T = dc.step.tokens;
-  for (int64_t b = 0; b < dc.shape.batch; ++b)
-    for (int64_t t = 0; t < T; ++t) {
+  const int64_t E = reference::cacheTokenElements(dc.spec, false);
+  for (int64_t b = 0; b < dc.shape.batch; ++b) {
+    const reference::StepRows rows = reference::stepRows(dc.step, b);
+    for (int64_t t = 0; t < rows.count; ++t) {
       const int64_t slot = reference::cacheSlot(after, b, after.cacheLen[size_t(b)] + t);
+      const size_t row = size_t((rows.first + t) * E);
       for (int64_t e = 0; e < E; ++e) {
-        ASSERT_EQ(after.k[size_t(slot * E + e)], dc.step.k[size_t((b * T + t) * E + e)]) << "b " << b << " t " << t;
-        ASSERT_EQ(after.v[size_t(slot * E + e)], dc.step.v[size_t((b * T + t) * E + e)]) << "b " << b << " t " << t;
+        ASSERT_EQ(after.k[size_t(slot * E + e)], dc.step.k[row + size_t(e)]) << "b " << b << " t " << t;
+        ASSERT_EQ(after.v[size_t(slot * E + e)], dc.step.v[row + size_t(e)]) << "b " << b << " t " << t;
       }
     }
+  }
 }
 
 // Whether a step's rows can be checked in the case's 16-bit dtype, as
@@ -149,8 +154,10 @@ bool stepCheckable(const IhaCase& c, DecodeLayout layout) {
   // softmax weight and the output rounded (ihaForwardWithTensorCoreRounding).
   std::vector<double> rounded;
   for (int64_t b = 0; b < c.batch; ++b) {
-    const int64_t from = layout.cached.empty() ? c.tokens - layout.newTokens : layout.cached[size_t(b)];
-    const int64_t to = from + layout.newTokens;
+    const int64_t fresh = layout.newTokensOf.empty() ? layout.newTokens : layout.newTokensOf[size_t(b)];
+    const int64_t from = layout.cached.empty() ? c.tokens - fresh : layout.cached[size_t(b)];
+    const int64_t to = from + fresh;
+    if (fresh == 0) continue;
     const std::vector<double> out =
         reference::ihaForwardWithTensorCoreRounding(c.spec, sliceTokens(c.spec, c.inputs, b, 0, to), c.spec.dtype()).out;
     rounded.insert(rounded.end(), out.begin() + from * H * d, out.end());
@@ -223,7 +230,7 @@ void expectReadSlotsKept(const DecodeCase& dc, const reference::PagedCache& got,
   const int64_t E = reference::cacheTokenElements(dc.spec, before.mixed);
   std::vector<bool> written(size_t(before.numPages * before.pageSize), false);
   for (int64_t b = 0; b < dc.shape.batch; ++b)
-    for (int64_t t = 0; t < dc.step.tokens; ++t)
+    for (int64_t t = 0; t < reference::stepRows(dc.step, b).count; ++t)
       written[size_t(reference::cacheSlot(before, b, before.cacheLen[size_t(b)] + t))] = true;
   int64_t changed = 0;
   for (const auto& [was, is] : {std::pair{&before.k, &got.k}, std::pair{&before.v, &got.v}}) {
@@ -1272,6 +1279,29 @@ TEST(Decode, StepsChainOverTheCacheTheyWrite) {
   }
 }
 
+// The float64 oracle's step (the forward's rows to 1e-12, only the
+// sequences' slots filled, every read slot kept) and the host program's.
+void expectOracleAndHostStep(const IhaCase& c, const DecodeCase& dc) {
+  reference::PagedCache cache = dc.cache;
+  EXPECT_LT(relativeError(reference::ihaDecode(c.spec, dc.step, cache).out, dc.expected), 1e-12) << "oracle";
+  expectOnlyTheSequencesSlotsFilled(dc, cache);
+  expectReadSlotsKept(dc, cache, /*inDtype=*/false);
+  expectHostStep(c, dc);
+}
+
+// A checkable case of `batch` sequences of N tokens for a drawn 16-bit spec
+// whose head_dim every CUDA step takes (64 half the time: the wgmma step's
+// too; always, with wgmma).
+IhaCase drawStepCase(std::mt19937_64& rng, int64_t batch, int64_t N, bool wgmma = false) {
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  return testing::drawCheckableShape(rng, /*backward=*/false, [&] {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
+    spec.set_head_dim(int32_t(wgmma || pick(0, 1) ? 64 : 16 * pick(1, 3)));
+    return testing::DrawnShape{spec, batch, N};
+  });
+}
+
 // A prefix of whole pages shared by three sequences (prefix caching: one
 // copy of a system prompt's pages in every table), each sequence's own
 // tokens after it and a step of 1 to 3 new tokens appended to pages it owns:
@@ -1289,12 +1319,7 @@ TEST(Decode, SharedPrefixPagesAreReadByEverySharer) {
     IhaCase c;
     bool checkable = false;
     for (int tries = 0; tries < 16 && !checkable; ++tries) {
-      c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
-        KernelSpec spec = testing::randomSpec(rng);
-        spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
-        spec.set_head_dim(int32_t(pick(0, 1) ? 64 : 16 * pick(1, 3)));  // 64: the wgmma step's too
-        return testing::DrawnShape{spec, 3, N};
-      });
+      c = drawStepCase(rng, 3, N);
       auto sharing = withSharedPrefix(c, shared * S);
       ASSERT_TRUE(sharing) << sharing.error().message;
       c = std::move(*sharing);
@@ -1313,11 +1338,7 @@ TEST(Decode, SharedPrefixPagesAreReadByEverySharer) {
         ASSERT_EQ(dc->cache.pageTable[size_t(b * dc->cache.maxPages + e)], dc->cache.pageTable[size_t(e)]);
     ASSERT_TRUE(validateDecode(dc->shape, dc->cache.pageTable, dc->cache.cacheLen));
 
-    reference::PagedCache cache = dc->cache;
-    EXPECT_LT(relativeError(reference::ihaDecode(c.spec, dc->step, cache).out, dc->expected), 1e-12) << "oracle";
-    expectOnlyTheSequencesSlotsFilled(*dc, cache);
-    expectReadSlotsKept(*dc, cache, /*inDtype=*/false);
-    expectHostStep(c, *dc);
+    expectOracleAndHostStep(c, *dc);
     const uint64_t seed = rng();
     expectEmulatedStep(c, *dc, "sm_80", seed);
     expectEmulatedStep(c, *dc, "sm_90a", seed);
@@ -1360,6 +1381,121 @@ TEST(Decode, SharedPagesTheStepWouldWriteAreRefused) {
   // Three sharers of two pages, each appending into its own.
   EXPECT_TRUE(validateDecode({3, 2, 9, 4, 4}, std::vector<int32_t>{0, 1, 2, -1, 0, 1, 3, 4, 0, 1, 5, -1},
                              std::vector<int32_t>{9, 12, 8}));
+}
+
+// A ragged step (docs/IHA.md, Ragged steps): sequences bringing different
+// numbers of new tokens in one launch, packed by query_start_loc. Four drawn
+// sequences: one brings none (its cache read by nobody, written nowhere; in
+// the first draw, whose head_dim the wgmma step takes, it is empty: no key
+// block, which the wgmma step once read an unfilled stage for),
+// one a single decode token, one a prefill chunk of several pages, and one
+// a drawn count whose append starts on a page boundary; pages of 2 to 5
+// tokens, both layouts, the 16-bit dtypes, a shared prefix page in every
+// other draw. Each backend's packed rows against the forward's rows of
+// each sequence's own tokens: the float64 oracle, the host program, the
+// emulated CUDA steps on sm_80 and sm_90a (the default schedule; a split
+// one on either), and the sm_90a wgmma step where head_dim allows; the append
+// checked as every step's, the read-only slots bit for bit.
+TEST(Decode, RaggedStepsGiveEachSequencesRows) {
+  std::mt19937_64 rng(testing::testSeed() ^ 0x7a66);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  for (int draw = 0; draw < 3; ++draw) {
+    const int64_t S = pick(2, 4), chunk = S * 2 + pick(0, S - 1);
+    const int64_t shared = draw % 2, N = shared * S + chunk + pick(1, 6);
+    DecodeLayout layout{1, S, draw == 1 ? CacheLayout::mixed : CacheLayout::raw, {}, rng()};
+    layout.sharedPages = shared;
+    IhaCase c;
+    bool checkable = false;
+    for (int tries = 0; tries < 16 && !checkable; ++tries) {
+      c = drawStepCase(rng, 4, N, /*wgmma=*/draw == 0);
+      if (shared) {
+        auto sharing = withSharedPrefix(c, shared * S);
+        ASSERT_TRUE(sharing) << sharing.error().message;
+        c = std::move(*sharing);
+      }
+      // Sequence order drawn: none, one, a chunk, and a drawn count appended
+      // from a page boundary (role 3).
+      std::vector<int> roles = {0, 1, 2, 3};
+      std::shuffle(roles.begin(), roles.end(), rng);
+      const int64_t counts[] = {0, 1, chunk, pick(1, S + 1)};
+      layout.newTokensOf.clear();
+      layout.cached.clear();
+      for (int role : roles) {
+        const int64_t fresh = counts[role], least = shared * S;
+        int64_t cached = pick(least, N - fresh);
+        if (role == 3) cached = std::max(least, cached / S * S);
+        if (role == 0 && draw == 0) cached = 0;  // an empty sequence: no key block at all
+        layout.newTokensOf.push_back(fresh);
+        layout.cached.push_back(cached);
+      }
+      checkable = stepCheckable(c, layout);
+    }
+    ASSERT_TRUE(checkable) << testing::describe(c) << ": 16 draws without a checkable ragged step";
+    std::string counts;
+    for (int64_t b = 0; b < 4; ++b)
+      counts += std::to_string(layout.cached[size_t(b)]) + "+" + std::to_string(layout.newTokensOf[size_t(b)]) + " ";
+    const std::string what = testing::describe(c) + ", " + cacheLayoutName(layout.layout) + " cache, pages of " +
+                             std::to_string(S) + ", " + std::to_string(shared) + " shared, cached+new " + counts;
+    SCOPED_TRACE(what);
+    auto dc = decodeCaseFrom(c, layout);
+    ASSERT_TRUE(dc) << dc.error().message;
+    ASSERT_EQ(dc->step.query_start_loc.size(), 5u);
+    ASSERT_EQ(dc->shape.newTokens, chunk);
+    ASSERT_TRUE(validateDecode(dc->shape, dc->cache.pageTable, dc->cache.cacheLen, dc->step.query_start_loc));
+    const int64_t total = dc->step.query_start_loc.back();
+    ASSERT_EQ(int64_t(dc->expected.size()), total * c.spec.heads() * c.spec.head_dim());
+
+    expectOracleAndHostStep(c, *dc);
+    const uint64_t seed = rng();
+    Schedule split;
+    split.set_kv_splits(int32_t(pick(2, 3)));
+    for (const std::string arch : {"sm_80", "sm_90a"}) expectEmulatedStep(c, *dc, arch, seed);
+    expectEmulatedStep(c, *dc, draw % 2 ? "sm_80" : "sm_90a", seed, split);
+    Schedule wgmma;
+    wgmma.set_engine(v1::engine_wgmma);
+    auto wgmmaPlan = decodePlan(*dc, wgmma, "sm_90a");
+    if (wgmmaPlan) expectEmulatedStep(c, *dc, "sm_90a", seed, wgmma);
+    auto byDefault = decodePlan(*dc, {}, "sm_90a");
+    ASSERT_TRUE(byDefault) << byDefault.error().message;
+    std::printf("[ ragged   ] %s: total %lld, sm_90a default %s, wgmma step %s\n", what.c_str(), (long long)total,
+                byDefault->schedule.ShortDebugString().c_str(),
+                wgmmaPlan ? "emulated" : wgmmaPlan.error().message.c_str());
+  }
+}
+
+// What a ragged step's query_start_loc may not be, each named; a sequence
+// bringing no token writes nothing, so it may end on a page it shares.
+TEST(Decode, BadQueryStartLocsAreNamed) {
+  // Pages of 4; two sequences, at most 5 new tokens each, 6 packed.
+  const DecodeShape shape{2, 5, 8, 4, 3, 6};
+  const std::vector<int32_t> table = {0, 1, 2, 3, 4, 5}, lengths = {3, 6};
+  EXPECT_TRUE(validateDecode(shape, table, lengths, std::vector<int32_t>{0, 1, 6}));
+  auto expectError = [&](DecodeShape s, std::vector<int32_t> t, std::vector<int32_t> l, std::vector<int32_t> q,
+                         const std::string& words) {
+    Status status = validateDecode(s, t, l, q);
+    ASSERT_FALSE(status) << words;
+    EXPECT_NE(status.error().message.find(words), std::string::npos) << status.error().message;
+  };
+  expectError(shape, table, lengths, {0, 1}, "query_start_loc has 2 entries; 2 sequences need 3");
+  expectError(shape, table, lengths, {1, 2, 6}, "query_start_loc[0] is 1: the packed rows start at 0");
+  expectError(shape, table, lengths, {0, 4, 3}, "query_start_loc[2] is 3, below query_start_loc[1] 4: the offsets "
+                                                "must not decrease");
+  expectError(shape, table, lengths, {0, 6, 6}, "query_start_loc[1] is 6, so sequence 0 brings 6 new tokens, more "
+                                                "than the step's most, 5 (max_query_len)");
+  expectError(shape, table, lengths, {0, 1, 5}, "query_start_loc[2] is 5, but q packs 6 tokens");
+  // Sequence 1's 5 new tokens from 6 reach its third page, which sequence
+  // 0 appends into (its position 3).
+  expectError(shape, {0, 1, 2, 3, 4, 0}, lengths, {0, 1, 6},
+              "page_table[1][2] is page 0, which page_table[0][0] uses too; the step writes sequence");
+  expectError({2, 7, 8, 4, 3, 9}, table, lengths, {0, 2, 9}, "sequence 1: cache_len 6 + 7 new tokens do not fit");
+  // Sequence 0 brings nothing: its pages are only read, its partly filled
+  // second page (positions 4-7, cache_len 6) shared with sequence 1, which
+  // caches 8 and appends into its own third.
+  EXPECT_TRUE(validateDecode({2, 5, 8, 4, 3, 3}, std::vector<int32_t>{0, 7, 2, 0, 7, 5}, std::vector<int32_t>{6, 8},
+                             std::vector<int32_t>{0, 0, 3}));
+  // Bringing one token, it would write there.
+  expectError({2, 5, 8, 4, 3, 4}, {0, 7, 2, 0, 7, 5}, {6, 8}, {0, 1, 4},
+              "page_table[1][1] is page 7, which page_table[0][1] uses too; the step writes sequence 0's");
 }
 
 // What a step's page table and lengths may not be, each named.
@@ -1456,6 +1592,75 @@ TEST(DecodeHostApi, StepsInPlaceAndChecksItsTensors) {
   }
 }
 
+// The host API's ragged step: packed q, k, v and out, query_start_loc,
+// batch and max_query_len in the cache's tensors; each sequence's rows and
+// append as the oracle's. Bad offsets, a missing max_query_len, an lse and
+// unpacked q are refused by name, neither cache touched.
+TEST(DecodeHostApi, RaggedStepsInPlaceAndBadOffsetsAreRefused) {
+  std::mt19937_64 rng(testing::testSeed() ^ 0x4a66);
+  KernelSpec spec = testing::makeSpec({.heads = 4, .kvHeads = 2, .pseudoHeads = 2, .headDim = 16,
+                                       .dtype = v1::float16, .mask = v1::flat_causal, .ropeTheta = 10000});
+  const IhaCase c = testing::drawCheckableShape(rng, false, [&] { return testing::DrawnShape{spec, 3, 14}; });
+  const cpu::CpuOptions options{LOOM_TEST_CACHE, 2};
+  for (CacheLayout layout : {CacheLayout::raw, CacheLayout::mixed}) {
+    SCOPED_TRACE(cacheLayoutName(layout));
+    // 9 new tokens over 5 cached (a prefill chunk over three pages of 4), 1 over 12, none over 7.
+    DecodeLayout ragged{1, 4, layout, {5, 12, 7}, rng()};
+    ragged.newTokensOf = {9, 1, 0};
+    auto dc = decodeCaseFrom(c, ragged);
+    ASSERT_TRUE(dc) << dc.error().message;
+    testing::HostTensors t(stepCase(*dc));
+    const PagedCacheTensors cache = t.cache(*dc);
+    ASSERT_EQ(t.inputs().q.shape, (std::vector<int64_t>{10, 4, 16}));
+    Status ran = runDecodeOnHost(spec, t.inputs(), cache, {}, options);
+    ASSERT_TRUE(ran) << ran.error().message;
+    EXPECT_LE(relativeError(hostValues(t.inputs().out), dc->expected), toleranceFor(spec.dtype()));
+    reference::PagedCache after = dc->cache;
+    after.k = hostValues(cache.k_cache);
+    after.v = hostValues(cache.v_cache);
+    expectAppend(c, *dc, after);
+
+    const std::vector<double> kBefore = hostValues(cache.k_cache), vBefore = hostValues(cache.v_cache);
+    auto expectRefused = [&](const IhaTensors& step, const PagedCacheTensors& bad, const std::string& words) {
+      Status status = runDecodeOnHost(spec, step, bad, {}, options);
+      ASSERT_FALSE(status) << words;
+      EXPECT_NE(status.error().message.find(words), std::string::npos) << status.error().message;
+    };
+    std::vector<int32_t> falling = {0, 9, 8, 10};
+    PagedCacheTensors notMonotonic = cache;
+    notMonotonic.query_start_loc = falling.data();
+    expectRefused(t.inputs(), notMonotonic, "query_start_loc[2] is 8, below query_start_loc[1] 9");
+    std::vector<int32_t> short_ = {0, 9, 10, 9};
+    PagedCacheTensors fewer = cache;
+    fewer.query_start_loc = short_.data();
+    expectRefused(t.inputs(), fewer, "query_start_loc[3] is 9, below query_start_loc[2] 10");
+    PagedCacheTensors noMost = cache;
+    noMost.max_query_len = 0;
+    expectRefused(t.inputs(), noMost, "max_query_len: the most new tokens one sequence brings");
+    PagedCacheTensors tooFew = cache;
+    tooFew.max_query_len = 8;
+    expectRefused(t.inputs(), tooFew, "sequence 0 brings 9 new tokens, more than the step's most, 8");
+    // Sequence 1's 1 new token from 12 fills its page 3 (positions 12-15): full at 16.
+    std::vector<int32_t> lengths = {5, int32_t(dc->shape.maxPages * dc->shape.pageSize), 7};
+    PagedCacheTensors full = cache;
+    full.cache_len = lengths.data();
+    expectRefused(t.inputs(), full, "sequence 1: cache_len");
+    IhaTensors withLse = t.inputs();
+    std::vector<float> lse(size_t(3 * 4 * 9 * 2));
+    withLse.lse = Tensor{lse.data(), ElementKind::float32, {3, 4, 18}, {}, kHostDevice};
+    expectRefused(withLse, cache, "lse: a ragged step gives none");
+    IhaTensors batched = t.inputs();
+    batched.q.shape = {1, 10, 4, 16};
+    expectRefused(batched, cache, "q: a ragged step packs its sequences' new tokens, [total, H, d]");
+    auto same = [](const std::vector<double>& a, const std::vector<double>& b) {
+      return std::equal(a.begin(), a.end(), b.begin(), b.end(),
+                        [](double x, double y) { return std::isnan(x) ? std::isnan(y) : x == y; });
+    };
+    EXPECT_TRUE(same(hostValues(cache.k_cache), kBefore));
+    EXPECT_TRUE(same(hostValues(cache.v_cache), vBefore));
+  }
+}
+
 TEST(DecodeCli, DecodesACaseAndSaysWhatDoesNotFit) {
   testing::TempDir dir;
   const std::string cs = testing::casesDir() + "/" + testing::sharedCaseNames().front();
@@ -1487,6 +1692,43 @@ TEST(DecodeCli, DecodesACaseAndSaysWhatDoesNotFit) {
     break;
   }
   EXPECT_TRUE(sharedRan) << "no shared case of two sequences and five tokens to share a prompt";
+
+  // A ragged step: the first case of two sequences, one bringing three
+  // tokens, the other none, on the host program and the emulated sm_90a step.
+  bool raggedRan = false;
+  for (const std::string& name : testing::sharedCaseNames()) {
+    auto two = loadCase(testing::casesDir() + "/" + name);
+    ASSERT_TRUE(two) << two.error().message;
+    if (two->batch != 2 || two->spec.varlen() || two->tokens < 5) continue;
+    for (const std::string backend : {"cpu", "emu --target sm_90a --dtype bfloat16"}) {
+      auto run = testing::runLoom("run --case " + testing::casesDir() + "/" + name + " --ragged 3,0 --page-size 2 " +
+                                  "--backend " + backend + " --cache-dir " + std::string(LOOM_TEST_CACHE) +
+                                  " --out " + (dir / "ragged.npy"));
+      EXPECT_EQ(run.exitCode, 0) << run.output;
+      EXPECT_NE(run.output.find("ragged decode: cached + new tokens of each sequence " +
+                                std::to_string(two->tokens - 3) + " + 3, " + std::to_string(two->tokens) +
+                                " + 0 (3 packed, query_start_loc 0 3 3)"),
+                std::string::npos)
+          << run.output;
+      EXPECT_NE(run.output.find("against the forward's rows of each sequence's new tokens"), std::string::npos)
+          << run.output;
+      EXPECT_NE(run.output.find("append: 0 cache elements differ"), std::string::npos) << run.output;
+      auto packed = readNpy(dir / "ragged.npy");
+      ASSERT_TRUE(packed) << packed.error().message;
+      EXPECT_EQ(packed->shape, (std::vector<int64_t>{3, two->spec.heads(), two->spec.head_dim()}));
+    }
+    auto counts = testing::runLoom("run --case " + testing::casesDir() + "/" + name + " --ragged 3,0,1 --out " +
+                                   (dir / "x.npy"));
+    EXPECT_EQ(counts.exitCode, 2) << counts.output;
+    EXPECT_NE(counts.output.find("--ragged: 3 counts for the case's 2 sequences"), std::string::npos) << counts.output;
+    auto none = testing::runLoom("run --case " + testing::casesDir() + "/" + name + " --ragged 0,0 --out " +
+                                 (dir / "x.npy"));
+    EXPECT_EQ(none.exitCode, 2) << none.output;
+    EXPECT_NE(none.output.find("a ragged step where no sequence brings a token"), std::string::npos) << none.output;
+    raggedRan = true;
+    break;
+  }
+  EXPECT_TRUE(raggedRan) << "no shared case of two sequences and five tokens for a ragged step";
   auto unshared = testing::runLoom("run --case " + cs + " --shared-pages 2 --out " + (dir / "x.npy"));
   EXPECT_EQ(unshared.exitCode, 2) << unshared.output;
   EXPECT_NE(unshared.output.find("--shared-pages 2: a decode step's"), std::string::npos) << unshared.output;

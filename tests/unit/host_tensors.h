@@ -20,14 +20,19 @@ class HostTensors {
     const KernelSpec& s = c.spec;
     const int64_t B = c.batch, N = c.tokens, H = s.heads(), G = s.kv_heads(), P = s.pseudo_heads(), d = s.head_dim();
     const ElementKind act = elementOf(s.dtype());
+    if (!c.inputs.query_start_loc.empty()) {  // a ragged step: packed rows, no lse
+      const int64_t total = c.inputs.query_start_loc.back();
+      inputs_.q = values(c.inputs.q, act, {total, H, d});
+      inputs_.k = values(c.inputs.k, act, {total, G, d});
+      inputs_.v = values(c.inputs.v, act, {total, G, d});
+      weights(c);
+      inputs_.out = poisoned(act, {total, H, d});
+      return;
+    }
     inputs_.q = values(c.inputs.q, act, {B, N, H, d});
     inputs_.k = values(c.inputs.k, act, {B, N, G, d});
     inputs_.v = values(c.inputs.v, act, {B, N, G, d});
-    inputs_.alpha_q = values(c.inputs.alpha_q, ElementKind::float32, {H, H, P});
-    inputs_.alpha_k = values(c.inputs.alpha_k, ElementKind::float32, {G, G, P});
-    inputs_.alpha_v = values(c.inputs.alpha_v, ElementKind::float32, {G, G, P});
-    inputs_.collapse = values(c.inputs.collapse, ElementKind::float32,
-                              s.collapse() == v1::global ? std::vector<int64_t>{H, H * P} : std::vector<int64_t>{H, P});
+    weights(c);
     inputs_.out = poisoned(act, {B, N, H, d});
     inputs_.lse = poisoned(ElementKind::float32, {B, H, N * P});
     if (!c.dout) return;
@@ -60,14 +65,22 @@ class HostTensors {
   }
 
   // A decode step's cache as the host API takes it (this object holds the
-  // spec of the step's case); the page table and lengths point into `step`.
+  // spec of the step's case); the page table, lengths and a ragged step's
+  // offsets point into `step`.
   PagedCacheTensors cache(const DecodeCase& step) {
     const ElementKind act = elementOf(spec_.dtype());
     std::vector<int64_t> shape = {step.shape.numPages, step.shape.pageSize, spec_.kv_heads()};
     if (step.layout == CacheLayout::mixed) shape.push_back(spec_.pseudo_heads());
     shape.push_back(spec_.head_dim());
-    return {values(step.cache.k, act, shape),   values(step.cache.v, act, shape), step.cache.pageTable.data(),
-            step.cache.cacheLen.data(),         step.shape.maxPages,              step.layout};
+    PagedCacheTensors cache{values(step.cache.k, act, shape), values(step.cache.v, act, shape),
+                            step.cache.pageTable.data(),      step.cache.cacheLen.data(),
+                            step.shape.maxPages,              step.layout};
+    if (!step.step.query_start_loc.empty()) {
+      cache.query_start_loc = step.step.query_start_loc.data();
+      cache.batch = step.shape.batch;
+      cache.max_query_len = step.shape.newTokens;
+    }
+    return cache;
   }
 
   static ElementKind elementOf(v1::DType dtype) {
@@ -77,6 +90,15 @@ class HostTensors {
   }
 
  private:
+  void weights(const IhaCase& c) {
+    const int64_t H = c.spec.heads(), G = c.spec.kv_heads(), P = c.spec.pseudo_heads();
+    inputs_.alpha_q = values(c.inputs.alpha_q, ElementKind::float32, {H, H, P});
+    inputs_.alpha_k = values(c.inputs.alpha_k, ElementKind::float32, {G, G, P});
+    inputs_.alpha_v = values(c.inputs.alpha_v, ElementKind::float32, {G, G, P});
+    inputs_.collapse = values(c.inputs.collapse, ElementKind::float32,
+                              c.spec.collapse() == v1::global ? std::vector<int64_t>{H, H * P}
+                                                              : std::vector<int64_t>{H, P});
+  }
   Tensor values(const std::vector<double>& values, ElementKind element, std::vector<int64_t> shape) {
     const NpyType type = element == ElementKind::float32   ? NpyType::float32
                          : element == ElementKind::float16 ? storageTypeOf(v1::float16)

@@ -478,6 +478,42 @@ TEST_F(Service, WritesNeedTheCredentialAndAreChecked) {
   EXPECT_EQ(served->kernel().schedule().block_n(), 32);
 }
 
+// Decisions by shape over the service: a tuning uploaded for a shape
+// bucket is served to GetKernel and LookupDecision of that bucket and, the
+// nearest tuned, of others; without a bucket, the decision for every
+// shape (the default where none was tuned). Leases are per bucket, and a
+// bucket of the wrong kind or form is refused naming the field.
+TEST_F(Service, DecisionsAreServedByShapeBucket) {
+  auto writer = client(dir_ / "token");
+  auto [result, kernel] = tuned(spec(2, 16));
+  result.set_shape_bucket("n8192");
+  ASSERT_TRUE(writer->putTuning(result, kernel));
+  for (const std::string bucket : {"n8192", "n4096"}) {
+    auto served = client()->getKernel(spec(2, 16), sm80(), 60000, v1::direction_forward, bucket);
+    ASSERT_TRUE(served) << served.error().message;
+    EXPECT_EQ(served->kernel().schedule().block_n(), 32) << bucket;
+    EXPECT_EQ(served->schedule_source(),
+              bucket == "n8192" ? "tuned" : "tuned (tuned for shape bucket n8192, the nearest to n4096)");
+    auto known = client()->lookupDecision(spec(2, 16), sm80(), v1::direction_forward, bucket);
+    ASSERT_TRUE(known) << known.error().message;
+    EXPECT_TRUE(known->found());
+    EXPECT_EQ(known->result().shape_bucket(), "n8192");
+  }
+  EXPECT_TRUE(writer->acquireLease(spec(2, 16), sm80(), "node-a", 60, v1::direction_forward, "n1024")->granted());
+  EXPECT_FALSE(writer->acquireLease(spec(2, 16), sm80(), "node-b", 60, v1::direction_forward, "n1024")->granted());
+  EXPECT_TRUE(writer->acquireLease(spec(2, 16), sm80(), "node-b", 60, v1::direction_forward, "n2048")->granted())
+      << "another bucket is leased apart";
+  auto wrongKind = client()->getKernel(spec(2, 16), sm80(), 60000, v1::direction_forward, "c4096.b8");
+  ASSERT_FALSE(wrongKind);
+  EXPECT_NE(wrongKind.error().message.find("shape_bucket 'c4096.b8': a forward's or backward's bucket is n<tokens>"),
+            std::string::npos)
+      << wrongKind.error().message;
+  auto malformed = client()->lookupDecision(spec(2, 16), sm80(), v1::direction_decode, "c4096");
+  ASSERT_FALSE(malformed);
+  EXPECT_NE(malformed.error().message.find("shape_bucket: shape bucket 'c4096'"), std::string::npos)
+      << malformed.error().message;
+}
+
 TEST_F(Service, LeasesKeepTwoWorkersApartAndExpire) {
   auto writer = client(dir_ / "token");
   auto first = writer->acquireLease(spec(2), sm80(), "node-a", /*seconds=*/1);
@@ -537,6 +573,27 @@ TEST_F(Service, PretuneTunesWhatIsMissingOnce) {
   auto withoutOptions = client()->lookupDecision(plain, *parseTarget("sm_80"));
   ASSERT_TRUE(withoutOptions);
   EXPECT_FALSE(withoutOptions->found()) << "the spec without its options was never tuned";
+
+  // --buckets: each direction once per shape bucket, filed under it; the
+  // decision for every shape above stays.
+  std::ofstream(dir_ / "one.json") << "[" << toJson(spec(2, 4)) << "]";
+  const std::string bucketed = "LOOM_CACHE_DIR=" + (dir_ / "worker") + " " + LOOM_BINARY + " pretune --server " +
+                               address_ + " --specs " + (dir_ / "one.json") + " --token-file " + (dir_ / "token") +
+                               " --target sm_80 --buckets 300,5000 --compile-top 1 --decode raw --decode-batch 3";
+  const auto third = testing::runCommand(bucketed);
+  ASSERT_EQ(third.exitCode, 0) << third.output;
+  EXPECT_NE(third.output.find("pretune: 6 tuned, 0 skipped, 0 failed"), std::string::npos) << third.output;
+  EXPECT_NE(third.output.find("spec 0 [n512]: tuned (untimed) and uploaded"), std::string::npos) << third.output;
+  EXPECT_NE(third.output.find("spec 0 (decode, raw cache) [c8192.b4]: tuned"), std::string::npos) << third.output;
+  const auto fourth = testing::runCommand(bucketed);
+  EXPECT_NE(fourth.output.find("pretune: 0 tuned, 6 skipped, 0 failed"), std::string::npos) << fourth.output;
+  for (const auto& [direction, bucket] : {std::pair{v1::direction_forward, "n512"}, {v1::direction_backward, "n8192"},
+                                          {v1::direction_decode, "c512.b4"}}) {
+    auto found = client()->lookupDecision(spec(2, 4), *parseTarget("sm_80"), direction, bucket);
+    ASSERT_TRUE(found) << found.error().message;
+    EXPECT_EQ(found->result().shape_bucket(), bucket);
+  }
+  EXPECT_EQ(client()->lookupDecision(spec(2, 4), *parseTarget("sm_80"))->result().shape_bucket(), "");
 }
 
 // One message through a method by name; returns the status and the reply bytes.

@@ -11,8 +11,9 @@
 
 #include "autotune/tuner.h"
 #include "commands.h"
-#include "loom/cache_dir.h"
 #include "cuda/driver.h"
+#include "loom/cache.h"
+#include "loom/cache_dir.h"
 #include "loom/client.h"
 #include "loom/compiler.h"
 
@@ -29,6 +30,9 @@ struct PretuneOptions {
   int compileTop = 8;
   std::vector<std::string> decode;  // cache layouts whose decode steps are pretuned too
   int64_t decodeBatch = 8;
+  // Shape buckets to tune each direction for (tokens of a forward or
+  // backward, cache lengths of a decode step); empty: --tokens, for every shape.
+  std::vector<int64_t> buckets;
 };
 
 // "spec 3", "spec 3 (backward)", "spec 3 (decode, mixed cache)".
@@ -78,57 +82,63 @@ int pretune(const PretuneOptions& options) {
   std::vector<v1::Direction> directions = {v1::direction_forward, v1::direction_backward};
   for (const std::string& layout : options.decode)
     directions.push_back(layout == "mixed" ? v1::direction_decode_mixed : v1::direction_decode);
+  // One tune a (spec, direction) for every shape, or one a shape bucket.
+  const std::vector<int64_t> shapes = options.buckets.empty() ? std::vector<int64_t>{options.tokens} : options.buckets;
   int tuned = 0, skipped = 0, failed = 0;
   for (size_t i = 0; i < specs.size(); ++i)
-    for (const v1::Direction direction : directions) {
-      const KernelSpec& spec = specs[i];
-      const bool decode = directionOf(direction) == Direction::decode;
-      const std::string name = directionName(i, direction);
-      auto known = (*client)->lookupDecision(spec, target, direction);
-      if (!known) return badInput(known.error().message);
-      if (known->found()) {
-        std::printf("%s: already tuned for %s\n", name.c_str(),
-                    target.device().name().empty() ? target.arch().c_str() : target.device().name().c_str());
-        ++skipped;
-        continue;
-      }
-      auto lease = (*client)->acquireLease(spec, target, worker, 600, direction);
-      if (!lease) return badInput(lease.error().message);
-      if (!lease->granted()) {
-        std::printf("%s: being tuned by %s\n", name.c_str(), lease->holder().c_str());
-        ++skipped;
-        continue;
-      }
-      autotune::TuneOptions tuneOptions;
-      tuneOptions.tokens = options.tokens;
-      tuneOptions.cacheDir = defaultCacheDir();
-      tuneOptions.offlineCompiles = options.compileTop;
-      tuneOptions.direction = directionOf(direction);
-      tuneOptions.mixedCache = mixedCacheOf(direction);
-      // A decode step: one new token per sequence over caches of --tokens,
-      // ranked by the cost model (its candidates are not timed on a GPU yet).
-      if (decode) tuneOptions.batch = options.decodeBatch;
-      std::vector<v1::CompiledKernel> compiled;
-      auto report = autotune::tune(spec, target, device, tuneOptions, {}, &compiled);
-      bool uploaded = false;
-      if (report) {
-        if (const v1::CompiledKernel* winner = autotune::winnerOf(*report, compiled)) {
-          auto put = (*client)->putTuning(report->result, *winner);
-          if (!put) std::printf("%s: upload failed: %s\n", name.c_str(), put.error().message.c_str());
-          uploaded = put.ok();
+    for (const v1::Direction direction : directions)
+      for (const int64_t tokens : shapes) {
+        const KernelSpec& spec = specs[i];
+        const bool decode = directionOf(direction) == Direction::decode;
+        const std::string bucket =
+            options.buckets.empty() ? "" : cache::shapeBucket(direction, decode ? options.decodeBatch : 1, tokens);
+        const std::string name = directionName(i, direction) + (bucket.empty() ? "" : " [" + bucket + "]");
+        auto known = (*client)->lookupDecision(spec, target, direction, bucket);
+        if (!known) return badInput(known.error().message);
+        if (known->found() && known->result().shape_bucket() == bucket) {
+          std::printf("%s: already tuned for %s\n", name.c_str(),
+                      target.device().name().empty() ? target.arch().c_str() : target.device().name().c_str());
+          ++skipped;
+          continue;
         }
-      } else {
-        std::printf("%s: tuning failed: %s\n", name.c_str(), report.error().message.c_str());
+        auto lease = (*client)->acquireLease(spec, target, worker, 600, direction, bucket);
+        if (!lease) return badInput(lease.error().message);
+        if (!lease->granted()) {
+          std::printf("%s: being tuned by %s\n", name.c_str(), lease->holder().c_str());
+          ++skipped;
+          continue;
+        }
+        autotune::TuneOptions tuneOptions;
+        tuneOptions.tokens = tokens;
+        tuneOptions.shapeBucketed = !bucket.empty();
+        tuneOptions.cacheDir = defaultCacheDir();
+        tuneOptions.offlineCompiles = options.compileTop;
+        tuneOptions.direction = directionOf(direction);
+        tuneOptions.mixedCache = mixedCacheOf(direction);
+        // A decode step: one new token per sequence over caches of --tokens,
+        // ranked by the cost model (its candidates are not timed on a GPU yet).
+        if (decode) tuneOptions.batch = options.decodeBatch;
+        std::vector<v1::CompiledKernel> compiled;
+        auto report = autotune::tune(spec, target, device, tuneOptions, {}, &compiled);
+        bool uploaded = false;
+        if (report) {
+          if (const v1::CompiledKernel* winner = autotune::winnerOf(*report, compiled)) {
+            auto put = (*client)->putTuning(report->result, *winner);
+            if (!put) std::printf("%s: upload failed: %s\n", name.c_str(), put.error().message.c_str());
+            uploaded = put.ok();
+          }
+        } else {
+          std::printf("%s: tuning failed: %s\n", name.c_str(), report.error().message.c_str());
+        }
+        (void)(*client)->releaseLease(spec, target, worker, direction, bucket);
+        if (uploaded) {
+          std::printf("%s: tuned (%s) and uploaded: %s\n", name.c_str(), report->result.measured() ? "measured" : "untimed",
+                      report->result.best().ShortDebugString().c_str());
+          ++tuned;
+        } else {
+          ++failed;
+        }
       }
-      (void)(*client)->releaseLease(spec, target, worker, direction);
-      if (uploaded) {
-        std::printf("%s: tuned (%s) and uploaded: %s\n", name.c_str(), report->result.measured() ? "measured" : "untimed",
-                    report->result.best().ShortDebugString().c_str());
-        ++tuned;
-      } else {
-        ++failed;
-      }
-    }
   std::printf("pretune: %d tuned, %d skipped, %d failed\n", tuned, skipped, failed);
   return failed ? kExitCheckFailed : kExitOk;
 }
@@ -148,6 +158,12 @@ void addPretuneCommand(CLI::App& app, std::function<int()>* action) {
   cmd->add_option("--token-file", options->tokenFile, "the service's bearer token")->required();
   cmd->add_option("--target", options->target, "without a GPU: rank offline for this arch");
   cmd->add_option("--tokens", options->tokens, "N tuned for")->capture_default_str();
+  cmd->add_option("--buckets", options->buckets,
+                  "tune each direction once per shape bucket instead of once for every shape: token counts\n"
+                  "(comma-separated; a decode step's cache lengths at --decode-batch), each filed under its\n"
+                  "bucket (n<N>, c<cache>.b<batch>: powers of two) for launches of those shapes and the nearest")
+      ->delimiter(',')
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 24));
   cmd->add_option("--compile-top", options->compileTop,
                   "without a GPU: compile (and check on the emulator) this many best-ranked candidates per spec\n"
                   "and direction")

@@ -43,6 +43,7 @@ struct RunOptions {
   bool backward = false;
   std::string gradOut;
   int64_t decode = 0;  // T new tokens; 0: the forward
+  std::vector<int64_t> ragged;  // a ragged step: each sequence's new tokens
   int64_t sharedPages = 0;  // with decode: pages every sequence shares (a shared prompt)
   int64_t pageSize = 16;
   std::string cacheLayout = "raw";
@@ -245,6 +246,7 @@ int runDecode(const RunOptions& options, const IhaCase& given) {
   if (!layout) return badInput("--cache: " + layout.error().message);
   DecodeLayout decodeLayout;
   decodeLayout.newTokens = options.decode;
+  decodeLayout.newTokensOf = options.ragged;
   decodeLayout.pageSize = options.pageSize;
   decodeLayout.layout = *layout;
   decodeLayout.seed = options.seed;
@@ -262,13 +264,27 @@ int runDecode(const RunOptions& options, const IhaCase& given) {
   auto built = decodeCaseFrom(c, decodeLayout);
   if (!built) return badInput(built.error().message);
   DecodeCase& dc = *built;
-  if (Status ok = validateDecode(dc.shape, dc.cache.pageTable, dc.cache.cacheLen); !ok)
+  if (Status ok = validateDecode(dc.shape, dc.cache.pageTable, dc.cache.cacheLen, dc.step.query_start_loc); !ok)
     return badInput(ok.error().message);
-  const int64_t cached = c.tokens - options.decode;
-  std::printf("decode: %lld cached + %lld new tokens per sequence, %lld sequences; %lld pages of %lld tokens, "
-              "shuffled (seed %llu); %s cache\n",
-              (long long)cached, (long long)options.decode, (long long)c.batch, (long long)dc.shape.numPages,
-              (long long)dc.shape.pageSize, (unsigned long long)options.seed, cacheLayoutName(*layout));
+  const bool ragged = !options.ragged.empty();
+  const int64_t total = ragged ? dc.step.query_start_loc.back() : c.batch * options.decode;
+  if (ragged) {
+    std::string counts;
+    for (int64_t b = 0; b < c.batch; ++b)
+      counts += (b ? ", " : "") + std::to_string(dc.cache.cacheLen[size_t(b)]) + " + " +
+                std::to_string(options.ragged[size_t(b)]);
+    std::printf("ragged decode: cached + new tokens of each sequence %s (%lld packed, query_start_loc", counts.c_str(),
+                (long long)total);
+    for (int32_t start : dc.step.query_start_loc) std::printf(" %d", start);
+    std::printf("); %lld pages of %lld tokens, shuffled (seed %llu); %s cache\n", (long long)dc.shape.numPages,
+                (long long)dc.shape.pageSize, (unsigned long long)options.seed, cacheLayoutName(*layout));
+  } else {
+    std::printf("decode: %lld cached + %lld new tokens per sequence, %lld sequences; %lld pages of %lld tokens, "
+                "shuffled (seed %llu); %s cache\n",
+                (long long)(c.tokens - options.decode), (long long)options.decode, (long long)c.batch,
+                (long long)dc.shape.numPages, (long long)dc.shape.pageSize, (unsigned long long)options.seed,
+                cacheLayoutName(*layout));
+  }
   for (CacheLayout l : {CacheLayout::raw, CacheLayout::mixed}) {
     const int64_t perToken = cacheBytesPerToken(c.spec, l);
     std::printf("cache %-5s %6lld bytes per token per layer, %lld bytes for the %lld tokens\n", cacheLayoutName(l),
@@ -324,15 +340,18 @@ int runDecode(const RunOptions& options, const IhaCase& given) {
   } else {
     out = reference::ihaDecode(c.spec, dc.step, dc.cache).out;
   }
-  const std::vector<int64_t> shape = {c.batch, options.decode, c.spec.heads(), c.spec.head_dim()};
+  const std::vector<int64_t> shape = ragged ? std::vector<int64_t>{total, c.spec.heads(), c.spec.head_dim()}
+                                            : std::vector<int64_t>{c.batch, options.decode, c.spec.heads(),
+                                                                   c.spec.head_dim()};
   if (Status written = writeNpy(options.out, npyFromDouble(out, shape, kOutTypes.at(options.outDtype))); !written)
     return badInput(written.error().message);
   std::printf("wrote %s %s (%s)\n", options.out.c_str(), shapeString(shape).c_str(), options.outDtype.c_str());
   const double error = relativeError(out, dc.expected);
   const double tolerance = toleranceFor(c.spec.dtype());
   const bool pass = error <= tolerance;  // false for NaN
-  std::printf("relative error %.3e against the forward's rows of the last %lld tokens (tolerance %.0e for %s): %s\n",
-              error, (long long)options.decode, tolerance, dtypeName(c.spec.dtype()).c_str(), pass ? "ok" : "FAILED");
+  std::printf("relative error %.3e against the forward's rows of %s (tolerance %.0e for %s): %s\n", error,
+              ragged ? "each sequence's new tokens" : ("the last " + std::to_string(options.decode) + " tokens").c_str(),
+              tolerance, dtypeName(c.spec.dtype()).c_str(), pass ? "ok" : "FAILED");
   bool appendOk = true;
   if (appended) {  // the reference's own append is what the check compares with
     const AppendCheck check = checkAppend(dc, *appended);
@@ -359,11 +378,17 @@ int run(const RunOptions& options) {
     std::printf("inputs rounded to %s; expected recomputed by the float64 reference\n", options.dtype.c_str());
   }
   const IhaCase& c = *loaded;
-  if (options.backward && options.decode > 0) return badInput("--backward and --decode: choose one");
-  if (options.sharedPages > 0 && options.decode == 0)
-    return badInput("--shared-pages " + std::to_string(options.sharedPages) + ": a decode step's (give --decode T)");
+  const bool stepping = options.decode > 0 || !options.ragged.empty();
+  if (options.decode > 0 && !options.ragged.empty()) return badInput("--decode and --ragged: choose one");
+  if (options.backward && stepping) return badInput("--backward and a decode step: choose one");
+  if (options.sharedPages > 0 && !stepping)
+    return badInput("--shared-pages " + std::to_string(options.sharedPages) +
+                    ": a decode step's (give --decode T or --ragged)");
+  if (!options.ragged.empty() && int64_t(options.ragged.size()) != c.batch)
+    return badInput("--ragged: " + std::to_string(options.ragged.size()) + " counts for the case's " +
+                    std::to_string(c.batch) + " sequences (one each)");
   if (options.backward) return runBackward(options, c);
-  if (options.decode > 0) return runDecode(options, c);
+  if (stepping) return runDecode(options, c);
 
   std::vector<double> out;
   std::optional<emu::EmuRun> emulated;
@@ -463,6 +488,13 @@ void addRunCommand(CLI::App& app, std::function<int()>* action) {
                   "decode step), emu (its CUDA program for --target on the emulator), cuda (the runtime's decode\n"
                   "kernel on --device, out poisoned first)")
       ->check(CLI::Range(int64_t(1), std::numeric_limits<int64_t>::max()));
+  cmd->add_option("--ragged", options->ragged,
+                  "a ragged step (docs/IHA.md, Ragged steps): sequence b of the case brings the b-th count of its\n"
+                  "last tokens (0 allowed; comma-separated, one a sequence), packed one sequence after another\n"
+                  "under query_start_loc; out [total, H, d] is compared with each sequence's forward rows. The other\n"
+                  "--decode options apply")
+      ->delimiter(',')
+      ->check(CLI::Range(int64_t(0), std::numeric_limits<int64_t>::max()));
   cmd->add_option("--shared-pages", options->sharedPages,
                   "with --decode: the sequences share their first K pages (prefix caching: sequence 0's first\n"
                   "K x page-size tokens copied into every sequence, one copy of their pages in every page table,\n"

@@ -36,6 +36,7 @@ struct TuneCliOptions {
   bool backward = false;
   std::string decode;  // raw | mixed: tune the decode step over that cache
   bool noEmulate = false;
+  bool shapeBucket = false;  // file the decision under the bucket of --batch and --tokens
 };
 
 Result<double> parseSeconds(const std::string& text) {
@@ -94,6 +95,7 @@ int tuneCommand(const TuneCliOptions& options) {
   autotune::TuneOptions tuneOptions;
   tuneOptions.batch = options.batch;
   tuneOptions.tokens = options.tokens;
+  tuneOptions.shapeBucketed = options.shapeBucket;
   tuneOptions.strategy = *strategy;
   tuneOptions.budgetSeconds = *budget;
   tuneOptions.cacheDir = options.cacheDir.empty() ? defaultCacheDir() : options.cacheDir;
@@ -180,7 +182,10 @@ int tuneCommand(const TuneCliOptions& options) {
         r.outcome == autotune::Outcome::compile_failed)
       std::printf("     %-50s rejected (%s): %s\n", r.candidate.key.c_str(), autotune::outcomeName(r.outcome),
                   r.reason.c_str());
-  std::printf("winner %s stored in %s\n", report->candidates.front().candidate.key.c_str(), storePath.c_str());
+  const std::string& bucket = report->result.shape_bucket();
+  std::printf("winner %s stored in %s, %s\n", report->candidates.front().candidate.key.c_str(), storePath.c_str(),
+              bucket.empty() ? "for every shape (--shape-bucket files it for these shapes only)"
+                             : ("for shape bucket " + bucket + " (and the shapes nearest it)").c_str());
   return kExitOk;
 }
 
@@ -210,6 +215,10 @@ void addTuneCommand(CLI::App& app, std::function<int()>* action) {
                 "without a GPU: do not run the compiled candidates on the emulator (by default each runs on a\n"
                 "small drawn case there, and any with a finding or a wrong output is rejected)");
   cmd->add_flag("--json", options->json, "print the full result as JSON");
+  cmd->add_flag("--shape-bucket", options->shapeBucket,
+                "file the decision under the shape bucket of --batch and --tokens (a forward's or backward's\n"
+                "n<N>, a decode step's c<cache>.b<batch>, powers of two): launches of those shapes get it, others\n"
+                "the nearest tuned bucket's, else the decision for every shape (without the flag)");
   cmd->add_flag("--backward", options->backward,
                 "tune the backward kernel instead (its own space and cost model, dq in its own launch or by\n"
                 "atomic adds; on a GPU each candidate is checked on every gradient and launchBackward timed\n"

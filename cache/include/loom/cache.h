@@ -50,6 +50,24 @@ std::string specKey(const KernelSpec& spec);
 // kept apart.
 std::string decisionSpecKey(const KernelSpec& spec, v1::Direction direction);
 
+// Shape buckets (docs/serving.md... see docs/caching below): a decision
+// may be tuned for the shapes a kernel meets, as Triton's autotune key=
+// does. A bucket names them coarsely: "n<N>" for a forward or backward of
+// N tokens (rounded up to a power of two, at least 16), "c<C>.b<B>" for a
+// decode step over caches of C tokens at batch B (both rounded up the
+// same way, B from 1); "" is every shape (the decisions of loom before
+// buckets, and tunes that name none).
+std::string shapeBucket(v1::Direction direction, int64_t batch, int64_t tokens);
+// A bucket's numbers: tokens (N or C) and batch (1 for "n" buckets);
+// an error names a malformed one.
+struct BucketShape {
+  int64_t tokens = 0, batch = 1;
+};
+Result<BucketShape> parseShapeBucket(const std::string& bucket);
+// How far apart two buckets lie: |log2| of their tokens' ratio plus that
+// of their batches'.
+double bucketDistance(const BucketShape& a, const BucketShape& b);
+
 struct Decision {
   KernelSpec spec;
   DeviceModel device;
@@ -62,7 +80,7 @@ struct Decision {
 struct DecisionLookup {
   Decision decision;
   bool fallback = false;  // tuned on another device of the same class
-  std::string note;       // says which, when it is a fallback
+  std::string note;       // says which, when it is a fallback (or tuned for another shape bucket)
 };
 
 struct Entry {
@@ -99,9 +117,14 @@ class KernelStore {
 
   // The decision for (spec, direction, device, toolchain); failing that, one tuned on a
   // device of the same class (flagged as a fallback); nullopt on a miss.
+  // Among a device's decisions, `shapeBucket`'s own, else the nearest
+  // tuned bucket (bucketDistance; the note says which), else the one for
+  // every shape; an empty `shapeBucket` asks for the one for every shape,
+  // else the most recently used.
   virtual Result<std::optional<DecisionLookup>> getDecision(const KernelSpec& spec, const DeviceModel& device,
                                                             const std::string& toolchain,
-                                                            v1::Direction direction = v1::direction_forward) = 0;
+                                                            v1::Direction direction = v1::direction_forward,
+                                                            const std::string& shapeBucket = "") = 0;
   virtual Status putDecision(const Decision& decision) = 0;
 
   // A schedule chosen without a measurement (the cost model's ranking),

@@ -38,10 +38,11 @@ int64_t cacheBytesPerToken(const KernelSpec& spec, CacheLayout layout);
 // [B, max_pages]).
 struct DecodeShape {
   int64_t batch = 0;
-  int64_t newTokens = 0;
+  int64_t newTokens = 0;  // T; a ragged step's most new tokens of one sequence
   int64_t numPages = 0;
   int64_t pageSize = 0;
   int64_t maxPages = 0;
+  int64_t totalTokens = 0;  // a ragged step's packed rows (query_start_loc[B] must equal it)
 };
 
 // Checks a step against its cache: B, T, page_size, num_pages and
@@ -56,7 +57,12 @@ struct DecodeShape {
 // the entry and the rule: "page_table[1][3] is 40, outside the cache's 32
 // pages", "page_table[2][1] is page 7, which page_table[0][1] uses too; the
 // step writes sequence 2's new tokens there (cache_len 20), ...".
+//
+// A ragged step (docs/IHA.md, Ragged steps) gives queryStartLoc [B + 1]:
+// 0 first, never decreasing, totalTokens last, each sequence's share
+// (query_start_loc[b + 1] - query_start_loc[b], zero allowed) at most
+// newTokens, and the checks above use each sequence's own count.
 Status validateDecode(const DecodeShape& shape, std::span<const int32_t> pageTable,
-                      std::span<const int32_t> cacheLen);
+                      std::span<const int32_t> cacheLen, std::span<const int32_t> queryStartLoc = {});
 
 }  // namespace loom

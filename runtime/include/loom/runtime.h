@@ -149,12 +149,33 @@ struct PagedCacheTensors {
   // defined) and writes 1 here if there was one. The caller reads it when
   // it likes: no synchronisation in the step.
   int32_t* page_errors = nullptr;
+  // A ragged step (docs/IHA.md, Ragged steps): `batch` sequences bring
+  // different numbers of new tokens, packed one sequence after another in
+  // q [total, H, d], k and v [total, G, d] and out [total, H, d] (no lse);
+  // query_start_loc [batch + 1], int32, dense, where the tensors are:
+  // sequence b's rows query_start_loc[b] .. query_start_loc[b + 1] - 1 (0
+  // to max_query_len of them), appended at its cache_len. max_query_len,
+  // the most one sequence brings, sizes the grids (FlashAttention's
+  // max_seqlen_q). Null: a uniform step.
+  const int32_t* query_start_loc = nullptr;
+  int64_t batch = 0;
+  int64_t max_query_len = 0;
 };
 
-// Checks the step's tensors as a forward's of N = T, the cache's against
-// the spec and its layout, and (with `checkPages`, host memory) the page
-// table and lengths (validateDecode) before anything is read or written;
-// the error names the tensor or entry.
+// A ragged step's packed tensors ([total, heads, d]) as one batch ([1,
+// total, heads, d]), the form the operand checks take; a uniform step's as
+// they are.
+IhaTensors packedView(const IhaTensors& step, const PagedCacheTensors& cache);
+// A ragged step's packed tensors as the launches index them: [batch,
+// max_query_len, heads, d] whose batch stride is unused (the kernels find
+// sequence b's rows through query_start_loc); a uniform step's as they are.
+IhaTensors raggedLaunchView(const IhaTensors& step, const PagedCacheTensors& cache);
+
+// Checks the step's tensors as a forward's of N = T (a ragged step's as
+// one batch of its packed tokens), the cache's against the spec and its
+// layout, and (with `checkPages`, host memory) the page table, lengths and
+// a ragged step's query_start_loc (validateDecode) before anything is read
+// or written; the error names the tensor or entry.
 Status validateDecodeTensors(const KernelSpec& spec, const IhaTensors& step, const PagedCacheTensors& cache,
                              int device, bool checkPages = true);
 
@@ -327,25 +348,31 @@ class Runtime {
   // Loads the spec's kernel: with no schedule given, the one tuned for this
   // device model (or its class) in the kernel cache, else the default; the
   // compiled kernel from the cache, else generated and compiled by NVRTC
-  // (and stored).
-  Result<std::shared_ptr<Kernel>> kernel(const KernelSpec& spec, const Schedule& schedule = {});
+  // (and stored). `shapeBucket` (cache::shapeBucket(direction, B, N), or
+  // of a decode step's batch and cache length): the decision tuned for
+  // those shapes, else for the nearest tuned ones, else for every shape;
+  // empty, the one for every shape. Every direction takes it.
+  Result<std::shared_ptr<Kernel>> kernel(const KernelSpec& spec, const Schedule& schedule = {},
+                                         const std::string& shapeBucket = "");
   // The spec's forward kernel that can keep what its backward reads
   // (Kernel::launch with IhaSaved): the given schedule, else the tuned one
   // (or the default), with its mixing materialised and its collapse
   // separate (keepingSchedule); kept apart from kernel()'s.
-  Result<std::shared_ptr<Kernel>> keepingKernel(const KernelSpec& spec, const Schedule& schedule = {});
+  Result<std::shared_ptr<Kernel>> keepingKernel(const KernelSpec& spec, const Schedule& schedule = {},
+                                                const std::string& shapeBucket = "");
   // The spec's backward kernel (Kernel::launchBackward), cached apart from
   // the forward's.
-  Result<std::shared_ptr<Kernel>> backwardKernel(const KernelSpec& spec, const Schedule& schedule = {});
+  Result<std::shared_ptr<Kernel>> backwardKernel(const KernelSpec& spec, const Schedule& schedule = {},
+                                                 const std::string& shapeBucket = "");
   // The spec's decode kernel over a cache of `layout` (Kernel::launchDecode),
   // tuned and cached apart from the other directions (and layouts).
   Result<std::shared_ptr<Kernel>> decodeKernel(const KernelSpec& spec, CacheLayout layout = CacheLayout::raw,
-                                               const Schedule& schedule = {});
+                                               const Schedule& schedule = {}, const std::string& shapeBucket = "");
   // Loads an already compiled kernel (from the cache or the service).
   Result<std::shared_ptr<Kernel>> load(const v1::CompiledKernel& compiled);
 
   // kernel, backwardKernel and decodeKernel keep what they load, by spec,
-  // schedule and direction, for the Runtime's life: a steady-state call is a
+  // schedule, direction and shape bucket, for the Runtime's life: a steady-state call is a
   // lookup (no store read, generation or module load). A decision tuned
   // since (loom tune, a service) is picked up after reload(), which forgets
   // them (kernels already handed out stay valid), or by a new Runtime.
@@ -355,7 +382,7 @@ class Runtime {
   Runtime() = default;
   Result<std::shared_ptr<Kernel>> provideAndLoad(const KernelSpec& spec, const Schedule& schedule,
                                                  v1::Direction direction, const std::string& what,
-                                                 bool keepsForward = false);
+                                                 bool keepsForward, const std::string& shapeBucket);
   struct State;
   std::unique_ptr<State> state_;
 };

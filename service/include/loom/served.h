@@ -17,9 +17,11 @@ namespace loom::service {
 
 class ServedKernels {
  public:
-  // The kernel `service` ("host:port") serves for the key, fetched once.
+  // The kernel `service` ("host:port") serves for the key (and shape
+  // bucket: GetKernelRequest.shape_bucket), fetched once.
   Result<std::shared_ptr<const v1::CompiledKernel>> get(const std::string& service, const v1::KernelSpec& spec,
-                                                        const v1::Target& target, v1::Direction direction);
+                                                        const v1::Target& target, v1::Direction direction,
+                                                        const std::string& shapeBucket = "");
   // Drops the kept kernels (a decision tuned since is fetched on the next
   // call), not the channels.
   void forget();

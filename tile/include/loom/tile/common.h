@@ -110,6 +110,14 @@ struct IhaArgs {
   int64_t num_pages;
   int32_t* page_errors;
   int32_t* sequence_ok;
+
+  // A ragged decode step (docs/IHA.md, Ragged steps), null for a uniform
+  // one: query_start_loc [batch + 1], int32, ascending from 0, sequence b's
+  // new tokens rows query_start_loc[b] .. query_start_loc[b + 1] - 1 of the
+  // packed q, k, v and out ([total, H | G, d], their stride[0] unused);
+  // tokens is then the most any sequence brings, which the grids and the
+  // workspaces count.
+  const int32_t* query_start_loc;
 };
 
 
@@ -137,9 +145,25 @@ LOOM_HOST_DEVICE constexpr int64_t cached_rows(const IhaArgs& args, int64_t b) {
 LOOM_HOST_DEVICE inline bool refused_sequence(const IhaArgs& args, int64_t b) {
   return args.sequence_ok && !args.sequence_ok[b];
 }
+// The new tokens sequence b brings to a decode step: T, or its share of a
+// ragged step's packed rows. Elsewhere the launch's N.
+template <class C>
+LOOM_HOST_DEVICE constexpr int64_t step_tokens(const IhaArgs& args, int64_t b) {
+  if constexpr (C::decode)
+    if (args.query_start_loc) return int64_t(args.query_start_loc[b + 1]) - args.query_start_loc[b];
+  return args.tokens;
+}
+// The element offset of token n's row (of q, k, v or out, whose strides
+// are `stride`) in batch entry b: a ragged step's rows are packed.
+template <class C>
+LOOM_HOST_DEVICE constexpr int64_t token_offset(const IhaArgs& args, const int64_t* stride, int64_t b, int64_t n) {
+  if constexpr (C::decode)
+    if (args.query_start_loc) return (int64_t(args.query_start_loc[b]) + n) * stride[1];
+  return b * stride[0] + n * stride[1];
+}
 template <class C>
 LOOM_HOST_DEVICE constexpr int64_t decode_len(const IhaArgs& args, int64_t b) {
-  return refused_sequence(args, b) ? 0 : (int64_t(args.cache_len[b]) + args.tokens) * C::pseudo_heads;
+  return refused_sequence(args, b) ? 0 : (int64_t(args.cache_len[b]) + step_tokens<C>(args, b)) * C::pseudo_heads;
 }
 // Where the virtual rows of sequence b end: L, or a decode step's
 // decode_len (its cached rows and its own).

@@ -374,7 +374,7 @@ __device__ void issueKv(const IhaArgs& a, int64_t g, int64_t b, int64_t block) {
       if constexpr (C::decode) {  // token n of the sequence, through the page table
         key = static_cast<const Bits16*>(a.k_cache);
         value = static_cast<const Bits16*>(a.v_cache);
-        inside = n < a.cache_len[b] + a.tokens;
+        inside = n < a.cache_len[b] + step_tokens<C>(a, b);
         const int64_t slot = inside ? cache_slot(a, b, n) * C::kv_heads * G::D : 0;
         key += slot;
         value += slot;

@@ -133,6 +133,7 @@ template <class C>
 struct KvPipeline<C, true> {
   Bits32 keyLane, valueLane;  // this lane's ldmatrix addresses in the block's stage
   FastDivider pages;          // the launch's page size
+  int32_t tokensEnd;          // the sequence's tokens once the step's are cached (kvBegin)
 };
 
 template <class C>
@@ -286,7 +287,7 @@ __device__ void issue(const Pipe& pipe, const IhaArgs& a, int64_t b, int64_t blo
   const AbsorbedSmem s = layout<C>();
   // Blocks and positions fit in 32 bits (launches refuse 2^31 virtual rows).
   const int stage = int(block) % C::stages, n = int(block) * A::tokens + t;
-  const bool inside = n < a.cache_len[b] + int(a.tokens);
+  const bool inside = n < pipe.tokensEnd;
   const int64_t slot = inside ? cache_slot(a, b, n, pipe.pages) * A::G * A::D : 0;
   const Bits16* key = static_cast<const Bits16*>(a.k_cache) + slot;
   const Bits16* value = static_cast<const Bits16*>(a.v_cache) + slot;
@@ -489,6 +490,7 @@ template <class C, class Pipe>
 __device__ void kvBegin(Pipe& pipe, const IhaArgs& a, int64_t b, int64_t lower, int64_t upper) {
   using A = Geometry<C>;
   pipe.pages = fastDivider(int32_t(a.page_size));
+  pipe.tokensEnd = int32_t(a.cache_len[b] + step_tokens<C>(a, b));
   if constexpr (A::Gp != A::G) {  // the padding head's rows: zeros, never copied over (P' is 0 there)
     const AbsorbedSmem s = layout<C>();
     constexpr int rows = A::tokens, chunks = A::Dp / kChunkElements;

@@ -159,7 +159,7 @@ __device__ float mixFromGlobal(const IhaArgs& a, int64_t b, int64_t n, int h, in
   const void* x = Role_::source(a);
   float sum = 0.0f;
   for (int m = 0; m < Role_::heads; ++m)
-    sum += alpha[(m * Role_::heads + h) * C::pseudo_heads + p] * loadElement<C>(x, b * s[0] + n * s[1] + m * s[2] + c);
+    sum += alpha[(m * Role_::heads + h) * C::pseudo_heads + p] * loadElement<C>(x, token_offset<C>(a, s, b, n) + m * s[2] + c);
   return sum;
 }
 
@@ -219,7 +219,7 @@ __device__ __forceinline__ void mixChunk(const IhaArgs& a, int64_t b, int64_t n,
     headStride = C::head_dim;
   } else {
     const int64_t token = C::decode ? n - a.cache_len[b] : n;
-    row = static_cast<const Bits16*>(Role_::source(a)) + b * stride[0] + token * stride[1] + column;
+    row = static_cast<const Bits16*>(Role_::source(a)) + token_offset<C>(a, stride, b, token) + column;
     headStride = stride[2];
   }
   #pragma unroll
@@ -464,10 +464,10 @@ __device__ void storeCollapsed(const float* staging, int pitch, const IhaArgs& a
   for (int index = thread; index < C::stacked_heads * tokens * D; index += threads) {
     const int t = index / D, c = index % D;
     const int64_t n = storedRow<C>(a, row0, b) / P + t % tokens, h = head + t / tokens;
-    if (n >= a.tokens) continue;
+    if (n >= step_tokens<C>(a, b)) continue;
     float sum = 0.0f;
     for (int p = 0; p < P; ++p) sum += a.collapse[h * P + p] * staging[(t * P + p) * pitch + c];
-    out[b * a.out_stride[0] + n * a.out_stride[1] + h * a.out_stride[2] + c] = toBits<C>(sum);
+    out[token_offset<C>(a, a.out_stride, b, n) + h * a.out_stride[2] + c] = toBits<C>(sum);
   }
 }
 
@@ -500,8 +500,8 @@ __device__ void storeOutTile(const float* tile, int pitch, const IhaArgs& a, int
   for (int index = thread; index < (C::block_m / P) * C::heads * D; index += threads) {
     const int c = index % D, h = (index / D) % C::heads, t = index / D / C::heads;
     const int64_t n = storedRow<C>(a, row0, b) / P + t;
-    if (n < a.tokens)
-      out[b * a.out_stride[0] + n * a.out_stride[1] + h * a.out_stride[2] + c] = toBits<C>(tile[(t * C::heads + h) * pitch + c]);
+    if (n < step_tokens<C>(a, b))
+      out[token_offset<C>(a, a.out_stride, b, n) + h * a.out_stride[2] + c] = toBits<C>(tile[(t * C::heads + h) * pitch + c]);
   }
 }
 
@@ -823,7 +823,7 @@ __device__ void collapse_rows(const IhaArgs& a, int64_t token0, int64_t b) {
   for (int index = threadIdx.x; index < tokens * C::heads * C::head_dim; index += blockDim.x) {
     const int c = index % C::head_dim, h = (index / C::head_dim) % C::heads;
     const int64_t n = token0 + index / C::head_dim / C::heads;
-    if (n >= a.tokens) continue;
+    if (n >= step_tokens<C>(a, b)) continue;
     float sum = 0.0f;
     for (int source = 0; source < C::heads; ++source) {
       if (C::collapse == Collapse::per_head && source != h) continue;
@@ -832,7 +832,7 @@ __device__ void collapse_rows(const IhaArgs& a, int64_t token0, int64_t b) {
         sum += w * cuda::toFloat<C>(o[((b * C::heads + source) * L + n * P + p) * C::head_dim + c]);
       }
     }
-    out[b * a.out_stride[0] + n * a.out_stride[1] + h * a.out_stride[2] + c] = cuda::toBits<C>(sum);
+    out[token_offset<C>(a, a.out_stride, b, n) + h * a.out_stride[2] + c] = cuda::toBits<C>(sum);
   }
 }
 
@@ -859,7 +859,7 @@ __device__ void append_cache(const IhaArgs& a, int64_t token0, int64_t b) {
   constexpr int D = C::head_dim, tokens = C::block_m / C::pseudo_heads;
   if (a.sequence_ok) {
     if (cuda::warp() == 0) {
-      const int64_t length = a.cache_len[b], end = length + a.tokens;
+      const int64_t length = a.cache_len[b], end = length + step_tokens<C>(a, b);
       bool ok = length >= 0 && end <= a.max_pages * a.page_size;
       if (ok)
         for (int64_t p = cuda::lane(); p < (end + a.page_size - 1) / a.page_size; p += kWarpSize) {
@@ -884,7 +884,7 @@ __device__ void append_cache(const IhaArgs& a, int64_t token0, int64_t b) {
       const int p = row % P, g = (row / P) % G, t = (row / P / G) % tokens;
       const bool key = row / P / G / tokens == 0;
       const int64_t n = token0 + t;
-      if (n >= a.tokens) continue;  // the whole warp
+      if (n >= step_tokens<C>(a, b)) continue;  // the whole warp
       float factor = 1.0f;
       if constexpr (C::qk_norm) {
         if (key) {
@@ -912,9 +912,9 @@ __device__ void append_cache(const IhaArgs& a, int64_t token0, int64_t b) {
       const int chunk = index % chunks, g = (index / chunks) % C::kv_heads;
       const int t = (index / chunks / C::kv_heads) % tokens, role = index / chunks / C::kv_heads / tokens;
       const int64_t n = token0 + t;
-      if (n >= a.tokens) continue;
+      if (n >= step_tokens<C>(a, b)) continue;
       const int64_t* stride = role == 0 ? a.k_stride : a.v_stride;
-      const Bits16* source = static_cast<const Bits16*>(role == 0 ? a.k : a.v) + b * stride[0] + n * stride[1] +
+      const Bits16* source = static_cast<const Bits16*>(role == 0 ? a.k : a.v) + token_offset<C>(a, stride, b, n) +
                              g * stride[2] + chunk * kChunkElements;
       Bits16* target = static_cast<Bits16*>(role == 0 ? a.k_cache : a.v_cache) +
                        (cache_slot(a, b, a.cache_len[b] + n) * C::kv_heads + g) * D + chunk * kChunkElements;
@@ -941,7 +941,7 @@ __device__ void combine_splits(const IhaArgs& a, int64_t token0, int64_t b) {
   for (int task = cuda::warp(); task < rows * C::heads; task += int(blockDim.x) / kWarpSize) {
     const int h = task % C::heads;
     const int64_t i = token0 * P + task / C::heads;
-    if (i >= L) continue;  // the whole warp: i is the warp's
+    if (i >= step_tokens<C>(a, b) * P) continue;  // the whole warp: i is the warp's
     float lse[perLane], weight[perLane];
     float most = cuda::negativeInfinity();
     #pragma unroll

@@ -104,6 +104,7 @@ struct KvPipeline<C, kTensorMixingStep> {
   Bits32 keyLane[tmix::Geometry<C>::KM];    // ldmatrix.trans addresses of token 0's raw key rows (B of the mix)
   Bits32 valueLane[tmix::Geometry<C>::KM];  // and of its raw value rows (B of P' V)
   FastDivider pages;
+  int32_t tokensEnd;  // the sequence's tokens once the step's are cached (absorbed::kvBegin)
 };
 
 template <class C>

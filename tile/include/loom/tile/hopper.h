@@ -752,14 +752,17 @@ __device__ void mma_pv(AccTile<C>& acc, ScoreTile<C>& s, KvPipeline<C>& pipe, in
 
 // After a consumer's last key block: its owed P V is issued and retired,
 // and its stage goes back to the producer (which may be streaming the next
-// head's blocks). A tile always has a key block (its diagonal), so something
-// is owed; were nothing, P is zero and normalize() writes zero rows.
+// head's blocks). A forward tile always has a key block (its diagonal), so
+// something is owed; a decode step's sequence with no rows (a ragged
+// step's empty sequence, or one the device's page check refused) has no
+// key block and owes nothing: no stage was filled to read, O stays zero
+// and normalize() writes zero rows.
 template <class C>
 __device__ void kv_finish(KvPipeline<C>& pipe, AccTile<C>& acc) {
   hopper::takeTurn<C>(acc);
   hopper::pinRegisters(acc.o);
   hopper::wgmmaFence();
-  hopper::issueOwedPv<C>(acc, pipe);
+  if (!C::decode || acc.owedStage >= 0) hopper::issueOwedPv<C>(acc, pipe);  // (a forward always owes)
   hopper::wgmmaCommit();
   hopper::giveTurn<C>(acc);
   hopper::retirePv<C>(acc);

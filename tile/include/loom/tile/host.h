@@ -156,7 +156,7 @@ void mixedRow(const IhaArgs& a, int64_t b, int64_t n, int64_t h, int64_t p, floa
   const void* x = R == Role::query ? a.q : R == Role::key ? a.k : a.v;
   const int64_t* stride = R == Role::query ? a.q_stride : R == Role::key ? a.k_stride : a.v_stride;
   const int64_t token = C::decode ? a.cache_len[b] + n : n;
-  const int64_t base = b * stride[0] + n * stride[1];
+  const int64_t base = token_offset<C>(a, stride, b, n);
   mixRowFrom<C, R>(
       a, [&](int m, int c) { return loadElement<C>(x, base + m * stride[2] + c); },
       rope_position<C>(a, token * C::pseudo_heads + p), h,
@@ -288,7 +288,7 @@ void premix(const IhaArgs& a, int64_t token0, int64_t b) {
 template <class C>
 void append_cache(const IhaArgs& a, int64_t token0, int64_t b) {
   constexpr int P = C::pseudo_heads, D = C::head_dim, G = C::kv_heads;
-  for (int64_t n = token0; n < token0 + C::block_m / P && n < a.tokens; ++n) {
+  for (int64_t n = token0; n < token0 + C::block_m / P && n < step_tokens<C>(a, b); ++n) {
     const int64_t slot = cache_slot(a, b, a.cache_len[b] + n);
     for (int g = 0; g < G; ++g) {
       if constexpr (C::mixed_cache) {
@@ -302,8 +302,8 @@ void append_cache(const IhaArgs& a, int64_t token0, int64_t b) {
         }
       } else {
         const int64_t base = (slot * G + g) * D;
-        const int64_t k = b * a.k_stride[0] + n * a.k_stride[1] + g * a.k_stride[2];
-        const int64_t v = b * a.v_stride[0] + n * a.v_stride[1] + g * a.v_stride[2];
+        const int64_t k = token_offset<C>(a, a.k_stride, b, n) + g * a.k_stride[2];
+        const int64_t v = token_offset<C>(a, a.v_stride, b, n) + g * a.v_stride[2];
         for (int c = 0; c < D; ++c) {
           host::storeElement<C>(a.k_cache, base + c, host::loadElement<C>(a.k, k + c));
           host::storeElement<C>(a.v_cache, base + c, host::loadElement<C>(a.v, v + c));
@@ -317,7 +317,7 @@ template <class C>
 void collapse_rows(const IhaArgs& a, int64_t token0, int64_t b) {
   const int64_t L = seq_len<C>(a);
   constexpr int P = C::pseudo_heads, D = C::head_dim;
-  for (int64_t n = token0; n < token0 + C::block_m / P && n < a.tokens; ++n)
+  for (int64_t n = token0; n < token0 + C::block_m / P && n < step_tokens<C>(a, b); ++n)
     for (int h = 0; h < C::heads; ++h) {
       float sum[D] = {};
       for (int source = 0; source < C::heads; ++source) {
@@ -329,7 +329,7 @@ void collapse_rows(const IhaArgs& a, int64_t token0, int64_t b) {
           for (int c = 0; c < D; ++c) sum[c] += w * o[c];
         }
       }
-      const int64_t base = b * a.out_stride[0] + n * a.out_stride[1] + h * a.out_stride[2];
+      const int64_t base = token_offset<C>(a, a.out_stride, b, n) + h * a.out_stride[2];
       for (int c = 0; c < D; ++c) host::storeElement<C>(a.out, base + c, sum[c]);
     }
 }
@@ -596,7 +596,7 @@ template <class C>
 void combine_splits(const IhaArgs& a, int64_t token0, int64_t b) {
   constexpr int P = C::pseudo_heads, D = C::head_dim, S = C::kv_splits;
   const int64_t L = seq_len<C>(a);
-  for (int64_t i = token0 * P; i < (token0 + C::block_m / P) * P && i < L; ++i)
+  for (int64_t i = token0 * P; i < (token0 + C::block_m / P) * P && i < step_tokens<C>(a, b) * P; ++i)
     for (int h = 0; h < C::heads; ++h) {
       float most = -INFINITY;
       for (int s = 0; s < S; ++s) most = std::max(most, split_row<C>(a, b, h, s, i)[D]);
@@ -622,8 +622,8 @@ void store_collapsed(AccTile<C>& acc, SoftmaxState<C>& state, const IhaArgs& a, 
   constexpr int P = C::pseudo_heads, tokens = C::cta_rows / P;  // a head's tokens (whole: cta_rows % P == 0)
   for (int t = 0; t < C::stacked_heads * tokens; ++t) {
     const int64_t n = host::storedRow<C>(a, row0, b) / P + t % tokens, h = head + t / tokens;
-    if (n >= a.tokens) continue;
-    const int64_t base = b * a.out_stride[0] + n * a.out_stride[1] + h * a.out_stride[2];
+    if (n >= step_tokens<C>(a, b)) continue;
+    const int64_t base = token_offset<C>(a, a.out_stride, b, n) + h * a.out_stride[2];
     for (int d = 0; d < C::head_dim; ++d) {
       float sum = 0.0f;
       for (int p = 0; p < P; ++p) sum += a.collapse[h * P + p] * acc.row(t * P + p)[d];
@@ -661,9 +661,9 @@ void store_out(OutTile<C>& out, const IhaArgs& a, int64_t row0, int64_t b) {
   constexpr int P = C::pseudo_heads;
   for (int t = 0; t < C::block_m / P; ++t) {
     const int64_t n = host::storedRow<C>(a, row0, b) / P + t;
-    if (n >= a.tokens) break;
+    if (n >= step_tokens<C>(a, b)) break;
     for (int h = 0; h < C::heads; ++h) {
-      const int64_t base = b * a.out_stride[0] + n * a.out_stride[1] + h * a.out_stride[2];
+      const int64_t base = token_offset<C>(a, a.out_stride, b, n) + h * a.out_stride[2];
       for (int d = 0; d < C::head_dim; ++d) host::storeElement<C>(a.out, base + d, out.at(t, h)[d]);
     }
   }
