@@ -15,6 +15,11 @@
 // under a shuffled page table, random values), timed without the page-table
 // check (the kernel alone; the first launch is checked), with the bandwidth
 // of the cache it reads and the bytes both cache layouts would take.
+// A ragged bundle, bench-ragged.<name>.pb with bench-ragged.<name>.txt
+// beside it (two lines: each sequence's cached tokens, and its new tokens,
+// comma-separated; bench/peers.py --emit writes them), is one ragged step
+// (docs/IHA.md, Ragged steps) of those sequences' new tokens packed under
+// query_start_loc, timed the same way, with the bytes the step moves.
 // Every row also gives the host's time a launch call at steady state
 // (200 calls queued on a stream, on the host clock).
 //
@@ -27,6 +32,7 @@
 #include <random>
 #include <nlohmann/json.hpp>
 #include <regex>
+#include <sstream>
 
 #include "autotune/cost_model.h"
 #include "autotune/measure.h"
@@ -66,15 +72,33 @@ Result<double> hostMicrosPerCall(const cuda::Device& device, Launch launch) {
   return micros / kCalls;
 }
 
-// One decode step (T = 1) over B caches of `cached` tokens: device buffers of
-// random values under a shuffled page table, the launch checked once, then timed.
+// One decode step over B sequences, sequence b with cached[b] tokens in the
+// cache and fresh[b] new ones: a uniform step of one token each (ragged
+// false: q [B, 1, H, d]) or a ragged one (q [total, H, d] under
+// query_start_loc). Device buffers of random values under a shuffled page
+// table, the launch checked once, then timed.
 Result<autotune::Timing> timeDecode(Kernel& kernel, const cuda::Device& device, const cuda::DeviceBuffer& flush,
-                                    const KernelSpec& spec, int64_t batch, int64_t cached, std::mt19937_64& rng,
+                                    const KernelSpec& spec, const std::vector<int64_t>& cached,
+                                    const std::vector<int64_t>& fresh, bool ragged, std::mt19937_64& rng,
                                     double* hostMicros) {
-  const IhaCase step = drawCase(spec, batch, 1, rng());
+  const int64_t batch = int64_t(cached.size());
+  int64_t total = 0, most = 0, pagesPer = 1;
+  std::vector<int32_t> starts = {0};
+  for (int64_t b = 0; b < batch; ++b) {
+    total += fresh[size_t(b)];
+    most = std::max(most, fresh[size_t(b)]);
+    starts.push_back(int32_t(total));
+    pagesPer = std::max(pagesPer, (cached[size_t(b)] + fresh[size_t(b)] + kDecodePageSize - 1) / kDecodePageSize);
+  }
+  const IhaCase step = drawCase(spec, ragged ? 1 : batch, ragged ? total : 1, rng());
   auto buffers = cuda::CaseBuffers::upload(device, step);
   if (!buffers) return buffers.error();
-  const int64_t pagesPer = (cached + 1 + kDecodePageSize - 1) / kDecodePageSize, pages = batch * pagesPer;
+  IhaTensors tensors = buffers->tensors();
+  if (ragged) {  // [1, total, ...] as the packed [total, ...]; no lse
+    for (Tensor* x : {&tensors.q, &tensors.k, &tensors.v, &tensors.out}) x->shape.erase(x->shape.begin());
+    tensors.lse.reset();
+  }
+  const int64_t pages = batch * pagesPer;
   const int64_t perPage = kDecodePageSize * spec.kv_heads() * spec.head_dim();
   // One chunk of random values in the dtype, repeated over the cache.
   std::normal_distribution<double> normal;
@@ -93,10 +117,10 @@ Result<autotune::Timing> timeDecode(Kernel& kernel, const cuda::Device& device, 
         return ok.error();
     owned.push_back(std::move(*buffer));
   }
-  std::vector<int32_t> order(static_cast<size_t>(pages)), lengths(static_cast<size_t>(batch), int32_t(cached));
+  std::vector<int32_t> order(static_cast<size_t>(pages)), lengths(cached.begin(), cached.end());
   for (int64_t i = 0; i < pages; ++i) order[size_t(i)] = int32_t(i);
   std::shuffle(order.begin(), order.end(), rng);
-  for (const std::vector<int32_t>* ints : {&order, &lengths}) {
+  for (const std::vector<int32_t>* ints : {&order, &lengths, &starts}) {
     auto buffer = cuda::DeviceBuffer::allocate(device, ints->size() * sizeof(int32_t));
     if (!buffer) return buffer.error();
     if (Status ok = cuda::check(device.api().cuMemcpyHtoD(buffer->get(), ints->data(), ints->size() * sizeof(int32_t)),
@@ -113,14 +137,66 @@ Result<autotune::Timing> timeDecode(Kernel& kernel, const cuda::Device& device, 
   cache.page_table = static_cast<const int32_t*>(owned[2].data());
   cache.cache_len = static_cast<const int32_t*>(owned[3].data());
   cache.max_pages = pagesPer;
-  if (Status ok = kernel.launchDecode(buffers->tensors(), cache); !ok) return ok.error();  // checked once
-  auto host = hostMicrosPerCall(
-      device, [&](CUstream stream) { return kernel.launchDecode(buffers->tensors(), cache, stream, false); });
+  if (ragged) {
+    cache.query_start_loc = static_cast<const int32_t*>(owned[4].data());
+    cache.batch = batch;
+    cache.max_query_len = most;
+  }
+  if (Status ok = kernel.launchDecode(tensors, cache); !ok) return ok.error();  // checked once
+  auto host =
+      hostMicrosPerCall(device, [&](CUstream stream) { return kernel.launchDecode(tensors, cache, stream, false); });
   if (!host) return host.error();
   *hostMicros = *host;
-  return autotune::timeRuns(
-      [&](int) { return kernel.launchDecode(buffers->tensors(), cache, nullptr, /*checkPages=*/false); }, device, flush,
-      kPlan);
+  return autotune::timeRuns([&](int) { return kernel.launchDecode(tensors, cache, nullptr, /*checkPages=*/false); },
+                            device, flush, kPlan);
+}
+
+// A ragged bundle at `path` (its counts in the .txt beside it): one row,
+// direction "ragged", with the bytes the step moves at least (the raw cache
+// it reads, every sequence's cached and new tokens, and the new tokens' q,
+// k, v and out) and their rate.
+Status timeRagged(const fs::path& path, const std::string& label, const std::shared_ptr<cuda::Device>& gpu,
+                  const cuda::DeviceBuffer& flush, std::mt19937_64& rng, nlohmann::json& results) {
+  std::ifstream counts(fs::path(path).replace_extension(".txt"));
+  std::string cachedLine, freshLine;
+  if (!std::getline(counts, cachedLine) || !std::getline(counts, freshLine))
+    return makeError("no counts beside it (" + fs::path(path).replace_extension(".txt").string() + ")");
+  auto parse = [](const std::string& line) {
+    std::vector<int64_t> values;
+    std::stringstream in(line);
+    for (std::string item; std::getline(in, item, ',');) values.push_back(std::stoll(item));
+    return values;
+  };
+  const std::vector<int64_t> cached = parse(cachedLine), fresh = parse(freshLine);
+  if (cached.empty() || cached.size() != fresh.size()) return makeError("the counts' two lines differ in length");
+  v1::CompiledKernel compiled;
+  std::ifstream in(path, std::ios::binary);
+  if (!compiled.ParseFromIstream(&in) || compiled.direction() != v1::direction_decode)
+    return makeError("not a raw-cache decode kernel");
+  auto kernel = Kernel::load(gpu, compiled);
+  if (!kernel) return kernel.error();
+  double hostMicros = 0;
+  auto timing = timeDecode(**kernel, *gpu, flush, compiled.spec(), cached, fresh, /*ragged=*/true, rng, &hostMicros);
+  if (!timing) return timing.error();
+  const KernelSpec& spec = compiled.spec();
+  int64_t tokens = 0, total = 0;
+  for (size_t b = 0; b < cached.size(); ++b) tokens += cached[b] + fresh[b], total += fresh[b];
+  const double bytes = double(tokens) * double(cacheBytesPerToken(spec, CacheLayout::raw)) +
+                       2.0 * double(total) * double((2 * spec.heads() + 2 * spec.kv_heads()) * spec.head_dim());
+  const double median = timing->medianMs;
+  std::printf("%-34s %4zu %6lld %10.3f %10.3f %9s %9.1f %9.1f  (ragged; %lld new tokens, %.2f GB moved)\n",
+              label.c_str(), cached.size(), (long long)total, median, timing->p90Ms, "-", bytes / (median * 1e-3) / 1e9,
+              hostMicros, (long long)total, bytes / 1e9);
+  results.push_back({{"name", label},
+                     {"batch", int64_t(cached.size())},
+                     {"tokens", total},
+                     {"median_ms", median},
+                     {"p90_ms", timing->p90Ms},
+                     {"direction", "ragged"},
+                     {"launch_host_us", hostMicros},
+                     {"bytes_moved", bytes},
+                     {"gbps", bytes / (median * 1e-3) / 1e9}});
+  return Status::success();
 }
 
 // The backward from a kept forward: the keeping forward bundle at `keeping`
@@ -182,6 +258,7 @@ int main(int argc, char** argv) {
               "launch us");  // the host's time a launch call
   const std::regex name(R"(bench\.n(\d+)b(\d+)\.([^.]+)\.pb)");
   const std::regex decodeName(R"(bench-decode\.c(\d+)b(\d+)\.([^.]+)\.pb)");
+  const std::regex raggedName(R"(bench-ragged\.([^.]+)\.pb)");
   std::vector<fs::path> files;
   if (fs::is_directory(dir))
     for (const auto& entry : fs::directory_iterator(dir)) files.push_back(entry.path());
@@ -197,7 +274,9 @@ int main(int argc, char** argv) {
       if (!compiled.ParseFromIstream(&in) || compiled.direction() != v1::direction_decode) continue;
       auto kernel = Kernel::load(*device, compiled);
       double hostMicros = 0;
-      auto timing = kernel ? timeDecode(**kernel, **device, *flush, compiled.spec(), batch, cached, rng, &hostMicros)
+      auto timing = kernel ? timeDecode(**kernel, **device, *flush, compiled.spec(),
+                                        std::vector<int64_t>(size_t(batch), cached), std::vector<int64_t>(size_t(batch), 1),
+                                        /*ragged=*/false, rng, &hostMicros)
                            : Result<autotune::Timing>(kernel.error());
       if (!timing) {
         std::printf("%-34s decode failed: %s\n", m[3].str().c_str(), timing.error().message.c_str());
@@ -222,6 +301,17 @@ int main(int argc, char** argv) {
                          {"cache_bytes_raw", raw},
                          {"cache_bytes_mixed", mixed},
                          {"cache_gbps", raw / (median * 1e-3) / 1e9}});
+      if (!jsonPath.empty()) {
+        std::ofstream out(jsonPath, std::ios::trunc);
+        out << nlohmann::json{{"device", (*device)->info().name}, {"results", results}}.dump(2) << "\n";
+      }
+      continue;
+    }
+    if (std::regex_match(file, m, raggedName)) {
+      if (Status ok = timeRagged(path, m[1].str(), *device, *flush, rng, results); !ok) {
+        std::printf("%-34s ragged step failed: %s\n", m[1].str().c_str(), ok.error().message.c_str());
+        ++failures;
+      }
       if (!jsonPath.empty()) {
         std::ofstream out(jsonPath, std::ios::trunc);
         out << nlohmann::json{{"device", (*device)->info().name}, {"results", results}}.dump(2) << "\n";

@@ -36,6 +36,21 @@ Two modes:
       With loom-gpu-bench's JSON it prints loom's raw-cache step beside
       them (the speedup over the faster), and both layouts' cache bytes.
 
+  python3 bench/peers.py --run OUT.json --ragged [--loom BENCH.json] [--ceilings CEILINGS.json]
+      times ragged steps as serving engines batch them (docs/IHA.md, Ragged
+      steps: 1 to 64 sequences, 1 to 8 new tokens each and prefill chunks of
+      512, caches of 1k to 128k tokens) the way a generic library must: over
+      a materialised pseudo-head cache, SDPA once a sequence and
+      FlexAttention once over every sequence's packed rows (a block mask
+      keeping each sequence to its own cache). With loom-gpu-bench's JSON
+      (its bench-ragged rows) it prints loom's raw-cache step beside them,
+      and for each the bytes a step moves and its time over the memory
+      floor (those bytes at the measured copy ceiling, else the device's
+      nominal bandwidth).
+
+  python3 bench/peers.py --ragged-grid
+      prints the ragged grid with each problem's bytes (no PyTorch needed).
+
 bench/report.py joins OUT.json with loom-gpu-bench's JSON into the table.
 """
 import argparse
@@ -102,6 +117,41 @@ def decode_grid():
     return problems
 
 
+def ragged_grid():
+    """Ragged steps of one launch: each problem lists every sequence's cached tokens and new tokens. Decode
+    tokens (1 to 8) beside prefill chunks of 512 over caches of 1k to 128k, 1 to 64 sequences."""
+    problems = []
+    spec = {"heads": 8, "kv_heads": 8, "pseudo_heads": 4, "head_dim": 128, "mask": "flat_causal", "window": 0,
+            "collapse": "per_head", "rope_theta": 10000.0, "dtype": "bfloat16"}
+
+    def add(name, cached, new):
+        problems.append({"name": f"ragged-h8g8p4d128-{name}", "spec": spec, "cached": cached, "new": new})
+
+    add("prefill512-c1k", [1024], [512])
+    add("decode1x8-c16k", [16384] * 8, [1] * 8)
+    add("spec4x4-c128k", [131072] * 4, [4] * 4)  # speculative decoding's 4-token verify steps
+    add("mix1chunk15dec-c16k", [16384] * 16, [512] + [1] * 15)
+    add("mix2chunks30dec-c32k", [32768] * 32, [512, 512] + [1] * 30)
+    add("dec64x1to8-c4k", [4096 + 64 * i for i in range(64)], [1 + i % 8 for i in range(64)])
+    return problems
+
+
+def ragged_bytes(spec, cached, new):
+    """What a ragged step must move at least: the raw cache it reads (every sequence's cached and new tokens'
+    k and v, G d each), the new tokens' q, k and v read and out written, in the spec's 16-bit dtype."""
+    H, G, d = spec["heads"], spec["kv_heads"], spec["head_dim"]
+    tokens = sum(c + t for c, t in zip(cached, new))
+    return 2 * (2 * G * d * tokens + (2 * H + 2 * G) * d * sum(new))
+
+
+def nominal_gbs(device_name):
+    """The device's nominal memory bandwidth (GB/s), where no measured copy ceiling is given."""
+    for key, gbs in (("H200", 4800.0), ("H100", 3350.0), ("A100", 2039.0)):
+        if key in device_name:
+            return gbs
+    return 0.0
+
+
 def flops(spec, N, B):
     """4 d H B times the allowed (i, j) pairs, docs/IHA.md."""
     P, W = spec["pseudo_heads"], spec["window"]
@@ -126,7 +176,14 @@ def emit(directory, problems):
             with open(os.path.join(directory, p["name"] + ".json"), "w") as f:
                 json.dump(p["spec"], f)
             listing.write(f"{p['name']} {p['cached']} {p['batch']}\n")
-    print(f"{len(problems)} problems and {len(decode)} decode problems written to {directory}")
+    # Ragged steps: "name cached,... new,..." lines (loom-gpu-bench times a bench-ragged.NAME.pb over them).
+    ragged = ragged_grid()
+    with open(os.path.join(directory, "ragged-problems.txt"), "w") as listing:
+        for p in ragged:
+            with open(os.path.join(directory, p["name"] + ".json"), "w") as f:
+                json.dump(p["spec"], f)
+            listing.write(f"{p['name']} {','.join(map(str, p['cached']))} {','.join(map(str, p['new']))}\n")
+    print(f"{len(problems)} problems, {len(decode)} decode and {len(ragged)} ragged problems written to {directory}")
 
 
 def run_decode(out_path, loom_path=None):
@@ -231,6 +288,121 @@ def run_decode(out_path, loom_path=None):
         with open(out_path + ".tmp", "w") as f:
             json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "direction": "decode",
                        "results": results}, f, indent=2)
+        os.replace(out_path + ".tmp", out_path)
+    return 0
+
+
+def print_ragged_grid():
+    print(f"{'problem':36s} {'seqs':>5s} {'new':>6s} {'cached':>9s} {'MB moved':>9s}")
+    for p in ragged_grid():
+        print(f"{p['name']:36s} {len(p['new']):5d} {sum(p['new']):6d} {sum(p['cached']):9d} "
+              f"{ragged_bytes(p['spec'], p['cached'], p['new']) / 1e6:9.1f}")
+    return 0
+
+
+def run_ragged(out_path, loom_path=None, ceilings_path=None):
+    import torch
+    import torch.nn.functional as F
+
+    if not torch.cuda.is_available():
+        print("peers: no CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    flex, flex_error = None, ""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        import torch._dynamo
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        flex = torch.compile(flex_attention, dynamic=False)
+    except Exception as error:  # noqa: BLE001 - any import or compile failure means "unavailable"
+        flex_error = str(error)
+    loom = {}
+    if loom_path and os.path.exists(loom_path):
+        loom = {r["name"]: r for r in json.load(open(loom_path))["results"] if r.get("direction") == "ragged"}
+    gbs = nominal_gbs(torch.cuda.get_device_name(0))
+    if ceilings_path and os.path.exists(ceilings_path):
+        gbs = json.load(open(ceilings_path)).get("copy_gbs", gbs)
+    results = []
+    print(f"{'problem':36s} {'sdpa ms':>9s} {'flex ms':>9s} {'loom ms':>9s} {'speedup':>8s} {'MB moved':>9s} "
+          f"{'floor ms':>9s} {'loom/floor':>10s}")
+    for index, problem in enumerate(ragged_grid()):
+        spec, cached, new = problem["spec"], problem["cached"], problem["new"]
+        H, G, P, d = spec["heads"], spec["kv_heads"], spec["pseudo_heads"], spec["head_dim"]
+        dtype = torch.bfloat16
+        gen = torch.Generator(device=device).manual_seed(index + 1)
+        moved = ragged_bytes(spec, cached, new)
+        row = {"name": problem["name"], "cached": cached, "new": new, "bytes_moved": moved,
+               "floor_ms": moved / (gbs * 1e6) if gbs else None, "methods": {}}
+        try:
+            # Every sequence's mixed pseudo-keys and values [G, (C + T) P, d] (the layout most favourable to a
+            # generic library), and its new tokens' mixed, rotated queries [H, T P, d]: the appends and the
+            # mixing of the new rows are the same elementwise work for every method, so only the attention and
+            # the per-sequence bookkeeping are timed.
+            keys = [torch.randn(1, G, (c + t) * P, d, device=device, dtype=dtype, generator=gen)
+                    for c, t in zip(cached, new)]
+            values = [torch.randn_like(k) for k in keys]
+            queries = [torch.randn(1, H, t * P, d, device=device, dtype=dtype, generator=gen) for t in new]
+            gqa = {} if G == H else {"enable_gqa": True}
+
+            def masks():  # flat_causal: new row i of a sequence sees keys up to C P + i
+                out = []
+                for c, t in zip(cached, new):
+                    mask = torch.ones(t * P, (c + t) * P, dtype=torch.bool, device=device)
+                    mask[:, c * P:] = torch.tril(torch.ones(t * P, t * P, dtype=torch.bool, device=device))
+                    out.append(mask)
+                return out
+
+            sdpa_masks = masks()
+
+            def sdpa():
+                return [F.scaled_dot_product_attention(q, k, v, attn_mask=m, **gqa)
+                        for q, k, v, m in zip(queries, keys, values, sdpa_masks) if q.shape[2]]
+
+            def measure(method, fn):
+                try:
+                    torch.cuda.synchronize()
+                    ms = median_ms(torch, fn, runs=RUNS, warmup=WARMUP, before=lambda: flush.random_(0, 255))
+                    row["methods"][method] = {"median_ms": ms}
+                except Exception as error:  # noqa: BLE001 - recorded, the table says why
+                    row["methods"][method] = {"error": f"{type(error).__name__}: {str(error)[:160]}"}
+
+            measure("sdpa-mixed-cache", sdpa)
+            if flex is not None:
+                # Every sequence's rows packed: a query row attends keys of its own sequence up to its position.
+                q_all = torch.cat(queries, dim=2)
+                k_all, v_all = torch.cat(keys, dim=2), torch.cat(values, dim=2)
+                q_seq = torch.cat([torch.full((t * P,), b, device=device) for b, t in enumerate(new)])
+                q_pos = torch.cat([c * P + torch.arange(t * P, device=device) for c, t in zip(cached, new)])
+                k_seq = torch.cat([torch.full(((c + t) * P,), b, device=device) for b, (c, t) in enumerate(zip(cached, new))])
+                k_pos = torch.cat([torch.arange((c + t) * P, device=device) for c, t in zip(cached, new)])
+                block_mask = create_block_mask(
+                    lambda b, h, qi, kj: (q_seq[qi] == k_seq[kj]) & (k_pos[kj] <= q_pos[qi]), None, None,
+                    q_all.shape[2], k_all.shape[2], device=device)
+                measure("flex-mixed-cache", lambda: flex(q_all, k_all, v_all, block_mask=block_mask, **gqa))
+            else:
+                row["methods"]["flex-mixed-cache"] = {"error": f"unavailable: {flex_error[:160]}"}
+            del keys, values, queries
+        except Exception as error:  # noqa: BLE001 - recorded, the table says why
+            for method in ("sdpa-mixed-cache", "flex-mixed-cache"):
+                row["methods"].setdefault(method, {"error": f"{type(error).__name__}: {str(error)[:160]}"})
+        torch.cuda.empty_cache()
+        mine = loom.get(problem["name"], {}).get("median_ms")
+        if mine:
+            row["methods"]["loom-raw-cache"] = {"median_ms": mine}
+        results.append(row)
+        sdpa_ms = row["methods"]["sdpa-mixed-cache"].get("median_ms")
+        flex_ms = row["methods"]["flex-mixed-cache"].get("median_ms")
+        peers = [x for x in (sdpa_ms, flex_ms) if x]
+        cell = lambda x, w=9: f"{x:{w}.3f}" if x else f"{'-':>{w}s}"
+        speedup = f"{min(peers) / mine:7.2f}x" if peers and mine else f"{'-':>8s}"
+        floor = row["floor_ms"]
+        ratio = f"{mine / floor:9.2f}x" if mine and floor else f"{'-':>10s}"
+        print(f"{problem['name']:36s} {cell(sdpa_ms)} {cell(flex_ms)} {cell(mine)} {speedup} {moved / 1e6:9.1f} "
+              f"{cell(floor)} {ratio}", flush=True)
+        with open(out_path + ".tmp", "w") as f:  # after every problem: a run cut short keeps its rows
+            json.dump({"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "direction": "ragged",
+                       "copy_gbs": gbs, "results": results}, f, indent=2)
         os.replace(out_path + ".tmp", out_path)
     return 0
 
@@ -360,13 +532,23 @@ def main():
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--emit", metavar="DIR", help="write the grid's specs for loom's bench bundles")
     mode.add_argument("--run", metavar="OUT.json", help="time the peers (PyTorch with CUDA)")
+    mode.add_argument("--ragged-grid", action="store_true", help="print the ragged grid and each step's bytes")
     parser.add_argument("--grid", choices=("quick", "full"), default="quick")
     parser.add_argument("--backward", action="store_true",
                         help="with --run: time forward + backward (a training step) instead of the forward")
     parser.add_argument("--decode", action="store_true",
                         help="with --run: time a decode step over a materialised pseudo-head cache instead")
-    parser.add_argument("--loom", metavar="BENCH.json", help="with --decode: loom-gpu-bench's results, printed beside")
+    parser.add_argument("--ragged", action="store_true",
+                        help="with --run: time ragged steps (prefill chunks beside decode tokens) instead")
+    parser.add_argument("--loom", metavar="BENCH.json",
+                        help="with --decode or --ragged: loom-gpu-bench's results, printed beside")
+    parser.add_argument("--ceilings", metavar="CEILINGS.json",
+                        help="with --ragged: bench/ceilings.py's measured copy bandwidth for the memory floor")
     args = parser.parse_args()
+    if args.ragged_grid:
+        return print_ragged_grid()
+    if args.run and args.ragged:
+        return run_ragged(args.run, args.loom, args.ceilings)
     if args.run and args.decode:
         return run_decode(args.run, args.loom)
     problems = grid(args.grid)

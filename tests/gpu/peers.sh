@@ -5,7 +5,8 @@
 # and cuDNN backends on bench/peers.py's grid, forward and then a training
 # step (forward + autograd backward), times loom's forward and backward
 # kernels for the same problems, and writes both tables (and plots when
-# matplotlib is there) to $OUT (or /tmp/loom-gpu). About 9 minutes on one GPU.
+# matplotlib is there) to $OUT (or /tmp/loom-gpu), then decode and ragged steps against SDPA and
+# FlexAttention over a materialised cache. About 11 minutes on one GPU.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 export LD_LIBRARY_PATH="$PWD/build/gpu-libs:${LD_LIBRARY_PATH:-}"
@@ -23,6 +24,11 @@ bench=${PIPESTATUS[0]}
 # cache (peers-decode.json is rewritten after every problem, so a run cut short keeps its rows).
 timeout 150 python3 bench/peers.py --run "$out/peers-decode.json" --decode --loom "$out/bench.json" 2>&1 |
   tee "$out/peers-decode.log"
+((peers |= PIPESTATUS[0]))
+# Ragged steps (prefill chunks beside decode tokens): loom's step against SDPA a sequence and
+# FlexAttention over the packed sequences, with the bytes each step moves and loom's time over the floor.
+timeout 150 python3 bench/peers.py --run "$out/peers-ragged.json" --ragged --loom "$out/bench.json" \
+  --ceilings "$out/ceilings.json" 2>&1 | tee "$out/peers-ragged.log"
 ((peers |= PIPESTATUS[0]))
 python3 bench/report.py --loom "$out/bench.json" --peers "$out/peers.json" --ceilings "$out/ceilings.json" \
   --plot "$out/tflops.png" | tee "$out/report.md"

@@ -166,6 +166,16 @@ while read -r name cached batch; do
   if ((${#jobs[@]} >= $(nproc))); then wait "${jobs[0]}"; jobs=("${jobs[@]:1}"); fi
 done <"$schedules/peers/decode-problems.txt"
 for job in "${jobs[@]}"; do wait "$job"; done
+# The ragged grid (bench/peers.py --ragged): loom's default step over a raw
+# paged cache, the sequences' counts beside each bundle for loom-gpu-bench.
+while read -r name cached fresh; do
+  printf '%s\n%s\n' "$cached" "$fresh" >"$out/bench-ragged.$name.txt"
+  build/bin/loom compile --spec "$schedules/peers/$name.json" --decode --target "$arch" \
+    --out "$out/bench-ragged.$name.pb" >/dev/null &
+  jobs+=($!)
+  if ((${#jobs[@]} >= $(nproc))); then wait "${jobs[0]}"; jobs=("${jobs[@]:1}"); fi
+done <"$schedules/peers/ragged-problems.txt"
+for job in "${jobs[@]}"; do wait "$job"; done
 
 # A full tuning run on a realistic spec (the paper's setting at N = 4096):
 # the 24 candidates the cost model ranks best, compiled here, measured there.

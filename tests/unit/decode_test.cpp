@@ -1463,6 +1463,52 @@ TEST(Decode, RaggedStepsGiveEachSequencesRows) {
   }
 }
 
+// A ragged step's grid counts its longest sequence's rows; the CTAs past a
+// shorter sequence's own rows visit no key block: the host program's step
+// over a 9-token chunk, a single token and an empty sequence multiplies
+// exactly the key blocks of the two non-empty sequences' own steps, run
+// alone (their outputs equal too, the same program on the same rows).
+TEST(Decode, RaggedStepsVisitOnlyTheirOwnSequencesKeyBlocks) {
+  std::mt19937_64 rng(testing::testSeed() ^ 0xb10c);
+  KernelSpec spec = testing::makeSpec({.heads = 4, .kvHeads = 2, .pseudoHeads = 2, .headDim = 16,
+                                       .dtype = v1::float32, .mask = v1::flat_causal, .ropeTheta = 10000});
+  const IhaCase c = testing::drawCheckableShape(rng, false, [&] { return testing::DrawnShape{spec, 3, 24}; });
+  const std::vector<int64_t> cached = {8, 20, 12}, fresh = {9, 1, 0};
+  for (const Schedule& schedule : {Schedule(), [] {
+         Schedule split;
+         split.set_kv_splits(2);
+         return split;
+       }()}) {
+    DecodeLayout ragged{1, 4, CacheLayout::raw, cached, rng()};
+    ragged.newTokensOf = fresh;
+    auto dc = decodeCaseFrom(c, ragged);
+    ASSERT_TRUE(dc) << dc.error().message;
+    auto all = runOnHost(*dc, schedule);
+    ASSERT_TRUE(all) << all.error().message;
+    int64_t alone = 0;
+    std::vector<double> rows;
+    for (int64_t b = 0; b < 3; ++b) {
+      if (fresh[size_t(b)] == 0) continue;
+      IhaCase one = c;
+      one.batch = 1;
+      one.tokens = cached[size_t(b)] + fresh[size_t(b)];
+      one.inputs = sliceTokens(c.spec, c.inputs, b, 0, one.tokens);
+      one.expected.reset();
+      auto single = decodeCaseFrom(one, {fresh[size_t(b)], 4, CacheLayout::raw, {cached[size_t(b)]}, rng()});
+      ASSERT_TRUE(single) << single.error().message;
+      auto run = runOnHost(*single, schedule);
+      ASSERT_TRUE(run) << run.error().message;
+      alone += run->stats.keyBlocks;
+      rows.insert(rows.end(), run->out.begin(), run->out.end());
+    }
+    EXPECT_GT(alone, 0);
+    EXPECT_EQ(all->stats.keyBlocks, alone) << schedule.ShortDebugString();
+    EXPECT_LT(relativeError(all->out, rows), 1e-6) << schedule.ShortDebugString();
+    std::printf("[ ragged   ] %s: %lld key blocks multiplied, as the sequences alone\n",
+                schedule.ShortDebugString().c_str(), (long long)all->stats.keyBlocks);
+  }
+}
+
 // What a ragged step's query_start_loc may not be, each named; a sequence
 // bringing no token writes nothing, so it may end on a page it shares.
 TEST(Decode, BadQueryStartLocsAreNamed) {

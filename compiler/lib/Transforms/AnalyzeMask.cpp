@@ -63,6 +63,14 @@ struct AnalyzeMask : impl::IhaAnalyzeMaskBase<AnalyzeMask> {
       if (kernel.getSpec().getVarlen())
         r = cutToDocuments(builder, math, stream.getLoc(), r, schedule.getBlockN(), loop.getRow0(),
                            lastRow(math, loop.getRow0(), schedule.getBlockM(), seqLen));
+      if (kernel.getDecode()) {
+        // A ragged step's grid counts its longest sequence's rows: a CTA
+        // past its own sequence's rows (row0 at or beyond decode_len) owns
+        // none and visits no key block.
+        const Value live = math.clamp(math.sub(seqLen, loop.getRow0()), math.c(0), math.c(1));
+        const Value hi = math.add(r.lo, math.mul(math.sub(r.hi, r.lo), live));
+        r = {r.lo, math.min(r.ilo, hi), math.min(r.ihi, hi), hi};
+      }
       if (kernel.getDecode() && schedule.getKvSplits() > 1) {
         // Each split CTA takes its even share of the visible blocks [lo, hi);
         // every range is clamped to that share.
