@@ -579,16 +579,17 @@ TEST_F(Service, PretuneTunesWhatIsMissingOnce) {
   std::ofstream(dir_ / "one.json") << "[" << toJson(spec(2, 4)) << "]";
   const std::string bucketed = "LOOM_CACHE_DIR=" + (dir_ / "worker") + " " + LOOM_BINARY + " pretune --server " +
                                address_ + " --specs " + (dir_ / "one.json") + " --token-file " + (dir_ / "token") +
-                               " --target sm_80 --buckets 300,5000 --compile-top 1 --decode raw --decode-batch 3";
+                               " --target sm_80 --buckets 300,5000 --compile-top 1";
   const auto third = testing::runCommand(bucketed);
   ASSERT_EQ(third.exitCode, 0) << third.output;
-  EXPECT_NE(third.output.find("pretune: 6 tuned, 0 skipped, 0 failed"), std::string::npos) << third.output;
+  EXPECT_NE(third.output.find("pretune: 4 tuned, 0 skipped, 0 failed"), std::string::npos) << third.output;
   EXPECT_NE(third.output.find("spec 0 [n512]: tuned (untimed) and uploaded"), std::string::npos) << third.output;
-  EXPECT_NE(third.output.find("spec 0 (decode, raw cache) [c8192.b4]: tuned"), std::string::npos) << third.output;
+  EXPECT_NE(third.output.find("spec 0 (backward) [n8192]: tuned (untimed) and uploaded"), std::string::npos)
+      << third.output;
   const auto fourth = testing::runCommand(bucketed);
-  EXPECT_NE(fourth.output.find("pretune: 0 tuned, 6 skipped, 0 failed"), std::string::npos) << fourth.output;
-  for (const auto& [direction, bucket] : {std::pair{v1::direction_forward, "n512"}, {v1::direction_backward, "n8192"},
-                                          {v1::direction_decode, "c512.b4"}}) {
+  EXPECT_NE(fourth.output.find("pretune: 0 tuned, 4 skipped, 0 failed"), std::string::npos) << fourth.output;
+  for (const auto& [direction, bucket] : {std::pair{v1::direction_forward, "n512"}, {v1::direction_forward, "n8192"},
+                                          {v1::direction_backward, "n512"}, {v1::direction_backward, "n8192"}}) {
     auto found = client()->lookupDecision(spec(2, 4), *parseTarget("sm_80"), direction, bucket);
     ASSERT_TRUE(found) << found.error().message;
     EXPECT_EQ(found->result().shape_bucket(), bucket);

@@ -156,7 +156,9 @@ struct PagedCacheTensors {
   // sequence b's rows query_start_loc[b] .. query_start_loc[b + 1] - 1 (0
   // to max_query_len of them), appended at its cache_len. max_query_len,
   // the most one sequence brings, sizes the grids (FlashAttention's
-  // max_seqlen_q). Null: a uniform step.
+  // max_seqlen_q). The offsets are checked with the page table (a CUDA
+  // step's checkPages copies them back); unchecked, they are trusted as the
+  // page table is. Null: a uniform step.
   const int32_t* query_start_loc = nullptr;
   int64_t batch = 0;
   int64_t max_query_len = 0;
