@@ -100,9 +100,9 @@ Result<DecodeCase> decodeCaseFrom(const IhaCase& c, const DecodeLayout& layout) 
                        std::to_string(N) + " new tokens");
   if (T < 1) return makeError("a ragged step where no sequence brings a token: at least one must");
   if (S < 1) return makeError("--page-size " + std::to_string(S) + ": must be at least 1");
-  std::vector<int64_t> cached(static_cast<size_t>(B), 0);
-  for (int64_t b = 0; b < B; ++b) cached[size_t(b)] = N - fresh[size_t(b)];
-  if (!layout.cached.empty()) cached = layout.cached;
+  std::vector<int64_t> cached = layout.cached;  // default: each sequence ends at the case's last token
+  if (cached.empty())
+    for (int64_t b = 0; b < B; ++b) cached.push_back(N - fresh[size_t(b)]);
   if (int64_t(cached.size()) != B)
     return makeError(std::to_string(cached.size()) + " cached lengths for " + std::to_string(B) + " sequences");
   for (int64_t b = 0; b < B; ++b)

@@ -35,6 +35,9 @@ Status validateDecode(const DecodeShape& shape, std::span<const int32_t> pageTab
     return makeError("cache_len has " + std::to_string(cacheLen.size()) + " entries, one per sequence needs " +
                      std::to_string(shape.batch));
   const bool ragged = !queryStartLoc.empty();
+  auto newTokensOf = [&](int64_t b) {
+    return ragged ? int64_t(queryStartLoc[size_t(b) + 1]) - queryStartLoc[size_t(b)] : shape.newTokens;
+  };
   if (ragged) {
     if (int64_t(queryStartLoc.size()) != shape.batch + 1)
       return makeError("query_start_loc has " + std::to_string(queryStartLoc.size()) + " entries; " +
@@ -42,7 +45,7 @@ Status validateDecode(const DecodeShape& shape, std::span<const int32_t> pageTab
     if (queryStartLoc[0] != 0)
       return makeError("query_start_loc[0] is " + std::to_string(queryStartLoc[0]) + ": the packed rows start at 0");
     for (int64_t b = 0; b < shape.batch; ++b) {
-      const int64_t count = int64_t(queryStartLoc[size_t(b) + 1]) - queryStartLoc[size_t(b)];
+      const int64_t count = newTokensOf(b);
       const std::string at = "query_start_loc[" + std::to_string(b + 1) + "] is " +
                              std::to_string(queryStartLoc[size_t(b) + 1]) + ", ";
       if (count < 0)
@@ -58,9 +61,6 @@ Status validateDecode(const DecodeShape& shape, std::span<const int32_t> pageTab
                        std::to_string(queryStartLoc[size_t(shape.batch)]) + ", but q packs " +
                        std::to_string(shape.totalTokens) + " tokens");
   }
-  auto newTokensOf = [&](int64_t b) {
-    return ragged ? int64_t(queryStartLoc[size_t(b) + 1]) - queryStartLoc[size_t(b)] : shape.newTokens;
-  };
   const int64_t capacity = shape.maxPages * shape.pageSize;
   // Each page's first user: (sequence, entry, whether the step writes there).
   struct User {
