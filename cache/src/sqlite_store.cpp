@@ -14,28 +14,25 @@
 
 #include "loom/cache.h"
 #include "loom/hash.h"
+#include "records.h"
 
 namespace loom::cache {
 namespace fs = std::filesystem;
 namespace {
 
-constexpr int kSchemaVersion = 5;
+constexpr int kSchemaVersion = 6;
 
 // Every column of each table at this schema (export and import copy by name).
 constexpr const char* kArtifactColumns = "key, blob, checksum, created, bytes, last_used";
 constexpr const char* kDecisionColumns =
     "spec_key, device, toolchain, blob, checksum, created, bytes, last_used, device_class, shape_bucket";
-// A decision's id (Entry::id; describe, remove): spec key / device /
-// toolchain, and @bucket where it was tuned for one.
-#define LOOM_DECISION_ID \
-  "(spec_key || '/' || device || '/' || toolchain || CASE WHEN shape_bucket = '' THEN '' ELSE '@' || shape_bucket END)"
 constexpr const char* kRankingColumns = "key, blob, checksum, created";
 
-int64_t now() {
-  return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
-
-std::string checksumOf(const std::string& blob) { return ContentHash().add(blob).hex(); }
+using detail::checksumOf;
+using detail::decisionFromJson;
+using detail::decisionToJson;
+using detail::now;
+using detail::Record;
 
 // A prepared statement with positional binding; finalised on scope exit.
 class Statement {
@@ -180,31 +177,11 @@ Status migrateToV5(sqlite3* db) {
       )", "migration to schema 5");
 }
 
-std::string decisionToJson(const Decision& d) {
-  nlohmann::json json;
-  json["spec"] = nlohmann::json::parse(toJson(d.spec));
-  json["device"] = {{"name", d.device.name}, {"arch", d.device.arch}, {"sm_count", d.device.smCount}};
-  json["toolchain"] = d.toolchain;
-  json["result"] = nlohmann::json::parse(toJson(d.result));
-  json["candidates"] = d.candidatesJson.empty() ? nlohmann::json::array() : nlohmann::json::parse(d.candidatesJson, nullptr, false);
-  json["artifact_key"] = d.artifactKey;
-  return json.dump();
-}
-
-Result<Decision> decisionFromJson(const std::string& text) {
-  const auto json = nlohmann::json::parse(text, nullptr, false);
-  if (json.is_discarded()) return makeError("decision record is not JSON");
-  Decision d;
-  if (!google::protobuf::util::JsonStringToMessage(json["spec"].dump(), &d.spec).ok() ||
-      !google::protobuf::util::JsonStringToMessage(json["result"].dump(), &d.result).ok())
-    return makeError("decision record does not parse");
-  // Records from before the Schedule named its engine were tuned on the mma.sync path.
-  if (d.result.best().engine() == v1::engine_unspecified) d.result.mutable_best()->set_engine(v1::engine_mma);
-  d.device = {json["device"].value("name", ""), json["device"].value("arch", ""), json["device"].value("sm_count", 0)};
-  d.toolchain = json.value("toolchain", "");
-  d.candidatesJson = json["candidates"].dump();
-  d.artifactKey = json.value("artifact_key", "");
-  return d;
+// v6: leases (KernelStore::acquireLease): who is tuning or compiling
+// what, until when, shared by every process on the file.
+Status migrateToV6(sqlite3* db) {
+  return exec(db, "CREATE TABLE leases(key TEXT PRIMARY KEY, holder TEXT NOT NULL, expires INTEGER NOT NULL);",
+              "migration to schema 6");
 }
 
 // v4: SHA-256 content addresses and checksums (loom/hash.h) instead of
@@ -284,7 +261,7 @@ Status migrateToV4(sqlite3* db) {
   return Status::success();
 }
 
-class SqliteStore final : public KernelStore {
+class SqliteStore final : public detail::RecordStore {
  public:
   SqliteStore(sqlite3* db, SqliteOptions options) : db_(db), options_(options) {}
   ~SqliteStore() override { sqlite3_close_v2(db_); }
@@ -327,60 +304,26 @@ class SqliteStore final : public KernelStore {
   Result<std::optional<DecisionLookup>> getDecision(const KernelSpec& spec, const DeviceModel& device,
                                                     const std::string& toolchain, v1::Direction direction,
                                                     const std::string& shapeBucket) override {
-    std::optional<BucketShape> wanted;
-    if (!shapeBucket.empty()) {
-      auto parsed = parseShapeBucket(shapeBucket);
-      if (!parsed) return parsed.error();
-      wanted = *parsed;
-    }
-    for (const bool fallback : {false, true}) {
-      // The device's (or class's) decisions of every bucket, most recently used first.
-      struct Row {
-        std::string blob, checksum, bucket;
-        int64_t rowid;
-      };
-      std::vector<Row> rows;
-      {
-        Statement select(db_, fallback ? "SELECT blob, checksum, shape_bucket, rowid FROM decisions WHERE spec_key = ?1 "
-                                         "AND device_class = ?2 AND toolchain = ?3 ORDER BY last_used DESC, rowid DESC"
-                                       : "SELECT blob, checksum, shape_bucket, rowid FROM decisions WHERE spec_key = ?1 "
-                                         "AND device = ?2 AND toolchain = ?3 ORDER BY last_used DESC, rowid DESC");
-        select.bind(1, decisionSpecKey(spec, direction)).bind(2, fallback ? device.classKey() : device.key()).bind(3, toolchain);
-        int rc;
-        while ((rc = select.step()) == SQLITE_ROW) rows.push_back({select.blob(0), select.text(1), select.text(2), select.integer(3)});
-        if (rc != SQLITE_DONE) return makeError(std::string("kernel cache: ") + sqlite3_errmsg(db_));
-      }
-      // The bucket's own, else the nearest tuned one, else every shape's
-      // (a bucket-less ask: every shape's, else the most recent).
-      auto rank = [&](const Row& row) {
-        if (row.bucket == shapeBucket) return -1.0;
-        if (row.bucket.empty()) return 1e9;
-        auto shape = parseShapeBucket(row.bucket);
-        if (!shape) return 2e9;
-        return wanted ? bucketDistance(*wanted, *shape) : 5e8;
-      };
-      std::stable_sort(rows.begin(), rows.end(), [&](const Row& a, const Row& b) { return rank(a) < rank(b); });
-      for (const Row& row : rows) {
-        auto decision =
-            checksumOf(row.blob) == row.checksum ? decisionFromJson(row.blob) : Result<Decision>(makeError("checksum"));
-        if (!decision) {
+    auto rows = [&](bool fallback) -> Result<std::vector<detail::DecisionRow>> {
+      Statement select(db_, fallback ? "SELECT blob, checksum, shape_bucket, rowid FROM decisions WHERE spec_key = ?1 "
+                                       "AND device_class = ?2 AND toolchain = ?3 ORDER BY last_used DESC, rowid DESC"
+                                     : "SELECT blob, checksum, shape_bucket, rowid FROM decisions WHERE spec_key = ?1 "
+                                       "AND device = ?2 AND toolchain = ?3 ORDER BY last_used DESC, rowid DESC");
+      select.bind(1, decisionSpecKey(spec, direction)).bind(2, fallback ? device.classKey() : device.key()).bind(3, toolchain);
+      std::vector<detail::DecisionRow> found;
+      int rc;
+      while ((rc = select.step()) == SQLITE_ROW)
+        found.push_back({select.blob(0), select.text(1), select.text(2), select.text(3)});
+      if (rc != SQLITE_DONE) return makeError(std::string("kernel cache: ") + sqlite3_errmsg(db_));
+      return found;
+    };
+    return detail::chooseDecision(
+        device, shapeBucket, rows,
+        [&](const detail::DecisionRow& row) {
           Statement drop(db_, "DELETE FROM decisions WHERE rowid = ?1");
-          (void)drop.bind(1, row.rowid).done("kernel cache: dropping a corrupt decision");
-          continue;
-        }
-        touch("decisions", "rowid", std::to_string(row.rowid));
-        DecisionLookup lookup{*decision, fallback, ""};
-        if (fallback)
-          lookup.note = "tuned on " + decision->device.name + ", another device of class " + device.classKey();
-        if (row.bucket != shapeBucket) {
-          const std::string shapes = row.bucket.empty() ? "every shape" : "shape bucket " + row.bucket;
-          const std::string bucketNote = "tuned for " + shapes + (shapeBucket.empty() ? "" : ", the nearest to " + shapeBucket);
-          lookup.note = lookup.note.empty() ? bucketNote : lookup.note + "; " + bucketNote;
-        }
-        return std::optional<DecisionLookup>(lookup);
-      }
-    }
-    return std::optional<DecisionLookup>();
+          (void)drop.bind(1, int64_t(std::stoll(row.handle))).done("kernel cache: dropping a corrupt decision");
+        },
+        [&](const detail::DecisionRow& row) { touch("decisions", "rowid", row.handle); });
   }
 
   Status putDecision(const Decision& d) override {
@@ -451,18 +394,7 @@ class SqliteStore final : public KernelStore {
   Result<std::optional<std::string>> describe(const std::string& id) override {
     auto artifact = getArtifact(id);
     if (!artifact) return artifact.error();
-    if (artifact->has_value()) {
-      v1::CompiledKernel summary = **artifact;
-      const size_t binaryBytes = summary.binary().size(), sourceBytes = summary.source().size();
-      summary.clear_binary();
-      summary.clear_source();
-      summary.clear_ptx();
-      summary.clear_compile_log();
-      auto json = nlohmann::json::parse(toJson(summary));
-      json["binary_bytes"] = binaryBytes;
-      json["source_bytes"] = sourceBytes;
-      return std::optional<std::string>(json.dump(2));
-    }
+    if (artifact->has_value()) return std::optional<std::string>(detail::describeArtifact(**artifact));
     Statement select(db_, "SELECT blob FROM decisions WHERE " LOOM_DECISION_ID " = ?1");
     if (select.bind(1, id).step() != SQLITE_ROW) return std::optional<std::string>();
     const auto json = nlohmann::json::parse(select.blob(0), nullptr, false);
@@ -530,6 +462,99 @@ class SqliteStore final : public KernelStore {
     return report;
   }
 
+  Result<Lease> acquireLease(const std::string& key, const std::string& holder, int64_t seconds) override {
+    const int64_t at = now();
+    {
+      // Taken when free, expired or already this holder's; RETURNING gives a row only then.
+      Statement take(db_,
+                     "INSERT INTO leases(key, holder, expires) VALUES(?1, ?2, ?3) ON CONFLICT(key) DO UPDATE SET "
+                     "holder = excluded.holder, expires = excluded.expires WHERE leases.expires <= ?4 OR "
+                     "leases.holder = excluded.holder RETURNING holder, expires");
+      const int rc = take.bind(1, key).bind(2, holder).bind(3, at + seconds).bind(4, at).step();
+      if (rc == SQLITE_ROW) return Lease{true, take.text(0), take.integer(1)};
+      if (rc != SQLITE_DONE) return makeError(std::string("kernel cache: taking a lease: ") + sqlite3_errmsg(db_));
+    }
+    Statement held(db_, "SELECT holder, expires FROM leases WHERE key = ?1");
+    if (held.bind(1, key).step() != SQLITE_ROW)
+      return makeError(std::string("kernel cache: reading a lease: ") + sqlite3_errmsg(db_));
+    return Lease{false, held.text(0), held.integer(1)};
+  }
+
+  Status releaseLease(const std::string& key, const std::string& holder) override {
+    Statement drop(db_, "DELETE FROM leases WHERE key = ?1 AND holder = ?2");
+    return drop.bind(1, key).bind(2, holder).done("kernel cache: releasing a lease");
+  }
+
+  Status forEachRecord(const std::function<Status(const Record&)>& visit) override {
+    {
+      Statement rows(db_, "SELECT key, blob, checksum, created, last_used FROM artifacts");
+      while (rows.step() == SQLITE_ROW)
+        if (Status ok = visit({Record::Kind::artifact, rows.text(0), "", "", "", "", rows.blob(1), rows.text(2),
+                               rows.integer(3), rows.integer(4)});
+            !ok)
+          return ok;
+    }
+    {
+      Statement rows(db_, "SELECT spec_key, device, toolchain, device_class, shape_bucket, blob, checksum, created, "
+                          "last_used FROM decisions");
+      while (rows.step() == SQLITE_ROW)
+        if (Status ok = visit({Record::Kind::decision, rows.text(0), rows.text(1), rows.text(2), rows.text(3),
+                               rows.text(4), rows.blob(5), rows.text(6), rows.integer(7), rows.integer(8)});
+            !ok)
+          return ok;
+    }
+    Statement rows(db_, "SELECT key, blob, checksum, created FROM rankings");
+    while (rows.step() == SQLITE_ROW)
+      if (Status ok = visit({Record::Kind::ranking, rows.text(0), "", "", "", "", rows.blob(1), rows.text(2),
+                             rows.integer(3), rows.integer(3)});
+          !ok)
+        return ok;
+    return Status::success();
+  }
+
+  Result<int> putRecords(const std::vector<Record>& records) override {
+    if (Status ok = exec(db_, "BEGIN IMMEDIATE", "kernel cache: storing records"); !ok) return ok.error();
+    int stored = 0;
+    for (const Record& r : records) {
+      if (!detail::soundRecord(r)) continue;
+      Status put;
+      switch (r.kind) {
+        case Record::Kind::artifact: {
+          Statement insert(db_, "INSERT OR REPLACE INTO artifacts(key, blob, checksum, created, bytes, last_used) "
+                                "VALUES(?1, ?2, ?3, ?4, ?5, ?6)");
+          put = insert.bind(1, r.key).bindBlob(2, r.blob).bind(3, r.checksum).bind(4, r.created).bind(5, r.bytes())
+                    .bind(6, r.lastUsed).done("kernel cache: storing an artifact");
+          break;
+        }
+        case Record::Kind::decision: {
+          Statement insert(db_, "INSERT OR REPLACE INTO decisions(spec_key, device, toolchain, blob, checksum, created, "
+                                "bytes, last_used, device_class, shape_bucket) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)");
+          put = insert.bind(1, r.key).bind(2, r.device).bind(3, r.toolchain).bindBlob(4, r.blob).bind(5, r.checksum)
+                    .bind(6, r.created).bind(7, r.bytes()).bind(8, r.lastUsed).bind(9, r.deviceClass)
+                    .bind(10, r.shapeBucket).done("kernel cache: storing a decision");
+          break;
+        }
+        case Record::Kind::ranking: {
+          Statement insert(db_, "INSERT OR REPLACE INTO rankings(key, blob, checksum, created) VALUES(?1, ?2, ?3, ?4)");
+          put = insert.bind(1, r.key).bindBlob(2, r.blob).bind(3, r.checksum).bind(4, r.created)
+                    .done("kernel cache: storing a ranking");
+          break;
+        }
+      }
+      if (!put) {
+        (void)exec(db_, "ROLLBACK", "rollback");
+        return put.error();
+      }
+      ++stored;
+    }
+    if (Status ok = exec(db_, "COMMIT", "kernel cache: storing records"); !ok) {
+      (void)exec(db_, "ROLLBACK", "rollback");
+      return ok.error();
+    }
+    if (Status ok = evict(); !ok) return ok.error();
+    return stored;
+  }
+
   Status exportTo(const std::string& path) override {
     std::error_code ec;
     fs::remove(path, ec);
@@ -540,6 +565,7 @@ class SqliteStore final : public KernelStore {
   }
 
   Result<int> importFrom(const std::string& path) override {
+    if (!fs::exists(path)) return makeError("kernel cache: import: no file " + path);
     auto source = openSqliteStore(path, options_);
     if (!source) return source.error();
     // Every record is checked before it is taken: imported kernels run on GPUs.
@@ -584,7 +610,8 @@ class SqliteStore final : public KernelStore {
   }
 
   int count() {
-    Statement select(db_, "SELECT (SELECT count(*) FROM artifacts) + (SELECT count(*) FROM decisions)");
+    Statement select(db_, "SELECT (SELECT count(*) FROM artifacts) + (SELECT count(*) FROM decisions) + "
+                          "(SELECT count(*) FROM rankings)");
     return select.step() == SQLITE_ROW ? int(select.integer(0)) : 0;
   }
 
@@ -652,6 +679,7 @@ Result<sqlite3*> openAndMigrate(const std::string& path, const SqliteOptions& op
   if (migrated && version < 3) migrated = migrateToV3(db);
   if (migrated && version < 4) migrated = migrateToV4(db);
   if (migrated && version < 5) migrated = migrateToV5(db);
+  if (migrated && version < 6) migrated = migrateToV6(db);
   if (migrated) migrated = exec(db, "PRAGMA user_version = " + std::to_string(kSchemaVersion), path);
   if (!migrated) {
     (void)exec(db, "ROLLBACK", path);
@@ -664,6 +692,20 @@ Result<sqlite3*> openAndMigrate(const std::string& path, const SqliteOptions& op
 }  // namespace
 
 int schemaVersion() { return kSchemaVersion; }
+
+namespace detail {
+Status sqliteFileIsWhole(const std::string& path) {
+  sqlite3* db = nullptr;
+  Status whole = makeError(path + " is not a healthy database");
+  if (sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READONLY, nullptr) == SQLITE_OK) {
+    Statement check(db, "PRAGMA integrity_check(1)");
+    if (check.step() == SQLITE_ROW && check.text(0) == "ok") whole = Status::success();
+  }
+  sqlite3_close_v2(db);
+  return whole;
+}
+}  // namespace detail
+
 
 Result<std::unique_ptr<KernelStore>> openSqliteStore(const std::string& path, const SqliteOptions& options) {
   std::error_code ec;

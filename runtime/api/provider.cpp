@@ -1,7 +1,10 @@
 #include "api/provider.h"
 
+#include <unistd.h>
+
 #include <chrono>
 #include <cstdio>
+#include <thread>
 
 #include "api/compile.h"
 #include "loom/compiler.h"
@@ -10,12 +13,52 @@
 
 namespace loom {
 
+// A compile's lease, renewed while the compile runs so that a long compile
+// keeps it and a dead process loses it within kCompileLeaseSeconds; given
+// back on destruction.
+KernelProvider::CompileLease::CompileLease(cache::KernelStore& store, std::string key, std::string holder)
+    : store_(store), key_(std::move(key)), holder_(std::move(holder)) {
+  renewer_ = std::thread([this] {
+    std::unique_lock lock(mutex_);
+    while (!done_.wait_for(lock, std::chrono::seconds(kCompileLeaseSeconds / 3), [this] { return stop_; }))
+      (void)store_.acquireLease(key_, holder_, kCompileLeaseSeconds);
+  });
+}
+
+KernelProvider::CompileLease::~CompileLease() {
+  {
+    std::lock_guard lock(mutex_);
+    stop_ = true;
+  }
+  done_.notify_all();
+  renewer_.join();
+  (void)store_.releaseLease(key_, holder_);
+}
+
+namespace {
+// Who this provider is to the other processes on its store: host, process
+// and an instance number.
+std::string holderName() {
+  static std::atomic<int> instances{0};
+  char host[256] = {};
+  ::gethostname(host, sizeof host - 1);
+  return std::string(host) + ":" + std::to_string(::getpid()) + ":" + std::to_string(++instances);
+}
+}  // namespace
+
 KernelProvider::KernelProvider(const std::string& cacheDir, int maxConcurrentCompiles)
-    : compiler_(cacheDir), compileSlots_(std::max(1, maxConcurrentCompiles)) {
+    : compiler_(cacheDir), compileSlots_(std::max(1, maxConcurrentCompiles)), holder_(holderName()) {
   auto store = cache::openSqliteStore(cache::storePath(cacheDir));
   if (store) store_ = std::move(*store);
   else std::fprintf(stderr, "loom: kernel cache unavailable (%s); compiling without it\n", store.error().message.c_str());
 }
+
+KernelProvider::KernelProvider(const std::string& cacheDir, int maxConcurrentCompiles,
+                               std::unique_ptr<cache::KernelStore> store)
+    : store_(std::move(store)),
+      compiler_(cacheDir),
+      compileSlots_(std::max(1, maxConcurrentCompiles)),
+      holder_(holderName()) {}
 
 Result<ProvidedKernel> KernelProvider::provide(const KernelSpec& spec, const v1::Target& target,
                                                const Schedule& schedule, v1::Direction direction, bool keepsForward,
@@ -79,16 +122,18 @@ Result<ProvidedKernel> KernelProvider::provide(const KernelSpec& spec, const v1:
       return provided;
     }
   }
-  auto compiled = compileOnce(key, spec, chosen, target, direction, &provided.compileSeconds);
+  bool elsewhere = false;
+  auto compiled = compileOnce(key, spec, chosen, target, direction, &provided.compileSeconds, &elsewhere);
   if (!compiled) return compiled.error();
   provided.kernel = *compiled;
-  provided.origin = "compiled now";
+  provided.origin = elsewhere ? "kernel cache" : "compiled now";
   return provided;
 }
 
 Result<v1::CompiledKernel> KernelProvider::compileOnce(const std::string& key, const KernelSpec& spec,
                                                        const Schedule& schedule, const v1::Target& target,
-                                                       v1::Direction direction, std::optional<double>* seconds) {
+                                                       v1::Direction direction, std::optional<double>* seconds,
+                                                       bool* elsewhere) {
   std::shared_future<Result<v1::CompiledKernel>> future;
   std::promise<Result<v1::CompiledKernel>> promise;
   bool leader = false;
@@ -105,6 +150,32 @@ Result<v1::CompiledKernel> KernelProvider::compileOnce(const std::string& key, c
   }
   if (!leader) return future.get();  // an identical miss is compiling: share its result
 
+  // Another process on the same store (a service replica) may be compiling
+  // this miss: it holds the lease, so wait for its artifact, or for the
+  // lease to lapse if it died.
+  std::optional<CompileLease> lease;
+  if (store_) {
+    const auto giveUp = std::chrono::steady_clock::now() + std::chrono::seconds(kCompileWaitSeconds);
+    while (!lease && std::chrono::steady_clock::now() < giveUp) {
+      auto taken = store_->acquireLease("compile/" + key, holder_, kCompileLeaseSeconds);
+      if (!taken) break;  // a store that cannot lease: compile here
+      if (taken->granted) lease.emplace(*store_, "compile/" + key, holder_);
+      // Looked for again once the lease is ours: the last holder may have
+      // stored the artifact and given the lease back just before.
+      auto hit = store_->getArtifact(key);
+      if (hit && hit->has_value()) {
+        lease.reset();
+        *elsewhere = true;
+        Result<v1::CompiledKernel> found = std::move(**hit);
+        promise.set_value(found);
+        std::lock_guard lock(mutex_);
+        inFlight_.erase(key);
+        return found;
+      }
+      if (!lease) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+
   compileSlots_.acquire();
   ++inFlightCount_;
   const auto start = std::chrono::steady_clock::now();
@@ -115,6 +186,7 @@ Result<v1::CompiledKernel> KernelProvider::compileOnce(const std::string& key, c
   compileSlots_.release();
   ++compiles_;
   if (compiled && store_) (void)store_->putArtifact(*compiled);  // a cache that cannot write costs a recompile
+  lease.reset();  // given back once the artifact is in the store
   promise.set_value(compiled);
   std::lock_guard lock(mutex_);
   inFlight_.erase(key);

@@ -7,6 +7,8 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
+#include <thread>
 #include <functional>
 #include <future>
 #include <map>
@@ -39,6 +41,11 @@ class KernelProvider {
   // `cacheDir` holds kernels.sqlite and NVRTC's artifacts; a store that
   // cannot be opened is survived (every request then compiles).
   explicit KernelProvider(const std::string& cacheDir, int maxConcurrentCompiles = kDefaultConcurrentCompiles);
+  // Over a store opened by the caller (a PostgreSQL store several service
+  // replicas share); null: no store. A miss another process on the store
+  // is compiling (it holds the lease "compile/<artifact key>") waits for
+  // that process's artifact instead of compiling it again.
+  KernelProvider(const std::string& cacheDir, int maxConcurrentCompiles, std::unique_ptr<cache::KernelStore> store);
 
   // An empty `schedule` means: the cache's decision for this device, else
   // the compiler's default.
@@ -63,10 +70,27 @@ class KernelProvider {
   int compilesInFlight() const { return inFlightCount_; }
 
  private:
-  // `seconds` is set when this call ran the compile (it led the identical misses).
+  // `seconds` is set when this call ran the compile (it led the identical
+  // misses); `elsewhere` when another process on the store compiled it.
   Result<v1::CompiledKernel> compileOnce(const std::string& key, const KernelSpec& spec, const Schedule& schedule,
                                          const v1::Target& target, v1::Direction direction,
-                                         std::optional<double>* seconds);
+                                         std::optional<double>* seconds, bool* elsewhere);
+
+  static constexpr int64_t kCompileLeaseSeconds = 15;  // renewed every 5 s while compiling
+  static constexpr int kCompileWaitSeconds = 600;      // then compile here whatever the lease says
+  class CompileLease {
+   public:
+    CompileLease(cache::KernelStore& store, std::string key, std::string holder);
+    ~CompileLease();
+
+   private:
+    cache::KernelStore& store_;
+    std::string key_, holder_;
+    std::mutex mutex_;
+    std::condition_variable done_;
+    bool stop_ = false;
+    std::thread renewer_;
+  };
 
   std::unique_ptr<cache::KernelStore> store_;
   ScheduleChooser chooser_;
@@ -76,6 +100,7 @@ class KernelProvider {
   std::map<std::string, std::shared_future<Result<v1::CompiledKernel>>> inFlight_;
   std::atomic<int64_t> compiles_{0};
   std::atomic<int> inFlightCount_{0};
+  std::string holder_;  // this provider's name on the store's leases
 };
 
 }  // namespace loom

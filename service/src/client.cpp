@@ -2,6 +2,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <atomic>
 #include <chrono>
 #include <iterator>
 
@@ -43,10 +44,39 @@ Result<std::unique_ptr<KernelClient>> KernelClient::connect(const std::string& a
   }
   grpc::ChannelArguments arguments;
   arguments.SetMaxReceiveMessageSize(256 << 20);
-  client->stub_ = v1::KernelService::NewStub(grpc::CreateCustomChannel(address, credentials, arguments));
-  count(Counter::service_channels);
+  for (size_t begin = 0; begin <= address.size();) {
+    size_t end = address.find(',', begin);
+    if (end == std::string::npos) end = address.size();
+    const std::string one = address.substr(begin, end - begin);
+    if (one.empty()) return makeError("server address list '" + address + "' has an empty entry");
+    client->stubs_.push_back(v1::KernelService::NewStub(grpc::CreateCustomChannel(one, credentials, arguments)));
+    client->addresses_.push_back(one);
+    count(Counter::service_channels);
+    begin = end + 1;
+  }
+  // Clients of one process start on different replicas.
+  static std::atomic<size_t> clients{0};
+  client->current_ = clients++ % client->stubs_.size();
   return client;
 }
+
+template <class Call>
+grpc::Status KernelClient::failover(Call call) {
+  const size_t n = stubs_.size(), first = current_;
+  grpc::Status status;
+  for (size_t tried = 0; tried < n; ++tried) {
+    const size_t i = (first + tried) % n;
+    count(Counter::service_requests);
+    status = call(*stubs_[i]);
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE) {
+      current_ = i;  // stay with the replica that answered
+      return status;
+    }
+  }
+  return status;
+}
+
+const std::string& KernelClient::address() const { return addresses_[current_ % addresses_.size()]; }
 
 void KernelClient::authorize(grpc::ClientContext& context) const {
   if (!token_.empty()) context.AddMetadata("authorization", "Bearer " + token_);
@@ -55,59 +85,64 @@ void KernelClient::authorize(grpc::ClientContext& context) const {
 Result<v1::GetKernelResponse> KernelClient::getKernel(const v1::KernelSpec& spec, const v1::Target& target,
                                                       int deadlineMs, v1::Direction direction,
                                                       const std::string& shapeBucket) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(deadlineMs));
   v1::GetKernelRequest request;
   *request.mutable_spec() = spec;
   *request.mutable_target() = target;
   request.set_direction(direction);
   request.set_shape_bucket(shapeBucket);
   v1::GetKernelResponse response;
-  count(Counter::service_requests);
-  const grpc::Status status = stub_->GetKernel(&context, request, &response);
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(deadlineMs);
+  const grpc::Status status = failover([&](v1::KernelService::Stub& stub) {
+    grpc::ClientContext context;
+    context.set_deadline(deadline);
+    return stub.GetKernel(&context, request, &response);
+  });
   if (!status.ok()) return callError(status);
   return response;
 }
 
 Result<v1::ListKernelsResponse> KernelClient::listKernels() {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   v1::ListKernelsResponse response;
-  count(Counter::service_requests);
-  const grpc::Status status = stub_->ListKernels(&context, v1::ListKernelsRequest(), &response);
+  const grpc::Status status = failover([&](v1::KernelService::Stub& stub) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    return stub.ListKernels(&context, v1::ListKernelsRequest(), &response);
+  });
   if (!status.ok()) return callError(status);
   return response;
 }
 
 Result<v1::PutTuningResponse> KernelClient::putTuning(const v1::TuningResult& result, const v1::CompiledKernel& kernel,
                                                       const std::string& candidatesJson) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-  authorize(context);
   v1::PutTuningRequest request;
   *request.mutable_result() = result;
   *request.mutable_kernel() = kernel;
   request.set_kernel_checksum(ContentHash().add(kernel.SerializeAsString()).hex());
   request.set_candidates_json(candidatesJson);
   v1::PutTuningResponse response;
-  count(Counter::service_requests);
-  const grpc::Status status = stub_->PutTuning(&context, request, &response);
+  const grpc::Status status = failover([&](v1::KernelService::Stub& stub) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    authorize(context);
+    return stub.PutTuning(&context, request, &response);
+  });
   if (!status.ok()) return callError(status);
   return response;
 }
 
 Result<v1::LookupDecisionResponse> KernelClient::lookupDecision(const v1::KernelSpec& spec, const v1::Target& target,
                                                               v1::Direction direction, const std::string& shapeBucket) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
   v1::LookupDecisionRequest request;
   *request.mutable_spec() = spec;
   *request.mutable_target() = target;
   request.set_direction(direction);
   request.set_shape_bucket(shapeBucket);
   v1::LookupDecisionResponse response;
-  count(Counter::service_requests);
-  const grpc::Status status = stub_->LookupDecision(&context, request, &response);
+  const grpc::Status status = failover([&](v1::KernelService::Stub& stub) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    return stub.LookupDecision(&context, request, &response);
+  });
   if (!status.ok()) return callError(status);
   return response;
 }
@@ -129,13 +164,14 @@ v1::LeaseRequest leaseRequest(const v1::KernelSpec& spec, const v1::Target& targ
 Result<v1::LeaseResponse> KernelClient::acquireLease(const v1::KernelSpec& spec, const v1::Target& target,
                                                      const std::string& worker, int seconds, v1::Direction direction,
                                                      const std::string& shapeBucket) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-  authorize(context);
+  const v1::LeaseRequest request = leaseRequest(spec, target, worker, seconds, direction, shapeBucket);
   v1::LeaseResponse response;
-  count(Counter::service_requests);
-  const grpc::Status status = stub_->AcquireLease(&context, leaseRequest(spec, target, worker, seconds, direction, shapeBucket),
-                                                  &response);
+  const grpc::Status status = failover([&](v1::KernelService::Stub& stub) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    authorize(context);
+    return stub.AcquireLease(&context, request, &response);
+  });
   if (!status.ok()) return callError(status);
   return response;
 }
@@ -143,13 +179,14 @@ Result<v1::LeaseResponse> KernelClient::acquireLease(const v1::KernelSpec& spec,
 Result<v1::LeaseResponse> KernelClient::releaseLease(const v1::KernelSpec& spec, const v1::Target& target,
                                                      const std::string& worker, v1::Direction direction,
                                                      const std::string& shapeBucket) {
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-  authorize(context);
+  const v1::LeaseRequest request = leaseRequest(spec, target, worker, 0, direction, shapeBucket);
   v1::LeaseResponse response;
-  count(Counter::service_requests);
-  const grpc::Status status = stub_->ReleaseLease(&context, leaseRequest(spec, target, worker, 0, direction, shapeBucket),
-                                                  &response);
+  const grpc::Status status = failover([&](v1::KernelService::Stub& stub) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    authorize(context);
+    return stub.ReleaseLease(&context, request, &response);
+  });
   if (!status.ok()) return callError(status);
   return response;
 }

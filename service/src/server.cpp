@@ -40,9 +40,10 @@ Status invalid(const std::string& message) { return Status(StatusCode::INVALID_A
 
 class KernelServiceImpl final : public v1::KernelService::Service {
  public:
-  KernelServiceImpl(const ServerOptions& options, std::string token, Metrics& metrics)
-      : cacheDir_(options.cacheDir.empty() ? defaultCacheDir() : options.cacheDir),
-        provider_(cacheDir_, options.maxConcurrentCompiles),
+  KernelServiceImpl(const ServerOptions& options, std::string cacheDir, std::unique_ptr<cache::KernelStore> store,
+                    std::string token, Metrics& metrics)
+      : cacheDir_(std::move(cacheDir)),
+        provider_(cacheDir_, options.maxConcurrentCompiles, std::move(store)),
         token_(std::move(token)),
         metrics_(metrics),
         log_(options.requestLog ? options.requestLog
@@ -221,6 +222,15 @@ class KernelServiceImpl final : public v1::KernelService::Service {
       if (Status ok = authorize(*context); !ok.ok()) return ok;
       if (Status ok = checkRequest(*request); !ok.ok()) return ok;
       const std::string key = leaseKey(*request);
+      const int64_t seconds = request->seconds() > 0 ? request->seconds() : kDefaultLeaseSeconds;
+      if (provider_.store()) {  // in the store: every replica on it sees the same leases
+        auto lease = provider_.store()->acquireLease("tune/" + key, request->worker(), seconds);
+        if (!lease) return Status(StatusCode::UNAVAILABLE, lease.error().message);
+        response->set_granted(lease->granted);
+        response->set_holder(lease->holder);
+        response->set_expires_unix(lease->expires);
+        return Status::OK;
+      }
       const int64_t now = nowSeconds();
       std::lock_guard lock(leaseMutex_);
       auto& lease = leases_[key];
@@ -230,7 +240,7 @@ class KernelServiceImpl final : public v1::KernelService::Service {
         response->set_expires_unix(lease.expires);
         return Status::OK;
       }
-      lease = {request->worker(), now + (request->seconds() > 0 ? request->seconds() : kDefaultLeaseSeconds)};
+      lease = {request->worker(), now + seconds};
       response->set_granted(true);
       response->set_holder(lease.holder);
       response->set_expires_unix(lease.expires);
@@ -241,6 +251,12 @@ class KernelServiceImpl final : public v1::KernelService::Service {
   Status ReleaseLease(ServerContext* context, const v1::LeaseRequest* request, v1::LeaseResponse* response) override {
     return count("ReleaseLease", [&]() -> Status {
       if (Status ok = authorize(*context); !ok.ok()) return ok;
+      if (provider_.store()) {
+        if (loom::Status ok = provider_.store()->releaseLease("tune/" + leaseKey(*request), request->worker()); !ok)
+          return Status(StatusCode::UNAVAILABLE, ok.error().message);
+        response->set_granted(true);
+        return Status::OK;
+      }
       std::lock_guard lock(leaseMutex_);
       auto found = leases_.find(leaseKey(*request));
       if (found != leases_.end() && found->second.holder == request->worker()) leases_.erase(found);
@@ -420,7 +436,21 @@ class Server final : public KernelServer {
     } else {
       credentials = grpc::InsecureServerCredentials();
     }
-    service_ = std::make_unique<KernelServiceImpl>(options, token, metrics_);
+    // The store: the one named (PostgreSQL for replicas, or a SQLite file),
+    // which must open; else the cache folder's SQLite file, which a server
+    // survives losing (it then compiles every request).
+    const std::string cacheDir = options.cacheDir.empty() ? defaultCacheDir() : options.cacheDir;
+    std::unique_ptr<cache::KernelStore> store;
+    if (!options.store.empty()) {
+      auto opened = cache::openStore(options.store);
+      if (!opened) return makeError("--store " + cache::redactedLocation(options.store) + ": " + opened.error().message);
+      store = std::move(*opened);
+    } else if (auto opened = cache::openSqliteStore(cache::storePath(cacheDir)); opened) {
+      store = std::move(*opened);
+    } else {
+      std::fprintf(stderr, "loom: kernel cache unavailable (%s); compiling without it\n", opened.error().message.c_str());
+    }
+    service_ = std::make_unique<KernelServiceImpl>(options, cacheDir, std::move(store), token, metrics_);
     grpc::EnableDefaultHealthCheckService(true);
     grpc::reflection::InitProtoReflectionServerBuilderPlugin();
     grpc::ServerBuilder builder;

@@ -1,6 +1,7 @@
-// The SQLite kernel store: records, fallbacks, several processes at once,
-// damage on disk, eviction, migration from the previous schema, export and
-// import.
+// The kernel stores: one suite of records, fallbacks, several processes at
+// once, damage, eviction, leases, export and import run against both the
+// SQLite file and PostgreSQL (a private server this test starts); then the
+// SQLite file's own cases (a damaged file, migrations from old schemas).
 #include <gtest/gtest.h>
 #include <sqlite3.h>
 #include <sys/wait.h>
@@ -13,6 +14,7 @@
 
 #include "loom/cache.h"
 #include "loom/hash.h"
+#include "postgres_server.h"
 #include "test_util.h"
 
 namespace loom::cache {
@@ -55,9 +57,78 @@ std::unique_ptr<KernelStore> open(const std::string& path, SqliteOptions options
   return store ? std::move(*store) : nullptr;
 }
 
-TEST(Cache, StoresAndFindsArtifactsAndDecisions) {
-  testing::TempDir dir;
-  auto store = open(dir / "k.sqlite");
+// This process's PostgreSQL server, started on first use.
+testing::PostgresServer* postgresServer(std::string* why) {
+  static std::string failure;
+  static std::unique_ptr<testing::PostgresServer> server = testing::PostgresServer::start(&failure);
+  *why = failure;
+  return server.get();
+}
+
+// The store under test, by its kind: a SQLite file in a scratch folder, or
+// a fresh database on this process's PostgreSQL server.
+class Store : public ::testing::TestWithParam<std::string> {
+ protected:
+  void SetUp() override {
+    if (postgres()) {
+      std::string why;
+      testing::PostgresServer* server = postgresServer(&why);
+      if (!server) {
+        if (why.find("not installed") != std::string::npos) GTEST_SKIP() << why;
+        FAIL() << why;
+      }
+      location_ = server->createDatabase();
+    } else {
+      location_ = dir_ / "k.sqlite";
+    }
+  }
+  bool postgres() const { return GetParam() == "postgresql"; }
+  const std::string& location() const { return location_; }
+
+  std::unique_ptr<KernelStore> open(int64_t maxBytes = 0) {
+    Result<std::unique_ptr<KernelStore>> store = makeError("unopened");
+    if (postgres()) {
+      PostgresOptions options;
+      if (maxBytes) options.maxBytes = maxBytes;
+      store = openPostgresStore(location_, options);
+    } else {
+      SqliteOptions options;
+      if (maxBytes) options.maxBytes = maxBytes;
+      store = openSqliteStore(location_, options);
+    }
+    EXPECT_TRUE(store) << store.error().message;
+    return store ? std::move(*store) : nullptr;
+  }
+
+  // One statement straight into the store's database (damage from outside);
+  // tables by their SQLite names (PostgreSQL's have loom_ before them).
+  void sql(std::string statement) {
+    if (postgres()) {
+      for (const char* table : {"artifacts", "decisions", "rankings"}) {
+        const std::string from = std::string("UPDATE ") + table, to = std::string("UPDATE loom_") + table;
+        if (statement.rfind(from, 0) == 0) statement = to + statement.substr(from.size());
+      }
+      const std::string error = testing::PostgresServer::run(location_, statement);
+      ASSERT_EQ(error, "") << statement;
+      return;
+    }
+    sqlite3* raw = nullptr;
+    ASSERT_EQ(sqlite3_open(location_.c_str(), &raw), SQLITE_OK);
+    ASSERT_EQ(sqlite3_exec(raw, statement.c_str(), nullptr, nullptr, nullptr), SQLITE_OK) << statement;
+    sqlite3_close(raw);
+  }
+
+  testing::TempDir dir_;
+
+ private:
+  std::string location_;
+};
+
+INSTANTIATE_TEST_SUITE_P(Stores, Store, ::testing::Values("sqlite", "postgresql"),
+                         [](const ::testing::TestParamInfo<std::string>& info) { return info.param; });
+
+TEST_P(Store, StoresAndFindsArtifactsAndDecisions) {
+  auto store = open();
   const v1::CompiledKernel k = kernel(1);
   ASSERT_TRUE(store->putArtifact(k));
   auto found = store->getArtifact(artifactKey(k));
@@ -81,9 +152,8 @@ TEST(Cache, StoresAndFindsArtifactsAndDecisions) {
 // by their own direction field: the same spec on the same device holds one
 // decision per direction, and a backward artifact never answers a forward
 // lookup, even with the same source.
-TEST(Cache, BackwardKernelsAndDecisionsAreKeyedApart) {
-  testing::TempDir dir;
-  auto store = open(dir / "k.sqlite");
+TEST_P(Store, BackwardKernelsAndDecisionsAreKeyedApart) {
+  auto store = open();
   Decision forward = decision(8, h200());
   Decision backward = decision(8, h200());
   backward.result.set_direction(v1::direction_backward);
@@ -110,9 +180,8 @@ TEST(Cache, BackwardKernelsAndDecisionsAreKeyedApart) {
   EXPECT_EQ((*found)->direction(), v1::direction_backward);
 }
 
-TEST(Cache, FallsBackToTheSameDeviceClassAndSaysSo) {
-  testing::TempDir dir;
-  auto store = open(dir / "k.sqlite");
+TEST_P(Store, FallsBackToTheSameDeviceClassAndSaysSo) {
+  auto store = open();
   ASSERT_TRUE(store->putDecision(decision(8, h200())));
   auto sibling = store->getDecision(spec(8), {"NVIDIA H100 80GB HBM3", "sm_90a", 132}, "nvrtc-13.0");
   ASSERT_TRUE(sibling && sibling->has_value());
@@ -121,16 +190,14 @@ TEST(Cache, FallsBackToTheSameDeviceClassAndSaysSo) {
   EXPECT_FALSE(store->getDecision(spec(8), {"NVIDIA H100 PCIe", "sm_90a", 114}, "nvrtc-13.0")->has_value());
 }
 
-TEST(Cache, SeveralProcessesWriteAtOnce) {
-  testing::TempDir dir;
-  const std::string path = dir / "k.sqlite";
-  { open(path); }  // created and migrated once
+TEST_P(Store, SeveralProcessesWriteAtOnce) {
+  { open(); }  // created and migrated once
   constexpr int kProcesses = 4, kEach = 25;
   std::vector<pid_t> children;
   for (int p = 0; p < kProcesses; ++p) {
     const pid_t pid = ::fork();
     if (pid == 0) {
-      auto store = openSqliteStore(path);
+      auto store = openStore(location());
       bool ok = bool(store);
       for (int i = 0; ok && i < kEach; ++i) {
         ok = bool((*store)->putArtifact(kernel(p * kEach + i))) && bool((*store)->putDecision(decision(p * kEach + i + 1, h200())));
@@ -145,7 +212,7 @@ TEST(Cache, SeveralProcessesWriteAtOnce) {
     ::waitpid(pid, &status, 0);
     EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
   }
-  auto store = open(path);
+  auto store = open();
   for (int i = 0; i < kProcesses * kEach; ++i) {
     auto found = store->getArtifact(artifactKey(kernel(i)));
     ASSERT_TRUE(found && found->has_value()) << i;
@@ -157,8 +224,8 @@ TEST(Cache, SeveralProcessesWriteAtOnce) {
   EXPECT_TRUE(report->corrupt.empty());
 }
 
-// One byte of a stored binary flipped in the file: detected, never loaded.
-TEST(Cache, ACorruptBlobIsAMissAndIsRemoved) {
+// One byte of a stored binary flipped in the file itself: detected, never loaded.
+TEST(Cache, ACorruptBlobInTheFileIsAMissAndIsRemoved) {
   testing::TempDir dir;
   const std::string path = dir / "k.sqlite";
   const v1::CompiledKernel k = kernel(7, 4096);
@@ -182,23 +249,42 @@ TEST(Cache, ACorruptBlobIsAMissAndIsRemoved) {
   EXPECT_TRUE(entries->empty()) << "the corrupt record is gone";
 }
 
-TEST(Cache, VerifyFindsAndRemovesDamagedRecords) {
-  testing::TempDir dir;
-  const std::string path = dir / "k.sqlite";
-  auto store = open(path);
+TEST_P(Store, VerifyFindsAndRemovesDamagedRecords) {
+  auto store = open();
   ASSERT_TRUE(store->putArtifact(kernel(1)));
   ASSERT_TRUE(store->putArtifact(kernel(2)));
-  sqlite3* raw = nullptr;
-  ASSERT_EQ(sqlite3_open(path.c_str(), &raw), SQLITE_OK);
-  const std::string sql = "UPDATE artifacts SET blob = x'00112233' WHERE key = '" + artifactKey(kernel(2)) + "'";
-  ASSERT_EQ(sqlite3_exec(raw, sql.c_str(), nullptr, nullptr, nullptr), SQLITE_OK);
-  sqlite3_close(raw);
+  ASSERT_TRUE(store->putDecision(decision(8, h200())));
+  ASSERT_TRUE(store->putDecision(decision(4, h200())));
+  ASSERT_TRUE(store->putRanking("spec/device/model", Schedule()));
+  sql("UPDATE artifacts SET blob = " + std::string(postgres() ? "'\\x00112233'" : "x'00112233'") + " WHERE key = '" +
+      artifactKey(kernel(2)) + "'");
+  sql("UPDATE decisions SET checksum = 'ab' WHERE spec_key = '" + specKey(spec(4)) + "'");
   auto report = store->verify();
-  ASSERT_TRUE(report);
-  EXPECT_EQ(report->checked, 2);
-  ASSERT_EQ(report->corrupt.size(), 1u);
-  EXPECT_EQ(report->corrupt[0], artifactKey(kernel(2)));
+  ASSERT_TRUE(report) << report.error().message;
+  EXPECT_EQ(report->checked, 5);
+  ASSERT_EQ(report->corrupt.size(), 2u);
+  EXPECT_EQ(std::set<std::string>(report->corrupt.begin(), report->corrupt.end()),
+            (std::set<std::string>{artifactKey(kernel(2)),
+                                   specKey(spec(4)) + "/" + h200().key() + "/nvrtc-13.0"}));
   EXPECT_TRUE(store->getArtifact(artifactKey(kernel(1)))->has_value());
+  EXPECT_TRUE(store->getDecision(spec(8), h200(), "nvrtc-13.0")->has_value());
+  EXPECT_FALSE(store->getDecision(spec(4), h200(), "nvrtc-13.0")->has_value());
+  EXPECT_EQ(store->verify()->checked, 3) << "the damaged records are gone";
+}
+
+// One byte of a stored binary flipped inside the database: never loaded,
+// and gone for the next reader.
+TEST_P(Store, ACorruptBlobIsAMissAndIsRemoved) {
+  auto store = open();
+  const v1::CompiledKernel k = kernel(7, 4096);
+  ASSERT_TRUE(store->putArtifact(k));
+  sql(std::string("UPDATE artifacts SET blob = ") +
+      (postgres() ? "overlay(blob placing '\\x5a'::bytea from 300 for 1)"
+                  : "substr(blob, 1, 299) || x'5a' || substr(blob, 301)"));
+  auto found = store->getArtifact(artifactKey(k));
+  ASSERT_TRUE(found);
+  EXPECT_FALSE(found->has_value());
+  EXPECT_TRUE(store->list()->empty()) << "the corrupt record is gone";
 }
 
 // A database file cut short: moved aside, a fresh store takes its place.
@@ -221,11 +307,9 @@ TEST(Cache, ATruncatedDatabaseIsSetAsideNotLoaded) {
   EXPECT_EQ(aside, 1);
 }
 
-TEST(Cache, EvictsTheLeastRecentlyUsed) {
-  testing::TempDir dir;
-  SqliteOptions options;
-  options.maxBytes = 5 * 1200;  // room for about five 1 KiB kernels
-  auto store = open(dir / "k.sqlite", options);
+TEST_P(Store, EvictsTheLeastRecentlyUsed) {
+  const int64_t maxBytes = 5 * 1200;  // room for about five 1 KiB kernels
+  auto store = open(maxBytes);
   // Timestamps have 1 s resolution and ties go by key: kernel 1 is put a
   // second before the others so it alone is the oldest.
   ASSERT_TRUE(store->putArtifact(kernel(1, 1024)));
@@ -240,7 +324,7 @@ TEST(Cache, EvictsTheLeastRecentlyUsed) {
   ASSERT_TRUE(entries);
   int64_t total = 0;
   for (const Entry& e : *entries) total += e.bytes;
-  EXPECT_LE(total, options.maxBytes);
+  EXPECT_LE(total, maxBytes);
   EXPECT_TRUE(store->getArtifact(artifactKey(kernel(0, 1024)))->has_value()) << "recently used survives";
   EXPECT_TRUE(store->getArtifact(artifactKey(kernel(7, 1024)))->has_value()) << "newest survives";
   EXPECT_FALSE(store->getArtifact(artifactKey(kernel(1, 1024)))->has_value()) << "oldest unused goes";
@@ -358,7 +442,7 @@ TEST(Cache, MigratedArtifactsGainTheirCompileOptions) {
   {
     sqlite3* raw = nullptr;
     ASSERT_EQ(sqlite3_open(path.c_str(), &raw), SQLITE_OK);
-    ASSERT_EQ(sqlite3_exec(raw, "DROP TABLE rankings; PRAGMA user_version = 2", nullptr, nullptr, nullptr), SQLITE_OK);
+    ASSERT_EQ(sqlite3_exec(raw, "DROP TABLE rankings; DROP TABLE leases; PRAGMA user_version = 2", nullptr, nullptr, nullptr), SQLITE_OK);
     run(raw, "INSERT INTO artifacts(key, blob, checksum, created, bytes, last_used) VALUES(?1, ?2, ?3, 1, 9, 1)",
         {schema3::artifactKey(compiled), blob, schema3::checksumOf(blob)});
     sqlite3_close(raw);
@@ -388,7 +472,7 @@ TEST(Cache, MigratesFnvAddressesToSha256) {
   {
     sqlite3* raw = nullptr;
     ASSERT_EQ(sqlite3_open(path.c_str(), &raw), SQLITE_OK);
-    ASSERT_EQ(sqlite3_exec(raw, "DROP TABLE rankings; PRAGMA user_version = 3", nullptr, nullptr, nullptr), SQLITE_OK);
+    ASSERT_EQ(sqlite3_exec(raw, "DROP TABLE rankings; DROP TABLE leases; PRAGMA user_version = 3", nullptr, nullptr, nullptr), SQLITE_OK);
     const std::string insert =
         "INSERT INTO artifacts(key, blob, checksum, created, bytes, last_used) VALUES(?1, ?2, ?3, 1, 9, 1)";
     const std::string blob = good.SerializeAsString(), other = damaged.SerializeAsString();
@@ -446,9 +530,8 @@ TEST(Cache, ShapeBucketsRoundUpToPowersOfTwo) {
 // Decisions per shape bucket: the bucket's own, else the nearest tuned
 // bucket's (the note says so), else the one for every shape; a lookup
 // naming no bucket gets the one for every shape. Ids name the bucket.
-TEST(Cache, DecisionsAreKeptPerShapeBucketAndTheNearestAnswers) {
-  testing::TempDir dir;
-  auto store = open(dir / "k.sqlite");
+TEST_P(Store, DecisionsAreKeptPerShapeBucketAndTheNearestAnswers) {
+  auto store = open();
   auto tuned = [&](const std::string& bucket, int blockM) {
     Decision d = decision(8, h200());
     d.result.set_shape_bucket(bucket);
@@ -578,31 +661,24 @@ TEST(Cache, KeysAreSha256OverUnambiguousFields) {
 
 // The cost model's choice is kept (a restarted service need not rank
 // again), checksummed like every record, and travels in exports.
-TEST(Cache, RankingsAreKeptCheckedAndExported) {
-  testing::TempDir dir;
-  const std::string path = dir / "k.sqlite";
+TEST_P(Store, RankingsAreKeptCheckedAndExported) {
   Schedule s;
   s.set_block_m(128);
   s.set_block_n(64);
   {
-    auto store = open(path);
+    auto store = open();
     EXPECT_FALSE(store->getRanking("spec/device/model")->has_value());
     ASSERT_TRUE(store->putRanking("spec/device/model", s));
   }
-  auto store = open(path);
+  auto store = open();
   auto found = store->getRanking("spec/device/model");
   ASSERT_TRUE(found && found->has_value());
   EXPECT_EQ((*found)->block_n(), 64);
-  ASSERT_TRUE(store->exportTo(dir / "bundle.sqlite"));
-  auto there = open(dir / "there.sqlite");
-  ASSERT_TRUE(there->importFrom(dir / "bundle.sqlite"));
+  ASSERT_TRUE(store->exportTo(dir_ / "bundle.sqlite"));
+  auto there = cache::open(dir_ / "there.sqlite");
+  ASSERT_TRUE(there->importFrom(dir_ / "bundle.sqlite"));
   EXPECT_TRUE(there->getRanking("spec/device/model")->has_value());
-  {
-    sqlite3* raw = nullptr;
-    ASSERT_EQ(sqlite3_open(path.c_str(), &raw), SQLITE_OK);
-    ASSERT_EQ(sqlite3_exec(raw, "UPDATE rankings SET blob = x'08ff'", nullptr, nullptr, nullptr), SQLITE_OK);
-    sqlite3_close(raw);
-  }
+  sql(std::string("UPDATE rankings SET blob = ") + (postgres() ? "'\\x08ff'" : "x'08ff'"));
   EXPECT_FALSE(store->getRanking("spec/device/model")->has_value()) << "a damaged ranking is a miss";
 }
 
@@ -623,23 +699,98 @@ TEST(Cache, ImportRefusesAFileWhoseIndexMissesARow) {
   EXPECT_EQ(report->checked, 0);
 }
 
-TEST(Cache, ExportAndImportMoveRecordsBetweenMachines) {
-  testing::TempDir dir;
-  auto here = open(dir / "here.sqlite");
+// Records leave a store in a SQLite bundle and enter either kind of store
+// from it: SQLite to PostgreSQL and back, every record checked on the way
+// in (a damaged one in the bundle is not taken).
+TEST_P(Store, ExportAndImportMoveRecordsBetweenStores) {
+  auto here = open();
   ASSERT_TRUE(here->putArtifact(kernel(1)));
+  ASSERT_TRUE(here->putArtifact(kernel(2, 2048)));
+  Decision bucketed = decision(8, h200());
+  bucketed.result.set_shape_bucket("n4096");
   ASSERT_TRUE(here->putDecision(decision(8, h200())));
-  ASSERT_TRUE(here->exportTo(dir / "bundle.sqlite"));
-  auto there = open(dir / "there.sqlite");
-  auto imported = there->importFrom(dir / "bundle.sqlite");
-  ASSERT_TRUE(imported) << imported.error().message;
-  EXPECT_EQ(*imported, 2);
-  EXPECT_TRUE(there->getArtifact(artifactKey(kernel(1)))->has_value());
-  EXPECT_TRUE(there->getDecision(spec(8), h200(), "nvrtc-13.0")->has_value());
+  ASSERT_TRUE(here->putDecision(bucketed));
+  ASSERT_TRUE(here->putRanking("spec/device/model", Schedule()));
+  ASSERT_TRUE(here->exportTo(dir_ / "bundle.sqlite"));
+  {  // one artifact damaged inside the bundle
+    sqlite3* raw = nullptr;
+    ASSERT_EQ(sqlite3_open((dir_ / "bundle.sqlite").c_str(), &raw), SQLITE_OK);
+    const std::string damage = "UPDATE artifacts SET checksum = 'ab' WHERE key = '" + artifactKey(kernel(2, 2048)) + "'";
+    ASSERT_EQ(sqlite3_exec(raw, damage.c_str(), nullptr, nullptr, nullptr), SQLITE_OK);
+    sqlite3_close(raw);
+  }
+  std::vector<std::string> targets = {dir_ / "there.sqlite"};
+  std::string why;
+  if (auto* server = postgresServer(&why)) targets.push_back(server->createDatabase());
+  else if (why.find("not installed") == std::string::npos) FAIL() << why;
+  for (const std::string& target : targets) {
+    auto there = openStore(target);
+    ASSERT_TRUE(there) << there.error().message;
+    auto imported = (*there)->importFrom(dir_ / "bundle.sqlite");
+    ASSERT_TRUE(imported) << target << ": " << imported.error().message;
+    EXPECT_EQ(*imported, 4) << target;
+    EXPECT_TRUE((*there)->getArtifact(artifactKey(kernel(1)))->has_value()) << target;
+    EXPECT_FALSE((*there)->getArtifact(artifactKey(kernel(2, 2048)))->has_value()) << target;
+    auto d = (*there)->getDecision(spec(8), h200(), "nvrtc-13.0", v1::direction_forward, "n4096");
+    ASSERT_TRUE(d && d->has_value()) << target;
+    EXPECT_EQ((*d)->decision.result.shape_bucket(), "n4096");
+    EXPECT_TRUE((*there)->getDecision(spec(8), h200(), "nvrtc-13.0")->has_value()) << target;
+    EXPECT_TRUE((*there)->getRanking("spec/device/model")->has_value()) << target;
+    auto report = (*there)->verify();
+    ASSERT_TRUE(report);
+    EXPECT_TRUE(report->corrupt.empty()) << target;
+  }
+  auto missing = here->importFrom(dir_ / "nothing-here.sqlite");
+  ASSERT_FALSE(missing);
+  EXPECT_NE(missing.error().message.find("no file"), std::string::npos) << missing.error().message;
 }
 
-TEST(Cache, RemoveNamesUnknownIds) {
-  testing::TempDir dir;
-  auto store = open(dir / "k.sqlite");
+// Leases: one holder at a time until it expires or is given back; the
+// holder renews its own; everyone on the store sees the same.
+TEST_P(Store, LeasesAreHeldByOneUntilTheyExpireOrAreGivenBack) {
+  auto a = open(), b = open();
+  auto first = a->acquireLease("tune/x", "worker-a", 60);
+  ASSERT_TRUE(first) << first.error().message;
+  EXPECT_TRUE(first->granted);
+  auto refused = b->acquireLease("tune/x", "worker-b", 60);
+  ASSERT_TRUE(refused);
+  EXPECT_FALSE(refused->granted);
+  EXPECT_EQ(refused->holder, "worker-a");
+  EXPECT_EQ(refused->expires, first->expires);
+  auto renewed = b->acquireLease("tune/x", "worker-a", 120);
+  ASSERT_TRUE(renewed && renewed->granted);
+  EXPECT_GT(renewed->expires, first->expires);
+  EXPECT_TRUE(b->acquireLease("tune/y", "worker-b", 60)->granted) << "another key is free";
+  ASSERT_TRUE(b->releaseLease("tune/x", "worker-b"));  // not its lease: nothing happens
+  EXPECT_FALSE(b->acquireLease("tune/x", "worker-b", 60)->granted);
+  ASSERT_TRUE(a->releaseLease("tune/x", "worker-a"));
+  EXPECT_TRUE(b->acquireLease("tune/x", "worker-b", 1)->granted);
+  ::sleep(2);  // expired: anyone may take it
+  auto taken = a->acquireLease("tune/x", "worker-a", 60);
+  ASSERT_TRUE(taken);
+  EXPECT_TRUE(taken->granted);
+  EXPECT_EQ(taken->holder, "worker-a");
+}
+
+// The database restarted under an open store (every connection dropped):
+// the next call connects again and finds what was stored.
+TEST(Cache, APostgresStoreReconnectsAfterTheServerRestarts) {
+  std::string why;
+  testing::PostgresServer* server = postgresServer(&why);
+  if (!server && why.find("not installed") != std::string::npos) GTEST_SKIP() << why;
+  ASSERT_TRUE(server) << why;
+  auto store = openPostgresStore(server->createDatabase());
+  ASSERT_TRUE(store) << store.error().message;
+  ASSERT_TRUE((*store)->putArtifact(kernel(1)));
+  ASSERT_TRUE(server->restart());
+  auto found = (*store)->getArtifact(artifactKey(kernel(1)));
+  ASSERT_TRUE(found) << found.error().message;
+  EXPECT_TRUE(found->has_value());
+  EXPECT_TRUE((*store)->putArtifact(kernel(2)));
+}
+
+TEST_P(Store, RemoveNamesUnknownIds) {
+  auto store = open();
   ASSERT_TRUE(store->putArtifact(kernel(1)));
   EXPECT_TRUE(store->remove(artifactKey(kernel(1))));
   Status missing = store->remove("nope");

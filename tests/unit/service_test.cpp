@@ -1,7 +1,7 @@
 // The kernel service, a real server on 127.0.0.1 with the real client: hit
 // and miss, many concurrent clients, deadlines, invalid requests,
-// credentials, health and reflection, metrics, and a server killed during
-// writes.
+// credentials, health and reflection, metrics, a server killed during
+// writes, and three replicas on one PostgreSQL store (one killed).
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
@@ -17,6 +17,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <fstream>
+#include <set>
 #include <thread>
 
 #include "api/compile.h"
@@ -28,6 +29,7 @@
 #include "loom/hash.h"
 #include "loom/service.h"
 #include "loom/served.h"
+#include "postgres_server.h"
 #include "test_util.h"
 #include "loom/request_checks.h"
 
@@ -779,6 +781,187 @@ TEST(ServiceShutdown, FinishesRequestsInFlight) {
   ASSERT_TRUE(response) << response.error().message;
   EXPECT_EQ(response->origin(), "compiled now");
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+}
+
+
+//===--- replicas on one PostgreSQL store --------------------------------===//
+
+// `loom serve` processes on one database (a private PostgreSQL server):
+// each on its own loopback port with its own metrics port.
+class Replicas : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    postgres_ = testing::PostgresServer::start(&why);
+    if (!postgres_ && why.find("not installed") != std::string::npos) GTEST_SKIP() << why;
+    ASSERT_TRUE(postgres_) << why;
+    url_ = postgres_->createDatabase();
+    std::ofstream(dir_ / "token") << kToken;
+  }
+  void TearDown() override {
+    for (const Replica& r : replicas_)
+      if (r.pid > 0) {
+        ::kill(r.pid, SIGKILL);
+        ::waitpid(r.pid, nullptr, 0);
+      }
+  }
+
+  struct Replica {
+    pid_t pid = -1;
+    int port = 0, metricsPort = 0;
+    std::string address() const { return "127.0.0.1:" + std::to_string(port); }
+  };
+
+  void start(int count) {
+    for (int i = 0; i < count; ++i) {
+      Replica r;
+      r.port = testing::freePort();
+      r.metricsPort = testing::freePort();
+      r.pid = ::fork();
+      if (r.pid == 0) {
+        const std::string listen = "127.0.0.1:" + std::to_string(r.port), metrics = std::to_string(r.metricsPort);
+        const std::string cacheDir = dir_ / ("cache" + std::to_string(i));
+        ::execl(LOOM_BINARY, LOOM_BINARY, "serve", "--listen", listen.c_str(), "--store", url_.c_str(), "--cache-dir",
+                cacheDir.c_str(), "--metrics-port", metrics.c_str(), "--token-file", (dir_ / "token").c_str(),
+                static_cast<char*>(nullptr));
+        ::_exit(127);
+      }
+      replicas_.push_back(r);
+    }
+    for (const Replica& r : replicas_) ASSERT_TRUE(waitUntilListening(r.pid, r.port));
+  }
+
+  // Every replica's address, starting at replica `first`.
+  std::string addresses(size_t first = 0) const {
+    std::string list;
+    for (size_t i = 0; i < replicas_.size(); ++i)
+      list += (i ? "," : "") + replicas_[(first + i) % replicas_.size()].address();
+    return list;
+  }
+
+  // One counter of a replica's metrics page (-1 when it cannot be read).
+  int64_t metric(const Replica& r, const std::string& name) const {
+    httplib::Client http("127.0.0.1", r.metricsPort);
+    auto response = http.Get("/metrics");
+    if (!response) return -1;
+    const size_t at = response->body.find("\n" + name + " ");
+    return at == std::string::npos ? -1 : std::stoll(response->body.substr(at + name.size() + 2));
+  }
+
+  testing::TempDir dir_;
+  std::unique_ptr<testing::PostgresServer> postgres_;
+  std::string url_;
+  std::vector<Replica> replicas_;
+};
+
+// 64 clients spread over three replicas ask for overlapping specs: every
+// call answers, and across the replicas each spec is compiled exactly once
+// (the compile lease in the database); a lease taken through one replica
+// is held against workers on the others.
+TEST_F(Replicas, ThreeOnOneDatabaseCompileEachSpecOnce) {
+  start(3);
+  constexpr int kClients = 64, kSpecs = 6;
+  std::atomic<int> ok{0};
+  std::mutex errorsMutex;
+  std::vector<std::string> errors;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kClients; ++t)
+    threads.emplace_back([&, t] {
+      auto c = KernelClient::connect(addresses(size_t(t) % replicas_.size()));
+      ASSERT_TRUE(c);
+      for (int i = 0; i < kSpecs; ++i) {
+        auto got = (*c)->getKernel(spec(2, 8 * ((t + i) % kSpecs)), sm80(), 300000);
+        if (got) ++ok;
+        else {
+          std::lock_guard lock(errorsMutex);
+          errors.push_back(got.error().message);
+        }
+      }
+    });
+  for (auto& thread : threads) thread.join();
+  EXPECT_EQ(ok, kClients * kSpecs) << (errors.empty() ? "" : errors.front());
+  int64_t compiles = 0, served = 0;
+  for (const Replica& r : replicas_) {
+    const int64_t mine = metric(r, "loom_compiles_total");
+    ASSERT_GE(mine, 0) << "replica on " << r.address() << " has no metrics";
+    compiles += mine;
+    served += metric(r, "loom_cache_hits_total") + metric(r, "loom_cache_misses_total");
+  }
+  EXPECT_EQ(compiles, kSpecs) << "each spec compiled once across the replicas";
+  EXPECT_EQ(served, kClients * kSpecs) << "every request answered by some replica";
+
+  auto a = KernelClient::connect(replicas_[0].address(), dir_ / "token");
+  auto b = KernelClient::connect(replicas_[2].address(), dir_ / "token");
+  ASSERT_TRUE(a && b);
+  auto first = (*a)->acquireLease(spec(4), sm80(), "worker-a", 60);
+  ASSERT_TRUE(first) << first.error().message;
+  EXPECT_TRUE(first->granted());
+  auto second = (*b)->acquireLease(spec(4), sm80(), "worker-b", 60);
+  ASSERT_TRUE(second) << second.error().message;
+  EXPECT_FALSE(second->granted());
+  EXPECT_EQ(second->holder(), "worker-a");
+}
+
+// SIGKILL of one replica while writers upload through all three: every
+// acknowledged upload is in the database, the writers fail over and keep
+// going with no error, and the other replicas serve what was written.
+TEST_F(Replicas, AKilledReplicaLosesNoAcknowledgedUploadAndClientsFailOver) {
+  start(3);
+  const auto [result, kernel] = tuned(spec(2, 16));
+  constexpr int kWriters = 4;
+  std::mutex mutex;
+  std::vector<std::string> acknowledged, errors;
+  std::atomic<int> count{0}, afterKill{0};
+  std::atomic<bool> killed{false}, stop{false};
+  std::vector<std::thread> writers;
+  for (int w = 0; w < kWriters; ++w)
+    writers.emplace_back([&, w] {
+      auto writer = KernelClient::connect(addresses(size_t(w) % replicas_.size()), dir_ / "token");
+      ASSERT_TRUE(writer);
+      for (int i = 0; !stop && i < 1000; ++i) {
+        v1::TuningResult r = result;
+        const std::string device = "GPU " + std::to_string(w) + "-" + std::to_string(i);
+        r.mutable_target()->mutable_device()->set_name(device);
+        auto put = (*writer)->putTuning(r, kernel);
+        std::lock_guard lock(mutex);
+        if (put) {
+          acknowledged.push_back(device);
+          ++count;
+          afterKill += killed.load();
+        } else {
+          errors.push_back(put.error().message);
+        }
+      }
+    });
+  for (int wait = 0; wait < 600 && count < 40; ++wait) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_GE(count, 40) << "the replicas took too few writes";
+  ::kill(replicas_[0].pid, SIGKILL);
+  ::waitpid(replicas_[0].pid, nullptr, 0);
+  replicas_[0].pid = -1;
+  killed = true;
+  for (int wait = 0; wait < 600 && afterKill < 40; ++wait) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  stop = true;
+  for (auto& thread : writers) thread.join();
+  EXPECT_GE(afterKill, 40) << "the writers did not go on through the other replicas";
+  EXPECT_TRUE(errors.empty()) << errors.size() << " uploads failed, the first: " << errors.front();
+
+  auto reader = KernelClient::connect(addresses(0));  // the dead replica first: the client moves on
+  ASSERT_TRUE(reader);
+  auto listed = (*reader)->listKernels();
+  ASSERT_TRUE(listed) << listed.error().message;
+  std::set<std::string> devices;
+  for (const auto& entry : listed->entries())
+    if (entry.kind() == "decision") devices.insert(entry.id());
+  int found = 0;
+  for (const std::string& device : acknowledged)
+    for (const std::string& id : devices) found += id.find("/" + device + "|") != std::string::npos;
+  EXPECT_EQ(found, int(acknowledged.size())) << "acknowledged uploads missing after the kill";
+  v1::Target gpu = sm80();
+  gpu.mutable_device()->set_name(acknowledged.back());
+  auto decision = (*reader)->lookupDecision(spec(2, 16), gpu);
+  ASSERT_TRUE(decision) << decision.error().message;
+  EXPECT_TRUE(decision->found());
+  EXPECT_NE((*reader)->address(), replicas_[0].address());
 }
 
 }  // namespace

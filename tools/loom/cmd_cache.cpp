@@ -25,8 +25,9 @@ std::string when(int64_t seconds) {
 }
 
 int run(const std::string& action, const CacheOptions& options) {
-  const std::string path = options.path.empty() ? cache::defaultStorePath() : options.path;
-  auto store = cache::openSqliteStore(path);
+  const std::string location = options.path.empty() ? cache::defaultStorePath() : options.path;
+  const std::string path = cache::redactedLocation(location);  // what is printed
+  auto store = cache::openStore(location);
   if (!store) return badInput(store.error().message);
   cache::KernelStore& s = **store;
   if (action == "ls") {
@@ -74,9 +75,12 @@ int run(const std::string& action, const CacheOptions& options) {
 void addCacheCommand(CLI::App& app, std::function<int()>* action) {
   auto options = std::make_shared<CacheOptions>();
   CLI::App* cmd = app.add_subcommand(
-      "cache", "The kernel cache (compiled kernels and tuning decisions in one SQLite file,\n"
-               "default $LOOM_CACHE_DIR/kernels.sqlite or ~/.cache/loom/kernels.sqlite).");
-  cmd->add_option("--path", options->path, "the cache file");
+      "cache", "The kernel cache (compiled kernels and tuning decisions): one SQLite file,\n"
+               "default $LOOM_CACHE_DIR/kernels.sqlite or ~/.cache/loom/kernels.sqlite, or the\n"
+               "PostgreSQL database a fleet's replicas share (--store postgresql://...).\n"
+               "Bundles (export, import) are SQLite files either store reads and writes.");
+  cmd->add_option("--store,--path", options->path,
+                  "the store: a SQLite file, or postgresql://USER@HOST:PORT/DB (libpq URI)");
   cmd->require_subcommand(1);
   auto add = [&](const char* name, const char* help, bool takesId, bool takesFile) {
     CLI::App* sub = cmd->add_subcommand(name, help);

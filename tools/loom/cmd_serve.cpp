@@ -12,6 +12,7 @@
 #include "cuda/driver.h"
 #include "loom/client.h"
 #include "loom/compiler.h"
+#include "loom/cache.h"
 #include "loom/runtime.h"
 #include "loom/service.h"
 
@@ -23,8 +24,9 @@ std::atomic<bool> stopRequested{false};
 int serve(const service::ServerOptions& options, int graceSeconds) {
   auto server = service::KernelServer::start(options);
   if (!server) return badInput(server.error().message);
-  std::printf("loom serve: listening on %s (port %d)%s%s; health and reflection on\n", options.listen.c_str(),
-              (*server)->port(),
+  std::printf("loom serve: listening on %s (port %d), store %s%s%s; health and reflection on\n",
+              options.listen.c_str(), (*server)->port(),
+              options.store.empty() ? "the cache folder's SQLite file" : cache::redactedLocation(options.store).c_str(),
               (*server)->metricsPort() > 0 ? ", metrics on http://127.0.0.1:" : "",
               (*server)->metricsPort() > 0 ? (std::to_string((*server)->metricsPort()) + "/metrics").c_str() : "");
   std::fflush(stdout);
@@ -121,9 +123,14 @@ void addServeCommands(CLI::App& app, std::function<int()>* action) {
   auto serveOptions = std::make_shared<service::ServerOptions>();
   CLI::App* serveCmd = app.add_subcommand(
       "serve", "Serve tuned, compiled IHA kernels over gRPC (KernelService; health and reflection on),\n"
-               "from the SQLite kernel cache, compiling misses with NVRTC. Plaintext only on loopback.");
+               "from the kernel store (the cache folder's SQLite file, or --store postgresql://... that\n"
+               "several replicas share), compiling misses with NVRTC (each once across the replicas).\n"
+               "Plaintext only on loopback.");
   serveCmd->add_option("--listen", serveOptions->listen, "address to listen on")->capture_default_str();
   serveCmd->add_option("--cache-dir", serveOptions->cacheDir, "kernel cache folder (default ~/.cache/loom)");
+  serveCmd->add_option("--store", serveOptions->store,
+                       "the kernel store, if not the cache folder's SQLite file: postgresql://USER@HOST:PORT/DB\n"
+                       "(a database several replicas share; docs/fleet.md) or a SQLite file");
   serveCmd->add_option("--token-file", serveOptions->tokenFile, "bearer token that writes (PutTuning, Tune) need");
   serveCmd->add_option("--tls-cert", serveOptions->tlsCert, "PEM certificate (with --tls-key) to serve TLS");
   serveCmd->add_option("--tls-key", serveOptions->tlsKey, "PEM private key");

@@ -6,9 +6,10 @@
 //              everything that changes the binary (artifactKey);
 //   decisions  the tuned schedule of a spec on a device model with a
 //              toolchain, with every candidate's measurements.
-// The storage sits behind KernelStore, so a shared store for many service
-// replicas can be added beside the SQLite one without touching callers. A
-// miss is not an error: lookups return an empty optional inside the Result.
+// The storage sits behind KernelStore: one SQLite file (the default, and
+// the embedded choice) or a PostgreSQL database that several service
+// replicas share (docs/fleet.md). A miss is not an error: lookups return an
+// empty optional inside the Result.
 #pragma once
 
 #include <cstdint>
@@ -91,6 +92,14 @@ struct Entry {
   int64_t lastUsed = 0;  // unix seconds
 };
 
+// A lease: who holds a piece of shared work (a tuning, a compile) and until
+// when. `granted` when the caller now holds it.
+struct Lease {
+  bool granted = false;
+  std::string holder;
+  int64_t expires = 0;  // unix seconds
+};
+
 struct VerifyReport {
   int checked = 0;
   std::vector<std::string> corrupt;  // ids whose checksum failed (removed)
@@ -141,10 +150,20 @@ class KernelStore {
   virtual Status remove(const std::string& id) = 0;
   // Checks every record's checksum; corrupt ones are removed and listed.
   virtual Result<VerifyReport> verify() = 0;
-  // Copies every record into a new store file at `path` / merges one in
-  // (each imported record's checksum and artifact key are checked first).
+  // Copies every record into a new SQLite store file at `path` / merges one
+  // in (each imported record's checksum and artifact key are checked
+  // first). The file is the same for both stores: records move between
+  // them through it.
   virtual Status exportTo(const std::string& path) = 0;
   virtual Result<int> importFrom(const std::string& path) = 0;
+
+  // Takes the lease `key` for `holder` for `seconds` when it is free,
+  // expired or already the holder's (then renewed); else says who holds it
+  // until when. Every process on the store sees the same leases: workers
+  // pre-tuning through any replica, replicas compiling the same miss.
+  virtual Result<Lease> acquireLease(const std::string& key, const std::string& holder, int64_t seconds) = 0;
+  // Gives the lease back if `holder` holds it (else does nothing).
+  virtual Status releaseLease(const std::string& key, const std::string& holder) = 0;
 };
 
 struct SqliteOptions {
@@ -156,6 +175,23 @@ struct SqliteOptions {
 // not a healthy database is moved aside to <path>.corrupt-<time> and a fresh
 // one started, so a damaged cache costs recompiles, never wrong kernels.
 Result<std::unique_ptr<KernelStore>> openSqliteStore(const std::string& path, const SqliteOptions& options = {});
+
+// PostgreSQL (cache/src/postgres_store.cpp): `url` is a libpq connection
+// URI (postgresql://user@host:port/db) or key=value string. The schema is
+// created or migrated on open (one opener at a time, under an advisory
+// lock); a lost connection is re-established on the next call.
+struct PostgresOptions {
+  int64_t maxBytes = int64_t(16) << 30;  // least recently used records go past this
+  int connectTimeoutSeconds = 10;
+};
+Result<std::unique_ptr<KernelStore>> openPostgresStore(const std::string& url, const PostgresOptions& options = {});
+
+// A store by where it lives: "postgresql://..." or "postgres://..." opens
+// PostgreSQL, anything else is the path of a SQLite file.
+bool isPostgresUrl(const std::string& location);
+Result<std::unique_ptr<KernelStore>> openStore(const std::string& location);
+// The location with any password masked, for logs and errors.
+std::string redactedLocation(const std::string& location);
 
 // The store file inside a cache folder, and in the default one
 // (loom::defaultCacheDir()).

@@ -2,8 +2,10 @@
 // tuning results.
 #pragma once
 
+#include <atomic>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "loom/result.h"
 #include "loom/v1/service.grpc.pb.h"
@@ -12,6 +14,11 @@ namespace loom::service {
 
 class KernelClient {
  public:
+  // `address`: HOST:PORT, or several replicas' comma-separated
+  // (HOST:PORT,HOST:PORT,...): a call goes to the replica that answered
+  // last and moves on to the next when one is unreachable (UNAVAILABLE);
+  // every call is safe to repeat on another replica. Clients of one
+  // process start on different replicas.
   // `tokenFile` (optional) holds the bearer token sent with writes;
   // `tlsRoots` (optional) a PEM file of roots to trust (else plaintext).
   static Result<std::unique_ptr<KernelClient>> connect(const std::string& address, const std::string& tokenFile = "",
@@ -38,12 +45,20 @@ class KernelClient {
                                          v1::Direction direction = v1::direction_forward,
                                          const std::string& shapeBucket = "");
 
-  v1::KernelService::Stub& stub() { return *stub_; }
+  // The replica this client calls first now.
+  const std::string& address() const;
   // Adds the bearer token to a call's metadata.
   void authorize(grpc::ClientContext& context) const;
 
  private:
-  std::unique_ptr<v1::KernelService::Stub> stub_;
+  // Runs `call(stub)` on the current replica, then each other while the
+  // answer is UNAVAILABLE.
+  template <class Call>
+  grpc::Status failover(Call call);
+
+  std::vector<std::unique_ptr<v1::KernelService::Stub>> stubs_;
+  std::vector<std::string> addresses_;
+  std::atomic<size_t> current_{0};
   std::string token_;
 };
 

@@ -1,5 +1,5 @@
 // The kernel service: KernelService over gRPC in front of a KernelProvider
-// and its SQLite cache, with health checking and reflection on, and
+// and its kernel store (SQLite, or PostgreSQL under several replicas), with health checking and reflection on, and
 // Prometheus metrics on a port of their own.
 #pragma once
 
@@ -14,6 +14,9 @@ namespace loom::service {
 struct ServerOptions {
   std::string listen = "127.0.0.1:50051";  // port 0 picks a free one
   std::string cacheDir;                    // empty: $LOOM_CACHE_DIR or ~/.cache/loom
+  // The kernel store: empty, the SQLite file in cacheDir; "postgresql://..."
+  // a database several replicas share (docs/fleet.md); else a SQLite file.
+  std::string store;
   std::string tokenFile;                   // bearer token for writes; none: writes refused
   std::string tlsCert, tlsKey, tlsClientCa;  // TLS (mutual when a client CA is given)
   int metricsPort = -1;                    // -1: off, 0: any free port
