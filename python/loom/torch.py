@@ -522,7 +522,7 @@ def iha(q, k, v, alpha_q, alpha_k, alpha_v, collapse, spec, *, schedule=None, ba
     backward skips the pre-mix and the attention it would recompute (a forward pass of work).
     `save_forward=False` saves only the seven inputs and recomputes (the memory-lean choice, FlashAttention's); a
     `schedule` fusing the mixing or the collapse implies it. `cache_dir` is the kernel cache (default
-    ~/.cache/loom), `service` "HOST:PORT" of a loom service to take CUDA kernels from (a forward that keeps, where
+    ~/.cache/loom), `service` "HOST:PORT" of a loom service (or several replicas, comma-separated: one that is down is skipped) to take CUDA kernels from (a forward that keeps, where
     the service's does not, is compiled here), `threads` the host path's."""
     spec_json = _spec_text(spec, q.dtype)
     deterministic = bool(deterministic or torch.are_deterministic_algorithms_enabled())

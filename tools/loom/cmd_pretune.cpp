@@ -4,7 +4,12 @@
 // the result and the winning kernel, release the lease.
 #include <unistd.h>
 
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstdio>
+#include <mutex>
+#include <thread>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -33,6 +38,35 @@ struct PretuneOptions {
   // Shape buckets to tune each direction for (tokens of a forward or
   // backward, cache lengths of a decode step); empty: --tokens, for every shape.
   std::vector<int64_t> buckets;
+  int leaseSeconds = 600;  // renewed every third of it while a tune runs
+  bool wait = true;        // then wait for pairs other workers hold
+};
+
+// Renews a lease while a tune runs (every third of its length), so a long
+// tune keeps it and a killed worker loses it within one length.
+class LeaseRenewal {
+ public:
+  LeaseRenewal(service::KernelClient& client, const KernelSpec& spec, const v1::Target& target, std::string worker,
+               int seconds, v1::Direction direction, std::string bucket)
+      : thread_([=, &client, this] {
+          std::unique_lock lock(mutex_);
+          while (!done_.wait_for(lock, std::chrono::milliseconds(seconds * 1000 / 3), [this] { return stop_; }))
+            (void)client.acquireLease(spec, target, worker, seconds, direction, bucket);
+        }) {}
+  ~LeaseRenewal() {
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    done_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable done_;
+  bool stop_ = false;
+  std::thread thread_;
 };
 
 // "spec 3", "spec 3 (backward)", "spec 3 (decode, mixed cache)".
@@ -84,30 +118,55 @@ int pretune(const PretuneOptions& options) {
     directions.push_back(layout == "mixed" ? v1::direction_decode_mixed : v1::direction_decode);
   // One tune a (spec, direction) for every shape, or one a shape bucket.
   const std::vector<int64_t> shapes = options.buckets.empty() ? std::vector<int64_t>{options.tokens} : options.buckets;
-  int tuned = 0, skipped = 0, failed = 0;
+  struct Item {
+    size_t index;
+    v1::Direction direction;
+    int64_t tokens;
+  };
+  std::vector<Item> items;
   for (size_t i = 0; i < specs.size(); ++i)
     for (const v1::Direction direction : directions)
-      for (const int64_t tokens : shapes) {
+      for (const int64_t tokens : shapes) items.push_back({i, direction, tokens});
+  int tuned = 0, skipped = 0, failed = 0;
+  // One pass over the items; those another worker holds are handed back.
+  // Returns an error message if the service cannot be asked.
+  auto pass = [&](const std::vector<Item>& todo, std::vector<Item>* held, bool quiet) -> std::string {
+    for (const Item& item : todo) {
+        const size_t i = item.index;
+        const v1::Direction direction = item.direction;
+        const int64_t tokens = item.tokens;
         const KernelSpec& spec = specs[i];
         const bool decode = directionOf(direction) == Direction::decode;
         const std::string bucket =
             options.buckets.empty() ? "" : cache::shapeBucket(direction, decode ? options.decodeBatch : 1, tokens);
         const std::string name = directionName(i, direction) + (bucket.empty() ? "" : " [" + bucket + "]");
         auto known = (*client)->lookupDecision(spec, target, direction, bucket);
-        if (!known) return badInput(known.error().message);
+        if (!known) return known.error().message;
         if (known->found() && known->result().shape_bucket() == bucket) {
-          std::printf("%s: already tuned for %s\n", name.c_str(),
-                      target.device().name().empty() ? target.arch().c_str() : target.device().name().c_str());
+          if (!quiet)
+            std::printf("%s: already tuned for %s\n", name.c_str(),
+                        target.device().name().empty() ? target.arch().c_str() : target.device().name().c_str());
           ++skipped;
           continue;
         }
-        auto lease = (*client)->acquireLease(spec, target, worker, 600, direction, bucket);
-        if (!lease) return badInput(lease.error().message);
+        auto lease = (*client)->acquireLease(spec, target, worker, options.leaseSeconds, direction, bucket);
+        if (!lease) return lease.error().message;
         if (!lease->granted()) {
-          std::printf("%s: being tuned by %s\n", name.c_str(), lease->holder().c_str());
+          if (!quiet) std::printf("%s: being tuned by %s\n", name.c_str(), lease->holder().c_str());
+          held->push_back(item);
+          continue;
+        }
+        // Asked again now the lease is ours: its last holder may have
+        // uploaded the decision and given the lease back just before.
+        auto since = (*client)->lookupDecision(spec, target, direction, bucket);
+        if (since && since->found() && since->result().shape_bucket() == bucket) {
+          (void)(*client)->releaseLease(spec, target, worker, direction, bucket);
+          if (!quiet) std::printf("%s: tuned by another worker meanwhile\n", name.c_str());
           ++skipped;
           continue;
         }
+        std::printf("%s: tuning\n", name.c_str());
+        std::fflush(stdout);
         autotune::TuneOptions tuneOptions;
         tuneOptions.tokens = tokens;
         tuneOptions.shapeBucketed = !bucket.empty();
@@ -119,16 +178,20 @@ int pretune(const PretuneOptions& options) {
         // ranked by the cost model (its candidates are not timed on a GPU yet).
         if (decode) tuneOptions.batch = options.decodeBatch;
         std::vector<v1::CompiledKernel> compiled;
-        auto report = autotune::tune(spec, target, device, tuneOptions, {}, &compiled);
+        Result<autotune::TuneReport> report = makeError("not tuned");
         bool uploaded = false;
-        if (report) {
-          if (const v1::CompiledKernel* winner = autotune::winnerOf(*report, compiled)) {
-            auto put = (*client)->putTuning(report->result, *winner);
-            if (!put) std::printf("%s: upload failed: %s\n", name.c_str(), put.error().message.c_str());
-            uploaded = put.ok();
+        {  // the lease is renewed until the upload is answered (the service compiles it to check it)
+          LeaseRenewal renewal(**client, spec, target, worker, options.leaseSeconds, direction, bucket);
+          report = autotune::tune(spec, target, device, tuneOptions, {}, &compiled);
+          if (report) {
+            if (const v1::CompiledKernel* winner = autotune::winnerOf(*report, compiled)) {
+              auto put = (*client)->putTuning(report->result, *winner);
+              if (!put) std::printf("%s: upload failed: %s\n", name.c_str(), put.error().message.c_str());
+              uploaded = put.ok();
+            }
+          } else {
+            std::printf("%s: tuning failed: %s\n", name.c_str(), report.error().message.c_str());
           }
-        } else {
-          std::printf("%s: tuning failed: %s\n", name.c_str(), report.error().message.c_str());
         }
         (void)(*client)->releaseLease(spec, target, worker, direction, bucket);
         if (uploaded) {
@@ -138,7 +201,23 @@ int pretune(const PretuneOptions& options) {
         } else {
           ++failed;
         }
-      }
+        std::fflush(stdout);
+    }
+    return "";
+  };
+  std::vector<Item> held;
+  if (std::string error = pass(items, &held, false); !error.empty()) return badInput(error);
+  // What other workers hold: done when they upload it, or taken over
+  // here when a lease lapses (its worker died or was cancelled).
+  if (options.wait && !held.empty())
+    std::printf("waiting for %zu held by other workers (taken over if a lease lapses)\n", held.size());
+  while (options.wait && !held.empty()) {
+    std::this_thread::sleep_for(std::chrono::seconds(std::clamp(options.leaseSeconds / 4, 1, 15)));
+    std::vector<Item> still;
+    if (std::string error = pass(held, &still, true); !error.empty()) return badInput(error);
+    held = std::move(still);
+  }
+  skipped += int(held.size());
   std::printf("pretune: %d tuned, %d skipped, %d failed\n", tuned, skipped, failed);
   return failed ? kExitCheckFailed : kExitOk;
 }
@@ -152,8 +231,10 @@ void addPretuneCommand(CLI::App& app, std::function<int()>* action) {
                  "and each direction (the forward kernel, the backward one, and with --decode the decode steps)\n"
                  "with no decision for this node's device model, lease it from the service, tune it here and\n"
                  "upload the result and winning kernel.\n"
-                 "Two workers never tune the same pair at once.");
-  cmd->add_option("--server", options->server, "HOST:PORT of the loom service")->required();
+                 "Two workers never tune the same pair at once; a worker's lease is renewed while it tunes, and a\n"
+                 "worker waits at the end for pairs others hold, taking over any whose lease lapses.");
+  cmd->add_option("--server", options->server, "HOST:PORT of the loom service (or several replicas', comma-separated)")
+      ->required();
   cmd->add_option("--specs", options->specsPath, "JSON array of KernelSpec objects")->required();
   cmd->add_option("--token-file", options->tokenFile, "the service's bearer token")->required();
   cmd->add_option("--target", options->target, "without a GPU: rank offline for this arch");
@@ -169,6 +250,14 @@ void addPretuneCommand(CLI::App& app, std::function<int()>* action) {
                   "and direction")
       ->capture_default_str();
   cmd->add_option("--worker", options->worker, "worker name in leases (default host:pid)");
+  cmd->add_option("--lease-seconds", options->leaseSeconds,
+                  "how long a lease lasts unrenewed: renewed every third of it while tuning, so a worker that\n"
+                  "dies (or is cancelled) frees its pair within one length")
+      ->capture_default_str()
+      ->check(CLI::Range(3, 86400));
+  cmd->add_flag("!--no-wait", options->wait,
+                "finish after one pass, without waiting for the pairs other workers hold (by default a worker\n"
+                "waits for them and takes over any whose lease lapses)");
   cmd->add_option("--decode", options->decode,
                   "also pretune the decode step over this cache layout (raw, mixed; may be given twice): one new\n"
                   "token per sequence over caches of --tokens: timed by launchDecode with a GPU, without one\n"
