@@ -1,5 +1,6 @@
-// loom-service-load: a load test of `loom serve`. Starts the server on
-// loopback with a fresh cache, then drives it with concurrent clients for a
+// loom-service-load: a load test of `loom serve`. Starts the server (or
+// --replicas of them on one --store, clients spread over them) on loopback
+// with a fresh cache, then drives it with concurrent clients for a
 // bounded time in three phases:
 //   warm     GetKernel for specs already compiled (p50, p99, requests/s)
 //   misses   the same, with a share of requests for new specs that compile
@@ -135,9 +136,9 @@ void print(const char* name, const Phase& p) {
 int main(int argc, char** argv) {
   CLI::App app{"Load test of loom serve: warm hits, misses that compile, clients that hang up mid-request"};
   std::string loomBinary = (fs::path(argv[0]).parent_path() / "loom").string();
-  int clients = 64, port = 0, warmSpecs = 4, maxGrowthMb = 512;
+  int clients = 64, port = 0, warmSpecs = 4, maxGrowthMb = 512, replicas = 1;
   double seconds = 10, missShare = 0.02;
-  std::string arch = "sm_80";
+  std::string arch = "sm_80", store;
   app.add_option("--loom", loomBinary, "the loom binary to serve with")->capture_default_str();
   app.add_option("--clients", clients, "concurrent clients")->capture_default_str();
   app.add_option("--seconds", seconds, "length of each phase")->capture_default_str();
@@ -145,53 +146,84 @@ int main(int argc, char** argv) {
   app.add_option("--arch", arch, "target arch of the requests")->capture_default_str();
   app.add_option("--port", port, "port to serve on (0: one derived from the process id)");
   app.add_option("--max-growth-mb", maxGrowthMb, "resident memory the server may gain over the run")->capture_default_str();
+  app.add_option("--replicas", replicas, "servers on one store, on consecutive ports; each client starts on its own")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 16));
+  app.add_option("--store", store,
+                 "the servers' store: postgresql://... (an empty database: the run fills it), or a SQLite file;\n"
+                 "default: the run's fresh cache folder's SQLite file");
   CLI11_PARSE(app, argc, argv);
 
   const fs::path cache = fs::temp_directory_path() / ("loom-service-load-" + std::to_string(::getpid()));
   fs::create_directories(cache);
   if (port == 0) port = 30000 + int(::getpid() % 20000);
-  const std::string address = "127.0.0.1:" + std::to_string(port);
-  const pid_t server = ::fork();
-  if (server == 0) {
-    const std::string log = (cache / "serve.log").string();
-    if (std::FILE* f = std::freopen(log.c_str(), "w", stderr); !f) ::_exit(126);
-    if (std::FILE* f = std::freopen(log.c_str(), "a", stdout); !f) ::_exit(126);
-    ::execl(loomBinary.c_str(), loomBinary.c_str(), "serve", "--listen", address.c_str(), "--cache-dir",
-            cache.c_str(), static_cast<char*>(nullptr));
-    ::_exit(127);
+  std::string address;  // every replica's, comma-separated: each client starts on its own
+  std::vector<pid_t> servers;
+  for (int r = 0; r < replicas; ++r) {
+    const std::string listen = "127.0.0.1:" + std::to_string(port + r);
+    address += (r ? "," : "") + listen;
+    const pid_t server = ::fork();
+    if (server == 0) {
+      const std::string log = (cache / ("serve-" + std::to_string(r) + ".log")).string();
+      if (std::FILE* f = std::freopen(log.c_str(), "w", stderr); !f) ::_exit(126);
+      if (std::FILE* f = std::freopen(log.c_str(), "a", stdout); !f) ::_exit(126);
+      const std::string storeLocation = store.empty() ? (cache / "kernels.sqlite").string() : store;
+      ::execl(loomBinary.c_str(), loomBinary.c_str(), "serve", "--listen", listen.c_str(), "--cache-dir",
+              (cache / ("replica-" + std::to_string(r))).c_str(), "--store", storeLocation.c_str(),
+              static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    servers.push_back(server);
   }
   auto stop = [&](int code) {
-    ::kill(server, SIGTERM);
-    int status = 0;
-    ::waitpid(server, &status, 0);
+    for (pid_t server : servers) ::kill(server, SIGTERM);
+    for (pid_t server : servers) {
+      int status = 0;
+      ::waitpid(server, &status, 0);
+    }
     std::error_code ec;
     fs::remove_all(cache, ec);
     return code;
+  };
+  // Memory and descriptors summed over the replicas.
+  auto resident = [&] {
+    int64_t sum = 0;
+    for (pid_t server : servers) sum += residentKiB(server);
+    return sum;
+  };
+  auto descriptors = [&] {
+    int sum = 0;
+    for (pid_t server : servers) sum += openDescriptors(server);
+    return sum;
   };
   auto target = loom::parseTarget(arch);
   if (!target) {
     std::fprintf(stderr, "service_load: %s\n", target.error().message.c_str());
     return stop(2);
   }
-  auto probe = loom::service::KernelClient::connect(address);
-  bool up = false;
-  for (int wait = 0; wait < 200 && probe && !up; ++wait) {
-    up = (*probe)->listKernels().ok();
-    if (!up) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  bool up = true;
+  for (int r = 0; r < replicas && up; ++r) {  // each replica answers
+    auto one = loom::service::KernelClient::connect("127.0.0.1:" + std::to_string(port + r));
+    up = false;
+    for (int wait = 0; wait < 200 && one && !up; ++wait) {
+      up = (*one)->listKernels().ok();
+      if (!up) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
   }
+  auto probe = loom::service::KernelClient::connect(address);
   if (!up) {
     std::fprintf(stderr, "service_load: %s serve did not come up on %s\n", loomBinary.c_str(), address.c_str());
     return stop(2);
   }
-  std::printf("service_load: %d clients, %.0f s per phase, %s, server pid %d\n", clients, seconds, arch.c_str(),
-              int(server));
+  std::printf("service_load: %d clients, %.0f s per phase, %s, %d server%s on %s\n", clients, seconds, arch.c_str(),
+              replicas, replicas > 1 ? "s" : "", address.c_str());
   for (int i = 0; i < warmSpecs; ++i)
     if (auto r = (*probe)->getKernel(specNumber(i), *target, 120000); !r) {
       std::fprintf(stderr, "service_load: warming up: %s\n", r.error().message.c_str());
       return stop(1);
     }
-  const int64_t rssStart = residentKiB(server);
-  const int fdsStart = openDescriptors(server);
+  const int64_t rssStart = resident();
+  const int fdsStart = descriptors();
 
   const Phase warm = drive(address, *target, clients, seconds, [&](int t, int i) {
     return std::pair<int, int>((t + i) % warmSpecs, 60000);
@@ -218,8 +250,8 @@ int main(int argc, char** argv) {
   const Phase after = drive(address, *target, std::min(clients, 8), 2, [&](int t, int i) {
     return std::pair<int, int>((t + i) % warmSpecs, 60000);
   });
-  const int64_t rssEnd = residentKiB(server);
-  const int fdsEnd = openDescriptors(server);
+  const int64_t rssEnd = resident();
+  const int fdsEnd = descriptors();
 
   print("warm", warm);
   print("misses", misses);
@@ -227,12 +259,13 @@ int main(int argc, char** argv) {
   print("after", after);
   const int64_t errors = warm.errors + misses.errors + cancel.errors + after.errors;
   const double growthMb = double(rssEnd - rssStart) / 1024.0;
-  std::printf("server memory: %.1f MiB at start, %.1f MiB at end (%+.1f MiB, bound %d)\n", double(rssStart) / 1024.0,
+  std::printf("server%s memory: %.1f MiB at start, %.1f MiB at end (%+.1f MiB, bound %d a server)\n", replicas > 1 ? "s'" : "",
+              double(rssStart) / 1024.0,
               double(rssEnd) / 1024.0, growthMb, maxGrowthMb);
   std::printf("server descriptors: %d at start, %d at end\n", fdsStart, fdsEnd);
   std::printf("hung-up specs served afterwards: %d of %d\n", landed, kHangUpSpecs);
   std::printf("errors: %lld\n", static_cast<long long>(errors));
-  const bool failed = errors > 0 || after.ok == 0 || landed < kHangUpSpecs || growthMb > maxGrowthMb ||
-                      fdsEnd > fdsStart + 8;
+  const bool failed = errors > 0 || after.ok == 0 || landed < kHangUpSpecs || growthMb > double(maxGrowthMb) * replicas ||
+                      fdsEnd > fdsStart + 8 * replicas;
   return stop(failed ? 1 : 0);
 }

@@ -789,6 +789,46 @@ TEST(Cache, APostgresStoreReconnectsAfterTheServerRestarts) {
   EXPECT_TRUE((*store)->putArtifact(kernel(2)));
 }
 
+// `loom cache --store` on either store: list, verify, export from
+// PostgreSQL, import into a SQLite file, remove; a password in the URL is
+// never printed.
+TEST(Cache, TheCliManagesEitherStore) {
+  std::string why;
+  testing::PostgresServer* server = postgresServer(&why);
+  if (!server && why.find("not installed") != std::string::npos) GTEST_SKIP() << why;
+  ASSERT_TRUE(server) << why;
+  const std::string url = server->createDatabase();
+  {
+    auto store = openPostgresStore(url);
+    ASSERT_TRUE(store) << store.error().message;
+    ASSERT_TRUE((*store)->putArtifact(kernel(1)));
+    ASSERT_TRUE((*store)->putDecision(decision(8, h200())));
+  }
+  const auto listed = testing::runLoom("cache --store " + url + " ls");
+  ASSERT_EQ(listed.exitCode, 0) << listed.output;
+  EXPECT_NE(listed.output.find("2 entries"), std::string::npos) << listed.output;
+  EXPECT_NE(listed.output.find("measured block_m: 128"), std::string::npos) << listed.output;
+  const auto verified = testing::runLoom("cache --store " + url + " verify");
+  EXPECT_EQ(verified.exitCode, 0) << verified.output;
+  EXPECT_NE(verified.output.find("checked 2 records, 0 corrupt"), std::string::npos) << verified.output;
+  testing::TempDir dir;
+  ASSERT_EQ(testing::runLoom("cache --store " + url + " export " + (dir / "bundle.sqlite")).exitCode, 0);
+  const auto imported = testing::runLoom("cache --store " + (dir / "k.sqlite") + " import " + (dir / "bundle.sqlite"));
+  ASSERT_EQ(imported.exitCode, 0) << imported.output;
+  EXPECT_NE(imported.output.find("imported 2 new records"), std::string::npos) << imported.output;
+  const auto removed = testing::runLoom("cache --store " + url + " rm " + artifactKey(kernel(1)));
+  EXPECT_EQ(removed.exitCode, 0) << removed.output;
+  EXPECT_NE(testing::runLoom("cache --store " + url + " ls").output.find("1 entries"), std::string::npos);
+  // A refused connection names the store, its password masked.
+  std::string secret = url;
+  secret.replace(secret.find("loom@"), 5, "loom:hunter2@");
+  secret.replace(secret.find(std::to_string(server->port())), std::to_string(server->port()).size(), "1");
+  const auto refused = testing::runLoom("cache --store '" + secret + "' ls");
+  EXPECT_NE(refused.exitCode, 0);
+  EXPECT_NE(refused.output.find("loom:***@127.0.0.1:1"), std::string::npos) << refused.output;
+  EXPECT_EQ(refused.output.find("hunter2"), std::string::npos) << refused.output;
+}
+
 TEST_P(Store, RemoveNamesUnknownIds) {
   auto store = open();
   ASSERT_TRUE(store->putArtifact(kernel(1)));
