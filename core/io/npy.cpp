@@ -120,9 +120,14 @@ Result<NpyArray> readNpy(const std::string& path) {
     }
   }
 
-  const size_t dataBytes = size_t(array.elementCount() * NpyArray::elementSize(array.type));
+  // The data's size, its product checked: a shape whose bytes overflow
+  // 64 bits (found by fuzz_npy) is refused, never wrapped.
+  int64_t dataBytes = NpyArray::elementSize(array.type);
+  for (int64_t extent : array.shape)
+    if (__builtin_mul_overflow(dataBytes, extent, &dataBytes))
+      return bad("shape " + shapeString(array.shape) + " holds more bytes than 64 bits count");
   const size_t dataStart = headerStart + headerLength;
-  if (file.size() - dataStart != dataBytes)
+  if (file.size() - dataStart != size_t(dataBytes))
     return bad("expected " + std::to_string(dataBytes) + " data bytes for shape " + shapeString(array.shape) +
                ", found " + std::to_string(file.size() - dataStart));
   array.bytes.assign(file.begin() + dataStart, file.end());
