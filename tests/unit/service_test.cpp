@@ -543,7 +543,7 @@ TEST_F(Service, PretuneTunesWhatIsMissingOnce) {
   std::ofstream(dir_ / "specs.json") << "[" << toJson(spec(2, 4)) << "," << toJson(options) << "]";
   const std::string command = "LOOM_CACHE_DIR=" + (dir_ / "worker") + " " + LOOM_BINARY + " pretune --server " +
                               address_ + " --specs " + (dir_ / "specs.json") + " --token-file " + (dir_ / "token") +
-                              " --target sm_80 --tokens 256 --compile-top 2 --decode raw";
+                              " --target sm_80 --tokens 256 --compile-top 1 --decode raw";
   const auto first = testing::runCommand(command);
   ASSERT_EQ(first.exitCode, 0) << first.output;
   // Three directions of both specs: the backward and the raw-cache decode
