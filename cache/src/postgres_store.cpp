@@ -140,9 +140,7 @@ class PostgresStore final : public detail::RecordStore {
   }
 
   Status putArtifact(const v1::CompiledKernel& kernel) override {
-    const std::string blob = kernel.SerializeAsString();
-    const int64_t at = now();
-    auto put = putRecords({{Record::Kind::artifact, artifactKey(kernel), "", "", "", "", blob, checksumOf(blob), at, at}});
+    auto put = putRecords({detail::artifactRecord(kernel)});
     if (!put) return put.error();
     return Status::success();
   }
@@ -175,10 +173,7 @@ class PostgresStore final : public detail::RecordStore {
   }
 
   Status putDecision(const Decision& d) override {
-    const std::string blob = detail::decisionToJson(d);
-    const int64_t at = now();
-    auto put = putRecords({{Record::Kind::decision, decisionSpecKey(d.spec, d.result.direction()), d.device.key(),
-                            d.toolchain, d.device.classKey(), d.result.shape_bucket(), blob, checksumOf(blob), at, at}});
+    auto put = putRecords({detail::decisionRecord(d)});
     if (!put) return put.error();
     if (*put == 0) return makeError("kernel cache: the decision does not survive its own checks");
     return Status::success();
@@ -198,8 +193,7 @@ class PostgresStore final : public detail::RecordStore {
   }
 
   Status putRanking(const std::string& key, const Schedule& schedule) override {
-    const std::string blob = schedule.SerializeAsString();
-    auto put = putRecords({{Record::Kind::ranking, key, "", "", "", "", blob, checksumOf(blob), now(), now()}});
+    auto put = putRecords({detail::rankingRecord(key, schedule)});
     if (!put) return put.error();
     return Status::success();
   }
@@ -261,17 +255,7 @@ class PostgresStore final : public detail::RecordStore {
     std::vector<Record> corrupt;
     Status visited = forEachRecord([&](const Record& record) -> Status {
       ++report.checked;
-      bool sound = checksumOf(record.blob) == record.checksum;
-      if (sound && record.kind == Record::Kind::artifact) {
-        v1::CompiledKernel kernel;
-        sound = kernel.ParseFromString(record.blob) && artifactKey(kernel) == record.key;
-      } else if (sound && record.kind == Record::Kind::decision) {
-        sound = bool(detail::decisionFromJson(record.blob));
-      } else if (sound) {
-        Schedule schedule;
-        sound = schedule.ParseFromString(record.blob);
-      }
-      if (!sound) corrupt.push_back(record);
+      if (!detail::readableRecord(record)) corrupt.push_back(record);
       return Status::success();
     });
     if (!visited) return visited.error();
@@ -344,65 +328,27 @@ class PostgresStore final : public detail::RecordStore {
   // Page by page in key order, so neither memory nor the lock is held
   // for the whole store.
   Status forEachRecord(const std::function<Status(const Record&)>& visit) override {
-    constexpr int kPage = 64;
-    const std::string limit = " LIMIT " + std::to_string(kPage);
-    std::string after;
-    for (;;) {
-      Result<Rows> page = [&] {
-        std::lock_guard lock(mutex_);
-        return query("SELECT key, blob, checksum, created, last_used FROM loom_artifacts WHERE key > $1 ORDER BY key" +
-                         limit,
-                     {after});
-      }();
-      if (!page) return page.error();
-      for (int r = 0; r < page->size(); ++r)
-        if (Status ok = visit({Record::Kind::artifact, page->text(r, 0), "", "", "", "", page->text(r, 1),
-                               page->text(r, 2), page->integer(r, 3), page->integer(r, 4)});
-            !ok)
-          return ok;
-      if (page->size() < kPage) break;
-      after = page->text(page->size() - 1, 0);
-    }
-    std::vector<std::string> last = {"", "", "", ""};
-    for (bool first = true;; first = false) {
-      Result<Rows> page = [&] {
-        std::lock_guard lock(mutex_);
-        return query(std::string("SELECT spec_key, device, toolchain, device_class, shape_bucket, blob, checksum, "
-                                 "created, last_used FROM loom_decisions ") +
-                         (first ? "WHERE $1 = $1 AND $2 = $2 AND $3 = $3 AND $4 = $4 "
-                                : "WHERE (spec_key, device, toolchain, shape_bucket) > ($1, $2, $3, $4) ") +
-                         "ORDER BY spec_key, device, toolchain, shape_bucket" + limit,
-                     {last[0], last[1], last[2], last[3]});
-      }();
-      if (!page) return page.error();
-      for (int r = 0; r < page->size(); ++r)
-        if (Status ok = visit({Record::Kind::decision, page->text(r, 0), page->text(r, 1), page->text(r, 2),
-                               page->text(r, 3), page->text(r, 4), page->text(r, 5), page->text(r, 6),
-                               page->integer(r, 7), page->integer(r, 8)});
-            !ok)
-          return ok;
-      if (page->size() < kPage) break;
-      const int r = page->size() - 1;
-      last = {page->text(r, 0), page->text(r, 1), page->text(r, 2), page->text(r, 4)};
-    }
-    after.clear();
-    for (bool first = true;; first = false) {
-      Result<Rows> page = [&] {
-        std::lock_guard lock(mutex_);
-        return query(std::string("SELECT key, blob, checksum, created FROM loom_rankings WHERE ") +
-                         (first ? "$1 = $1" : "key > $1") + " ORDER BY key" + limit,
-                     {after});
-      }();
-      if (!page) return page.error();
-      for (int r = 0; r < page->size(); ++r)
-        if (Status ok = visit({Record::Kind::ranking, page->text(r, 0), "", "", "", "", page->text(r, 1),
-                               page->text(r, 2), page->integer(r, 3), page->integer(r, 3)});
-            !ok)
-          return ok;
-      if (page->size() < kPage) break;
-      after = page->text(page->size() - 1, 0);
-    }
-    return Status::success();
+    if (Status ok = forEachRow("key, blob, checksum, created, last_used", "loom_artifacts", 1,
+                               [&](const Rows& rows, int r) {
+                                 return visit({Record::Kind::artifact, rows.text(r, 0), "", "", "", "", rows.text(r, 1),
+                                               rows.text(r, 2), rows.integer(r, 3), rows.integer(r, 4)});
+                               });
+        !ok)
+      return ok;
+    if (Status ok = forEachRow("spec_key, device, toolchain, shape_bucket, device_class, blob, checksum, created, "
+                               "last_used",
+                               "loom_decisions", 4,
+                               [&](const Rows& rows, int r) {
+                                 return visit({Record::Kind::decision, rows.text(r, 0), rows.text(r, 1), rows.text(r, 2),
+                                               rows.text(r, 4), rows.text(r, 3), rows.text(r, 5), rows.text(r, 6),
+                                               rows.integer(r, 7), rows.integer(r, 8)});
+                               });
+        !ok)
+      return ok;
+    return forEachRow("key, blob, checksum, created", "loom_rankings", 1, [&](const Rows& rows, int r) {
+      return visit({Record::Kind::ranking, rows.text(r, 0), "", "", "", "", rows.text(r, 1), rows.text(r, 2),
+                    rows.integer(r, 3), rows.integer(r, 3)});
+    });
   }
 
   Result<int> putRecords(const std::vector<Record>& records) override {
@@ -508,6 +454,42 @@ class PostgresStore final : public detail::RecordStore {
     const ExecStatusType status = PQresultStatus(rows.get());
     if (status == PGRES_COMMAND_OK || status == PGRES_TUPLES_OK) return Status::success();
     return makeError(where() + ": " + what + ": " + PQerrorMessage(connection_));
+  }
+
+  // Every row of `table`, `columns` of it (the first `keys` of them its
+  // primary key), a page at a time in key order, each page read under the
+  // lock and visited outside it.
+  Status forEachRow(const std::string& columns, const std::string& table, int keys,
+                    const std::function<Status(const Rows&, int)>& visit) {
+    constexpr int kPage = 64;
+    std::string key, after;  // "c1, c2", "$1, $2"
+    for (size_t at = 0, k = 0; k < size_t(keys); ++k) {
+      const size_t comma = columns.find(',', at);
+      if (k) {
+        key += ", ";
+        after += ", ";
+      }
+      key += columns.substr(at, comma - at);
+      after += '$';
+      after += std::to_string(k + 1);
+      at = comma + 2;
+    }
+    std::vector<Param> last;  // the last row's key; none before the first page
+    for (;;) {
+      Result<Rows> page = [&] {
+        std::lock_guard lock(mutex_);
+        return query("SELECT " + columns + " FROM " + table +
+                         (last.empty() ? "" : " WHERE (" + key + ") > (" + after + ")") + " ORDER BY " + key +
+                         " LIMIT " + std::to_string(kPage),
+                     last);
+      }();
+      if (!page) return page.error();
+      for (int r = 0; r < page->size(); ++r)
+        if (Status ok = visit(*page, r); !ok) return ok;
+      if (page->size() < kPage) return Status::success();
+      last.clear();
+      for (int k = 0; k < keys; ++k) last.emplace_back(page->text(page->size() - 1, k));
+    }
   }
 
   // Least recently used artifacts go until the store fits its bound.

@@ -40,14 +40,14 @@ Result<Decision> decisionFromJson(const std::string& text) {
   if (d.result.best().engine() == v1::engine_unspecified) d.result.mutable_best()->set_engine(v1::engine_mma);
   const auto device = json.value("device", nlohmann::json::object());
   if (!device.is_object()) return makeError("decision record's device is not an object");
-  const auto text_or = [](const nlohmann::json& j, const char* name) {
+  const auto textOf = [](const nlohmann::json& j, const char* name) {
     return j.contains(name) && j[name].is_string() ? j[name].get<std::string>() : std::string();
   };
-  d.device = {text_or(device, "name"), text_or(device, "arch"),
+  d.device = {textOf(device, "name"), textOf(device, "arch"),
               device.contains("sm_count") && device["sm_count"].is_number_integer() ? device["sm_count"].get<int>() : 0};
-  d.toolchain = text_or(json, "toolchain");
+  d.toolchain = textOf(json, "toolchain");
   d.candidatesJson = json.contains("candidates") ? json["candidates"].dump() : "[]";
-  d.artifactKey = text_or(json, "artifact_key");
+  d.artifactKey = textOf(json, "artifact_key");
   return d;
 }
 
@@ -56,7 +56,29 @@ std::string decisionId(const std::string& specKey, const std::string& device, co
   return specKey + "/" + device + "/" + toolchain + (shapeBucket.empty() ? "" : "@" + shapeBucket);
 }
 
-bool soundRecord(const Record& record) {
+Record artifactRecord(const v1::CompiledKernel& kernel) {
+  const std::string blob = kernel.SerializeAsString();
+  const int64_t at = now();
+  return {Record::Kind::artifact, artifactKey(kernel), "", "", "", "", blob, checksumOf(blob), at, at};
+}
+
+Record decisionRecord(const Decision& d) {
+  const std::string blob = decisionToJson(d);
+  const int64_t at = now();
+  return {Record::Kind::decision, decisionSpecKey(d.spec, d.result.direction()), d.device.key(), d.toolchain,
+          d.device.classKey(), d.result.shape_bucket(), blob, checksumOf(blob), at, at};
+}
+
+Record rankingRecord(const std::string& key, const Schedule& schedule) {
+  const std::string blob = schedule.SerializeAsString();
+  const int64_t at = now();
+  return {Record::Kind::ranking, key, "", "", "", "", blob, checksumOf(blob), at, at};
+}
+
+namespace {
+// The checks of a row as stored: checksum, parse, an artifact's address;
+// with `fields`, also that a decision's key columns are those of its blob.
+bool checked(const Record& record, bool fields) {
   if (checksumOf(record.blob) != record.checksum) return false;
   switch (record.kind) {
     case Record::Kind::artifact: {
@@ -65,7 +87,8 @@ bool soundRecord(const Record& record) {
     }
     case Record::Kind::decision: {
       auto decision = decisionFromJson(record.blob);
-      return decision && decisionSpecKey(decision->spec, decision->result.direction()) == record.key &&
+      if (!decision || !fields) return bool(decision);
+      return decisionSpecKey(decision->spec, decision->result.direction()) == record.key &&
              decision->device.key() == record.device && decision->toolchain == record.toolchain &&
              decision->device.classKey() == record.deviceClass &&
              decision->result.shape_bucket() == record.shapeBucket;
@@ -77,6 +100,10 @@ bool soundRecord(const Record& record) {
   }
   return false;
 }
+}  // namespace
+
+bool readableRecord(const Record& record) { return checked(record, false); }
+bool soundRecord(const Record& record) { return checked(record, true); }
 
 std::string describeArtifact(const v1::CompiledKernel& kernel) {
   v1::CompiledKernel summary = kernel;

@@ -39,8 +39,16 @@ struct Record {
   int64_t bytes() const { return int64_t(blob.size()); }
 };
 
-// Whether a row may be served: its checksum holds, its blob parses, and an
-// artifact's content address is its key.
+// The row a store writes for each kind of record, stamped now.
+Record artifactRecord(const v1::CompiledKernel& kernel);
+Record decisionRecord(const Decision& decision);
+Record rankingRecord(const std::string& key, const Schedule& schedule);
+
+// Whether a stored row may be served (verify's check): its checksum holds,
+// its blob parses, and an artifact's content address is its key.
+bool readableRecord(const Record& record);
+// That, and a decision's key columns are those of its blob: what a row
+// must be to be taken into a store (import, putRecords).
 bool soundRecord(const Record& record);
 
 // An artifact described for `loom cache show`: its JSON without binary,

@@ -286,18 +286,7 @@ class SqliteStore final : public detail::RecordStore {
   }
 
   Status putArtifact(const v1::CompiledKernel& kernel) override {
-    const std::string blob = kernel.SerializeAsString();
-    Statement insert(db_,
-                     "INSERT OR REPLACE INTO artifacts(key, blob, checksum, created, bytes, last_used) "
-                     "VALUES(?1, ?2, ?3, ?4, ?5, ?4)");
-    if (Status ok = insert.bind(1, artifactKey(kernel))
-                        .bindBlob(2, blob)
-                        .bind(3, checksumOf(blob))
-                        .bind(4, now())
-                        .bind(5, int64_t(blob.size()))
-                        .done("kernel cache: storing an artifact");
-        !ok)
-      return ok;
+    if (Status ok = insert(detail::artifactRecord(kernel)); !ok) return ok;
     return evict();
   }
 
@@ -327,22 +316,7 @@ class SqliteStore final : public detail::RecordStore {
   }
 
   Status putDecision(const Decision& d) override {
-    const std::string blob = decisionToJson(d);
-    Statement insert(db_,
-                     "INSERT OR REPLACE INTO decisions(spec_key, device, toolchain, blob, checksum, created, bytes, "
-                     "last_used, device_class, shape_bucket) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?6, ?8, ?9)");
-    if (Status ok = insert.bind(1, decisionSpecKey(d.spec, d.result.direction()))
-                        .bind(2, d.device.key())
-                        .bind(3, d.toolchain)
-                        .bindBlob(4, blob)
-                        .bind(5, checksumOf(blob))
-                        .bind(6, now())
-                        .bind(7, int64_t(blob.size()))
-                        .bind(8, d.device.classKey())
-                        .bind(9, d.result.shape_bucket())
-                        .done("kernel cache: storing a decision");
-        !ok)
-      return ok;
+    if (Status ok = insert(detail::decisionRecord(d)); !ok) return ok;
     return evict();
   }
 
@@ -361,10 +335,7 @@ class SqliteStore final : public detail::RecordStore {
   }
 
   Status putRanking(const std::string& key, const Schedule& schedule) override {
-    const std::string blob = schedule.SerializeAsString();
-    Statement insert(db_, "INSERT OR REPLACE INTO rankings(key, blob, checksum, created) VALUES(?1, ?2, ?3, ?4)");
-    return insert.bind(1, key).bindBlob(2, blob).bind(3, checksumOf(blob)).bind(4, now()).done(
-        "kernel cache: storing a ranking");
+    return insert(detail::rankingRecord(key, schedule));
   }
 
   Result<std::vector<Entry>> list() override {
@@ -517,30 +488,7 @@ class SqliteStore final : public detail::RecordStore {
     int stored = 0;
     for (const Record& r : records) {
       if (!detail::soundRecord(r)) continue;
-      Status put;
-      switch (r.kind) {
-        case Record::Kind::artifact: {
-          Statement insert(db_, "INSERT OR REPLACE INTO artifacts(key, blob, checksum, created, bytes, last_used) "
-                                "VALUES(?1, ?2, ?3, ?4, ?5, ?6)");
-          put = insert.bind(1, r.key).bindBlob(2, r.blob).bind(3, r.checksum).bind(4, r.created).bind(5, r.bytes())
-                    .bind(6, r.lastUsed).done("kernel cache: storing an artifact");
-          break;
-        }
-        case Record::Kind::decision: {
-          Statement insert(db_, "INSERT OR REPLACE INTO decisions(spec_key, device, toolchain, blob, checksum, created, "
-                                "bytes, last_used, device_class, shape_bucket) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)");
-          put = insert.bind(1, r.key).bind(2, r.device).bind(3, r.toolchain).bindBlob(4, r.blob).bind(5, r.checksum)
-                    .bind(6, r.created).bind(7, r.bytes()).bind(8, r.lastUsed).bind(9, r.deviceClass)
-                    .bind(10, r.shapeBucket).done("kernel cache: storing a decision");
-          break;
-        }
-        case Record::Kind::ranking: {
-          Statement insert(db_, "INSERT OR REPLACE INTO rankings(key, blob, checksum, created) VALUES(?1, ?2, ?3, ?4)");
-          put = insert.bind(1, r.key).bindBlob(2, r.blob).bind(3, r.checksum).bind(4, r.created)
-                    .done("kernel cache: storing a ranking");
-          break;
-        }
-      }
+      const Status put = insert(r);
       if (!put) {
         (void)exec(db_, "ROLLBACK", "rollback");
         return put.error();
@@ -607,6 +555,31 @@ class SqliteStore final : public detail::RecordStore {
     if (!copied) (void)exec(db_, "ROLLBACK", "rollback");
     (void)exec(db_, "DETACH DATABASE other", what);
     return copied;
+  }
+
+  // One row as it is (replacing an equal key), in whatever transaction is open.
+  Status insert(const Record& r) {
+    switch (r.kind) {
+      case Record::Kind::artifact: {
+        Statement insert(db_, "INSERT OR REPLACE INTO artifacts(key, blob, checksum, created, bytes, last_used) "
+                              "VALUES(?1, ?2, ?3, ?4, ?5, ?6)");
+        return insert.bind(1, r.key).bindBlob(2, r.blob).bind(3, r.checksum).bind(4, r.created).bind(5, r.bytes())
+            .bind(6, r.lastUsed).done("kernel cache: storing an artifact");
+      }
+      case Record::Kind::decision: {
+        Statement insert(db_, "INSERT OR REPLACE INTO decisions(spec_key, device, toolchain, blob, checksum, created, "
+                              "bytes, last_used, device_class, shape_bucket) VALUES(?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)");
+        return insert.bind(1, r.key).bind(2, r.device).bind(3, r.toolchain).bindBlob(4, r.blob).bind(5, r.checksum)
+            .bind(6, r.created).bind(7, r.bytes()).bind(8, r.lastUsed).bind(9, r.deviceClass)
+            .bind(10, r.shapeBucket).done("kernel cache: storing a decision");
+      }
+      case Record::Kind::ranking: {
+        Statement insert(db_, "INSERT OR REPLACE INTO rankings(key, blob, checksum, created) VALUES(?1, ?2, ?3, ?4)");
+        return insert.bind(1, r.key).bindBlob(2, r.blob).bind(3, r.checksum).bind(4, r.created)
+            .done("kernel cache: storing a ranking");
+      }
+    }
+    return makeError("kernel cache: a record of no kind");
   }
 
   int count() {

@@ -13,25 +13,18 @@
 
 namespace loom {
 
-// A compile's lease, renewed while the compile runs so that a long compile
-// keeps it and a dead process loses it within kCompileLeaseSeconds; given
+// A compile's lease, renewed every third of kCompileLeaseSeconds while the
+// compile runs (a long compile keeps it, a dead process loses it), given
 // back on destruction.
 KernelProvider::CompileLease::CompileLease(cache::KernelStore& store, std::string key, std::string holder)
-    : store_(store), key_(std::move(key)), holder_(std::move(holder)) {
-  renewer_ = std::thread([this] {
-    std::unique_lock lock(mutex_);
-    while (!done_.wait_for(lock, std::chrono::seconds(kCompileLeaseSeconds / 3), [this] { return stop_; }))
-      (void)store_.acquireLease(key_, holder_, kCompileLeaseSeconds);
-  });
-}
+    : store_(store),
+      key_(std::move(key)),
+      holder_(std::move(holder)),
+      renewal_(std::in_place, std::chrono::seconds(kCompileLeaseSeconds / 3),
+               [this] { (void)store_.acquireLease(key_, holder_, kCompileLeaseSeconds); }) {}
 
 KernelProvider::CompileLease::~CompileLease() {
-  {
-    std::lock_guard lock(mutex_);
-    stop_ = true;
-  }
-  done_.notify_all();
-  renewer_.join();
+  renewal_.reset();  // no renewal after the lease is given back
   (void)store_.releaseLease(key_, holder_);
 }
 
@@ -46,12 +39,15 @@ std::string holderName() {
 }
 }  // namespace
 
-KernelProvider::KernelProvider(const std::string& cacheDir, int maxConcurrentCompiles)
-    : compiler_(cacheDir), compileSlots_(std::max(1, maxConcurrentCompiles)), holder_(holderName()) {
+std::unique_ptr<cache::KernelStore> KernelProvider::openCacheStore(const std::string& cacheDir) {
   auto store = cache::openSqliteStore(cache::storePath(cacheDir));
-  if (store) store_ = std::move(*store);
-  else std::fprintf(stderr, "loom: kernel cache unavailable (%s); compiling without it\n", store.error().message.c_str());
+  if (store) return std::move(*store);
+  std::fprintf(stderr, "loom: kernel cache unavailable (%s); compiling without it\n", store.error().message.c_str());
+  return nullptr;
 }
+
+KernelProvider::KernelProvider(const std::string& cacheDir, int maxConcurrentCompiles)
+    : KernelProvider(cacheDir, maxConcurrentCompiles, openCacheStore(cacheDir)) {}
 
 KernelProvider::KernelProvider(const std::string& cacheDir, int maxConcurrentCompiles,
                                std::unique_ptr<cache::KernelStore> store)
@@ -154,12 +150,13 @@ Result<v1::CompiledKernel> KernelProvider::compileOnce(const std::string& key, c
   // this miss: it holds the lease, so wait for its artifact, or for the
   // lease to lapse if it died.
   std::optional<CompileLease> lease;
+  const std::string leaseKey = "compile/" + key;
   if (store_) {
     const auto giveUp = std::chrono::steady_clock::now() + std::chrono::seconds(kCompileWaitSeconds);
     while (!lease && std::chrono::steady_clock::now() < giveUp) {
-      auto taken = store_->acquireLease("compile/" + key, holder_, kCompileLeaseSeconds);
+      auto taken = store_->acquireLease(leaseKey, holder_, kCompileLeaseSeconds);
       if (!taken) break;  // a store that cannot lease: compile here
-      if (taken->granted) lease.emplace(*store_, "compile/" + key, holder_);
+      if (taken->granted) lease.emplace(*store_, leaseKey, holder_);
       // Looked for again once the lease is ours: the last holder may have
       // stored the artifact and given the lease back just before.
       auto hit = store_->getArtifact(key);

@@ -7,8 +7,6 @@
 #pragma once
 
 #include <atomic>
-#include <condition_variable>
-#include <thread>
 #include <functional>
 #include <future>
 #include <map>
@@ -20,6 +18,7 @@
 
 #include "jit/nvrtc_compiler.h"
 #include "loom/cache.h"
+#include "loom/heartbeat.h"
 #include "loom/result.h"
 #include "loom/spec.h"
 
@@ -46,6 +45,9 @@ class KernelProvider {
   // is compiling (it holds the lease "compile/<artifact key>") waits for
   // that process's artifact instead of compiling it again.
   KernelProvider(const std::string& cacheDir, int maxConcurrentCompiles, std::unique_ptr<cache::KernelStore> store);
+  // The SQLite store in `cacheDir`; null (said on standard error) when it
+  // cannot be opened: a provider survives that and compiles every request.
+  static std::unique_ptr<cache::KernelStore> openCacheStore(const std::string& cacheDir);
 
   // An empty `schedule` means: the cache's decision for this device, else
   // the compiler's default.
@@ -86,10 +88,7 @@ class KernelProvider {
    private:
     cache::KernelStore& store_;
     std::string key_, holder_;
-    std::mutex mutex_;
-    std::condition_variable done_;
-    bool stop_ = false;
-    std::thread renewer_;
+    std::optional<Heartbeat> renewal_;
   };
 
   std::unique_ptr<cache::KernelStore> store_;

@@ -60,20 +60,26 @@ Result<std::unique_ptr<KernelClient>> KernelClient::connect(const std::string& a
   return client;
 }
 
-template <class Call>
-grpc::Status KernelClient::failover(Call call) {
+template <class Request, class Response>
+Result<Response> KernelClient::call(Method<Request, Response> method, const Request& request, bool write,
+                                    std::optional<std::chrono::system_clock::time_point> until) {
   const size_t n = stubs_.size(), first = current_;
+  Response response;
   grpc::Status status;
   for (size_t tried = 0; tried < n; ++tried) {
     const size_t i = (first + tried) % n;
+    grpc::ClientContext context;
+    context.set_deadline(until ? *until : std::chrono::system_clock::now() + std::chrono::seconds(30));
+    if (write) authorize(context);
     count(Counter::service_requests);
-    status = call(*stubs_[i]);
+    status = ((*stubs_[i]).*method)(&context, request, &response);
     if (status.error_code() != grpc::StatusCode::UNAVAILABLE) {
       current_ = i;  // stay with the replica that answered
-      return status;
+      break;
     }
   }
-  return status;
+  if (!status.ok()) return callError(status);
+  return response;
 }
 
 const std::string& KernelClient::address() const { return addresses_[current_ % addresses_.size()]; }
@@ -90,26 +96,12 @@ Result<v1::GetKernelResponse> KernelClient::getKernel(const v1::KernelSpec& spec
   *request.mutable_target() = target;
   request.set_direction(direction);
   request.set_shape_bucket(shapeBucket);
-  v1::GetKernelResponse response;
-  const auto deadline = std::chrono::system_clock::now() + std::chrono::milliseconds(deadlineMs);
-  const grpc::Status status = failover([&](v1::KernelService::Stub& stub) {
-    grpc::ClientContext context;
-    context.set_deadline(deadline);
-    return stub.GetKernel(&context, request, &response);
-  });
-  if (!status.ok()) return callError(status);
-  return response;
+  return call(&v1::KernelService::Stub::GetKernel, request, false,
+              std::chrono::system_clock::now() + std::chrono::milliseconds(deadlineMs));
 }
 
 Result<v1::ListKernelsResponse> KernelClient::listKernels() {
-  v1::ListKernelsResponse response;
-  const grpc::Status status = failover([&](v1::KernelService::Stub& stub) {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-    return stub.ListKernels(&context, v1::ListKernelsRequest(), &response);
-  });
-  if (!status.ok()) return callError(status);
-  return response;
+  return call(&v1::KernelService::Stub::ListKernels, v1::ListKernelsRequest(), false, std::nullopt);
 }
 
 Result<v1::PutTuningResponse> KernelClient::putTuning(const v1::TuningResult& result, const v1::CompiledKernel& kernel,
@@ -119,15 +111,7 @@ Result<v1::PutTuningResponse> KernelClient::putTuning(const v1::TuningResult& re
   *request.mutable_kernel() = kernel;
   request.set_kernel_checksum(ContentHash().add(kernel.SerializeAsString()).hex());
   request.set_candidates_json(candidatesJson);
-  v1::PutTuningResponse response;
-  const grpc::Status status = failover([&](v1::KernelService::Stub& stub) {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-    authorize(context);
-    return stub.PutTuning(&context, request, &response);
-  });
-  if (!status.ok()) return callError(status);
-  return response;
+  return call(&v1::KernelService::Stub::PutTuning, request, true, std::nullopt);
 }
 
 Result<v1::LookupDecisionResponse> KernelClient::lookupDecision(const v1::KernelSpec& spec, const v1::Target& target,
@@ -137,14 +121,7 @@ Result<v1::LookupDecisionResponse> KernelClient::lookupDecision(const v1::Kernel
   *request.mutable_target() = target;
   request.set_direction(direction);
   request.set_shape_bucket(shapeBucket);
-  v1::LookupDecisionResponse response;
-  const grpc::Status status = failover([&](v1::KernelService::Stub& stub) {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-    return stub.LookupDecision(&context, request, &response);
-  });
-  if (!status.ok()) return callError(status);
-  return response;
+  return call(&v1::KernelService::Stub::LookupDecision, request, false, std::nullopt);
 }
 
 namespace {
@@ -164,31 +141,15 @@ v1::LeaseRequest leaseRequest(const v1::KernelSpec& spec, const v1::Target& targ
 Result<v1::LeaseResponse> KernelClient::acquireLease(const v1::KernelSpec& spec, const v1::Target& target,
                                                      const std::string& worker, int seconds, v1::Direction direction,
                                                      const std::string& shapeBucket) {
-  const v1::LeaseRequest request = leaseRequest(spec, target, worker, seconds, direction, shapeBucket);
-  v1::LeaseResponse response;
-  const grpc::Status status = failover([&](v1::KernelService::Stub& stub) {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-    authorize(context);
-    return stub.AcquireLease(&context, request, &response);
-  });
-  if (!status.ok()) return callError(status);
-  return response;
+  return call(&v1::KernelService::Stub::AcquireLease,
+              leaseRequest(spec, target, worker, seconds, direction, shapeBucket), true, std::nullopt);
 }
 
 Result<v1::LeaseResponse> KernelClient::releaseLease(const v1::KernelSpec& spec, const v1::Target& target,
                                                      const std::string& worker, v1::Direction direction,
                                                      const std::string& shapeBucket) {
-  const v1::LeaseRequest request = leaseRequest(spec, target, worker, 0, direction, shapeBucket);
-  v1::LeaseResponse response;
-  const grpc::Status status = failover([&](v1::KernelService::Stub& stub) {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-    authorize(context);
-    return stub.ReleaseLease(&context, request, &response);
-  });
-  if (!status.ok()) return callError(status);
-  return response;
+  return call(&v1::KernelService::Stub::ReleaseLease, leaseRequest(spec, target, worker, 0, direction, shapeBucket),
+              true, std::nullopt);
 }
 
 }  // namespace loom::service

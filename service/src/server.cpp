@@ -224,7 +224,7 @@ class KernelServiceImpl final : public v1::KernelService::Service {
       const std::string key = leaseKey(*request);
       const int64_t seconds = request->seconds() > 0 ? request->seconds() : kDefaultLeaseSeconds;
       if (provider_.store()) {  // in the store: every replica on it sees the same leases
-        auto lease = provider_.store()->acquireLease("tune/" + key, request->worker(), seconds);
+        auto lease = provider_.store()->acquireLease(key, request->worker(), seconds);
         if (!lease) return Status(StatusCode::UNAVAILABLE, lease.error().message);
         response->set_granted(lease->granted);
         response->set_holder(lease->holder);
@@ -252,7 +252,7 @@ class KernelServiceImpl final : public v1::KernelService::Service {
     return count("ReleaseLease", [&]() -> Status {
       if (Status ok = authorize(*context); !ok.ok()) return ok;
       if (provider_.store()) {
-        if (loom::Status ok = provider_.store()->releaseLease("tune/" + leaseKey(*request), request->worker()); !ok)
+        if (loom::Status ok = provider_.store()->releaseLease(leaseKey(*request), request->worker()); !ok)
           return Status(StatusCode::UNAVAILABLE, ok.error().message);
         response->set_granted(true);
         return Status::OK;
@@ -363,8 +363,10 @@ class KernelServiceImpl final : public v1::KernelService::Service {
   static int64_t nowSeconds() {
     return std::chrono::duration_cast<std::chrono::seconds>(std::chrono::system_clock::now().time_since_epoch()).count();
   }
+  // "tune/<decision key>@<bucket>/<device model>": beside the provider's
+  // "compile/" leases in the store.
   static std::string leaseKey(const v1::LeaseRequest& request) {
-    return cache::decisionSpecKey(request.spec(), request.direction()) + "@" + request.shape_bucket() + "/" +
+    return "tune/" + cache::decisionSpecKey(request.spec(), request.direction()) + "@" + request.shape_bucket() + "/" +
            cache::DeviceModel::of(request.target()).key();
   }
   std::mutex leaseMutex_;
@@ -445,10 +447,8 @@ class Server final : public KernelServer {
       auto opened = cache::openStore(options.store);
       if (!opened) return makeError("--store " + cache::redactedLocation(options.store) + ": " + opened.error().message);
       store = std::move(*opened);
-    } else if (auto opened = cache::openSqliteStore(cache::storePath(cacheDir)); opened) {
-      store = std::move(*opened);
     } else {
-      std::fprintf(stderr, "loom: kernel cache unavailable (%s); compiling without it\n", opened.error().message.c_str());
+      store = KernelProvider::openCacheStore(cacheDir);
     }
     service_ = std::make_unique<KernelServiceImpl>(options, cacheDir, std::move(store), token, metrics_);
     grpc::EnableDefaultHealthCheckService(true);

@@ -6,13 +6,11 @@
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
 #include <cstdio>
-#include <mutex>
-#include <thread>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <thread>
 
 #include "autotune/tuner.h"
 #include "commands.h"
@@ -21,6 +19,7 @@
 #include "loom/cache_dir.h"
 #include "loom/client.h"
 #include "loom/compiler.h"
+#include "loom/heartbeat.h"
 
 namespace loom::cli {
 namespace {
@@ -40,33 +39,6 @@ struct PretuneOptions {
   std::vector<int64_t> buckets;
   int leaseSeconds = 600;  // renewed every third of it while a tune runs
   bool wait = true;        // then wait for pairs other workers hold
-};
-
-// Renews a lease while a tune runs (every third of its length), so a long
-// tune keeps it and a killed worker loses it within one length.
-class LeaseRenewal {
- public:
-  LeaseRenewal(service::KernelClient& client, const KernelSpec& spec, const v1::Target& target, std::string worker,
-               int seconds, v1::Direction direction, std::string bucket)
-      : thread_([=, &client, this] {
-          std::unique_lock lock(mutex_);
-          while (!done_.wait_for(lock, std::chrono::milliseconds(seconds * 1000 / 3), [this] { return stop_; }))
-            (void)client.acquireLease(spec, target, worker, seconds, direction, bucket);
-        }) {}
-  ~LeaseRenewal() {
-    {
-      std::lock_guard lock(mutex_);
-      stop_ = true;
-    }
-    done_.notify_all();
-    thread_.join();
-  }
-
- private:
-  std::mutex mutex_;
-  std::condition_variable done_;
-  bool stop_ = false;
-  std::thread thread_;
 };
 
 // "spec 3", "spec 3 (backward)", "spec 3 (decode, mixed cache)".
@@ -132,76 +104,84 @@ int pretune(const PretuneOptions& options) {
   // Returns an error message if the service cannot be asked.
   auto pass = [&](const std::vector<Item>& todo, std::vector<Item>* held, bool quiet) -> std::string {
     for (const Item& item : todo) {
-        const size_t i = item.index;
-        const v1::Direction direction = item.direction;
-        const int64_t tokens = item.tokens;
-        const KernelSpec& spec = specs[i];
-        const bool decode = directionOf(direction) == Direction::decode;
-        const std::string bucket =
-            options.buckets.empty() ? "" : cache::shapeBucket(direction, decode ? options.decodeBatch : 1, tokens);
-        const std::string name = directionName(i, direction) + (bucket.empty() ? "" : " [" + bucket + "]");
+      const size_t i = item.index;
+      const v1::Direction direction = item.direction;
+      const KernelSpec& spec = specs[i];
+      const bool decode = directionOf(direction) == Direction::decode;
+      const std::string bucket =
+          options.buckets.empty() ? "" : cache::shapeBucket(direction, decode ? options.decodeBatch : 1, item.tokens);
+      const std::string name = directionName(i, direction) + (bucket.empty() ? "" : " [" + bucket + "]");
+      // Whether the service has this pair's decision, for this bucket itself.
+      auto decided = [&]() -> Result<bool> {
         auto known = (*client)->lookupDecision(spec, target, direction, bucket);
-        if (!known) return known.error().message;
-        if (known->found() && known->result().shape_bucket() == bucket) {
-          if (!quiet)
-            std::printf("%s: already tuned for %s\n", name.c_str(),
-                        target.device().name().empty() ? target.arch().c_str() : target.device().name().c_str());
-          ++skipped;
-          continue;
-        }
-        auto lease = (*client)->acquireLease(spec, target, worker, options.leaseSeconds, direction, bucket);
-        if (!lease) return lease.error().message;
-        if (!lease->granted()) {
-          if (!quiet) std::printf("%s: being tuned by %s\n", name.c_str(), lease->holder().c_str());
-          held->push_back(item);
-          continue;
-        }
-        // Asked again now the lease is ours: its last holder may have
-        // uploaded the decision and given the lease back just before.
-        auto since = (*client)->lookupDecision(spec, target, direction, bucket);
-        if (since && since->found() && since->result().shape_bucket() == bucket) {
-          (void)(*client)->releaseLease(spec, target, worker, direction, bucket);
-          if (!quiet) std::printf("%s: tuned by another worker meanwhile\n", name.c_str());
-          ++skipped;
-          continue;
-        }
-        std::printf("%s: tuning\n", name.c_str());
-        std::fflush(stdout);
-        autotune::TuneOptions tuneOptions;
-        tuneOptions.tokens = tokens;
-        tuneOptions.shapeBucketed = !bucket.empty();
-        tuneOptions.cacheDir = defaultCacheDir();
-        tuneOptions.offlineCompiles = options.compileTop;
-        tuneOptions.direction = directionOf(direction);
-        tuneOptions.mixedCache = mixedCacheOf(direction);
-        // A decode step: one new token per sequence over caches of --tokens,
-        // ranked by the cost model (its candidates are not timed on a GPU yet).
-        if (decode) tuneOptions.batch = options.decodeBatch;
-        std::vector<v1::CompiledKernel> compiled;
-        Result<autotune::TuneReport> report = makeError("not tuned");
-        bool uploaded = false;
-        {  // the lease is renewed until the upload is answered (the service compiles it to check it)
-          LeaseRenewal renewal(**client, spec, target, worker, options.leaseSeconds, direction, bucket);
-          report = autotune::tune(spec, target, device, tuneOptions, {}, &compiled);
-          if (report) {
-            if (const v1::CompiledKernel* winner = autotune::winnerOf(*report, compiled)) {
-              auto put = (*client)->putTuning(report->result, *winner);
-              if (!put) std::printf("%s: upload failed: %s\n", name.c_str(), put.error().message.c_str());
-              uploaded = put.ok();
-            }
-          } else {
-            std::printf("%s: tuning failed: %s\n", name.c_str(), report.error().message.c_str());
-          }
-        }
+        if (!known) return known.error();
+        return known->found() && known->result().shape_bucket() == bucket;
+      };
+      auto known = decided();
+      if (!known) return known.error().message;
+      if (*known) {
+        if (!quiet)
+          std::printf("%s: already tuned for %s\n", name.c_str(),
+                      target.device().name().empty() ? target.arch().c_str() : target.device().name().c_str());
+        ++skipped;
+        continue;
+      }
+      auto lease = (*client)->acquireLease(spec, target, worker, options.leaseSeconds, direction, bucket);
+      if (!lease) return lease.error().message;
+      if (!lease->granted()) {
+        if (!quiet) std::printf("%s: being tuned by %s\n", name.c_str(), lease->holder().c_str());
+        held->push_back(item);
+        continue;
+      }
+      // Asked again now the lease is ours: its last holder may have
+      // uploaded the decision and given the lease back just before.
+      if (auto since = decided(); since && *since) {
         (void)(*client)->releaseLease(spec, target, worker, direction, bucket);
-        if (uploaded) {
-          std::printf("%s: tuned (%s) and uploaded: %s\n", name.c_str(), report->result.measured() ? "measured" : "untimed",
-                      report->result.best().ShortDebugString().c_str());
-          ++tuned;
+        if (!quiet) std::printf("%s: tuned by another worker meanwhile\n", name.c_str());
+        ++skipped;
+        continue;
+      }
+      std::printf("%s: tuning\n", name.c_str());
+      std::fflush(stdout);
+      autotune::TuneOptions tuneOptions;
+      tuneOptions.tokens = item.tokens;
+      tuneOptions.shapeBucketed = !bucket.empty();
+      tuneOptions.cacheDir = defaultCacheDir();
+      tuneOptions.offlineCompiles = options.compileTop;
+      tuneOptions.direction = directionOf(direction);
+      tuneOptions.mixedCache = mixedCacheOf(direction);
+      // A decode step: one new token per sequence over caches of --tokens,
+      // ranked by the cost model (its candidates are not timed on a GPU yet).
+      if (decode) tuneOptions.batch = options.decodeBatch;
+      std::vector<v1::CompiledKernel> compiled;
+      Result<autotune::TuneReport> report = makeError("not tuned");
+      bool uploaded = false;
+      {  // the lease is renewed every third of its length until the upload is
+         // answered (the service compiles the kernel to check it), so a long
+         // tune keeps it and a killed worker loses it within one length
+        const Heartbeat renewal(std::chrono::milliseconds(options.leaseSeconds * 1000 / 3), [&] {
+          (void)(*client)->acquireLease(spec, target, worker, options.leaseSeconds, direction, bucket);
+        });
+        report = autotune::tune(spec, target, device, tuneOptions, {}, &compiled);
+        if (report) {
+          if (const v1::CompiledKernel* winner = autotune::winnerOf(*report, compiled)) {
+            auto put = (*client)->putTuning(report->result, *winner);
+            if (!put) std::printf("%s: upload failed: %s\n", name.c_str(), put.error().message.c_str());
+            uploaded = put.ok();
+          }
         } else {
-          ++failed;
+          std::printf("%s: tuning failed: %s\n", name.c_str(), report.error().message.c_str());
         }
-        std::fflush(stdout);
+      }
+      (void)(*client)->releaseLease(spec, target, worker, direction, bucket);
+      if (uploaded) {
+        std::printf("%s: tuned (%s) and uploaded: %s\n", name.c_str(), report->result.measured() ? "measured" : "untimed",
+                    report->result.best().ShortDebugString().c_str());
+        ++tuned;
+      } else {
+        ++failed;
+      }
+      std::fflush(stdout);
     }
     return "";
   };

@@ -3,7 +3,9 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -51,10 +53,15 @@ class KernelClient {
   void authorize(grpc::ClientContext& context) const;
 
  private:
-  // Runs `call(stub)` on the current replica, then each other while the
-  // answer is UNAVAILABLE.
-  template <class Call>
-  grpc::Status failover(Call call);
+  // One unary call: on the current replica, then each other while the
+  // answer is UNAVAILABLE, a fresh context each attempt (deadline `until`
+  // for every attempt when given, else 30 s from the attempt; a write
+  // carries the token).
+  template <class Request, class Response>
+  using Method = grpc::Status (v1::KernelService::Stub::*)(grpc::ClientContext*, const Request&, Response*);
+  template <class Request, class Response>
+  Result<Response> call(Method<Request, Response> method, const Request& request, bool write,
+                        std::optional<std::chrono::system_clock::time_point> until);
 
   std::vector<std::unique_ptr<v1::KernelService::Stub>> stubs_;
   std::vector<std::string> addresses_;
