@@ -738,14 +738,18 @@ __device__ void premix(const IhaArgs& a, int64_t token0, int64_t b) {
   float* staged = cuda::premixWeights();
   Bits16* ws = static_cast<Bits16*>(Role_::workspace(a));
   // alpha[m, h, p] (row-major [M][M][P]) of pseudo-heads p0 .. p0 + Ps - 1
-  // to staged[m][p - p0][h].
+  // to staged[m][p - p0][h], by 4-byte asynchronous copies (no register
+  // round trip; a pseudo-head past P is zero-filled, never read).
   auto stage = [&](int p0) {
     __syncthreads();  // the last weights (this role's or the previous one's) are read
     #pragma unroll 1
     for (int e = int(threadIdx.x); e < M * M * Ps; e += threads) {
       const int h = e % M, p = (e / M) % Ps, m = e / M / Ps;
-      if (p0 + p < P) staged[e] = alpha[(m * M + h) * P + p0 + p];
+      const bool valid = p0 + p < P;
+      ptx::cpAsyncCa4(staged + e, alpha + (valid ? (m * M + h) * P + p0 + p : 0), valid);
     }
+    ptx::cpAsyncCommit();
+    ptx::cpAsyncWait<0>();
     __syncthreads();
   };
   if constexpr (Ps == P) stage(0);

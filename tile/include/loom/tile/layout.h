@@ -576,7 +576,8 @@ constexpr int premixStagedPseudo(int sources, int pseudo) {
 // The premix on the tensor cores (cuda_common.h, premixTensor), where a
 // role's mixing is FMA-bound on the FMA units (M source heads at least
 // kPremixTensorSources: a mixed element is M multiply-adds for 2 (1 + P)/P
-// bytes): each token's M x d raw rows are the B operand of mma.sync
+// bytes; at 16 heads one k-step: H = G = 16, P = 4, d 128 models 0.35x of
+// the floor on sm_80 where the FMA units took 1.42x): each token's M x d raw rows are the B operand of mma.sync
 // (ldmatrix.trans from shared memory), the weights of 16 output rows the A
 // operand (f32 split in two 16-bit halves, hi and lo, in bf16; one half in
 // f16), and a warp turns, normalises and stores its 16 rows from the
@@ -589,7 +590,7 @@ constexpr int premixStagedPseudo(int sources, int pseudo) {
 // the round's RoPE angles, (sine, cosine) of each token, pseudo-head and
 // frequency (f32, computed once a round for every m-tile that needs them).
 // The f32 weights come in through the raw rows' space before the first round.
-constexpr int kPremixTensorSources = 32;
+constexpr int kPremixTensorSources = 16;
 constexpr int kPremixTensorWeightBytes = 65536;
 constexpr int kPremixTensorSmemBytes = 98304;  // under every CUDA target's limit (sm_86 and sm_89: 99 KiB)
 constexpr int premixTensorPitch(int columns) { return columns + 8; }
