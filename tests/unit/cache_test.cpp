@@ -745,6 +745,41 @@ TEST_P(Store, ExportAndImportMoveRecordsBetweenStores) {
   EXPECT_NE(missing.error().message.find("no file"), std::string::npos) << missing.error().message;
 }
 
+// An export reads each table a page at a time (PostgreSQL: 64 rows, in key
+// order, resuming after the last key of a page; decisions' keys are five
+// columns): more records than several pages all arrive, once each.
+TEST_P(Store, ExportPagesThroughEveryRecord) {
+  constexpr int kArtifacts = 150, kDecisions = 70, kRankings = 70;
+  auto here = open();
+  for (int i = 0; i < kArtifacts; ++i) ASSERT_TRUE(here->putArtifact(kernel(1000 + i)));
+  auto decisionAt = [](int i) {
+    Decision d = decision(1 + i / 2, h200());
+    if (i % 2) d.result.set_shape_bucket("n" + std::to_string(1024 << (i % 5)));
+    return d;
+  };
+  for (int i = 0; i < kDecisions; ++i) ASSERT_TRUE(here->putDecision(decisionAt(i)));
+  for (int i = 0; i < kRankings; ++i) ASSERT_TRUE(here->putRanking("spec" + std::to_string(i) + "/device/model", Schedule()));
+  ASSERT_TRUE(here->exportTo(dir_ / "bundle.sqlite"));
+  auto there = cache::open(dir_ / "there.sqlite");
+  auto imported = there->importFrom(dir_ / "bundle.sqlite");
+  ASSERT_TRUE(imported) << imported.error().message;
+  EXPECT_EQ(*imported, kArtifacts + kDecisions + kRankings);
+  for (int i = 0; i < kArtifacts; ++i)
+    EXPECT_TRUE(there->getArtifact(artifactKey(kernel(1000 + i)))->has_value()) << "artifact " << i;
+  for (int i = 0; i < kDecisions; ++i) {
+    const Decision d = decisionAt(i);
+    auto found = there->getDecision(d.spec, d.device, d.toolchain, v1::direction_forward, d.result.shape_bucket());
+    ASSERT_TRUE(found && found->has_value()) << "decision " << i;
+    EXPECT_EQ((*found)->decision.result.shape_bucket(), d.result.shape_bucket()) << "decision " << i;
+  }
+  for (int i = 0; i < kRankings; ++i)
+    EXPECT_TRUE(there->getRanking("spec" + std::to_string(i) + "/device/model")->has_value()) << "ranking " << i;
+  auto report = there->verify();
+  ASSERT_TRUE(report);
+  EXPECT_EQ(report->checked, kArtifacts + kDecisions + kRankings);
+  EXPECT_TRUE(report->corrupt.empty());
+}
+
 // Leases: one holder at a time until it expires or is given back; the
 // holder renews its own; everyone on the store sees the same.
 TEST_P(Store, LeasesAreHeldByOneUntilTheyExpireOrAreGivenBack) {
