@@ -282,9 +282,10 @@ namespace {
 // stores, the 16-byte loads and stores out, their addresses), RoPE's
 // rotation (about 1.1 d) and qk_norm's (about 1.25 d); a round adds its
 // staging loop's body and its angles' (counted once), 15 of its own.
-double premixTensorIssue(int M, int P, int D, int ctaTokens, int warps, bool bf16, bool rotated, bool normalised,
+double premixTensorIssue(int sources, int P, int D, int ctaTokens, int warps, bool bf16, bool rotated, bool normalised,
                          std::optional<double> unit) {
-  const int tiles = M * P / 16, round = premixTensorRoundTokens(M, P, ctaTokens, warps);
+  const int M = premixTensorSources(sources);  // padded to whole k-steps and m-tiles
+  const int tiles = M * P / 16, round = premixTensorRoundTokens(sources, P, ctaTokens, warps);
   const int rounds = (ctaTokens + round - 1) / round, pairs = (round * tiles + warps - 1) / warps;
   const int threads = warps * 32;
   const double staging = std::ceil(double(round) * M * (D / 8) / threads) * 12.0 +

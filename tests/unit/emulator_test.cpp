@@ -148,8 +148,9 @@ TEST_P(DrawnCaseOnEmulator, BothEnginesWithoutFindings) {
 INSTANTIATE_TEST_SUITE_P(Random, DrawnCaseOnEmulator, ::testing::Range(0, 4));
 
 // The premix on the tensor cores (layout.h premixOnTensorCores: 16 source
-// heads and more): drawn specs of 16, 32, 48 or 64 query heads (kv heads as
-// many, or 8 or 16; 8 mix on the FMA units), P 1 to 4 or 8, head_dim
+// heads and more, padded to whole k-steps): drawn specs of 16, 24, 32, 40,
+// 48 or 64 query heads (kv heads as many, or 8 or 16 where they divide
+// them; 8 mix on the FMA units), P 1 to 4 or 8, head_dim
 // 32 to 128, both dtypes, RoPE, qk_norm and the rotation's direction drawn;
 // materialised mixing on sm_80 with one warp (a warp takes every m-tile of
 // a round) and four, and on sm_90a; no findings, the reference's rows.
@@ -160,9 +161,9 @@ TEST_P(TensorPremixOnEmulator, MixesOnTheTensorCoresWithoutFindings) {
   auto pick = [&](std::initializer_list<int> from) { return *(from.begin() + rng() % from.size()); };
   const IhaCase c = testing::drawCheckableShape(rng, false, [&] {
     KernelSpec spec = testing::randomSpec(rng);
-    const int H = pick({16, 32, 48, 64});
+    const int H = pick({16, 24, 32, 40, 48, 64});
     spec.set_heads(H);
-    spec.set_kv_heads(pick({8, 16, H}));
+    spec.set_kv_heads(H % 16 ? pick({8, H}) : pick({8, 16, H}));
     spec.set_pseudo_heads(H <= 32 ? pick({1, 2, 3, 4, 8}) : pick({1, 2, 3}));
     spec.set_head_dim(pick({32, 64, 128}));
     spec.set_dtype(GetParam() % 2 ? v1::bfloat16 : v1::float16);

@@ -345,8 +345,26 @@ constexpr double kPremixFloorRatioGate = 1.5;
 
 class PremixGate : public ::testing::TestWithParam<int> {};
 
+// The grid's specs, then head counts that are not whole k-steps of 16 (the
+// tensor path pads them: Llama-style 24 and 40 query heads, 20 with qk_norm).
+constexpr int kPremixPaddedSpecs = 3;
+KernelSpec premixGateSpec(int index) {
+  if (index < kSassGridSpecs) return sassGridSpec(index);
+  KernelSpec spec = sassGridSpec(index - kSassGridSpecs);
+  const int padded[kPremixPaddedSpecs][4] = {{24, 8, 2, 128}, {40, 8, 3, 64}, {20, 4, 4, 128}};  // H, G, P, d
+  const int* at = padded[index - kSassGridSpecs];
+  spec.set_heads(at[0]);
+  spec.set_kv_heads(at[1]);
+  spec.set_pseudo_heads(at[2]);
+  spec.set_head_dim(at[3]);
+  spec.set_window(0);
+  spec.set_rope_theta(10000.0);
+  if (index - kSassGridSpecs == 2) spec.set_qk_norm(v1::KernelSpec::rms);
+  return spec;
+}
+
 TEST_P(PremixGate, ReadsOnceWideAndNearTheMemoryFloor) {
-  const KernelSpec spec = sassGridSpec(GetParam());
+  const KernelSpec spec = premixGateSpec(GetParam());
   ASSERT_TRUE(validateSpec(spec)) << describe(spec);
   Schedule materialized;
   materialized.set_mix(v1::mix_materialized);
@@ -392,8 +410,8 @@ TEST_P(PremixGate, ReadsOnceWideAndNearTheMemoryFloor) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Specs, PremixGate, ::testing::Range(0, kSassGridSpecs), [](const auto& info) {
-  const KernelSpec spec = sassGridSpec(info.param);
+INSTANTIATE_TEST_SUITE_P(Specs, PremixGate, ::testing::Range(0, kSassGridSpecs + kPremixPaddedSpecs), [](const auto& info) {
+  const KernelSpec spec = premixGateSpec(info.param);
   return std::string(info.param == 0 ? "paper_" : "") + "p" + std::to_string(spec.pseudo_heads()) + "_d" +
          std::to_string(spec.head_dim()) + "_h" + std::to_string(spec.heads()) + "_g" +
          std::to_string(spec.kv_heads()) + "_" + std::to_string(info.param);

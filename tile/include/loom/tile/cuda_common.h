@@ -554,11 +554,12 @@ template <class C, Role R>
 __device__ void premixTensor(const IhaArgs& a, int64_t token0, int64_t b) {
   using Role_ = cuda::RoleOf<C, R>;
   constexpr int M = Role_::heads, P = C::pseudo_heads, D = C::head_dim, W = C::warps;
-  constexpr int tokens = C::block_m / P, tiles = M * P / 16, KS = M / 16, NT = D / 8;
+  constexpr int Mp = premixTensorSources(M);  // M padded to whole k-steps and m-tiles
+  constexpr int tokens = C::block_m / P, tiles = Mp * P / 16, KS = Mp / 16, NT = D / 8;
   constexpr int round = premixTensorRoundTokens(M, P, tokens, W);
-  constexpr int wp = premixTensorPitch(M), xp = premixTensorPitch(D);
+  constexpr int wp = premixTensorPitch(Mp), xp = premixTensorPitch(D);
   constexpr bool split = C::dtype == DType::bf16;  // bf16 weights as hi + lo; f16's 11 bits as one half
-  static_assert(M % 16 == 0 && D % 16 == 0, "whole mma tiles");
+  static_assert(Mp % 16 == 0 && D % 16 == 0, "whole mma tiles");
   const int64_t L = seq_len<C>(a);
   const int64_t* s = Role_::stride(a);
   const float* alpha = Role_::alpha(a);
@@ -569,17 +570,24 @@ __device__ void premixTensor(const IhaArgs& a, int64_t token0, int64_t b) {
     else ptx::mmaBf16(d, w, b0, b1);
   };
   Bits16* hi = smem;
-  Bits16* lo = hi + M * P * wp;
-  Bits16* x = lo + M * P * wp;
-  Bits16* staging = x + round * M * xp + cuda::warp() * 16 * xp;
-  float* angles = reinterpret_cast<float*>(x + round * M * xp + W * 16 * xp);  // [round][P][d/2][sine, cosine]
+  Bits16* lo = hi + Mp * P * wp;
+  Bits16* x = lo + Mp * P * wp;
+  Bits16* staging = x + round * Mp * xp + cuda::warp() * 16 * xp;
+  float* angles = reinterpret_cast<float*>(x + round * Mp * xp + W * 16 * xp);  // [round][P][d/2][sine, cosine]
   const int lane = cuda::lane(), threads = int(blockDim.x);
 
   __syncthreads();  // the previous role is done with the shared memory
-  // Weights: output row r = p M + h, k = source m: alpha[m, h, p], brought
+  if constexpr (Mp != M) {  // the padding's weights: zeros (the chunks' barriers order them before the fill)
+    #pragma unroll 1
+    for (int e = int(threadIdx.x); e < Mp * P * wp; e += threads) {
+      hi[e] = 0;
+      if constexpr (split) lo[e] = 0;
+    }
+  }
+  // Weights: output row r = p Mp + h, k = source m: alpha[m, h, p], brought
   // in as f32 by 4-byte asynchronous copies into the rows' space (unused
   // before the first round), a chunk at a time, and split there.
-  constexpr int scratch = (round * M * xp + W * 16 * xp) * kTileElementBytes / kAccumulatorBytes;
+  constexpr int scratch = (round * Mp * xp + W * 16 * xp) * kTileElementBytes / kAccumulatorBytes;
   float* staged = reinterpret_cast<float*>(x);
   #pragma unroll 1
   for (int base = 0; base < M * M * P; base += scratch) {
@@ -591,7 +599,7 @@ __device__ void premixTensor(const IhaArgs& a, int64_t token0, int64_t b) {
     __syncthreads();
     #pragma unroll 1
     for (int e = int(threadIdx.x); e < count; e += threads) {
-      const int i = base + e, p = i % P, h = (i / P) % M, m = i / P / M, r = p * M + h;
+      const int i = base + e, p = i % P, h = (i / P) % M, m = i / P / M, r = p * Mp + h;
       const float w = staged[e];
       const Bits16 high = cuda::toBits<C>(w);
       hi[r * wp + m] = high;
@@ -603,16 +611,17 @@ __device__ void premixTensor(const IhaArgs& a, int64_t token0, int64_t b) {
   #pragma unroll 1
   for (int first = 0; first < tokens; first += round) {
     __syncthreads();  // the last round's rows are read (and the weights written)
-    // The round's raw rows: token t's row m at x[(t M + m) xp], 16 bytes a load.
+    // The round's raw rows: token t's row m at x[(t Mp + m) xp], 16 bytes a
+    // load; the padding's rows zeros.
     #pragma unroll 1
-    for (int e = int(threadIdx.x); e < round * M * (D / 8); e += threads) {
-      const int chunk = e % (D / 8), m = (e / (D / 8)) % M, t = e / (D / 8) / M;
+    for (int e = int(threadIdx.x); e < round * Mp * (D / 8); e += threads) {
+      const int chunk = e % (D / 8), m = (e / (D / 8)) % Mp, t = e / (D / 8) / Mp;
       const int64_t n = token0 + first + t;
       Bits32 v[4] = {0, 0, 0, 0};
-      if (first + t < tokens && n < a.tokens)
+      if (m < M && first + t < tokens && n < a.tokens)
         cuda::loadPieceOf<8>(static_cast<const Bits16*>(Role_::source(a)) + b * s[0] + n * s[1] + m * s[2] + chunk * 8,
                              v);
-      Bits32* to = reinterpret_cast<Bits32*>(x + (t * M + m) * xp + chunk * 8);  // 16-byte aligned: one st.shared.v4
+      Bits32* to = reinterpret_cast<Bits32*>(x + (t * Mp + m) * xp + chunk * 8);  // 16-byte aligned: one st.shared.v4
       to[0] = v[0], to[1] = v[1], to[2] = v[2], to[3] = v[3];
     }
     if constexpr (Role_::rotated) {  // the round's angles, once (the sine signed for the first half's column)
@@ -631,7 +640,7 @@ __device__ void premixTensor(const IhaArgs& a, int64_t token0, int64_t b) {
       const int t = pair / tiles, tile = pair % tiles;
       const int64_t n = token0 + first + t;
       if (first + t >= tokens || n >= a.tokens) continue;  // the whole warp
-      const int p = tile * 16 / M;
+      const int p = tile * 16 / Mp;
       float acc[NT][4];
       #pragma unroll
       for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
@@ -645,7 +654,7 @@ __device__ void premixTensor(const IhaArgs& a, int64_t token0, int64_t b) {
         #pragma unroll
         for (int jj = 0; jj < D / 16; ++jj) {
           Bits32 bx[4];
-          ptx::ldmatrixX4Trans(bx, xBase + Bits32(((t * M + ks * 16 + fragment::bTransRow(lane)) * xp + jj * 16 +
+          ptx::ldmatrixX4Trans(bx, xBase + Bits32(((t * Mp + ks * 16 + fragment::bTransRow(lane)) * xp + jj * 16 +
                                                    fragment::bTransColumn(lane)) * kTileElementBytes));
           mma(acc[2 * jj], ah, bx[0], bx[1]);
           mma(acc[2 * jj + 1], ah, bx[2], bx[3]);
@@ -699,9 +708,10 @@ __device__ void premixTensor(const IhaArgs& a, int64_t token0, int64_t b) {
       #pragma unroll
       for (int i = 0; i < 16 * (D / 8) / kWarpSize; ++i) {
         const int e = lane + i * kWarpSize;
-        const int row = e / (D / 8), chunk = e % (D / 8), r = tile * 16 + row, h = r % M;
+        const int row = e / (D / 8), chunk = e % (D / 8), r = tile * 16 + row, h = r % Mp;
         const Bits32* from = reinterpret_cast<const Bits32*>(staging + row * xp + chunk * 8);
-        ptx::storeGlobal(ws + ((b * M + h) * L + n * P + r / M) * D + chunk * 8, from[0], from[1], from[2], from[3]);
+        if (Mp == M || h < M)
+          ptx::storeGlobal(ws + ((b * M + h) * L + n * P + r / Mp) * D + chunk * 8, from[0], from[1], from[2], from[3]);
       }
       __syncwarp();  // the staging rows are read before the next pair writes them
     }

@@ -577,7 +577,8 @@ constexpr int premixStagedPseudo(int sources, int pseudo) {
 // role's mixing is FMA-bound on the FMA units (M source heads at least
 // kPremixTensorSources: a mixed element is M multiply-adds for 2 (1 + P)/P
 // bytes; at 16 heads one k-step: H = G = 16, P = 4, d 128 models 0.35x of
-// the floor on sm_80 where the FMA units took 1.42x): each token's M x d raw rows are the B operand of mma.sync
+// the floor on sm_80 where the FMA units took 1.42x; M padded to whole
+// k-steps, premixTensorSources): each token's M x d raw rows are the B operand of mma.sync
 // (ldmatrix.trans from shared memory), the weights of 16 output rows the A
 // operand (f32 split in two 16-bit halves, hi and lo, in bf16; one half in
 // f16), and a warp turns, normalises and stores its 16 rows from the
@@ -594,17 +595,22 @@ constexpr int kPremixTensorSources = 16;
 constexpr int kPremixTensorWeightBytes = 65536;
 constexpr int kPremixTensorSmemBytes = 98304;  // under every CUDA target's limit (sm_86 and sm_89: 99 KiB)
 constexpr int premixTensorPitch(int columns) { return columns + 8; }
+// Source heads padded to whole k-steps (and each pseudo-head's output rows
+// to whole m-tiles): the padding's weights and raw rows are zeros, its
+// output rows are not stored.
+constexpr int premixTensorSources(int sources) { return (sources + 15) / 16 * 16; }
 constexpr int premixTensorRoundTokens(int sources, int pseudo, int ctaTokens, int warps) {
-  const int tiles = sources * pseudo / 16;
+  const int tiles = premixTensorSources(sources) * pseudo / 16;
   const int fit = warps / tiles > 0 ? warps / tiles : 1;
   return fit < ctaTokens ? fit : ctaTokens;
 }
 constexpr int premixTensorWeightsBytes(int sources, int pseudo) {
-  return 2 * sources * pseudo * premixTensorPitch(sources) * kTileElementBytes;
+  const int padded = premixTensorSources(sources);
+  return 2 * padded * pseudo * premixTensorPitch(padded) * kTileElementBytes;
 }
 constexpr int premixTensorTokensBytes(int sources, int pseudo, int headDim, int ctaTokens, int warps) {
-  return premixTensorRoundTokens(sources, pseudo, ctaTokens, warps) * sources * premixTensorPitch(headDim) *
-         kTileElementBytes;
+  return premixTensorRoundTokens(sources, pseudo, ctaTokens, warps) * premixTensorSources(sources) *
+         premixTensorPitch(headDim) * kTileElementBytes;
 }
 constexpr int premixTensorAnglesBytes(int sources, int pseudo, int headDim, int ctaTokens, int warps) {
   return premixTensorRoundTokens(sources, pseudo, ctaTokens, warps) * pseudo * headDim * kAccumulatorBytes;
@@ -617,7 +623,7 @@ constexpr int premixTensorSmem(int sources, int pseudo, int headDim, int ctaToke
 // Whether a role of `sources` heads mixes on the tensor cores in a premix
 // launch of `ctaTokens` tokens and `warps` warps a CTA.
 constexpr bool premixOnTensorCores(int sources, int pseudo, int headDim, int ctaTokens, int warps) {
-  return sources >= kPremixTensorSources && sources % 16 == 0 && headDim % 16 == 0 && headDim <= 128 &&
+  return sources >= kPremixTensorSources && headDim % 16 == 0 && headDim <= 128 &&
          premixTensorWeightsBytes(sources, pseudo) <= kPremixTensorWeightBytes &&
          premixTensorSmem(sources, pseudo, headDim, ctaTokens, warps) <= kPremixTensorSmemBytes;
 }
