@@ -187,7 +187,9 @@ TEST_P(TensorPremixOnEmulator, MixesOnTheTensorCoresWithoutFindings) {
     const std::string what = testing::describe(c) + " (q on the " + (tensor(spec.heads()) ? "tensor cores" : "FMA units") +
                              ", k and v on the " + (tensor(spec.kv_heads()) ? "tensor cores" : "FMA units") + ")";
     // One warp or four: every drawn spec's queries fit (its weights within 64 KiB).
-    if (plan->schedule.warps() <= 4) ASSERT_TRUE(tensor(spec.heads())) << what;
+    if (plan->schedule.warps() <= 4) {
+      ASSERT_TRUE(tensor(spec.heads())) << what;
+    }
     expectClean(*plan, c, what + " " + target, rng());
   }
 }

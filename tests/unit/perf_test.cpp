@@ -350,16 +350,16 @@ class PremixGate : public ::testing::TestWithParam<int> {};
 constexpr int kPremixPaddedSpecs = 3;
 KernelSpec premixGateSpec(int index) {
   if (index < kSassGridSpecs) return sassGridSpec(index);
-  KernelSpec spec = sassGridSpec(index - kSassGridSpecs);
-  const int padded[kPremixPaddedSpecs][4] = {{24, 8, 2, 128}, {40, 8, 3, 64}, {20, 4, 4, 128}};  // H, G, P, d
+  KernelSpec spec = sassGridSpec(index - kSassGridSpecs);  // its dtype, mask and collapse
+  const int padded[kPremixPaddedSpecs][5] = {{24, 8, 2, 128, 0}, {40, 8, 3, 64, 1}, {20, 4, 4, 128, 1}};  // H, G, P, d, qk_norm
   const int* at = padded[index - kSassGridSpecs];
   spec.set_heads(at[0]);
   spec.set_kv_heads(at[1]);
   spec.set_pseudo_heads(at[2]);
   spec.set_head_dim(at[3]);
+  spec.set_qk_norm(at[4] ? v1::KernelSpec::rms : v1::KernelSpec::none);
   spec.set_window(0);
   spec.set_rope_theta(10000.0);
-  if (index - kSassGridSpecs == 2) spec.set_qk_norm(v1::KernelSpec::rms);
   return spec;
 }
 
