@@ -116,7 +116,8 @@ AbsorbedBlockWork tensorMixingBlockWork(const KernelSpec& spec, const Schedule& 
                   double(tensorMixingTokenMacs(int(spec.heads()), int(spec.kv_heads()), int(spec.head_dim()),
                                                spec.dtype() == v1::bfloat16)) /
                   double(ctasASequence);
-  const double rows = 16.0 * d;  // a warp's mixed rows of one role, one token
+  // a warp's mixed rows of one role, one token (paired, 16 for two tokens)
+  const double rows = (tensorMixingPairs(int(spec.heads()), int(spec.kv_heads())) ? 8.0 : 16.0) * d;
   w.simtFlops = warpTokens * rows * (1.0 + (spec.rope_theta() > 0 ? 3.0 : 0.0) +
                                      (spec.qk_norm() == v1::KernelSpec::rms ? 2.0 : 0.0)) +
                 (spec.rope_theta() > 0 ? 3.0 * double(kTensorMixingTokens * spec.kv_heads()) * d : 0.0);
@@ -689,7 +690,9 @@ CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& s, const
   const int threads = (s.warps() + (wgmma ? kWarpgroupWarps : 0)) * 32;
   const int registers = registersPerThread.value_or(int(estimatedRegisters(spec, s)));
   const int64_t smem =
-      s.tensor_mixing() ? tensorMixingSmem(oneCtaHeads(true, int(H), int(G), int(P), int(d)), int(d), int(s.stages()), int(G)).total
+      s.tensor_mixing() ? tensorMixingSmem(oneCtaHeads(true, int(H), int(G), int(P), int(d)), int(d), int(s.stages()), int(G),
+                                          tensorMixingKSteps(int(H), int(G)))
+                               .total
       : absorbed        ? absorbedSmem(int(s.block_m()), int(d), int(s.stages()), int(G), int(P), int(s.warps()),
                                        spec.qk_norm() == v1::KernelSpec::rms)
                        .total

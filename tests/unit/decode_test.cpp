@@ -707,8 +707,8 @@ void expectHeaderFaultsFound(const IhaCase& c, const DecodeCase& dc, const Kerne
     ASSERT_FALSE(o.headers.empty());
     auto faulty = emu::runDecodeOnEmulator(plan, dc, o);
     ASSERT_TRUE(faulty) << faulty.error().message;
-    if (fault.kinds.empty())
-      EXPECT_GT(relativeError(faulty->out, dc.expected), toleranceFor(c.spec.dtype())) << emu::summary(*faulty);
+    if (fault.kinds.empty())  // NaN is as wrong as any other output off the reference
+      EXPECT_FALSE(relativeError(faulty->out, dc.expected) <= toleranceFor(c.spec.dtype())) << emu::summary(*faulty);
     testing::expectEachFinding(*faulty, fault.kinds, fault.name, "wrong output");
   }
 }
@@ -751,8 +751,10 @@ TEST(Decode, AbsorbedStepFaultsAreFound) {
 // tensor cores (bf16 weights in two halves), two heads a warp. Drawn
 // specs: P 1 to 8 (mostly 5 to 8; below 8 the keys past P score -inf, below
 // 5 several tokens of a head in its eight rows), H up to 16 (odd H: a warp's
-// second head is padding), G dividing H (one draw G = H 9 to 16: a padding
-// staged head where G is odd; one H over 16, drawChunkedHeads), head_dim
+// second head is padding), G dividing H (one draw an even H / G: a warp's
+// heads share their keys and mix two tokens at once, tensorMixingPairs; one
+// draw G 9 to 16 and H G or 2 G: a padding staged head where G is odd, two
+// k-steps of staged rows where paired; one H over 16, drawChunkedHeads), head_dim
 // 16 to 128 (32 on with
 // RoPE), qk_norm on and off, f16 and bf16, every mask and window, T = 1 to
 // 3, ragged caches over drawn pages, split or not, sm_80 and sm_90a by
@@ -766,7 +768,7 @@ TEST(Decode, TensorMixingStepsGiveTheForwardsRows) {
       spec.set_pseudo_heads(int32_t(draw == 0 ? 8 : draw == 5 ? pick(1, 4) : pick(5, 8)));
       const int64_t kv = draw == 4 ? pick(9, 16) : pick(1, 4);
       spec.set_kv_heads(int32_t(kv));
-      spec.set_heads(int32_t(kv * pick(1, 16 / kv)));
+      spec.set_heads(int32_t(kv * (draw == 4 ? pick(1, 2) : draw == 1 ? 2 * pick(1, 8 / kv) : pick(1, 16 / kv))));
       if (draw == 6) {
         const auto [heads, kvHeads] = drawChunkedHeads(rng);
         spec.set_heads(heads);
@@ -791,8 +793,10 @@ TEST(Decode, TensorMixingStepsGiveTheForwardsRows) {
 
 // The emulator finds what the tensor-mixing step's barriers prevent, and
 // its arithmetic's faults: each fault of cuda_tensor_mixing.h on the same
-// drawn step (P 6: keys past P; RoPE and qk_norm; two warps; one split,
-// so that its stages turn over), whose unchanged code has no finding.
+// drawn step (H 4, G 2: a warp's heads share their keys; P 6: keys past P;
+// RoPE and qk_norm; two warps; one split, so that its stages turn over),
+// whose unchanged code has no finding; the faults of the unpaired path on
+// a step of G = H 4.
 TEST(Decode, TensorMixingFaultsAreFound) {
   const std::vector<HeaderFault> faults = {
       {"the barrier between a block's turned rows and their mix removed",
@@ -807,8 +811,11 @@ TEST(Decode, TensorMixingFaultsAreFound) {
        "const int source = 4 * ((2 * (l % 4) + e + 1) % 8);", {}},
       {"a token's P' times the next token's value rows", "Bits32((t * T::pitch + dn * kMmaK)",
        "Bits32(((t + 1) % T::tokens * T::pitch + dn * kMmaK)", {}},
-      {"each head's probabilities folded with the other head's value weights",
-       "const Bits32 probs[4] = {s.p[t][0], 0u, 0u, s.p[t][1]};", "const Bits32 probs[4] = {0u, s.p[t][0], s.p[t][1], 0u};",
+      {"token 0's probabilities folded with token 1's value weights too",
+       "      probs[2] = s.p[1][0];\n      probs[3] = s.p[1][1];", "      probs[2] = s.p[0][0];\n      probs[3] = s.p[0][1];",
+       {}},
+      {"a key row mixed from the other token's raw rows",
+       "splitPair<C>(token == 0 ? w : 0.0f, token == 1 ? w : 0.0f,", "splitPair<C>(token == 1 ? w : 0.0f, token == 0 ? w : 0.0f,",
        {}},
       {"a block's copies waited for one stage late",
        "  cuda::waitCopies<C::stages - 1>();\n  __syncthreads();\n  if constexpr (T::rope) {",
@@ -832,7 +839,23 @@ TEST(Decode, TensorMixingFaultsAreFound) {
   ASSERT_TRUE(plan) << plan.error().message;
   ASSERT_TRUE(plan->schedule.tensor_mixing()) << plan->schedule.ShortDebugString();
   ASSERT_EQ(plan->schedule.warps(), 2) << "two heads a warp";
+  ASSERT_TRUE(tensorMixingPairs(4, 2)) << "the two heads of a warp read one kv head";
   expectHeaderFaultsFound(c, *dc, *plan, "loom/tile/cuda_tensor_mixing.h", faults, rng());
+  // G = H: each warp's heads read their own kv heads, a token at a time.
+  const std::vector<HeaderFault> unpaired = {
+      {"each head's probabilities folded with the other head's value weights",
+       "Bits32 probs[4] = {s.p[t][0], 0u, 0u, s.p[t][1]};", "Bits32 probs[4] = {0u, s.p[t][0], s.p[t][1], 0u};", {}},
+      {"each head's keys mixed with the other head's weights",
+       "splitPair<C>(keyWeight(h, column), keyWeight(h, column + 1),",
+       "splitPair<C>(keyWeight(1 - h, column), keyWeight(1 - h, column + 1),", {}},
+  };
+  IhaCase own;
+  const DecodeCase ownStep = drawRawStep(rng, own, 4, 4, 6, 32, 24, 5, {}, /*minCached=*/16);
+  auto ownPlan = decodePlan(ownStep, unsplit, "sm_80");
+  ASSERT_TRUE(ownPlan) << ownPlan.error().message;
+  ASSERT_TRUE(ownPlan->schedule.tensor_mixing()) << ownPlan->schedule.ShortDebugString();
+  ASSERT_FALSE(tensorMixingPairs(4, 4));
+  expectHeaderFaultsFound(own, ownStep, *ownPlan, "loom/tile/cuda_tensor_mixing.h", unpaired, rng());
 }
 
 // sm_90a's wgmma step (engine wgmma): a producer warpgroup mixes each raw

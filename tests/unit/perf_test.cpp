@@ -645,6 +645,65 @@ TEST(DecodeGate, OneCtaStepsInChunksOfHeads) {
   }
 }
 
+// GQA at P 5 to 8 (H / G even, tensorMixingPairs): the tensor-mixing step,
+// the default, mixes the block's two tokens' keys at once, token 0's in a
+// warp's rows lane/4 and token 1's in lane/4 + 8, which both of its heads
+// score whole, and folds and multiplies both tokens' values in one k-step
+// (sm_80 and sm_90a, bf16, RoPE, d 128): every key-block loop issues the
+// products tensorMixingTokenMacs counts, half of what a token at a time
+// issued; the streaming and wide reads of the grid's steps; on sm_90a the
+// loop's issue within each case's guard of the memory floor (caches of 32k
+// and 128k, batches 1, 8, 64; measured at B 8, 32k: 2.95x, 5.93x and
+// 5.06x; a token at a time issued about 1.4x the instructions a block:
+// `loom compile --decode --sass`, 913, 921, 911 -> 655, 657, 650). H 8 G 2 is
+// compute-bound by nature (H P^2 / G = 144 FLOP a cached byte).
+TEST(DecodeGate, PairedHeadsMixTwoTokensAtOnce) {
+  jit::NvrtcCompiler compiler(std::string(LOOM_TEST_CACHE) + "/perf");
+  struct Case {
+    int heads, kvHeads, pseudoHeads;
+    double guard;
+  };
+  for (const Case& c : {Case{8, 4, 5, 3.2}, Case{8, 2, 6, 6.5}, Case{32, 8, 8, 5.6}}) {
+    const KernelSpec spec =
+        testing::makeSpec({.heads = c.heads, .kvHeads = c.kvHeads, .pseudoHeads = c.pseudoHeads, .headDim = 128,
+                           .dtype = v1::bfloat16, .mask = v1::flat_causal, .window = 0, .collapse = v1::per_head,
+                           .ropeTheta = 10000});
+    ASSERT_TRUE(tensorMixingPairs(c.heads, c.kvHeads));
+    for (const std::string arch : {"sm_80", "sm_90a"}) {
+      std::shared_ptr<const jit::Artifact> artifact;
+      auto kernel = compileKernel(spec, Schedule(), *parseTarget(arch), compiler, &artifact, Direction::decode,
+                                  /*mixedCache=*/false);
+      ASSERT_TRUE(kernel) << arch << " " << describe(spec) << ": " << kernel.error().message;
+      ASSERT_TRUE(kernel->schedule().tensor_mixing()) << arch << " " << kernel->schedule().ShortDebugString();
+      auto read = sassUsageOf(*artifact, kAttentionEntry);
+      ASSERT_TRUE(read) << arch << ": " << read.error().message;
+      const std::string what = arch + " " + describe(spec) + " " + kernel->schedule().ShortDebugString() + ": " +
+                               jit::sass::memoryBrief(read->memory());
+      ASSERT_NO_FATAL_FAILURE(expectStreamingStep(*read, what));
+      const int ctaHeads = oneCtaHeads(true, c.heads, c.kvHeads, c.pseudoHeads, 128);
+      const double warpBlockFlops = 2.0 * kTensorMixingTokens *
+                                    double(tensorMixingTokenMacs(c.heads, c.kvHeads, 128, /*splitWeights=*/true)) /
+                                    double(c.heads / ctaHeads * tensorMixingWarps(ctaHeads));
+      for (const v1::SassLoop& loop : read->loops())
+        EXPECT_EQ(loop.tensor_flops_per_warp(), warpBlockFlops) << what << ": the loop at 0x" << std::hex
+                                                                << loop.first_offset();
+      if (arch != "sm_90a") continue;
+      const auto issue = autotune::loopIssueOf(*read);
+      ASSERT_TRUE(issue) << what << ": no key-block loop read";
+      for (int64_t batch : {1, 8, 64})
+        for (int64_t cache : {32768, 131072}) {
+          const autotune::DecodeFloor f = autotune::estimateDecodeFloor(spec, kernel->schedule(), *parseTarget(arch),
+                                                                        batch, cache, 1, /*mixedCache=*/false, issue);
+          EXPECT_LE(f.floorRatio(), c.guard) << what << ": B " << batch << ", cache " << cache;
+          std::printf("[ floor    ] paired tensor mixing, %s, B %lld cache %lld: %.0f instructions a warp a block, "
+                      "%.3f tensor MFLOP, issue %.2fx the floor, tensor %.2fx\n",
+                      describe(spec).c_str(), (long long)batch, (long long)cache, issue->unmasked,
+                      warpBlockFlops * 1e-6, f.floorRatio(), f.tensorRatio());
+        }
+    }
+  }
+}
+
 // The same for a mixed cache's step: its rows copied through the page table
 // unrolled, no inner loop in its key-block loops.
 TEST_P(DecodeGate, MixedCacheLoopsHoldNoInnerLoop) {

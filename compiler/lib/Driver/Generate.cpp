@@ -87,7 +87,7 @@ Schedule scheduleOf(ScheduleAttr attr, Direction direction) {
 int64_t attentionSharedMemory(SpecAttr spec, ScheduleAttr schedule, bool backward = false) {
   if (schedule.getTensorMixing())
     return tensorMixingSmem(int(oneCtaStepHeads(spec, schedule)), int(spec.getHeadDim()), int(schedule.getStages()),
-                            int(spec.getKvHeads()))
+                            int(spec.getKvHeads()), tensorMixingKSteps(int(spec.getHeads()), int(spec.getKvHeads())))
         .total;
   if (schedule.getAbsorbMixing())
     return absorbedSmem(int(schedule.getBlockM()), int(spec.getHeadDim()), int(schedule.getStages()),
@@ -611,7 +611,8 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolve(CompilerContext& c, const Kern
     // The one whose products cost less a cached token: absorbing multiplies
     // about H P^2 G d, mixing on the tensor cores about 24 H G d + 128 H d
     // (the keys' mix in bf16's two halves and P' V, G padded to 16; scores,
-    // half of each product another head's; layout.h).
+    // half of each product another head's; about half of all that where
+    // H / G is even and a warp's two heads share their keys; layout.h).
     const bool tensorFirst =
         tensorMixingTokenMacs(int(spec.heads()), int(spec.kv_heads()), int(spec.head_dim()),
                               spec.dtype() == v1::bfloat16) <

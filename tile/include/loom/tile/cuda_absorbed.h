@@ -73,7 +73,8 @@ struct Geometry {
 template <class C>
 __device__ __forceinline__ AbsorbedSmem layout() {
   if constexpr (kDecodeStep<C> == kTensorMixingStep)
-    return tensorMixingSmem(C::stacked_heads, C::head_dim, C::stages, C::kv_heads);
+    return tensorMixingSmem(C::stacked_heads, C::head_dim, C::stages, C::kv_heads,
+                            tensorMixingKSteps(C::heads, C::kv_heads));
   else
     return absorbedSmem(C::block_m, C::head_dim, C::stages, C::kv_heads, C::pseudo_heads, C::warps, C::qk_norm);
 }

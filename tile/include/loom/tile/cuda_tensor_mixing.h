@@ -54,7 +54,13 @@ struct Geometry {
   static constexpr int tokens = kTensorMixingTokens;
   static constexpr int KT = D / kMmaK;        // k-steps of S (d)
   static constexpr int NT = D / 8;            // n-tiles of the mixed keys and of the output (d)
-  static constexpr int KM = (G + 15) / 16;    // k-steps of the mix (G; two where G is over 16: H over 16)
+  // Whether the warp's two heads read one kv head (layout.h,
+  // tensorMixingPairs): it then mixes both tokens of the block together.
+  static constexpr bool paired = tensorMixingPairs(C::heads, C::kv_heads);
+  // k-steps of the mix and of P' V: G's (two where G is over 16: H over 16),
+  // or, paired, the stage's rows (m, t) of both tokens
+  static constexpr int KM = tensorMixingKSteps(C::heads, C::kv_heads);
+  static constexpr int passes = paired ? 1 : tokens;  // a block's mixes of the keys and of P'
   static constexpr bool rope = C::rope_theta > 0;
   // bf16 weights keep 8 bits: each is split into a hi and a lo half. f16's
   // 11 bits leave the output as f32 weights do (drawn P 8 steps on the
@@ -208,21 +214,38 @@ __device__ void kvBegin(KvPipeline<C, kTensorMixingStep>& pipe, const IhaArgs& a
   for (int km = 0; km < T::KM; ++km) {
     const int m = km * 16 + 2 * (l % 4);
     Bits32 words[4][4];
-    // A: rows lane/4 (h 0), lane/4 + 8 (h 1); columns m, m + 1, then 8 on.
     #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const int h = r % 2, column = m + 8 * (r / 2);
-      splitPair<C>(keyWeight(h, column), keyWeight(h, column + 1), words[0][r], words[1][r]);
+      if constexpr (T::paired) {
+        // A: rows lane/4 (token 0's keys), lane/4 + 8 (token 1's); columns
+        // m, m + 1 (then 8 on) are the staged rows (kv head m / 2, token
+        // 0), (m / 2, token 1): a row's weight where the column's token is its own.
+        const int token = r % 2;
+        const float w = keyWeight(0, (m + 8 * (r / 2)) / 2);
+        splitPair<C>(token == 0 ? w : 0.0f, token == 1 ? w : 0.0f, words[0][r], words[1][r]);
+      } else {
+        // A: rows lane/4 (h 0), lane/4 + 8 (h 1); columns m, m + 1, then 8 on.
+        const int h = r % 2, column = m + 8 * (r / 2);
+        splitPair<C>(keyWeight(h, column), keyWeight(h, column + 1), words[0][r], words[1][r]);
+      }
     }
-    // B of P' = P beta, n-tile r of the k-step's kv heads: k = (head h, key
-    // j), j = 2 (lane % 4), + 1 (h 0; h 1 8 on), n = kv head 16 km + 8 r + lane/4.
+    // B of P' = P beta, n-tile r of the k-step: k = (head h, key j), j = 2
+    // (lane % 4), + 1 (h 0; h 1 8 on), n = kv head 16 km + 8 r + lane/4;
+    // paired, k = (token h, key j), n = the staged row 16 km + 8 r + lane/4
+    // (kv head n / 2, token n % 2), zero where the tokens differ.
     #pragma unroll
     for (int r = 0; r < 2; ++r)
       #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int source = km * 16 + 8 * r + j, key = 2 * (l % 4);
-        splitPair<C>(valueWeight(h, source, key), valueWeight(h, source, key + 1), words[2][2 * r + h],
-                     words[3][2 * r + h]);
+        if constexpr (T::paired) {
+          const bool own = source % 2 == h;
+          splitPair<C>(own ? valueWeight(0, source / 2, key) : 0.0f, own ? valueWeight(0, source / 2, key + 1) : 0.0f,
+                       words[2][2 * r + h], words[3][2 * r + h]);
+        } else {
+          splitPair<C>(valueWeight(h, source, key), valueWeight(h, source, key + 1), words[2][2 * r + h],
+                       words[3][2 * r + h]);
+        }
       }
     #pragma unroll
     for (int v = 0; v < 4; ++v)
@@ -266,13 +289,18 @@ __device__ void kvWait(KvPipeline<C, kTensorMixingStep>& pipe, const IhaArgs& a,
   #pragma unroll
   for (int km = 0; km < T::KM; ++km) {
     // Rows past the staged heads repeat the last: their weights are zeros.
-    const int row = km * 16 + fragment::bTransRow(l), head = row < T::Gp ? row : T::Gp - 1;
-    pipe.keyLane[km] = cuda::sharedAddress(key + head * T::tokens * T::pitch + fragment::bTransColumn(l));
-    pipe.valueLane[km] = cuda::sharedAddress(value + head * T::tokens * T::pitch + fragment::bTransColumn(l));
+    // A k-step's rows are kv heads (token 0's; mixKeys adds the token), or,
+    // paired, the stage's rows (m, t) themselves.
+    const int row = km * 16 + fragment::bTransRow(l);
+    const int staged = T::paired ? (row < T::S::stageRows ? row : T::S::stageRows - 1)
+                                 : (row < T::Gp ? row : T::Gp - 1) * T::tokens;
+    pipe.keyLane[km] = cuda::sharedAddress(key + staged * T::pitch + fragment::bTransColumn(l));
+    pipe.valueLane[km] = cuda::sharedAddress(value + staged * T::pitch + fragment::bTransColumn(l));
   }
 }
 
-// The mixed keys of k-step kt of token t (two n-tiles, the warp's 16 rows).
+// The mixed keys of k-step kt of token t (two n-tiles, the warp's 16 rows;
+// paired, t is 0: rows lane/4 token 0's, lane/4 + 8 token 1's).
 template <class C>
 __device__ __forceinline__ void mixKeys(float (&c)[2][4], const KvPipeline<C, kTensorMixingStep>& pipe,
                                         const Bits32 (&hi)[Geometry<C>::KM][4], const Bits32 (&lo)[Geometry<C>::KM][4],
@@ -294,7 +322,8 @@ __device__ __forceinline__ void mixKeys(float (&c)[2][4], const KvPipeline<C, kT
 }
 
 // S of token t's mixed keys of k-step kt: head 2w's (rows lane/4 of c)
-// into s0, head 2w + 1's into s1.
+// into s0, head 2w + 1's into s1; paired, token 0's (rows lane/4 of c) into
+// s0 and token 1's into s1, each product whole.
 template <class C>
 __device__ __forceinline__ void scoreKeys(float (&s0)[4], float (&s1)[4], const QTile<C, kTensorMixingStep>& q,
                                           const float (&c)[2][4], int kt) {
@@ -304,7 +333,8 @@ __device__ __forceinline__ void scoreKeys(float (&s0)[4], float (&s1)[4], const 
   cuda::mma16816<C>(s1, a, cuda::pack<C>(c[0][2], c[0][3]), cuda::pack<C>(c[1][2], c[1][3]));
 }
 
-// Each token of the block: its keys mixed, turned by R(j), scored.
+// Each token of the block (paired, both at once): its keys mixed, turned
+// by R(j), scored.
 template <class C>
 __device__ void mmaQk(ScoreTile<C, kTensorMixingStep>& s, QTile<C, kTensorMixingStep>& q,
                       KvPipeline<C, kTensorMixingStep>& pipe) {
@@ -315,9 +345,9 @@ __device__ void mmaQk(ScoreTile<C, kTensorMixingStep>& s, QTile<C, kTensorMixing
   #pragma unroll
   for (int km = 0; km < T::KM; ++km) keyWeights<C>(km, hi[km], lo[km]);
   #pragma unroll
-  for (int t = 0; t < T::tokens; ++t) {
+  for (int t = 0; t < T::passes; ++t) {
     float s0[4] = {}, s1[4] = {};
-    float squares[2] = {};  // qk_norm: rows lane/4 of each head, the thread's columns
+    float squares[2] = {};  // qk_norm: rows lane/4 of each head (token), the thread's columns
     #pragma unroll
     for (int group = 0; group < T::groups; ++group) {
       float c[2][4], partner[2][4];
@@ -357,14 +387,27 @@ __device__ void mmaQk(ScoreTile<C, kTensorMixingStep>& s, QTile<C, kTensorMixing
       #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int source = 4 * (2 * (l % 4) + e);
-        s0[e] *= __shfl_sync(0xffffffffu, factor[0], source);
-        s1[2 + e] *= __shfl_sync(0xffffffffu, factor[1], source);
+        const float f0 = __shfl_sync(0xffffffffu, factor[0], source), f1 = __shfl_sync(0xffffffffu, factor[1], source);
+        s0[e] *= f0;
+        s1[2 + e] *= f1;
+        if constexpr (T::paired) {  // both heads' rows score each token's keys
+          s0[2 + e] *= f0;
+          s1[e] *= f1;
+        }
       }
     }
-    s.s[t][0] = s0[0];
-    s.s[t][1] = s0[1];
-    s.s[t][2] = s1[2];
-    s.s[t][3] = s1[3];
+    if constexpr (T::paired) {
+      #pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s.s[0][e] = s0[e];
+        s.s[1][e] = s1[e];
+      }
+    } else {
+      s.s[t][0] = s0[0];
+      s.s[t][1] = s0[1];
+      s.s[t][2] = s1[2];
+      s.s[t][3] = s1[3];
+    }
   }
 }
 
@@ -427,7 +470,8 @@ __device__ void softmaxUpdate(SoftmaxState<C, kTensorMixingStep>& state, ScoreTi
 
 // acc += P' V a token at a time: P' = P beta on the tensor cores (both
 // heads' rows in one product, k their keys), packed as the A operand of
-// the token's raw value rows (ldmatrix.trans, k the kv heads m).
+// the token's raw value rows (ldmatrix.trans, k the kv heads m); paired,
+// both tokens at once (k of P' both tokens' keys, of P' V their staged rows).
 template <class C>
 __device__ void mmaPv(AccTile<C, kTensorMixingStep>& acc, ScoreTile<C, kTensorMixingStep>& s,
                       KvPipeline<C, kTensorMixingStep>& pipe) {
@@ -435,11 +479,17 @@ __device__ void mmaPv(AccTile<C, kTensorMixingStep>& acc, ScoreTile<C, kTensorMi
   Bits32 hi[T::KM][2][2], lo[T::KM][2][2];
   #pragma unroll
   for (int km = 0; km < T::KM; ++km) valueWeights<C>(km, hi[km], lo[km]);
-  Bits32 a[T::tokens][T::KM][4];  // each token's P', packed: the A operand of P' V
+  Bits32 a[T::passes][T::KM][4];  // each pass's P', packed: the A operand of P' V
   #pragma unroll
-  for (int t = 0; t < T::tokens; ++t) {
-    // A: head 2w's rows of P in k 0-7, head 2w + 1's in k 8-15.
-    const Bits32 probs[4] = {s.p[t][0], 0u, 0u, s.p[t][1]};
+  for (int t = 0; t < T::passes; ++t) {
+    // A: head 2w's rows of P in k 0-7, head 2w + 1's in k 8-15; paired,
+    // token 0's probabilities in k 0-7 of every row, token 1's in 8-15.
+    Bits32 probs[4] = {s.p[t][0], 0u, 0u, s.p[t][1]};
+    if constexpr (T::paired) {
+      probs[1] = s.p[0][1];
+      probs[2] = s.p[1][0];
+      probs[3] = s.p[1][1];
+    }
     #pragma unroll
     for (int km = 0; km < T::KM; ++km) {
       float folded[2][4] = {};  // P' of kv heads 16 km + 8 r + 2 (lane % 4) ...
@@ -457,7 +507,7 @@ __device__ void mmaPv(AccTile<C, kTensorMixingStep>& acc, ScoreTile<C, kTensorMi
   #pragma unroll
   for (int dn = 0; dn < T::D / kMmaK; ++dn)
     #pragma unroll
-    for (int t = 0; t < T::tokens; ++t)
+    for (int t = 0; t < T::passes; ++t)
       #pragma unroll
       for (int km = 0; km < T::KM; ++km) {
         Bits32 x[4];

@@ -285,6 +285,22 @@ constexpr const char* tensorMixingShapeProblem(int heads, int headDim, int pseud
     return "head_dim must be a multiple of 32 with RoPE (a mixed column and its partner d/2 on in whole k-steps)";
   return nullptr;
 }
+// Whether a warp's two heads read one kv head (H / G even): their mixed
+// keys are then one set, and the warp mixes the block's two tokens'
+// together, token 0's keys in the rows lane/4, token 1's in lane/4 + 8 (a
+// k-step of the mix is 16 staged rows (m, t), the weights block-diagonal
+// in t), so that each score product is whole (both heads' rows against one
+// token's keys) and P' V reads both tokens' value rows in one k-step.
+constexpr bool tensorMixingPairs(int heads, int kvHeads) {
+  return kvHeads > 0 && heads % kvHeads == 0 && (heads / kvHeads) % 2 == 0;
+}
+// k-steps of the keys' mix, of P' = P beta's n-tile pairs and of P' V: a
+// token's G kv heads (k 16 a step), or, paired, the block's staged rows
+// (m, t) of both tokens.
+constexpr int tensorMixingKSteps(int heads, int kvHeads) {
+  return tensorMixingPairs(heads, kvHeads) ? (absorbedPaddedHeads(kvHeads) * kTensorMixingTokens + 15) / 16
+                                           : (kvHeads + 15) / 16;
+}
 // Tensor-core multiply-adds a cached token costs each step (the products
 // as issued, padding included), which decide between them by default:
 // absorbed, every S row against every raw row and P' against every raw
@@ -292,7 +308,8 @@ constexpr const char* tensorMixingShapeProblem(int heads, int headDim, int pseud
 // token of every head); tensor mixing, a warp's keys' mix (k of 16 kv
 // heads; bf16 weights in two halves), scores (each half of a product
 // another head's), P' = P beta (k the two heads' keys, n 8 kv heads) and
-// P' V (k 16 kv heads); every CTA of a sequence's (stepHeads).
+// P' V (k 16 kv heads); paired (tensorMixingPairs), each product once for
+// two tokens; every CTA of a sequence's (stepHeads).
 constexpr long long absorbedTokenMacs(int heads, int kvHeads, int pseudoHeads, int headDim) {
   const int ctaHeads = stepHeads(heads, kvHeads, stepMostHeads(false, pseudoHeads, headDim));
   if (ctaHeads == 0) return 0;
@@ -304,12 +321,14 @@ constexpr long long absorbedTokenMacs(int heads, int kvHeads, int pseudoHeads, i
 constexpr long long tensorMixingTokenMacs(int heads, int kvHeads, int headDim, bool splitWeights) {
   const int ctaHeads = stepHeads(heads, kvHeads, stepMostHeads(true, 0, 0));
   if (ctaHeads == 0) return 0;
-  const long long d = paddedHeadDim(headDim), km = (kvHeads + 15) / 16, halves = splitWeights ? 2 : 1;
-  const long long mmas = d / 8 * halves * km + 2 * (d / 16) + 2 * halves * km + d / 8 * km;  // a warp's, a token
-  return heads / ctaHeads * tensorMixingWarps(ctaHeads) * mmas * 16 * 8 * 16;
+  const long long d = paddedHeadDim(headDim), km = tensorMixingKSteps(heads, kvHeads), halves = splitWeights ? 2 : 1;
+  // a warp's, a pass (a token; paired, both)
+  const long long mmas = d / 8 * halves * km + 2 * (d / 16) + 2 * halves * km + d / 8 * km;
+  const long long tokensAPass = tensorMixingPairs(heads, kvHeads) ? kTensorMixingTokens : 1;
+  return heads / ctaHeads * tensorMixingWarps(ctaHeads) * mmas * 16 * 8 * 16 / tokensAPass;
 }
-// `heads` a CTA's (stepHeads).
-constexpr AbsorbedSmem tensorMixingSmem(int heads, int headDim, int stages, int kvHeads) {
+// `heads` a CTA's (stepHeads), kSteps the spec's tensorMixingKSteps.
+constexpr AbsorbedSmem tensorMixingSmem(int heads, int headDim, int stages, int kvHeads, int kSteps) {
   AbsorbedSmem s;
   const int tile = tilePitch(headDim) * kTileElementBytes;
   const int stageBytes = absorbedPaddedHeads(kvHeads) * kTensorMixingTokens * tile;
@@ -318,7 +337,7 @@ constexpr AbsorbedSmem tensorMixingSmem(int heads, int headDim, int stages, int 
   s.angles = (2 * stages * stageBytes + 15) / 16 * 16;
   s.turns = s.angles + kTensorMixingTokens * headDim * kAccumulatorBytes;
   s.weights = s.turns + kTensorMixingRows * headDim * kAccumulatorBytes;
-  s.q = s.weights + (kvHeads + 15) / 16 * 4 * tensorMixingWarps(heads) * 32 * 16;  // 32 lanes
+  s.q = s.weights + kSteps * 4 * tensorMixingWarps(heads) * 32 * 16;  // 32 lanes
   s.total = s.q + tensorMixingWarps(heads) * 16 * tile;
   return s;
 }
