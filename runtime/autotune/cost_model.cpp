@@ -109,10 +109,11 @@ AbsorbedBlockWork absorbedBlockWork(const KernelSpec& spec, const Schedule& s) {
 // mixed: P' = P beta is a product, and its packing a sixteenth of the keys').
 AbsorbedBlockWork tensorMixingBlockWork(const KernelSpec& spec, const Schedule& s) {
   const double d = double(paddedHeadDim(int(spec.head_dim())));
-  const double warpTokens = double(s.warps()) * kTensorMixingTokens;
+  const int tokens = tensorMixingTokens(int(spec.heads()), int(spec.kv_heads()));
+  const double warpTokens = double(s.warps()) * tokens;
   AbsorbedBlockWork w;
   const int64_t ctasASequence = spec.heads() / oneCtaHeads(true, int(spec.heads()), int(spec.kv_heads()), 0, 0);
-  w.matrixFlops = 2.0 * kTensorMixingTokens *
+  w.matrixFlops = 2.0 * tokens *
                   double(tensorMixingTokenMacs(int(spec.heads()), int(spec.kv_heads()), int(spec.head_dim()),
                                                spec.dtype() == v1::bfloat16)) /
                   double(ctasASequence);
@@ -120,7 +121,7 @@ AbsorbedBlockWork tensorMixingBlockWork(const KernelSpec& spec, const Schedule& 
   const double rows = (tensorMixingPairs(int(spec.heads()), int(spec.kv_heads())) ? 8.0 : 16.0) * d;
   w.simtFlops = warpTokens * rows * (1.0 + (spec.rope_theta() > 0 ? 3.0 : 0.0) +
                                      (spec.qk_norm() == v1::KernelSpec::rms ? 2.0 : 0.0)) +
-                (spec.rope_theta() > 0 ? 3.0 * double(kTensorMixingTokens * spec.kv_heads()) * d : 0.0);
+                (spec.rope_theta() > 0 ? 3.0 * double(tokens * spec.kv_heads()) * d : 0.0);
   w.exps = warpTokens * 16.0 * kTensorMixingRows;
   return w;
 }
@@ -593,14 +594,16 @@ CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& s, con
 }
 
 namespace {
-// Tokens of the cache a new row can see: all of them, or a window's.
+// Tokens of the cache a new row can see: all of them, or a window's. W
+// counts original tokens whatever its alignment (docs/IHA.md); window_rows
+// R counts virtual rows, which reach ceil(R / P) tokens back (one more
+// where they start within a token).
 int64_t visibleTokens(const KernelSpec& spec, int64_t cachedTokens, int64_t newTokens) {
-  const int64_t all = cachedTokens + newTokens;
-  if (spec.window() <= 0) return all;
-  const int64_t window = spec.window_align() == v1::KernelSpec::token ? spec.window()
-                                                                      : (spec.window() + spec.pseudo_heads() - 1) /
-                                                                            spec.pseudo_heads();
-  return std::min(all, window + newTokens);
+  const int64_t all = cachedTokens + newTokens, P = spec.pseudo_heads();
+  const int64_t back = spec.window() > 0        ? spec.window()
+                       : spec.window_rows() > 0 ? (spec.window_rows() + P - 1) / P + 1
+                                                : all;
+  return std::min(all, back + newTokens);
 }
 // A CTA keeps this many of its cp.async copies in flight per SM slot: one
 // decode CTA alone cannot pull an SM's share of the bandwidth.
@@ -690,8 +693,8 @@ CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& s, const
   const int threads = (s.warps() + (wgmma ? kWarpgroupWarps : 0)) * 32;
   const int registers = registersPerThread.value_or(int(estimatedRegisters(spec, s)));
   const int64_t smem =
-      s.tensor_mixing() ? tensorMixingSmem(oneCtaHeads(true, int(H), int(G), int(P), int(d)), int(d), int(s.stages()), int(G),
-                                          tensorMixingKSteps(int(H), int(G)))
+      s.tensor_mixing() ? tensorMixingSmem(oneCtaHeads(true, int(H), int(G), int(P), int(d)), int(d), int(s.stages()),
+                                          int(H), int(G))
                                .total
       : absorbed        ? absorbedSmem(int(s.block_m()), int(d), int(s.stages()), int(G), int(P), int(s.warps()),
                                        spec.qk_norm() == v1::KernelSpec::rms)

@@ -87,7 +87,7 @@ Schedule scheduleOf(ScheduleAttr attr, Direction direction) {
 int64_t attentionSharedMemory(SpecAttr spec, ScheduleAttr schedule, bool backward = false) {
   if (schedule.getTensorMixing())
     return tensorMixingSmem(int(oneCtaStepHeads(spec, schedule)), int(spec.getHeadDim()), int(schedule.getStages()),
-                            int(spec.getKvHeads()), tensorMixingKSteps(int(spec.getHeads()), int(spec.getKvHeads())))
+                            int(spec.getHeads()), int(spec.getKvHeads()))
         .total;
   if (schedule.getAbsorbMixing())
     return absorbedSmem(int(schedule.getBlockM()), int(spec.getHeadDim()), int(schedule.getStages()),
@@ -195,8 +195,9 @@ int32_t defaultDecodeSplits(const KernelSpec& spec, const ScheduleFields& given,
   int64_t most = allHeads ? kMaxKvSplits : kDefaultKvSplits;
   const int64_t windowRows = spec.window_rows() > 0 ? spec.window_rows() + spec.pseudo_heads()
                                                     : int64_t(spec.window()) * spec.pseudo_heads();
+  const int64_t mixingTokens = tensorMixingTokens(int(spec.heads()), int(spec.kv_heads()));
   const int64_t blockRows = given.absorbMixing   ? int64_t(kAbsorbedTokens) * spec.pseudo_heads()
-                            : given.tensorMixing ? int64_t(kTensorMixingTokens) * spec.pseudo_heads()
+                            : given.tensorMixing ? mixingTokens * spec.pseudo_heads()
                                                  : kMmaRows;
   if (windowRows > 0) most = std::min<int64_t>(most, windowRows / blockRows + 1);
   return int32_t(std::clamp<int64_t>(smCountOf(target) / std::max<int64_t>(ctas, 1), 1, most));
@@ -518,7 +519,8 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
     completeDecodeFields(given, mixedCache, spec.heads() / spec.kv_heads() * spec.pseudo_heads(),
                          oneCtaStepHeads(spec.heads(), spec.kv_heads(), spec.pseudo_heads(), spec.head_dim(),
                                          given.tensorMixing),
-                         spec.pseudo_heads(), spec.head_dim());
+                         spec.pseudo_heads(), spec.head_dim(),
+                         tensorMixingTokens(int(spec.heads()), int(spec.kv_heads())));
     // Split CTAs merge their rows in the combine launch, then collapse.
     if (given.kvSplits > 1) given.collapse = given.collapse.value_or(CollapseStrategy::separate);
   }

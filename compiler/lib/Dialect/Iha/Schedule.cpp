@@ -165,7 +165,7 @@ ScheduleAttr completeSchedule(SpecAttr spec, const ScheduleFields& given, bool h
 
 
 void completeDecodeFields(ScheduleFields& fields, bool mixedCache, int64_t stackRows, int64_t ctaHeads,
-                          int64_t pseudoHeads, int64_t headDim) {
+                          int64_t pseudoHeads, int64_t headDim, int64_t mixingTokens) {
   fields.mix = mixedCache ? MixStrategy::materialized : MixStrategy::fused;
   fields.engine = fields.engine.value_or(Engine::mma);
   // Over a raw cache, key blocks of 16 rows unless asked otherwise: the
@@ -191,9 +191,9 @@ void completeDecodeFields(ScheduleFields& fields, bool mixedCache, int64_t stack
     return;
   }
   if (fields.tensorMixing) {
-    // Tensor mixing: key blocks of kTensorMixingTokens tokens; two heads'
-    // eight rows a warp; two stages; the collapse in its own launch.
-    if (!fields.blockN) fields.blockN = kTensorMixingTokens * pseudoHeads;
+    // Tensor mixing: key blocks of mixingTokens tokens; two heads' eight
+    // rows a warp; two stages; the collapse in its own launch.
+    if (!fields.blockN) fields.blockN = mixingTokens * pseudoHeads;
     if (!fields.blockM) fields.blockM = tensorMixingBlockM(int(ctaHeads));
     if (!fields.warps) fields.warps = tensorMixingWarps(int(ctaHeads));
     fields.collapse = fields.collapse.value_or(CollapseStrategy::separate);
@@ -320,9 +320,10 @@ std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule) {
     if (const char* why = tensorMixingShapeProblem(int(H), int(spec.getHeadDim()), int(P), rope))
       return std::string("schedule.tensor_mixing: ") + why + " (heads " + str(spec.getHeads()) + ", kv_heads " +
              str(spec.getKvHeads()) + ", head_dim " + str(spec.getHeadDim()) + ", pseudo_heads " + str(P) + ")";
-    if (blockN != kTensorMixingTokens * P)
-      return "schedule.block_n (" + str(blockN) + ") must be " + str(kTensorMixingTokens * P) +
-             " with tensor_mixing (" + str(kTensorMixingTokens) + " tokens a key block)";
+    const int64_t tokens = tensorMixingTokens(int(spec.getHeads()), int(spec.getKvHeads()));
+    if (blockN != tokens * P)
+      return "schedule.block_n (" + str(blockN) + ") must be " + str(tokens * P) + " with tensor_mixing (" +
+             str(tokens) + " tokens a key block)";
     if (blockM != tensorMixingBlockM(int(H)) || warps != tensorMixingWarps(int(H)))
       return "schedule.block_m and warps (" + str(blockM) + ", " + str(warps) + ") must be " +
              str(tensorMixingBlockM(int(H))) + " and " + str(tensorMixingWarps(int(H))) +

@@ -47,7 +47,8 @@ struct Geometry {
   static constexpr int CG = stepKvHeads(C::stacked_heads, C::heads, C::kv_heads);
   static constexpr int Pg = absorbedRows(P);  // S rows a query row (those from P on score -inf)
   static constexpr int D = C::head_dim, Dp = paddedHeadDim(C::head_dim), pitch = tilePitch(C::head_dim);
-  static constexpr int tokens = kDecodeStep<C> == kTensorMixingStep ? kTensorMixingTokens : kAbsorbedTokens;
+  static constexpr int tokens =
+      kDecodeStep<C> == kTensorMixingStep ? tensorMixingTokens(C::heads, C::kv_heads) : kAbsorbedTokens;
   static constexpr int tiles = C::block_m / kMTileRows;  // 16-row m-tiles of query rows
   static constexpr int split = absorbedSplit(P, D);      // warps a query m-tile
   static constexpr int SM = Pg / split;                  // S m-tiles a warp
@@ -73,8 +74,7 @@ struct Geometry {
 template <class C>
 __device__ __forceinline__ AbsorbedSmem layout() {
   if constexpr (kDecodeStep<C> == kTensorMixingStep)
-    return tensorMixingSmem(C::stacked_heads, C::head_dim, C::stages, C::kv_heads,
-                            tensorMixingKSteps(C::heads, C::kv_heads));
+    return tensorMixingSmem(C::stacked_heads, C::head_dim, C::stages, C::heads, C::kv_heads);
   else
     return absorbedSmem(C::block_m, C::head_dim, C::stages, C::kv_heads, C::pseudo_heads, C::warps, C::qk_norm);
 }

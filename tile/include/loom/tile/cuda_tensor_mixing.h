@@ -38,8 +38,13 @@
 //   one output accumulator holds both heads' rows, no value row is mixed.
 //   A token costs G d multiply-adds a row here where mixing its values
 //   cost twice that (bf16's two halves) and P V~ as much again.
+// Where the warp's two heads read one kv head (H / G even: layout.h,
+// tensorMixingPairs) their keys are one set: the warp mixes two tokens at
+// a pass instead, the first's keys in rows lane/4 and the next's in
+// lane/4 + 8 (the weights block-diagonal over the staged rows (m, t)), each
+// score product whole, P' and P' V over both tokens at once.
 // A warp owns whole query rows: the softmax needs no other warp. Key blocks
-// of kTensorMixingTokens tokens, staged as the absorbed step stages its own
+// of tensorMixingTokens tokens, staged as the absorbed step stages its own
 // (rows (m, t); issue / stageAngles / rotateStage). Keys past P (P < 8)
 // score -inf.
 #pragma once
@@ -51,7 +56,7 @@ template <class C>
 struct Geometry {
   using S = absorbed::Geometry<C>;  // the stages
   static constexpr int P = C::pseudo_heads, G = C::kv_heads, Gp = S::Gp, D = C::head_dim, pitch = S::pitch;
-  static constexpr int tokens = kTensorMixingTokens;
+  static constexpr int tokens = tensorMixingTokens(C::heads, C::kv_heads);
   static constexpr int KT = D / kMmaK;        // k-steps of S (d)
   static constexpr int NT = D / 8;            // n-tiles of the mixed keys and of the output (d)
   // Whether the warp's two heads read one kv head (layout.h,
@@ -60,7 +65,12 @@ struct Geometry {
   // k-steps of the mix and of P' V: G's (two where G is over 16: H over 16),
   // or, paired, the stage's rows (m, t) of both tokens
   static constexpr int KM = tensorMixingKSteps(C::heads, C::kv_heads);
-  static constexpr int passes = paired ? 1 : tokens;  // a block's mixes of the keys and of P'
+  // A block's mixes of the keys and of P': a token each, or, paired, two
+  // tokens each (2 t and 2 t + 1 in pass t).
+  static constexpr int passes = paired ? tokens / kTensorMixingTokens : tokens;
+  static_assert(!paired || tokens % kTensorMixingTokens == 0, "a paired pass mixes two tokens");
+  // The first token of pass t.
+  static constexpr int firstToken(int t) { return paired ? kTensorMixingTokens * t : t; }
   static constexpr bool rope = C::rope_theta > 0;
   // bf16 weights keep 8 bits: each is split into a hi and a lo half. f16's
   // 11 bits leave the output as f32 weights do (drawn P 8 steps on the
@@ -69,7 +79,7 @@ struct Geometry {
   static constexpr int groups = rope ? KT / 2 : KT;  // k-steps mixed together: one and its partner d/2 on
   static constexpr int span = rope ? KT / 2 : 0;     // the partner's distance in k-steps
   static constexpr int threads = C::warps * kWarpSize;
-  static_assert(C::block_n == tokens * P, "a key block is kTensorMixingTokens whole tokens");
+  static_assert(C::block_n == tokens * P, "a key block is tensorMixingTokens whole tokens");
   static_assert(C::stacked_heads == oneCtaHeads(true, C::heads, C::kv_heads, P, D),
                 "a tensor-mixing CTA holds a token of every query head (stepHeads of them)");
   static_assert(C::warps == tensorMixingWarps(C::stacked_heads) && C::block_m == tensorMixingBlockM(C::stacked_heads),
@@ -115,8 +125,8 @@ struct KvPipeline<C, kTensorMixingStep> {
 
 template <class C>
 struct ScoreTile<C, kTensorMixingStep> {
-  float s[kTensorMixingTokens][4];  // rows lane/4 (head 2w), lane/4 + 8 (2w + 1) x keys (t, 2 (lane % 4) ...)
-  Bits32 p[kTensorMixingTokens][2];  // the probabilities packed: P V's A operand
+  float s[tmix::Geometry<C>::tokens][4];  // rows lane/4 (head 2w), lane/4 + 8 (2w + 1) x keys (t, 2 (lane % 4) ...)
+  Bits32 p[tmix::Geometry<C>::tokens][2];  // the probabilities packed: P V's A operand
 };
 
 template <class C>
@@ -289,18 +299,19 @@ __device__ void kvWait(KvPipeline<C, kTensorMixingStep>& pipe, const IhaArgs& a,
   #pragma unroll
   for (int km = 0; km < T::KM; ++km) {
     // Rows past the staged heads repeat the last: their weights are zeros.
-    // A k-step's rows are kv heads (token 0's; mixKeys adds the token), or,
-    // paired, the stage's rows (m, t) themselves.
-    const int row = km * 16 + fragment::bTransRow(l);
-    const int staged = T::paired ? (row < T::S::stageRows ? row : T::S::stageRows - 1)
-                                 : (row < T::Gp ? row : T::Gp - 1) * T::tokens;
+    // A k-step's row r is kv head r's row of token 0, or, paired, kv head
+    // r / 2's of token r % 2 (mixKeys and mmaPv add the token, or the
+    // pass's first).
+    const int row = km * 16 + fragment::bTransRow(l), head = T::paired ? row / 2 : row;
+    const int staged = (head < T::Gp ? head : T::Gp - 1) * T::tokens + (T::paired ? row % 2 : 0);
     pipe.keyLane[km] = cuda::sharedAddress(key + staged * T::pitch + fragment::bTransColumn(l));
     pipe.valueLane[km] = cuda::sharedAddress(value + staged * T::pitch + fragment::bTransColumn(l));
   }
 }
 
 // The mixed keys of k-step kt of token t (two n-tiles, the warp's 16 rows;
-// paired, t is 0: rows lane/4 token 0's, lane/4 + 8 token 1's).
+// paired, t is a pass's first token: rows lane/4 its keys, lane/4 + 8 the
+// next token's).
 template <class C>
 __device__ __forceinline__ void mixKeys(float (&c)[2][4], const KvPipeline<C, kTensorMixingStep>& pipe,
                                         const Bits32 (&hi)[Geometry<C>::KM][4], const Bits32 (&lo)[Geometry<C>::KM][4],
@@ -351,8 +362,8 @@ __device__ void mmaQk(ScoreTile<C, kTensorMixingStep>& s, QTile<C, kTensorMixing
     #pragma unroll
     for (int group = 0; group < T::groups; ++group) {
       float c[2][4], partner[2][4];
-      mixKeys<C>(c, pipe, hi, lo, t, group);
-      if constexpr (T::rope) mixKeys<C>(partner, pipe, hi, lo, t, group + T::span);
+      mixKeys<C>(c, pipe, hi, lo, T::firstToken(t), group);
+      if constexpr (T::rope) mixKeys<C>(partner, pipe, hi, lo, T::firstToken(t), group + T::span);
       if constexpr (C::qk_norm)
         #pragma unroll
         for (int n = 0; n < 2; ++n)
@@ -399,8 +410,8 @@ __device__ void mmaQk(ScoreTile<C, kTensorMixingStep>& s, QTile<C, kTensorMixing
     if constexpr (T::paired) {
       #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s.s[0][e] = s0[e];
-        s.s[1][e] = s1[e];
+        s.s[T::firstToken(t)][e] = s0[e];
+        s.s[T::firstToken(t) + 1][e] = s1[e];
       }
     } else {
       s.s[t][0] = s0[0];
@@ -483,12 +494,15 @@ __device__ void mmaPv(AccTile<C, kTensorMixingStep>& acc, ScoreTile<C, kTensorMi
   #pragma unroll
   for (int t = 0; t < T::passes; ++t) {
     // A: head 2w's rows of P in k 0-7, head 2w + 1's in k 8-15; paired,
-    // token 0's probabilities in k 0-7 of every row, token 1's in 8-15.
+    // the pass's first token's probabilities in k 0-7 of every row, the
+    // next token's in 8-15.
     Bits32 probs[4] = {s.p[t][0], 0u, 0u, s.p[t][1]};
-    if constexpr (T::paired) {
-      probs[1] = s.p[0][1];
-      probs[2] = s.p[1][0];
-      probs[3] = s.p[1][1];
+    if constexpr (T::paired) {  // the pass's tokens
+      const int first = T::firstToken(t);
+      probs[0] = s.p[first][0];
+      probs[1] = s.p[first][1];
+      probs[2] = s.p[first + 1][0];
+      probs[3] = s.p[first + 1][1];
     }
     #pragma unroll
     for (int km = 0; km < T::KM; ++km) {
@@ -511,7 +525,8 @@ __device__ void mmaPv(AccTile<C, kTensorMixingStep>& acc, ScoreTile<C, kTensorMi
       #pragma unroll
       for (int km = 0; km < T::KM; ++km) {
         Bits32 x[4];
-        cuda::ldmatrixX4Trans(x, pipe.valueLane[km] + Bits32((t * T::pitch + dn * kMmaK) * kTileElementBytes));
+        const int token = T::firstToken(t);
+        cuda::ldmatrixX4Trans(x, pipe.valueLane[km] + Bits32((token * T::pitch + dn * kMmaK) * kTileElementBytes));
         cuda::mma16816<C>(acc.o[2 * dn], a[t][km], x[0], x[1]);
         cuda::mma16816<C>(acc.o[2 * dn + 1], a[t][km], x[2], x[3]);
       }

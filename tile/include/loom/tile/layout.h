@@ -267,8 +267,9 @@ constexpr int stepKvHeads(int ctaHeads, int heads, int kvHeads) {
 // which stay in registers as the next product's operands. Its stages are
 // the absorbed step's (rows (m, t)), of kTensorMixingTokens tokens.
 constexpr int kTensorMixingRows = 8;
-// Tokens a key block: at four ptxas hoists every token's loads and spills
-// (255 registers, H = G = 16, P = 8, d 128); two take 214.
+// Tokens a key block (a pass of a paired warp: tensorMixingTokens): at four
+// ptxas hoists every token's loads and spills (255 registers, H = G = 16,
+// P = 8, d 128); two take 214.
 constexpr int kTensorMixingTokens = 2;
 constexpr int kTensorMixingMaxHeadDim = 128;  // a warp's mixed rows and output in registers
 constexpr int tensorMixingWarps(int heads) { return (heads + 1) / 2; }
@@ -286,13 +287,20 @@ constexpr const char* tensorMixingShapeProblem(int heads, int headDim, int pseud
   return nullptr;
 }
 // Whether a warp's two heads read one kv head (H / G even): their mixed
-// keys are then one set, and the warp mixes the block's two tokens'
-// together, token 0's keys in the rows lane/4, token 1's in lane/4 + 8 (a
+// keys are then one set, and the warp mixes two tokens at a pass, the
+// first's keys in the rows lane/4, the next's in lane/4 + 8 (a
 // k-step of the mix is 16 staged rows (m, t), the weights block-diagonal
 // in t), so that each score product is whole (both heads' rows against one
 // token's keys) and P' V reads both tokens' value rows in one k-step.
 constexpr bool tensorMixingPairs(int heads, int kvHeads) {
   return kvHeads > 0 && heads % kvHeads == 0 && (heads / kvHeads) % 2 == 0;
+}
+// Tokens a key block: paired, two passes of kTensorMixingTokens (the
+// block's fixed work, the output's rescaling, its barriers and waits,
+// halved a token; 214-224 registers at H 8 G 2-4 and H 32 G 8, d 128, no
+// spill, where one pass took 158-160).
+constexpr int tensorMixingTokens(int heads, int kvHeads) {
+  return tensorMixingPairs(heads, kvHeads) ? 2 * kTensorMixingTokens : kTensorMixingTokens;
 }
 // k-steps of the keys' mix, of P' = P beta's n-tile pairs and of P' V: a
 // token's G kv heads (k 16 a step), or, paired, the block's staged rows
@@ -327,18 +335,18 @@ constexpr long long tensorMixingTokenMacs(int heads, int kvHeads, int headDim, b
   const long long tokensAPass = tensorMixingPairs(heads, kvHeads) ? kTensorMixingTokens : 1;
   return heads / ctaHeads * tensorMixingWarps(ctaHeads) * mmas * 16 * 8 * 16 / tokensAPass;
 }
-// `heads` a CTA's (stepHeads), kSteps the spec's tensorMixingKSteps.
-constexpr AbsorbedSmem tensorMixingSmem(int heads, int headDim, int stages, int kvHeads, int kSteps) {
+// ctaHeads a CTA's (stepHeads) of the spec's heads.
+constexpr AbsorbedSmem tensorMixingSmem(int ctaHeads, int headDim, int stages, int heads, int kvHeads) {
   AbsorbedSmem s;
-  const int tile = tilePitch(headDim) * kTileElementBytes;
-  const int stageBytes = absorbedPaddedHeads(kvHeads) * kTensorMixingTokens * tile;
+  const int tile = tilePitch(headDim) * kTileElementBytes, tokens = tensorMixingTokens(heads, kvHeads);
+  const int stageBytes = absorbedPaddedHeads(kvHeads) * tokens * tile;
   s.k = 0;
   s.v = stages * stageBytes;
   s.angles = (2 * stages * stageBytes + 15) / 16 * 16;
-  s.turns = s.angles + kTensorMixingTokens * headDim * kAccumulatorBytes;
+  s.turns = s.angles + tokens * headDim * kAccumulatorBytes;
   s.weights = s.turns + kTensorMixingRows * headDim * kAccumulatorBytes;
-  s.q = s.weights + kSteps * 4 * tensorMixingWarps(heads) * 32 * 16;  // 32 lanes
-  s.total = s.q + tensorMixingWarps(heads) * 16 * tile;
+  s.q = s.weights + tensorMixingKSteps(heads, kvHeads) * 4 * tensorMixingWarps(ctaHeads) * 32 * 16;  // 32 lanes
+  s.total = s.q + tensorMixingWarps(ctaHeads) * 16 * tile;
   return s;
 }
 

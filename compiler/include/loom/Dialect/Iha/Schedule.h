@@ -87,9 +87,10 @@ inline int64_t oneCtaStepHeads(SpecAttr spec, ScheduleAttr schedule) {
 // head of a CTA (`ctaHeads` * `pseudoHeads` rows; ctaHeads is
 // loom::stepHeads, every head up to 16), two warps an m-tile where its S
 // rows split (loom::absorbedSplit), the collapse separate; with
-// tensor_mixing the block and warps of ctaHeads heads.
+// tensor_mixing the block and warps of ctaHeads heads, key blocks of
+// mixingTokens tokens (loom::tensorMixingTokens).
 void completeDecodeFields(ScheduleFields& fields, bool mixedCache, int64_t stackRows, int64_t ctaHeads,
-                          int64_t pseudoHeads, int64_t headDim);
+                          int64_t pseudoHeads, int64_t headDim, int64_t mixingTokens);
 
 // Why a complete schedule cannot compute a backward kernel, naming the
 // field: the backward reads the mixed rows from workspaces (mix
