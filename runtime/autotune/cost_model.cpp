@@ -117,8 +117,8 @@ AbsorbedBlockWork tensorMixingBlockWork(const KernelSpec& spec, const Schedule& 
                   double(tensorMixingTokenMacs(int(spec.heads()), int(spec.kv_heads()), int(spec.head_dim()),
                                                spec.dtype() == v1::bfloat16)) /
                   double(ctasASequence);
-  // a warp's mixed rows of one role, one token (paired, 16 for two tokens)
-  const double rows = (tensorMixingPairs(int(spec.heads()), int(spec.kv_heads())) ? 8.0 : 16.0) * d;
+  // a warp's mixed rows of one role, one token (16 a pass)
+  const double rows = 16.0 / tensorMixingPassTokens(int(spec.heads()), int(spec.kv_heads())) * d;
   w.simtFlops = warpTokens * rows * (1.0 + (spec.rope_theta() > 0 ? 3.0 : 0.0) +
                                      (spec.qk_norm() == v1::KernelSpec::rms ? 2.0 : 0.0)) +
                 (spec.rope_theta() > 0 ? 3.0 * double(tokens * spec.kv_heads()) * d : 0.0);

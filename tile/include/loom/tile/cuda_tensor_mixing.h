@@ -59,18 +59,18 @@ struct Geometry {
   static constexpr int tokens = tensorMixingTokens(C::heads, C::kv_heads);
   static constexpr int KT = D / kMmaK;        // k-steps of S (d)
   static constexpr int NT = D / 8;            // n-tiles of the mixed keys and of the output (d)
-  // Whether the warp's two heads read one kv head (layout.h,
-  // tensorMixingPairs): it then mixes both tokens of the block together.
-  static constexpr bool paired = tensorMixingPairs(C::heads, C::kv_heads);
+  // Tokens a pass: two where the warp's two heads read one kv head
+  // (layout.h, tensorMixingPairs), which it then mixes together.
+  static constexpr int passTokens = tensorMixingPassTokens(C::heads, C::kv_heads);
+  static constexpr bool paired = passTokens == 2;
   // k-steps of the mix and of P' V: G's (two where G is over 16: H over 16),
   // or, paired, the stage's rows (m, t) of both tokens
   static constexpr int KM = tensorMixingKSteps(C::heads, C::kv_heads);
   // A block's mixes of the keys and of P': a token each, or, paired, two
   // tokens each (2 t and 2 t + 1 in pass t).
-  static constexpr int passes = paired ? tokens / kTensorMixingTokens : tokens;
-  static_assert(!paired || tokens % kTensorMixingTokens == 0, "a paired pass mixes two tokens");
+  static constexpr int passes = tokens / passTokens;
   // The first token of pass t.
-  static constexpr int firstToken(int t) { return paired ? kTensorMixingTokens * t : t; }
+  static constexpr int firstToken(int t) { return passTokens * t; }
   static constexpr bool rope = C::rope_theta > 0;
   // bf16 weights keep 8 bits: each is split into a hi and a lo half. f16's
   // 11 bits leave the output as f32 weights do (drawn P 8 steps on the
@@ -302,8 +302,8 @@ __device__ void kvWait(KvPipeline<C, kTensorMixingStep>& pipe, const IhaArgs& a,
     // A k-step's row r is kv head r's row of token 0, or, paired, kv head
     // r / 2's of token r % 2 (mixKeys and mmaPv add the token, or the
     // pass's first).
-    const int row = km * 16 + fragment::bTransRow(l), head = T::paired ? row / 2 : row;
-    const int staged = (head < T::Gp ? head : T::Gp - 1) * T::tokens + (T::paired ? row % 2 : 0);
+    const int row = km * 16 + fragment::bTransRow(l), head = row / T::passTokens;
+    const int staged = (head < T::Gp ? head : T::Gp - 1) * T::tokens + row % T::passTokens;
     pipe.keyLane[km] = cuda::sharedAddress(key + staged * T::pitch + fragment::bTransColumn(l));
     pipe.valueLane[km] = cuda::sharedAddress(value + staged * T::pitch + fragment::bTransColumn(l));
   }

@@ -267,9 +267,10 @@ constexpr int stepKvHeads(int ctaHeads, int heads, int kvHeads) {
 // which stay in registers as the next product's operands. Its stages are
 // the absorbed step's (rows (m, t)), of kTensorMixingTokens tokens.
 constexpr int kTensorMixingRows = 8;
-// Tokens a key block (a pass of a paired warp: tensorMixingTokens): at four
-// ptxas hoists every token's loads and spills (255 registers, H = G = 16,
-// P = 8, d 128); two take 214.
+// Passes a key block (a token each, or two where paired:
+// tensorMixingTokens): at four tokens of one a pass ptxas hoists every
+// token's loads and spills (255 registers, H = G = 16, P = 8, d 128); two
+// take 214.
 constexpr int kTensorMixingTokens = 2;
 constexpr int kTensorMixingMaxHeadDim = 128;  // a warp's mixed rows and output in registers
 constexpr int tensorMixingWarps(int heads) { return (heads + 1) / 2; }
@@ -295,19 +296,20 @@ constexpr const char* tensorMixingShapeProblem(int heads, int headDim, int pseud
 constexpr bool tensorMixingPairs(int heads, int kvHeads) {
   return kvHeads > 0 && heads % kvHeads == 0 && (heads / kvHeads) % 2 == 0;
 }
-// Tokens a key block: paired, two passes of kTensorMixingTokens (the
-// block's fixed work, the output's rescaling, its barriers and waits,
-// halved a token; 214-224 registers at H 8 G 2-4 and H 32 G 8, d 128, no
-// spill, where one pass took 158-160).
+// Tokens a warp mixes at a pass: two where its heads share their keys, else one.
+constexpr int tensorMixingPassTokens(int heads, int kvHeads) { return tensorMixingPairs(heads, kvHeads) ? 2 : 1; }
+// Tokens a key block, kTensorMixingTokens passes (paired, four: the block's
+// fixed work, the output's rescaling, its barriers and waits, halved a
+// token; 214-224 registers at H 8 G 2-4 and H 32 G 8, d 128, no spill,
+// where one pass a block took 158-160).
 constexpr int tensorMixingTokens(int heads, int kvHeads) {
-  return tensorMixingPairs(heads, kvHeads) ? 2 * kTensorMixingTokens : kTensorMixingTokens;
+  return tensorMixingPassTokens(heads, kvHeads) * kTensorMixingTokens;
 }
-// k-steps of the keys' mix, of P' = P beta's n-tile pairs and of P' V: a
-// token's G kv heads (k 16 a step), or, paired, the block's staged rows
-// (m, t) of both tokens.
+// k-steps of the keys' mix, of P' = P beta's n-tile pairs and of P' V: the
+// staged rows (m, t) of a pass's tokens, 16 a step (one token's G kv heads,
+// or, paired, both tokens' padded heads).
 constexpr int tensorMixingKSteps(int heads, int kvHeads) {
-  return tensorMixingPairs(heads, kvHeads) ? (absorbedPaddedHeads(kvHeads) * kTensorMixingTokens + 15) / 16
-                                           : (kvHeads + 15) / 16;
+  return (absorbedPaddedHeads(kvHeads) * tensorMixingPassTokens(heads, kvHeads) + 15) / 16;
 }
 // Tensor-core multiply-adds a cached token costs each step (the products
 // as issued, padding included), which decide between them by default:
@@ -332,8 +334,8 @@ constexpr long long tensorMixingTokenMacs(int heads, int kvHeads, int headDim, b
   const long long d = paddedHeadDim(headDim), km = tensorMixingKSteps(heads, kvHeads), halves = splitWeights ? 2 : 1;
   // a warp's, a pass (a token; paired, both)
   const long long mmas = d / 8 * halves * km + 2 * (d / 16) + 2 * halves * km + d / 8 * km;
-  const long long tokensAPass = tensorMixingPairs(heads, kvHeads) ? kTensorMixingTokens : 1;
-  return heads / ctaHeads * tensorMixingWarps(ctaHeads) * mmas * 16 * 8 * 16 / tokensAPass;
+  const long long passTokens = tensorMixingPassTokens(heads, kvHeads);
+  return heads / ctaHeads * tensorMixingWarps(ctaHeads) * mmas * 16 * 8 * 16 / passTokens;
 }
 // ctaHeads a CTA's (stepHeads) of the spec's heads.
 constexpr AbsorbedSmem tensorMixingSmem(int ctaHeads, int headDim, int stages, int heads, int kvHeads) {
