@@ -170,9 +170,9 @@ bool stepCheckable(const IhaCase& c, DecodeLayout layout) {
 // layout, and cache lengths drawn until the step can be checked
 // (stepCheckable), at most 16 tries; where none can, the case's inputs are
 // drawn again (its spec, batch and tokens kept: findCheckableCase from a new
-// seed), at most 8 times, and a spec with no checkable step fails the test.
-DecodeLayout drawCheckableLayout(std::mt19937_64& rng, IhaCase& c, int64_t T, int64_t maxPage,
-                                 int64_t minCached = 0) {
+// seed), at most 8 times; nothing where the spec has no checkable step.
+std::optional<DecodeLayout> tryCheckableLayout(std::mt19937_64& rng, IhaCase& c, int64_t T, int64_t maxPage,
+                                               int64_t minCached = 0) {
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   DecodeLayout layout{T, pick(1, maxPage), pick(0, 1) ? CacheLayout::mixed : CacheLayout::raw, {}, rng()};
   for (int cases = 0; cases < 8; ++cases) {
@@ -186,8 +186,15 @@ DecodeLayout drawCheckableLayout(std::mt19937_64& rng, IhaCase& c, int64_t T, in
                 testing::describe(c).c_str(), (long long)T);
     if (std::optional<IhaCase> again = findCheckableCase(c.spec, c.batch, c.tokens, rng())) c = std::move(*again);
   }
+  return std::nullopt;
+}
+
+// tryCheckableLayout, where a spec with no checkable step fails the test.
+DecodeLayout drawCheckableLayout(std::mt19937_64& rng, IhaCase& c, int64_t T, int64_t maxPage,
+                                 int64_t minCached = 0) {
+  if (std::optional<DecodeLayout> layout = tryCheckableLayout(rng, c, T, maxPage, minCached)) return *layout;
   ADD_FAILURE() << testing::describe(c) << ": 8 drawn inputs without a checkable step of " << T << " tokens";
-  return layout;
+  return DecodeLayout{T, maxPage, CacheLayout::raw, std::vector<int64_t>(size_t(c.batch), 0), rng()};
 }
 
 // A checkable case of a drawn spec the CUDA step takes (a 16-bit dtype,
@@ -601,33 +608,48 @@ TEST(Decode, StackedHeadsGiveTheForwardsRows) {
   }
 }
 
-// A step of a drawn case whose CTA holds every head (`schedule` asks for
-// the absorbed or the tensor-mixing step): T = 1 to 3 new tokens over a
-// ragged raw cache, split or not; the plan keeps the step asked for, one
-// CTA a split and chunk of stepHeads heads (every head up to 16), and its
-// emulated step gives the forward's rows.
-void expectAllHeadsStep(std::mt19937_64& rng, IhaCase c, Schedule schedule, const std::string& arch) {
+// A step of a case drawn by drawCheckableShape over `drawShape` whose CTA
+// holds every head (`schedule` asks for the absorbed or the tensor-mixing
+// step): T = 1 to 3 new tokens over a ragged raw cache, split or not (a spec
+// with no checkable step of T tokens is said and another drawn, at most 8);
+// the plan keeps the step asked for, one CTA a split and chunk of stepHeads
+// heads (every head up to 16), and its emulated step gives the forward's rows.
+template <class DrawShape>
+void expectAllHeadsStep(std::mt19937_64& rng, DrawShape drawShape, Schedule schedule, const std::string& arch) {
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
-  const int64_t T = pick(1, std::min<int64_t>(3, c.tokens));
-  DecodeLayout layout = drawCheckableLayout(rng, c, T, 9);
-  layout.layout = CacheLayout::raw;
-  if (pick(0, 1)) schedule.set_kv_splits(int32_t(pick(1, 4)));
-  SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " page " + std::to_string(layout.pageSize) + " " +
-               arch + " " + schedule.ShortDebugString());
-  auto dc = decodeCaseFrom(c, layout);
-  ASSERT_TRUE(dc) << dc.error().message;
-  auto plan = decodePlan(*dc, schedule, arch);
-  ASSERT_TRUE(plan) << plan.error().message;
-  EXPECT_EQ(plan->schedule.absorb_mixing(), schedule.absorb_mixing()) << plan->schedule.ShortDebugString();
-  EXPECT_EQ(plan->schedule.tensor_mixing(), schedule.tensor_mixing()) << plan->schedule.ShortDebugString();
-  for (const LaunchPlan& launch : plan->launches) {
-    if (launch.name != kAttentionEntry) continue;
-    const int most = stepMostHeads(schedule.tensor_mixing(), c.spec.pseudo_heads(), c.spec.head_dim());
-    EXPECT_EQ(launch.gridY, c.spec.heads() / stepHeads(c.spec.heads(), c.spec.kv_heads(), most) *
-                                plan->schedule.kv_splits())
-        << "a CTA a split and chunk of heads";
+  constexpr int kMaxSpecs = 8;
+  for (int attempt = 1;; ++attempt) {
+    IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, drawShape);
+    const int64_t T = pick(1, std::min<int64_t>(3, c.tokens));
+    std::optional<DecodeLayout> checkable = tryCheckableLayout(rng, c, T, 9);
+    if (!checkable) {
+      std::printf("[ redrawn  ] %s: no checkable step of %lld tokens, another spec\n", testing::describe(c).c_str(),
+                  (long long)T);
+      if (attempt < kMaxSpecs) continue;
+      ADD_FAILURE() << kMaxSpecs << " drawn specs in a row without a checkable step";
+      return;
+    }
+    DecodeLayout layout = *checkable;
+    layout.layout = CacheLayout::raw;
+    if (pick(0, 1)) schedule.set_kv_splits(int32_t(pick(1, 4)));
+    SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " page " + std::to_string(layout.pageSize) + " " +
+                 arch + " " + schedule.ShortDebugString());
+    auto dc = decodeCaseFrom(c, layout);
+    ASSERT_TRUE(dc) << dc.error().message;
+    auto plan = decodePlan(*dc, schedule, arch);
+    ASSERT_TRUE(plan) << plan.error().message;
+    EXPECT_EQ(plan->schedule.absorb_mixing(), schedule.absorb_mixing()) << plan->schedule.ShortDebugString();
+    EXPECT_EQ(plan->schedule.tensor_mixing(), schedule.tensor_mixing()) << plan->schedule.ShortDebugString();
+    for (const LaunchPlan& launch : plan->launches) {
+      if (launch.name != kAttentionEntry) continue;
+      const int most = stepMostHeads(schedule.tensor_mixing(), c.spec.pseudo_heads(), c.spec.head_dim());
+      EXPECT_EQ(launch.gridY, c.spec.heads() / stepHeads(c.spec.heads(), c.spec.kv_heads(), most) *
+                                  plan->schedule.kv_splits())
+          << "a CTA a split and chunk of heads";
+    }
+    expectEmulatedStep(c, *dc, arch, rng(), schedule);
+    return;
   }
-  expectEmulatedStep(c, *dc, arch, rng(), schedule);
 }
 
 // H over 16 in CTAs of stepHeads heads (layout.h): chunks of 16 reading
@@ -655,7 +677,7 @@ TEST(Decode, AbsorbedStepsGiveTheForwardsRows) {
   std::mt19937_64 rng(testing::testSeed() ^ 0xab50);
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   for (int draw = 0; draw < 8; ++draw) {
-    const IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
+    auto drawShape = [&] {
       KernelSpec spec = testing::randomSpec(rng);
       spec.set_pseudo_heads(int32_t(draw == 0 ? 8 : draw == 1 ? 3 : draw == 6 ? 1 : draw == 7 ? pick(1, 2) : pick(1, 5)));
       spec.set_kv_heads(int32_t(draw == 6 ? pick(9, 20) : pick(1, 3)));
@@ -675,10 +697,10 @@ TEST(Decode, AbsorbedStepsGiveTheForwardsRows) {
       }
       testing::dropStaleOptions(spec);
       return testing::DrawnShape{spec, pick(1, 2), pick(12, 40)};
-    });
+    };
     Schedule schedule;
     schedule.set_absorb_mixing(true);  // at P above 4 it may mix on the tensor cores
-    expectAllHeadsStep(rng, c, schedule, draw % 2 ? "sm_90a" : "sm_80");
+    expectAllHeadsStep(rng, drawShape, schedule, draw % 2 ? "sm_90a" : "sm_80");
   }
 }
 
@@ -763,7 +785,7 @@ TEST(Decode, TensorMixingStepsGiveTheForwardsRows) {
   std::mt19937_64 rng(testing::testSeed() ^ 0x7e45);
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   for (int draw = 0; draw < 7; ++draw) {
-    const IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
+    auto drawShape = [&] {
       KernelSpec spec = testing::randomSpec(rng);
       spec.set_pseudo_heads(int32_t(draw == 0 ? 8 : draw == 5 ? pick(1, 4) : pick(5, 8)));
       const int64_t kv = draw == 4 ? pick(9, 16) : pick(1, 4);
@@ -784,10 +806,10 @@ TEST(Decode, TensorMixingStepsGiveTheForwardsRows) {
       }
       testing::dropStaleOptions(spec);
       return testing::DrawnShape{spec, pick(1, 2), pick(8, 30)};
-    });
+    };
     Schedule schedule;
     schedule.set_tensor_mixing(true);
-    expectAllHeadsStep(rng, c, schedule, draw % 2 ? "sm_90a" : "sm_80");
+    expectAllHeadsStep(rng, drawShape, schedule, draw % 2 ? "sm_90a" : "sm_80");
   }
 }
 
