@@ -109,7 +109,7 @@ AbsorbedBlockWork absorbedBlockWork(const KernelSpec& spec, const Schedule& s) {
 // mixed: P' = P beta is a product, and its packing a sixteenth of the keys').
 AbsorbedBlockWork tensorMixingBlockWork(const KernelSpec& spec, const Schedule& s) {
   const double d = double(paddedHeadDim(int(spec.head_dim())));
-  const int tokens = tensorMixingTokens(int(spec.heads()), int(spec.kv_heads()));
+  const int tokens = kTensorMixingTokens;
   const double warpTokens = double(s.warps()) * tokens;
   AbsorbedBlockWork w;
   const int64_t ctasASequence = spec.heads() / oneCtaHeads(true, int(spec.heads()), int(spec.kv_heads()), 0, 0);

@@ -545,7 +545,7 @@ TEST(CostModel, DecodeStepsAreMemoryBoundAndSplitWhereTheGridIsSmall) {
       }
       if (c.schedule.tensor_mixing()) {  // likewise the tensor-mixing step
         EXPECT_FALSE(mixed) << c.key;
-        EXPECT_EQ(c.schedule.block_n(), tensorMixingTokens(s.heads(), s.kv_heads()) * s.pseudo_heads()) << c.key;
+        EXPECT_EQ(c.schedule.block_n(), kTensorMixingTokens * s.pseudo_heads()) << c.key;
         EXPECT_NE(c.key.find(".tensor-mixing"), std::string::npos) << c.key;
         tensorSplits.insert(c.schedule.kv_splits());
         continue;

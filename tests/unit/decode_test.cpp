@@ -815,7 +815,8 @@ TEST(Decode, TensorMixingStepsGiveTheForwardsRows) {
 
 // The emulator finds what the tensor-mixing step's barriers prevent, and
 // its arithmetic's faults: each fault of cuda_tensor_mixing.h on the same
-// drawn step (H 4, G 2: a warp's heads share their keys; P 6: keys past P;
+// drawn step (H 4, G 2: a warp's heads share their keys, and its mix and P' V are
+// m16n8k8 over a pass's four staged rows; P 6: keys past P;
 // RoPE and qk_norm; two warps; one split, so that its stages turn over),
 // whose unchanged code has no finding; the faults of the unpaired path on
 // a step of G = H 4.
@@ -840,6 +841,16 @@ TEST(Decode, TensorMixingFaultsAreFound) {
       {"a key row mixed from the other token's raw rows",
        "splitPair<C>(token == 0 ? w : 0.0f, token == 1 ? w : 0.0f,", "splitPair<C>(token == 1 ? w : 0.0f, token == 0 ? w : 0.0f,",
        {}},
+      // G 2, paired: a pass's four staged rows fit 8 (tensorMixingNarrow)
+      {"the narrow mix's raw rows taken from staged rows 8-15 (padding)",
+       "      cuda::mma1688<C>(c[0], hi[km][0], hi[km][1], x[0]);", "      cuda::mma1688<C>(c[0], hi[km][0], hi[km][1], x[1]);",
+       {}},
+      {"the narrow P' V over value rows 8-15 (padding)",
+       "          cuda::mma1688<C>(acc.o[2 * dn], a[t][km][0], a[t][km][1], x[0]);",
+       "          cuda::mma1688<C>(acc.o[2 * dn], a[t][km][0], a[t][km][1], x[1]);", {}},
+      {"the narrow P' V's A from P''s second n-tile",
+       "          cuda::mma1688<C>(acc.o[2 * dn + 1], a[t][km][0], a[t][km][1], x[2]);",
+       "          cuda::mma1688<C>(acc.o[2 * dn + 1], a[t][km][2], a[t][km][3], x[2]);", {}},
       {"a block's copies waited for one stage late",
        "  cuda::waitCopies<C::stages - 1>();\n  __syncthreads();\n  if constexpr (T::rope) {",
        "  cuda::waitCopies<C::stages>();\n  __syncthreads();\n  if constexpr (T::rope) {",
@@ -863,6 +874,7 @@ TEST(Decode, TensorMixingFaultsAreFound) {
   ASSERT_TRUE(plan->schedule.tensor_mixing()) << plan->schedule.ShortDebugString();
   ASSERT_EQ(plan->schedule.warps(), 2) << "two heads a warp";
   ASSERT_TRUE(tensorMixingPairs(4, 2)) << "the two heads of a warp read one kv head";
+  ASSERT_TRUE(tensorMixingNarrow(4, 2)) << "a pass's staged rows fit m16n8k8's k";
   expectHeaderFaultsFound(c, *dc, *plan, "loom/tile/cuda_tensor_mixing.h", faults, rng());
   // G = H: each warp's heads read their own kv heads, a token at a time.
   const std::vector<HeaderFault> unpaired = {

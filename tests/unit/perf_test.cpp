@@ -540,26 +540,26 @@ TEST_P(DecodeGate, StreamsThePagesAndMixesFromWideReads) {
   std::printf("[ no step  ] %s\n", skipped.c_str());  // the other arch's step was checked
 }
 
-// The tensor-mixing step at the paper's P = 8 (H = G = 16, d 128, RoPE,
-// where it is the default; qk_norm off and on; and H = G = 8, d 64, where
-// the absorbed step multiplies less and is the default), sm_80 and sm_90a:
-// the streaming and wide reads the grid's steps show, no spill, no inner
-// loop; on sm_90a its loop's issue within each case's guard of the memory
-// floor at d 128 (caches of 32k and 128k tokens, batches 1, 8, 64;
-// measured 1.88x, 2.30x with qk_norm, where the FMA units' mixing step sat
-// at 33x and mixing the values too at 2.13x), printed at d 64 (its
-// per-block work weighs more against half the bytes). The tensor pipe's
-// time is printed: at the model's mma.sync rate it, not the issue, bounds
-// the step, and R(j) on the mixed keys is a third of the issue
-// (docs/performance.md, decode).
+// The tensor-mixing step at the paper's P = 8 (H = G = 16, d 128, RoPE;
+// qk_norm off and on; and H = G = 8, d 64, whose eight staged rows a token
+// make its mix and P' V m16n8k8: tensorMixingNarrow), the default in each
+// (it multiplies less than absorbing), sm_80 and sm_90a: the streaming and
+// wide reads the grid's steps show, no spill, no inner loop; on sm_90a its
+// loop's issue within each case's guard of the memory floor (caches of 32k
+// and 128k tokens, batches 1, 8, 64; measured 1.65x, 2.07x with qk_norm and
+// 1.86x at d 64, in key blocks of four tokens; 1.87x and 2.30x in blocks of
+// two; the FMA units' mixing step sat at 33x and mixing the values too at
+// 2.13x). The tensor pipe's time is printed: at the model's mma.sync rate
+// it, not the issue, bounds the d 128 step, and R(j) on the mixed keys is a
+// third of the issue (docs/performance.md, decode).
 TEST(DecodeGate, TensorMixingStepsOfThePapersP8) {
   jit::NvrtcCompiler compiler(std::string(LOOM_TEST_CACHE) + "/perf");
   struct Case {
     int heads, headDim;
     bool qkNorm;
-    double guard;  // d 128's
+    double guard;
   };
-  for (const Case& c : {Case{16, 128, false, 2.0}, Case{16, 128, true, 2.4}, Case{8, 64, false, 0.0}}) {
+  for (const Case& c : {Case{16, 128, false, 1.8}, Case{16, 128, true, 2.2}, Case{8, 64, false, 2.0}}) {
     KernelSpec spec = testing::makeSpec({.heads = c.heads, .kvHeads = c.heads, .pseudoHeads = 8, .headDim = c.headDim,
                                          .dtype = v1::bfloat16, .mask = v1::flat_causal, .window = 0,
                                          .collapse = v1::per_head, .ropeTheta = 10000});
@@ -573,8 +573,8 @@ TEST(DecodeGate, TensorMixingStepsOfThePapersP8) {
       ASSERT_TRUE(kernel) << arch << " " << describe(spec) << ": " << kernel.error().message;
       auto byDefault = resolveSchedule(spec, Schedule(), *parseTarget(arch), Direction::decode, false);
       ASSERT_TRUE(byDefault) << byDefault.error().message;
-      EXPECT_EQ(byDefault->tensor_mixing(), c.headDim == 128) << byDefault->ShortDebugString();
-      EXPECT_EQ(byDefault->absorb_mixing(), c.headDim == 64) << byDefault->ShortDebugString();
+      EXPECT_TRUE(byDefault->tensor_mixing()) << byDefault->ShortDebugString();
+      EXPECT_FALSE(byDefault->absorb_mixing()) << byDefault->ShortDebugString();
       auto read = sassUsageOf(*artifact, kAttentionEntry);
       ASSERT_TRUE(read) << arch << ": " << read.error().message;
       const std::string what = arch + " " + describe(spec) + ": " + jit::sass::memoryBrief(read->memory());
@@ -582,7 +582,7 @@ TEST(DecodeGate, TensorMixingStepsOfThePapersP8) {
       if (arch != "sm_90a") continue;
       const auto issue = autotune::loopIssueOf(*read);
       ASSERT_TRUE(issue) << what << ": no key-block loop read";
-      expectDecodeFloor(spec, kernel->schedule(), *issue, c.headDim == 128 ? c.guard : 0.0,
+      expectDecodeFloor(spec, kernel->schedule(), *issue, c.guard,
                         "tensor mixing, " + describe(spec) + ",", what);
     }
   }
@@ -597,7 +597,7 @@ TEST(DecodeGate, TensorMixingStepsOfThePapersP8) {
 // picks them by default, with the chunk's CTAs in its grid; the streaming
 // and wide reads of the grid's steps, no spill, no inner loop; on sm_90a
 // the loop's issue within each case's guard of the memory floor (caches of
-// 32k and 128k tokens, batches 1, 8, 64; measured 1.79x, 2.65x, 0.91x at B 8, 32k).
+// 32k and 128k tokens, batches 1, 8, 64; measured 1.78x, 2.34x, 0.91x at B 8, 32k).
 TEST(DecodeGate, OneCtaStepsInChunksOfHeads) {
   jit::NvrtcCompiler compiler(std::string(LOOM_TEST_CACHE) + "/perf");
   struct Case {
@@ -606,7 +606,7 @@ TEST(DecodeGate, OneCtaStepsInChunksOfHeads) {
     int ctaHeads;
     double guard;
   };
-  for (const Case& c : {Case{8, 4, false, 16, 2.0}, Case{32, 4, true, 16, 2.9}, Case{8, 2, false, 32, 1.0}}) {
+  for (const Case& c : {Case{8, 4, false, 16, 2.0}, Case{32, 4, true, 16, 2.5}, Case{8, 2, false, 32, 1.0}}) {
     const KernelSpec spec =
         testing::makeSpec({.heads = 32, .kvHeads = c.kvHeads, .pseudoHeads = c.pseudoHeads, .headDim = 128,
                            .dtype = v1::bfloat16, .mask = v1::flat_causal, .window = 0, .collapse = v1::per_head,
@@ -643,14 +643,16 @@ TEST(DecodeGate, OneCtaStepsInChunksOfHeads) {
 // whole, folds and multiplies both tokens' values in one k-step, and takes
 // key blocks of four tokens (two such passes) (sm_80 and sm_90a, bf16,
 // RoPE, d 128): every key-block loop issues the products
-// tensorMixingTokenMacs counts, half of what a token at a time issued; the
-// streaming and wide reads of the grid's steps; on sm_90a the loop's issue
-// within each case's guard of the memory floor (caches of 32k and 128k,
-// batches 1, 8, 64; measured at B 8, 32k: 2.26x, 4.48x and 3.86x; a token
-// at a time in blocks of two issued about 1.85x the instructions a token:
-// `loom compile --decode --sass`, 913, 921, 911 a block of two -> 996, 985,
-// 968 a block of four). H 8 G 2 is compute-bound by nature (H P^2 / G =
-// 144 FLOP a cached byte).
+// tensorMixingTokenMacs counts, half of what a token at a time issued (at
+// G 2 and 4 a pass's staged rows fit 8: the mix and P' V are m16n8k8,
+// tensorMixingNarrow, and the count follows); the streaming and wide reads
+// of the grid's steps; on sm_90a the loop's issue within each case's guard
+// of the memory floor (caches of 32k and 128k, batches 1, 8, 64; measured
+// at B 8, 32k: 2.24x, 4.44x and 3.86x, the tensor pipe 1.86x, 3.71x and
+// 5.96x; a token at a time in blocks of two issued about 1.85x the
+// instructions a token: `loom compile --decode --sass`, 913, 921, 911 a
+// block of two -> 996, 985, 968 a block of four). H 8 G 2 is compute-bound
+// by nature (H P^2 / G = 144 FLOP a cached byte).
 TEST(DecodeGate, PairedHeadsMixTwoTokensAPass) {
   jit::NvrtcCompiler compiler(std::string(LOOM_TEST_CACHE) + "/perf");
   struct Case {
@@ -675,7 +677,7 @@ TEST(DecodeGate, PairedHeadsMixTwoTokensAPass) {
                                jit::sass::memoryBrief(read->memory());
       ASSERT_NO_FATAL_FAILURE(expectStreamingStep(*read, what));
       const int ctaHeads = oneCtaHeads(true, c.heads, c.kvHeads, c.pseudoHeads, 128);
-      const double warpBlockFlops = 2.0 * tensorMixingTokens(c.heads, c.kvHeads) *
+      const double warpBlockFlops = 2.0 * kTensorMixingTokens *
                                     double(tensorMixingTokenMacs(c.heads, c.kvHeads, 128, /*splitWeights=*/true)) /
                                     double(c.heads / ctaHeads * tensorMixingWarps(ctaHeads));
       for (const v1::SassLoop& loop : read->loops())

@@ -195,7 +195,7 @@ int32_t defaultDecodeSplits(const KernelSpec& spec, const ScheduleFields& given,
   int64_t most = allHeads ? kMaxKvSplits : kDefaultKvSplits;
   const int64_t windowRows = spec.window_rows() > 0 ? spec.window_rows() + spec.pseudo_heads()
                                                     : int64_t(spec.window()) * spec.pseudo_heads();
-  const int64_t mixingTokens = tensorMixingTokens(int(spec.heads()), int(spec.kv_heads()));
+  const int64_t mixingTokens = kTensorMixingTokens;
   const int64_t blockRows = given.absorbMixing   ? int64_t(kAbsorbedTokens) * spec.pseudo_heads()
                             : given.tensorMixing ? mixingTokens * spec.pseudo_heads()
                                                  : kMmaRows;
@@ -520,7 +520,7 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
                          oneCtaStepHeads(spec.heads(), spec.kv_heads(), spec.pseudo_heads(), spec.head_dim(),
                                          given.tensorMixing),
                          spec.pseudo_heads(), spec.head_dim(),
-                         tensorMixingTokens(int(spec.heads()), int(spec.kv_heads())));
+                         kTensorMixingTokens);
     // Split CTAs merge their rows in the combine launch, then collapse.
     if (given.kvSplits > 1) given.collapse = given.collapse.value_or(CollapseStrategy::separate);
   }

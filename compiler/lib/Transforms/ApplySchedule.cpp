@@ -152,7 +152,7 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
                              oneCtaStepHeads(spec.getHeads(), spec.getKvHeads(), spec.getPseudoHeads(),
                                              spec.getHeadDim(), fields->tensorMixing),
                              spec.getPseudoHeads(), spec.getHeadDim(),
-                             tensorMixingTokens(int(spec.getHeads()), int(spec.getKvHeads())));
+                             kTensorMixingTokens);
       if (kernel.getBackward()) {  // the backward reads mixed rows from workspaces
         fields->mix = fields->mix.value_or(MixStrategy::materialized);
         fields->collapse = fields->collapse.value_or(CollapseStrategy::separate);

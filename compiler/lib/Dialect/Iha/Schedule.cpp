@@ -320,7 +320,7 @@ std::optional<std::string> checkSchedule(SpecAttr spec, ScheduleAttr schedule) {
     if (const char* why = tensorMixingShapeProblem(int(H), int(spec.getHeadDim()), int(P), rope))
       return std::string("schedule.tensor_mixing: ") + why + " (heads " + str(spec.getHeads()) + ", kv_heads " +
              str(spec.getKvHeads()) + ", head_dim " + str(spec.getHeadDim()) + ", pseudo_heads " + str(P) + ")";
-    const int64_t tokens = tensorMixingTokens(int(spec.getHeads()), int(spec.getKvHeads()));
+    const int64_t tokens = kTensorMixingTokens;
     if (blockN != tokens * P)
       return "schedule.block_n (" + str(blockN) + ") must be " + str(tokens * P) + " with tensor_mixing (" +
              str(tokens) + " tokens a key block)";

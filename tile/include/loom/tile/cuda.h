@@ -143,6 +143,13 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const Bits32 (&a)[4], Bi
   else ptx::mmaBf16(d, a, b0, b1);
 }
 
+// d += a (16x8: a0 rows g, a1 rows g + 8) * b (8x8), f32 accumulators.
+template <class C>
+__device__ __forceinline__ void mma1688(float (&d)[4], Bits32 a0, Bits32 a1, Bits32 b0) {
+  if constexpr (C::dtype == DType::f16) ptx::mmaF16K8(d, a0, a1, b0);
+  else ptx::mmaBf16K8(d, a0, a1, b0);
+}
+
 // 16 bytes global -> shared; `valid` false zero-fills the destination.
 __device__ __forceinline__ void copyAsync16(void* destination, const void* source, bool valid) {
   ptx::cpAsyncCg16(destination, source, valid);

@@ -48,7 +48,7 @@ struct Geometry {
   static constexpr int Pg = absorbedRows(P);  // S rows a query row (those from P on score -inf)
   static constexpr int D = C::head_dim, Dp = paddedHeadDim(C::head_dim), pitch = tilePitch(C::head_dim);
   static constexpr int tokens =
-      kDecodeStep<C> == kTensorMixingStep ? tensorMixingTokens(C::heads, C::kv_heads) : kAbsorbedTokens;
+      kDecodeStep<C> == kTensorMixingStep ? kTensorMixingTokens : kAbsorbedTokens;
   static constexpr int tiles = C::block_m / kMTileRows;  // 16-row m-tiles of query rows
   static constexpr int split = absorbedSplit(P, D);      // warps a query m-tile
   static constexpr int SM = Pg / split;                  // S m-tiles a warp

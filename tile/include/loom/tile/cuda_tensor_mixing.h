@@ -44,7 +44,7 @@
 // lane/4 + 8 (the weights block-diagonal over the staged rows (m, t)), each
 // score product whole, P' and P' V over both tokens at once.
 // A warp owns whole query rows: the softmax needs no other warp. Key blocks
-// of tensorMixingTokens tokens, staged as the absorbed step stages its own
+// of kTensorMixingTokens tokens, staged as the absorbed step stages its own
 // (rows (m, t); issue / stageAngles / rotateStage). Keys past P (P < 8)
 // score -inf.
 #pragma once
@@ -56,7 +56,7 @@ template <class C>
 struct Geometry {
   using S = absorbed::Geometry<C>;  // the stages
   static constexpr int P = C::pseudo_heads, G = C::kv_heads, Gp = S::Gp, D = C::head_dim, pitch = S::pitch;
-  static constexpr int tokens = tensorMixingTokens(C::heads, C::kv_heads);
+  static constexpr int tokens = kTensorMixingTokens;
   static constexpr int KT = D / kMmaK;        // k-steps of S (d)
   static constexpr int NT = D / 8;            // n-tiles of the mixed keys and of the output (d)
   // Tokens a pass: two where the warp's two heads read one kv head
@@ -66,6 +66,11 @@ struct Geometry {
   // k-steps of the mix and of P' V: G's (two where G is over 16: H over 16),
   // or, paired, the stage's rows (m, t) of both tokens
   static constexpr int KM = tensorMixingKSteps(C::heads, C::kv_heads);
+  // A pass's staged rows fit 8 (tensorMixingNarrow): the mix and P' V are
+  // m16n8k8 (A's k 0-7, B's first matrix of each ldmatrix pair), P' one
+  // n-tile.
+  static constexpr bool narrow = tensorMixingNarrow(C::heads, C::kv_heads);
+  static constexpr int foldTiles = narrow ? 1 : 2;  // n-tiles of P' a k-step
   // A block's mixes of the keys and of P': a token each, or, paired, two
   // tokens each (2 t and 2 t + 1 in pass t).
   static constexpr int passes = tokens / passTokens;
@@ -79,7 +84,7 @@ struct Geometry {
   static constexpr int groups = rope ? KT / 2 : KT;  // k-steps mixed together: one and its partner d/2 on
   static constexpr int span = rope ? KT / 2 : 0;     // the partner's distance in k-steps
   static constexpr int threads = C::warps * kWarpSize;
-  static_assert(C::block_n == tokens * P, "a key block is tensorMixingTokens whole tokens");
+  static_assert(C::block_n == tokens * P, "a key block is kTensorMixingTokens whole tokens");
   static_assert(C::stacked_heads == oneCtaHeads(true, C::heads, C::kv_heads, P, D),
                 "a tensor-mixing CTA holds a token of every query head (stepHeads of them)");
   static_assert(C::warps == tensorMixingWarps(C::stacked_heads) && C::block_m == tensorMixingBlockM(C::stacked_heads),
@@ -323,6 +328,15 @@ __device__ __forceinline__ void mixKeys(float (&c)[2][4], const KvPipeline<C, kT
   for (int km = 0; km < T::KM; ++km) {
     Bits32 x[4];
     cuda::ldmatrixX4Trans(x, pipe.keyLane[km] + Bits32((t * T::pitch + kt * kMmaK) * kTileElementBytes));
+    if constexpr (T::narrow) {  // k the 8 staged rows: x[1] and x[3] are rows 8-15
+      cuda::mma1688<C>(c[0], hi[km][0], hi[km][1], x[0]);
+      cuda::mma1688<C>(c[1], hi[km][0], hi[km][1], x[2]);
+      if constexpr (T::split) {
+        cuda::mma1688<C>(c[0], lo[km][0], lo[km][1], x[0]);
+        cuda::mma1688<C>(c[1], lo[km][0], lo[km][1], x[2]);
+      }
+      continue;
+    }
     cuda::mma16816<C>(c[0], hi[km], x[0], x[1]);
     cuda::mma16816<C>(c[1], hi[km], x[2], x[3]);
     if constexpr (T::split) {
@@ -508,7 +522,7 @@ __device__ void mmaPv(AccTile<C, kTensorMixingStep>& acc, ScoreTile<C, kTensorMi
     for (int km = 0; km < T::KM; ++km) {
       float folded[2][4] = {};  // P' of kv heads 16 km + 8 r + 2 (lane % 4) ...
       #pragma unroll
-      for (int r = 0; r < 2; ++r) {
+      for (int r = 0; r < T::foldTiles; ++r) {
         cuda::mma16816<C>(folded[r], probs, hi[km][r][0], hi[km][r][1]);
         if constexpr (T::split) cuda::mma16816<C>(folded[r], probs, lo[km][r][0], lo[km][r][1]);
       }
@@ -527,6 +541,11 @@ __device__ void mmaPv(AccTile<C, kTensorMixingStep>& acc, ScoreTile<C, kTensorMi
         Bits32 x[4];
         const int token = T::firstToken(t);
         cuda::ldmatrixX4Trans(x, pipe.valueLane[km] + Bits32((token * T::pitch + dn * kMmaK) * kTileElementBytes));
+        if constexpr (T::narrow) {  // k the 8 staged rows: P''s first n-tile, x[0] and x[2]
+          cuda::mma1688<C>(acc.o[2 * dn], a[t][km][0], a[t][km][1], x[0]);
+          cuda::mma1688<C>(acc.o[2 * dn + 1], a[t][km][0], a[t][km][1], x[2]);
+          continue;
+        }
         cuda::mma16816<C>(acc.o[2 * dn], a[t][km], x[0], x[1]);
         cuda::mma16816<C>(acc.o[2 * dn + 1], a[t][km], x[2], x[3]);
       }

@@ -204,6 +204,17 @@ LOOM_EMU_LEAF inline void mmaBf16(float (&d)[4], const Bits32 (&a)[4], Bits32 b0
   emu::api->mma16816(1, d, a, b0, b1, LOOM_EMU_PC);
 }
 
+// m16n8k8: the m16n8k16 product whose k 8-15 are zeros (a0, a1 are A's
+// k 0-7 in both layouts, b0 B's), the same sums.
+LOOM_EMU_LEAF inline void mmaF16K8(float (&d)[4], Bits32 a0, Bits32 a1, Bits32 b0) {
+  const Bits32 a[4] = {a0, a1, 0u, 0u};
+  emu::api->mma16816(0, d, a, b0, 0u, LOOM_EMU_PC);
+}
+LOOM_EMU_LEAF inline void mmaBf16K8(float (&d)[4], Bits32 a0, Bits32 a1, Bits32 b0) {
+  const Bits32 a[4] = {a0, a1, 0u, 0u};
+  emu::api->mma16816(1, d, a, b0, 0u, LOOM_EMU_PC);
+}
+
 LOOM_EMU_LEAF inline void cpAsyncCg16(void* destination, const void* source, bool valid) {
   emu::api->cpAsync(emu::api->sharedAddress(destination, LOOM_EMU_PC), source, 16, valid ? 16 : 0, 1, LOOM_EMU_PC);
 }

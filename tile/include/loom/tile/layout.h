@@ -267,11 +267,13 @@ constexpr int stepKvHeads(int ctaHeads, int heads, int kvHeads) {
 // which stay in registers as the next product's operands. Its stages are
 // the absorbed step's (rows (m, t)), of kTensorMixingTokens tokens.
 constexpr int kTensorMixingRows = 8;
-// Passes a key block (a token each, or two where paired:
-// tensorMixingTokens): at four tokens of one a pass ptxas hoists every
-// token's loads and spills (255 registers, H = G = 16, P = 8, d 128); two
-// take 214.
-constexpr int kTensorMixingTokens = 2;
+// Tokens a key block: four passes of a token, or two of two where paired
+// (tensorMixingPassTokens), so that the block's fixed work (the output's
+// rescaling, its barriers, waits and addresses) is shared by four tokens
+// (H = G = 16, P 8, d 128: 829 instructions a warp a block of two, 1454 a
+// block of four; 214-254 registers, no spill, over H 6 to 32, P 3 to 8,
+// d 64 and 128, qk_norm, f16 and bf16, sm_80 and sm_90a).
+constexpr int kTensorMixingTokens = 4;
 constexpr int kTensorMixingMaxHeadDim = 128;  // a warp's mixed rows and output in registers
 constexpr int tensorMixingWarps(int heads) { return (heads + 1) / 2; }
 constexpr int tensorMixingBlockM(int heads) { return kTensorMixingRows * heads; }
@@ -298,28 +300,27 @@ constexpr bool tensorMixingPairs(int heads, int kvHeads) {
 }
 // Tokens a warp mixes at a pass: two where its heads share their keys, else one.
 constexpr int tensorMixingPassTokens(int heads, int kvHeads) { return tensorMixingPairs(heads, kvHeads) ? 2 : 1; }
-// Tokens a key block, kTensorMixingTokens passes (paired, four: the block's
-// fixed work, the output's rescaling, its barriers and waits, halved a
-// token; 214-224 registers at H 8 G 2-4 and H 32 G 8, d 128, no spill,
-// where one pass a block took 158-160).
-constexpr int tensorMixingTokens(int heads, int kvHeads) {
-  return tensorMixingPassTokens(heads, kvHeads) * kTensorMixingTokens;
+// The staged rows (m, t) a pass's mix and P' V take as k: one token's G
+// kv heads (padded to even: absorbedPaddedHeads), or, paired, both tokens'.
+constexpr int tensorMixingStagedRows(int heads, int kvHeads) {
+  return absorbedPaddedHeads(kvHeads) * tensorMixingPassTokens(heads, kvHeads);
 }
+// Whether they fit 8: the keys' mix and P' V are then mma m16n8k8 (half the
+// tensor work of k 16, whose k 8-15 would be padding) and P' = P beta one
+// n-tile of 8 staged rows where it is two.
+constexpr bool tensorMixingNarrow(int heads, int kvHeads) { return tensorMixingStagedRows(heads, kvHeads) <= 8; }
 // k-steps of the keys' mix, of P' = P beta's n-tile pairs and of P' V: the
-// staged rows (m, t) of a pass's tokens, 16 a step (one token's G kv heads,
-// or, paired, both tokens' padded heads).
-constexpr int tensorMixingKSteps(int heads, int kvHeads) {
-  return (absorbedPaddedHeads(kvHeads) * tensorMixingPassTokens(heads, kvHeads) + 15) / 16;
-}
+// staged rows of a pass, 16 a step (one, of 8, where narrow).
+constexpr int tensorMixingKSteps(int heads, int kvHeads) { return (tensorMixingStagedRows(heads, kvHeads) + 15) / 16; }
 // Tensor-core multiply-adds a cached token costs each step (the products
 // as issued, padding included), which decide between them by default:
 // absorbed, every S row against every raw row and P' against every raw
 // value row (block_m the 16-row tiles, a power of two of them, holding a
-// token of every head); tensor mixing, a warp's keys' mix (k of 16 kv
-// heads; bf16 weights in two halves), scores (each half of a product
-// another head's), P' = P beta (k the two heads' keys, n 8 kv heads) and
-// P' V (k 16 kv heads); paired (tensorMixingPairs), each product once for
-// two tokens; every CTA of a sequence's (stepHeads).
+// token of every head); tensor mixing, a warp's keys' mix (k the staged
+// rows; bf16 weights in two halves), scores (each half of a product
+// another head's), P' = P beta (k the two heads' keys, n 8 staged rows a
+// tile) and P' V (k the staged rows); paired (tensorMixingPairs), each
+// product once for two tokens; every CTA of a sequence's (stepHeads).
 constexpr long long absorbedTokenMacs(int heads, int kvHeads, int pseudoHeads, int headDim) {
   const int ctaHeads = stepHeads(heads, kvHeads, stepMostHeads(false, pseudoHeads, headDim));
   if (ctaHeads == 0) return 0;
@@ -331,16 +332,18 @@ constexpr long long absorbedTokenMacs(int heads, int kvHeads, int pseudoHeads, i
 constexpr long long tensorMixingTokenMacs(int heads, int kvHeads, int headDim, bool splitWeights) {
   const int ctaHeads = stepHeads(heads, kvHeads, stepMostHeads(true, 0, 0));
   if (ctaHeads == 0) return 0;
+  const bool narrow = tensorMixingNarrow(heads, kvHeads);
   const long long d = paddedHeadDim(headDim), km = tensorMixingKSteps(heads, kvHeads), halves = splitWeights ? 2 : 1;
-  // a warp's, a pass (a token; paired, both)
-  const long long mmas = d / 8 * halves * km + 2 * (d / 16) + 2 * halves * km + d / 8 * km;
+  const long long k = narrow ? 8 : 16, foldTiles = narrow ? 1 : 2;
+  // a warp's, a pass (a token; paired, both), in 16 x 8 output tiles times their k
+  const long long tileKs = d / 8 * halves * km * k + 2 * (d / 16) * 16 + foldTiles * halves * km * 16 + d / 8 * km * k;
   const long long passTokens = tensorMixingPassTokens(heads, kvHeads);
-  return heads / ctaHeads * tensorMixingWarps(ctaHeads) * mmas * 16 * 8 * 16 / passTokens;
+  return heads / ctaHeads * tensorMixingWarps(ctaHeads) * tileKs * 16 * 8 / passTokens;
 }
 // ctaHeads a CTA's (stepHeads) of the spec's heads.
 constexpr AbsorbedSmem tensorMixingSmem(int ctaHeads, int headDim, int stages, int heads, int kvHeads) {
   AbsorbedSmem s;
-  const int tile = tilePitch(headDim) * kTileElementBytes, tokens = tensorMixingTokens(heads, kvHeads);
+  const int tile = tilePitch(headDim) * kTileElementBytes, tokens = kTensorMixingTokens;
   const int stageBytes = absorbedPaddedHeads(kvHeads) * tokens * tile;
   s.k = 0;
   s.v = stages * stageBytes;

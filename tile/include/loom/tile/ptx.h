@@ -118,6 +118,19 @@ __device__ __forceinline__ void mmaBf16(float (&d)[4], const Bits32 (&a)[4], Bit
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// d += a (16x8, row) * b (8x8, col), f32 accumulators: half of m16n8k16's
+// tensor work, for products whose k is at most 8.
+__device__ __forceinline__ void mmaF16K8(float (&d)[4], Bits32 a0, Bits32 a1, Bits32 b0) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(b0));
+}
+__device__ __forceinline__ void mmaBf16K8(float (&d)[4], Bits32 a0, Bits32 a1, Bits32 b0) {
+  asm volatile("mma.sync.aligned.m16n8k8.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5}, {%6}, {%0, %1, %2, %3};"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+               : "r"(a0), "r"(a1), "r"(b0));
+}
+
 //===--- asynchronous copies and atomics -----------------------------------===//
 
 // 16 bytes global -> shared; `valid` false zero-fills the destination.

@@ -88,7 +88,7 @@ inline int64_t oneCtaStepHeads(SpecAttr spec, ScheduleAttr schedule) {
 // loom::stepHeads, every head up to 16), two warps an m-tile where its S
 // rows split (loom::absorbedSplit), the collapse separate; with
 // tensor_mixing the block and warps of ctaHeads heads, key blocks of
-// mixingTokens tokens (loom::tensorMixingTokens).
+// mixingTokens tokens (loom::kTensorMixingTokens).
 void completeDecodeFields(ScheduleFields& fields, bool mixedCache, int64_t stackRows, int64_t ctaHeads,
                           int64_t pseudoHeads, int64_t headDim, int64_t mixingTokens);
 
