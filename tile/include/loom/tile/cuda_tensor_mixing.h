@@ -314,6 +314,14 @@ __device__ void kvWait(KvPipeline<C, kTensorMixingStep>& pipe, const IhaArgs& a,
   }
 }
 
+// d += a b over a pass's staged rows: m16n8k16 (b0, b1 its k 0-7 and
+// 8-15), or where they fit 8 (narrow) m16n8k8 over a's k 0-7 and b0.
+template <class C>
+__device__ __forceinline__ void mmaStaged(float (&d)[4], const Bits32 (&a)[4], Bits32 b0, Bits32 b1) {
+  if constexpr (Geometry<C>::narrow) cuda::mma1688<C>(d, a[0], a[1], b0);
+  else cuda::mma16816<C>(d, a, b0, b1);
+}
+
 // The mixed keys of k-step kt of token t (two n-tiles, the warp's 16 rows;
 // paired, t is a pass's first token: rows lane/4 its keys, lane/4 + 8 the
 // next token's).
@@ -328,20 +336,11 @@ __device__ __forceinline__ void mixKeys(float (&c)[2][4], const KvPipeline<C, kT
   for (int km = 0; km < T::KM; ++km) {
     Bits32 x[4];
     cuda::ldmatrixX4Trans(x, pipe.keyLane[km] + Bits32((t * T::pitch + kt * kMmaK) * kTileElementBytes));
-    if constexpr (T::narrow) {  // k the 8 staged rows: x[1] and x[3] are rows 8-15
-      cuda::mma1688<C>(c[0], hi[km][0], hi[km][1], x[0]);
-      cuda::mma1688<C>(c[1], hi[km][0], hi[km][1], x[2]);
-      if constexpr (T::split) {
-        cuda::mma1688<C>(c[0], lo[km][0], lo[km][1], x[0]);
-        cuda::mma1688<C>(c[1], lo[km][0], lo[km][1], x[2]);
-      }
-      continue;
-    }
-    cuda::mma16816<C>(c[0], hi[km], x[0], x[1]);
-    cuda::mma16816<C>(c[1], hi[km], x[2], x[3]);
+    mmaStaged<C>(c[0], hi[km], x[0], x[1]);
+    mmaStaged<C>(c[1], hi[km], x[2], x[3]);
     if constexpr (T::split) {
-      cuda::mma16816<C>(c[0], lo[km], x[0], x[1]);
-      cuda::mma16816<C>(c[1], lo[km], x[2], x[3]);
+      mmaStaged<C>(c[0], lo[km], x[0], x[1]);
+      mmaStaged<C>(c[1], lo[km], x[2], x[3]);
     }
   }
 }
@@ -541,13 +540,8 @@ __device__ void mmaPv(AccTile<C, kTensorMixingStep>& acc, ScoreTile<C, kTensorMi
         Bits32 x[4];
         const int token = T::firstToken(t);
         cuda::ldmatrixX4Trans(x, pipe.valueLane[km] + Bits32((token * T::pitch + dn * kMmaK) * kTileElementBytes));
-        if constexpr (T::narrow) {  // k the 8 staged rows: P''s first n-tile, x[0] and x[2]
-          cuda::mma1688<C>(acc.o[2 * dn], a[t][km][0], a[t][km][1], x[0]);
-          cuda::mma1688<C>(acc.o[2 * dn + 1], a[t][km][0], a[t][km][1], x[2]);
-          continue;
-        }
-        cuda::mma16816<C>(acc.o[2 * dn], a[t][km], x[0], x[1]);
-        cuda::mma16816<C>(acc.o[2 * dn + 1], a[t][km], x[2], x[3]);
+        mmaStaged<C>(acc.o[2 * dn], a[t][km], x[0], x[1]);  // narrow: P''s first n-tile
+        mmaStaged<C>(acc.o[2 * dn + 1], a[t][km], x[2], x[3]);
       }
 }
 
