@@ -234,6 +234,7 @@ std::optional<LoopIssue> loopIssueOf(const v1::ResourceUsage& attention) {
     issue.inWindow = issue.inWindow == 0 ? window : std::min(issue.inWindow, window);
     issue.pingPong = issue.pingPong && loop.ping_pong();
   }
+  issue.registers = int(attention.registers());
   if (issue.unmasked == 0) issue.unmasked = issue.masked;
   if (issue.masked == 0) issue.masked = issue.unmasked;
   return issue;
@@ -242,10 +243,20 @@ std::optional<LoopIssue> loopIssueOf(const v1::ResourceUsage& attention) {
 std::optional<PremixIssue> premixIssueOf(const v1::ResourceUsage& premix, const KernelSpec& spec,
                                          const Schedule& schedule) {
   if (!premix.sass_read()) return std::nullopt;
-  // A mixing group on the FMA units holds at least 16 FMAs; the tensor path's
-  // own loops on the FMA units (its weights split in halves, its angles) a
-  // few fp32 instructions.
+  // A mixing group on the FMA units holds at least 16 FMAs (its M R V: one
+  // source head, as a single kv head's keys and values are, only V
+  // products); the tensor path's own loops on the FMA units (its weights
+  // split in halves, its angles) a few fp32 instructions.
   constexpr int kMixingFp32 = 16;
+  const int P = int(spec.pseudo_heads()), D = int(spec.head_dim());
+  const int sources[3] = {int(spec.heads()), int(spec.kv_heads()), int(spec.kv_heads())};
+  auto onTensorCores = [&](int role) {
+    return premixOnTensorCores(sources[role], P, D, int(schedule.block_m()) / P, int(schedule.warps()));
+  };
+  int fewest = kMixingFp32;
+  for (int role = 0; role < 3; ++role)
+    if (!onTensorCores(role))
+      fewest = std::min(fewest, sources[role] * premixRowGroup(sources[role], D) * premixVector(sources[role], D));
   struct Mixing {
     int offset;
     double instructions;
@@ -254,20 +265,16 @@ std::optional<PremixIssue> premixIssueOf(const v1::ResourceUsage& premix, const 
   std::vector<Mixing> mixing;
   for (const v1::SassLoop& loop : premix.simt_loops())
     for (const v1::SassClassCount& c : loop.classes())
-      if (c.name() == "fp32" && c.count() >= kMixingFp32)
+      if (c.name() == "fp32" && c.count() >= fewest)
         mixing.push_back({loop.first_offset(), double(loop.instructions()), false});
   for (const v1::SassLoop& loop : premix.loops())
     mixing.push_back({loop.first_offset(), double(loop.instructions()), true});
   if (mixing.size() != 3) return std::nullopt;  // not the loops this model knows
   std::sort(mixing.begin(), mixing.end(), [](const Mixing& x, const Mixing& y) { return x.offset < y.offset; });
-  const int P = int(spec.pseudo_heads()), D = int(spec.head_dim());
-  const int sources[3] = {int(spec.heads()), int(spec.kv_heads()), int(spec.kv_heads())};
   PremixIssue issue;
   for (int role = 0; role < 3; ++role) {
     issue.perGroup[role] = mixing[size_t(role)].instructions;
-    if (mixing[size_t(role)].tensor !=
-        premixOnTensorCores(sources[role], P, D, int(schedule.block_m()) / P, int(schedule.warps())))
-      return std::nullopt;  // each role's loop where its path puts it
+    if (mixing[size_t(role)].tensor != onTensorCores(role)) return std::nullopt;  // each role's loop where its path puts it
   }
   return issue;
 }
@@ -284,8 +291,9 @@ namespace {
 // stores, the 16-byte loads and stores out, their addresses), RoPE's
 // rotation (about 1.1 d) and qk_norm's (about 1.25 d); a round adds its
 // staging loop's body and its angles' (counted once), 15 of its own.
+constexpr double kPremixTensorAmpereIssue = 0.94;
 double premixTensorIssue(int sources, int P, int D, int ctaTokens, int warps, bool bf16, bool rotated, bool normalised,
-                         std::optional<double> unit) {
+                         bool ampere, std::optional<double> unit) {
   const int M = premixTensorSources(sources);  // padded to whole k-steps and m-tiles
   const int tiles = M * P / 16, round = premixTensorRoundTokens(sources, P, ctaTokens, warps);
   const int rounds = (ctaTokens + round - 1) / round, pairs = (round * tiles + warps - 1) / warps;
@@ -300,6 +308,10 @@ double premixTensorIssue(int sources, int P, int D, int ctaTokens, int warps, bo
     const double ldmatrix = double(M / 16) * (bf16 ? 2 : 1) + double(M / 16) * (D / 16);
     perUnit = mma + ldmatrix + 13.4 * (D / 8) + 27 + (rotated ? 1.1 * D : 0.0) + (normalised ? 1.25 * D + 8 : 0.0);
     if (pairs == 1) perUnit += 25 + (rotated ? 35 : 0) + 15;  // the round loop: its staging once
+    // ptxas's sm_8x code for the same loop is shorter than sm_90's (over
+    // eight draws of the SASS grid: 0.70-1.01 of it, most at head_dim 128
+    // and few pseudo-heads, 0.83-0.93); fitted to the middle of the two.
+    if (ampere) perUnit *= kPremixTensorAmpereIssue;
   }
   // A warp's loop iterations a round: the round itself, or its pairs (and
   // then the round's staging beside them).
@@ -328,7 +340,7 @@ PremixCost estimatePremixCost(const KernelSpec& spec, const Schedule& s, const v
       const bool rotated = role < 2 && rope, normalised = role < 2 && norm;
       const std::optional<double> unit = issue ? std::optional<double>(issue->perGroup[role]) : std::nullopt;
       issued += ctas * premixTensorIssue(M, P, D, tokensPerCta, threads / 32, spec.dtype() == v1::bfloat16, rotated,
-                                         normalised, unit);
+                                         normalised, target.arch().rfind("sm_8", 0) == 0, unit);
       continue;
     }
     double warpRounds = 0;
@@ -649,6 +661,20 @@ DecodeGrid decodeGrid(const KernelSpec& spec, const Schedule& s, int64_t batch, 
   return grid;
 }
 
+// Dynamic shared memory of a decode step's attention CTA.
+int64_t decodeSharedMemory(const KernelSpec& spec, const Schedule& s, bool mixedCache) {
+  const int H = int(spec.heads()), G = int(spec.kv_heads()), P = int(spec.pseudo_heads()), d = int(spec.head_dim());
+  if (s.tensor_mixing())
+    return tensorMixingSmem(oneCtaHeads(true, H, G, P, d), d, int(s.stages()), H, G).total;
+  if (s.absorb_mixing())
+    return absorbedSmem(int(s.block_m()), d, int(s.stages()), G, P, int(s.warps()),
+                        spec.qk_norm() == v1::KernelSpec::rms)
+        .total;
+  return ctaSharedMemory(s.engine() == v1::engine_wgmma, int(s.block_m()), int(s.block_n()), d, int(s.stages()), H,
+                         G, P, !mixedCache, s.collapse() == v1::collapse_fused,
+                         s.collapse() == v1::collapse_fused && spec.collapse() == v1::global);
+}
+
 }  // namespace
 
 CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& s, const v1::Target& target, int64_t batch,
@@ -692,17 +718,7 @@ CostEstimate estimateDecodeCost(const KernelSpec& spec, const Schedule& s, const
   const bool wgmma = s.engine() == v1::engine_wgmma;
   const int threads = (s.warps() + (wgmma ? kWarpgroupWarps : 0)) * 32;
   const int registers = registersPerThread.value_or(int(estimatedRegisters(spec, s)));
-  const int64_t smem =
-      s.tensor_mixing() ? tensorMixingSmem(oneCtaHeads(true, int(H), int(G), int(P), int(d)), int(d), int(s.stages()),
-                                          int(H), int(G))
-                               .total
-      : absorbed        ? absorbedSmem(int(s.block_m()), int(d), int(s.stages()), int(G), int(P), int(s.warps()),
-                                       spec.qk_norm() == v1::KernelSpec::rms)
-                       .total
-               : ctaSharedMemory(wgmma, int(s.block_m()), int(s.block_n()), int(d), int(s.stages()), int(H), int(G),
-                                 int(P), !mixedCache, s.collapse() == v1::collapse_fused,
-                                 s.collapse() == v1::collapse_fused && spec.collapse() == v1::global);
-  e.ctasPerSm = ctasPerSmOf(device, smem, registers, threads, wgmma);
+  e.ctasPerSm = ctasPerSmOf(device, decodeSharedMemory(spec, s, mixedCache), registers, threads, wgmma);
   if (e.ctasPerSm == 0) {
     e.seconds = 1e9;
     e.bound = "resources";
@@ -775,11 +791,22 @@ DecodeFloor estimateDecodeFloor(const KernelSpec& spec, const Schedule& s, const
   const double matrixFlops = allHeads ? work.matrixFlops : 4.0 * double(s.block_m() * s.block_n()) * padded;
   f.tensorSeconds = double(f.ctas) * double(blocksPerCta) * matrixFlops /
                     (device.tensorFlops * (wgmma ? device.wgmmaEfficiency : device.mmaSyncEfficiency));
-  // One CTA's blocks run one after another, its warps on an SM's four
-  // sub-partitions; the grid's CTAs an SM at a time.
-  const double perCta = double(blocksPerCta) * perBlock * std::ceil(warps / 4.0) / subPartitionRate;
-  const double waves = std::ceil(double(f.ctas) / double(device.smCount));
-  f.issueSeconds = std::max(total, perCta * waves);
+  // The busiest SM's share of the grid: its CTAs' warps over its four
+  // sub-partitions, and at least its CTAs' blocks one after another, as
+  // many CTAs at once as it holds (its shared memory, registers and
+  // threads allow), each CTA's warps on the sub-partitions. A CTA of one
+  // warp issues on one sub-partition of four: two such CTAs an SM issue
+  // twice as fast as one; a CTA of four warps or more fills them alone.
+  const int registers = issue && issue->registers > 0 ? issue->registers : int(estimatedRegisters(spec, s));
+  const int threads = int(warps) * 32;
+  const int resident =
+      std::max(1, ctasPerSmOf(device, decodeSharedMemory(spec, s, mixedCache), registers, threads, wgmma));
+  const double ctaBlocks = double(blocksPerCta) * perBlock / subPartitionRate;  // a warp's blocks
+  const double perSm = std::ceil(double(f.ctas) / double(device.smCount));
+  const double spread = perSm * warps / 4.0 * ctaBlocks;
+  const double chained = std::ceil(perSm / resident) * std::ceil(warps / 4.0) * ctaBlocks;
+  f.ctasPerSm = resident;
+  f.issueSeconds = std::max({total, spread, chained});
   return f;
 }
 

@@ -72,6 +72,7 @@ struct LoopIssue {
   double exponentials = 0;
   double inWindow = 0;  // of the exponentials
   bool pingPong = false;
+  int registers = 0;  // a thread's, as ptxas allocated them (0: not read)
 };
 // From a compiled kernel's attention-entry figures; nullopt without them.
 std::optional<LoopIssue> loopIssueOf(const v1::ResourceUsage& attention);
@@ -174,6 +175,7 @@ struct DecodeFloor {
   double issueSeconds = 0;
   double tensorSeconds = 0;
   int64_t ctas = 0;
+  int ctasPerSm = 1;  // the attention CTAs an SM holds at once
   bool issueFromSass = false;
   double floorRatio() const { return memorySeconds > 0 ? issueSeconds / memorySeconds : 0; }
   double tensorRatio() const { return memorySeconds > 0 ? tensorSeconds / memorySeconds : 0; }

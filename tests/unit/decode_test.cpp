@@ -1092,6 +1092,22 @@ TEST(Decode, DefaultSplitsCoverTheSms) {
   epilogue.set_collapse(v1::collapse_fused);
   EXPECT_EQ(splitsOf(16, 16, hopper, epilogue), 1);
   EXPECT_EQ(splitsOf(16, 16, *parseTarget("cpu")), 1);
+  // The absorbed step over a raw cache: one CTA a sequence, its splits the
+  // SMs; a CTA of fewer than four warps (a token of every head in one or
+  // two 16-row m-tiles, P 1) covers the SMs' four sub-partitions, at most
+  // kMaxKvSplits (256).
+  auto absorbedSplits = [](int heads, int kvHeads, int headDim, const v1::Target& target) {
+    const KernelSpec spec = testing::makeSpec({.heads = heads, .kvHeads = kvHeads, .pseudoHeads = 1,
+                                               .headDim = headDim, .dtype = v1::bfloat16, .mask = v1::flat_causal});
+    auto resolved = resolveSchedule(spec, Schedule(), target, Direction::decode, /*mixedCache=*/false);
+    EXPECT_TRUE(resolved) << resolved.error().message;
+    EXPECT_TRUE(resolved && resolved->absorb_mixing()) << (resolved ? resolved->ShortDebugString() : "");
+    return resolved ? std::pair{resolved->warps(), resolved->kv_splits()} : std::pair{-1, -1};
+  };
+  EXPECT_EQ(absorbedSplits(16, 16, 64, small), (std::pair{1, 64 * 4}));
+  EXPECT_EQ(absorbedSplits(16, 16, 64, hopper), (std::pair{1, 256}));
+  EXPECT_EQ(absorbedSplits(32, 8, 128, small), (std::pair{2, 64 * 2}));
+  EXPECT_EQ(absorbedSplits(64, 8, 64, small), (std::pair{4, 64}));
 }
 
 // NVRTC compiles the CUDA decode step's launches with zero spills and no stack frame.

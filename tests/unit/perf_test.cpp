@@ -347,11 +347,15 @@ class PremixGate : public ::testing::TestWithParam<int> {};
 
 // The grid's specs, then head counts that are not whole k-steps of 16 (the
 // tensor path pads them: Llama-style 24 and 40 query heads, 20 with qk_norm).
-constexpr int kPremixPaddedSpecs = 3;
+constexpr int kPremixPaddedSpecs = 5;
 KernelSpec premixGateSpec(int index) {
   if (index < kSassGridSpecs) return sassGridSpec(index);
   KernelSpec spec = sassGridSpec(index - kSassGridSpecs);  // its dtype, mask and collapse
-  const int padded[kPremixPaddedSpecs][5] = {{24, 8, 2, 128, 0}, {40, 8, 3, 64, 1}, {20, 4, 4, 128, 1}};  // H, G, P, d, qk_norm
+  // and one kv head (multi-query: its keys' and values' groups of V products
+  // alone, under the FMA path's 16; with 16 query heads beside on the
+  // tensor cores)
+  const int padded[kPremixPaddedSpecs][5] = {
+      {24, 8, 2, 128, 0}, {40, 8, 3, 64, 1}, {20, 4, 4, 128, 1}, {8, 1, 3, 128, 1}, {16, 1, 4, 64, 0}};  // H, G, P, d, qk_norm
   const int* at = padded[index - kSassGridSpecs];
   spec.set_heads(at[0]);
   spec.set_kv_heads(at[1]);
@@ -403,10 +407,10 @@ TEST_P(PremixGate, ReadsOnceWideAndNearTheMemoryFloor) {
     const bool fmaBound = (spec.heads() > 16 && !tensor(spec.heads())) || (spec.kv_heads() > 16 && !tensor(spec.kv_heads()));
     if (!fmaBound) EXPECT_LE(measured.floorRatio(), kPremixFloorRatioGate) << what;
     std::printf("[ premix   ] %s %s: %s; mixing loops %.0f / %.0f / %.0f a group; N %d: floor %.3f ms, issue %.3f "
-                "ms (%.2fx)\n",
+                "ms (%.2fx; estimated before compiling %.2fx of it)\n",
                 arch.c_str(), describe(spec).c_str(), jit::sass::memoryBrief(m).c_str(), issue->perGroup[0],
                 issue->perGroup[1], issue->perGroup[2], kPremixGateTokens, measured.memorySeconds * 1e3,
-                measured.issueSeconds * 1e3, measured.floorRatio());
+                measured.issueSeconds * 1e3, measured.floorRatio(), estimated.issueSeconds / measured.issueSeconds);
   }
 }
 
@@ -499,17 +503,30 @@ TEST_P(DecodeGate, StreamsThePagesAndMixesFromWideReads) {
     // Gated: the absorbed step over a cache it sees whole (a window bounds
     // the keys whatever the cache holds), where its rows' scores per cached
     // byte (H P^2 scores a token against 4 G d bytes) leave the loop's
-    // per-score work under the bytes' time: H P^2 <= G d / 2.
+    // per-score work under the bytes' time, H P^2 <= G d / 2, and its
+    // products (every S row against every raw row: H P P' G d
+    // multiply-adds a token, P' = P rounded up to a power of two) fit the
+    // gate at the tensor pipe's mma.sync rate: where they alone pass it, the
+    // step is compute-bound by its math, and fewer instructions could not
+    // bring it within the gate (H 32 G 16 P 3 d 64: 3.54x; H 16 G 4 P 3 d
+    // 128: 1.80x).
     const bool absorbed = kernel->schedule().absorb_mixing();
     const bool windowed = spec.window() > 0 || spec.window_rows() > 0;
     const bool fewScores = spec.heads() * spec.pseudo_heads() * spec.pseudo_heads() * 2 <=
                            spec.kv_heads() * spec.head_dim();
-    const bool gated = absorbed && !windowed && fewScores;
+    bool fewProducts = true;
+    for (int64_t batch : {1, 8, 64})
+      for (int64_t cache : {32768, 131072})
+        fewProducts = fewProducts && autotune::estimateDecodeFloor(spec, kernel->schedule(), *parseTarget(arch), batch,
+                                                                   cache, 1, false, *issue)
+                                             .tensorRatio() <= kDecodeFloorRatioGate;
+    const bool gated = absorbed && !windowed && fewScores && fewProducts;
     const std::string why = gated                               ? "absorbed"
                             : kernel->schedule().tensor_mixing() ? "tensor mixing (gated for the paper's P 8 below)"
                             : !absorbed                         ? "mixed on chip (not gated)"
                             : windowed ? "absorbed, windowed (not gated: the window is the visible cache)"
-                                       : "absorbed, H P^2 > G d / 2 (not gated: per-score work bounds it)";
+                            : !fewScores ? "absorbed, H P^2 > G d / 2 (not gated: per-score work bounds it)"
+                                         : "absorbed, its products over the gate (not gated: the tensor pipe bounds it)";
     expectDecodeFloor(spec, kernel->schedule(), *issue, gated ? kDecodeFloorRatioGate : 0.0, why, what);
   }
   // The wgmma engine's step over a raw cache (sm_90a): its producer
@@ -635,6 +652,48 @@ TEST(DecodeGate, OneCtaStepsInChunksOfHeads) {
                         std::string(c.tensor ? "tensor mixing, " : "absorbed, ") + describe(spec) + ",", what);
     }
   }
+}
+
+// An absorbed step of few rows is a CTA of one warp (H 16 P 1: a token of
+// each head is one 16-row m-tile), which issues on one of an SM's four
+// sub-partitions. Its default kv_splits cover the sub-partitions, not only
+// the SMs (defaultDecodeSplits: 256, the most, where the SMs alone gave
+// 132), and the SM holds two such CTAs at once (85 KiB of shared memory
+// each), so its issue at d 64 with qk_norm (the Gram matrices and their
+// quadratic forms, about 550 instructions a token on the one warp) is
+// within the gate of the memory floor (estimateDecodeFloor with the CTAs an
+// SM holds: 1.34x at B 1, 32k; with the SMs' splits and a CTA an SM, as
+// the model had it, 2.53x); the same estimate for one CTA an SM (the
+// splits set to the SM count) stays above it.
+TEST(DecodeGate, OneWarpStepsShareTheirSm) {
+  jit::NvrtcCompiler compiler(std::string(LOOM_TEST_CACHE) + "/perf");
+  KernelSpec spec = testing::makeSpec({.heads = 16, .kvHeads = 16, .pseudoHeads = 1, .headDim = 64,
+                                       .dtype = v1::bfloat16, .mask = v1::flat_causal, .window = 0,
+                                       .collapse = v1::per_head, .ropeTheta = 10000});
+  spec.set_qk_norm(v1::KernelSpec::rms);
+  const v1::Target target = *parseTarget("sm_90a");
+  std::shared_ptr<const jit::Artifact> artifact;
+  auto kernel = compileKernel(spec, Schedule(), target, compiler, &artifact, Direction::decode, /*mixedCache=*/false);
+  ASSERT_TRUE(kernel) << kernel.error().message;
+  const Schedule& schedule = kernel->schedule();
+  ASSERT_TRUE(schedule.absorb_mixing()) << schedule.ShortDebugString();
+  ASSERT_EQ(schedule.warps(), 1) << schedule.ShortDebugString();
+  EXPECT_GT(schedule.kv_splits(), smCountOf(target)) << "one sequence's CTAs cover the SMs' sub-partitions";
+  auto read = sassUsageOf(*artifact, kAttentionEntry);
+  ASSERT_TRUE(read) << read.error().message;
+  const std::string what = "sm_90a " + describe(spec) + " " + schedule.ShortDebugString() + ": " +
+                           jit::sass::memoryBrief(read->memory());
+  ASSERT_NO_FATAL_FAILURE(expectStreamingStep(*read, what));
+  const auto issue = autotune::loopIssueOf(*read);
+  ASSERT_TRUE(issue) << what << ": no key-block loop read";
+  const autotune::DecodeFloor shared = autotune::estimateDecodeFloor(spec, schedule, target, 1, 32768, 1, false, issue);
+  EXPECT_GE(shared.ctasPerSm, 2) << what;
+  expectDecodeFloor(spec, schedule, *issue, kDecodeFloorRatioGate, "absorbed, one warp,", what);
+  Schedule alone = schedule;  // the SMs' splits: a CTA an SM, three sub-partitions idle
+  alone.set_kv_splits(int32_t(smCountOf(target)));
+  const autotune::DecodeFloor lone = autotune::estimateDecodeFloor(spec, alone, target, 1, 32768, 1, false, issue);
+  EXPECT_GT(lone.floorRatio(), kDecodeFloorRatioGate) << what;
+  EXPECT_NEAR(lone.floorRatio() / shared.floorRatio(), 2.0, 0.3) << what;
 }
 
 // GQA at P 5 to 8 (H / G even, tensorMixingPairs): the tensor-mixing step,

@@ -181,8 +181,13 @@ int64_t sharedMemoryLimit(const v1::Target& target) {
 // rows, a few percent of the cache's bytes at d 128); at most
 // kDefaultKvSplits. The tuner searches the others.
 // An absorbed step runs one CTA a sequence (every head in it), so its
-// splits alone cover the SMs: up to kMaxKvSplits.
+// splits alone cover the SMs: up to kMaxKvSplits. A CTA of fewer than four
+// warps (an absorbed step of few rows: H 16 P 1 is one warp) issues on that
+// many of an SM's four sub-partitions: its splits cover the sub-partitions
+// (each SM holds the CTAs its shared memory allows; the rest run in later
+// waves).
 constexpr int64_t kDefaultKvSplits = 16;
+constexpr int64_t kSubPartitions = 4;  // an SM's warp schedulers
 // A window bounds the keys a step sees whatever the cache holds: no more
 // splits than its key blocks (the absorbed step's of kAbsorbedTokens
 // tokens, the others' of 16 rows).
@@ -200,7 +205,16 @@ int32_t defaultDecodeSplits(const KernelSpec& spec, const ScheduleFields& given,
                             : given.tensorMixing ? mixingTokens * spec.pseudo_heads()
                                                  : kMmaRows;
   if (windowRows > 0) most = std::min<int64_t>(most, windowRows / blockRows + 1);
-  return int32_t(std::clamp<int64_t>(smCountOf(target) / std::max<int64_t>(ctas, 1), 1, most));
+  int64_t ctaWarps = kSubPartitions;
+  if (given.absorbMixing) {
+    const int64_t rows = oneCtaStepHeads(spec.heads(), spec.kv_heads(), spec.pseudo_heads(), spec.head_dim(), false) *
+                         spec.pseudo_heads();
+    int64_t tiles = 1;
+    while (tiles * kMmaRows < rows) tiles *= 2;
+    ctaWarps = given.warps ? given.warps : tiles * absorbedSplit(int(spec.pseudo_heads()), int(spec.head_dim()));
+  }
+  const int64_t perSm = std::max<int64_t>(1, kSubPartitions / ctaWarps);
+  return int32_t(std::clamp<int64_t>(smCountOf(target) * perSm / std::max<int64_t>(ctas, 1), 1, most));
 }
 
 // CUDA targets: 16-bit inputs, and a schedule whose shared memory fits. An

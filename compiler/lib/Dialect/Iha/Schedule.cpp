@@ -14,9 +14,12 @@ constexpr int64_t kDefaultStages = 2;
 constexpr int64_t kTmaProducerRegisters = 24;
 // A mixing producer (hopper.h, mixKvTile: a ring of raw rows by cp.async,
 // mixed from shared memory) spills at 56; one that also normalises the
-// keys (qk_norm) needs more still (at 88 ptxas spills its row loop).
+// keys (qk_norm) needs more still (at 88 ptxas spills its row loop; at 104
+// the decode step's, 8 bytes at H = G = 32, P 6, d 64). 112 leaves two
+// consumer warpgroups the 200 registers 104 did (consumerRegisters rounds
+// to 8), one the most.
 constexpr int64_t kMixingProducerRegisters = 88;
-constexpr int64_t kNormalizingProducerRegisters = 104;
+constexpr int64_t kNormalizingProducerRegisters = 112;
 // A decode step's producer over a mixed cache copies its rows (at the TMA
 // producer's 24 ptxas spills the slot arithmetic).
 constexpr int64_t kCopyingProducerRegisters = 56;
