@@ -664,7 +664,8 @@ TEST(DecodeGate, OneCtaStepsInChunksOfHeads) {
 // within the gate of the memory floor (estimateDecodeFloor with the CTAs an
 // SM holds: 1.34x at B 1, 32k; with the SMs' splits and a CTA an SM, as
 // the model had it, 2.53x); the same estimate for one CTA an SM (the
-// splits set to the SM count) stays above it.
+// splits set to the SM count) stays above it. No launch spills (the
+// combine of 256 splits had, unrolled whole).
 TEST(DecodeGate, OneWarpStepsShareTheirSm) {
   jit::NvrtcCompiler compiler(std::string(LOOM_TEST_CACHE) + "/perf");
   KernelSpec spec = testing::makeSpec({.heads = 16, .kvHeads = 16, .pseudoHeads = 1, .headDim = 64,
@@ -678,6 +679,8 @@ TEST(DecodeGate, OneWarpStepsShareTheirSm) {
   const Schedule& schedule = kernel->schedule();
   ASSERT_TRUE(schedule.absorb_mixing()) << schedule.ShortDebugString();
   ASSERT_EQ(schedule.warps(), 1) << schedule.ShortDebugString();
+  for (const auto& usage : artifact->resources)  // the combine of 256 splits too (it had spilled 540 bytes)
+    EXPECT_EQ(usage.spill_store_bytes() + usage.spill_load_bytes(), 0) << usage.ShortDebugString();
   EXPECT_GT(schedule.kv_splits(), smCountOf(target)) << "one sequence's CTAs cover the SMs' sub-partitions";
   auto read = sassUsageOf(*artifact, kAttentionEntry);
   ASSERT_TRUE(read) << read.error().message;

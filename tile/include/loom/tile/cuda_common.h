@@ -978,6 +978,9 @@ __device__ void combine_splits(const IhaArgs& a, int64_t token0, int64_t b) {
       float sum = 0.0f;
       #pragma unroll
       for (int k = 0; k < perLane; ++k)
+        // eight splits' loads in flight at once: unrolled whole, 256 splits
+        // (a one-warp absorbed step's default) hoisted 256 loads and spilled
+        #pragma unroll 8
         for (int j = 0; j < kWarpSize && k * kWarpSize + j < S; ++j) {
           const float w = __shfl_sync(0xffffffffu, weight[k], j);
           if (w != 0.0f && c < D) sum += w * split_row<C>(a, b, h, k * kWarpSize + j, i)[c];
