@@ -784,15 +784,15 @@ DecodeFloor estimateDecodeFloor(const KernelSpec& spec, const Schedule& s, const
   f.issueFromSass = issue.has_value();
   const double rate = device.fmaFlops / 64.0;                          // warp instructions a second, the device
   const double subPartitionRate = rate / (4.0 * double(device.smCount));  // one sub-partition's
-  const double total = double(f.ctas) * warps * double(blocksPerCta) * perBlock / rate;
   // The tensor pipe: the products issued, at the model's mma.sync (or
   // wgmma) share of the dense rate.
   const double padded = double(paddedHeadDim(int(d)));
   const double matrixFlops = allHeads ? work.matrixFlops : 4.0 * double(s.block_m() * s.block_n()) * padded;
   f.tensorSeconds = double(f.ctas) * double(blocksPerCta) * matrixFlops /
                     (device.tensorFlops * (wgmma ? device.wgmmaEfficiency : device.mmaSyncEfficiency));
-  // The busiest SM's share of the grid: its CTAs' warps over its four
-  // sub-partitions, and at least its CTAs' blocks one after another, as
+  // The busiest SM's share of the grid (never less than the whole device's
+  // issue spread evenly): its CTAs' warps over its four sub-partitions, and
+  // at least its CTAs' blocks one after another, as
   // many CTAs at once as it holds (its shared memory, registers and
   // threads allow), each CTA's warps on the sub-partitions. A CTA of one
   // warp issues on one sub-partition of four: two such CTAs an SM issue
@@ -806,7 +806,7 @@ DecodeFloor estimateDecodeFloor(const KernelSpec& spec, const Schedule& s, const
   const double spread = perSm * warps / 4.0 * ctaBlocks;
   const double chained = std::ceil(perSm / resident) * std::ceil(warps / 4.0) * ctaBlocks;
   f.ctasPerSm = resident;
-  f.issueSeconds = std::max({total, spread, chained});
+  f.issueSeconds = std::max(spread, chained);
   return f;
 }
 

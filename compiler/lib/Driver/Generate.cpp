@@ -206,12 +206,13 @@ int32_t defaultDecodeSplits(const KernelSpec& spec, const ScheduleFields& given,
                                                  : kMmaRows;
   if (windowRows > 0) most = std::min<int64_t>(most, windowRows / blockRows + 1);
   int64_t ctaWarps = kSubPartitions;
-  if (given.absorbMixing) {
-    const int64_t rows = oneCtaStepHeads(spec.heads(), spec.kv_heads(), spec.pseudo_heads(), spec.head_dim(), false) *
-                         spec.pseudo_heads();
-    int64_t tiles = 1;
-    while (tiles * kMmaRows < rows) tiles *= 2;
-    ctaWarps = given.warps ? given.warps : tiles * absorbedSplit(int(spec.pseudo_heads()), int(spec.head_dim()));
+  if (given.absorbMixing) {  // the warps completeDecodeFields will give it
+    const int P = int(spec.pseudo_heads()), d = int(spec.head_dim());
+    const int64_t blockM = given.blockM ? given.blockM
+                                        : absorbedBlockM(int(oneCtaStepHeads(spec.heads(), spec.kv_heads(), P, d,
+                                                                             false)),
+                                                         P);
+    ctaWarps = given.warps ? given.warps : absorbedWarps(int(blockM), P, d);
   }
   const int64_t perSm = std::max<int64_t>(1, kSubPartitions / ctaWarps);
   return int32_t(std::clamp<int64_t>(smCountOf(target) * perSm / std::max<int64_t>(ctas, 1), 1, most));

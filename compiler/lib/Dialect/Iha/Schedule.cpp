@@ -209,13 +209,8 @@ void completeDecodeFields(ScheduleFields& fields, bool mixedCache, int64_t stack
     // them, two warps each where their S rows split (absorbedSplit); two
     // stages; the collapse in its own launch.
     if (!fields.blockN) fields.blockN = kAbsorbedTokens * pseudoHeads;
-    const int64_t split = absorbedSplit(int(pseudoHeads), int(headDim));
-    if (!fields.blockM) {
-      int64_t tiles = 1;
-      while (tiles * kMmaRows < ctaHeads * pseudoHeads) tiles *= 2;
-      fields.blockM = tiles * kMmaRows;
-    }
-    if (!fields.warps) fields.warps = split * (fields.blockM / kMmaRows);
+    if (!fields.blockM) fields.blockM = absorbedBlockM(int(ctaHeads), int(pseudoHeads));
+    if (!fields.warps) fields.warps = absorbedWarps(int(fields.blockM), int(pseudoHeads), int(headDim));
     fields.collapse = fields.collapse.value_or(CollapseStrategy::separate);
     return;
   }

@@ -151,6 +151,17 @@ constexpr int absorbedSplit(int pseudoHeads, int headDim) {
   return absorbedRows(pseudoHeads) % 2 == 0 && paddedHeadDim(headDim) % 32 == 0 ? 2 : 1;
 }
 constexpr int absorbedPaddedHeads(int kvHeads) { return kvHeads + (kvHeads & 1); }
+// An absorbed CTA's query block by default: a token of each of its
+// ctaHeads heads in 16-row m-tiles, a power of two of them; and its warps
+// (split ways an m-tile).
+constexpr int absorbedBlockM(int ctaHeads, int pseudoHeads) {
+  int tiles = 1;
+  while (tiles * kMTileRows < ctaHeads * pseudoHeads) tiles *= 2;
+  return tiles * kMTileRows;
+}
+constexpr int absorbedWarps(int blockM, int pseudoHeads, int headDim) {
+  return absorbedSplit(pseudoHeads, headDim) * (blockM / kMTileRows);
+}
 // The most query heads an absorbed CTA holds: a token of each in at most
 // eight warps of 16-row m-tiles (split ways each).
 constexpr int absorbedMostHeads(int pseudoHeads, int headDim) {
@@ -324,9 +335,7 @@ constexpr int tensorMixingKSteps(int heads, int kvHeads) { return (tensorMixingS
 constexpr long long absorbedTokenMacs(int heads, int kvHeads, int pseudoHeads, int headDim) {
   const int ctaHeads = stepHeads(heads, kvHeads, stepMostHeads(false, pseudoHeads, headDim));
   if (ctaHeads == 0) return 0;
-  long long tiles = 1;
-  while (tiles * 16 < (long long)ctaHeads * pseudoHeads) tiles *= 2;
-  const long long blockM = tiles * 16, d = paddedHeadDim(headDim);
+  const long long blockM = absorbedBlockM(ctaHeads, pseudoHeads), d = paddedHeadDim(headDim);
   return heads / ctaHeads * (blockM * absorbedRows(pseudoHeads) + blockM) * absorbedPaddedHeads(kvHeads) * d;
 }
 constexpr long long tensorMixingTokenMacs(int heads, int kvHeads, int headDim, bool splitWeights) {
