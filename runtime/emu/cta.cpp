@@ -2,8 +2,20 @@
 
 #include <boost/context/protected_fixedsize_stack.hpp>
 
+#if defined(__SANITIZE_ADDRESS__)
+#define LOOM_EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define LOOM_EMU_ASAN 1
+#endif
+#endif
+#ifdef LOOM_EMU_ASAN
+#include <sanitizer/asan_interface.h>
+#endif
+
 #include <algorithm>
 #include <bit>
+#include <cstdio>
 #include <cstring>
 #include <sstream>
 
@@ -17,20 +29,75 @@ constexpr size_t kSharedRedZone = 64 * 1024;
 constexpr unsigned char kSharedGarbage = 0xcd;  // what shared memory holds before anyone writes it
 constexpr int kDefaultRegisters = 240;
 
+// The fiber stacks of the CTAs a worker thread runs, kept for its next CTA.
+// Mapping a guarded stack for every emulated thread and unmapping it when
+// its CTA ends made munmap (and the TLB shootdowns it sends to the other
+// workers) the emulator's largest cost: about 40% of a decode test whose
+// split grid holds hundreds of CTAs. Each stack keeps its guard page.
+class StackPool {
+ public:
+  ~StackPool() { clear(); }
+  boost::context::stack_context allocate(size_t bytes) {
+    if (bytes != bytes_) {
+      clear();
+      bytes_ = bytes;
+    }
+    if (free_.empty()) {
+      boost::context::stack_context stack = boost::context::protected_fixedsize_stack(bytes).allocate();
+      mapped_ = stack.size;  // the bytes asked for, in pages, and the guard page
+      return stack;
+    }
+    boost::context::stack_context stack = free_.back();
+    free_.pop_back();
+    return stack;
+  }
+  void release(boost::context::stack_context& stack) {
+#ifdef LOOM_EMU_ASAN
+    // A fiber's frames end without returning: their redzones stay poisoned.
+    ASAN_UNPOISON_MEMORY_REGION(static_cast<char*>(stack.sp) - stack.size, stack.size);
+#endif
+    if (stack.size != mapped_ || free_.size() >= kKept) {
+      boost::context::protected_fixedsize_stack().deallocate(stack);
+      return;
+    }
+    free_.push_back(stack);
+  }
+
+ private:
+  static constexpr size_t kKept = 1024;  // a CTA's most threads
+  void clear() {
+    for (boost::context::stack_context& stack : free_) boost::context::protected_fixedsize_stack().deallocate(stack);
+    free_.clear();
+  }
+  size_t bytes_ = 0, mapped_ = 0;
+  std::vector<boost::context::stack_context> free_;
+};
+
+thread_local StackPool gStacks;
+
+// boost::context's StackAllocator over this thread's pool. A fiber gives its
+// stack back where it is destroyed: on the worker that ran its CTA.
+struct PooledStack {
+  size_t bytes;
+  boost::context::stack_context allocate() { return gStacks.allocate(bytes); }
+  void deallocate(boost::context::stack_context& stack) { gStacks.release(stack); }
+};
+
 std::string hex(int64_t value) {
-  std::ostringstream text;
-  text << "0x" << std::hex << value;
-  return text.str();
+  char text[24];
+  std::snprintf(text, sizeof text, "0x%llx", static_cast<unsigned long long>(value));
+  return text;
 }
 
-const char* widthName(uint32_t size) {
-  switch (size) {
-    case 1: return "b8";
-    case 2: return "b16";
-    case 4: return "b32";
-    case 8: return "b64";
-    default: return "b128";
-  }
+// The instruction an ordinary access of `size` bytes is, as findings name it.
+const char* accessName(bool shared, bool write, uint32_t size) {
+  static constexpr const char* kNames[2][2][5] = {
+      {{"ld.global.b8", "ld.global.b16", "ld.global.b32", "ld.global.b64", "ld.global.b128"},
+       {"st.global.b8", "st.global.b16", "st.global.b32", "st.global.b64", "st.global.b128"}},
+      {{"ld.shared.b8", "ld.shared.b16", "ld.shared.b32", "ld.shared.b64", "ld.shared.b128"},
+       {"st.shared.b8", "st.shared.b16", "st.shared.b32", "st.shared.b64", "st.shared.b128"}}};
+  const int width = size == 1 ? 0 : size == 2 ? 1 : size == 4 ? 2 : size == 8 ? 3 : 4;
+  return kNames[shared][write][width];
 }
 
 }  // namespace
@@ -116,7 +183,7 @@ void Cta::report(FindingKind kind, const std::string& instruction, const void* p
 void Cta::run(const std::function<void()>& body) {
   Cta* outer = gCta;
   gCta = this;
-  boost::context::protected_fixedsize_stack stacks(config_.stackBytes);
+  PooledStack stacks{config_.stackBytes};
   for (Thread& t : threads_) {
     t.fiber = boost::context::fiber(std::allocator_arg, stacks, [&body, &t](boost::context::fiber&& back) {
       t.back = std::move(back);
@@ -389,7 +456,10 @@ void Cta::checkShared(int actor, const std::vector<Clock>& clock, int64_t offset
     report(kind, instruction, pc, message, actor == agent() ? -1 : actor, otherThread == agent() ? -1 : otherThread,
            otherPc);
   };
-  const std::string range = "shared [" + hex(config_.sharedWindowBase + offset) + ", +" + std::to_string(bytes) + ")";
+  // Spelled out only for a finding: this check runs on every shared access.
+  const auto range = [&] {
+    return "shared [" + hex(config_.sharedWindowBase + offset) + ", +" + std::to_string(bytes) + ")";
+  };
   for (int64_t i = offset; i < offset + bytes; ++i) {
     const size_t b = size_t(i);
     const uint8_t flags = s.flags[b];
@@ -399,7 +469,7 @@ void Cta::checkShared(int actor, const std::vector<Clock>& clock, int64_t offset
       const int owner = tensor ? tensorCopies[size_t(op - kTensorCopyTag)].thread : copies[size_t(op)].thread;
       const void* issued = tensor ? tensorCopies[size_t(op - kTensorCopyTag)].pc : copies[size_t(op)].pc;
       problem(FindingKind::asyncAccess,
-              who(actor) + (access == Access::read ? " reads " : " writes ") + range + " while the " +
+              who(actor) + (access == Access::read ? " reads " : " writes ") + range() + " while the " +
                   (tensor ? "TMA copy" : "cp.async") + " thread " + std::to_string(owner) +
                   " issued into it is in flight (no " + (tensor ? "mbarrier wait" : "cp.async.wait_group") +
                   " covers it)",
@@ -407,17 +477,17 @@ void Cta::checkShared(int actor, const std::vector<Clock>& clock, int64_t offset
     }
     if (s.asyncReads[b] && access != Access::read)
       problem(FindingKind::asyncAccess,
-              who(actor) + " writes " + range +
+              who(actor) + " writes " + range() +
                   " while the async proxy still reads it (a wgmma before its wgmma.wait_group, or a bulk reduction "
                   "before its cp.async.bulk.wait_group.read)");
     if (access != Access::write && !(flags & SharedShadow::kWritten))
-      problem(FindingKind::uninitialized, who(actor) + " reads " + range + ", which no thread has written");
+      problem(FindingKind::uninitialized, who(actor) + " reads " + range() + ", which no thread has written");
     const int writer = s.writer[b];
     if ((flags & SharedShadow::kWritten) && writer != actor && writer != SharedShadow::kNobody &&
         s.writeClock[b] > clock[size_t(writer)] &&
         !(access == Access::atomic && (flags & SharedShadow::kAtomicWrite)))
       problem(FindingKind::race,
-              who(actor) + (access == Access::read ? " reads " : " writes ") + range + " that " + who(writer) +
+              who(actor) + (access == Access::read ? " reads " : " writes ") + range() + " that " + who(writer) +
                   " wrote with no barrier or mbarrier ordering the two",
               writer, s.writePc[b]);
     if (access != Access::read) {
@@ -426,7 +496,7 @@ void Cta::checkShared(int actor, const std::vector<Clock>& clock, int64_t offset
         if (reader != SharedShadow::kNobody && reader != actor &&
             s.readClock[b * SharedShadow::kReadSlots + size_t(slot)] > clock[size_t(reader)])
           problem(FindingKind::race,
-                  who(actor) + " writes " + range + " that " + who(reader) +
+                  who(actor) + " writes " + range() + " that " + who(reader) +
                       " read with no barrier or mbarrier ordering the two",
                   reader);
       }
@@ -488,7 +558,7 @@ void Cta::access(const void* address, uint32_t size, bool write, const void* pc)
   const auto a = reinterpret_cast<uintptr_t>(address);
   const auto sharedLow = reinterpret_cast<uintptr_t>(sharedStorage_.data());
   if (a - sharedLow < sharedStorage_.size()) {
-    const std::string instruction = std::string(write ? "st.shared." : "ld.shared.") + widthName(size);
+    const char* instruction = accessName(/*shared=*/true, write, size);
     if (a % size != 0)
       report(FindingKind::misaligned, instruction, pc,
              std::to_string(size) + "-byte access at shared address " + hex(sharedAddressOf(address)) +
@@ -502,7 +572,7 @@ void Cta::access(const void* address, uint32_t size, bool write, const void* pc)
     }
     if (shadow_.flags[size_t(offset)] & SharedShadow::kMbarrier)
       report(FindingKind::mbarrier, instruction, pc, "an ordinary load or store touches an mbarrier object");
-    checkShared(t.index, t.clock, offset, size, write ? Access::write : Access::read, instruction.c_str(), pc);
+    checkShared(t.index, t.clock, offset, size, write ? Access::write : Access::read, instruction, pc);
     return;
   }
   if (config_.global && config_.global->mayContain(address)) {
@@ -510,8 +580,7 @@ void Cta::access(const void* address, uint32_t size, bool write, const void* pc)
     // registers): that falls through to the registers' checks below.
     const GlobalMemory::Buffer* buffer = nullptr;
     if (config_.global->locate(address, size, &buffer) != GlobalMemory::Where::elsewhere) {
-      checkGlobal(address, size, write, std::string(write ? "st.global." : "ld.global.") + widthName(size), pc,
-                  /*mustBeInABuffer=*/false);
+      checkGlobal(address, size, write, accessName(/*shared=*/false, write, size), pc, /*mustBeInABuffer=*/false);
       return;
     }
   }
@@ -528,7 +597,7 @@ void Cta::access(const void* address, uint32_t size, bool write, const void* pc)
     if (a < end && a + size > begin) t.touchedSinceFence = true;
 }
 
-bool Cta::checkGlobal(const void* address, uint32_t size, bool write, const std::string& instruction,
+bool Cta::checkGlobal(const void* address, uint32_t size, bool write, const char* instruction,
                       const void* pc, bool mustBeInABuffer) {
   ++coverage_.globalAccesses;
   const auto a = reinterpret_cast<uintptr_t>(address);

@@ -192,7 +192,7 @@ class Cta {
   // A global access: false (reported) when it touches a red zone, is
   // misaligned or stores into an input, or, `mustBeInABuffer` (an atomic),
   // lies in none of the launch's buffers; true when it may proceed.
-  bool checkGlobal(const void* address, uint32_t size, bool write, const std::string& instruction, const void* pc,
+  bool checkGlobal(const void* address, uint32_t size, bool write, const char* instruction, const void* pc,
                    bool mustBeInABuffer = true);
 
   //===--- asynchronous operations in flight ----------------------------------===//

@@ -751,8 +751,10 @@ TEST(Decode, AbsorbedStepFaultsAreFound) {
        "    // sum_m w_m", {emu::FindingKind::race}},
       {"the warp's barrier between its turned rows and their Gram matrix removed",
        "if constexpr (C::rope_theta > 0) __syncwarp();", "if constexpr (C::rope_theta > 0) {}", {emu::FindingKind::race}},
-      {"a token's key norms stored as the next token's", "norms[f * A::tokens + t] =",
-       "norms[f * A::tokens + (t + 1) % A::tokens] =", {}},
+      {"a token's key norms stored as the next token's", "norms[i % forms * A::tokens + tokenOf(i / forms)] =",
+       "norms[i % forms * A::tokens + (tokenOf(i / forms) + 1) % A::tokens] =", {}},
+      {"a batch's Gram matrices read as its first token's", "l < items ? l / forms : 0) * A::G * pitch;",
+       "l < items ? 0 : 0) * A::G * pitch;", {}},
   };
   std::mt19937_64 rng(testing::testSeed() ^ 0xfa17);
   IhaCase c;
@@ -765,6 +767,10 @@ TEST(Decode, AbsorbedStepFaultsAreFound) {
   ASSERT_TRUE(plan) << plan.error().message;
   ASSERT_TRUE(plan->schedule.absorb_mixing());
   ASSERT_EQ(plan->schedule.warps(), 2) << "two warps share the m-tile";
+  // G 2 P 4: a warp's four tokens take one Gram product and one pass of forms
+  ASSERT_EQ(absorbedGramTokens(2, 4, 2), 4);
+  ASSERT_EQ(absorbedGramTokens(4, 4, 4), 2);  // H 8 G 4 P 4: two tokens a warp, both in one product
+  ASSERT_EQ(absorbedGramTokens(16, 4, 8), 1);
   expectHeaderFaultsFound(c, *dc, *plan, "loom/tile/cuda_absorbed.h", faults, rng());
 }
 

@@ -390,38 +390,48 @@ __device__ void rotateStage(int64_t block) {
 // qk_norm: 1 / rms of each mixed key row (g, j) of the block's tokens,
 // without mixing them: |sum_m alpha_k[m, g, j] x_m|^2 = a^T X X^T a, with X
 // the token's G raw rows (rotated or not: one rotation keeps their dot
-// products) and a the row's weights. A warp takes its own tokens: X X^T on
-// the tensor cores (16-row tiles; X's fragments are both operands), into
-// its Gram buffer, then each lane the quadratic forms of G P / 32 rows on
-// the upper triangle, in f32.
+// products) and a the row's weights. A warp takes its own tokens, `batch`
+// at a time (absorbedGramTokens): their G raw rows each stacked into 16-row
+// tiles, X X^T on the tensor cores (X's fragments are both operands), each
+// token's diagonal block into the warp's Gram buffer, then each lane the
+// quadratic forms of (G P batch) / 32 (row, token) pairs on the upper
+// triangle, in f32.
 template <class C>
 __device__ void keyNorms(int64_t block) {
   using A = Geometry<C>;
-  constexpr int tilesM = (A::G + 15) / 16, tilesN = (A::G + 7) / 8, pitch = absorbedGramPitch(A::G);
+  constexpr int batch = absorbedGramTokens(A::G, A::P, C::warps), R = batch * A::G;  // tokens, rows a product
+  constexpr int tilesM = (R + 15) / 16, tilesN = (R + 7) / 8, pitch = absorbedGramPitch(A::G);
   constexpr int forms = A::CG * A::P;  // the CTA's mixed key rows
+  constexpr int items = forms * batch;   // (row, token) pairs a product's forms
+  static_assert(batch == 1 || items <= kWarpSize, "a batch's forms are one to a lane");
   const AbsorbedSmem smem = layout<C>();
   const Bits16* kStage = sharedTile<C>(smem.k) + int(block) % C::stages * A::stageRows * A::pitch;
-  float* gram = sharedFloats<C>(smem.gram) + cuda::warp() * A::G * pitch;
+  float* gram = sharedFloats<C>(smem.gram) + cuda::warp() * R * pitch;
   const float* weights = sharedFloats<C>(smem.keyWeights);
   float* norms = sharedFloats<C>(smem.keyNorms);
   const int l = cuda::lane();
-  // A lane's rows f = round * 32 + lane, in passes of `held` rounds whose
-  // weights stay in registers (at most 32), each pass reading the Gram
-  // matrix once.
-  constexpr int rounds = (forms + kWarpSize - 1) / kWarpSize;
+  // A lane's pairs i = round * 32 + lane (row i % forms, token i / forms),
+  // in passes of `held` rounds whose weights stay in registers (at most
+  // 32), each pass reading the Gram matrices once.
+  constexpr int rounds = (items + kWarpSize - 1) / kWarpSize;
   constexpr int held = rounds * pitch <= 32 ? rounds : pitch <= 32 ? 32 / pitch : 1;
+  static_assert(batch == 1 || (rounds == 1 && held == 1), "a batch's lanes hold one pair each");
+  static_assert(A::tokens % (C::warps * batch) == 0, "a warp's tokens are whole batches");
   #pragma unroll
-  for (int tokenRound = 0; tokenRound < A::tokens / C::warps; ++tokenRound) {
-    const int t = cuda::warp() + tokenRound * C::warps;
+  for (int tokenRound = 0; tokenRound < A::tokens / C::warps / batch; ++tokenRound) {
+    // token u of the batch: the warp's (tokenRound batch + u)-th, as rotateStage turned them
+    auto tokenOf = [&](int u) { return cuda::warp() + (tokenRound * batch + u) * C::warps; };
     float c[tilesM][tilesN][4];
     cuda::zero<C>(c);
     #pragma unroll
     for (int kt = 0; kt < A::KT; ++kt) {
       Bits32 x[tilesM][4];
       #pragma unroll
-      for (int mt = 0; mt < tilesM; ++mt) {  // rows past G repeat the last (their products are never stored)
-        const int m = mt * 16 + l % 16 < A::Gp ? mt * 16 + l % 16 : A::Gp - 1;
-        cuda::ldmatrixX4(x[mt], cuda::sharedAddress(kStage + (m * A::tokens + t) * A::pitch + kt * kMmaK + l / 16 * 8));
+      for (int mt = 0; mt < tilesM; ++mt) {  // rows past R repeat the last (their products are never stored)
+        const int r = mt * 16 + l % 16 < R ? mt * 16 + l % 16 : R - 1;
+        const int m = batch == 1 ? r : r % A::G, u = batch == 1 ? 0 : r / A::G;
+        cuda::ldmatrixX4(x[mt],
+                         cuda::sharedAddress(kStage + (m * A::tokens + tokenOf(u)) * A::pitch + kt * kMmaK + l / 16 * 8));
       }
       #pragma unroll
       for (int mt = 0; mt < tilesM; ++mt)
@@ -434,20 +444,23 @@ __device__ void keyNorms(int64_t block) {
       #pragma unroll
       for (int nt = 0; nt < tilesN; ++nt)
         #pragma unroll
-        for (int e = 0; e < 4; ++e) {
+        for (int e = 0; e < 4; ++e) {  // a token's block: rows and columns u G .. u G + G - 1
           const int row = mt * 16 + l / 4 + 8 * (e / 2), column = nt * 8 + 2 * (l % 4) + e % 2;
-          if (row < A::G && column < A::G) gram[row * pitch + column] = c[mt][nt][e];
+          if (row < R && column < R && row / A::G == column / A::G)
+            gram[row * pitch + column % A::G] = c[mt][nt][e];
         }
     __syncwarp();
     // sum_m w_m (X X^T_mm w_m + 2 sum_{m' > m} X X^T_mm' w_m'), on the
-    // upper triangle, a 16-byte piece of a Gram row at a time
+    // upper triangle, a 16-byte piece of a Gram row at a time; a batch's
+    // lanes each read their own token's matrix (one pass of one round)
+    const float* mine = gram + (batch > 1 && l < items ? l / forms : 0) * A::G * pitch;
     #pragma unroll
     for (int pass = 0; pass < (rounds + held - 1) / held; ++pass) {
       float w[held][pitch];
       #pragma unroll
-      for (int h = 0; h < held; ++h) {  // rows past G P (a last partial round) take row 0's weights
-        const int f = (pass * held + h) * kWarpSize + l;
-        const int row = pass * held + h < rounds && f < forms ? f : 0;
+      for (int h = 0; h < held; ++h) {  // pairs past the last (a partial round) take row 0's weights
+        const int i = (pass * held + h) * kWarpSize + l;
+        const int row = pass * held + h < rounds && i < items ? i % forms : 0;
         #pragma unroll
         for (int m = 0; m < pitch; m += 4) {
           const float4 four = *reinterpret_cast<const float4*>(weights + row * pitch + m);
@@ -463,7 +476,7 @@ __device__ void keyNorms(int64_t block) {
         float diagonal = 0.0f, cross[held] = {};
         #pragma unroll
         for (int n = m / 4 * 4; n < pitch; n += 4) {
-          const float4 four = *reinterpret_cast<const float4*>(gram + m * pitch + n);
+          const float4 four = *reinterpret_cast<const float4*>(mine + m * pitch + n);
           const float x[4] = {four.x, four.y, four.z, four.w};
           #pragma unroll
           for (int e = 0; e < 4; ++e) {
@@ -478,12 +491,12 @@ __device__ void keyNorms(int64_t block) {
       }
       #pragma unroll
       for (int h = 0; h < held; ++h) {
-        const int f = (pass * held + h) * kWarpSize + l;
-        if (pass * held + h < rounds && (forms % kWarpSize == 0 || f < forms))
-          norms[f * A::tokens + t] = rsqrtf(squares[h] * (1.0f / A::D) + C::qk_norm_eps);
+        const int i = (pass * held + h) * kWarpSize + l;
+        if (pass * held + h < rounds && (items % kWarpSize == 0 || i < items))
+          norms[i % forms * A::tokens + tokenOf(i / forms)] = rsqrtf(squares[h] * (1.0f / A::D) + C::qk_norm_eps);
       }
     }
-    __syncwarp();  // the Gram buffer is the warp's next token's
+    __syncwarp();  // the Gram buffer is the warp's next tokens'
   }
 }
 

@@ -193,7 +193,7 @@ struct AbsorbedSmem {
   int angles = 0;  // [tokens][2][d / 2] f32: a block's rotary cosines, then sines, each token's
   // qk_norm only (absent, 0 bytes, without it):
   int keyWeights = 0;  // [G * P][gramPitch] f32: alpha_k of each mixed key row (g, j) of the CTA's, its G weights
-  int gram = 0;        // [warps][G][gramPitch] f32: each warp's token's Gram matrix of its raw key rows
+  int gram = 0;        // [warps][gramTokens][G][gramPitch] f32: each warp's tokens' Gram matrices of their raw key rows
   int keyNorms = 0;    // [G * P][tokens] f32: 1 / rms of each mixed key row (g, j) of the CTA's, the block's tokens
   // the tensor-mixing step only (its q, 16 rows a warp, is read at every block; no pTile, probs, alpha, beta):
   int turns = 0;    // [8][2][d / 2] f32: R(j)'s cosines, then sines, for each j < 8
@@ -203,6 +203,17 @@ struct AbsorbedSmem {
 
 // A row of G floats rounded up to whole 16-byte vectors.
 constexpr int absorbedGramPitch(int kvHeads) { return (kvHeads + 3) / 4 * 4; }
+// qk_norm: the tokens one Gram product of a warp takes (its tokens are
+// kAbsorbedTokens / warps): as many as stack their G raw rows into one
+// 16-row tile and leave their G P quadratic forms one to a lane. At G 4,
+// P 4 a warp's two tokens take one product and one pass of forms, where
+// one each would leave three quarters of the tile and half the lanes idle.
+constexpr int absorbedGramTokens(int kvHeads, int pseudoHeads, int warps) {
+  const int own = warps < kAbsorbedTokens ? kAbsorbedTokens / warps : 1;
+  int tokens = 1;
+  while (own % (2 * tokens) == 0 && 2 * tokens * kvHeads <= 16 && 2 * tokens * kvHeads * pseudoHeads <= 32) tokens *= 2;
+  return tokens;
+}
 
 constexpr int absorbedPTilePitch(int kvHeads) { return kAbsorbedTokens * absorbedPaddedHeads(kvHeads) + kRowPadElements; }
 
@@ -227,7 +238,7 @@ constexpr AbsorbedSmem absorbedSmem(int blockM, int headDim, int stages, int kvH
   s.keyWeights = s.angles + kAbsorbedTokens * headDim * kAccumulatorBytes;
   const int gramRows = qkNorm ? absorbedGramPitch(kvHeads) * kAccumulatorBytes : 0;
   s.gram = s.keyWeights + kvHeads * pseudoHeads * gramRows;
-  s.keyNorms = s.gram + warps * kvHeads * gramRows;
+  s.keyNorms = s.gram + warps * absorbedGramTokens(kvHeads, pseudoHeads, warps) * kvHeads * gramRows;
   s.total = s.keyNorms + (qkNorm ? kvHeads * pseudoHeads * kAbsorbedTokens * kAccumulatorBytes : 0);
   return s;
 }
