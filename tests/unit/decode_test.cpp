@@ -753,8 +753,9 @@ TEST(Decode, AbsorbedStepFaultsAreFound) {
        "if constexpr (C::rope_theta > 0) __syncwarp();", "if constexpr (C::rope_theta > 0) {}", {emu::FindingKind::race}},
       {"a token's key norms stored as the next token's", "norms[i % forms * A::tokens + tokenOf(i / forms)] =",
        "norms[i % forms * A::tokens + (tokenOf(i / forms) + 1) % A::tokens] =", {}},
-      {"a batch's Gram matrices read as its first token's", "l < items ? l / forms : 0) * A::G * pitch;",
-       "l < items ? 0 : 0) * A::G * pitch;", {}},
+      // (the next: a short sequence's only live token is a batch's first)
+      {"a batch's Gram matrices read as its next token's", "l < items ? l / forms : 0) * A::G * pitch;",
+       "l < items ? (l / forms + 1) % batch : 0) * A::G * pitch;", {}},
   };
   std::mt19937_64 rng(testing::testSeed() ^ 0xfa17);
   IhaCase c;
