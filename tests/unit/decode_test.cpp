@@ -27,18 +27,20 @@
 namespace loom {
 namespace {
 
-// The largest |score| of row i of query head h over the keys it may see, in
-// the forward's virtual rows of one sequence (q and k mixed, normalised and
-// turned as the reference does).
-double largestScore(const KernelSpec& spec, const reference::detail::Rows& q, const reference::detail::Rows& k,
-                    int64_t h, int64_t i) {
+// The largest scale * sum_e |q_e k_e| of row i of query head h over the keys
+// it may see, in the forward's virtual rows of one sequence (q and k mixed,
+// normalised and turned as the reference does): the size each score's
+// rounding is relative to (a dot product's condition), at least its |score|.
+double largestScoreMagnitude(const KernelSpec& spec, const reference::detail::Rows& q,
+                             const reference::detail::Rows& k, int64_t h, int64_t i) {
   const int64_t g = h / (spec.heads() / spec.kv_heads());
   double largest = 0;
   for (int64_t j = 0; j < int64_t(k[size_t(g)].size()); ++j) {
     if (!reference::allowed(spec, i, j)) continue;
-    double dot = 0;
-    for (int64_t e = 0; e < spec.head_dim(); ++e) dot += q[size_t(h)][size_t(i)][size_t(e)] * k[size_t(g)][size_t(j)][size_t(e)];
-    largest = std::max(largest, std::abs(reference::detail::scaleOf(spec) * dot));
+    double magnitude = 0;
+    for (int64_t e = 0; e < spec.head_dim(); ++e)
+      magnitude += std::abs(q[size_t(h)][size_t(i)][size_t(e)] * k[size_t(g)][size_t(j)][size_t(e)]);
+    largest = std::max(largest, std::abs(reference::detail::scaleOf(spec)) * magnitude);
   }
   return largest;
 }
@@ -46,11 +48,13 @@ double largestScore(const KernelSpec& spec, const reference::detail::Rows& q, co
 // The forward's lse [1, H, n*P] over the sequence's first cache_len + T
 // tokens, at the step's rows, against the step's [B, H, T*P]: the error's
 // norm over that of each row's scale, the larger of |lse| and its largest
-// |score|. An lse taken from rounded scores moves as far as they do, and
-// they move in proportion to their size: a row whose exponentials sum to
-// about 1 has an lse near 0 whatever its scores (a bf16 step of three keys
-// with qk_norm: lse 0.153, scores up to 11, moved by 0.004), so its error
-// is not relative to the lse.
+// score magnitude (scale * sum |q_e k_e|). An lse taken from rounded scores
+// moves as far as they do, and a score moves in proportion to the products
+// it sums, not to their sum: a row whose exponentials sum to about 1 has an
+// lse near 0 whatever its scores (a bf16 step of three keys with qk_norm:
+// lse 0.153, scores up to 11, moved by 0.004), and a row of one key whose
+// normalised q and k are nearly orthogonal has a score near 0 (bf16, d 32:
+// score 0.062, products summing to about 4, moved by 0.0014).
 double lseError(const IhaCase& c, const DecodeCase& dc, const reference::DecodeOutputs& got) {
   const KernelSpec& spec = c.spec;
   const int64_t H = spec.heads(), G = spec.kv_heads(), P = spec.pseudo_heads(), d = spec.head_dim();
@@ -70,7 +74,7 @@ double lseError(const IhaCase& c, const DecodeCase& dc, const reference::DecodeO
       for (int64_t r = 0; r < T * P; ++r) {
         const double want = forward.lse[size_t(h * to * P + from * P + r)];
         const double have = got.lse[size_t((b * H + h) * Tmost * P + r)];
-        const double rowScale = std::max(std::abs(want), largestScore(spec, q, k, h, from * P + r));
+        const double rowScale = std::max(std::abs(want), largestScoreMagnitude(spec, q, k, h, from * P + r));
         error += (have - want) * (have - want);
         scale += rowScale * rowScale;
       }
