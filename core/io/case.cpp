@@ -388,7 +388,7 @@ double backwardCheckShare(const KernelSpec& spec, const reference::IhaInputs& in
   const double tolerance = gradientToleranceFor(spec.dtype());
   const auto rounded = reference::ihaBackwardWithRoundedMixing(spec, inputs, dout, spec.dtype());
   const double roundings = worstGradientError(spec, inputs.tokens, rounded, expected, inputs.cu_seqlens) / tolerance;
-  if (std::isnan(roundings) || roundings > kCheckableBackwardShare) return roundings;  // refused already
+  if (std::isnan(roundings) || roundings > checkableBackwardShare(spec.dtype())) return roundings;  // refused already
   const auto perturbed = backwardOfFloat32Perturbation(spec, inputs, dout);
   return std::max(roundings, worstGradientError(spec, inputs.tokens, perturbed, expected, inputs.cu_seqlens) / tolerance);
 }
@@ -402,7 +402,7 @@ Drawn drawBackward(const KernelSpec& spec, int64_t batch, int64_t tokens, uint64
     return c;
   };
   auto share = [](const IhaCase& c) { return backwardCheckShare(c.spec, c.inputs, *c.dout, *c.expectedGradients); };
-  return drawWhile(draw, share, kCheckableBackwardShare);
+  return drawWhile(draw, share, checkableBackwardShare(spec.dtype()));
 }
 }  // namespace
 

@@ -221,8 +221,8 @@ TEST(BackwardReference, VanishingGradientsAreTheOnesNamed) {
   EXPECT_GT(vanished, 0);
 }
 
-// findCheckableBackwardCase gives a case whose rounding model is within a
-// quarter of the tolerance, and none for a spec ill-conditioned in its dtype
+// findCheckableBackwardCase gives a case whose rounding model is within its
+// dtype's share of the tolerance, and none for a spec ill-conditioned in its dtype
 // (one kv head under a one-token window in bfloat16: a query's keys are
 // multiples of one row), where drawCheckableBackwardCase still gives one.
 TEST(BackwardReference, CheckableCasesOrNone) {
@@ -234,7 +234,7 @@ TEST(BackwardReference, CheckableCasesOrNone) {
   const KernelSpec good = testing::makeSpec({.heads = 4, .kvHeads = 2, .pseudoHeads = 2, .headDim = 16});
   auto found = findCheckableBackwardCase(good, 1, 12, rng());
   ASSERT_TRUE(found);
-  EXPECT_LE(modelShare(*found), kCheckableBackwardShare);
+  EXPECT_LE(modelShare(*found), checkableBackwardShare(good.dtype()));
 
   // Of 200 draws of this spec the least the roundings cost was 0.73 of the
   // tolerance (H = 3, P = 3, N = 17 had one draw in 200 under a quarter).
@@ -246,7 +246,7 @@ TEST(BackwardReference, CheckableCasesOrNone) {
   EXPECT_FALSE(findCheckableBackwardCase(ill, 1, 24, seed));
   const IhaCase best = drawCheckableBackwardCase(ill, 1, 24, seed);
   ASSERT_TRUE(best.expectedGradients);
-  EXPECT_GT(modelShare(best), kCheckableBackwardShare);
+  EXPECT_GT(modelShare(best), checkableBackwardShare(ill.dtype()));
 }
 
 }  // namespace

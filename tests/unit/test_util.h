@@ -245,7 +245,7 @@ inline std::vector<double> drawDout(const IhaCase& c, std::mt19937_64& rng) {
 // drawDout for a fixed case (a shared one), drawn again while what a kernel
 // rounds in the dtype alone (reference::ihaBackwardWithRoundedMixing: for
 // float32 every partial sum, dcollapse's too) or its float32 arithmetic
-// (backwardCheckShare) costs a gradient over kCheckableBackwardShare of its
+// (backwardCheckShare) costs a gradient over checkableBackwardShare of its
 // tolerance, as drawCheckableBackwardCase does for drawn cases; at most 16
 // draws, the one they hurt least.
 inline std::vector<double> drawCheckableDout(const IhaCase& c, std::mt19937_64& rng) {
@@ -254,7 +254,7 @@ inline std::vector<double> drawCheckableDout(const IhaCase& c, std::mt19937_64& 
   for (int tries = 0; tries < 16; ++tries) {
     std::vector<double> dout = drawDout(c, rng);
     const double share = backwardCheckShare(c.spec, c.inputs, dout, reference::ihaBackward(c.spec, c.inputs, dout));
-    if (share <= kCheckableBackwardShare) return dout;
+    if (share <= checkableBackwardShare(c.spec.dtype())) return dout;
     if (share < bestShare) {
       bestShare = share;
       best = std::move(dout);
