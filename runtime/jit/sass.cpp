@@ -216,7 +216,10 @@ void describeLoop(const Function& f, const std::vector<Block>& blocks, const std
   }
   loop.set_tensor_flops_per_warp(flops);
   loop.set_instructions_per_tensor_mflop(flops > 0 ? code.size() / (flops / 1e6) : 0);
-  loop.set_masked(maskSelects >= 8);
+  // A mask selects -inf into each score a thread holds that it hides: at
+  // least four of them (an absorbed step's one-warp m-tile of eight
+  // tokens holds four scores a thread; a 16 x 16 tile, eight).
+  loop.set_masked(maskSelects >= 4);
   loop.set_exponentials(classes["mufu_ex2"]);
   for (int id : synced) loop.add_named_barriers_synced(id);
   for (int id : arrived) loop.add_named_barriers_arrived(id);

@@ -32,7 +32,7 @@ namespace loom::jit::sass {
 
 // Names what this reader counts: figures a cached artifact holds from
 // another reader are taken again. Change it with any change to the figures.
-inline constexpr const char* kReaderVersion = "sass-reader-2026-12-04-switches";
+inline constexpr const char* kReaderVersion = "sass-reader-2026-12-07-four-mask-selects";
 
 // One instruction of nvdisasm's listing.
 struct Instruction {
