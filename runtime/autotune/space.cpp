@@ -24,8 +24,9 @@ constexpr int kTmaProducerRegisters[] = {24};
 constexpr int kMixingProducerRegisters[] = {88, 104};
 // Decode: CTAs splitting a step's key blocks (flash-decoding).
 constexpr int kDecodeSplitChoices[] = {1, 2, 4, 8, 16, 32};
-// The absorbed step runs one CTA a sequence: its splits alone fill the SMs.
-constexpr int kAbsorbedSplitChoices[] = {1, 4, 16, 32, 64, 128, 256};
+// The absorbed step runs one CTA a sequence: its splits alone fill the SMs
+// (a one-warp CTA's, their sub-partitions: up to kMaxKvSplits).
+constexpr int kAbsorbedSplitChoices[] = {1, 4, 16, 32, 64, 128, 256, 512};
 
 }  // namespace
 

@@ -569,7 +569,7 @@ TEST(CostModel, DecodeStepsAreMemoryBoundAndSplitWhereTheGridIsSmall) {
     EXPECT_EQ(splits, (std::set<int>{1, 2, 4, 8, 16, 32}));
     EXPECT_EQ(wgmmaSplits, splits) << "sm_90a tries the wgmma step at every split";
     if (!mixed) {
-      EXPECT_EQ(absorbedSplits, (std::set<int>{1, 4, 16, 32, 64, 128, 256}));
+      EXPECT_EQ(absorbedSplits, (std::set<int>{1, 4, 16, 32, 64, 128, 256, 512}));
       EXPECT_EQ(tensorSplits, absorbedSplits);
       // A raw cache of one long sequence: the model takes the absorbed step
       // (no mixing on chip; P 4: the tensor-mixing step's products cost

@@ -1105,8 +1105,9 @@ TEST(Decode, DefaultSplitsCoverTheSms) {
   EXPECT_EQ(splitsOf(16, 16, *parseTarget("cpu")), 1);
   // The absorbed step over a raw cache: one CTA a sequence, its splits the
   // SMs; a CTA of fewer than four warps (a token of every head in one or
-  // two 16-row m-tiles, P 1) covers the SMs' four sub-partitions, at most
-  // kMaxKvSplits (256).
+  // two 16-row m-tiles, P 1) covers the SMs' four sub-partitions as far as
+  // an SM's shared memory holds its CTAs (228 KiB on sm_90a), at most
+  // kMaxKvSplits (512).
   auto absorbedSplits = [](int heads, int kvHeads, int headDim, const v1::Target& target) {
     const KernelSpec spec = testing::makeSpec({.heads = heads, .kvHeads = kvHeads, .pseudoHeads = 1,
                                                .headDim = headDim, .dtype = v1::bfloat16, .mask = v1::flat_causal});
@@ -1115,8 +1116,15 @@ TEST(Decode, DefaultSplitsCoverTheSms) {
     EXPECT_TRUE(resolved && resolved->absorb_mixing()) << (resolved ? resolved->ShortDebugString() : "");
     return resolved ? std::pair{resolved->warps(), resolved->kv_splits()} : std::pair{-1, -1};
   };
-  EXPECT_EQ(absorbedSplits(16, 16, 64, small), (std::pair{1, 64 * 4}));
-  EXPECT_EQ(absorbedSplits(16, 16, 64, hopper), (std::pair{1, 256}));
+  // H = G = 16, d 64: one warp, 81 KiB a CTA, two an SM.
+  EXPECT_EQ(absorbedSplits(16, 16, 64, small), (std::pair{1, 64 * 2}));
+  EXPECT_EQ(absorbedSplits(16, 16, 64, hopper), (std::pair{1, 132 * 2}));
+  v1::Target smallShared = small;  // one such CTA an SM
+  smallShared.mutable_device()->set_shared_memory_per_multiprocessor(100 * 1024);
+  EXPECT_EQ(absorbedSplits(16, 16, 64, smallShared), (std::pair{1, 64}));
+  // H 16 G 4, d 64: one warp, 22 KiB a CTA, four an SM (528), capped.
+  EXPECT_EQ(absorbedSplits(16, 4, 64, hopper), (std::pair{1, 512}));
+  EXPECT_EQ(absorbedSplits(16, 4, 64, small), (std::pair{1, 64 * 4}));
   EXPECT_EQ(absorbedSplits(32, 8, 128, small), (std::pair{2, 64 * 2}));
   EXPECT_EQ(absorbedSplits(64, 8, 64, small), (std::pair{4, 64}));
 }
@@ -1255,8 +1263,8 @@ TEST(Decode, PlansSayWhatTheyCannotBe) {
   splitFused.set_collapse(v1::collapse_fused);
   expectPlanRefused(spec, splitFused, "sm_80", decode, "needs collapse separate");
   Schedule tooMany;
-  tooMany.set_kv_splits(257);
-  EXPECT_FALSE(generateKernel(spec, tooMany, *parseTarget("cpu"), decode));
+  tooMany.set_kv_splits(513);  // kMaxKvSplits + 1
+  expectPlanRefused(spec, tooMany, "cpu", decode, "schedule.kv_splits (513) must be in [1, 512]");
   auto splitPlan = generateKernel(spec, split, *parseTarget("cpu"), decode);
   ASSERT_TRUE(splitPlan) << splitPlan.error().message;
   EXPECT_EQ(splitPlan->schedule.kv_splits(), 3);

@@ -177,4 +177,10 @@ int64_t defaultSharedMemoryPerBlock(const std::string& arch);
 // default kv_splits and the cost model's device take them.
 int64_t smCountOf(const v1::Target& target);
 
+// The shared memory of one SM of the target's device, or of its arch's
+// (228 KiB on sm_90, 164 KiB on sm_80, 100 KiB for the sm_86 / sm_89
+// class): the CTAs an SM holds at once, for the decode step's default
+// kv_splits and the cost model's device.
+int64_t sharedMemoryPerSmOf(const v1::Target& target);
+
 }  // namespace loom

@@ -184,8 +184,9 @@ int64_t sharedMemoryLimit(const v1::Target& target) {
 // splits alone cover the SMs: up to kMaxKvSplits. A CTA of fewer than four
 // warps (an absorbed step of few rows: H 16 P 1 is one warp) issues on that
 // many of an SM's four sub-partitions: its splits cover the sub-partitions
-// (each SM holds the CTAs its shared memory allows; the rest run in later
-// waves).
+// as far as the CTAs an SM's shared memory holds at once (H 16 G 4 P 1 d 64,
+// one warp: four an SM, 512 splits on an H100; H = G = 16: two, 264), more
+// would only queue in later waves and add the combine's partial rows.
 constexpr int64_t kDefaultKvSplits = 16;
 constexpr int64_t kSubPartitions = 4;  // an SM's warp schedulers
 // A window bounds the keys a step sees whatever the cache holds: no more
@@ -205,16 +206,20 @@ int32_t defaultDecodeSplits(const KernelSpec& spec, const ScheduleFields& given,
                             : given.tensorMixing ? mixingTokens * spec.pseudo_heads()
                                                  : kMmaRows;
   if (windowRows > 0) most = std::min<int64_t>(most, windowRows / blockRows + 1);
-  int64_t ctaWarps = kSubPartitions;
-  if (given.absorbMixing) {  // the warps completeDecodeFields will give it
+  int64_t perSm = 1;
+  if (given.absorbMixing) {  // the block and warps completeDecodeFields will give it
     const int P = int(spec.pseudo_heads()), d = int(spec.head_dim());
     const int64_t blockM = given.blockM ? given.blockM
                                         : absorbedBlockM(int(oneCtaStepHeads(spec.heads(), spec.kv_heads(), P, d,
                                                                              false)),
                                                          P);
-    ctaWarps = given.warps ? given.warps : absorbedWarps(int(blockM), P, d);
+    const int64_t ctaWarps = given.warps ? given.warps : absorbedWarps(int(blockM), P, d);
+    const int64_t smem = absorbedSmem(int(blockM), d, int(given.stages ? given.stages : kDefaultStages),
+                                      int(spec.kv_heads()), P, int(ctaWarps), spec.qk_norm() == v1::KernelSpec::rms)
+                             .total;
+    perSm = std::clamp<int64_t>(std::min(kSubPartitions / ctaWarps, sharedMemoryPerSmOf(target) / smem), 1,
+                                kSubPartitions);
   }
-  const int64_t perSm = std::max<int64_t>(1, kSubPartitions / ctaWarps);
   return int32_t(std::clamp<int64_t>(smCountOf(target) * perSm / std::max<int64_t>(ctas, 1), 1, most));
 }
 
@@ -348,6 +353,14 @@ int64_t smCountOf(const v1::Target& target) {
   if (arch.rfind("sm_90", 0) == 0) return 132;
   if (arch == "sm_80") return 108;
   return 84;
+}
+
+int64_t sharedMemoryPerSmOf(const v1::Target& target) {
+  if (target.device().shared_memory_per_multiprocessor() > 0) return target.device().shared_memory_per_multiprocessor();
+  const std::string& arch = target.arch();
+  if (arch.rfind("sm_90", 0) == 0) return 233472;
+  if (arch == "sm_80" || arch == "sm_87") return 167936;
+  return 102400;
 }
 
 int64_t defaultSharedMemoryPerBlock(const std::string& arch) {

@@ -9,7 +9,6 @@ namespace {
 constexpr int64_t kDefaultWarps = 4;
 constexpr int64_t kDefaultWarpgroups = 2;
 constexpr int64_t kDefaultBlockNs[] = {64, 32, 16};
-constexpr int64_t kDefaultStages = 2;
 
 constexpr int64_t kTmaProducerRegisters = 24;
 // A mixing producer (hopper.h, mixKvTile: a ring of raw rows by cp.async,

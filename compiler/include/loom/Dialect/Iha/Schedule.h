@@ -18,6 +18,7 @@ inline constexpr int64_t kHeadDimQuantum = 8;
 inline constexpr int64_t kMaxHeadDim = 256;
 inline constexpr int64_t kMaxBlockRows = 256;
 inline constexpr int64_t kMaxStages = 4;
+inline constexpr int64_t kDefaultStages = 2;  // the mma engine's, and a decode step's
 inline constexpr int64_t kThreadsPerWarp = 32;
 
 // The wgmma engine (sm_90a): 64 query rows per consumer warpgroup, one
@@ -28,7 +29,7 @@ inline constexpr int64_t kMinWgmmaStages = 2;  // a consumer returns a stage onl
 inline constexpr int64_t kMinWarpgroupRegisters = 24;
 inline constexpr int64_t kMaxWarpgroupRegisters = 256;
 inline constexpr int64_t kMaxWarps = 3 * kWarpgroupWarps;  // three consumer warpgroups
-inline constexpr int64_t kMaxKvSplits = 256;                 // CTAs splitting a decode step's key blocks
+inline constexpr int64_t kMaxKvSplits = 512;                 // CTAs splitting a decode step's key blocks
 
 struct ScheduleFields {
   int64_t blockM = 0, blockN = 0, warps = 0, stages = 0;
