@@ -14,6 +14,19 @@
 iha.kernel @flat_window spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 2, head_dim = 16, dtype = f32, mask = flat_causal, window = 40, collapse = per_head, rope_theta = 0.0, scale = 0.25>) {
 }
 
+// A window wide enough that the blocks before the interior reach no row's
+// last key (loom::leadingBlocksCrossOnlyTheLowerEdge: 200 rows against 64 x
+// 64 blocks): the leading loop is marked lower_edge, its mask tests each
+// row's first key alone; the trailing loop is masked in full. The window of
+// 40 tokens above (80 rows) is too narrow for it.
+// CHECK-LABEL: iha.kernel @wide_window
+// CHECK:           iha.kv_stream %[[LO:[0-9a-z_]+]] to %[[HI:[0-9a-z_]+]] head
+// CHECK-NEXT:      iha.kv_loop %[[LO]] to %[[ILO:[0-9a-z_]+]] {{.*}} {lower_edge, masked}
+// CHECK-NEXT:      iha.kv_loop %[[ILO]] to %[[IHI:[0-9a-z_]+]] rows {{.*}}batch %arg2{{$}}
+// CHECK-NEXT:      iha.kv_loop %[[IHI]] to %[[HI]] {{.*}} {masked}
+iha.kernel @wide_window spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 2, head_dim = 16, dtype = f32, mask = flat_causal, window = 100, collapse = per_head, rope_theta = 0.0, scale = 0.25>) {
+}
+
 // No mask and no window: every block is visited, the stream starts at 0, the
 // empty leading masked loop is dropped, and only the partial last block (if
 // any) needs its bounds mask.

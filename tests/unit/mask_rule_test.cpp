@@ -94,6 +94,57 @@ TEST(MaskRule, BlockRangesAreExactForEveryRule) {
   std::printf("[ blocks   ] %lld (query block, key block) pairs checked\n", (long long)checked);
 }
 
+// leadingBlocksCrossOnlyTheLowerEdge (a leading masked loop that tests
+// first(i) alone): wherever it holds, every key of every block in [lo, ilo)
+// is at or before each of the query block's rows' last and before the end;
+// windows wide enough for it and too narrow, every mode and alignment and
+// window_rows, several block shapes and lengths. It holds with leading
+// blocks to check (the test can fail), and fails for some rule and shape.
+TEST(MaskRule, LeadingBlocksCrossOnlyTheLowerEdgeWhereSaid) {
+  IntegerMath math;
+  int64_t checked = 0, refused = 0;
+  for (int P = 1; P <= 3; ++P)
+    for (v1::MaskMode mask : {v1::flat_causal, v1::token_causal, v1::none})
+      for (int window : {0, 2, 9, 20, 41})
+        for (auto align : {v1::KernelSpec::virtual_, v1::KernelSpec::token})
+          for (int rows : {0, 15, 40, 97}) {
+            if ((align == v1::KernelSpec::token && window == 0) || (rows > 0 && (mask != v1::flat_causal || window > 0)))
+              continue;
+            KernelSpec spec =
+                testing::makeSpec({.heads = 1, .pseudoHeads = P, .headDim = 8, .mask = mask, .window = window});
+            spec.set_window_align(align);
+            spec.set_window_rows(rows);
+            testing::dropStaleOptions(spec);
+            ASSERT_TRUE(validateSpec(spec)) << spec.ShortDebugString();
+            const MaskRule rule = MaskRule::of(spec);
+            for (int64_t blockM : {int64_t(std::lcm(P, 16)), int64_t(std::lcm(P, 32))})
+              for (int64_t blockN : {16, 32}) {
+                if (!leadingBlocksCrossOnlyTheLowerEdge(rule, blockM, blockN)) {
+                  refused += rule.lower != MaskRule::Lower::none;
+                  continue;
+                }
+                for (int64_t tokens : {1, 7, 30, 61, 90}) {
+                  const int64_t L = tokens * P;
+                  for (int64_t r0 = 0; r0 < L; r0 += blockM) {
+                    const BlockRanges<int64_t> r = blockRanges(math, rule, blockM, blockN, r0, L);
+                    for (int64_t block = r.lo; block < r.ilo; ++block)
+                      for (int64_t i = r0; i < std::min(r0 + blockM, L); ++i) {
+                        const RowInterval row = allowedRows(rule, i, L);
+                        ASSERT_LE((block + 1) * blockN - 1, row.last)
+                            << spec.ShortDebugString() << " block_m=" << blockM << " block_n=" << blockN
+                            << " L=" << L << " r0=" << r0 << " key block " << block << " row " << i;
+                        ++checked;
+                      }
+                  }
+                }
+              }
+          }
+  std::printf("[ leading  ] %lld (leading key block, row) pairs checked; %lld rule shapes refused\n",
+              (long long)checked, (long long)refused);
+  EXPECT_GT(checked, 1000);
+  EXPECT_GT(refused, 0);
+}
+
 TEST(MaskRule, QueryBlockRangesAreExactForEveryRule) {
   // The backward's key-block-outer loop: for each key block, the query
   // blocks holding an allowed pair, and the ones every pair of which is

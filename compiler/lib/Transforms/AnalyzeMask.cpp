@@ -85,13 +85,20 @@ struct AnalyzeMask : impl::IhaAnalyzeMaskBase<AnalyzeMask> {
       stream.getUpperMutable().assign(r.hi);
       builder.setInsertionPoint(loop);
       const bool mixed = loop.getMixed();
-      auto emitLoop = [&](Value lower, Value upper, bool masked) {
+      auto emitLoop = [&](Value lower, Value upper, bool masked, bool lowerEdge) {
         builder.create<KvLoopOp>(loop.getLoc(), lower, upper, loop.getRow0(), loop.getHead(), loop.getBatch(),
-                                 masked, mixed);
+                                 masked, mixed, lowerEdge);
       };
-      emitLoop(r.lo, r.ilo, /*masked=*/true);
-      emitLoop(r.ilo, r.ihi, /*masked=*/false);
-      emitLoop(r.ihi, r.hi, /*masked=*/true);
+      // The leading blocks' mask tests each row's first key alone where no
+      // such block reaches past a row's last or the end (a forward's wide
+      // window; a varlen block may end its document anywhere, and a decode
+      // step's rows are its stacked heads').
+      const bool lowerEdge = !kernel.getDecode() && !kernel.getSpec().getVarlen() &&
+                             leadingBlocksCrossOnlyTheLowerEdge(maskRuleOf(kernel.getSpec()), schedule.getBlockM(),
+                                                                schedule.getBlockN());
+      emitLoop(r.lo, r.ilo, /*masked=*/true, lowerEdge);
+      emitLoop(r.ilo, r.ihi, /*masked=*/false, false);
+      emitLoop(r.ihi, r.hi, /*masked=*/true, false);
       loop.erase();
     }
     splitBackwardLoops();

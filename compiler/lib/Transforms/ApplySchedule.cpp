@@ -122,7 +122,8 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
       const bool rawCache = !kernel.getMixedCache();
       body.create<LoadQOp>(loc, row0, head, batch, /*mixed=*/true);
       body.create<KvStreamOp>(loc, zero, keyBlocks, head, batch, /*mixed=*/rawCache);
-      body.create<KvLoopOp>(loc, zero, keyBlocks, row0, head, batch, /*masked=*/true, /*mixed=*/rawCache);
+      body.create<KvLoopOp>(loc, zero, keyBlocks, row0, head, batch, /*masked=*/true, /*mixed=*/rawCache,
+                            /*lower_edge=*/false);
       if (splits > 1)
         body.create<StoreSplitOp>(loc, row0, head, batch, splitIndexOf(math, attention.getBlockY(), splits));
       else
@@ -200,7 +201,8 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
       Value head = attention.getBlockY(), batch = attention.getBatch();
       body.create<LoadQOp>(loc, row0, head, batch, /*mixed=*/false);
       body.create<KvStreamOp>(loc, zero, keyBlocks, head, batch, /*mixed=*/false);
-      body.create<KvLoopOp>(loc, zero, keyBlocks, row0, head, batch, /*masked=*/true, /*mixed=*/false);
+      body.create<KvLoopOp>(loc, zero, keyBlocks, row0, head, batch, /*masked=*/true, /*mixed=*/false,
+                            /*lower_edge=*/false);
       body.create<StoreRowsOp>(loc, row0, head, batch);
     }
 

@@ -494,7 +494,10 @@ class LaunchLowering {
     // takes the accumulator to order its registers after that wait.
     if (specialized_) call("mma_qk", {scores, state("QTile"), kv, block, state("AccTile")});
     else call("mma_qk", {scores, state("QTile"), kv, block});
-    if (o.getMasked()) call("mask_scores", {scores, args_, get(o.getRow0()), block});
+    if (o.getMasked()) {
+      if (o.getLowerEdge()) call("mask_scores", {scores, args_, get(o.getRow0()), block}, {"true"});
+      else call("mask_scores", {scores, args_, get(o.getRow0()), block});
+    }
     // Masked: whether a row may have no allowed key in this block (its maximum -inf).
     call("softmax_update", {state("SoftmaxState"), scores, state("AccTile")}, {flag(o.getMasked())});
     call("mma_pv", {state("AccTile"), scores, kv, block});

@@ -182,6 +182,26 @@ BlockRanges<Value> blockRanges(Math& m, const MaskRule& rule, int64_t blockM, in
   return r;
 }
 
+// Whether the masked blocks before a query block's interior ([lo, ilo) of
+// blockRanges) can hide only keys below a window's lower edge, whatever the
+// length: every key of such a block is at or before each of the block's
+// rows' last and before the end, so a mask there need test only first(i).
+// The last such block ends by rowLast - reach (ilo is the first block
+// starting at or past rowLast's first visible key: rows, reach = span -
+// blockN + 1; tokens, P span - P - blockN + 2), every row's last is at or
+// past row0 = rowLast - (blockM - 1) (all: the end, past rowLast), and
+// rowLast is before the end.
+inline bool leadingBlocksCrossOnlyTheLowerEdge(const MaskRule& rule, int64_t blockM, int64_t blockN) {
+  const int64_t P = rule.pseudoHeads;
+  int64_t reach = 0;
+  switch (rule.lower) {
+    case MaskRule::Lower::none: return false;  // no leading blocks
+    case MaskRule::Lower::rows: reach = rule.span - blockN + 1; break;
+    case MaskRule::Lower::tokens: reach = P * rule.span - P - blockN + 2; break;
+  }
+  return reach >= (rule.upper == MaskRule::Upper::all ? 0 : blockM - 1);
+}
+
 // Varlen (packed documents): ranges r (of blocks of `block` rows) cut to the
 // documents of a block's first and last rows, virtual rows [first, end).
 // `same` is 1 where both lie in one document, else 0: then every block is

@@ -773,12 +773,13 @@ __device__ void mma_qk(ScoreTile<C, false>& s, QTile<C, false>& q, KvPipeline<C,
 // e of n-tile nt sits at row lane/4 (+8 for e >= 2), column 2*(lane%4) + e%2.
 // Each row sees one interval of keys (allowedColumns): the thread's columns
 // inside it are a run of bits (cuda::columnsBelow), built once a row, and
-// each element costs a bit test and a select, as in hopper.h.
-template <class C>
+// each element costs a bit test and a select, as in hopper.h. LowerEdge
+// (iha.kv_loop's lower_edge): the block hides only keys below a row's first.
+template <class C, bool LowerEdge = false>
 __device__ void mask_scores(ScoreTile<C, false>& s, const IhaArgs& a, int64_t row0, int64_t block) {
   using G = cuda::Geometry<C>;
   // Rows fit in int (launches check L = N * P < 2^31).
-  const int L = int(rows_end<C>(a, block_z(a))), i0 = int(row0);
+  const int L = LowerEdge ? 0 : int(rows_end<C>(a, block_z(a))), i0 = int(row0);
   const int l = cuda::lane();
   const int first = int(block * C::block_n) + fragment::accumulatorColumn(l, 0);
   #pragma unroll
@@ -787,9 +788,15 @@ __device__ void mask_scores(ScoreTile<C, false>& s, const IhaArgs& a, int64_t ro
     for (int h = 0; h < 2; ++h) {
       const int i = i0 + ctaRow<C>(cuda::tileRow<C>(mt) + fragment::accumulatorRow(l, 2 * h)).row;
       const ColumnRange<int> range = visibleColumns<C, int>(a, i);
-      const int hi = (range.hi < L - 1 ? range.hi : L - 1) - first, lo = range.lo - first;  // relative to `first`
-      cuda::ColumnBits<G::NT> allowed = cuda::columnsBelow<G::NT>(hi + 1);
-      if constexpr (windowed<C>() || C::varlen) allowed &= ~cuda::columnsBelow<G::NT>(lo);
+      const int lo = range.lo - first;  // relative to `first`
+      cuda::ColumnBits<G::NT> allowed;
+      if constexpr (LowerEdge) {
+        allowed = ~cuda::columnsBelow<G::NT>(lo);
+      } else {
+        const int hi = (range.hi < L - 1 ? range.hi : L - 1) - first;
+        allowed = cuda::columnsBelow<G::NT>(hi + 1);
+        if constexpr (windowed<C>() || C::varlen) allowed &= ~cuda::columnsBelow<G::NT>(lo);
+      }
       #pragma unroll
       for (int nt = 0; nt < G::NT; ++nt)
         #pragma unroll

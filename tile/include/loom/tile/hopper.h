@@ -668,18 +668,25 @@ __device__ void mma_qk(ScoreTile<C>& s, QTile<C>& qt, KvPipeline<C>& pipe, int64
 // are a run of bits, built once a row, and each element costs a bit test
 // and a select, with a window or without.
 
-template <class C>
+// LowerEdge (iha.kv_loop's lower_edge): the block hides only keys below a
+// row's first, so neither the row's last nor the end is read.
+template <class C, bool LowerEdge = false>
 __device__ void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int64_t block) {
   using G = hopper::Geometry<C>;
   // Rows fit in int (launches check L = N * P < 2^31).
-  const int L = int(rows_end<C>(a, block_z(a)));
   const int first = int(block * C::block_n) + fragment::accumulatorColumn(cuda::lane(), 0);
   #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const ColumnRange<int> range = visibleColumns<C, int>(a, int(row0) + hopper::accumulatorRow(2 * h));
-    const int hi = (range.hi < L - 1 ? range.hi : L - 1) - first, lo = range.lo - first;  // relative to `first`
-    cuda::ColumnBits<G::NT> allowed = cuda::columnsBelow<G::NT>(hi + 1);
-    if constexpr (windowed<C>() || C::varlen) allowed &= ~cuda::columnsBelow<G::NT>(lo);
+    cuda::ColumnBits<G::NT> allowed;
+    if constexpr (LowerEdge) {
+      allowed = ~cuda::columnsBelow<G::NT>(range.lo - first);
+    } else {
+      const int L = int(rows_end<C>(a, block_z(a)));
+      const int hi = (range.hi < L - 1 ? range.hi : L - 1) - first, lo = range.lo - first;  // relative to `first`
+      allowed = cuda::columnsBelow<G::NT>(hi + 1);
+      if constexpr (windowed<C>() || C::varlen) allowed &= ~cuda::columnsBelow<G::NT>(lo);
+    }
     #pragma unroll
     for (int t = 0; t < G::NT; ++t)
       #pragma unroll

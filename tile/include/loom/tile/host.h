@@ -488,15 +488,20 @@ void mma_qk(ScoreTile<C>& s, QTile<C>& q, KvPipeline<C>& pipe, int64_t block) {
     }
 }
 
-// Disallowed pairs and columns past the end get -inf.
-template <class C>
+// Disallowed pairs and columns past the end get -inf. LowerEdge: a block
+// before the interior whose keys the compiler proved are all at or before
+// each row's last and before the end (iha.kv_loop's lower_edge): only keys
+// below a row's first are hidden.
+template <class C, bool LowerEdge = false>
 void mask_scores(ScoreTile<C>& s, const IhaArgs& a, int64_t row0, int64_t block) {
   host::stats.masked_blocks++;
   const int64_t L = rows_end<C>(a, block_z(a));
   for (int r = 0; r < C::block_m; ++r)
     for (int c = 0; c < C::block_n; ++c) {
-      const int64_t j = block * C::block_n + c;
-      if (j >= L || !visible<C>(a, row0 + ctaRow<C>(r).row, j)) s.at(r, c) = -std::numeric_limits<float>::infinity();
+      const int64_t i = row0 + ctaRow<C>(r).row, j = block * C::block_n + c;
+      const bool hidden =
+          LowerEdge ? j < visibleColumns<C>(a, i).lo : (j >= L || !visible<C>(a, i, j));
+      if (hidden) s.at(r, c) = -std::numeric_limits<float>::infinity();
     }
 }
 

@@ -265,12 +265,15 @@ def Iha_KvLoopOp : Iha_BlockOp<"kv_loop"> {
     For each key block: wait for its K/V tile, S = scale * Q K^T, apply the
     element-wise mask if `masked`, update the running max and denominator,
     rescale the accumulator and add P V. Only a loop marked `masked` applies
-    a mask; iha-analyze-mask proves the others need none.
+    a mask; iha-analyze-mask proves the others need none. A masked loop
+    marked `lower_edge` (the blocks before the interior, where
+    loom::leadingBlocksCrossOnlyTheLowerEdge holds) hides only keys below
+    each row's first: its mask tests nothing else.
 
     Example: `iha.kv_loop %lo to %hi rows %r0 head %h batch %b {masked}`
   }];
   let arguments = (ins I64:$lower, I64:$upper, I64:$row0, I64:$head, I64:$batch,
-                       UnitAttr:$masked, UnitAttr:$mixed);
+                       UnitAttr:$masked, UnitAttr:$mixed, UnitAttr:$lower_edge);
   let assemblyFormat = "$lower `to` $upper `rows` $row0 `head` $head `batch` $batch attr-dict";
   // A loop whose bounds are one value runs no step: canonicalisation drops it.
   let hasCanonicalizeMethod = 1;
