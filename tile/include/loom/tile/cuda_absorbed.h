@@ -332,6 +332,10 @@ __device__ void stageAngles(int64_t block) {
 }
 
 // Each staged key row (m, t) turned by its token's angle, R(tP), in place.
+// A thread's turns are unrolled up to kMaxUnrolledTurns (H = G = 8 P 1 d 128,
+// one warp: 16 of about 85 instructions; past that, a loop the SASS reader
+// counts once and the decode gate refuses).
+constexpr int kMaxUnrolledTurns = 16;
 template <class C>
 __device__ void rotateStage(int64_t block) {
   using A = Geometry<C>;
@@ -381,6 +385,11 @@ __device__ void rotateStage(int64_t block) {
       if (A::G % step != 0 && m >= A::G) break;
       turn(m, t, lo);
     }
+  } else if constexpr (A::G * combos <= kMaxUnrolledTurns * A::threads) {
+    // fewer threads than a head's combos (one warp at d 128: 64): each
+    // thread's turns unrolled, so the key-block loop holds no inner loop
+    cuda::forEachUnrolled<A::G * combos, A::threads>(
+        [&](int index) { turn(index / combos, index % combos / halfChunks, index % halfChunks * kChunkElements); });
   } else {
     for (int index = threadIdx.x; index < A::G * combos; index += A::threads)
       turn(index / combos, index % combos / halfChunks, index % halfChunks * kChunkElements);
