@@ -201,6 +201,36 @@ DecodeLayout drawCheckableLayout(std::mt19937_64& rng, IhaCase& c, int64_t T, in
   return DecodeLayout{T, maxPage, CacheLayout::raw, std::vector<int64_t>(size_t(c.batch), 0), rng()};
 }
 
+// A case from `drawCase()` (a freshly drawn spec each call) and a checkable
+// step of T = 1 to maxT of its tokens (tryCheckableLayout): a spec with no
+// checkable step (every input drawn leaves the step's rows to its dtype's
+// roundings) is said and another drawn, at most 8; then the test fails.
+struct DrawnStep {
+  IhaCase c;
+  int64_t T = 1;
+  DecodeLayout layout;
+};
+template <class DrawCase>
+DrawnStep drawCheckableStep(std::mt19937_64& rng, DrawCase drawCase, int64_t maxT, int64_t maxPage,
+                            int64_t minCached = 0) {
+  constexpr int kMaxSpecs = 8;
+  for (int attempt = 1;; ++attempt) {
+    DrawnStep step{drawCase()};
+    step.T = std::uniform_int_distribution<int64_t>(1, std::min<int64_t>(maxT, step.c.tokens))(rng);
+    if (std::optional<DecodeLayout> layout = tryCheckableLayout(rng, step.c, step.T, maxPage, minCached)) {
+      step.layout = *layout;
+      return step;
+    }
+    std::printf("[ redrawn  ] %s: no checkable step of %lld tokens, another spec\n",
+                testing::describe(step.c).c_str(), (long long)step.T);
+    if (attempt == kMaxSpecs) {
+      ADD_FAILURE() << kMaxSpecs << " drawn specs in a row without a checkable step";
+      step.layout = DecodeLayout{step.T, maxPage, CacheLayout::raw, std::vector<int64_t>(size_t(step.c.batch), 0), rng()};
+      return step;
+    }
+  }
+}
+
 // A checkable case of a drawn spec the CUDA step takes (a 16-bit dtype,
 // head_dim a multiple of 16), 1 to 3 sequences of minTokens to maxTokens.
 IhaCase drawCudaCase(std::mt19937_64& rng, int64_t minTokens, int64_t maxTokens) {
@@ -464,9 +494,7 @@ TEST(Decode, EmulatedCudaStepOnDrawnSpecs) {
   std::mt19937_64 rng(testing::testSeed() ^ 0xc0da);
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   for (int draw = 0; draw < 3; ++draw) {
-    IhaCase c = drawCudaCase(rng, 2, 24);
-    const int64_t T = pick(1, std::min<int64_t>(4, c.tokens));
-    const DecodeLayout layout = drawCheckableLayout(rng, c, T, 9);
+    auto [c, T, layout] = drawCheckableStep(rng, [&] { return drawCudaCase(rng, 2, 24); }, 4, 9);
     const std::string arch = pick(0, 1) ? "sm_90a" : "sm_80";
     SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " page " + std::to_string(layout.pageSize) + " " +
                  arch + " " + cacheLayoutName(layout.layout));
@@ -486,20 +514,23 @@ TEST(Decode, MixingStepsNormaliseTheirKeysInOneOrder) {
   std::mt19937_64 rng(testing::testSeed() ^ 0x9a55);
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   for (int draw = 0; draw < 4; ++draw) {
-    IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
-      KernelSpec spec = testing::randomSpec(rng);
-      spec.set_kv_heads(int32_t(pick(1, 2)));
-      spec.set_heads(int32_t(spec.kv_heads() * pick(1, 2)));
-      spec.set_pseudo_heads(int32_t(pick(1, 3)));
-      spec.set_head_dim(draw < 2 ? 32 : 48);
-      spec.set_rope_theta(draw % 2 ? 0.0 : 10000.0);
-      spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
-      spec.set_qk_norm(v1::KernelSpec::rms);
-      testing::dropStaleOptions(spec);
-      return testing::DrawnShape{spec, pick(1, 2), pick(6, 30)};
-    });
-    const int64_t T = pick(1, std::min<int64_t>(3, c.tokens));
-    DecodeLayout layout = drawCheckableLayout(rng, c, T, 9);
+    auto [c, T, layout] = drawCheckableStep(
+        rng,
+        [&] {
+          return testing::drawCheckableShape(rng, /*backward=*/false, [&] {
+            KernelSpec spec = testing::randomSpec(rng);
+            spec.set_kv_heads(int32_t(pick(1, 2)));
+            spec.set_heads(int32_t(spec.kv_heads() * pick(1, 2)));
+            spec.set_pseudo_heads(int32_t(pick(1, 3)));
+            spec.set_head_dim(draw < 2 ? 32 : 48);
+            spec.set_rope_theta(draw % 2 ? 0.0 : 10000.0);
+            spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
+            spec.set_qk_norm(v1::KernelSpec::rms);
+            testing::dropStaleOptions(spec);
+            return testing::DrawnShape{spec, pick(1, 2), pick(6, 30)};
+          });
+        },
+        3, 9);
     layout.layout = CacheLayout::raw;
     Schedule schedule;
     schedule.set_absorb_mixing(false);
@@ -524,9 +555,7 @@ TEST(Decode, SplitKvStepsGiveTheForwardsRows) {
   std::mt19937_64 rng(testing::testSeed() ^ 0x5b117);
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   for (int draw = 0; draw < 5; ++draw) {
-    IhaCase c = drawCudaCase(rng, 8, 48);
-    const int64_t T = pick(1, std::min<int64_t>(3, c.tokens));
-    const DecodeLayout layout = drawCheckableLayout(rng, c, T, 16);
+    auto [c, T, layout] = drawCheckableStep(rng, [&] { return drawCudaCase(rng, 8, 48); }, 3, 16);
     Schedule schedule;
     schedule.set_kv_splits(int32_t(pick(2, 6)));
     schedule.set_block_n(16);
@@ -573,18 +602,21 @@ TEST(Decode, StackedHeadsGiveTheForwardsRows) {
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   for (int draw = 0; draw < 6; ++draw) {
     const int64_t group = pick(2, 4);
-    IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
-      KernelSpec spec = testing::randomSpec(rng);
-      spec.set_kv_heads(int32_t(pick(1, 2)));
-      spec.set_heads(int32_t(spec.kv_heads() * group));
-      spec.set_pseudo_heads(int32_t(pick(1, 3)));
-      spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
-      spec.set_head_dim(int32_t(16 * pick(1, 2)));
-      testing::dropStaleOptions(spec);
-      return testing::DrawnShape{spec, pick(1, 2), pick(6, 30)};
-    });
-    const int64_t T = pick(1, std::min<int64_t>(5, c.tokens));
-    const DecodeLayout layout = drawCheckableLayout(rng, c, T, 16);
+    auto [c, T, layout] = drawCheckableStep(
+        rng,
+        [&] {
+          return testing::drawCheckableShape(rng, /*backward=*/false, [&] {
+            KernelSpec spec = testing::randomSpec(rng);
+            spec.set_kv_heads(int32_t(pick(1, 2)));
+            spec.set_heads(int32_t(spec.kv_heads() * group));
+            spec.set_pseudo_heads(int32_t(pick(1, 3)));
+            spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
+            spec.set_head_dim(int32_t(16 * pick(1, 2)));
+            testing::dropStaleOptions(spec);
+            return testing::DrawnShape{spec, pick(1, 2), pick(6, 30)};
+          });
+        },
+        5, 16);
     const int64_t P = c.spec.pseudo_heads();
     Schedule schedule;
     schedule.set_stack_heads(true);
@@ -614,46 +646,33 @@ TEST(Decode, StackedHeadsGiveTheForwardsRows) {
 
 // A step of a case drawn by drawCheckableShape over `drawShape` whose CTA
 // holds every head (`schedule` asks for the absorbed or the tensor-mixing
-// step): T = 1 to 3 new tokens over a ragged raw cache, split or not (a spec
-// with no checkable step of T tokens is said and another drawn, at most 8);
+// step): T = 1 to 3 new tokens over a ragged raw cache, split or not
+// (drawCheckableStep);
 // the plan keeps the step asked for, one CTA a split and chunk of stepHeads
 // heads (every head up to 16), and its emulated step gives the forward's rows.
 template <class DrawShape>
 void expectAllHeadsStep(std::mt19937_64& rng, DrawShape drawShape, Schedule schedule, const std::string& arch) {
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
-  constexpr int kMaxSpecs = 8;
-  for (int attempt = 1;; ++attempt) {
-    IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, drawShape);
-    const int64_t T = pick(1, std::min<int64_t>(3, c.tokens));
-    std::optional<DecodeLayout> checkable = tryCheckableLayout(rng, c, T, 9);
-    if (!checkable) {
-      std::printf("[ redrawn  ] %s: no checkable step of %lld tokens, another spec\n", testing::describe(c).c_str(),
-                  (long long)T);
-      if (attempt < kMaxSpecs) continue;
-      ADD_FAILURE() << kMaxSpecs << " drawn specs in a row without a checkable step";
-      return;
-    }
-    DecodeLayout layout = *checkable;
-    layout.layout = CacheLayout::raw;
-    if (pick(0, 1)) schedule.set_kv_splits(int32_t(pick(1, 4)));
-    SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " page " + std::to_string(layout.pageSize) + " " +
-                 arch + " " + schedule.ShortDebugString());
-    auto dc = decodeCaseFrom(c, layout);
-    ASSERT_TRUE(dc) << dc.error().message;
-    auto plan = decodePlan(*dc, schedule, arch);
-    ASSERT_TRUE(plan) << plan.error().message;
-    EXPECT_EQ(plan->schedule.absorb_mixing(), schedule.absorb_mixing()) << plan->schedule.ShortDebugString();
-    EXPECT_EQ(plan->schedule.tensor_mixing(), schedule.tensor_mixing()) << plan->schedule.ShortDebugString();
-    for (const LaunchPlan& launch : plan->launches) {
-      if (launch.name != kAttentionEntry) continue;
-      const int most = stepMostHeads(schedule.tensor_mixing(), c.spec.pseudo_heads(), c.spec.head_dim());
-      EXPECT_EQ(launch.gridY, c.spec.heads() / stepHeads(c.spec.heads(), c.spec.kv_heads(), most) *
-                                  plan->schedule.kv_splits())
-          << "a CTA a split and chunk of heads";
-    }
-    expectEmulatedStep(c, *dc, arch, rng(), schedule);
-    return;
+  auto [c, T, layout] =
+      drawCheckableStep(rng, [&] { return testing::drawCheckableShape(rng, /*backward=*/false, drawShape); }, 3, 9);
+  layout.layout = CacheLayout::raw;
+  if (pick(0, 1)) schedule.set_kv_splits(int32_t(pick(1, 4)));
+  SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " page " + std::to_string(layout.pageSize) + " " +
+               arch + " " + schedule.ShortDebugString());
+  auto dc = decodeCaseFrom(c, layout);
+  ASSERT_TRUE(dc) << dc.error().message;
+  auto plan = decodePlan(*dc, schedule, arch);
+  ASSERT_TRUE(plan) << plan.error().message;
+  EXPECT_EQ(plan->schedule.absorb_mixing(), schedule.absorb_mixing()) << plan->schedule.ShortDebugString();
+  EXPECT_EQ(plan->schedule.tensor_mixing(), schedule.tensor_mixing()) << plan->schedule.ShortDebugString();
+  for (const LaunchPlan& launch : plan->launches) {
+    if (launch.name != kAttentionEntry) continue;
+    const int most = stepMostHeads(schedule.tensor_mixing(), c.spec.pseudo_heads(), c.spec.head_dim());
+    EXPECT_EQ(launch.gridY, c.spec.heads() / stepHeads(c.spec.heads(), c.spec.kv_heads(), most) *
+                                plan->schedule.kv_splits())
+        << "a CTA a split and chunk of heads";
   }
+  expectEmulatedStep(c, *dc, arch, rng(), schedule);
 }
 
 // H over 16 in CTAs of stepHeads heads (layout.h): chunks of 16 reading
@@ -912,14 +931,17 @@ TEST(Decode, WgmmaStepsGiveTheForwardsRows) {
   std::mt19937_64 rng(testing::testSeed() ^ 0x90a);
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   for (int draw = 0; draw < 4; ++draw) {
-    IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
-      KernelSpec spec = testing::randomSpec(rng);
-      spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
-      spec.set_head_dim(int32_t(64 * pick(1, 2)));
-      return testing::DrawnShape{spec, pick(1, 2), pick(4, 40)};
-    });
-    const int64_t T = pick(1, std::min<int64_t>(5, c.tokens));
-    const DecodeLayout layout = drawCheckableLayout(rng, c, T, 16);
+    auto [c, T, layout] = drawCheckableStep(
+        rng,
+        [&] {
+          return testing::drawCheckableShape(rng, /*backward=*/false, [&] {
+            KernelSpec spec = testing::randomSpec(rng);
+            spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
+            spec.set_head_dim(int32_t(64 * pick(1, 2)));
+            return testing::DrawnShape{spec, pick(1, 2), pick(4, 40)};
+          });
+        },
+        5, 16);
     Schedule schedule;
     schedule.set_engine(v1::engine_wgmma);
     if (draw % 2) schedule.set_kv_splits(int32_t(pick(2, 4)));
@@ -1010,14 +1032,17 @@ TEST(Decode, WgmmaRingFaultsAreFound) {
 TEST(Decode, DevicePageCheckRefusesABadSequenceAndTouchesNothing) {
   std::mt19937_64 rng(testing::testSeed() ^ 0xbadba6e);
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
-  IhaCase c = testing::drawCheckableShape(rng, /*backward=*/false, [&] {
-    KernelSpec spec = testing::randomSpec(rng);
-    spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
-    spec.set_head_dim(int32_t(16 * pick(1, 4)));
-    return testing::DrawnShape{spec, pick(2, 3), pick(6, 30)};
-  });
-  const int64_t T = pick(1, std::min<int64_t>(3, c.tokens));
-  const DecodeLayout layout = drawCheckableLayout(rng, c, T, 9);
+  auto [c, T, layout] = drawCheckableStep(
+      rng,
+      [&] {
+        return testing::drawCheckableShape(rng, /*backward=*/false, [&] {
+          KernelSpec spec = testing::randomSpec(rng);
+          spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
+          spec.set_head_dim(int32_t(16 * pick(1, 4)));
+          return testing::DrawnShape{spec, pick(2, 3), pick(6, 30)};
+        });
+      },
+      3, 9);
   const std::string arch = pick(0, 1) ? "sm_90a" : "sm_80";
   SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " page " + std::to_string(layout.pageSize) + " " +
                arch + " " + cacheLayoutName(layout.layout));
