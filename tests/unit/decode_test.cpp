@@ -201,7 +201,8 @@ DecodeLayout drawCheckableLayout(std::mt19937_64& rng, IhaCase& c, int64_t T, in
   return DecodeLayout{T, maxPage, CacheLayout::raw, std::vector<int64_t>(size_t(c.batch), 0), rng()};
 }
 
-// A case from `drawCase()` (a freshly drawn spec each call) and a checkable
+// A checkable case of a shape from `drawShape()` (drawCheckableShape; a
+// freshly drawn spec each call) and a checkable
 // step of T = 1 to maxT of its tokens (tryCheckableLayout): a spec with no
 // checkable step (every input drawn leaves the step's rows to its dtype's
 // roundings) is said and another drawn, at most 8; then the test fails.
@@ -210,12 +211,12 @@ struct DrawnStep {
   int64_t T = 1;
   DecodeLayout layout;
 };
-template <class DrawCase>
-DrawnStep drawCheckableStep(std::mt19937_64& rng, DrawCase drawCase, int64_t maxT, int64_t maxPage,
+template <class DrawShape>
+DrawnStep drawCheckableStep(std::mt19937_64& rng, DrawShape drawShape, int64_t maxT, int64_t maxPage,
                             int64_t minCached = 0) {
   constexpr int kMaxSpecs = 8;
   for (int attempt = 1;; ++attempt) {
-    DrawnStep step{drawCase()};
+    DrawnStep step{testing::drawCheckableShape(rng, /*backward=*/false, drawShape)};
     step.T = std::uniform_int_distribution<int64_t>(1, std::min<int64_t>(maxT, step.c.tokens))(rng);
     if (std::optional<DecodeLayout> layout = tryCheckableLayout(rng, step.c, step.T, maxPage, minCached)) {
       step.layout = *layout;
@@ -231,16 +232,18 @@ DrawnStep drawCheckableStep(std::mt19937_64& rng, DrawCase drawCase, int64_t max
   }
 }
 
-// A checkable case of a drawn spec the CUDA step takes (a 16-bit dtype,
-// head_dim a multiple of 16), 1 to 3 sequences of minTokens to maxTokens.
-IhaCase drawCudaCase(std::mt19937_64& rng, int64_t minTokens, int64_t maxTokens) {
+// A drawn spec the CUDA step takes (a 16-bit dtype, head_dim a multiple of
+// 16), 1 to 3 sequences of minTokens to maxTokens.
+testing::DrawnShape drawCudaShape(std::mt19937_64& rng, int64_t minTokens, int64_t maxTokens) {
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
-  return testing::drawCheckableShape(rng, /*backward=*/false, [&] {
-    KernelSpec spec = testing::randomSpec(rng);
-    spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
-    spec.set_head_dim(int32_t(16 * pick(1, 4)));
-    return testing::DrawnShape{spec, pick(1, 3), pick(minTokens, maxTokens)};
-  });
+  KernelSpec spec = testing::randomSpec(rng);
+  spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
+  spec.set_head_dim(int32_t(16 * pick(1, 4)));
+  return testing::DrawnShape{spec, pick(1, 3), pick(minTokens, maxTokens)};
+}
+// A checkable case of such a shape.
+IhaCase drawCudaCase(std::mt19937_64& rng, int64_t minTokens, int64_t maxTokens) {
+  return testing::drawCheckableShape(rng, /*backward=*/false, [&] { return drawCudaShape(rng, minTokens, maxTokens); });
 }
 
 // The decode plan of the step's spec and cache layout for `target`.
@@ -494,7 +497,7 @@ TEST(Decode, EmulatedCudaStepOnDrawnSpecs) {
   std::mt19937_64 rng(testing::testSeed() ^ 0xc0da);
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   for (int draw = 0; draw < 3; ++draw) {
-    auto [c, T, layout] = drawCheckableStep(rng, [&] { return drawCudaCase(rng, 2, 24); }, 4, 9);
+    auto [c, T, layout] = drawCheckableStep(rng, [&] { return drawCudaShape(rng, 2, 24); }, 4, 9);
     const std::string arch = pick(0, 1) ? "sm_90a" : "sm_80";
     SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " page " + std::to_string(layout.pageSize) + " " +
                  arch + " " + cacheLayoutName(layout.layout));
@@ -517,18 +520,16 @@ TEST(Decode, MixingStepsNormaliseTheirKeysInOneOrder) {
     auto [c, T, layout] = drawCheckableStep(
         rng,
         [&] {
-          return testing::drawCheckableShape(rng, /*backward=*/false, [&] {
-            KernelSpec spec = testing::randomSpec(rng);
-            spec.set_kv_heads(int32_t(pick(1, 2)));
-            spec.set_heads(int32_t(spec.kv_heads() * pick(1, 2)));
-            spec.set_pseudo_heads(int32_t(pick(1, 3)));
-            spec.set_head_dim(draw < 2 ? 32 : 48);
-            spec.set_rope_theta(draw % 2 ? 0.0 : 10000.0);
-            spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
-            spec.set_qk_norm(v1::KernelSpec::rms);
-            testing::dropStaleOptions(spec);
-            return testing::DrawnShape{spec, pick(1, 2), pick(6, 30)};
-          });
+          KernelSpec spec = testing::randomSpec(rng);
+          spec.set_kv_heads(int32_t(pick(1, 2)));
+          spec.set_heads(int32_t(spec.kv_heads() * pick(1, 2)));
+          spec.set_pseudo_heads(int32_t(pick(1, 3)));
+          spec.set_head_dim(draw < 2 ? 32 : 48);
+          spec.set_rope_theta(draw % 2 ? 0.0 : 10000.0);
+          spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
+          spec.set_qk_norm(v1::KernelSpec::rms);
+          testing::dropStaleOptions(spec);
+          return testing::DrawnShape{spec, pick(1, 2), pick(6, 30)};
         },
         3, 9);
     layout.layout = CacheLayout::raw;
@@ -555,7 +556,7 @@ TEST(Decode, SplitKvStepsGiveTheForwardsRows) {
   std::mt19937_64 rng(testing::testSeed() ^ 0x5b117);
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   for (int draw = 0; draw < 5; ++draw) {
-    auto [c, T, layout] = drawCheckableStep(rng, [&] { return drawCudaCase(rng, 8, 48); }, 3, 16);
+    auto [c, T, layout] = drawCheckableStep(rng, [&] { return drawCudaShape(rng, 8, 48); }, 3, 16);
     Schedule schedule;
     schedule.set_kv_splits(int32_t(pick(2, 6)));
     schedule.set_block_n(16);
@@ -605,16 +606,14 @@ TEST(Decode, StackedHeadsGiveTheForwardsRows) {
     auto [c, T, layout] = drawCheckableStep(
         rng,
         [&] {
-          return testing::drawCheckableShape(rng, /*backward=*/false, [&] {
-            KernelSpec spec = testing::randomSpec(rng);
-            spec.set_kv_heads(int32_t(pick(1, 2)));
-            spec.set_heads(int32_t(spec.kv_heads() * group));
-            spec.set_pseudo_heads(int32_t(pick(1, 3)));
-            spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
-            spec.set_head_dim(int32_t(16 * pick(1, 2)));
-            testing::dropStaleOptions(spec);
-            return testing::DrawnShape{spec, pick(1, 2), pick(6, 30)};
-          });
+          KernelSpec spec = testing::randomSpec(rng);
+          spec.set_kv_heads(int32_t(pick(1, 2)));
+          spec.set_heads(int32_t(spec.kv_heads() * group));
+          spec.set_pseudo_heads(int32_t(pick(1, 3)));
+          spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
+          spec.set_head_dim(int32_t(16 * pick(1, 2)));
+          testing::dropStaleOptions(spec);
+          return testing::DrawnShape{spec, pick(1, 2), pick(6, 30)};
         },
         5, 16);
     const int64_t P = c.spec.pseudo_heads();
@@ -654,7 +653,7 @@ template <class DrawShape>
 void expectAllHeadsStep(std::mt19937_64& rng, DrawShape drawShape, Schedule schedule, const std::string& arch) {
   auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
   auto [c, T, layout] =
-      drawCheckableStep(rng, [&] { return testing::drawCheckableShape(rng, /*backward=*/false, drawShape); }, 3, 9);
+      drawCheckableStep(rng, drawShape, 3, 9);
   layout.layout = CacheLayout::raw;
   if (pick(0, 1)) schedule.set_kv_splits(int32_t(pick(1, 4)));
   SCOPED_TRACE(testing::describe(c) + " T=" + std::to_string(T) + " page " + std::to_string(layout.pageSize) + " " +
@@ -934,12 +933,10 @@ TEST(Decode, WgmmaStepsGiveTheForwardsRows) {
     auto [c, T, layout] = drawCheckableStep(
         rng,
         [&] {
-          return testing::drawCheckableShape(rng, /*backward=*/false, [&] {
-            KernelSpec spec = testing::randomSpec(rng);
-            spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
-            spec.set_head_dim(int32_t(64 * pick(1, 2)));
-            return testing::DrawnShape{spec, pick(1, 2), pick(4, 40)};
-          });
+          KernelSpec spec = testing::randomSpec(rng);
+          spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
+          spec.set_head_dim(int32_t(64 * pick(1, 2)));
+          return testing::DrawnShape{spec, pick(1, 2), pick(4, 40)};
         },
         5, 16);
     Schedule schedule;
@@ -1035,12 +1032,10 @@ TEST(Decode, DevicePageCheckRefusesABadSequenceAndTouchesNothing) {
   auto [c, T, layout] = drawCheckableStep(
       rng,
       [&] {
-        return testing::drawCheckableShape(rng, /*backward=*/false, [&] {
-          KernelSpec spec = testing::randomSpec(rng);
-          spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
-          spec.set_head_dim(int32_t(16 * pick(1, 4)));
-          return testing::DrawnShape{spec, pick(2, 3), pick(6, 30)};
-        });
+        KernelSpec spec = testing::randomSpec(rng);
+        spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
+        spec.set_head_dim(int32_t(16 * pick(1, 4)));
+        return testing::DrawnShape{spec, pick(2, 3), pick(6, 30)};
       },
       3, 9);
   const std::string arch = pick(0, 1) ? "sm_90a" : "sm_80";
