@@ -148,7 +148,7 @@ DeviceModel deviceModel(const v1::Target& target) {
     m = {"ada", 150e12, 0.60, 40e12, 1.4e12, 0.9e12, 3e12, 18e12, 0, 102400, 65536, 1536};
   }
   m.smCount = int(smCountOf(target));  // the device's, else the arch's largest part
-  if (p.shared_memory_per_multiprocessor() > 0) m.sharedMemoryPerSm = p.shared_memory_per_multiprocessor();
+  m.sharedMemoryPerSm = sharedMemoryPerSmOf(target);  // the device's, else the arch's (the same figures)
   if (p.registers_per_multiprocessor() > 0) m.registersPerSm = p.registers_per_multiprocessor();
   return m;
 }
