@@ -199,7 +199,7 @@ void prepareTensors(const KernelPlan& plan, const IhaCase& c, HostTensors& t) {
   args.dalpha_v = t.dalphaV.data();
   args.dcollapse = t.dcollapse.data();
   args.do_pseudo = workspace(Workspace::do_pseudo);
-  args.delta = workspace(Workspace::delta);
+  setRowStats(args, workspace(Workspace::delta), B * H * L);
   args.dq_pseudo = workspace(Workspace::dq_pseudo);
   args.dk_pseudo = workspace(Workspace::dk_pseudo);
   args.dv_pseudo = workspace(Workspace::dv_pseudo);

@@ -63,9 +63,9 @@ struct DriverApi {
 // maps a warp-specialised attention launch (or the wgmma backward's key-block-outer
 // launch) takes after its IhaArgs.
 struct TmaMaps {
-  CUtensorMap q, k, v, dO, lse, delta;
+  CUtensorMap q, k, v, dO, row_stats;
 };
-static_assert(sizeof(TmaMaps) == 6 * 128, "loom::TmaMaps is six 128-byte tensor maps");
+static_assert(sizeof(TmaMaps) == 5 * 128, "loom::TmaMaps is five 128-byte tensor maps");
 
 // cuTensorMapEncodeTiled's signature: the driver's, or the emulator's.
 using TensorMapEncoder = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,

@@ -401,7 +401,8 @@ int64_t workspaceBytes(const v1::CompiledKernel& kernel, const std::string& name
   const int64_t heads = kv ? spec.kv_heads() : spec.heads();
   if (name == "q_mixed" || name == "k_mixed" || name == "v_mixed" || name == "o_pseudo" || name == "do_pseudo")
     return rows * heads * spec.head_dim() * kernel.workspace_element_bytes();
-  if (name == "delta" || name == kLseWorkspace) return rows * heads * int64_t(sizeof(float));
+  if (name == "delta") return kRowStatsPlanes * rowStatsStride(rows * heads) * int64_t(sizeof(float));
+  if (name == kLseWorkspace) return rows * heads * int64_t(sizeof(float));
   if (name == kSequenceOkWorkspace) return batch * int64_t(sizeof(int32_t));
   if (name == "partials") {
     for (const v1::EntryPoint& entry : kernel.entries())
@@ -514,10 +515,11 @@ Status encodeWorkspaceMaps(TensorMapEncoder encode, const std::function<Status(C
   };
   const cuuint32_t blockN = cuuint32_t(compiled.schedule().block_n());
   if (compiled.direction() == v1::direction_backward) {
-    // The wgmma backward's key-block-outer launch: each tile whole in one
-    // box (4-d: 64 columns, block_m or block_n rows, atoms, planes), lse and
-    // D as runs of B * H * L floats (1-d, block_m a box; a head's rows past
-    // L are the next head's, or zeros past the end).
+    // The wgmma backward's launches: each tile whole in one box (4-d: 64
+    // columns, block_m or block_n rows, atoms, planes); the rows' lse (log2
+    // units) and D as two planes of B * H * L floats (2-d, block_m rows of
+    // both a box, rowStatsStride apart; a head's rows past L are the next
+    // head's, or zeros past the end).
     const int64_t d = spec.head_dim(), bytes = compiled.workspace_element_bytes();
     auto tiles = [&](CUtensorMap& out, void* base, int64_t heads, cuuint32_t boxRows, const char* name) -> Status {
       if (!base) return Status::success();
@@ -531,23 +533,24 @@ Status encodeWorkspaceMaps(TensorMapEncoder encode, const std::function<Status(C
                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
                    std::string("cuTensorMapEncodeTiled(") + name + ")");
     };
-    auto run = [&](CUtensorMap& out, void* base, const char* name) -> Status {
+    auto rowStats = [&](CUtensorMap& out, float* base) -> Status {
       if (!base) return Status::success();
-      const cuuint64_t dims[1] = {cuuint64_t(B * spec.heads() * L)};
-      const cuuint32_t box[1] = {cuuint32_t(compiled.schedule().block_m())};
-      const cuuint32_t elementStrides[1] = {1};
-      return check(encode(&out, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 1, base, dims, nullptr, box, elementStrides,
+      const int64_t rows = B * spec.heads() * L;
+      const cuuint64_t dims[2] = {cuuint64_t(rows), kRowStatsPlanes};
+      const cuuint64_t strides[1] = {cuuint64_t(rowStatsStride(rows) * int64_t(sizeof(float)))};
+      const cuuint32_t box[2] = {cuuint32_t(compiled.schedule().block_m()), kRowStatsPlanes};
+      const cuuint32_t elementStrides[2] = {1, 1};
+      return check(encode(&out, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, base, dims, strides, box, elementStrides,
                           CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE, CU_TENSOR_MAP_L2_PROMOTION_NONE,
                           CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE),
-                   std::string("cuTensorMapEncodeTiled(") + name + ")");
+                   "cuTensorMapEncodeTiled(delta: lse_log2 and D)");
     };
     const cuuint32_t blockM = cuuint32_t(compiled.schedule().block_m());
     if (Status ok = tiles(maps.q, args.q_mixed, spec.heads(), blockM, "q_mixed"); !ok) return ok;
     if (Status ok = tiles(maps.dO, args.do_pseudo, spec.heads(), blockM, "do_pseudo"); !ok) return ok;
     if (Status ok = tiles(maps.k, args.k_mixed, spec.kv_heads(), blockN, "k_mixed"); !ok) return ok;
     if (Status ok = tiles(maps.v, args.v_mixed, spec.kv_heads(), blockN, "v_mixed"); !ok) return ok;
-    if (Status ok = run(maps.lse, args.lse, "lse"); !ok) return ok;
-    return run(maps.delta, args.delta, "delta");
+    return rowStats(maps.row_stats, args.lse_log2);
   }
   if (Status ok = map(maps.q, args.q_mixed, spec.heads(), kQueryRows, "q_mixed"); !ok) return ok;
   if (Status ok = map(maps.k, args.k_mixed, spec.kv_heads(), blockN, "k_mixed"); !ok) return ok;
@@ -711,8 +714,8 @@ Status Kernel::launchEntries(IhaArgs& args, CUstream stream, bool skipForward, S
   const int64_t B = args.batch, N = args.tokens;
   const bool wantsMaps = std::any_of(compiled_.entries().begin(), compiled_.entries().end(),
                                      [](const v1::EntryPoint& entry) { return entry.tensor_maps(); });
-  const std::array<const void*, 6> buffers = {args.q_mixed, args.k_mixed,  args.v_mixed,
-                                              args.do_pseudo, args.lse, args.delta};
+  const std::array<const void*, 5> buffers = {args.q_mixed, args.k_mixed, args.v_mixed, args.do_pseudo,
+                                              args.lse_log2};
   if (wantsMaps && (state.mapsShape != std::make_pair(B, N) || state.mapsBuffers != buffers)) {
     if (!state.maps) state.maps = std::make_unique<cuda::TmaMaps>();
     if (Status ok = encodeTensorMaps(args, N * compiled_.spec().pseudo_heads(), B, *state.maps); !ok) return ok;
@@ -774,7 +777,8 @@ Status Kernel::launchBackward(const IhaTensors& givenInputs, const IhaGradTensor
   args.dalpha_v = static_cast<float*>(g.dalpha_v.data);
   args.dcollapse = static_cast<float*>(g.dcollapse.data);
   args.do_pseudo = carved("do_pseudo");
-  args.delta = static_cast<float*>(carved("delta"));
+  const int64_t rows = B * compiled_.spec().heads() * N * compiled_.spec().pseudo_heads();  // B * H * L
+  setRowStats(args, static_cast<float*>(carved("delta")), rows);
   args.dq_pseudo = static_cast<float*>(carved("dq_pseudo"));
   args.dk_pseudo = static_cast<float*>(carved("dk_pseudo"));
   args.dv_pseudo = static_cast<float*>(carved("dv_pseudo"));

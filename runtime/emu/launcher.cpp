@@ -169,7 +169,7 @@ Result<EmuRun> runOnEmulator(const KernelPlan& plan, const IhaCase& c, const Emu
     if (w == Workspace::v_mixed) args.v_mixed = data;
     if (w == Workspace::o_pseudo) args.o_pseudo = data;
     if (w == Workspace::do_pseudo) args.do_pseudo = data;
-    if (w == Workspace::delta) args.delta = static_cast<float*>(data);
+    if (w == Workspace::delta) setRowStats(args, static_cast<float*>(data), B * H * L);
     if (w == Workspace::dq_pseudo) args.dq_pseudo = static_cast<float*>(data);
     if (w == Workspace::dk_pseudo) args.dk_pseudo = static_cast<float*>(data);
     if (w == Workspace::dv_pseudo) args.dv_pseudo = static_cast<float*>(data);

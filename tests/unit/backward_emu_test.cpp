@@ -406,8 +406,7 @@ const std::vector<BackwardFault>& backwardFaults() {
        "copyQueryStage<C>(a, q.stage, row0 + C::block_m, h, b, L);",
        "copyQueryStage<C>(a, q.stage ^ 1, row0 + C::block_m, h, b, L);",
        {FindingKind::asyncAccess}},
-      {"lse_left_in_the_natural_log", "fragment::accumulatorColumn(l, column)] * kLog2e;",
-       "fragment::accumulatorColumn(l, column)];", {}},
+      {"lse_left_in_the_natural_log", "a.lse_log2[row] = a.lse[row] * kLog2e;", "a.lse_log2[row] = a.lse[row];", {}},
       // The dq launch's K and V stages: the next key block fetched while this one is used.
       {"key_block_used_before_its_copies_land", "    cuda::waitCopies<1>();\n    kv.stage ^= 1;",
        "    cuda::waitCopies<2>();\n    kv.stage ^= 1;", {FindingKind::asyncAccess}, true},
@@ -420,22 +419,22 @@ const std::vector<BackwardFault>& backwardFaults() {
        "copyKvStage<C>(a, kv.stage, col0, g, b, seq_len<C>(a));", {FindingKind::asyncAccess}, true},
       // The key-block-outer launch on wgmma: its query blocks by TMA, read by wgmma.
       {"wgmma_query_block_used_before_its_copies_land",
-       "  bwgmma::waitStage(q.phases, q.pending, bwgmma::stageBarrier(q.base, w, next), next);\n", "",
+       "  bwgmma::waitStage(q.phases, bwgmma::stageBarrier(q.base, w, next), next);\n", "",
        {FindingKind::race}, false, true},
       {"wgmma_query_stage_expects_16_bytes_short",
        "2 * C::block_m * (C::head_dim * kTileElementBytes + kAccumulatorBytes));",
        "2 * C::block_m * (C::head_dim * kTileElementBytes + kAccumulatorBytes) - 16);",
        {FindingKind::mbarrier, FindingKind::deadlock}, false, true},
       {"wgmma_next_block_fetched_into_the_stage_in_use",
-       "bwgmma::fillQueryStage<C>(q, a, maps, q.stage, row0 + C::block_m, h, b, L);",
-       "bwgmma::fillQueryStage<C>(q, a, maps, q.stage ^ 1, row0 + C::block_m, h, b, L);",
+       "if (more) bwgmma::fillQueryStage<C>(q, a, maps, q.stage, row0 + C::block_m, h, b, L);",
+       "if (more) bwgmma::fillQueryStage<C>(q, a, maps, q.stage ^ 1, row0 + C::block_m, h, b, L);",
        {FindingKind::deadlock}, false, true},
       {"wgmma_next_block_fetched_before_the_warps_leave_its_stage",
        "  __syncthreads();  // every warp is done with the previous block's stage (TMA refills it)\n", "",
        {FindingKind::race}, false, true},
       {"wgmma_next_head_filled_before_every_thread_drains",
-       "    bwgmma::drainStages(q.phases, q.pending, q.base, bwgmma::layout<C>());\n    __syncthreads();\n",
-       "    bwgmma::drainStages(q.phases, q.pending, q.base, bwgmma::layout<C>());\n",
+       "    bwgmma::drainStage(q.phases, q.pending, q.stage, q.base, bwgmma::layout<C>());\n    __syncthreads();\n",
+       "    bwgmma::drainStage(q.phases, q.pending, q.stage, q.base, bwgmma::layout<C>());\n",
        {FindingKind::deadlock}, false, true},
       // The dq launch, warp-specialised: a producer warpgroup fills its ring of
       // two K and V stages by TMA, the consumers hand each back.
@@ -473,7 +472,8 @@ const std::vector<BackwardFault>& backwardFaults() {
       {"wgmma_dq_taken_over_the_values_tile", "(dq.dq), s.pa, kv.tiles,",
        "(dq.dq), s.pa, kv.tiles + Bits32(bwgmma::dqLayout<C>().v - bwgmma::dqLayout<C>().k),",
        {}, true, true},
-      {"wgmma_lse_of_the_next_head", "&maps.lse, int(plane * L + row0), bar);", "&maps.lse, int((plane + 1) * L + row0), bar);",
+      {"wgmma_lse_of_the_next_head", "&maps.row_stats, int(plane * L + row0), 0, bar);",
+       "&maps.row_stats, int((plane + 1) * L + row0), 0, bar);",
        {}, false, true},
   };
   return faults;

@@ -286,5 +286,31 @@ TEST(SassReader, ClassifiesOpcodes) {
   EXPECT_EQ(jit::sass::classOf("MOV"), "other");
 }
 
+// The backward's gate (`loom compile --backward --sass`): an unmasked
+// tensor-core loop over FlashAttention-3's backward figure is named with its
+// entry, offset and figure; a masked loop is not held to it; local memory
+// is a miss in any loop; a loop without tensor cores is not read.
+TEST(SassGate, NamesEachBackwardLoopOverFlashAttention3s) {
+  v1::ResourceUsage u;
+  u.set_entry("iha_bwd_kv");
+  auto loop = [&](int offset, double perMflop, bool masked, int local) {
+    v1::SassLoop& l = *u.add_loops();
+    l.set_first_offset(offset);
+    l.set_tensor_flops_per_warp(1.048576e6);
+    l.set_instructions_per_tensor_mflop(perMflop);
+    l.set_masked(masked);
+    l.set_local_memory(local);
+  };
+  loop(0x3a30, 407, false, 0);
+  loop(0x1600, 600, true, 0);
+  loop(0x5000, jit::sass::kFa3BackwardPerTensorMflop, false, 0);
+  loop(0x6000, 300, true, 2);
+  u.add_loops()->set_instructions_per_tensor_mflop(9999);  // no tensor cores
+  const std::vector<std::string> misses = jit::sass::backwardGateMisses(u);
+  ASSERT_EQ(misses.size(), 2u) << ::testing::PrintToString(misses);
+  EXPECT_EQ(misses[0], "iha_bwd_kv loop at 0x3a30: 407 instructions per tensor MFLOP, over FlashAttention-3's backward (371)");
+  EXPECT_EQ(misses[1], "iha_bwd_kv loop at 0x6000 (masked): 2 local-memory instructions");
+}
+
 }  // namespace
 }  // namespace loom

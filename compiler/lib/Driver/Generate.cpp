@@ -333,7 +333,7 @@ int64_t workspaceElements(const KernelSpec& spec, Workspace workspace, int64_t b
   const bool kv = workspace == Workspace::k_mixed || workspace == Workspace::v_mixed ||
                   workspace == Workspace::dk_pseudo || workspace == Workspace::dv_pseudo;
   const int64_t rows = batch * (kv ? spec.kv_heads() : spec.heads()) * tokens * spec.pseudo_heads();
-  return workspace == Workspace::delta ? rows : rows * spec.head_dim();
+  return workspace == Workspace::delta ? kRowStatsPlanes * rowStatsStride(rows) : rows * spec.head_dim();
 }
 
 int64_t workspaceElements(const KernelPlan& plan, Workspace workspace, int64_t batch, int64_t tokens) {
@@ -358,7 +358,7 @@ int64_t smCountOf(const v1::Target& target) {
 int64_t sharedMemoryPerSmOf(const v1::Target& target) {
   if (target.device().shared_memory_per_multiprocessor() > 0) return target.device().shared_memory_per_multiprocessor();
   const std::string& arch = target.arch();
-  if (arch.rfind("sm_90", 0) == 0) return 233472;
+  if (arch.rfind("sm_90", 0) == 0 || arch.rfind("sm_10", 0) == 0) return 233472;  // as defaultSharedMemoryPerBlock
   if (arch == "sm_80" || arch == "sm_87") return 167936;
   return 102400;
 }

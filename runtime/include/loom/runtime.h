@@ -304,7 +304,7 @@ class Kernel {
     // and kept until either changes or the rows move.
     std::unique_ptr<cuda::TmaMaps> maps;
     std::pair<int64_t, int64_t> mapsShape{0, 0};
-    std::array<const void*, 6> mapsBuffers{};  // the rows the maps point at (a kept forward's, or the workspaces)
+    std::array<const void*, 5> mapsBuffers{};  // the rows the maps point at (a kept forward's, or the workspaces)
     void* workspace(const char* name) const;   // nullptr where the plan has none of that name
   };
   Kernel() = default;

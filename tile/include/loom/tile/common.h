@@ -61,7 +61,8 @@ struct IhaArgs {
   // The backward (docs/IHA.md, Backward), null in a forward plan. dout has
   // out's dtype and strides; the gradients are float, dense [B, N, H|G, d]
   // and the weights' shapes. The workspaces: do_pseudo [B, H, L, d] (the
-  // implementation's element type), delta [B, H, L], dq_pseudo [B, H, L, d],
+  // implementation's element type), delta [2, B, H, L] (rowStatsStride),
+  // dq_pseudo [B, H, L, d],
   // dk_pseudo and dv_pseudo [B, G, L, d] and partials [B * token CTAs]
   // [partial_entries] (float). lse holds the forward's. A decode plan with
   // kv_splits > 1 keeps its split CTAs' normalised partial rows in partials
@@ -77,6 +78,10 @@ struct IhaArgs {
   float* dcollapse;
   void* do_pseudo;
   float* delta;
+  // The forward's lse in log2 units (lse * log2(e)) for the CUDA backward's
+  // recomputed probabilities, written by its prep: the plane before delta's
+  // in the delta workspace (setRowStats).
+  float* lse_log2;
   float* dq_pseudo;
   float* dk_pseudo;
   float* dv_pseudo;
@@ -119,6 +124,13 @@ struct IhaArgs {
   // workspaces count.
   const int32_t* query_start_loc;
 };
+
+// The delta workspace's planes (layout.h, rowStatsStride; `workspace`: its
+// first float, rows: B * H * L).
+LOOM_HOST_DEVICE inline void setRowStats(IhaArgs& args, float* workspace, int64_t rows) {
+  args.lse_log2 = workspace;
+  args.delta = workspace ? workspace + rowStatsStride(rows) : nullptr;
+}
 
 
 // Integer helpers for block-range arithmetic (divisor > 0).

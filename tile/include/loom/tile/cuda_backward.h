@@ -20,7 +20,8 @@
 //     mixing's transpose) and the reduction of the partial sums.
 // Q, K, V, o and do are 16-bit (the workspaces' element type); D, lse, the
 // pseudo-row gradients and the partial sums are f32. Softmax is in the log2
-// domain, as in the forward: lse (natural) is scaled by log2(e) as read.
+// domain, as in the forward: the collapse backward writes lse * log2(e)
+// beside D (lse_log2), which the loops read.
 #pragma once
 
 #include "loom/tile/wgmma.h"
@@ -162,10 +163,12 @@ template <class C>
 struct QGradTile {
   int64_t row0;
   int stage = 0;  // the query stage holding row0's rows (layout.h, BackwardSmem)
-  // wgmma: the parity each stage's mbarrier completes next, and the stages
-  // with a TMA fill issued and not yet waited for (bit s: stage s); the
-  // aligned shared memory's and row0's stage's shared-window addresses.
-  unsigned phases = 0, pending = 0;
+  // wgmma: the parity each stage's mbarrier completes next (bit s: stage
+  // s); whether the other stage (stage ^ 1, the only one a fill can be in
+  // flight to between steps) has a TMA fill issued and not yet waited for;
+  // the aligned shared memory's and row0's stage's shared-window addresses.
+  unsigned phases = 0;
+  bool pending = false;
   Bits32 base = 0, tiles = 0;
   // wgmma's dq launch: Q's and dO's rows of the warp as wgmma's register A
   // operand, a k-step each (its S and dP then take K's and V's descriptors alone).
@@ -272,16 +275,18 @@ __device__ __forceinline__ void tmaTile(Bits32 tile, const TensorMap* map, int64
 
 // One thread: the tiles of layout `w` from `tiles` on (a query stage's) <- Q
 // and dO rows [row0, row0 + block_m) of plane `plane` (b * H + h), with
-// their lse and D, by TMA on `bar` (past L: zeros, or the next head's lse
-// and D; masked).
+// their lse (log2 units) and D, by TMA on `bar` (past L: zeros, or the
+// next head's; masked).
 template <class C>
 __device__ __forceinline__ void fillQueryTiles(const TmaMaps& maps, const BackwardSmem& w, Bits32 tiles, Bits32 bar,
                                                int64_t row0, int64_t plane, int64_t L) {
+  static_assert(kRowStatsPlanes == 2, "lse_log2, then D");
   ptx::mbarrierArriveExpectTx(bar, 2 * C::block_m * (C::head_dim * kTileElementBytes + kAccumulatorBytes));
   tmaTile(tiles + Bits32(w.q), &maps.q, row0, plane, bar);
   tmaTile(tiles + Bits32(w.dO), &maps.dO, row0, plane, bar);
-  ptx::tmaLoad1d(tiles + Bits32(w.lse), &maps.lse, int(plane * L + row0), bar);
-  ptx::tmaLoad1d(tiles + Bits32(w.delta), &maps.delta, int(plane * L + row0), bar);
+  // Both planes of the rows' statistics in one box: D lands block_m floats
+  // after lse (placeQueryBlock).
+  ptx::tmaLoad2d(tiles + Bits32(w.lse), &maps.row_stats, int(plane * L + row0), 0, bar);
 }
 
 // Query stage `stage` <- Q and dO rows [row0, row0 + block_m) of query head
@@ -292,22 +297,22 @@ __device__ void fillQueryStage(QGradTile<C>& q, const IhaArgs& a, const TmaMaps&
 
 // Stage `stage`'s TMA fill in the wgmma launches: its mbarrier (layout
 // `w`'s, after the launch's first: 1 + stage). The key-block-outer launch
-// waits for it by the parity it completes next (`phases`), after which it
-// is no longer `pending`.
+// waits for it by the parity it completes next (`phases`).
 __device__ __forceinline__ Bits32 stageBarrier(Bits32 base, const BackwardSmem& w, int stage) {
   return base + Bits32(w.barriers + 8 * (1 + stage));
 }
-__device__ __forceinline__ void waitStage(unsigned& phases, unsigned& pending, Bits32 bar, int stage) {
+__device__ __forceinline__ void waitStage(unsigned& phases, Bits32 bar, int stage) {
   ptx::mbarrierWaitParity(bar, int(phases >> stage) & 1);
   phases ^= 1u << stage;
-  pending &= ~(1u << stage);
 }
-// Waits for every fill issued and not yet waited for (a block fetched past
-// a loop's last: a window ends it before L).
-__device__ __forceinline__ void drainStages(unsigned& phases, unsigned& pending, Bits32 base, const BackwardSmem& w) {
-  #pragma unroll
-  for (int stage = 0; stage < 2; ++stage)
-    if (pending & (1u << stage)) waitStage(phases, pending, stageBarrier(base, w, stage), stage);
+// Waits for the fill issued and not yet waited for, if any (a block
+// fetched past a loop's last: a window ends it before L), in the stage
+// other than `stage`.
+__device__ __forceinline__ void drainStage(unsigned& phases, bool& pending, int stage, Bits32 base,
+                                          const BackwardSmem& w) {
+  if (!pending) return;
+  waitStage(phases, stageBarrier(base, w, stage ^ 1), stage ^ 1);
+  pending = false;
 }
 
 // The dq launch is warp-specialised: the CTA's last warpgroup is the
@@ -439,7 +444,8 @@ __device__ __forceinline__ float (&flat(T& tile))[N] {
 
 // One warp per pseudo row (token, source head, p): do = sum over output
 // heads of collapse * dout (stored 16-bit), D = rowsum(do * o) from the
-// stored (rounded) do, and each connected output head's dout . o into the
+// stored (rounded) do, the row's lse in log2 units (the attention backward's
+// exponentials subtract it as it is), and each connected output head's dout . o into the
 // CTA's dcollapse partial sums in shared memory.
 template <class C>
 __device__ void collapse_grad(const IhaArgs& a, int64_t token0, int64_t b) {
@@ -472,7 +478,11 @@ __device__ void collapse_grad(const IhaArgs& a, int64_t token0, int64_t b) {
       delta += cuda::toFloat<C>(rounded) * cuda::toFloat<C>(o[at + c]);
     }
     delta = cuda::warpSum(delta);
-    if (cuda::lane() == 0) a.delta[(b * C::heads + source) * L + i] = delta;
+    if (cuda::lane() == 0) {
+      const int64_t row = (b * C::heads + source) * L + i;
+      a.delta[row] = delta;
+      a.lse_log2[row] = a.lse[row] * kLog2e;
+    }
     for (int target = 0; target < C::heads; ++target) {
       const int64_t w = partials::collapse_index<C>(target, source, p);
       if (w < 0) continue;
@@ -668,7 +678,7 @@ __device__ void copyQueryStage(const IhaArgs& a, int stage, int64_t row0, int64_
     if (C::block_m % G::threads != 0 && r >= C::block_m) break;
     const bool valid = row0 + r < L;
     const int64_t row = rows + (valid ? row0 + r : 0);
-    ptx::cpAsyncCa4(lse + r, a.lse + row, valid);
+    ptx::cpAsyncCa4(lse + r, a.lse_log2 + row, valid);
     ptx::cpAsyncCa4(delta + r, a.delta + row, valid);
   }
   cuda::commitCopies();
@@ -706,17 +716,18 @@ __device__ void q_grad_ahead(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& m
     // Every thread waits out the previous head's last fill before one of
     // them fills a stage again: a barrier two phases on would hold a late
     // thread's parity wait forever (found by the emulator, a windowed GQA spec).
-    bwgmma::drainStages(q.phases, q.pending, q.base, bwgmma::layout<C>());
+    bwgmma::drainStage(q.phases, q.pending, q.stage, q.base, bwgmma::layout<C>());
     __syncthreads();
   }
   bwgmma::fillQueryStage<C>(q, a, maps, q.stage ^ 1, row0, h, b, seq_len<C>(a));
+  q.pending = true;
 }
 
 // After the key-block-outer loops: every copy they issued has landed (a
 // block fetched past the loop's last) before the CTA ends.
 template <class C>
 __device__ void q_grad_finish(QGradTile<C>& q, const IhaArgs&) {
-  if constexpr (C::wgmma_backward) bwgmma::drainStages(q.phases, q.pending, q.base, bwgmma::layout<C>());
+  if constexpr (C::wgmma_backward) bwgmma::drainStage(q.phases, q.pending, q.stage, q.base, bwgmma::layout<C>());
   cuda::waitCopies<0>();
 }
 
@@ -766,11 +777,14 @@ __device__ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& ma
     return;
   }
   __syncthreads();  // every warp is done with the previous block's stage (TMA refills it)
-  if (row0 + C::block_m < L) bwgmma::fillQueryStage<C>(q, a, maps, q.stage, row0 + C::block_m, h, b, L);
+  // (32-bit: a head's rows are the TMA's int coordinates.)
+  const bool more = int(row0) + C::block_m < int(L);
+  if (more) bwgmma::fillQueryStage<C>(q, a, maps, q.stage, row0 + C::block_m, h, b, L);
   const BackwardSmem w = bwgmma::layout<C>();
   const int next = q.stage ^ 1;
-  bwgmma::waitStage(q.phases, q.pending, bwgmma::stageBarrier(q.base, w, next), next);
+  bwgmma::waitStage(q.phases, bwgmma::stageBarrier(q.base, w, next), next);
   q.stage = next;
+  q.pending = more;  // into the stage just left, now the other
   q.tiles = q.base + Bits32(next * w.stage);
   q.row0 = row0;
 }
@@ -783,7 +797,6 @@ __device__ void fillQueryStage(QGradTile<C>& q, const IhaArgs&, const TmaMaps& m
   if (threadIdx.x == 0)
     fillQueryTiles<C>(maps, w, q.base + Bits32(stage * w.stage), stageBarrier(q.base, w, stage), row0,
                       b * C::heads + h, L);
-  q.pending |= 1u << stage;
 }
 }  // namespace bwgmma
 
@@ -973,7 +986,8 @@ __device__ void bwd_mask(BwdScores<C>& s, const IhaArgs& a, QGradTile<C>& q, KvG
 }
 
 // P = exp2(S * scale * log2(e) - lse * log2(e)): the forward's
-// probabilities, recomputed (flush-to-zero, as the forward's).
+// probabilities, recomputed (flush-to-zero, as the forward's), with the
+// collapse backward's lse * log2(e) (lse_log2).
 template <class C, Outer O>
 __device__ void bwd_probs(BwdScores<C>& s, QGradTile<C>& q) {
   using G = cuda::Geometry<C>;
@@ -981,18 +995,17 @@ __device__ void bwd_probs(BwdScores<C>& s, QGradTile<C>& q) {
   constexpr float scale = C::scale * kLog2e;
   const float* lse = cuda::bwdFloats<C>(cuda::bwdSmem<C>().lse + stageOf<C>(q));
   const int l = cuda::lane();
-  if constexpr (O == Outer::keys && C::wgmma_backward) {
-    const BackwardSmem w = bwgmma::layout<C>();
-    lse = reinterpret_cast<const float*>(bwgmma::base() + w.lse + q.stage * w.stage);
-  } else if constexpr (C::wgmma_backward) {
+  if constexpr (C::wgmma_backward && O == Outer::queries) {
     lse = reinterpret_cast<const float*>(bwgmma::base() + bwgmma::dqLayout<C>().lse);
   }
   if constexpr (O == Outer::keys && C::wgmma_backward) {
+    // The stage's lse by its shared-window address (q.tiles: no generic one to form).
+    const Bits32 rows = q.tiles + Bits32(bwgmma::layout<C>().lse + kAccumulatorBytes * fragment::accumulatorColumn(l, 0));
     #pragma unroll
     for (int nt = 0; nt < BG::QNT; ++nt) {
       // The thread's two query columns of the n-tile, adjacent.
-      const float2 pair = *reinterpret_cast<const float2*>(lse + nt * 8 + fragment::accumulatorColumn(l, 0));
-      const float m[2] = {pair.x * kLog2e, pair.y * kLog2e};
+      const float2 pair = ptx::ldSharedF32x2(rows + Bits32(nt * 8 * kAccumulatorBytes));
+      const float m[2] = {pair.x, pair.y};
       #pragma unroll
       for (int mt = 0; mt < BG::KMT; ++mt)
         #pragma unroll
@@ -1005,7 +1018,7 @@ __device__ void bwd_probs(BwdScores<C>& s, QGradTile<C>& q) {
     for (int nt = 0; nt < BG::QNT; ++nt)
       #pragma unroll
       for (int column = 0; column < 2; ++column) {
-        const float m = lse[nt * 8 + fragment::accumulatorColumn(l, column)] * kLog2e;
+        const float m = lse[nt * 8 + fragment::accumulatorColumn(l, column)];
         #pragma unroll
         for (int mt = 0; mt < BG::KMT; ++mt) {
           s.t[mt][nt][column] = ptx::exp2Ftz(s.t[mt][nt][column] - m);
@@ -1017,7 +1030,7 @@ __device__ void bwd_probs(BwdScores<C>& s, QGradTile<C>& q) {
     for (int mt = 0; mt < G::MT; ++mt)
       #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const float m = lse[cuda::tileRow<C>(mt) + fragment::accumulatorRow(l, 2 * h)] * kLog2e;
+        const float m = lse[cuda::tileRow<C>(mt) + fragment::accumulatorRow(l, 2 * h)];
         #pragma unroll
         for (int nt = 0; nt < G::NT; ++nt) {
           s.s[mt][nt][2 * h] = ptx::exp2Ftz(fmaf(s.s[mt][nt][2 * h], scale, -m));
@@ -1077,8 +1090,6 @@ __device__ void bwd_ds(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) {
   const int l = cuda::lane();
   if constexpr (O == Outer::keys) {
     if constexpr (C::wgmma_backward) {  // dP^T: bwd_scores issued it, bwd_dv's wait retired it
-      const BackwardSmem w = bwgmma::layout<C>();
-      delta = reinterpret_cast<const float*>(bwgmma::base() + w.delta + q.stage * w.stage);
     } else {
       cuda::zero<C>(s.dt);
       #pragma unroll
@@ -1102,7 +1113,8 @@ __device__ void bwd_ds(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) {
     for (int nt = 0; nt < BG::QNT; ++nt) {
       float d[2];
       if constexpr (C::wgmma_backward) {  // the thread's two query columns, adjacent
-        const float2 pair = *reinterpret_cast<const float2*>(delta + nt * 8 + fragment::accumulatorColumn(l, 0));
+        const float2 pair = ptx::ldSharedF32x2(q.tiles + Bits32(bwgmma::layout<C>().delta + kAccumulatorBytes *
+                                                                  (nt * 8 + fragment::accumulatorColumn(l, 0))));
         d[0] = pair.x, d[1] = pair.y;
       } else {  // one at a time (as bwd_probs: a float2 spills dq atomic at head_dim 128 on sm_80)
         d[0] = delta[nt * 8 + fragment::accumulatorColumn(l, 0)];

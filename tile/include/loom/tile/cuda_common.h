@@ -1011,8 +1011,7 @@ struct TmaMaps {
   TensorMap k;
   TensorMap v;
   TensorMap dO;
-  TensorMap lse;
-  TensorMap delta;
+  TensorMap row_stats;  // the backward's lse_log2 and D planes (2-d)
 };
 
 namespace hopper {

@@ -269,6 +269,11 @@ inline void stSharedF32(Bits32 address, float value) {
   unsigned char* base = dynamicShared<16>();
   *reinterpret_cast<float*>(base + (address - sharedAddress(base))) = value;
 }
+// ld.shared.v2.f32: an ordinary load, checked as any other.
+inline float2 ldSharedF32x2(Bits32 address) {
+  unsigned char* base = dynamicShared<16>();
+  return *reinterpret_cast<const float2*>(base + (address - sharedAddress(base)));
+}
 // st.global.v2 / v4: one 8- or 16-byte store (not a leaf: the emulator
 // checks it as any other).
 inline void storeGlobal(void* to, Bits32 x, Bits32 y) { *static_cast<uint2*>(to) = uint2{x, y}; }
@@ -301,9 +306,9 @@ LOOM_EMU_LEAF inline void tmaLoad4d(Bits32 destination, const void* map, int c0,
   const int32_t coordinates[4] = {c0, c1, c2, c3};
   emu::api->tmaLoad(destination, map, coordinates, 4, bar, LOOM_EMU_PC);
 }
-LOOM_EMU_LEAF inline void tmaLoad1d(Bits32 destination, const void* map, int c0, Bits32 bar) {
-  const int32_t coordinates[1] = {c0};
-  emu::api->tmaLoad(destination, map, coordinates, 1, bar, LOOM_EMU_PC);
+LOOM_EMU_LEAF inline void tmaLoad2d(Bits32 destination, const void* map, int c0, int c1, Bits32 bar) {
+  const int32_t coordinates[2] = {c0, c1};
+  emu::api->tmaLoad(destination, map, coordinates, 2, bar, LOOM_EMU_PC);
 }
 
 LOOM_EMU_LEAF inline void wgmmaFence() { emu::api->wgmmaFence(LOOM_EMU_PC); }

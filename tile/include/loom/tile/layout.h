@@ -25,6 +25,14 @@ constexpr long long backwardPartialEntries(long long heads, long long kvHeads, l
   return (global ? heads : 1) * heads * pseudo + heads * heads * pseudo + 2 * kvHeads * kvHeads * pseudo;
 }
 
+// The backward's delta workspace holds kRowStatsPlanes planes of a query
+// row's statistics, each rowStatsStride(rows) floats (rows: B * H * L;
+// 16-byte aligned, so one 2-d TMA box takes a block's rows of both): lse
+// in log2 units (lse * log2(e), the CUDA backward's), then D = rowsum(do *
+// o). loom/tile/common.h's setRowStats points IhaArgs at them.
+constexpr int kRowStatsPlanes = 2;
+constexpr long long rowStatsStride(long long rows) { return (rows + 3) / 4 * 4; }
+
 constexpr int paddedHeadDim(int headDim) { return (headDim + kMmaK - 1) / kMmaK * kMmaK; }
 constexpr int tilePitch(int headDim) { return paddedHeadDim(headDim) + kRowPadElements; }
 // Row pitch (f32 elements) of the collapse epilogues' staging tile. An

@@ -185,6 +185,12 @@ __device__ __forceinline__ void bulkWait() {
 __device__ __forceinline__ void stSharedF32(Bits32 address, float value) {
   asm volatile("st.shared.f32 [%0], %1;" ::"r"(address), "f"(value) : "memory");
 }
+// ld.shared.v2.f32 at one (8-byte aligned): no generic address to form.
+__device__ __forceinline__ float2 ldSharedF32x2(Bits32 address) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(address) : "memory");
+  return v;
+}
 
 //===--- the special-function unit -------------------------------------------===//
 
@@ -250,7 +256,7 @@ __device__ __forceinline__ void tmaLoad3d(Bits32 destination, const void* map, i
 }
 
 // The same of a 4-d map (the wgmma backward's tiles: every atom of a row
-// block in one box) and of a 1-d one (its lse and D runs).
+// block in one box) and of a 2-d one (its rows' lse and D planes).
 __device__ __forceinline__ void tmaLoad4d(Bits32 destination, const void* map, int c0, int c1, int c2, int c3,
                                           Bits32 bar) {
   asm volatile(
@@ -259,11 +265,11 @@ __device__ __forceinline__ void tmaLoad4d(Bits32 destination, const void* map, i
       "l"(reinterpret_cast<Bits64>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar)
       : "memory");
 }
-__device__ __forceinline__ void tmaLoad1d(Bits32 destination, const void* map, int c0, Bits32 bar) {
+__device__ __forceinline__ void tmaLoad2d(Bits32 destination, const void* map, int c0, int c1, Bits32 bar) {
   asm volatile(
-      "cp.async.bulk.tensor.1d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2}], [%3];" ::"r"(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(
           destination),
-      "l"(reinterpret_cast<Bits64>(map)), "r"(c0), "r"(bar)
+      "l"(reinterpret_cast<Bits64>(map)), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
 }
 
