@@ -726,6 +726,37 @@ TEST(Decode, AbsorbedStepsGiveTheForwardsRows) {
   }
 }
 
+// One-warp absorbed steps at head_dim 128 (H = G = 8 and 16, P 1, RoPE,
+// no qk_norm: the drawn grid specs of LOOM_GRID_SEED 123 and 128): a warp
+// has fewer threads than a head's (token, half-chunk) pieces of a key
+// block, so rotateStage gives each thread pieces and turns them in every
+// head, unrolled. Drawn masks, windows, dtypes and caches, sm_80 and sm_90a
+// by turns: the emulated step gives the forward's rows with no finding.
+TEST(Decode, OneWarpAbsorbedStepsTurnEveryHeadsKeys) {
+  std::mt19937_64 rng(testing::testSeed() ^ 0x1e7a);
+  auto pick = [&](int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng); };
+  for (int draw = 0; draw < 4; ++draw) {
+    const int32_t heads = draw < 2 ? 8 : 16;
+    auto drawShape = [&] {
+      KernelSpec spec = testing::randomSpec(rng);
+      spec.set_heads(heads);
+      spec.set_kv_heads(heads);
+      spec.set_pseudo_heads(1);
+      spec.set_head_dim(128);
+      spec.set_dtype(pick(0, 1) ? v1::float16 : v1::bfloat16);
+      spec.set_rope_theta(10000);
+      spec.clear_qk_norm();
+      spec.clear_qk_norm_eps();
+      testing::dropStaleOptions(spec);
+      return testing::DrawnShape{spec, 1, pick(12, 40)};
+    };
+    Schedule schedule;
+    schedule.set_absorb_mixing(true);
+    schedule.set_warps(1);  // the default here; a warp a CTA is what the test is about
+    expectAllHeadsStep(rng, drawShape, schedule, draw % 2 ? "sm_90a" : "sm_80");
+  }
+}
+
 // A fault put into a tile header: `from` replaced by `to`, and the findings
 // the emulator must report (none: the output must be wrong instead).
 struct HeaderFault {

@@ -336,13 +336,25 @@ __device__ void stageAngles(int64_t block) {
 // one warp: 16 of about 85 instructions; past that, a loop the SASS reader
 // counts once and the decode gate refuses).
 constexpr int kMaxUnrolledTurns = 16;
+// ... and up to kMaxCombosTurns where a thread's turns share their angles.
+constexpr int kMaxCombosTurns = 32;
 template <class C>
 __device__ void rotateStage(int64_t block) {
   using A = Geometry<C>;
   constexpr int halfChunks = A::D / 2 / kChunkElements, combos = A::tokens * halfChunks;
   Bits16* kStage = sharedTile<C>(layout<C>().k) + int(block) % C::stages * A::stageRows * A::pitch;
   const float* angles = sharedFloats<C>(layout<C>().angles);
-  auto turn = [&](int m, int t, int lo) {
+  // A chunk pair's angles (token t, columns lo ..), then the turn of head m's row by them.
+  auto anglesOf = [&](int t, int lo, float (&cosine)[kChunkElements], float (&sine)[kChunkElements]) {
+    #pragma unroll
+    for (int e = 0; e < kChunkElements; e += 4) {
+      const float4 c = *reinterpret_cast<const float4*>(angles + t * A::D + lo + e);
+      const float4 s = *reinterpret_cast<const float4*>(angles + t * A::D + A::D / 2 + lo + e);
+      cosine[e] = c.x, cosine[e + 1] = c.y, cosine[e + 2] = c.z, cosine[e + 3] = c.w;
+      sine[e] = s.x, sine[e + 1] = s.y, sine[e + 2] = s.z, sine[e + 3] = s.w;
+    }
+  };
+  auto turnBy = [&](int m, int t, int lo, const float (&cosine)[kChunkElements], const float (&sine)[kChunkElements]) {
     Bits16* row = kStage + (m * A::tokens + t) * A::pitch;
     const uint4 low = *reinterpret_cast<const uint4*>(row + lo), high = *reinterpret_cast<const uint4*>(row + lo + A::D / 2);
     const Bits32 lw[4] = {low.x, low.y, low.z, low.w}, hw[4] = {high.x, high.y, high.z, high.w};
@@ -350,16 +362,14 @@ __device__ void rotateStage(int64_t block) {
     cuda::unpackPiece<C, kChunkElements>(lw, x);
     cuda::unpackPiece<C, kChunkElements>(hw, y);
     #pragma unroll
-    for (int e = 0; e < kChunkElements; e += 4) {
-      const float4 cosine = *reinterpret_cast<const float4*>(angles + t * A::D + lo + e);
-      const float4 sine = *reinterpret_cast<const float4*>(angles + t * A::D + A::D / 2 + lo + e);
-      cuda::turnPair(x, y, e, cosine.x, sine.x);
-      cuda::turnPair(x, y, e + 1, cosine.y, sine.y);
-      cuda::turnPair(x, y, e + 2, cosine.z, sine.z);
-      cuda::turnPair(x, y, e + 3, cosine.w, sine.w);
-    }
+    for (int e = 0; e < kChunkElements; ++e) cuda::turnPair(x, y, e, cosine[e], sine[e]);
     cuda::storeChunk<C>(row + lo, x);
     cuda::storeChunk<C>(row + lo + A::D / 2, y);
+  };
+  auto turn = [&](int m, int t, int lo) {
+    float cosine[kChunkElements], sine[kChunkElements];
+    anglesOf(t, lo, cosine, sine);
+    turnBy(m, t, lo, cosine, sine);
   };
   if constexpr (C::qk_norm && kDecodeStep<C> == kAbsorbedStep) {
     // a warp turns its own tokens' rows (keyNorms reads them past a __syncwarp)
@@ -384,6 +394,19 @@ __device__ void rotateStage(int64_t block) {
       const int m = m0 + round * step;
       if (A::G % step != 0 && m >= A::G) break;
       turn(m, t, lo);
+    }
+  } else if constexpr (combos % A::threads == 0 && A::G * combos <= kMaxCombosTurns * A::threads) {
+    // fewer threads than a head's combos (one warp at d 128: 64): a thread
+    // owns combos / threads of them, reads each one's angles once and turns
+    // it in every head, unrolled (H = G = 16 P 1 d 128, one warp: 32 turns;
+    // unrolled as below, ptxas spilled)
+    #pragma unroll
+    for (int k = 0; k < combos / A::threads; ++k) {
+      const int combo = int(threadIdx.x) + k * A::threads, t = combo / halfChunks, lo = combo % halfChunks * kChunkElements;
+      float cosine[kChunkElements], sine[kChunkElements];
+      anglesOf(t, lo, cosine, sine);
+      #pragma unroll
+      for (int m = 0; m < A::G; ++m) turnBy(m, t, lo, cosine, sine);
     }
   } else if constexpr (A::G * combos <= kMaxUnrolledTurns * A::threads) {
     // fewer threads than a head's combos (one warp at d 128: 64): each
