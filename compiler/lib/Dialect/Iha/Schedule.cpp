@@ -16,7 +16,8 @@ constexpr int64_t kTmaProducerRegisters = 24;
 // keys (qk_norm) needs more still (at 88 ptxas spills its row loop; at 104
 // the decode step's, 8 bytes at H = G = 32, P 6, d 64). 112 leaves two
 // consumer warpgroups the 200 registers 104 did (consumerRegisters rounds
-// to 8), one the most.
+// to 8), one the most: so one consumer warpgroup's mixing producer takes
+// 112 too (at 88 the decode step of H 32 G 16 P 3 d 128 spilled 8 bytes).
 constexpr int64_t kMixingProducerRegisters = 88;
 constexpr int64_t kNormalizingProducerRegisters = 112;
 // A decode step's producer over a mixed cache copies its rows (at the TMA
@@ -64,8 +65,8 @@ ScheduleAttr completeWgmma(SpecAttr spec, const ScheduleFields& given) {
       given.producerRegisters
           ? given.producerRegisters
           : (mix != MixStrategy::fused                ? kTmaProducerRegisters
-             : spec.getQkNorm() == QkNorm::rms ? kNormalizingProducerRegisters
-                                               : kMixingProducerRegisters),
+             : spec.getQkNorm() == QkNorm::rms || warps == kWarpgroupWarps ? kNormalizingProducerRegisters
+                                                                           : kMixingProducerRegisters),
       given.dq.value_or(DqStrategy::separate), given.kvSplits ? given.kvSplits : 1, given.stackHeads,
       given.absorbMixing, given.tensorMixing);
 }
