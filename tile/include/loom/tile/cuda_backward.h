@@ -1089,8 +1089,8 @@ __device__ void bwd_ds(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) {
   const float* delta = cuda::bwdFloats<C>(smem.delta + stageOf<C>(q));
   const int l = cuda::lane();
   if constexpr (O == Outer::keys) {
-    if constexpr (C::wgmma_backward) {  // dP^T: bwd_scores issued it, bwd_dv's wait retired it
-    } else {
+    // dP^T: on wgmma bwd_scores issued it and bwd_dv's wait retired it.
+    if constexpr (!C::wgmma_backward) {
       cuda::zero<C>(s.dt);
       #pragma unroll
       for (int kt = 0; kt < G::KT; ++kt) {
