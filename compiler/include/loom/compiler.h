@@ -58,7 +58,8 @@ struct LaunchPlan {
 
 // Float workspaces a plan needs between launches (see loom/tile/common.h).
 // The backward's: do_pseudo [B, H, L, d] (the dtype on CUDA), delta [2, B, H, L]
-// (lse in log2 units, then D; loom/tile/common.h, rowStatsStride), dq_pseudo [B, H, L, d], dk_pseudo and dv_pseudo [B, G, L, d], and partials
+// (lse in log2 units, then D; loom/tile/layout.h, rowStatsStride), dq_pseudo
+// [B, H, L, d], dk_pseudo and dv_pseudo [B, G, L, d], and partials
 // [B * token CTAs][partialEntries] (all float).
 // splits: a decode plan's split partial rows [B, H, kv_splits, T * P, d + 1]
 // (float, lse last).

@@ -62,8 +62,7 @@ struct IhaArgs {
   // out's dtype and strides; the gradients are float, dense [B, N, H|G, d]
   // and the weights' shapes. The workspaces: do_pseudo [B, H, L, d] (the
   // implementation's element type), delta [2, B, H, L] (rowStatsStride),
-  // dq_pseudo [B, H, L, d],
-  // dk_pseudo and dv_pseudo [B, G, L, d] and partials [B * token CTAs]
+  // dq_pseudo [B, H, L, d], dk_pseudo and dv_pseudo [B, G, L, d] and partials [B * token CTAs]
   // [partial_entries] (float). lse holds the forward's. A decode plan with
   // kv_splits > 1 keeps its split CTAs' normalised partial rows in partials
   // (the splits workspace): [B, H, kv_splits, T * P, d + 1] float, each

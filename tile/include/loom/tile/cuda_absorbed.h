@@ -332,12 +332,10 @@ __device__ void stageAngles(int64_t block) {
 }
 
 // Each staged key row (m, t) turned by its token's angle, R(tP), in place.
-// A thread's turns are unrolled up to kMaxUnrolledTurns (H = G = 8 P 1 d 128,
-// one warp: 16 of about 85 instructions; past that, a loop the SASS reader
-// counts once and the decode gate refuses).
-constexpr int kMaxUnrolledTurns = 16;
-// ... and up to kMaxCombosTurns where a thread's turns share their angles.
-constexpr int kMaxCombosTurns = 32;
+// A thread's turns are unrolled up to kMaxUnrolledTurns (H = G = 16 P 1 d
+// 128, one warp: 32 of about 70 instructions; past that, a loop the SASS
+// reader counts once and the decode gate refuses).
+constexpr int kMaxUnrolledTurns = 32;
 template <class C>
 __device__ void rotateStage(int64_t block) {
   using A = Geometry<C>;
@@ -395,24 +393,21 @@ __device__ void rotateStage(int64_t block) {
       if (A::G % step != 0 && m >= A::G) break;
       turn(m, t, lo);
     }
-  } else if constexpr (combos % A::threads == 0 && A::G * combos <= kMaxCombosTurns * A::threads) {
+  } else if constexpr (A::G * ((combos + A::threads - 1) / A::threads) <= kMaxUnrolledTurns) {
     // fewer threads than a head's combos (one warp at d 128: 64): a thread
-    // owns combos / threads of them, reads each one's angles once and turns
-    // it in every head, unrolled (H = G = 16 P 1 d 128, one warp: 32 turns;
-    // unrolled as below, ptxas spilled)
+    // owns every threads-th of them, reads each one's angles once and turns
+    // it in every head, unrolled, so the key-block loop holds no inner loop
+    // (H = G = 16 P 1 d 128, one warp: 32 turns; with each turn reading its
+    // own angles ptxas hoisted them and spilled)
     #pragma unroll
-    for (int k = 0; k < combos / A::threads; ++k) {
+    for (int k = 0; k < (combos + A::threads - 1) / A::threads; ++k) {
       const int combo = int(threadIdx.x) + k * A::threads, t = combo / halfChunks, lo = combo % halfChunks * kChunkElements;
+      if (combos % A::threads != 0 && combo >= combos) break;
       float cosine[kChunkElements], sine[kChunkElements];
       anglesOf(t, lo, cosine, sine);
       #pragma unroll
       for (int m = 0; m < A::G; ++m) turnBy(m, t, lo, cosine, sine);
     }
-  } else if constexpr (A::G * combos <= kMaxUnrolledTurns * A::threads) {
-    // fewer threads than a head's combos (one warp at d 128: 64): each
-    // thread's turns unrolled, so the key-block loop holds no inner loop
-    cuda::forEachUnrolled<A::G * combos, A::threads>(
-        [&](int index) { turn(index / combos, index % combos / halfChunks, index % halfChunks * kChunkElements); });
   } else {
     for (int index = threadIdx.x; index < A::G * combos; index += A::threads)
       turn(index / combos, index % combos / halfChunks, index % halfChunks * kChunkElements);
