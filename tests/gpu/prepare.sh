@@ -29,7 +29,7 @@ echo '{"engine": "engine_mma", "block_n": 32, "stages": 1, "collapse": "collapse
 echo '{"engine": "engine_wgmma"}' >"$schedules/hopper.json"
 echo '{"engine": "engine_wgmma", "mix": "mix_fused", "warps": 4, "block_m": 64, "block_n": 64, "stages": 3}' \
   >"$schedules/hopper-fused.json"
-echo '{"engine": "engine_wgmma", "warps": 12, "block_m": 192, "block_n": 64, "stages": 1, "collapse": "collapse_fused"}' \
+echo '{"engine": "engine_wgmma", "warps": 12, "block_m": 192, "block_n": 64, "stages": 2, "collapse": "collapse_fused"}' \
   >"$schedules/hopper-wide.json"
 
 jobs=()
