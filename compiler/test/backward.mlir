@@ -19,7 +19,7 @@
 // CHECK:           iha.collapse_grad tokens
 // CHECK:         iha.launch @iha_bwd_kv attributes {grid_y = 2 : i64, rows_per_cta = 64 : i64, rows_per_token = 2 : i64
 // CHECK:           %[[COL0:[0-9a-z_]+]] = arith.muli %arg0
-// CHECK-NEXT:      iha.kv_grad_begin cols %[[COL0]] head %arg1 batch %arg2
+// CHECK-NEXT:      iha.kv_grad_begin cols %[[COL0]] head %arg1 batch %arg2 part %c0_i64
 // CHECK:           iha.seq_len
 // CHECK:           iha.for_group_heads %arg1 {
 // CHECK-NEXT:      ^bb0(%[[H:[0-9a-z_]+]]: i64):
@@ -29,7 +29,7 @@
 // CHECK-NEXT:      }
 // CHECK-NEXT:      iha.kv_grad_store cols %[[COL0]] head %arg1 batch %arg2
 // CHECK:         iha.launch @iha_bwd_q attributes {grid_y = 4 : i64, rows_per_cta = 64 : i64, rows_per_token = 2 : i64
-// CHECK:           iha.dq_begin rows %[[ROW0:[0-9a-z_]+]] head %arg1 batch %arg2
+// CHECK:           iha.dq_begin rows %[[ROW0:[0-9a-z_]+]] head %arg1 batch %arg2 part %c0_i64
 // CHECK:           iha.dq_loop %{{.*}} to %[[DILO:[0-9a-z_]+]] rows %[[ROW0]] head %arg1 batch %arg2 {masked}
 // CHECK-NEXT:      iha.dq_loop %[[DILO]] to %[[DIHI:[0-9a-z_]+]] rows %[[ROW0]] head %arg1 batch %arg2{{$}}
 // CHECK-NEXT:      iha.dq_loop %[[DIHI]] to %{{.*}} rows %[[ROW0]] head %arg1 batch %arg2 {masked}

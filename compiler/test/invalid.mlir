@@ -187,7 +187,7 @@ iha.kernel @iha backward spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 
 iha.kernel @iha backward spec(#iha.spec<heads = 1, kv_heads = 1, pseudo_heads = 1, head_dim = 16, dtype = f32, mask = none, window = 0, collapse = per_head, rope_theta = 0.0, scale = 0.25>) schedule(#iha.schedule<block_m = 64, block_n = 64, warps = 4, stages = 2, mix = materialized, collapse = separate>) {
   iha.launch @l attributes {grid_y = 1 : i64, rows_per_cta = 64 : i64, rows_per_token = 1 : i64, threads = 128 : i64} {
   ^bb0(%x: i64, %y: i64, %b: i64):
-    iha.kv_grad_begin cols %x head %y batch %b
+    iha.kv_grad_begin cols %x head %y batch %b part %b
     // expected-error @+1 {{needs an iha.dq_begin before it}}
     iha.dq_loop %x to %x rows %x head %y batch %b {masked}
   }

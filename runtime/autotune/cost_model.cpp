@@ -517,10 +517,13 @@ CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& s, con
   const BlockCounts blocks = countBlocks(spec, bm, bn, tokens);
   // The forward recomputed (2 products), the key-block-outer launch (4), and
   // dq: its own launch recomputing S, P and dP (3), or one product added to
-  // the key-block-outer launch (dq atomic).
+  // the key-block-outer launch (dq atomic). A head past 128 columns is split
+  // into parts (layout.h, backwardColumnParts), each a CTA computing S and
+  // dP (and their exponentials) again over every column.
   const bool atomicDq = s.dq() == v1::dq_atomic;
-  const double kProducts = atomicDq ? 2 + 4 + 1 : 2 + 4 + 3;
-  const double kExps = atomicDq ? 2 : 3;
+  const double columnParts = backwardColumnParts(int(d));
+  const double kProducts = 2 + (2 * columnParts + 2) + (atomicDq ? 1 : 2 * columnParts + 1);
+  const double kExps = 1 + columnParts * (atomicDq ? 1 : 2);
 
   CostEstimate e;
   e.usefulFlops = ihaBackwardFlops(spec, batch, tokens);
@@ -542,7 +545,8 @@ CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& s, con
   // Re-reads: the forward's (and the dq loop's) K and V per visit, the
   // key-block loop's Q and do per visit; dq atomic adds block_m x d f32 per
   // visit in L2 (a read-modify-write: counted twice).
-  double l2Bytes = double(heads) * double(blocks.visited) * 2.0 * ((atomicDq ? 1.0 : 2.0) * bn + bm) * d * kBytes16;
+  double l2Bytes =
+      double(heads) * double(blocks.visited) * 2.0 * (bn + columnParts * ((atomicDq ? 0.0 : 1.0) * bn + bm)) * d * kBytes16;
   if (atomicDq) l2Bytes += double(heads) * double(blocks.visited) * double(bm) * d * 4.0 * 2.0;
 
   const int threads = s.warps() * 32;
@@ -560,7 +564,7 @@ CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& s, con
     e.bound = "resources";
     return e;
   }
-  const int64_t gridCtas = (L + bn - 1) / bn * G * batch;  // the key-block-outer launch, the longest
+  const int64_t gridCtas = (L + bn - 1) / bn * G * int64_t(columnParts) * batch;  // the key-block-outer launch, the longest
   const double slots = double(device.smCount) * e.ctasPerSm;
   e.waveEfficiency = double(gridCtas) / (std::ceil(double(gridCtas) / slots) * slots);
   const double activeWarps = std::min<double>(double(e.ctasPerSm) * s.warps(), double(gridCtas) / device.smCount * s.warps());

@@ -12,6 +12,7 @@
 #include "io/case.h"
 #include "loom/compiler.h"
 #include "loom/mask_rule.h"
+#include "loom/tile/layout.h"
 #include "reference/iha_backward.h"
 #include "reference/iha_reference.h"
 #include "test_util.h"
@@ -70,6 +71,8 @@ void checkBackward(const IhaCase& c, const std::vector<double>& dout, const refe
 
   const Schedule& s = plan->schedule;
   const int64_t rows = c.batch * c.spec.heads();
+  // Each part of a wide head's gradient columns visits its launch's pairs.
+  const int64_t parts = backwardColumnParts(int(c.spec.head_dim()));
   // The forward's attention, the key-block-outer loops (query blocks cut at
   // the end masked) and the dq launch (query blocks from multiples of block_m).
   const auto [forwardVisited, forwardMasked] = testing::bruteForceBlocks(c.spec, s.block_m(), s.block_n(), c.tokens);
@@ -79,8 +82,10 @@ void checkBackward(const IhaCase& c, const std::vector<double>& dout, const refe
                                          ? testing::bruteForcePairs(c.spec, s.block_m(), s.block_m(), s.block_n(),
                                                                     c.tokens, /*wholeQueryBlocks=*/false)
                                          : std::pair<int64_t, int64_t>{0, 0};
-  EXPECT_EQ(result->stats.keyBlocks, rows * (forwardVisited + kvVisited + dqVisited)) << what << ": visited block pairs";
-  EXPECT_EQ(result->stats.maskedBlocks, rows * (forwardMasked + kvMasked + dqMasked)) << what << ": masked block pairs";
+  EXPECT_EQ(result->stats.keyBlocks, rows * (forwardVisited + parts * (kvVisited + dqVisited)))
+      << what << ": visited block pairs";
+  EXPECT_EQ(result->stats.maskedBlocks, rows * (forwardMasked + parts * (kvMasked + dqMasked)))
+      << what << ": masked block pairs";
 }
 
 std::string testName(std::string name) {
@@ -150,6 +155,28 @@ TEST_P(DrawnBackwardOnCpu, MatchesTheReference) {
 
 INSTANTIATE_TEST_SUITE_P(Random, DrawnBackwardOnCpu, ::testing::Range(0, kRandomSpecs));
 
+// Past head_dim 128 the key-block-outer and dq launches split the gradient
+// columns into parts, a CTA each (layout.h, backwardColumnParts): fresh
+// specs at head_dim 136 to 256 (the host takes parts of any width: 200's
+// are 104 columns, 136's 72 and 64), every schedule, float32 and 16-bit.
+class WideBackwardOnCpu : public ::testing::TestWithParam<int> {};
+
+TEST_P(WideBackwardOnCpu, EveryPartMatchesTheReference) {
+  std::mt19937_64 rng(testing::testSeed() + uint64_t(GetParam()) * 7919);
+  const int dims[] = {256, 200, 136, 192};
+  const IhaCase c = testing::drawCheckableShape(rng, true, [&] {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_head_dim(dims[GetParam()]);
+    spec.set_dtype(GetParam() % 2 ? v1::bfloat16 : v1::float32);
+    return testing::DrawnShape{spec, 1 + int64_t(rng() % 2), 1 + int64_t(rng() % 24)};
+  });
+  ASSERT_EQ(backwardColumnParts(int(c.spec.head_dim())), 2);
+  for (const Schedule& schedule : schedulesFor(c.spec))
+    checkBackward(c, *c.dout, *c.expectedGradients, schedule, testing::describe(c));
+}
+
+INSTANTIATE_TEST_SUITE_P(Random, WideBackwardOnCpu, ::testing::Range(0, 4));
+
 // A gradient's bug cannot hide behind the others: the run's own outputs are
 // poisoned beforehand, and a dout of twice the size gives twice every
 // gradient (the backward is linear in dout).
@@ -177,7 +204,8 @@ TEST(BackwardOnCpu, IsLinearInDout) {
 }
 
 // The plan: its launches in order, the workspaces it needs, the schedule's
-// backward constraints named by field, and no CUDA backward yet.
+// backward constraints named by field, a wide head's parts in the grid,
+// and the head widths the CUDA backward refuses.
 TEST(BackwardPlan, LaunchesWorkspacesAndRefusals) {
   KernelSpec spec = testing::makeSpec({.heads = 2, .pseudoHeads = 2, .headDim = 8});
   auto plan = backwardPlan(spec, {});
@@ -221,11 +249,28 @@ TEST(BackwardPlan, LaunchesWorkspacesAndRefusals) {
       EXPECT_GT(launch.sharedMemoryBytes, 0) << launch.name;
     }
   }
+  // head_dim 256: two parts of 128 columns, the key-block-outer and dq
+  // launches' grid y (kv head or head, part), on both archs.
   half.set_head_dim(256);
-  auto wide = generateKernel(half, {}, *parseTarget("sm_80"), options);
-  ASSERT_FALSE(wide);
-  EXPECT_NE(wide.error().message.find("head_dim 256 has no CUDA backward yet"), std::string::npos)
-      << wide.error().message;
+  for (const char* arch : {"sm_80", "sm_90a"}) {
+    auto wide = generateKernel(half, {}, *parseTarget(arch), options);
+    ASSERT_TRUE(wide) << arch << ": " << wide.error().message;
+    EXPECT_EQ(wide->schedule.engine(), v1::engine_mma) << arch;
+    for (const LaunchPlan& launch : wide->launches) {
+      if (launch.name == kBackwardKvEntry) EXPECT_EQ(launch.gridY, 2 * half.kv_heads()) << arch;
+      if (launch.name == kBackwardQEntry) EXPECT_EQ(launch.gridY, 2 * half.heads()) << arch;
+    }
+  }
+  // Parts a multiple of 16 columns wide (of the padded head: head_dim
+  // 200's would be 104, 136's 72, 240's 120).
+  for (int d : {136, 200, 240}) {
+    half.set_head_dim(d);
+    auto refusedWidth = generateKernel(half, {}, *parseTarget("sm_80"), options);
+    ASSERT_FALSE(refusedWidth) << d;
+    EXPECT_NE(refusedWidth.error().message.find("head_dim " + std::to_string(d) + " has no CUDA backward"),
+              std::string::npos)
+        << refusedWidth.error().message;
+  }
 
   // A forward plan's schedule says nothing of dq, and its source is unchanged by it.
   auto forward = generateKernel(spec, {}, *parseTarget("cpu"));

@@ -128,7 +128,8 @@ TEST_P(DrawnBackwardOnEmulator, MatchesTheReferenceWithoutFindings) {
   std::mt19937_64 rng(testing::testSeed() + uint64_t(GetParam()) * 7877);
   const IhaCase c = testing::drawCheckableShape(rng, true, [&] {
     KernelSpec spec = testing::randomSpec(rng);
-    spec.set_head_dim(8 * std::uniform_int_distribution<int>(1, 4)(rng));
+    // Up to 48 (6 chunks a row: the tile copies' cursor leaves threads out).
+    spec.set_head_dim(8 * std::uniform_int_distribution<int>(1, 6)(rng));
     spec.set_dtype(GetParam() % 2 ? v1::bfloat16 : v1::float16);
     return testing::DrawnShape{spec, 1 + int64_t(rng() % 2), 1 + int64_t(rng() % 24)};
   });
@@ -137,6 +138,35 @@ TEST_P(DrawnBackwardOnEmulator, MatchesTheReferenceWithoutFindings) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Random, DrawnBackwardOnEmulator, ::testing::Range(0, 6));
+
+// Past head_dim 128 the key-block-outer and dq launches split the gradient
+// columns into parts, a CTA each (layout.h, backwardColumnParts; the CUDA
+// tiles' dK, dV and dq keep their part's n-tiles, S^T and dP^T take every
+// column): fresh specs at head_dim 256, 224 and, padded to 192 and 160
+// with zeros, 184 and 152, both archs and dtypes, the defaults (dq in its own launch) and one warp on 16-row blocks
+// with dq by atomic adds (each part adds its own columns).
+class WideBackwardOnEmulator : public ::testing::TestWithParam<int> {};
+
+TEST_P(WideBackwardOnEmulator, EveryPartMatchesTheReferenceWithoutFindings) {
+  std::mt19937_64 rng(testing::testSeed() + uint64_t(GetParam()) * 3571);
+  const int dims[] = {256, 184, 152, 224};
+  const IhaCase c = testing::drawCheckableShape(rng, true, [&] {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_head_dim(dims[GetParam()]);
+    spec.set_dtype(GetParam() % 2 ? v1::bfloat16 : v1::float16);
+    return testing::DrawnShape{spec, 1, 1 + int64_t(rng() % 20)};
+  });
+  Schedule s;
+  if (GetParam() >= 2) {
+    s.set_dq(v1::dq_atomic);
+    s.set_warps(1);
+    s.set_block_m(std::lcm(int(c.spec.pseudo_heads()), 16));
+    s.set_block_n(16);
+  }
+  expectClean(c, *c.expectedGradients, s, kArchs[GetParam() % 2], testing::describe(c), rng());
+}
+
+INSTANTIATE_TEST_SUITE_P(Drawn, WideBackwardOnEmulator, ::testing::Range(0, 4));
 
 // The key-block-outer launch on wgmma (sm_90a, schedule.engine wgmma:
 // loom/tile/cuda_backward.h, bwgmma): fresh specs at head_dim 64 and 128

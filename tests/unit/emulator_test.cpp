@@ -196,6 +196,40 @@ TEST_P(TensorPremixOnEmulator, MixesOnTheTensorCoresWithoutFindings) {
 
 INSTANTIATE_TEST_SUITE_P(Random, TensorPremixOnEmulator, ::testing::Range(0, 4));
 
+// The premix past head_dim 128 where d/2 is an odd multiple of 4 (136, 152,
+// ..., 248): 8-column pieces (16-byte loads; halving them would take a
+// token's pieces past a warp), RoPE's partner column half a piece off, in
+// one of two lanes (layout.h premixVector, cuda_common.h RopeAngles). Drawn
+// specs with RoPE, both directions, qk_norm drawn, materialised mixing on
+// sm_80 and sm_90a: no findings, the reference's rows.
+class HalfPiecePartnerPremixOnEmulator : public ::testing::TestWithParam<int> {};
+
+TEST_P(HalfPiecePartnerPremixOnEmulator, TurnsEveryColumnWithItsPartner) {
+  std::mt19937_64 rng(testing::testSeed() + uint64_t(GetParam()) * 6421);
+  const IhaCase c = testing::drawCheckableShape(rng, false, [&] {
+    KernelSpec spec = testing::randomSpec(rng);
+    spec.set_head_dim(136 + 16 * std::uniform_int_distribution<int>(0, 7)(rng));
+    spec.set_rope_theta(10000.0);
+    spec.set_rope_direction(rng() % 2 ? v1::KernelSpec::negative : v1::KernelSpec::positive);
+    spec.set_dtype(GetParam() % 2 ? v1::bfloat16 : v1::float16);
+    testing::dropStaleOptions(spec);
+    return testing::DrawnShape{spec, 1, 2 + int64_t(rng() % 12)};
+  });
+  ASSERT_EQ(c.spec.head_dim() / 2 % 8, 4);
+  ASSERT_EQ(premixVector(int(c.spec.heads()), int(c.spec.head_dim())), 8);
+  const int P = c.spec.pseudo_heads();
+  for (const auto& [given, target] :
+       {std::pair{schedule(1, std::lcm(P, 16), 16, 1, v1::mix_materialized, v1::collapse_separate), "sm_80"},
+        std::pair{schedule(4, std::lcm(P, 64), 32, 2, v1::mix_materialized, v1::collapse_separate), "sm_90a"}}) {
+    auto plan = generateKernel(c.spec, given, *parseTarget(target));
+    ASSERT_TRUE(plan) << testing::describe(c) << " " << target << ": " << plan.error().message;
+    ASSERT_EQ(plan->schedule.mix(), v1::mix_materialized);
+    expectClean(*plan, c, testing::describe(c) + " " + target, rng());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Random, HalfPiecePartnerPremixOnEmulator, ::testing::Range(0, 2));
+
 // The schedule space both engines take, each schedule exactly as given (no
 // fallback): sm_80 with 1 to 8 warps, 1 to 4 stages, both mixings and both
 // collapse placements; sm_90a with 1 to 3 consumer warpgroups, block_n 64 to

@@ -103,8 +103,6 @@ int64_t attentionSharedMemory(SpecAttr spec, ScheduleAttr schedule, bool backwar
                          schedule.getCollapse() == CollapseStrategy::epilogue, fusedGlobal);
 }
 
-// The widest head the mma.sync backward keeps in registers.
-constexpr int64_t kMaxBackwardHeadDim = 128;
 // The wgmma backward's key-block-outer CTA: one warpgroup (64 key rows),
 // 64-row query blocks (the N of S^T and dP^T).
 constexpr int64_t kWgmmaBackwardWarps = 4, kWgmmaBackwardRows = 64;
@@ -488,10 +486,14 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
   if (given.tensorMixing && target.kind() != v1::Target::cuda)
     return makeError("schedule.tensor_mixing needs a CUDA target (the tensor cores)");
   if (direction == Direction::backward) {
-    if (target.kind() == v1::Target::cuda && spec.head_dim() > kMaxBackwardHeadDim)
-      return makeError("head_dim " + std::to_string(spec.head_dim()) + " has no CUDA backward yet: its dK and dV "
-                       "accumulators (2 x 16 rows x head_dim per warp) exceed the registers above head_dim " +
-                       std::to_string(kMaxBackwardHeadDim));
+    // Past kBackwardPartColumns (128) the key-block-outer and dq launches
+    // split the gradient columns into parts, a CTA each (layout.h,
+    // backwardColumnParts), whose widths the CUDA tiles take in 16s.
+    if (target.kind() == v1::Target::cuda && !backwardPartsEven(int(spec.head_dim())))
+      return makeError("head_dim " + std::to_string(spec.head_dim()) + " has no CUDA backward: above " +
+                       std::to_string(kBackwardPartColumns) + " the gradient columns split into " +
+                       std::to_string(backwardColumnParts(int(spec.head_dim()))) +
+                       " parts a multiple of 16 wide each (head_dim 152-160, 184-192, 216-224 or 248-256)");
     // wgmma (sm_90a): one warpgroup of 64 key rows, 64-row query blocks
     // (loom/tile/cuda_backward.h, bwgmma), loads by TMA; the plan's other
     // launches are completed and checked on mma.sync, the engine put back
@@ -520,11 +522,18 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
     // registers a thread: two warps on 32-row blocks leave S^T and dS^T
     // room (64-row query blocks spill); dq atomic's product on top of them
     // fits one warp on 16-row blocks (32-row ones spill 8 to 20 bytes).
+    // Past head_dim 128 (a part of the columns a CTA: the same registers)
+    // the tiles can outgrow a smaller SM's shared memory (sm_86, sm_89 at
+    // head_dim 256): one warp on 16-row blocks there too.
     if (spec.head_dim() > 64 && !given.warps && !given.blockM && !given.blockN) {
       const bool atomic = given.dq == DqStrategy::atomic;
-      const int64_t rows = atomic ? 16 : 32;
-      given.warps = atomic ? 1 : 2;
-      given.blockM = (spec.pseudo_heads() + rows - 1) / rows * rows;
+      auto blockM = [&](int64_t rows) { return (spec.pseudo_heads() + rows - 1) / rows * rows; };
+      int64_t rows = atomic ? 16 : 32;
+      if (target.kind() == v1::Target::cuda &&
+          backwardSmem(int(blockM(rows)), int(rows), int(spec.head_dim()), atomic).total > sharedMemoryLimit(target))
+        rows = 16;
+      given.warps = rows / 16;
+      given.blockM = blockM(rows);
       given.blockN = rows;
     }
     given.mix = given.mix.value_or(MixStrategy::materialized);

@@ -221,17 +221,21 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
       body.create<CollapseGradOp>(loc, token0, batch);
     });
     const bool atomicDq = chosen.getDq() == DqStrategy::atomic;
+    // A head wider than a CTA's gradient columns is split into parts
+    // (layout.h, backwardColumnParts): the grid's y is (head, part), CTA y
+    // = head * parts + part, as a decode step's (head, split).
+    const int64_t parts = loom::backwardColumnParts(int(spec.getHeadDim()));
     // Key-block-outer: one CTA per (key block, kv head, batch) runs every
     // query head of its group, so dK and dV sum without atomics.
-    LaunchOp kv = createLaunch(builder, loc, kBwdKvLaunch, P, chosen.getBlockN(), spec.getKvHeads(), threads);
+    LaunchOp kv = createLaunch(builder, loc, kBwdKvLaunch, P, chosen.getBlockN(), spec.getKvHeads() * parts, threads);
     {
       mlir::OpBuilder body = mlir::OpBuilder::atBlockEnd(&kv.getBlock());
       IndexMath math(body, loc);
       Value col0 = math.mul(kv.getBlockX(), math.c(chosen.getBlockN()));
       Value seqLen = body.create<SeqLenOp>(loc, body.getI64Type());
       Value queryBlocks = math.ceilDiv(seqLen, math.c(chosen.getBlockM()));
-      Value group = kv.getBlockY(), batch = kv.getBatch();
-      body.create<KvGradBeginOp>(loc, col0, group, batch);
+      Value group = splitHeadOf(math, kv.getBlockY(), parts), batch = kv.getBatch();
+      body.create<KvGradBeginOp>(loc, col0, group, batch, splitIndexOf(math, kv.getBlockY(), parts));
       auto heads = body.create<ForGroupHeadsOp>(loc, group);
       mlir::Block* headBody = new mlir::Block();
       heads.getBody().push_back(headBody);
@@ -241,15 +245,16 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
       body.create<KvGradStoreOp>(loc, col0, group, batch);
     }
     if (!atomicDq) {  // query-block-outer: dq with P and dS recomputed
-      LaunchOp q = createLaunch(builder, loc, kBwdQLaunch, P, chosen.getBlockM(), spec.getHeads(), threads);
+      LaunchOp q = createLaunch(builder, loc, kBwdQLaunch, P, chosen.getBlockM(), spec.getHeads() * parts, threads);
       mlir::OpBuilder body = mlir::OpBuilder::atBlockEnd(&q.getBlock());
       IndexMath math(body, loc);
       Value row0 = math.mul(q.getBlockX(), math.c(chosen.getBlockM()));
       Value seqLen = body.create<SeqLenOp>(loc, body.getI64Type());
       Value keyBlocks = math.ceilDiv(seqLen, math.c(chosen.getBlockN()));
-      body.create<DqBeginOp>(loc, row0, q.getBlockY(), q.getBatch());
-      body.create<DqLoopOp>(loc, math.c(0), keyBlocks, row0, q.getBlockY(), q.getBatch(), /*masked=*/true);
-      body.create<DqStoreOp>(loc, row0, q.getBlockY(), q.getBatch());
+      Value head = splitHeadOf(math, q.getBlockY(), parts);
+      body.create<DqBeginOp>(loc, row0, head, q.getBatch(), splitIndexOf(math, q.getBlockY(), parts));
+      body.create<DqLoopOp>(loc, math.c(0), keyBlocks, row0, head, q.getBatch(), /*masked=*/true);
+      body.create<DqStoreOp>(loc, row0, head, q.getBatch());
     }
     tokenLaunch(kBwdUnmixLaunch, [&](mlir::OpBuilder& body, Value token0, Value batch) {
       for (Role role : {Role::query, Role::key, Role::value})

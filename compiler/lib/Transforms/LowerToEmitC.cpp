@@ -328,7 +328,7 @@ class LaunchLowering {
         .Case([&](KvGradBeginOp o) {
           llvm::SmallVector<Value> operands{state("KvGradTile")};
           operands.append(launchArgs());
-          operands.append({get(o.getCol0()), get(o.getHead()), get(o.getBatch())});
+          operands.append({get(o.getCol0()), get(o.getHead()), get(o.getBatch()), get(o.getPart())});
           call("kv_grad_begin", operands);
           return mlir::success();
         })
@@ -373,7 +373,7 @@ class LaunchLowering {
             return mlir::success();
           }
           call("load_q_grad", operands);
-          call("dq_init", {state("DqTile")});
+          call("dq_init", {state("DqTile"), get(o.getPart())});
           return mlir::success();
         })
         .Case([&](DqLoopOp o) { return lowerDqLoop(o); })

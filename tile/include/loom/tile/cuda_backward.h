@@ -37,7 +37,21 @@ struct BackwardGeometry {
   static constexpr int KMT = C::block_n / (16 * C::warps);  // key m-tiles per warp (key-block-outer)
   static constexpr int QNT = C::block_m / 8;                // query n-tiles of S^T
   static constexpr int QK = C::block_m / kMmaK;             // k-steps over query rows (dV, dK)
+  // A CTA's share of the gradient columns (layout.h, backwardColumnParts):
+  // dK, dV (key-block-outer) and dq keep PT n-tiles, from the part's first.
+  static_assert(backwardPartsEven(C::head_dim), "the backward's column parts are multiples of 16 columns");
+  static constexpr int PARTS = backwardColumnParts(C::head_dim);
+  static constexpr int PT = G::OT / PARTS;
 };
+
+// The byte offset, in a padded 16-bit tile, of part `part`'s first column
+// (0, known at compile time, where the head is one part).
+template <class C>
+__device__ __forceinline__ Bits32 partBytes(int part) {
+  using BG = BackwardGeometry<C>;
+  if constexpr (BG::PARTS == 1) return 0;
+  else return Bits32(part * BG::PT * 8 * kTileElementBytes);
+}
 
 template <class C>
 __device__ __forceinline__ BackwardSmem bwdSmem() {
@@ -50,6 +64,30 @@ __device__ __forceinline__ Bits16* bwdTile(int offset) {
 template <class C>
 __device__ __forceinline__ float* bwdFloats(int offset) {
   return reinterpret_cast<float*>(smem() + offset);
+}
+// The key-block-outer launch's K or V tile (at `offset`) as its products'
+// ldmatrix read it: by pointer (ptxas keeps an address a k-step), or past
+// head_dim 128 by its shared-window address (one register, each k-step's
+// offset a constant: 32 addresses at head_dim 256 spilled the loop; at 128
+// and below the pointer's loop is 7 instructions shorter on sm_80).
+template <class C>
+__device__ __forceinline__ auto keyBlockTile(int offset) {
+  if constexpr (BackwardGeometry<C>::PARTS > 1) return sharedAddress(bwdTile<C>(offset));
+  else return static_cast<const Bits16*>(bwdTile<C>(offset));
+}
+
+// The query and key tiles' copies by cursor (cuda.h, copyCursorRounds): a
+// thread's chunk column fixed, its rows stepping by threads / chunks, every
+// copy its base addresses plus constants. Where a row's chunks do not
+// divide the threads, those past the last whole row of chunks sit the
+// copies out (head_dim 192: 24 chunks, 48 of 64 threads, two rows a round),
+// where a loop over (row, chunk) pairs would divide every index.
+template <class C>
+constexpr bool kBackwardCursor = Geometry<C>::threads >= Geometry<C>::Dp / kChunkElements;
+template <class C>
+__device__ __forceinline__ bool copiesByCursor() {
+  constexpr int chunks = Geometry<C>::Dp / kChunkElements;
+  return Geometry<C>::threads % chunks == 0 || int(threadIdx.x) < Geometry<C>::threads / chunks * chunks;
 }
 
 // First key row of key m-tile `mt` of this warp (key-block-outer launch).
@@ -147,9 +185,10 @@ __device__ __forceinline__ float unrotate(float x, float partner, int64_t positi
 
 template <class C>
 struct KvGradTile {
-  float dk[cuda::BackwardGeometry<C>::KMT][cuda::Geometry<C>::OT][4];
-  float dv[cuda::BackwardGeometry<C>::KMT][cuda::Geometry<C>::OT][4];
+  float dk[cuda::BackwardGeometry<C>::KMT][cuda::BackwardGeometry<C>::PT][4];
+  float dv[cuda::BackwardGeometry<C>::KMT][cuda::BackwardGeometry<C>::PT][4];
   int64_t col0;
+  int part = 0;  // the CTA's share of dK's and dV's columns (BackwardGeometry::PT n-tiles from part * PT)
   int stage = 0;  // the K and V stage holding col0's rows (the dq launch's two; layout.h, BackwardSmem)
   // wgmma's dq launch: a side of its ring of K and V stages (bwgmma): the
   // parity each stage's mbarrier completes next (bit s: stage s; the
@@ -192,7 +231,8 @@ struct BwdScores {
 
 template <class C>
 struct DqTile {
-  float dq[cuda::Geometry<C>::MT][cuda::Geometry<C>::OT][4];
+  float dq[cuda::Geometry<C>::MT][cuda::BackwardGeometry<C>::PT][4];
+  int part = 0;  // the CTA's share of dq's columns, as KvGradTile's
 };
 
 //===----------------------------------------------------------------------===//
@@ -515,7 +555,11 @@ __device__ void copyKvStage(const IhaArgs& a, int stage, int64_t col0, int64_t g
   const int at = stage * s.kvStage;
   constexpr int chunks = G::Dp / kChunkElements, dChunks = G::D / kChunkElements;
   const int64_t rows = (b * C::kv_heads + g) * L;  // the kv head's first row in the workspaces
-  if constexpr (Unrolled && G::threads % chunks == 0) {
+  if constexpr (Unrolled && cuda::kBackwardCursor<C>) {
+    if (!cuda::copiesByCursor<C>()) {
+      cuda::commitCopies();
+      return;
+    }
     const int r0 = cuda::cursorRow<C>(), chunk = cuda::cursorChunk<C>();
     const int64_t first = (rows + col0) * G::D + (r0 * G::D + chunk * kChunkElements);
     const Bits32 place = Bits32((r0 * G::pitch + chunk * kChunkElements) * kTileElementBytes);
@@ -612,15 +656,17 @@ __device__ void kv_grad_finish(KvGradTile<C>&, const IhaArgs&) {
 }
 
 template <class C>
-__device__ void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g, int64_t b) {
+__device__ void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g, int64_t b,
+                              int64_t part) {
   load_kv_grad<C>(kv, a, col0, g, b);
+  kv.part = int(part);
   cuda::zero<C>(kv.dk);
   cuda::zero<C>(kv.dv);
 }
 // On wgmma: the mbarriers set up, then the block's K and V by TMA.
 template <class C>
 __device__ void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs& a, const TmaMaps& maps, int64_t col0, int64_t g,
-                              int64_t b) {
+                              int64_t b, int64_t /*part: one, head_dim <= 128*/) {
   static_assert(C::wgmma_backward, "the key-block-outer launch takes tensor maps on wgmma only");
   const BackwardSmem w = bwgmma::layout<C>();
   const Bits32 bar = bwgmma::barrierAt<C>(0);
@@ -651,7 +697,7 @@ __device__ void copyQueryStage(const IhaArgs& a, int stage, int64_t row0, int64_
   const int at = stage * s.stage;
   constexpr int chunks = G::Dp / kChunkElements, dChunks = G::D / kChunkElements;
   const int64_t rows = (b * C::heads + h) * L;  // the head's first row in the workspaces
-  if constexpr (G::threads % chunks == 0) {
+  if constexpr (cuda::kBackwardCursor<C>) {
     // The thread's 16-byte chunk column is fixed and its rows step by
     // threads / chunks: every copy is its base addresses plus constants,
     // unrolled; a row past L takes src-size 0 (zeros, nothing read).
@@ -664,8 +710,9 @@ __device__ void copyQueryStage(const IhaArgs& a, int stage, int64_t row0, int64_
     const Bits32 dOTarget = cuda::sharedAddress(cuda::bwdTile<C>(s.dO + at)) + place;
     const int left = int(min(L - row0, int64_t(C::block_m))) - r0;  // the thread's rows before L
     const bool column = dChunks == chunks || chunk < dChunks;
-    cuda::copyCursorRounds<C, C::block_m, cuda::kKeyRows | cuda::kValueRows>(qTarget, q, dOTarget, dO, 0, r0, left,
-                                                                             column);
+    if (cuda::copiesByCursor<C>())
+      cuda::copyCursorRounds<C, C::block_m, cuda::kKeyRows | cuda::kValueRows>(qTarget, q, dOTarget, dO, 0, r0, left,
+                                                                               column);
   } else {
     cuda::copyRows<C, C::block_m>(cuda::bwdTile<C>(s.q + at), a.q_mixed, C::heads, b, h, row0, L);
     cuda::copyRows<C, C::block_m>(cuda::bwdTile<C>(s.dO + at), a.do_pseudo, C::heads, b, h, row0, L);
@@ -855,7 +902,7 @@ __device__ void bwd_scores(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) 
   using G = cuda::Geometry<C>;
   using BG = cuda::BackwardGeometry<C>;
   const BackwardSmem smem = cuda::bwdSmem<C>();
-  const Bits16* kTile = cuda::bwdTile<C>(smem.k);
+  const auto kTile = cuda::keyBlockTile<C>(smem.k);
   const Bits32 qTile = stageTile<C>(smem.q, q);
   if constexpr (O == Outer::keys) {
     if constexpr (C::wgmma_backward) {
@@ -1043,7 +1090,6 @@ __device__ void bwd_probs(BwdScores<C>& s, QGradTile<C>& q) {
 // dV += P^T do: P^T's C fragments re-packed as A, do by ldmatrix.trans.
 template <class C>
 __device__ void bwd_dv(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
-  using G = cuda::Geometry<C>;
   using BG = cuda::BackwardGeometry<C>;
   if constexpr (C::wgmma_backward) {
     // dV's product in flight until bwd_dk's wait; this wait retires dP^T.
@@ -1058,14 +1104,14 @@ __device__ void bwd_dv(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
     ptx::pinRegisters(bwgmma::flat<C::block_m / 2>(s.dt));
     return;
   }
-  const Bits32 dO = stageTile<C>(cuda::bwdSmem<C>().dO, q);
+  const Bits32 dO = stageTile<C>(cuda::bwdSmem<C>().dO, q) + cuda::partBytes<C>(kv.part);
   #pragma unroll
   for (int kk = 0; kk < BG::QK; ++kk) {
     Bits32 p[BG::KMT][4];
     #pragma unroll
     for (int mt = 0; mt < BG::KMT; ++mt) cuda::repack<C>(p[mt], s.t[mt], kk);
     #pragma unroll
-    for (int pair = 0; pair < G::OT / 2; ++pair) {
+    for (int pair = 0; pair < BG::PT / 2; ++pair) {
       Bits32 b[4];
       cuda::loadBTrans<C>(b, dO, kk, pair);
       #pragma unroll
@@ -1084,7 +1130,7 @@ __device__ void bwd_ds(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) {
   using G = cuda::Geometry<C>;
   using BG = cuda::BackwardGeometry<C>;
   const BackwardSmem smem = cuda::bwdSmem<C>();
-  const Bits16* vTile = cuda::bwdTile<C>(smem.v);
+  const auto vTile = cuda::keyBlockTile<C>(smem.v);
   const Bits32 dOTile = stageTile<C>(smem.dO, q);
   const float* delta = cuda::bwdFloats<C>(smem.delta + stageOf<C>(q));
   const int l = cuda::lane();
@@ -1186,7 +1232,6 @@ __device__ void bwd_ds(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) {
 // C fragments, or under dq atomic read back from where bwd_ds staged it.
 template <class C>
 __device__ void bwd_dk(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
-  using G = cuda::Geometry<C>;
   using BG = cuda::BackwardGeometry<C>;
   if constexpr (C::wgmma_backward) {  // this wait retires dV's product and dK's
     const BackwardSmem w = bwgmma::layout<C>();
@@ -1201,7 +1246,7 @@ __device__ void bwd_dk(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
     ptx::pinRegisters(bwgmma::flat<C::head_dim / 2>(kv.dk));
     return;
   }
-  const Bits32 qTile = stageTile<C>(cuda::bwdSmem<C>().q, q);
+  const Bits32 qTile = stageTile<C>(cuda::bwdSmem<C>().q, q) + cuda::partBytes<C>(kv.part);
   #pragma unroll
   for (int kk = 0; kk < BG::QK; ++kk) {
     Bits32 ds[BG::KMT][4];
@@ -1218,7 +1263,7 @@ __device__ void bwd_dk(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
       }
     }
     #pragma unroll
-    for (int pair = 0; pair < G::OT / 2; ++pair) {
+    for (int pair = 0; pair < BG::PT / 2; ++pair) {
       Bits32 b[4];
       cuda::loadBTrans<C>(b, qTile, kk, pair);
       #pragma unroll
@@ -1231,21 +1276,23 @@ __device__ void bwd_dk(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
 }
 
 namespace cuda {
-// A thread's accumulator fragments of rows first(mt) + fragment rows as f32
-// rows of a workspace [B, heads, L, d], times `scale`; rows past L skipped.
+// A thread's accumulator fragments of rows first(mt) + fragment rows, part
+// `part`'s columns, as f32 rows of a workspace [B, heads, L, d], times
+// `scale`; rows past L skipped.
 template <class C, int MTiles, class FirstRow>
-__device__ void storeFragments(const float (&acc)[MTiles][Geometry<C>::OT][4], float* workspace, int heads, int64_t b,
-                               int64_t h, int64_t row0, int64_t L, float scale, FirstRow first) {
+__device__ void storeFragments(const float (&acc)[MTiles][BackwardGeometry<C>::PT][4], float* workspace, int heads,
+                               int64_t b, int64_t h, int64_t row0, int64_t L, float scale, int part, FirstRow first) {
   using G = Geometry<C>;
-  const int l = lane();
+  using BG = BackwardGeometry<C>;
+  const int l = lane(), column0 = BG::PARTS == 1 ? 0 : part * BG::PT * 8;
   #pragma unroll
   for (int mt = 0; mt < MTiles; ++mt)
     #pragma unroll
-    for (int ot = 0; ot < G::OT; ++ot)
+    for (int ot = 0; ot < BG::PT; ++ot)
       #pragma unroll
       for (int e = 0; e < 4; e += 2) {
         const int64_t i = row0 + first(mt) + fragment::accumulatorRow(l, e);
-        const int c = ot * 8 + fragment::accumulatorColumn(l, e);
+        const int c = column0 + ot * 8 + fragment::accumulatorColumn(l, e);
         if (i >= L || c >= G::D) continue;
         *reinterpret_cast<float2*>(workspace + ((b * heads + h) * L + i) * G::D + c) =
             make_float2(acc[mt][ot][e] * scale, acc[mt][ot][e + 1] * scale);
@@ -1257,8 +1304,8 @@ template <class C>
 __device__ void kv_grad_store(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g, int64_t b) {
   const int64_t L = seq_len<C>(a);
   auto first = [](int mt) { return cuda::keyRow<C>(mt); };
-  cuda::storeFragments<C>(kv.dk, a.dk_pseudo, C::kv_heads, b, g, col0, L, C::scale, first);
-  cuda::storeFragments<C>(kv.dv, a.dv_pseudo, C::kv_heads, b, g, col0, L, 1.0f, first);
+  cuda::storeFragments<C>(kv.dk, a.dk_pseudo, C::kv_heads, b, g, col0, L, C::scale, kv.part, first);
+  cuda::storeFragments<C>(kv.dv, a.dv_pseudo, C::kv_heads, b, g, col0, L, 1.0f, kv.part, first);
 }
 
 // dq += scale * dS K by atomic adds (dq atomic), from the dS^T bwd_ds
@@ -1268,21 +1315,24 @@ __device__ void kv_grad_store(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0,
 // red.global.add.f32 (other key blocks' CTAs add to the same rows). The
 // next query block's load_q_grad synchronises before bwd_ds stages again.
 template <class C>
-__device__ void bwd_dq_atomic(BwdScores<C>&, QGradTile<C>& q, KvGradTile<C>&, const IhaArgs& a, int64_t h,
+__device__ void bwd_dq_atomic(BwdScores<C>&, QGradTile<C>& q, KvGradTile<C>& kv, const IhaArgs& a, int64_t h,
                               int64_t b) {
   using G = cuda::Geometry<C>;
+  using BG = cuda::BackwardGeometry<C>;
   static_assert(C::block_m % 16 == 0, "dq atomic takes 16-row query m-tiles");
   constexpr int pitch = tilePitch(C::block_m);
   const BackwardSmem smem = cuda::bwdSmem<C>();
   const Bits16* dsTile = cuda::bwdTile<C>(smem.ds);
   const Bits16* kTile = cuda::bwdTile<C>(smem.k);
   const int l = cuda::lane();
-  constexpr int pairs = G::OT / 2, items = C::block_m / 16 * pairs;
+  // The part's head-dim pairs (its dK and dV columns: each part adds its own).
+  constexpr int pairs = BG::PT / 2, items = C::block_m / 16 * pairs;
+  const int firstPair = BG::PARTS == 1 ? 0 : kv.part * pairs;
   const int L = int(seq_len<C>(a)), row0 = int(q.row0);
   float* dq = a.dq_pseudo + (b * C::heads + h) * L * G::D;
   #pragma unroll 1
   for (int item = cuda::warp(); item < items; item += C::warps) {
-    const int m0 = item / pairs * 16, pair = item % pairs;
+    const int m0 = item / pairs * 16, pair = firstPair + item % pairs;
     float acc[2][4] = {};
     #pragma unroll 1
     for (int kk = 0; kk < C::block_n / kMmaK; ++kk) {
@@ -1308,8 +1358,9 @@ __device__ void bwd_dq_atomic(BwdScores<C>&, QGradTile<C>& q, KvGradTile<C>&, co
 }
 
 template <class C>
-__device__ void dq_init(DqTile<C>& dq) {
+__device__ void dq_init(DqTile<C>& dq, int64_t part) {
   cuda::zero<C>(dq.dq);
+  dq.part = int(part);
 }
 
 // dq += dS K: dS's C fragments re-packed as A, K by ldmatrix.trans.
@@ -1327,14 +1378,14 @@ __device__ void dq_accumulate(DqTile<C>& dq, BwdScores<C>& s, KvGradTile<C>& kv)
     ptx::pinRegisters(bwgmma::flat<C::head_dim / 2>(dq.dq));
     return;
   }
-  const Bits32 kTile = kvStageTile<C>(cuda::bwdSmem<C>().k, kv);
+  const Bits32 kTile = kvStageTile<C>(cuda::bwdSmem<C>().k, kv) + cuda::partBytes<C>(dq.part);
   #pragma unroll
   for (int kk = 0; kk < G::PK; ++kk) {
     Bits32 ds[G::MT][4];
     #pragma unroll
     for (int mt = 0; mt < G::MT; ++mt) cuda::repack<C>(ds[mt], s.ds[mt], kk);
     #pragma unroll
-    for (int pair = 0; pair < G::OT / 2; ++pair) {
+    for (int pair = 0; pair < cuda::BackwardGeometry<C>::PT / 2; ++pair) {
       Bits32 b[4];
       cuda::loadBTrans<C>(b, kTile, kk, pair);
       #pragma unroll
@@ -1348,7 +1399,7 @@ __device__ void dq_accumulate(DqTile<C>& dq, BwdScores<C>& s, KvGradTile<C>& kv)
 
 template <class C>
 __device__ void dq_store(DqTile<C>& dq, const IhaArgs& a, int64_t row0, int64_t h, int64_t b) {
-  cuda::storeFragments<C>(dq.dq, a.dq_pseudo, C::heads, b, h, row0, seq_len<C>(a), C::scale,
+  cuda::storeFragments<C>(dq.dq, a.dq_pseudo, C::heads, b, h, row0, seq_len<C>(a), C::scale, dq.part,
                           [](int mt) { return cuda::tileRow<C>(mt); });
 }
 
@@ -1369,6 +1420,11 @@ __device__ void unmix(const IhaArgs& a, int64_t token0, int64_t b) {
   constexpr int rows = heads * P, groupRows = unmixGroupRows(C::heads, P, D);
   constexpr int threads = cuda::Geometry<C>::threads;
   constexpr int perThread = (heads * D + threads - 1) / threads;
+  // A thread's elements of the token's dx: summed over the groups of rows
+  // in registers, or past kUnmixAccumulators of them (head_dim 256, 16
+  // heads on two warps: 64) in dx itself, each group adding its sums to
+  // what the thread wrote there before (a CTA owns its tokens' rows).
+  constexpr bool registers = perThread <= kUnmixAccumulators;
   const int64_t L = seq_len<C>(a);
   float* staged = reinterpret_cast<float*>(cuda::smem());
   float* partial = staged + groupRows * D;
@@ -1380,9 +1436,10 @@ __device__ void unmix(const IhaArgs& a, int64_t token0, int64_t b) {
   const int64_t* stride = Role_::stride(a);
   #pragma unroll 1
   for (int64_t n = token0; n < token0 + tokens && n < a.tokens; ++n) {
-    float acc[perThread];
+    float acc[registers ? perThread : 1];
     #pragma unroll
-    for (int k = 0; k < perThread; ++k) acc[k] = 0.0f;
+    for (int k = 0; k < (registers ? perThread : 1); ++k) acc[k] = 0.0f;
+    float* dxRow = dx + (b * a.tokens + n) * heads * D;
     #pragma unroll 1
     for (int first = 0; first < rows; first += groupRows) {
       __syncthreads();  // the previous group's rows are read
@@ -1446,22 +1503,32 @@ __device__ void unmix(const IhaArgs& a, int64_t token0, int64_t b) {
         }
       }
       __syncthreads();
-      #pragma unroll
-      for (int k = 0; k < perThread; ++k) {
-        const int e = threadIdx.x + k * threads;
-        if (e >= heads * D) continue;
+      auto groupSum = [&](int e) {  // the group's rows' share of dx element e
         const int m = e / D, c = e % D;
         float sum = 0.0f;
         #pragma unroll 1
         for (int row = first; row < first + groupRows && row < rows; ++row)
           sum += alpha[(m * heads + row / P) * P + row % P] * staged[(row - first) * D + c];
-        acc[k] += sum;
+        return sum;
+      };
+      if constexpr (registers) {
+        #pragma unroll
+        for (int k = 0; k < perThread; ++k) {
+          const int e = threadIdx.x + k * threads;
+          if (e >= heads * D) continue;
+          acc[k] += groupSum(e);
+        }
+      } else {
+        #pragma unroll 1
+        for (int e = threadIdx.x; e < heads * D; e += threads) dxRow[e] = (first == 0 ? 0.0f : dxRow[e]) + groupSum(e);
       }
     }
-    #pragma unroll
-    for (int k = 0; k < perThread; ++k) {
-      const int e = threadIdx.x + k * threads;
-      if (e < heads * D) dx[(b * a.tokens + n) * heads * D + e] = acc[k];
+    if constexpr (registers) {
+      #pragma unroll
+      for (int k = 0; k < perThread; ++k) {
+        const int e = threadIdx.x + k * threads;
+        if (e < heads * D) dxRow[e] = acc[k];
+      }
     }
   }
   __syncthreads();

@@ -400,35 +400,63 @@ __device__ __forceinline__ void loadWeights(const float* from, float (&w)[R]) {
 }
 
 // RoPE at one virtual position for the pieces of a token: column c of a
-// piece pairs with c +- d/2, held by the lane pieces/2 away. The angles
-// once (a pseudo-head's rows share them), then any number of rows rotated.
+// piece pairs with c +- d/2, held by the lane pieces/2 away where V divides
+// d/2. Otherwise (layout.h, premixVector) d/2 is an odd multiple of V/2:
+// element e's partner is element (e + V/2) % V of the lane holding column
+// c +- d/2 (two lanes a piece; the middle piece's columns pair both ways).
+// The angles once (a pseudo-head's rows share them), then any number of
+// rows rotated.
 template <class C, int V, bool Rotated>
 struct RopeAngles {
   __device__ RopeAngles(int64_t, int, int) {}
 };
 template <class C, int V>
 struct RopeAngles<C, V, true> {
-  float sine[V], cosine[V];  // sine signed for the piece's half
-  int partnerLane;
+  static constexpr int kShift = C::head_dim / 2 % V;  // a partner's element index, past e
+  static_assert(kShift == 0 || 2 * kShift == V, "RoPE's partner column lies a whole or half a piece off");
+  float sine[V], cosine[V];  // sine signed for the column's half
+  int partnerLane[kShift == 0 ? 1 : V];
   __device__ RopeAngles(int64_t position, int piece, int pieces) {
-    const int half = pieces / 2;
-    const bool first = piece < half;
-    partnerLane = piece < pieces ? lane() + (first ? half : -half) : lane();
-    #pragma unroll
-    for (int e = 0; e < V; ++e) {
-      ropeSinCos<C>(position, (piece % half) * V + e, &sine[e], &cosine[e]);
-      if (C::rope_negative != first) sine[e] = -sine[e];  // first half: x cos - partner sin
+    if constexpr (kShift == 0) {
+      const int half = pieces / 2;
+      const bool first = piece < half;
+      partnerLane[0] = piece < pieces ? lane() + (first ? half : -half) : lane();
+      #pragma unroll
+      for (int e = 0; e < V; ++e) {
+        ropeSinCos<C>(position, (piece % half) * V + e, &sine[e], &cosine[e]);
+        if (C::rope_negative != first) sine[e] = -sine[e];  // first half: x cos - partner sin
+      }
+    } else {
+      constexpr int half = C::head_dim / 2;
+      #pragma unroll
+      for (int e = 0; e < V; ++e) {
+        const int c = piece * V + e;
+        const bool first = c < half;
+        const bool inside = piece < pieces;  // a lane past the token's pieces turns column e, unused
+        partnerLane[e] = inside ? lane() - piece + (first ? c + half : c - half) / V : lane();
+        ropeSinCos<C>(position, !inside ? e : first ? c : c - half, &sine[e], &cosine[e]);
+        if (C::rope_negative != first) sine[e] = -sine[e];
+      }
     }
   }
   template <int R>
   __device__ void rotate(float (&acc)[R][V]) const {
     #pragma unroll
-    for (int r = 0; r < R; ++r)
-      #pragma unroll
-      for (int e = 0; e < V; ++e) {
-        const float partner = __shfl_sync(0xffffffffu, acc[r][e], partnerLane);
-        acc[r][e] = fmaf(partner, sine[e], acc[r][e] * cosine[e]);
+    for (int r = 0; r < R; ++r) {
+      if constexpr (kShift == 0) {
+        #pragma unroll
+        for (int e = 0; e < V; ++e) {
+          const float partner = __shfl_sync(0xffffffffu, acc[r][e], partnerLane[0]);
+          acc[r][e] = fmaf(partner, sine[e], acc[r][e] * cosine[e]);
+        }
+      } else {  // every partner value read before any element turns
+        float partner[V];
+        #pragma unroll
+        for (int e = 0; e < V; ++e) partner[e] = __shfl_sync(0xffffffffu, acc[r][(e + kShift) % V], partnerLane[e]);
+        #pragma unroll
+        for (int e = 0; e < V; ++e) acc[r][e] = fmaf(partner[e], sine[e], acc[r][e] * cosine[e]);
       }
+    }
   }
 };
 

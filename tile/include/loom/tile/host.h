@@ -750,10 +750,25 @@ void collapse_grad(const IhaArgs& a, int64_t token0, int64_t b) {
       }
 }
 
-// A key block's K and V rows, and its dK and dV accumulators.
+namespace host {
+// The gradient columns [first, last) of a CTA's part of a head (layout.h,
+// backwardColumnParts; every column where the head is one part).
+struct PartColumns {
+  int first = 0, last = 0;
+};
+template <class C>
+PartColumns partColumns(int64_t part) {
+  const int width = backwardPartColumns(C::head_dim), first = int(part) * width;
+  return {first, std::min(first + width, C::head_dim)};
+}
+}  // namespace host
+
+// A key block's K and V rows, and its dK and dV accumulators (the part's
+// columns).
 template <class C>
 struct KvGradTile {
   int64_t col0 = 0;
+  host::PartColumns part;
   std::vector<float> k = std::vector<float>(size_t(C::block_n) * C::head_dim);
   std::vector<float> v = std::vector<float>(size_t(C::block_n) * C::head_dim);
   std::vector<float> dk = std::vector<float>(size_t(C::block_n) * C::head_dim);
@@ -780,9 +795,10 @@ struct BwdScores {
   float& dsAt(int r, int c) { return ds[size_t(r) * C::block_n + c]; }
 };
 
-// The dq accumulator of a query block (dq separate).
+// The dq accumulator of a query block (dq separate; the part's columns).
 template <class C>
 struct DqTile {
+  host::PartColumns part;
   std::vector<float> dq = std::vector<float>(size_t(C::block_m) * C::head_dim);
 };
 
@@ -799,8 +815,9 @@ void load_kv_grad(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g, 
 }
 
 template <class C>
-void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g, int64_t b) {
+void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g, int64_t b, int64_t part) {
   host::stats.ctas++;
+  kv.part = host::partColumns<C>(part);
   load_kv_grad<C>(kv, a, col0, g, b);
   std::fill(kv.dk.begin(), kv.dk.end(), 0.0f);
   std::fill(kv.dv.begin(), kv.dv.end(), 0.0f);
@@ -882,7 +899,7 @@ void bwd_dv(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
       const float p = s.at(r, c);
       if (p == 0.0f) continue;
       const float* dO = &q.dO[size_t(r) * C::head_dim];
-      for (int d = 0; d < C::head_dim; ++d) dv[d] += p * dO[d];
+      for (int d = kv.part.first; d < kv.part.last; ++d) dv[d] += p * dO[d];
     }
   }
 }
@@ -914,22 +931,22 @@ void bwd_dk(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
       const float ds = s.dsAt(r, c) * C::scale;
       if (ds == 0.0f) continue;
       const float* qr = &q.q[size_t(r) * C::head_dim];
-      for (int d = 0; d < C::head_dim; ++d) dk[d] += ds * qr[d];
+      for (int d = kv.part.first; d < kv.part.last; ++d) dk[d] += ds * qr[d];
     }
   }
 }
 
 namespace host {
-// dq rows += scale * dS K, into `rows` (block_m x d).
+// dq rows += scale * dS K, into `rows` (block_m x d), the part's columns.
 template <class C>
-void addDq(float* rows, BwdScores<C>& s, KvGradTile<C>& kv) {
+void addDq(float* rows, BwdScores<C>& s, KvGradTile<C>& kv, PartColumns part) {
   for (int r = 0; r < C::block_m; ++r) {
     float* dq = rows + size_t(r) * C::head_dim;
     for (int c = 0; c < C::block_n; ++c) {
       const float ds = s.dsAt(r, c) * C::scale;
       if (ds == 0.0f) continue;
       const float* kr = &kv.k[size_t(c) * C::head_dim];
-      for (int d = 0; d < C::head_dim; ++d) dq[d] += ds * kr[d];
+      for (int d = part.first; d < part.last; ++d) dq[d] += ds * kr[d];
     }
   }
 }
@@ -939,42 +956,45 @@ void addDq(float* rows, BwdScores<C>& s, KvGradTile<C>& kv) {
 template <class C>
 void bwd_dq_atomic(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv, const IhaArgs& a, int64_t h, int64_t b) {
   std::vector<float> rows(size_t(C::block_m) * C::head_dim, 0.0f);
-  host::addDq<C>(rows.data(), s, kv);
+  host::addDq<C>(rows.data(), s, kv, kv.part);
   const int64_t L = seq_len<C>(a);
   for (int r = 0; r < C::block_m && q.row0 + r < L; ++r) {
     float* target = host::workspaceRow(a.dq_pseudo, b, C::heads, h, L, q.row0 + r, C::head_dim);
-    for (int d = 0; d < C::head_dim; ++d) host::atomicAdd(target + d, rows[size_t(r) * C::head_dim + d]);
+    for (int d = kv.part.first; d < kv.part.last; ++d) host::atomicAdd(target + d, rows[size_t(r) * C::head_dim + d]);
   }
 }
 
 template <class C>
 void kv_grad_store(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g, int64_t b) {
   const int64_t L = seq_len<C>(a);
+  const int first = kv.part.first, width = kv.part.last - first;
   for (int r = 0; r < C::block_n && col0 + r < L; ++r) {
-    std::memcpy(host::workspaceRow(a.dk_pseudo, b, C::kv_heads, g, L, col0 + r, C::head_dim),
-                &kv.dk[size_t(r) * C::head_dim], sizeof(float) * C::head_dim);
-    std::memcpy(host::workspaceRow(a.dv_pseudo, b, C::kv_heads, g, L, col0 + r, C::head_dim),
-                &kv.dv[size_t(r) * C::head_dim], sizeof(float) * C::head_dim);
+    std::memcpy(host::workspaceRow(a.dk_pseudo, b, C::kv_heads, g, L, col0 + r, C::head_dim) + first,
+                &kv.dk[size_t(r) * C::head_dim + first], sizeof(float) * width);
+    std::memcpy(host::workspaceRow(a.dv_pseudo, b, C::kv_heads, g, L, col0 + r, C::head_dim) + first,
+                &kv.dv[size_t(r) * C::head_dim + first], sizeof(float) * width);
   }
 }
 
 template <class C>
-void dq_init(DqTile<C>& dq) {
+void dq_init(DqTile<C>& dq, int64_t part) {
   host::stats.ctas++;
+  dq.part = host::partColumns<C>(part);
   std::fill(dq.dq.begin(), dq.dq.end(), 0.0f);
 }
 
 template <class C>
 void dq_accumulate(DqTile<C>& dq, BwdScores<C>& s, KvGradTile<C>& kv) {
-  host::addDq<C>(dq.dq.data(), s, kv);
+  host::addDq<C>(dq.dq.data(), s, kv, dq.part);
 }
 
 template <class C>
 void dq_store(DqTile<C>& dq, const IhaArgs& a, int64_t row0, int64_t h, int64_t b) {
   const int64_t L = seq_len<C>(a);
+  const int first = dq.part.first, width = dq.part.last - first;
   for (int r = 0; r < C::block_m && row0 + r < L; ++r)
-    std::memcpy(host::workspaceRow(a.dq_pseudo, b, C::heads, h, L, row0 + r, C::head_dim),
-                &dq.dq[size_t(r) * C::head_dim], sizeof(float) * C::head_dim);
+    std::memcpy(host::workspaceRow(a.dq_pseudo, b, C::heads, h, L, row0 + r, C::head_dim) + first,
+                &dq.dq[size_t(r) * C::head_dim + first], sizeof(float) * width);
 }
 
 // A role's pseudo-row gradients back to its input for the CTA's tokens:

@@ -489,6 +489,22 @@ constexpr int ctaSharedMemory(bool wgmma, int blockM, int blockN, int headDim, i
                      .total;
 }
 
+// The backward's gradient columns: a key-block-outer CTA keeps dK and dV,
+// a dq CTA dq, in registers, at most kBackwardPartColumns columns of them
+// (past 128, 2 x 16 rows a warp of dK and dV outgrow the registers). A
+// wider head is split into parts of equal width, each its own CTA (the
+// launches' grid y is head x part): S and dP take every column, so each
+// part computes them again, and accumulates and stores its own columns.
+// A part's width is a multiple of 16 (ldmatrix.trans pairs of n-tiles).
+constexpr int kBackwardPartColumns = 128;
+constexpr int backwardColumnParts(int headDim) {
+  return (paddedHeadDim(headDim) + kBackwardPartColumns - 1) / kBackwardPartColumns;
+}
+constexpr int backwardPartColumns(int headDim) { return paddedHeadDim(headDim) / backwardColumnParts(headDim); }
+constexpr bool backwardPartsEven(int headDim) {
+  return paddedHeadDim(headDim) % (backwardColumnParts(headDim) * kMmaK) == 0;
+}
+
 // Shared memory of the backward's launches on the mma.sync path. The
 // key-block-outer and dq launches hold K and V (block_n rows), Q and do
 // (block_m rows) as padded 16-bit tiles, then lse (log2 domain) and D of the
@@ -585,6 +601,9 @@ constexpr int collapseGradSmem(int heads, int pseudo, bool global) {
 // The transposed mixing's CTA: a group of a token's pseudo-row gradients
 // (f32, at most kUnmixStagedFloats) and the role's dalpha partial sums.
 constexpr int kUnmixStagedFloats = 8192;
+// A thread's elements of a token's dx held in registers across the groups
+// (past them, summed in dx itself; cuda_backward.h, unmix).
+constexpr int kUnmixAccumulators = 32;
 constexpr int unmixGroupRows(int heads, int pseudo, int headDim) {
   return heads * pseudo * headDim <= kUnmixStagedFloats ? heads * pseudo : kUnmixStagedFloats / headDim;
 }
@@ -600,8 +619,11 @@ constexpr int unmixSmem(int heads, int pseudo, int headDim) {
 // R consecutive heads: the rows share their RoPE angles; R * V at most
 // kPremixAccumulators), and stores each with one V-wide store. A token's
 // pieces sit in one warp, in premixLanes consecutive lanes, so RoPE's
-// partner column (d/2 away: piece j +- pieces/2) and qk_norm's sum of
-// squares are shuffles. The mixing weights are staged in shared memory as
+// partner column (d/2 away: piece j +- pieces/2 where V divides d/2) and
+// qk_norm's sum of squares are shuffles. Where halving V to divide d/2
+// would take the pieces past a warp (d/2 an odd multiple of 4 past d 128:
+// 136, 152, ..., 248), V stays 8 and a partner column lies half a piece
+// off, in one of two lanes (cuda_common.h, RopeAngles). The mixing weights are staged in shared memory as
 // [m][p][h] (a group's R weights of one source head are consecutive: vector
 // loads, the same address for every lane), P values at a time up to
 // kPremixStagedAlphaFloats.
@@ -612,7 +634,8 @@ constexpr int premixVector(int sources, int headDim) {
   int v = 8;
   while (v > 2 && sources * v > kPremixHeldFloats) v /= 2;
   while (v < 8 && headDim / v > 32) v *= 2;  // a token's pieces in one warp
-  while (v > 1 && (headDim / 2) % v != 0) v /= 2;  // RoPE's partner piece lies pieces/2 away
+  // RoPE's partner piece lies pieces/2 away, or half a piece past it
+  while (v > 1 && (headDim / 2) % v != 0 && headDim / (v / 2) <= 32) v /= 2;
   return v;
 }
 constexpr int premixLanes(int sources, int headDim) {

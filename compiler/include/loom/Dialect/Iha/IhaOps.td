@@ -419,9 +419,14 @@ def Iha_CollapseGradOp : Iha_BlockOp<"collapse_grad"> {
 
 def Iha_KvGradBeginOp : Iha_BlockOp<"kv_grad_begin"> {
   let summary = "load a key block's K and V rows and zero its dK, dV accumulators";
-  let description = [{ Example: `iha.kv_grad_begin cols %c0 head %g batch %b` }];
-  let arguments = (ins I64:$col0, I64:$head, I64:$batch);
-  let assemblyFormat = "`cols` $col0 `head` $head `batch` $batch attr-dict";
+  let description = [{
+    `part` is the CTA's share of dK's and dV's columns (layout.h,
+    backwardColumnParts: 0 where the head is one part).
+
+    Example: `iha.kv_grad_begin cols %c0 head %g batch %b part %p`
+  }];
+  let arguments = (ins I64:$col0, I64:$head, I64:$batch, I64:$part);
+  let assemblyFormat = "`cols` $col0 `head` $head `batch` $batch `part` $part attr-dict";
 }
 
 def Iha_ForGroupHeadsOp : Iha_BlockOp<"for_group_heads", [SingleBlock, NoTerminator]> {
@@ -471,9 +476,14 @@ def Iha_KvGradStoreOp : Iha_BlockOp<"kv_grad_store"> {
 
 def Iha_DqBeginOp : Iha_BlockOp<"dq_begin"> {
   let summary = "load a query block's Q, do, lse and D and zero its dq accumulator";
-  let description = [{ Example: `iha.dq_begin rows %r0 head %h batch %b` }];
-  let arguments = (ins I64:$row0, I64:$head, I64:$batch);
-  let assemblyFormat = "`rows` $row0 `head` $head `batch` $batch attr-dict";
+  let description = [{
+    `part` is the CTA's share of dq's columns (layout.h, backwardColumnParts:
+    0 where the head is one part).
+
+    Example: `iha.dq_begin rows %r0 head %h batch %b part %p`
+  }];
+  let arguments = (ins I64:$row0, I64:$head, I64:$batch, I64:$part);
+  let assemblyFormat = "`rows` $row0 `head` $head `batch` $batch `part` $part attr-dict";
 }
 
 def Iha_DqLoopOp : Iha_BlockOp<"dq_loop"> {
