@@ -416,6 +416,7 @@ struct BackwardFault {
   std::vector<FindingKind> kinds;  // none: a gradient must be wrong instead
   bool dqLaunch = false;           // the fault is in the dq launch (dq separate), else dq atomic
   bool wgmma = false;              // the fault is in the key-block-outer launch on wgmma (sm_90a, head_dim 64)
+  bool anyKind = false;            // one of `kinds` will do (which one depends on when the copies land)
 };
 
 class BackwardFaultOnEmulator : public ::testing::TestWithParam<int> {};
@@ -473,9 +474,13 @@ const std::vector<BackwardFault>& backwardFaults() {
        {FindingKind::race}, true, true},
       {"wgmma_stage_never_handed_back", "    ptx::mbarrierArrive(emptyBarrier(base, w, stage));\n", "",
        {FindingKind::deadlock}, true, true},
+      // A fill's expect_tx lands in the phase still in flight (mbarrier
+      // misuse); or, where its bytes land first, the full barrier runs a
+      // phase ahead and the consumers wait on one already passed (a
+      // deadlock: LOOM_TEST_SEED=14922406096604178476).
       {"wgmma_stage_refilled_before_the_consumers_leave_it",
        "  ptx::mbarrierWaitParity(emptyBarrier(base, w, s), int((phases >> s) & 1) ^ 1);\n", "",
-       {FindingKind::mbarrier}, true, true},  // a fill's expect_tx lands in the phase still in flight
+       {FindingKind::mbarrier, FindingKind::deadlock}, true, true, true},
       {"wgmma_first_fill_waits_for_a_release_never_made", "int((phases >> s) & 1) ^ 1);", "int((phases >> s) & 1));",
        {FindingKind::deadlock}, true, true},
       // Every consumer thread's release completes a phase: the producer's parity comes round again.
@@ -531,7 +536,10 @@ TEST_P(BackwardFaultOnEmulator, FailsWithTheMatchingFinding) {
                              [&](double e) { return e <= gradientToleranceFor(c.spec.dtype()); }))
         << fault.name << ": a gradient should be wrong\n" << summary(*faulty);
   }
-  testing::expectEachFinding(*faulty, fault.kinds, fault.name, "a wrong gradient");
+  if (fault.anyKind)
+    testing::expectSomeFinding(*faulty, fault.kinds, fault.name);
+  else
+    testing::expectEachFinding(*faulty, fault.kinds, fault.name, "a wrong gradient");
 }
 
 INSTANTIATE_TEST_SUITE_P(Mutations, BackwardFaultOnEmulator, ::testing::Range(0, int(backwardFaults().size())),

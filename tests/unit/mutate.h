@@ -57,4 +57,18 @@ inline void expectEachFinding(const emu::EmuRun& faulty, const std::vector<emu::
               faulty.findings.empty() ? otherwise.c_str() : emu::format(faulty.findings.front()).c_str());
 }
 
+// The faulty run reported a finding of one of `kinds` at least (a fault
+// that shows as one or another as the emulator's seed lands the copies).
+inline void expectSomeFinding(const emu::EmuRun& faulty, const std::vector<emu::FindingKind>& kinds,
+                              const std::string& fault) {
+  const bool found = std::any_of(faulty.findings.begin(), faulty.findings.end(), [&](const emu::Finding& f) {
+    return std::find(kinds.begin(), kinds.end(), f.kind) != kinds.end();
+  });
+  std::string names;
+  for (emu::FindingKind kind : kinds) names += std::string(names.empty() ? "" : " or ") + emu::kindName(kind);
+  EXPECT_TRUE(found) << fault << ": no " << names << " finding\n" << emu::summary(faulty);
+  std::printf("[ fault    ] %s: %s\n", fault.c_str(),
+              faulty.findings.empty() ? "no finding" : emu::format(faulty.findings.front()).c_str());
+}
+
 }  // namespace loom::testing
