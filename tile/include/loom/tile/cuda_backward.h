@@ -44,13 +44,17 @@ struct BackwardGeometry {
   static constexpr int PT = G::OT / PARTS;
 };
 
-// The byte offset, in a padded 16-bit tile, of part `part`'s first column
-// (0, known at compile time, where the head is one part).
+// Part `part`'s first column (0, known at compile time, where the head is
+// one part), and its byte offset in a padded 16-bit tile.
 template <class C>
-__device__ __forceinline__ Bits32 partBytes(int part) {
+__device__ __forceinline__ int partColumn(int part) {
   using BG = BackwardGeometry<C>;
   if constexpr (BG::PARTS == 1) return 0;
-  else return Bits32(part * BG::PT * 8 * kTileElementBytes);
+  else return part * BG::PT * 8;
+}
+template <class C>
+__device__ __forceinline__ Bits32 partBytes(int part) {
+  return Bits32(partColumn<C>(part) * kTileElementBytes);
 }
 
 template <class C>
@@ -1284,7 +1288,7 @@ __device__ void storeFragments(const float (&acc)[MTiles][BackwardGeometry<C>::P
                                int64_t b, int64_t h, int64_t row0, int64_t L, float scale, int part, FirstRow first) {
   using G = Geometry<C>;
   using BG = BackwardGeometry<C>;
-  const int l = lane(), column0 = BG::PARTS == 1 ? 0 : part * BG::PT * 8;
+  const int l = lane(), column0 = partColumn<C>(part);
   #pragma unroll
   for (int mt = 0; mt < MTiles; ++mt)
     #pragma unroll
@@ -1327,7 +1331,7 @@ __device__ void bwd_dq_atomic(BwdScores<C>&, QGradTile<C>& q, KvGradTile<C>& kv,
   const int l = cuda::lane();
   // The part's head-dim pairs (its dK and dV columns: each part adds its own).
   constexpr int pairs = BG::PT / 2, items = C::block_m / 16 * pairs;
-  const int firstPair = BG::PARTS == 1 ? 0 : kv.part * pairs;
+  const int firstPair = cuda::partColumn<C>(kv.part) / 16;
   const int L = int(seq_len<C>(a)), row0 = int(q.row0);
   float* dq = a.dq_pseudo + (b * C::heads + h) * L * G::D;
   #pragma unroll 1
