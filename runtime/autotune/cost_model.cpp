@@ -520,10 +520,12 @@ CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& s, con
   // the key-block-outer launch (dq atomic). A head past 128 columns is split
   // into parts (layout.h, backwardColumnParts), each a CTA computing S and
   // dP (and their exponentials) again over every column.
+  // On wgmma the dq launch takes every column (layout.h, backwardDqParts).
   const bool atomicDq = s.dq() == v1::dq_atomic;
-  const double columnParts = backwardColumnParts(int(d));
-  const double kProducts = 2 + (2 * columnParts + 2) + (atomicDq ? 1 : 2 * columnParts + 1);
-  const double kExps = 1 + columnParts * (atomicDq ? 1 : 2);
+  const double columnParts = backwardColumnParts(int(d), s.engine() == v1::engine_wgmma);
+  const double dqParts = backwardDqParts(int(d), s.engine() == v1::engine_wgmma);
+  const double kProducts = 2 + (2 * columnParts + 2) + (atomicDq ? 1 : 2 * dqParts + 1);
+  const double kExps = 1 + columnParts + (atomicDq ? 0 : dqParts);
 
   CostEstimate e;
   e.usefulFlops = ihaBackwardFlops(spec, batch, tokens);
@@ -546,7 +548,8 @@ CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& s, con
   // key-block loop's Q and do per visit; dq atomic adds block_m x d f32 per
   // visit in L2 (a read-modify-write: counted twice).
   double l2Bytes =
-      double(heads) * double(blocks.visited) * 2.0 * (bn + columnParts * ((atomicDq ? 0.0 : 1.0) * bn + bm)) * d * kBytes16;
+      double(heads) * double(blocks.visited) * 2.0 * (bn + columnParts * bm + (atomicDq ? 0.0 : dqParts * bn)) * d *
+      kBytes16;
   if (atomicDq) l2Bytes += double(heads) * double(blocks.visited) * double(bm) * d * 4.0 * 2.0;
 
   const int threads = s.warps() * 32;
@@ -585,12 +588,14 @@ CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& s, con
   double computeTime = std::max(tensorTime, sharedTime) + kExposedSimtShare * (expTime + simtTime);
   if (wgmma && issue) {
     // The machine code's loops: each visited pair is one iteration of the
-    // key-block-outer loop and one of the dq loop, their warps issuing 4
-    // instructions a cycle an SM (fmaFlops / 64 over the device).
+    // key-block-outer loop in each of its parts' CTAs and one of the dq loop
+    // in each of its own, their warps issuing 4 instructions a cycle an SM
+    // (fmaFlops / 64 over the device).
     const double warps = double(heads) * double(s.warps());
     const double unmasked = double(blocks.visited - blocks.masked), masked = double(blocks.masked);
-    const double issued = warps * (unmasked * (issue->kv.unmasked + issue->q.unmasked) +
-                                   masked * (issue->kv.masked + issue->q.masked));
+    const double issued =
+        warps * (unmasked * (columnParts * issue->kv.unmasked + dqParts * issue->q.unmasked) +
+                 masked * (columnParts * issue->kv.masked + dqParts * issue->q.masked));
     const double issueTime = issued / (device.fmaFlops / 64.0);
     computeTime = std::max(std::max(tensorTime, sharedTime), issueTime) + kWgmmaExposedSimtShare * simtTime;
   }

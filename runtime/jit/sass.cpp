@@ -533,18 +533,28 @@ std::vector<std::string> gateMisses(const v1::ResourceUsage& usage, const v1::Ke
   return budgetMisses(usage, spec.head_dim(), pingPongExpected(schedule));
 }
 
-std::vector<std::string> backwardGateMisses(const v1::ResourceUsage& usage) {
+double fa3BackwardPerTensorMflop(int headDim) {
+  switch (headDim) {
+    case 128: return kFa3BackwardPerTensorMflop;
+    case 192: return kFa3BackwardHdim192PerTensorMflop;
+    case 256: return kFa3BackwardHdim256PerTensorMflop;
+    default: return 0;
+  }
+}
+
+std::vector<std::string> backwardGateMisses(const v1::ResourceUsage& usage, int headDim) {
+  const double budget = fa3BackwardPerTensorMflop(headDim);
   std::vector<std::string> misses;
   for (const v1::SassLoop& loop : usage.loops()) {
     if (loop.tensor_flops_per_warp() <= 0) continue;
     std::ostringstream where;
     where << usage.entry() << " loop at 0x" << std::hex << loop.first_offset() << std::dec
           << (loop.masked() ? " (masked)" : "");
-    if (!loop.masked() && loop.instructions_per_tensor_mflop() > kFa3BackwardPerTensorMflop) {
+    if (!loop.masked() && budget > 0 && loop.instructions_per_tensor_mflop() > budget) {
       std::ostringstream line;
       line << where.str() << ": " << std::fixed << std::setprecision(0) << loop.instructions_per_tensor_mflop()
-           << " instructions per tensor MFLOP, over FlashAttention-3's backward (" << kFa3BackwardPerTensorMflop
-           << ")";
+           << " instructions per tensor MFLOP, over FlashAttention-3's backward at head_dim " << headDim << " ("
+           << budget << ")";
       misses.push_back(line.str());
     }
     if (loop.local_memory() > 0)

@@ -104,10 +104,24 @@ inline constexpr double kFa2PerTensorMflop = 872;
 // run in a loop of their own. The gate of the sm_90a default backward's
 // unmasked tensor-core loops (dK and dV, dq) at head_dim 128: the lower figure.
 inline constexpr double kFa3BackwardPerTensorMflop = 371;
+// The same build's hdim-256 and hdim-192 backward (flash-attention
+// 0251105a, hopper/instantiations/flash_bwd_hdim{256,192}_bf16_sm90.cu; 64 x
+// 80 and 64 x 96 tiles, two MMA warpgroups; read 2026-12-07): at 256
+// causal 539-544 instructions a warp an iteration, 329-332 per tensor
+// MFLOP, non-causal 525-543 (320-331), local 664-668 (405-408); at 192
+// causal 406-410 (413-417), non-causal 387-395 (394-402), local 535-537
+// (544-546). The gates of the sm_90a default backward's unmasked loops
+// there: the causal loops' lower figures.
+inline constexpr double kFa3BackwardHdim256PerTensorMflop = 329;
+inline constexpr double kFa3BackwardHdim192PerTensorMflop = 413;
+// FlashAttention-3's backward loop at `headDim`: the gates above at 128,
+// 192 and 256 (0 elsewhere: no anchor read).
+double fa3BackwardPerTensorMflop(int headDim);
 // One line per way a backward entry's loops miss that gate (an unmasked
-// loop of the key-block-outer or dq launch over kFa3BackwardPerTensorMflop,
-// local memory in any loop); empty when they meet it.
-std::vector<std::string> backwardGateMisses(const v1::ResourceUsage& usage);
+// loop of the key-block-outer or dq launch over
+// fa3BackwardPerTensorMflop(headDim), local memory in any loop); empty when
+// they meet it.
+std::vector<std::string> backwardGateMisses(const v1::ResourceUsage& usage, int headDim = 128);
 // The share of a loop's exponentials that must sit in the P V window
 // (FlashAttention-3's unmasked loop: 13 of 66).
 inline constexpr double kMinExpInPvWindowShare = 13.0 / 66.0;

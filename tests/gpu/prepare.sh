@@ -53,8 +53,8 @@ for case in tests/data/cases/*/; do
   done
 done
 # The backward of each shared backward case, dq in its own launch (the
-# default: on sm_90a the wgmma backward where head_dim is 64 or 128, as
-# bwd-gqa-d64-window's; mma.sync elsewhere) and by atomic adds (mma.sync).
+# default: on sm_90a the wgmma backward where head_dim is 64, 128, 192 or 256,
+# as bwd-gqa-d64-window's; mma.sync elsewhere) and by atomic adds (mma.sync).
 echo '{}' >"$schedules/backward.json"
 echo '{"dq": "dq_atomic"}' >"$schedules/backward-atomic.json"
 for case in tests/data/cases/bwd-*/; do
@@ -68,14 +68,17 @@ for case in tests/data/cases/bwd-*/; do
     done
   done
 done
-# A wide head's backward (head_dim 256: the gradient columns in two parts, a
-# CTA each), both dq strategies, checked on drawn cases alone (drawn-*: no
-# shared case has such a head).
-echo '{"heads": 4, "kv_heads": 2, "pseudo_heads": 2, "head_dim": 256, "mask": "flat_causal", "collapse": "per_head", "rope_theta": 10000, "dtype": "bfloat16"}' \
-  >"$schedules/drawn-d256.json"
-for label in backward backward-atomic; do
-  build/bin/loom compile --spec "$schedules/drawn-d256.json" --backward --target "$arch" \
-    --schedule "$schedules/$label.json" --out "$out/drawn-d256.bfloat16.$label.pb" >/dev/null
+# A wide head's backward (head_dim 256 and 192: the gradient columns in
+# parts, a CTA each; on sm_90a the wgmma backward, dq whole), both dq
+# strategies, checked on drawn cases alone (drawn-*: no shared case has
+# such a head).
+for d in 256 192; do
+  echo '{"heads": 4, "kv_heads": 2, "pseudo_heads": 2, "head_dim": '$d', "mask": "flat_causal", "collapse": "per_head", "rope_theta": 10000, "dtype": "bfloat16"}' \
+    >"$schedules/drawn-d$d.json"
+  for label in backward backward-atomic; do
+    build/bin/loom compile --spec "$schedules/drawn-d$d.json" --backward --target "$arch" \
+      --schedule "$schedules/$label.json" --out "$out/drawn-d$d.bfloat16.$label.pb" >/dev/null
+  done
 done
 # The decode step over a paged raw cache (mma.sync on every arch) of each
 # shared case; on sm_90a also the wgmma step, whole and split four ways,
@@ -134,6 +137,7 @@ backward_bench h8p8d64-bf16-causal-backward-atomic 4096 1 "$paper" '{"dq": "dq_a
 backward_bench h8p4d128-bf16-causal-backward 4096 1 "$d128" '{}'
 backward_bench gqa-h16g4p4d128-fp16-w512-backward 4096 2 "$gqa" '{}'
 backward_bench h8p4d256-bf16-causal-backward 4096 1 "${d128/\"head_dim\": 128/\"head_dim\": 256}" '{}'
+backward_bench h8p4d192-bf16-causal-backward 4096 1 "${d128/\"head_dim\": 128/\"head_dim\": 192}" '{}'
 if [[ $arch == sm_90a ]]; then
   bench h8p8d64-bf16-causal-wgmma 1024 4 "$paper"
   bench h8p8d64-bf16-causal-wgmma 4096 1 "$paper"

@@ -250,15 +250,21 @@ TEST(BackwardPlan, LaunchesWorkspacesAndRefusals) {
     }
   }
   // head_dim 256: two parts of 128 columns, the key-block-outer and dq
-  // launches' grid y (kv head or head, part), on both archs.
+  // launches' grid y (kv head or head, part), on mma.sync; on sm_90a's
+  // default wgmma backward dq is whole (layout.h, backwardDqParts), its
+  // launch one CTA an SM.
   half.set_head_dim(256);
   for (const char* arch : {"sm_80", "sm_90a"}) {
     auto wide = generateKernel(half, {}, *parseTarget(arch), options);
     ASSERT_TRUE(wide) << arch << ": " << wide.error().message;
-    EXPECT_EQ(wide->schedule.engine(), v1::engine_mma) << arch;
+    const bool wgmma = std::string_view(arch) == "sm_90a";
+    EXPECT_EQ(wide->schedule.engine(), wgmma ? v1::engine_wgmma : v1::engine_mma) << arch;
     for (const LaunchPlan& launch : wide->launches) {
       if (launch.name == kBackwardKvEntry) EXPECT_EQ(launch.gridY, 2 * half.kv_heads()) << arch;
-      if (launch.name == kBackwardQEntry) EXPECT_EQ(launch.gridY, 2 * half.heads()) << arch;
+      if (launch.name == kBackwardQEntry) {
+        EXPECT_EQ(launch.gridY, (wgmma ? 1 : 2) * half.heads()) << arch;
+        if (wgmma) EXPECT_EQ(launch.ctasPerSm, 1) << arch;
+      }
     }
   }
   // Parts a multiple of 16 columns wide (of the padded head: head_dim

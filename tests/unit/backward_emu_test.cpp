@@ -169,18 +169,22 @@ TEST_P(WideBackwardOnEmulator, EveryPartMatchesTheReferenceWithoutFindings) {
 INSTANTIATE_TEST_SUITE_P(Drawn, WideBackwardOnEmulator, ::testing::Range(0, 4));
 
 // The key-block-outer launch on wgmma (sm_90a, schedule.engine wgmma:
-// loom/tile/cuda_backward.h, bwgmma): fresh specs at head_dim 64 and 128
-// (its swizzled tiles' widths), every mask, GQA, RoPE and qk_norm among
-// them, sequences of one to three 64-row query and key blocks, in both
-// dtypes, against the float64 reference with zero findings; its defaults
-// and a CTA of two warpgroups with 128-row query blocks.
+// loom/tile/cuda_backward.h, bwgmma): fresh specs at head_dim 64, 128, 192
+// and 256 (its swizzled tiles' widths; past 128 the key-block-outer
+// launch's CTAs take one of two (256) or three (192) parts of dK's and
+// dV's columns, and the dq launch takes dq whole, reading Q and dO by
+// descriptor), every mask, GQA, RoPE and qk_norm among them, sequences of
+// one to three 64-row query and key blocks, in both dtypes, against the
+// float64 reference with zero findings; its defaults and a CTA of two
+// warpgroups with 128-row query blocks.
 class WgmmaBackwardOnEmulator : public ::testing::TestWithParam<int> {};
 
 TEST_P(WgmmaBackwardOnEmulator, MatchesTheReferenceWithoutFindings) {
   std::mt19937_64 rng(testing::testSeed() + uint64_t(GetParam()) * 6151);
   const IhaCase c = testing::drawCheckableShape(rng, true, [&] {
     KernelSpec spec = testing::randomSpec(rng);
-    spec.set_head_dim(GetParam() == 3 ? 128 : 64);
+    constexpr int dims[] = {64, 64, 64, 128, 256, 256, 192, 192};
+    spec.set_head_dim(dims[GetParam()]);
     spec.set_dtype(GetParam() % 2 ? v1::bfloat16 : v1::float16);
     return testing::DrawnShape{spec, 1, 8 + int64_t(rng() % 40)};
   });
@@ -196,7 +200,7 @@ TEST_P(WgmmaBackwardOnEmulator, MatchesTheReferenceWithoutFindings) {
   EXPECT_GT(wgmma, 0) << "the key-block-outer launch ran no wgmma";
 }
 
-INSTANTIATE_TEST_SUITE_P(Drawn, WgmmaBackwardOnEmulator, ::testing::Range(0, 4));
+INSTANTIATE_TEST_SUITE_P(Drawn, WgmmaBackwardOnEmulator, ::testing::Range(0, 8));
 
 // The host API's backward on host tensors (q strided, a padded buffer of
 // H + 3 heads per token), through the host tile API and through the CUDA
@@ -301,18 +305,25 @@ TEST(BackwardOnEmulator, RefusesWhatItHasNoTilesFor) {
 }
 
 // Where the wgmma backward is sm_90a's default and where it is refused:
-// head_dim 64 and 128 take it (its two attention launches take tensor maps,
-// its pre-mix and forward stay on mma.sync), head_dim 32, dq atomic and
-// given mma tiles keep mma.sync; asked for elsewhere, the error says why.
+// head_dim 64, 128, 192 and 256 take it (its two attention launches take
+// tensor maps, its pre-mix and forward stay on mma.sync), head_dim 32 and
+// 160, dq atomic and given mma tiles keep mma.sync; asked for elsewhere,
+// the error says why.
 TEST(BackwardPlan, WgmmaIsTheSm90aDefaultWhereItApplies) {
   auto spec = [](int d) { return testing::makeSpec({.heads = 4, .kvHeads = 2, .pseudoHeads = 2, .headDim = d}); };
-  for (int d : {64, 128}) {
+  for (int d : {64, 128, 192, 256}) {
     auto plan = backwardPlan(spec(d), Schedule(), "sm_90a");
     ASSERT_TRUE(plan) << plan.error().message;
     EXPECT_EQ(plan->schedule.engine(), v1::engine_wgmma) << d;
     EXPECT_NE(plan->source.find("wgmma_backward = true"), std::string::npos);
-    for (const LaunchPlan& launch : plan->launches)
+    // The key-block-outer launch's parts (whole 64-column atoms: three at
+    // 192), the dq launch's one: grid y over kv heads 2 and heads 4.
+    const int parts = d == 192 ? 3 : d == 256 ? 2 : 1;
+    for (const LaunchPlan& launch : plan->launches) {
       EXPECT_EQ(launch.tensorMaps, launch.name == kBackwardKvEntry || launch.name == kBackwardQEntry) << launch.name;
+      if (launch.name == kBackwardKvEntry) EXPECT_EQ(launch.gridY, 2 * parts) << d;
+      if (launch.name == kBackwardQEntry) EXPECT_EQ(launch.gridY, 4) << d;
+    }
     auto sm80 = backwardPlan(spec(d), Schedule(), "sm_80");
     ASSERT_TRUE(sm80) << sm80.error().message;
     EXPECT_EQ(sm80->schedule.engine(), v1::engine_mma) << d;
@@ -323,19 +334,21 @@ TEST(BackwardPlan, WgmmaIsTheSm90aDefaultWhereItApplies) {
   tiles.set_warps(2);
   tiles.set_block_m(32);
   tiles.set_block_n(32);
-  for (const auto& [d, schedule] : {std::pair{32, Schedule()}, std::pair{128, atomic}, std::pair{128, tiles}}) {
+  for (const auto& [d, schedule] :
+       {std::pair{32, Schedule()}, std::pair{160, Schedule()}, std::pair{128, atomic}, std::pair{128, tiles}}) {
     auto plan = backwardPlan(spec(d), schedule, "sm_90a");
     ASSERT_TRUE(plan) << plan.error().message;
     EXPECT_EQ(plan->schedule.engine(), v1::engine_mma) << d << " " << schedule.ShortDebugString();
   }
   Schedule wgmma;
   wgmma.set_engine(v1::engine_wgmma);
-  const std::pair<std::string, std::string> refusals[] = {{"sm_80", "needs target sm_90a"}, {"sm_90a", "head_dim 64 or 128"}};
-  for (const auto& [arch, why] : refusals) {
-    auto refused = backwardPlan(spec(arch == "sm_80" ? 64 : 32), wgmma, arch);
-    ASSERT_FALSE(refused) << arch;
-    EXPECT_NE(refused.error().message.find(why), std::string::npos) << refused.error().message;
-  }
+  const std::pair<std::string, std::string> refusals[] = {{"sm_80", "needs target sm_90a"}, {"sm_90a", "head_dim 64, 128, 192 or 256"}};
+  for (const auto& [arch, why] : refusals)
+    for (int d : {32, 160}) {
+      auto refused = backwardPlan(spec(arch == "sm_80" ? 64 : d), wgmma, arch);
+      ASSERT_FALSE(refused) << arch << " " << d;
+      EXPECT_NE(refused.error().message.find(why), std::string::npos) << refused.error().message;
+    }
   wgmma.set_dq(v1::dq_atomic);
   auto refused = backwardPlan(spec(64), wgmma, "sm_90a");
   ASSERT_FALSE(refused);

@@ -308,8 +308,16 @@ TEST(SassGate, NamesEachBackwardLoopOverFlashAttention3s) {
   u.add_loops()->set_instructions_per_tensor_mflop(9999);  // no tensor cores
   const std::vector<std::string> misses = jit::sass::backwardGateMisses(u);
   ASSERT_EQ(misses.size(), 2u) << ::testing::PrintToString(misses);
-  EXPECT_EQ(misses[0], "iha_bwd_kv loop at 0x3a30: 407 instructions per tensor MFLOP, over FlashAttention-3's backward (371)");
+  EXPECT_EQ(misses[0], "iha_bwd_kv loop at 0x3a30: 407 instructions per tensor MFLOP, over FlashAttention-3's backward "
+                       "at head_dim 128 (371)");
   EXPECT_EQ(misses[1], "iha_bwd_kv loop at 0x6000 (masked): 2 local-memory instructions");
+  // At head_dim 256 FA3's hdim-256 loop is the budget: the loop at it
+  // (371) misses there too; with no anchor (head_dim 64) only local memory.
+  const std::vector<std::string> wide = jit::sass::backwardGateMisses(u, 256);
+  ASSERT_EQ(wide.size(), 3u) << ::testing::PrintToString(wide);
+  EXPECT_EQ(wide[1], "iha_bwd_kv loop at 0x5000: 371 instructions per tensor MFLOP, over FlashAttention-3's backward "
+                     "at head_dim 256 (329)");
+  EXPECT_EQ(jit::sass::backwardGateMisses(u, 64).size(), 1u);
 }
 
 }  // namespace

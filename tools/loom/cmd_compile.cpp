@@ -159,14 +159,16 @@ int compile(const CompileOptions& options) {
                 jit::sass::formatLoops(entries).c_str());
     const int d = spec->head_dim();
     const bool backward = kernel->direction() == v1::direction_backward;
-    if (backward && a.arch == "sm_90a" && kernel->schedule().engine() == v1::engine_wgmma && d == 128) {
+    if (backward && a.arch == "sm_90a" && kernel->schedule().engine() == v1::engine_wgmma &&
+        jit::sass::fa3BackwardPerTensorMflop(d) > 0) {
       std::printf("  gate (docs/performance.md): %.0f instructions per tensor MFLOP in the unmasked loops of %s and %s, "
-                  "FlashAttention-3's backward loop (one loop, its causal mask inside; masked loops printed above)\n",
-                  jit::sass::kFa3BackwardPerTensorMflop, kBackwardKvEntry, kBackwardQEntry);
+                  "FlashAttention-3's backward loop at head_dim %d (one loop, its causal mask inside; masked loops "
+                  "printed above)\n",
+                  jit::sass::fa3BackwardPerTensorMflop(d), kBackwardKvEntry, kBackwardQEntry, d);
       std::vector<std::string> misses;
       for (const v1::ResourceUsage& u : entries)
         if (u.entry() == kBackwardKvEntry || u.entry() == kBackwardQEntry)
-          for (std::string& miss : jit::sass::backwardGateMisses(u)) misses.push_back(std::move(miss));
+          for (std::string& miss : jit::sass::backwardGateMisses(u, d)) misses.push_back(std::move(miss));
       if (misses.empty()) std::printf("  within the gate\n");
       for (const std::string& miss : misses) std::printf("  misses the gate: %s\n", miss.c_str());
     }

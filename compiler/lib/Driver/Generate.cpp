@@ -144,7 +144,8 @@ void readPlan(KernelOp kernel, KernelPlan& plan) {
                              int64_t(launch.getThreads()), sharedBytes, specialized,
                              cuda && takesTensorMaps(kernel, launch)});
     if (specialized && kernel.getBackward())
-      plan.launches.back().ctasPerSm = backwardDqCtasPerSm(int(kernel.getScheduleAttr().getWarps()));
+      plan.launches.back().ctasPerSm =
+          backwardDqCtasPerSm(int(kernel.getScheduleAttr().getWarps()), int(kernel.getSpec().getHeadDim()));
     if (premix)
       plan.workspaces.insert(plan.workspaces.end(), {Workspace::q_mixed, Workspace::k_mixed, Workspace::v_mixed});
     bool storesRows = false;
@@ -501,14 +502,15 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
     // The default on sm_90a where the spec allows it and the fields given
     // leave its tile free.
     wgmmaBackward = given.engine == Engine::wgmma ||
-                    (!given.engine && hopper && spec.head_dim() % 64 == 0 && spec.head_dim() <= 128 &&
+                    (!given.engine && hopper && wgmmaBackwardHeadDim(int(spec.head_dim())) &&
                      given.dq != DqStrategy::atomic && !given.warps && !given.blockM && !given.blockN);
     if (wgmmaBackward) {
       if (target.kind() != v1::Target::cuda || target.arch() != "sm_90a")
         return makeError("schedule.engine wgmma needs target sm_90a for a backward kernel (wgmma exists only there)");
-      if (spec.head_dim() % 64 != 0 || spec.head_dim() > 128)
-        return makeError("schedule.engine wgmma takes head_dim 64 or 128 in a backward kernel (128-byte swizzled "
-                         "tiles of 64 columns; dK and dV in registers), not " + std::to_string(spec.head_dim()));
+      if (!wgmmaBackwardHeadDim(int(spec.head_dim())))
+        return makeError("schedule.engine wgmma takes head_dim 64, 128, 192 or 256 in a backward kernel (128-byte "
+                         "swizzled tiles of 64 columns, a CTA's gradient columns whole tiles of them), not " +
+                         std::to_string(spec.head_dim()));
       if (given.dq == DqStrategy::atomic)
         return makeError("schedule.engine wgmma computes dq in its own launch in a backward kernel (dq separate)");
       if (!given.warps && !given.blockM && !given.blockN) {

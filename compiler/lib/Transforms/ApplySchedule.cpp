@@ -224,7 +224,8 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
     // A head wider than a CTA's gradient columns is split into parts
     // (layout.h, backwardColumnParts): the grid's y is (head, part), CTA y
     // = head * parts + part, as a decode step's (head, split).
-    const int64_t parts = loom::backwardColumnParts(int(spec.getHeadDim()));
+    const bool wgmma = chosen.getEngine() == Engine::wgmma;
+    const int64_t parts = loom::backwardColumnParts(int(spec.getHeadDim()), wgmma);
     // Key-block-outer: one CTA per (key block, kv head, batch) runs every
     // query head of its group, so dK and dV sum without atomics.
     LaunchOp kv = createLaunch(builder, loc, kBwdKvLaunch, P, chosen.getBlockN(), spec.getKvHeads() * parts, threads);
@@ -245,14 +246,16 @@ struct ApplySchedule : impl::IhaApplyScheduleBase<ApplySchedule> {
       body.create<KvGradStoreOp>(loc, col0, group, batch);
     }
     if (!atomicDq) {  // query-block-outer: dq with P and dS recomputed
-      LaunchOp q = createLaunch(builder, loc, kBwdQLaunch, P, chosen.getBlockM(), spec.getHeads() * parts, threads);
+      // Its own parts: on wgmma dq is whole (layout.h, backwardDqParts).
+      const int64_t dqParts = loom::backwardDqParts(int(spec.getHeadDim()), wgmma);
+      LaunchOp q = createLaunch(builder, loc, kBwdQLaunch, P, chosen.getBlockM(), spec.getHeads() * dqParts, threads);
       mlir::OpBuilder body = mlir::OpBuilder::atBlockEnd(&q.getBlock());
       IndexMath math(body, loc);
       Value row0 = math.mul(q.getBlockX(), math.c(chosen.getBlockM()));
       Value seqLen = body.create<SeqLenOp>(loc, body.getI64Type());
       Value keyBlocks = math.ceilDiv(seqLen, math.c(chosen.getBlockN()));
-      Value head = splitHeadOf(math, q.getBlockY(), parts);
-      body.create<DqBeginOp>(loc, row0, head, q.getBatch(), splitIndexOf(math, q.getBlockY(), parts));
+      Value head = splitHeadOf(math, q.getBlockY(), dqParts);
+      body.create<DqBeginOp>(loc, row0, head, q.getBatch(), splitIndexOf(math, q.getBlockY(), dqParts));
       body.create<DqLoopOp>(loc, math.c(0), keyBlocks, row0, head, q.getBatch(), /*masked=*/true);
       body.create<DqStoreOp>(loc, row0, head, q.getBatch());
     }

@@ -636,9 +636,11 @@ struct LowerToEmitC : impl::IhaLowerToEmitCBase<LowerToEmitC> {
                                                     builder.getFunctionType(parameters, {}));
     llvm::SmallVector<llvm::StringRef> specifiers{"LOOM_KERNEL"};
     // setmaxnreg needs a register cap at entry: one CTA of `threads` per SM
-    // (the backward's dq launch: two with one consumer warpgroup, layout.h
-    // backwardDqCtasPerSm).
-    const int ctas = kernel.getBackward() ? backwardDqCtasPerSm(int(kernel.getScheduleAttr().getWarps())) : 1;
+    // (the backward's dq launch: two with one consumer warpgroup up to
+    // head_dim 128, layout.h backwardDqCtasPerSm).
+    const int ctas = kernel.getBackward() ? backwardDqCtasPerSm(int(kernel.getScheduleAttr().getWarps()),
+                                                                int(kernel.getSpec().getHeadDim()))
+                                          : 1;
     const std::string bounds =
         "__launch_bounds__(" + std::to_string(launch.getThreads()) + ", " + std::to_string(ctas) + ")";
     if (specialized && cuda) specifiers.push_back(bounds);

@@ -38,10 +38,15 @@ struct BackwardGeometry {
   static constexpr int QNT = C::block_m / 8;                // query n-tiles of S^T
   static constexpr int QK = C::block_m / kMmaK;             // k-steps over query rows (dV, dK)
   // A CTA's share of the gradient columns (layout.h, backwardColumnParts):
-  // dK, dV (key-block-outer) and dq keep PT n-tiles, from the part's first.
-  static_assert(backwardPartsEven(C::head_dim), "the backward's column parts are multiples of 16 columns");
-  static constexpr int PARTS = backwardColumnParts(C::head_dim);
+  // dK and dV (key-block-outer) keep PT n-tiles, from the part's first.
+  static_assert(C::wgmma_backward || backwardPartsEven(C::head_dim),
+                "the backward's column parts are multiples of 16 columns");
+  static constexpr int PARTS = backwardColumnParts(C::head_dim, C::wgmma_backward);
   static constexpr int PT = G::OT / PARTS;
+  // The dq launch's parts and n-tiles (layout.h, backwardDqParts: on wgmma
+  // dq is whole).
+  static constexpr int DQ_PARTS = backwardDqParts(C::head_dim, C::wgmma_backward);
+  static constexpr int DPT = G::OT / DQ_PARTS;
 };
 
 // Part `part`'s first column (0, known at compile time, where the head is
@@ -51,6 +56,13 @@ __device__ __forceinline__ int partColumn(int part) {
   using BG = BackwardGeometry<C>;
   if constexpr (BG::PARTS == 1) return 0;
   else return part * BG::PT * 8;
+}
+// The same for dq's parts (the dq launch).
+template <class C>
+__device__ __forceinline__ int dqPartColumn(int part) {
+  using BG = BackwardGeometry<C>;
+  if constexpr (BG::DQ_PARTS == 1) return 0;
+  else return part * BG::DPT * 8;
 }
 template <class C>
 __device__ __forceinline__ Bits32 partBytes(int part) {
@@ -214,8 +226,10 @@ struct QGradTile {
   bool pending = false;
   Bits32 base = 0, tiles = 0;
   // wgmma's dq launch: Q's and dO's rows of the warp as wgmma's register A
-  // operand, a k-step each (its S and dP then take K's and V's descriptors alone).
-  Bits32 qa[C::wgmma_backward ? C::head_dim / 16 : 1][4], doa[C::wgmma_backward ? C::head_dim / 16 : 1][4];
+  // operand, a k-step each (its S and dP then take K's and V's descriptors
+  // alone), up to head_dim 128 (layout.h, wgmmaBackwardHoldsRows).
+  static constexpr int kHeldSteps = C::wgmma_backward && wgmmaBackwardHoldsRows(C::head_dim) ? C::head_dim / 16 : 1;
+  Bits32 qa[kHeldSteps][4], doa[kHeldSteps][4];
 };
 
 // The key-block-outer launch uses t (S^T, then P^T) and dt (dS^T), the dq
@@ -235,7 +249,7 @@ struct BwdScores {
 
 template <class C>
 struct DqTile {
-  float dq[cuda::Geometry<C>::MT][cuda::BackwardGeometry<C>::PT][4];
+  float dq[cuda::Geometry<C>::MT][cuda::BackwardGeometry<C>::DPT][4];
   int part = 0;  // the CTA's share of dq's columns, as KvGradTile's
 };
 
@@ -255,6 +269,13 @@ struct DqTile {
 //     block_m); dV += P^T dO, dK += dS^T Q (A from registers, B N-major);
 //   dq: S = Q K^T, dP = dO V^T (Q and dO held as register A operands, K
 //     and V K-major, N = block_n); dq += dS K (K N-major).
+// Past head_dim 128 the key-block-outer launch's CTA is one of the parts
+// of the gradient columns (layout.h, backwardColumnParts: whole atoms, two
+// of 128 at 256, three of 64 at 192): S^T and dP^T over every column, dV
+// and dK over the part's (the N-major B from the part's first atom:
+// columnProduct). The dq launch takes dq whole (backwardDqParts: 128
+// accumulators a thread at 256, one CTA an SM) and reads Q and dO by
+// descriptor there (held, 64 registers each would not fit beside dq).
 // The products are issued, committed and waited for by the steps, so that
 // one runs while the next step's arithmetic does (bwd_scores, bwd_dv).
 // The dq launch is warp-specialised (iha-warp-specialize): a producer
@@ -270,7 +291,7 @@ struct Geometry {
   static_assert(C::dtype != DType::f32, "CUDA tiles take float16 or bfloat16 inputs");
   static_assert(C::warps % 4 == 0 && C::block_n == 16 * C::warps,
                 "wgmma backward: 64 key rows a warpgroup (block_n = 16 x warps)");
-  static_assert(C::head_dim % kSwizzleAtomColumns == 0 && C::head_dim <= 128, "wgmma backward: head_dim 64 or 128");
+  static_assert(wgmmaBackwardHeadDim(C::head_dim), "wgmma backward: head_dim 64, 128, 192 or 256");
   static_assert(C::block_m % 64 == 0 && C::block_m <= 256, "wgmma backward: block_m in {64, 128, 192, 256}");
   static_assert(!C::atomic_dq, "wgmma backward: dq in its own launch");
   static constexpr int D = C::head_dim;
@@ -279,6 +300,12 @@ struct Geometry {
   static constexpr int QK = C::block_m / 16;  // k-steps of dV and dK (query rows)
   static constexpr int qAtomBytes = C::block_m * kSwizzleRowBytes;
   static constexpr int kvAtomBytes = C::block_n * kSwizzleRowBytes;
+  // A CTA's share of dK's and dV's columns (cuda::BackwardGeometry, PT
+  // n-tiles), whole swizzle atoms: the N of their products; dq's (DPT: its
+  // launch's CTA takes every column).
+  static constexpr int PN = cuda::BackwardGeometry<C>::PT * 8;
+  static constexpr int DQN = cuda::BackwardGeometry<C>::DPT * 8;
+  static constexpr bool holdsRows = wgmmaBackwardHoldsRows(D);
 };
 
 template <class C>
@@ -434,6 +461,7 @@ __device__ __forceinline__ void rowProduct(float (&acc)[N / 2], Bits32 a, int aA
 template <class C, int N>
 __device__ __forceinline__ void registerRowProduct(float (&acc)[N / 2], const Bits32 (&a)[C::head_dim / 16][4],
                                                    Bits32 b, int bAtomBytes) {
+  static_assert(Geometry<C>::holdsRows, "Q and dO held in registers up to head_dim 128");
   #pragma unroll
   for (int kt = 0; kt < C::head_dim / 16; ++kt)
     wgmma::Wgmma<C::dtype, N>::rsKMajor(acc, a[kt], kMajor(b, bAtomBytes, 0, kt), kt > 0);
@@ -463,14 +491,16 @@ __device__ __forceinline__ void pack(Bits32 (&a)[Steps][4], const float (&t)[K /
   for (int kk = 0; kk < K / 16; ++kk) cuda::repack<C>(a[kk], t, kk);
 }
 
-// acc += T B: T packed (pack), B a tile of `bAtomBytes` atoms read N-major
+// acc += T B: T packed (pack), B N columns from `column0` (whole atoms:
+// a part's, cuda::partColumn) of a tile of `bAtomBytes` atoms read N-major
 // (n = d), K its rows.
-template <class C, int K, int Steps>
-__device__ __forceinline__ void columnProduct(float (&acc)[C::head_dim / 2], const Bits32 (&a)[Steps][4], Bits32 b,
-                                              int bAtomBytes) {
+template <class C, int K, int N, int Steps>
+__device__ __forceinline__ void columnProduct(float (&acc)[N / 2], const Bits32 (&a)[Steps][4], Bits32 b,
+                                              int bAtomBytes, int column0) {
+  const Bits32 first = b + Bits32(column0 / kSwizzleAtomColumns * bAtomBytes);
   #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk)
-    wgmma::Wgmma<C::dtype, C::head_dim>::rs(acc, a[kk], nMajor(b, bAtomBytes, kk), true);
+    wgmma::Wgmma<C::dtype, N>::rs(acc, a[kk], nMajor(first, bAtomBytes, kk), true);
 }
 
 // The one m-tile of a register tile, as wgmma's flat accumulators.
@@ -670,7 +700,7 @@ __device__ void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0,
 // On wgmma: the mbarriers set up, then the block's K and V by TMA.
 template <class C>
 __device__ void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs& a, const TmaMaps& maps, int64_t col0, int64_t g,
-                              int64_t b, int64_t /*part: one, head_dim <= 128*/) {
+                              int64_t b, int64_t part) {
   static_assert(C::wgmma_backward, "the key-block-outer launch takes tensor maps on wgmma only");
   const BackwardSmem w = bwgmma::layout<C>();
   const Bits32 bar = bwgmma::barrierAt<C>(0);
@@ -686,6 +716,7 @@ __device__ void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs& a, const TmaMaps
   __syncthreads();  // the barriers are initialised before anyone waits
   ptx::mbarrierWaitParity(bar, 0);
   kv.col0 = col0;
+  kv.part = int(part);
   cuda::zero<C>(kv.dk);
   cuda::zero<C>(kv.dv);
 }
@@ -820,8 +851,10 @@ __device__ void load_q_grad(QGradTile<C>& q, const IhaArgs& a, const TmaMaps& ma
     const BackwardSmem w = bwgmma::dqLayout<C>();
     q.base = bwgmma::baseAddress();
     ptx::mbarrierWaitParity(q.base + Bits32(w.barriers), 0);
-    bwgmma::loadRows<C>(q.qa, q.base + Bits32(w.q), bwgmma::Geometry<C>::qAtomBytes);
-    bwgmma::loadRows<C>(q.doa, q.base + Bits32(w.dO), bwgmma::Geometry<C>::qAtomBytes);
+    if constexpr (bwgmma::Geometry<C>::holdsRows) {
+      bwgmma::loadRows<C>(q.qa, q.base + Bits32(w.q), bwgmma::Geometry<C>::qAtomBytes);
+      bwgmma::loadRows<C>(q.doa, q.base + Bits32(w.dO), bwgmma::Geometry<C>::qAtomBytes);
+    }
     q.tiles = q.base;
     q.stage = 0;
     q.row0 = row0;
@@ -891,7 +924,8 @@ __device__ __forceinline__ void bwd_producer_start() {
 }
 template <class C>
 __device__ __forceinline__ void bwd_consumer_start() {
-  ptx::setmaxnregInc<consumerRegisters(C::warps, kBackwardDqProducerRegisters, backwardDqCtasPerSm(C::warps))>();
+  ptx::setmaxnregInc<consumerRegisters(C::warps, kBackwardDqProducerRegisters,
+                                       backwardDqCtasPerSm(C::warps, C::head_dim))>();
 }
 
 //===----------------------------------------------------------------------===//
@@ -962,10 +996,18 @@ __device__ void bwd_scores(BwdScores<C>& s, QGradTile<C>& q, KvGradTile<C>& kv) 
     ptx::pinRegisters(bwgmma::flat<C::block_n / 2>(s.s));
     ptx::pinRegisters(bwgmma::flat<C::block_n / 2>(s.ds));
     ptx::wgmmaFence();
-    bwgmma::registerRowProduct<C, C::block_n>(bwgmma::flat<C::block_n / 2>(s.s), q.qa, kv.tiles, W::kvAtomBytes);
-    ptx::wgmmaCommit();
-    bwgmma::registerRowProduct<C, C::block_n>(bwgmma::flat<C::block_n / 2>(s.ds), q.doa, kv.tiles + Bits32(w.v - w.k),
-                                              W::kvAtomBytes);
+    if constexpr (W::holdsRows) {
+      bwgmma::registerRowProduct<C, C::block_n>(bwgmma::flat<C::block_n / 2>(s.s), q.qa, kv.tiles, W::kvAtomBytes);
+      ptx::wgmmaCommit();
+      bwgmma::registerRowProduct<C, C::block_n>(bwgmma::flat<C::block_n / 2>(s.ds), q.doa,
+                                                kv.tiles + Bits32(w.v - w.k), W::kvAtomBytes);
+    } else {  // Q and dO by descriptor (the consumer warpgroup's 64 rows)
+      bwgmma::rowProduct<C, C::block_n>(bwgmma::flat<C::block_n / 2>(s.s), q.base + Bits32(w.q), W::qAtomBytes,
+                                        kv.tiles, W::kvAtomBytes);
+      ptx::wgmmaCommit();
+      bwgmma::rowProduct<C, C::block_n>(bwgmma::flat<C::block_n / 2>(s.ds), q.base + Bits32(w.dO), W::qAtomBytes,
+                                        kv.tiles + Bits32(w.v - w.k), W::kvAtomBytes);
+    }
     ptx::wgmmaCommit();
     ptx::wgmmaWait<1>();
     ptx::pinRegisters(bwgmma::flat<C::block_n / 2>(s.s));
@@ -1098,11 +1140,12 @@ __device__ void bwd_dv(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
   if constexpr (C::wgmma_backward) {
     // dV's product in flight until bwd_dk's wait; this wait retires dP^T.
     const BackwardSmem w = bwgmma::layout<C>();
+    constexpr int PN = bwgmma::Geometry<C>::PN;
     bwgmma::pack<C, C::block_m>(s.pa, s.t[0]);
-    ptx::pinRegisters(bwgmma::flat<C::head_dim / 2>(kv.dv));
+    ptx::pinRegisters(bwgmma::flat<PN / 2>(kv.dv));
     ptx::wgmmaFence();
-    bwgmma::columnProduct<C, C::block_m>(bwgmma::flat<C::head_dim / 2>(kv.dv), s.pa, q.tiles + Bits32(w.dO),
-                                         bwgmma::Geometry<C>::qAtomBytes);
+    bwgmma::columnProduct<C, C::block_m, PN>(bwgmma::flat<PN / 2>(kv.dv), s.pa, q.tiles + Bits32(w.dO),
+                                             bwgmma::Geometry<C>::qAtomBytes, cuda::partColumn<C>(kv.part));
     ptx::wgmmaCommit();
     ptx::wgmmaWait<1>();
     ptx::pinRegisters(bwgmma::flat<C::block_m / 2>(s.dt));
@@ -1239,15 +1282,16 @@ __device__ void bwd_dk(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
   using BG = cuda::BackwardGeometry<C>;
   if constexpr (C::wgmma_backward) {  // this wait retires dV's product and dK's
     const BackwardSmem w = bwgmma::layout<C>();
+    constexpr int PN = bwgmma::Geometry<C>::PN;
     bwgmma::pack<C, C::block_m>(s.da, s.dt[0]);
-    ptx::pinRegisters(bwgmma::flat<C::head_dim / 2>(kv.dk));
+    ptx::pinRegisters(bwgmma::flat<PN / 2>(kv.dk));
     ptx::wgmmaFence();
-    bwgmma::columnProduct<C, C::block_m>(bwgmma::flat<C::head_dim / 2>(kv.dk), s.da, q.tiles + Bits32(w.q),
-                                         bwgmma::Geometry<C>::qAtomBytes);
+    bwgmma::columnProduct<C, C::block_m, PN>(bwgmma::flat<PN / 2>(kv.dk), s.da, q.tiles + Bits32(w.q),
+                                             bwgmma::Geometry<C>::qAtomBytes, cuda::partColumn<C>(kv.part));
     ptx::wgmmaCommit();
     ptx::wgmmaWait<0>();
-    ptx::pinRegisters(bwgmma::flat<C::head_dim / 2>(kv.dv));
-    ptx::pinRegisters(bwgmma::flat<C::head_dim / 2>(kv.dk));
+    ptx::pinRegisters(bwgmma::flat<PN / 2>(kv.dv));
+    ptx::pinRegisters(bwgmma::flat<PN / 2>(kv.dk));
     return;
   }
   const Bits32 qTile = stageTile<C>(cuda::bwdSmem<C>().q, q) + cuda::partBytes<C>(kv.part);
@@ -1280,19 +1324,18 @@ __device__ void bwd_dk(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
 }
 
 namespace cuda {
-// A thread's accumulator fragments of rows first(mt) + fragment rows, part
-// `part`'s columns, as f32 rows of a workspace [B, heads, L, d], times
-// `scale`; rows past L skipped.
-template <class C, int MTiles, class FirstRow>
-__device__ void storeFragments(const float (&acc)[MTiles][BackwardGeometry<C>::PT][4], float* workspace, int heads,
-                               int64_t b, int64_t h, int64_t row0, int64_t L, float scale, int part, FirstRow first) {
+// A thread's accumulator fragments of rows first(mt) + fragment rows, the
+// NT n-tiles of columns from `column0` (a part's), as f32 rows of a
+// workspace [B, heads, L, d], times `scale`; rows past L skipped.
+template <class C, int MTiles, int NT, class FirstRow>
+__device__ void storeFragments(const float (&acc)[MTiles][NT][4], float* workspace, int heads, int64_t b, int64_t h,
+                               int64_t row0, int64_t L, float scale, int column0, FirstRow first) {
   using G = Geometry<C>;
-  using BG = BackwardGeometry<C>;
-  const int l = lane(), column0 = partColumn<C>(part);
+  const int l = lane();
   #pragma unroll
   for (int mt = 0; mt < MTiles; ++mt)
     #pragma unroll
-    for (int ot = 0; ot < BG::PT; ++ot)
+    for (int ot = 0; ot < NT; ++ot)
       #pragma unroll
       for (int e = 0; e < 4; e += 2) {
         const int64_t i = row0 + first(mt) + fragment::accumulatorRow(l, e);
@@ -1308,8 +1351,9 @@ template <class C>
 __device__ void kv_grad_store(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g, int64_t b) {
   const int64_t L = seq_len<C>(a);
   auto first = [](int mt) { return cuda::keyRow<C>(mt); };
-  cuda::storeFragments<C>(kv.dk, a.dk_pseudo, C::kv_heads, b, g, col0, L, C::scale, kv.part, first);
-  cuda::storeFragments<C>(kv.dv, a.dv_pseudo, C::kv_heads, b, g, col0, L, 1.0f, kv.part, first);
+  const int column0 = cuda::partColumn<C>(kv.part);
+  cuda::storeFragments<C>(kv.dk, a.dk_pseudo, C::kv_heads, b, g, col0, L, C::scale, column0, first);
+  cuda::storeFragments<C>(kv.dv, a.dv_pseudo, C::kv_heads, b, g, col0, L, 1.0f, column0, first);
 }
 
 // dq += scale * dS K by atomic adds (dq atomic), from the dS^T bwd_ds
@@ -1373,23 +1417,25 @@ __device__ void dq_accumulate(DqTile<C>& dq, BwdScores<C>& s, KvGradTile<C>& kv)
   using G = cuda::Geometry<C>;
   if constexpr (C::wgmma_backward) {  // K read N-major from its stage
     bwgmma::pack<C, C::block_n>(s.pa, s.ds[0]);
-    ptx::pinRegisters(bwgmma::flat<C::head_dim / 2>(dq.dq));
+    constexpr int N = bwgmma::Geometry<C>::DQN;
+    ptx::pinRegisters(bwgmma::flat<N / 2>(dq.dq));
     ptx::wgmmaFence();
-    bwgmma::columnProduct<C, C::block_n>(bwgmma::flat<C::head_dim / 2>(dq.dq), s.pa, kv.tiles,
-                                         bwgmma::Geometry<C>::kvAtomBytes);
+    bwgmma::columnProduct<C, C::block_n, N>(bwgmma::flat<N / 2>(dq.dq), s.pa, kv.tiles,
+                                            bwgmma::Geometry<C>::kvAtomBytes, cuda::dqPartColumn<C>(dq.part));
     ptx::wgmmaCommit();
     ptx::wgmmaWait<0>();
-    ptx::pinRegisters(bwgmma::flat<C::head_dim / 2>(dq.dq));
+    ptx::pinRegisters(bwgmma::flat<N / 2>(dq.dq));
     return;
   }
-  const Bits32 kTile = kvStageTile<C>(cuda::bwdSmem<C>().k, kv) + cuda::partBytes<C>(dq.part);
+  const Bits32 kTile =
+      kvStageTile<C>(cuda::bwdSmem<C>().k, kv) + Bits32(cuda::dqPartColumn<C>(dq.part) * kTileElementBytes);
   #pragma unroll
   for (int kk = 0; kk < G::PK; ++kk) {
     Bits32 ds[G::MT][4];
     #pragma unroll
     for (int mt = 0; mt < G::MT; ++mt) cuda::repack<C>(ds[mt], s.ds[mt], kk);
     #pragma unroll
-    for (int pair = 0; pair < cuda::BackwardGeometry<C>::PT / 2; ++pair) {
+    for (int pair = 0; pair < cuda::BackwardGeometry<C>::DPT / 2; ++pair) {
       Bits32 b[4];
       cuda::loadBTrans<C>(b, kTile, kk, pair);
       #pragma unroll
@@ -1403,8 +1449,8 @@ __device__ void dq_accumulate(DqTile<C>& dq, BwdScores<C>& s, KvGradTile<C>& kv)
 
 template <class C>
 __device__ void dq_store(DqTile<C>& dq, const IhaArgs& a, int64_t row0, int64_t h, int64_t b) {
-  cuda::storeFragments<C>(dq.dq, a.dq_pseudo, C::heads, b, h, row0, seq_len<C>(a), C::scale, dq.part,
-                          [](int mt) { return cuda::tileRow<C>(mt); });
+  cuda::storeFragments<C>(dq.dq, a.dq_pseudo, C::heads, b, h, row0, seq_len<C>(a), C::scale,
+                          cuda::dqPartColumn<C>(dq.part), [](int mt) { return cuda::tileRow<C>(mt); });
 }
 
 //===----------------------------------------------------------------------===//

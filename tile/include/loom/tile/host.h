@@ -751,14 +751,15 @@ void collapse_grad(const IhaArgs& a, int64_t token0, int64_t b) {
 }
 
 namespace host {
-// The gradient columns [first, last) of a CTA's part of a head (layout.h,
-// backwardColumnParts; every column where the head is one part).
+// The gradient columns [first, last) of a CTA's part of a head, of `parts`
+// (layout.h, backwardColumnParts, or the dq launch's backwardDqParts; every
+// column where the head is one part).
 struct PartColumns {
   int first = 0, last = 0;
 };
 template <class C>
-PartColumns partColumns(int64_t part) {
-  const int width = backwardPartColumns(C::head_dim), first = int(part) * width;
+PartColumns partColumns(int64_t part, int parts = backwardColumnParts(C::head_dim, C::wgmma_backward)) {
+  const int width = paddedHeadDim(C::head_dim) / parts, first = int(part) * width;
   return {first, std::min(first + width, C::head_dim)};
 }
 }  // namespace host
@@ -979,7 +980,7 @@ void kv_grad_store(KvGradTile<C>& kv, const IhaArgs& a, int64_t col0, int64_t g,
 template <class C>
 void dq_init(DqTile<C>& dq, int64_t part) {
   host::stats.ctas++;
-  dq.part = host::partColumns<C>(part);
+  dq.part = host::partColumns<C>(part, backwardDqParts(C::head_dim, C::wgmma_backward));
   std::fill(dq.dq.begin(), dq.dq.end(), 0.0f);
 }
 

@@ -496,14 +496,35 @@ constexpr int ctaSharedMemory(bool wgmma, int blockM, int blockN, int headDim, i
 // launches' grid y is head x part): S and dP take every column, so each
 // part computes them again, and accumulates and stores its own columns.
 // A part's width is a multiple of 16 (ldmatrix.trans pairs of n-tiles).
+// The wgmma backward (sm_90a; cuda_backward.h, bwgmma) reads its tiles as
+// 64-column swizzle atoms, so its parts are whole atoms: head_dim 64, 128,
+// 192 and 256, in one, one, three (of 64: two of 96 would start mid-atom)
+// and two parts.
 constexpr int kBackwardPartColumns = 128;
-constexpr int backwardColumnParts(int headDim) {
-  return (paddedHeadDim(headDim) + kBackwardPartColumns - 1) / kBackwardPartColumns;
+constexpr int backwardColumnParts(int headDim, bool wgmma = false) {
+  int parts = (paddedHeadDim(headDim) + kBackwardPartColumns - 1) / kBackwardPartColumns;
+  if (wgmma)
+    while (headDim % parts != 0 || headDim / parts % kSwizzleAtomColumns != 0) ++parts;
+  return parts;
 }
-constexpr int backwardPartColumns(int headDim) { return paddedHeadDim(headDim) / backwardColumnParts(headDim); }
+constexpr int backwardPartColumns(int headDim, bool wgmma = false) {
+  return paddedHeadDim(headDim) / backwardColumnParts(headDim, wgmma);
+}
 constexpr bool backwardPartsEven(int headDim) {
   return paddedHeadDim(headDim) % (backwardColumnParts(headDim) * kMmaK) == 0;
 }
+// The head dims the wgmma backward takes. Its dq launch holds a warp's Q
+// and dO rows as wgmma's register A operands up to head_dim 128 (64
+// registers each there) and reads them by descriptor past it.
+constexpr bool wgmmaBackwardHeadDim(int headDim) {
+  return headDim % kSwizzleAtomColumns == 0 && headDim <= 4 * kSwizzleAtomColumns;
+}
+constexpr bool wgmmaBackwardHoldsRows(int headDim) { return headDim <= kBackwardPartColumns; }
+// The dq launch's parts: on wgmma one whatever the head (a warpgroup's 64
+// query rows of dq at head_dim 256 are 128 accumulators a thread, which fit
+// beside S's and dP's 32 each where Q and dO are read by descriptor), else
+// the key-block-outer launch's (backwardColumnParts).
+constexpr int backwardDqParts(int headDim, bool wgmma) { return wgmma ? 1 : backwardColumnParts(headDim); }
 
 // Shared memory of the backward's launches on the mma.sync path. The
 // key-block-outer and dq launches hold K and V (block_n rows), Q and do
@@ -554,7 +575,9 @@ constexpr BackwardSmem backwardSmem(int blockM, int blockN, int headDim, bool at
 // them would cost its second CTA an SM; docs/performance.md.)
 constexpr int kBackwardDqProducerRegisters = 24;
 constexpr int kBackwardWgmmaBarriers = 1 + 2 * kBackwardQueryStages;
-constexpr int backwardDqCtasPerSm(int warps) { return warps == 4 ? 2 : 1; }
+// Past head_dim 128 one (its tiles take 198 KB at 256; and dq whole, 128
+// accumulators a thread, needs more registers than two CTAs leave).
+constexpr int backwardDqCtasPerSm(int warps, int headDim) { return warps == 4 && headDim <= 128 ? 2 : 1; }
 // The key-block-outer launch on wgmma (sm_90a, schedule.engine wgmma): the
 // same parts, K and V and each query stage's Q and dO as 128-byte swizzled
 // tiles of 64-column atoms (what TMA writes and wgmma's descriptors read; no

@@ -477,8 +477,8 @@ def Iha_KvGradStoreOp : Iha_BlockOp<"kv_grad_store"> {
 def Iha_DqBeginOp : Iha_BlockOp<"dq_begin"> {
   let summary = "load a query block's Q, do, lse and D and zero its dq accumulator";
   let description = [{
-    `part` is the CTA's share of dq's columns (layout.h, backwardColumnParts:
-    0 where the head is one part).
+    `part` is the CTA's share of dq's columns (layout.h, backwardDqParts:
+    0 where the head is one part, as always on wgmma).
 
     Example: `iha.dq_begin rows %r0 head %h batch %b part %p`
   }];
