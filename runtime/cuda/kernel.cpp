@@ -546,10 +546,15 @@ Status encodeWorkspaceMaps(TensorMapEncoder encode, const std::function<Status(C
                    "cuTensorMapEncodeTiled(delta: lse_log2 and D)");
     };
     const cuuint32_t blockM = cuuint32_t(compiled.schedule().block_m());
-    if (Status ok = tiles(maps.q, args.q_mixed, spec.heads(), blockM, "q_mixed"); !ok) return ok;
-    if (Status ok = tiles(maps.dO, args.do_pseudo, spec.heads(), blockM, "do_pseudo"); !ok) return ok;
-    if (Status ok = tiles(maps.k, args.k_mixed, spec.kv_heads(), blockN, "k_mixed"); !ok) return ok;
-    if (Status ok = tiles(maps.v, args.v_mixed, spec.kv_heads(), blockN, "v_mixed"); !ok) return ok;
+    // A head_dim that is not whole atoms (80, 96, 112) takes the 3-d maps,
+    // a box an atom, the columns past head_dim zeros (bwgmma::tmaTile).
+    auto tile = [&](CUtensorMap& out, void* base, int64_t heads, cuuint32_t boxRows, const char* name) {
+      return d % kAtomColumns == 0 ? tiles(out, base, heads, boxRows, name) : map(out, base, heads, boxRows, name);
+    };
+    if (Status ok = tile(maps.q, args.q_mixed, spec.heads(), blockM, "q_mixed"); !ok) return ok;
+    if (Status ok = tile(maps.dO, args.do_pseudo, spec.heads(), blockM, "do_pseudo"); !ok) return ok;
+    if (Status ok = tile(maps.k, args.k_mixed, spec.kv_heads(), blockN, "k_mixed"); !ok) return ok;
+    if (Status ok = tile(maps.v, args.v_mixed, spec.kv_heads(), blockN, "v_mixed"); !ok) return ok;
     return rowStats(maps.row_stats, args.lse_log2);
   }
   if (Status ok = map(maps.q, args.q_mixed, spec.heads(), kQueryRows, "q_mixed"); !ok) return ok;

@@ -535,6 +535,7 @@ std::vector<std::string> gateMisses(const v1::ResourceUsage& usage, const v1::Ke
 
 double fa3BackwardPerTensorMflop(int headDim) {
   switch (headDim) {
+    case 96: return kFa3BackwardHdim96PerTensorMflop;
     case 128: return kFa3BackwardPerTensorMflop;
     case 192: return kFa3BackwardHdim192PerTensorMflop;
     case 256: return kFa3BackwardHdim256PerTensorMflop;

@@ -111,11 +111,14 @@ inline constexpr double kFa3BackwardPerTensorMflop = 371;
 // MFLOP, non-causal 525-543 (320-331), local 664-668 (405-408); at 192
 // causal 406-410 (413-417), non-causal 387-395 (394-402), local 535-537
 // (544-546). The gates of the sm_90a default backward's unmasked loops
-// there: the causal loops' lower figures.
+// there: the causal loops' lower figures. Its hdim-96 backward (64 x 128
+// tiles; FA3 runs head dims 65 to 96 on it): causal 459-462 (467-470),
+// non-causal 427-432 (434-439), local 501-506 (510-515).
 inline constexpr double kFa3BackwardHdim256PerTensorMflop = 329;
 inline constexpr double kFa3BackwardHdim192PerTensorMflop = 413;
-// FlashAttention-3's backward loop at `headDim`: the gates above at 128,
-// 192 and 256 (0 elsewhere: no anchor read).
+inline constexpr double kFa3BackwardHdim96PerTensorMflop = 467;
+// FlashAttention-3's backward loop at `headDim`: the figures above at 96,
+// 128, 192 and 256 (0 elsewhere: no anchor read).
 double fa3BackwardPerTensorMflop(int headDim);
 // One line per way a backward entry's loops miss that gate (an unmasked
 // loop of the key-block-outer or dq launch over

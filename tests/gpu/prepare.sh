@@ -53,8 +53,9 @@ for case in tests/data/cases/*/; do
   done
 done
 # The backward of each shared backward case, dq in its own launch (the
-# default: on sm_90a the wgmma backward where head_dim is 64, 128, 192 or 256,
-# as bwd-gqa-d64-window's; mma.sync elsewhere) and by atomic adds (mma.sync).
+# default: on sm_90a the wgmma backward where head_dim is 64 to 128 in 16s,
+# 192 or 256, as bwd-gqa-d64-window's; mma.sync elsewhere) and by atomic
+# adds (mma.sync).
 echo '{}' >"$schedules/backward.json"
 echo '{"dq": "dq_atomic"}' >"$schedules/backward-atomic.json"
 for case in tests/data/cases/bwd-*/; do
@@ -69,10 +70,11 @@ for case in tests/data/cases/bwd-*/; do
   done
 done
 # A wide head's backward (head_dim 256 and 192: the gradient columns in
-# parts, a CTA each; on sm_90a the wgmma backward, dq whole), both dq
-# strategies, checked on drawn cases alone (drawn-*: no shared case has
-# such a head).
-for d in 256 192; do
+# parts, a CTA each; on sm_90a the wgmma backward, dq whole) and one between
+# swizzle atoms (96: on sm_90a tiles of two atoms, zeros past head_dim),
+# both dq strategies, checked on drawn cases alone (drawn-*: no shared case
+# has such a head).
+for d in 256 192 96; do
   echo '{"heads": 4, "kv_heads": 2, "pseudo_heads": 2, "head_dim": '$d', "mask": "flat_causal", "collapse": "per_head", "rope_theta": 10000, "dtype": "bfloat16"}' \
     >"$schedules/drawn-d$d.json"
   for label in backward backward-atomic; do

@@ -173,24 +173,25 @@ INSTANTIATE_TEST_SUITE_P(Drawn, WideBackwardOnEmulator, ::testing::Range(0, 4));
 // and 256 (its swizzled tiles' widths; past 128 the key-block-outer
 // launch's CTAs take one of two (256) or three (192) parts of dK's and
 // dV's columns, and the dq launch takes dq whole, reading Q and dO by
-// descriptor), every mask, GQA, RoPE and qk_norm among them, sequences of
-// one to three 64-row query and key blocks, in both dtypes, against the
-// float64 reference with zero findings; its defaults and a CTA of two
-// warpgroups with 128-row query blocks.
+// descriptor) and 80, 96, 112 (tiles of two atoms, the columns past
+// head_dim zeros by TMA), every mask, GQA, RoPE and qk_norm among them,
+// sequences of one to three 64-row query and key blocks, in both dtypes,
+// against the float64 reference with zero findings; its defaults and a CTA
+// of two warpgroups with 128-row query blocks (d 64 and 96).
 class WgmmaBackwardOnEmulator : public ::testing::TestWithParam<int> {};
 
 TEST_P(WgmmaBackwardOnEmulator, MatchesTheReferenceWithoutFindings) {
   std::mt19937_64 rng(testing::testSeed() + uint64_t(GetParam()) * 6151);
   const IhaCase c = testing::drawCheckableShape(rng, true, [&] {
     KernelSpec spec = testing::randomSpec(rng);
-    constexpr int dims[] = {64, 64, 64, 128, 256, 256, 192, 192};
+    constexpr int dims[] = {64, 64, 64, 128, 256, 256, 192, 192, 96, 80, 112, 96};
     spec.set_head_dim(dims[GetParam()]);
     spec.set_dtype(GetParam() % 2 ? v1::bfloat16 : v1::float16);
     return testing::DrawnShape{spec, 1, 8 + int64_t(rng() % 40)};
   });
   Schedule s;
   s.set_engine(v1::engine_wgmma);
-  if (GetParam() == 2) {
+  if (GetParam() == 2 || GetParam() == 11) {
     s.set_warps(8);
     s.set_block_n(128);
     s.set_block_m(128);
@@ -200,7 +201,7 @@ TEST_P(WgmmaBackwardOnEmulator, MatchesTheReferenceWithoutFindings) {
   EXPECT_GT(wgmma, 0) << "the key-block-outer launch ran no wgmma";
 }
 
-INSTANTIATE_TEST_SUITE_P(Drawn, WgmmaBackwardOnEmulator, ::testing::Range(0, 8));
+INSTANTIATE_TEST_SUITE_P(Drawn, WgmmaBackwardOnEmulator, ::testing::Range(0, 12));
 
 // The host API's backward on host tensors (q strided, a padded buffer of
 // H + 3 heads per token), through the host tile API and through the CUDA
@@ -305,13 +306,13 @@ TEST(BackwardOnEmulator, RefusesWhatItHasNoTilesFor) {
 }
 
 // Where the wgmma backward is sm_90a's default and where it is refused:
-// head_dim 64, 128, 192 and 256 take it (its two attention launches take
-// tensor maps, its pre-mix and forward stay on mma.sync), head_dim 32 and
-// 160, dq atomic and given mma tiles keep mma.sync; asked for elsewhere,
-// the error says why.
+// head_dim 64, 96, 128, 192 and 256 take it (its two attention launches
+// take tensor maps, its pre-mix and forward stay on mma.sync), head_dim 32
+// and 160, dq atomic and given mma tiles keep mma.sync; asked for
+// elsewhere, the error says why.
 TEST(BackwardPlan, WgmmaIsTheSm90aDefaultWhereItApplies) {
   auto spec = [](int d) { return testing::makeSpec({.heads = 4, .kvHeads = 2, .pseudoHeads = 2, .headDim = d}); };
-  for (int d : {64, 128, 192, 256}) {
+  for (int d : {64, 96, 128, 192, 256}) {
     auto plan = backwardPlan(spec(d), Schedule(), "sm_90a");
     ASSERT_TRUE(plan) << plan.error().message;
     EXPECT_EQ(plan->schedule.engine(), v1::engine_wgmma) << d;
@@ -342,7 +343,8 @@ TEST(BackwardPlan, WgmmaIsTheSm90aDefaultWhereItApplies) {
   }
   Schedule wgmma;
   wgmma.set_engine(v1::engine_wgmma);
-  const std::pair<std::string, std::string> refusals[] = {{"sm_80", "needs target sm_90a"}, {"sm_90a", "head_dim 64, 128, 192 or 256"}};
+  const std::pair<std::string, std::string> refusals[] = {
+      {"sm_80", "needs target sm_90a"}, {"sm_90a", "head_dim 64, 80, 96, 112, 128, 192 or 256"}};
   for (const auto& [arch, why] : refusals)
     for (int d : {32, 160}) {
       auto refused = backwardPlan(spec(arch == "sm_80" ? 64 : d), wgmma, arch);

@@ -339,6 +339,35 @@ INSTANTIATE_TEST_SUITE_P(Specs, WideBackwardGate, ::testing::Range(0, kWideBackw
          std::to_string(spec.head_dim()) + "_h" + std::to_string(spec.heads()) + "_" + std::to_string(info.param);
 });
 
+// The wgmma backward between atoms (head_dim 80, 96, 112: tiles of two
+// 64-column atoms, the second filled with zeros past head_dim by TMA), the
+// sm_90a default there: the paper's settings and two grid specs at each,
+// no loss ptxas shows, whole loops, each tensor-core loop within 1.25x
+// (unmasked) and 2x (masked) of FlashAttention-3's hdim-96 backward loop
+// (jit::sass::kFa3BackwardHdim96PerTensorMflop, 467: FA3 runs head dims 65
+// to 96 on it, 97 to 128 on its hdim-128 one). Measured: unmasked
+// key-block-outer 375-395 instructions an iteration, 429-572 a tensor MFLOP
+// (488-490 at 96, 5% over FA3's 467: a 64 x 64 block's softmax beside fewer
+// columns' products than FA3's 64 x 128), dq 235-252 (359-492); masked up
+// to 914 (d 80, a window's edges; FA3's local loop 510) (docs/performance.md).
+TEST(BackwardGate, WgmmaBetweenAtoms) {
+  jit::NvrtcCompiler compiler(std::string(LOOM_TEST_CACHE) + "/perf");
+  const double anchor = jit::sass::kFa3BackwardHdim96PerTensorMflop;
+  for (int index : {0, 2, 5})
+    for (int d : {80, 96, 112}) {
+      KernelSpec spec = wideBackwardSpec(index);
+      spec.set_head_dim(d);
+      std::shared_ptr<const jit::Artifact> artifact;
+      auto kernel = compileKernel(spec, Schedule(), *parseTarget("sm_90a"), compiler, &artifact, Direction::backward);
+      ASSERT_TRUE(kernel) << describe(spec) << ": " << kernel.error().message;
+      EXPECT_EQ(kernel->schedule().engine(), v1::engine_wgmma) << describe(spec);
+      EXPECT_EQ(artifact->performanceLosses(), std::vector<std::string>{})
+          << describe(spec) << joined(artifact->performanceLosses());
+      expectBackwardLoops(*artifact, "wgmma backward between atoms " + describe(spec), /*whole=*/true,
+                          [&](bool masked, bool) { return anchor * (masked ? 2.0 : 1.25); });
+    }
+}
+
 // The sm_80 default over mixed rows (materialised mixing: plain attention,
 // what FlashAttention-2 computes) of the grid's head_dim 128 specs, in the
 // machine code: the unmasked loop at or under FlashAttention-2's 872

@@ -508,8 +508,9 @@ Result<std::pair<SpecAttr, ScheduleAttr>> resolveAsGiven(CompilerContext& c, con
       if (target.kind() != v1::Target::cuda || target.arch() != "sm_90a")
         return makeError("schedule.engine wgmma needs target sm_90a for a backward kernel (wgmma exists only there)");
       if (!wgmmaBackwardHeadDim(int(spec.head_dim())))
-        return makeError("schedule.engine wgmma takes head_dim 64, 128, 192 or 256 in a backward kernel (128-byte "
-                         "swizzled tiles of 64 columns, a CTA's gradient columns whole tiles of them), not " +
+        return makeError("schedule.engine wgmma takes head_dim 64, 80, 96, 112, 128, 192 or 256 in a backward kernel "
+                         "(128-byte swizzled tiles of 64 columns, a CTA's gradient columns whole tiles of them past "
+                         "128), not " +
                          std::to_string(spec.head_dim()));
       if (given.dq == DqStrategy::atomic)
         return makeError("schedule.engine wgmma computes dq in its own launch in a backward kernel (dq separate)");

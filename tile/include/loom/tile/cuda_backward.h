@@ -291,7 +291,7 @@ struct Geometry {
   static_assert(C::dtype != DType::f32, "CUDA tiles take float16 or bfloat16 inputs");
   static_assert(C::warps % 4 == 0 && C::block_n == 16 * C::warps,
                 "wgmma backward: 64 key rows a warpgroup (block_n = 16 x warps)");
-  static_assert(wgmmaBackwardHeadDim(C::head_dim), "wgmma backward: head_dim 64, 128, 192 or 256");
+  static_assert(wgmmaBackwardHeadDim(C::head_dim), "wgmma backward: head_dim 64, 80, 96, 112, 128, 192 or 256");
   static_assert(C::block_m % 64 == 0 && C::block_m <= 256, "wgmma backward: block_m in {64, 128, 192, 256}");
   static_assert(!C::atomic_dq, "wgmma backward: dq in its own launch");
   static constexpr int D = C::head_dim;
@@ -300,6 +300,7 @@ struct Geometry {
   static constexpr int QK = C::block_m / 16;  // k-steps of dV and dK (query rows)
   static constexpr int qAtomBytes = C::block_m * kSwizzleRowBytes;
   static constexpr int kvAtomBytes = C::block_n * kSwizzleRowBytes;
+  static constexpr int atoms = wgmmaTileColumns(D) / kSwizzleAtomColumns;  // a tile's
   // A CTA's share of dK's and dV's columns (cuda::BackwardGeometry, PT
   // n-tiles), whole swizzle atoms: the N of their products; dq's (DPT: its
   // launch's CTA takes every column).
@@ -335,13 +336,28 @@ __device__ __forceinline__ Bits32 barrierAt(int index, Bits32 base = baseAddress
   return base + Bits32(layout<C>().barriers + index * 8);
 }
 
-// One thread fills `tile` (64-column atoms of block_m or block_n rows) with
-// the rows from `first` of plane `plane` of `map` by one TMA box (the
-// runtime's 4-d maps: 64 columns, the tile's rows, every atom), completing
-// on `bar` (whose expected bytes the caller set). Rows past L come as zeros
-// (the map's bounds).
-__device__ __forceinline__ void tmaTile(Bits32 tile, const TensorMap* map, int64_t first, int64_t plane, Bits32 bar) {
-  ptx::tmaLoad4d(tile, map, 0, int(first), 0, int(plane), bar);
+// One thread fills `tile` (64-column atoms of block_m or block_n rows,
+// `atomBytes` apart) with the rows from `first` of plane `plane` of `map`,
+// completing on `bar` (whose expected bytes the caller set: tileBytes):
+// where head_dim is whole atoms by one TMA box (the runtime's 4-d maps: 64
+// columns, the tile's rows, every atom), else by a box an atom (3-d maps:
+// head_dim columns, rows, planes; the columns past head_dim come as zeros).
+// Rows past L come as zeros (the map's bounds).
+template <class C>
+__device__ __forceinline__ void tmaTile(Bits32 tile, int atomBytes, const TensorMap* map, int64_t first, int64_t plane,
+                                        Bits32 bar) {
+  if constexpr (C::head_dim % kSwizzleAtomColumns == 0) {
+    ptx::tmaLoad4d(tile, map, 0, int(first), 0, int(plane), bar);
+  } else {
+    #pragma unroll
+    for (int atom = 0; atom < Geometry<C>::atoms; ++atom)
+      ptx::tmaLoad3d(tile + Bits32(atom * atomBytes), map, atom * kSwizzleAtomColumns, int(first), int(plane), bar);
+  }
+}
+// The bytes a tile of `rows` lands (every box whole, zeros included).
+template <class C>
+constexpr int tileBytes(int rows) {
+  return rows * wgmmaTileColumns(C::head_dim) * kTileElementBytes;
 }
 
 // One thread: the tiles of layout `w` from `tiles` on (a query stage's) <- Q
@@ -352,9 +368,10 @@ template <class C>
 __device__ __forceinline__ void fillQueryTiles(const TmaMaps& maps, const BackwardSmem& w, Bits32 tiles, Bits32 bar,
                                                int64_t row0, int64_t plane, int64_t L) {
   static_assert(kRowStatsPlanes == 2, "lse_log2, then D");
-  ptx::mbarrierArriveExpectTx(bar, 2 * C::block_m * (C::head_dim * kTileElementBytes + kAccumulatorBytes));
-  tmaTile(tiles + Bits32(w.q), &maps.q, row0, plane, bar);
-  tmaTile(tiles + Bits32(w.dO), &maps.dO, row0, plane, bar);
+  ptx::mbarrierArriveExpectTx(bar, 2 * (tileBytes<C>(C::block_m) + C::block_m * kAccumulatorBytes));
+  constexpr int atomBytes = Geometry<C>::qAtomBytes;
+  tmaTile<C>(tiles + Bits32(w.q), atomBytes, &maps.q, row0, plane, bar);
+  tmaTile<C>(tiles + Bits32(w.dO), atomBytes, &maps.dO, row0, plane, bar);
   // Both planes of the rows' statistics in one box: D lands block_m floats
   // after lse (placeQueryBlock).
   ptx::tmaLoad2d(tiles + Bits32(w.lse), &maps.row_stats, int(plane * L + row0), 0, bar);
@@ -662,10 +679,11 @@ __device__ void kv_grad_fill(KvGradTile<C>& kv, const IhaArgs&, const TmaMaps& m
   const Bits32 base = bwgmma::baseAddress();
   const int stage = bwgmma::nextEmptyStage(kv.stage, kv.phases, base, w);
   const Bits32 bar = bwgmma::stageBarrier(base, w, stage), tiles = base + Bits32(w.k + stage * w.kvStage);
-  ptx::mbarrierArriveExpectTx(bar, 2 * C::block_n * C::head_dim * kTileElementBytes);
+  ptx::mbarrierArriveExpectTx(bar, 2 * bwgmma::tileBytes<C>(C::block_n));
   const int64_t plane = b * C::kv_heads + g;
-  bwgmma::tmaTile(tiles, &maps.k, col0, plane, bar);
-  bwgmma::tmaTile(tiles + Bits32(w.v - w.k), &maps.v, col0, plane, bar);
+  constexpr int atomBytes = bwgmma::Geometry<C>::kvAtomBytes;
+  bwgmma::tmaTile<C>(tiles, atomBytes, &maps.k, col0, plane, bar);
+  bwgmma::tmaTile<C>(tiles + Bits32(w.v - w.k), atomBytes, &maps.v, col0, plane, bar);
 }
 // The consumers' side before the loops: the ring's base, once (the
 // producer fills the first key block).
@@ -708,10 +726,11 @@ __device__ void kv_grad_begin(KvGradTile<C>& kv, const IhaArgs& a, const TmaMaps
     #pragma unroll
     for (int i = 0; i < 1 + kBackwardQueryStages; ++i) ptx::mbarrierInit(bwgmma::barrierAt<C>(i), 1);
     ptx::fenceMbarrierInit();
-    ptx::mbarrierArriveExpectTx(bar, 2 * C::block_n * C::head_dim * kTileElementBytes);
+    ptx::mbarrierArriveExpectTx(bar, 2 * bwgmma::tileBytes<C>(C::block_n));
     const int64_t plane = b * C::kv_heads + g;
-    bwgmma::tmaTile(bwgmma::baseAddress() + Bits32(w.k), &maps.k, col0, plane, bar);
-    bwgmma::tmaTile(bwgmma::baseAddress() + Bits32(w.v), &maps.v, col0, plane, bar);
+    constexpr int atomBytes = bwgmma::Geometry<C>::kvAtomBytes;
+    bwgmma::tmaTile<C>(bwgmma::baseAddress() + Bits32(w.k), atomBytes, &maps.k, col0, plane, bar);
+    bwgmma::tmaTile<C>(bwgmma::baseAddress() + Bits32(w.v), atomBytes, &maps.v, col0, plane, bar);
   }
   __syncthreads();  // the barriers are initialised before anyone waits
   ptx::mbarrierWaitParity(bar, 0);

@@ -497,13 +497,13 @@ constexpr int ctaSharedMemory(bool wgmma, int blockM, int blockN, int headDim, i
 // part computes them again, and accumulates and stores its own columns.
 // A part's width is a multiple of 16 (ldmatrix.trans pairs of n-tiles).
 // The wgmma backward (sm_90a; cuda_backward.h, bwgmma) reads its tiles as
-// 64-column swizzle atoms, so its parts are whole atoms: head_dim 64, 128,
-// 192 and 256, in one, one, three (of 64: two of 96 would start mid-atom)
-// and two parts.
+// 64-column swizzle atoms, so past 128 its parts are whole atoms: head_dim
+// 192 and 256 in three (of 64: two of 96 would start mid-atom) and two
+// parts.
 constexpr int kBackwardPartColumns = 128;
 constexpr int backwardColumnParts(int headDim, bool wgmma = false) {
   int parts = (paddedHeadDim(headDim) + kBackwardPartColumns - 1) / kBackwardPartColumns;
-  if (wgmma)
+  if (wgmma && parts > 1)
     while (headDim % parts != 0 || headDim / parts % kSwizzleAtomColumns != 0) ++parts;
   return parts;
 }
@@ -513,11 +513,20 @@ constexpr int backwardPartColumns(int headDim, bool wgmma = false) {
 constexpr bool backwardPartsEven(int headDim) {
   return paddedHeadDim(headDim) % (backwardColumnParts(headDim) * kMmaK) == 0;
 }
-// The head dims the wgmma backward takes. Its dq launch holds a warp's Q
-// and dO rows as wgmma's register A operands up to head_dim 128 (64
-// registers each there) and reads them by descriptor past it.
+// The head dims the wgmma backward takes: multiples of 64 up to 256, and
+// between 64 and 128 multiples of 16 (80, 96, 112: their tiles two atoms
+// wide, the second filled to 128 columns with zeros by TMA; the products'
+// k-steps stop at head_dim, dV's, dK's and dq's N is it). Its dq launch
+// holds a warp's Q and dO rows as wgmma's register A operands up to
+// head_dim 128 (64 registers each there) and reads them by descriptor past
+// it.
 constexpr bool wgmmaBackwardHeadDim(int headDim) {
-  return headDim % kSwizzleAtomColumns == 0 && headDim <= 4 * kSwizzleAtomColumns;
+  return (headDim % kSwizzleAtomColumns == 0 && headDim <= 4 * kSwizzleAtomColumns) ||
+         (headDim > kSwizzleAtomColumns && headDim < kBackwardPartColumns && headDim % kMmaK == 0);
+}
+// A wgmma backward tile's columns: whole swizzle atoms.
+constexpr int wgmmaTileColumns(int headDim) {
+  return (headDim + kSwizzleAtomColumns - 1) / kSwizzleAtomColumns * kSwizzleAtomColumns;
 }
 constexpr bool wgmmaBackwardHoldsRows(int headDim) { return headDim <= kBackwardPartColumns; }
 // The dq launch's parts: on wgmma one whatever the head (a warpgroup's 64
@@ -581,13 +590,14 @@ constexpr int backwardDqCtasPerSm(int warps, int headDim) { return warps == 4 &&
 // The key-block-outer launch on wgmma (sm_90a, schedule.engine wgmma): the
 // same parts, K and V and each query stage's Q and dO as 128-byte swizzled
 // tiles of 64-column atoms (what TMA writes and wgmma's descriptors read; no
-// padding), the stages 1024 bytes apart, then the mbarriers their TMA
+// padding but the last atom's zeros past a head_dim of 80, 96 or 112:
+// wgmmaTileColumns), the stages 1024 bytes apart, then the mbarriers their TMA
 // copies complete on (K and V's, each query stage's), from a base the
 // launch rounds up to the swizzle period (kSwizzlePeriodBytes of slack in
 // total). No dS tile (dq has its own launch) and no second K and V stage.
 constexpr BackwardSmem backwardWgmmaSmem(int blockM, int blockN, int headDim) {
-  const int kv = blockN * headDim * kTileElementBytes;
-  const int rows = blockM * headDim * kTileElementBytes;
+  const int kv = blockN * wgmmaTileColumns(headDim) * kTileElementBytes;
+  const int rows = blockM * wgmmaTileColumns(headDim) * kTileElementBytes;
   BackwardSmem s{};
   s.k = 0;
   s.v = kv;
@@ -604,8 +614,8 @@ constexpr BackwardSmem backwardWgmmaSmem(int blockM, int blockN, int headDim) {
 // the next key block lands while this one is used), then the mbarriers (the
 // query block's, each K and V stage's full and empty: kBackwardWgmmaBarriers).
 constexpr BackwardSmem backwardWgmmaDqSmem(int blockM, int blockN, int headDim) {
-  const int kv = blockN * headDim * kTileElementBytes;
-  const int rows = blockM * headDim * kTileElementBytes;
+  const int kv = blockN * wgmmaTileColumns(headDim) * kTileElementBytes;
+  const int rows = blockM * wgmmaTileColumns(headDim) * kTileElementBytes;
   BackwardSmem s{};
   placeQueryBlock(s, 0, rows, blockM);
   s.stage = 0;
