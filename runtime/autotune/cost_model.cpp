@@ -521,9 +521,9 @@ CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& s, con
   // into parts (layout.h, backwardColumnParts), each a CTA computing S and
   // dP (and their exponentials) again over every column.
   // On wgmma the dq launch takes every column (layout.h, backwardDqParts).
-  const bool atomicDq = s.dq() == v1::dq_atomic;
-  const double columnParts = backwardColumnParts(int(d), s.engine() == v1::engine_wgmma);
-  const double dqParts = backwardDqParts(int(d), s.engine() == v1::engine_wgmma);
+  const bool atomicDq = s.dq() == v1::dq_atomic, wgmma = s.engine() == v1::engine_wgmma;
+  const double columnParts = backwardColumnParts(int(d), wgmma);
+  const double dqParts = backwardDqParts(int(d), wgmma);
   const double kProducts = 2 + (2 * columnParts + 2) + (atomicDq ? 1 : 2 * dqParts + 1);
   const double kExps = 1 + columnParts + (atomicDq ? 0 : dqParts);
 
@@ -554,7 +554,6 @@ CostEstimate estimateBackwardCost(const KernelSpec& spec, const Schedule& s, con
 
   const int threads = s.warps() * 32;
   const int registers = registersPerThread.value_or(int(std::min<int64_t>(kMaxThreadRegisters, 200)));
-  const bool wgmma = s.engine() == v1::engine_wgmma;
   const int64_t smem = target.kind() != v1::Target::cuda ? 0
                        : wgmma ? std::max(backwardWgmmaSmem(int(bm), int(bn), int(d)).total,
                                           backwardWgmmaDqSmem(int(bm), int(bn), int(d)).total)

@@ -49,25 +49,24 @@ struct BackwardGeometry {
   static constexpr int DPT = G::OT / DQ_PARTS;
 };
 
-// Part `part`'s first column (0, known at compile time, where the head is
-// one part), and its byte offset in a padded 16-bit tile.
+// Part `part`'s first column, of `Parts` parts of `Tiles` n-tiles each (0,
+// known at compile time, where the head is one part): the key-block-outer
+// launch's (partColumn) and the dq launch's (dqPartColumn).
+template <int Parts, int Tiles>
+__device__ __forceinline__ int firstColumn(int part) {
+  if constexpr (Parts == 1) return 0;
+  else return part * Tiles * 8;
+}
 template <class C>
 __device__ __forceinline__ int partColumn(int part) {
-  using BG = BackwardGeometry<C>;
-  if constexpr (BG::PARTS == 1) return 0;
-  else return part * BG::PT * 8;
+  return firstColumn<BackwardGeometry<C>::PARTS, BackwardGeometry<C>::PT>(part);
 }
-// The same for dq's parts (the dq launch).
 template <class C>
 __device__ __forceinline__ int dqPartColumn(int part) {
-  using BG = BackwardGeometry<C>;
-  if constexpr (BG::DQ_PARTS == 1) return 0;
-  else return part * BG::DPT * 8;
+  return firstColumn<BackwardGeometry<C>::DQ_PARTS, BackwardGeometry<C>::DPT>(part);
 }
-template <class C>
-__device__ __forceinline__ Bits32 partBytes(int part) {
-  return Bits32(partColumn<C>(part) * kTileElementBytes);
-}
+// A column's byte offset in a padded 16-bit tile's rows.
+__device__ __forceinline__ Bits32 columnBytes(int column) { return Bits32(column * kTileElementBytes); }
 
 template <class C>
 __device__ __forceinline__ BackwardSmem bwdSmem() {
@@ -1170,7 +1169,7 @@ __device__ void bwd_dv(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
     ptx::pinRegisters(bwgmma::flat<C::block_m / 2>(s.dt));
     return;
   }
-  const Bits32 dO = stageTile<C>(cuda::bwdSmem<C>().dO, q) + cuda::partBytes<C>(kv.part);
+  const Bits32 dO = stageTile<C>(cuda::bwdSmem<C>().dO, q) + cuda::columnBytes(cuda::partColumn<C>(kv.part));
   #pragma unroll
   for (int kk = 0; kk < BG::QK; ++kk) {
     Bits32 p[BG::KMT][4];
@@ -1313,7 +1312,7 @@ __device__ void bwd_dk(KvGradTile<C>& kv, BwdScores<C>& s, QGradTile<C>& q) {
     ptx::pinRegisters(bwgmma::flat<PN / 2>(kv.dk));
     return;
   }
-  const Bits32 qTile = stageTile<C>(cuda::bwdSmem<C>().q, q) + cuda::partBytes<C>(kv.part);
+  const Bits32 qTile = stageTile<C>(cuda::bwdSmem<C>().q, q) + cuda::columnBytes(cuda::partColumn<C>(kv.part));
   #pragma unroll
   for (int kk = 0; kk < BG::QK; ++kk) {
     Bits32 ds[BG::KMT][4];
@@ -1446,8 +1445,7 @@ __device__ void dq_accumulate(DqTile<C>& dq, BwdScores<C>& s, KvGradTile<C>& kv)
     ptx::pinRegisters(bwgmma::flat<N / 2>(dq.dq));
     return;
   }
-  const Bits32 kTile =
-      kvStageTile<C>(cuda::bwdSmem<C>().k, kv) + Bits32(cuda::dqPartColumn<C>(dq.part) * kTileElementBytes);
+  const Bits32 kTile = kvStageTile<C>(cuda::bwdSmem<C>().k, kv) + cuda::columnBytes(cuda::dqPartColumn<C>(dq.part));
   #pragma unroll
   for (int kk = 0; kk < G::PK; ++kk) {
     Bits32 ds[G::MT][4];

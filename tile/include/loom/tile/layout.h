@@ -507,9 +507,6 @@ constexpr int backwardColumnParts(int headDim, bool wgmma = false) {
     while (headDim % parts != 0 || headDim / parts % kSwizzleAtomColumns != 0) ++parts;
   return parts;
 }
-constexpr int backwardPartColumns(int headDim, bool wgmma = false) {
-  return paddedHeadDim(headDim) / backwardColumnParts(headDim, wgmma);
-}
 constexpr bool backwardPartsEven(int headDim) {
   return paddedHeadDim(headDim) % (backwardColumnParts(headDim) * kMmaK) == 0;
 }
